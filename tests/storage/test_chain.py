@@ -1,0 +1,99 @@
+"""The tier chain: spill on pressure, promote on hit, fall back past a tier that is down."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from tierkv.blocks import BlockLayout
+from tierkv.storage import CpuTier, TierChain
+from tierkv.storage.disk import DiskTier
+from tierkv.storage.redis_tier import RedisTier
+
+LAYOUT = BlockLayout(num_kv_heads=2, block_tokens=4, head_dim=16, dtype=torch.bfloat16)
+
+
+def blocks_for(num: int) -> dict[str, torch.Tensor]:
+    return {f"c{i}/L0": torch.randn(LAYOUT.shape).to(LAYOUT.dtype) for i in range(num)}
+
+
+@pytest.fixture
+def chain(tmp_path):
+    cpu = CpuTier("cpu", LAYOUT, 4 * LAYOUT.num_bytes)
+    disk = DiskTier("disk", LAYOUT, 64 * LAYOUT.num_bytes, tmp_path / "disk")
+    chain = TierChain([cpu, disk])
+    yield chain
+    chain.close()
+
+
+def test_pressure_spills_to_disk_and_nothing_is_lost(chain):
+    blocks = blocks_for(12)
+    chain.put_many(list(blocks), list(blocks.values()))
+    got = chain.get_many(list(blocks), promote=False)  # before the spill finishes, too
+    for (key, block), found in zip(blocks.items(), got):
+        assert found is not None and torch.equal(found, block), key
+    chain.flush()
+    where = chain.locate_many(list(blocks))
+    assert where.count(0) == 4 and where.count(1) == 8
+    assert chain.snapshot()["chain"]["spilled"] == 8
+    assert chain.snapshot()["chain"]["dropped"] == 0
+
+
+def test_lower_tier_hit_is_promoted_and_counted(chain):
+    blocks = blocks_for(8)
+    keys = list(blocks)
+    chain.put_many(keys, list(blocks.values()))
+    chain.flush()
+    assert chain.locate_many([keys[0]]) == [1]
+    (found,) = chain.get_many([keys[0]])
+    assert torch.equal(found, blocks[keys[0]])
+    assert chain.locate_many([keys[0]]) == [0]
+    snap = chain.snapshot()
+    assert snap["chain"]["promoted"] == 1
+    cpu, disk = snap["tiers"]
+    assert cpu["misses"] >= 1 and disk["hits"] == 1
+    assert disk["bytes_read"] == LAYOUT.num_bytes
+
+
+def test_unknown_block_is_a_miss_in_every_tier(chain):
+    assert chain.get_many(["nowhere/L0"]) == [None]
+    assert chain.locate_many(["nowhere/L0"]) == [None]
+    for tier_snap in chain.snapshot()["tiers"]:
+        assert tier_snap["misses"] == 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_dead_redis_is_skipped_and_spills_go_past_it(tmp_path):
+    cpu = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes)
+    redis = RedisTier("redis", LAYOUT, None, url=f"redis://127.0.0.1:{free_port()}/0", namespace="dead", timeout_s=0.2)
+    disk = DiskTier("disk", LAYOUT, 64 * LAYOUT.num_bytes, tmp_path / "disk")
+    chain = TierChain([cpu, redis, disk])
+    try:
+        blocks = blocks_for(6)
+        chain.put_many(list(blocks), list(blocks.values()))
+        chain.flush()
+        assert chain.locate_many(list(blocks)).count(2) == 4
+        got = chain.get_many(list(blocks))
+        assert all(torch.equal(g, b) for g, b in zip(got, blocks.values()))
+        assert chain.snapshot()["chain"]["dropped"] == 0
+    finally:
+        chain.close()
+
+
+def test_only_blocks_no_tier_accepts_are_dropped_and_counted():
+    cpu = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes)
+    chain = TierChain([cpu])
+    try:
+        blocks = blocks_for(5)
+        chain.put_many(list(blocks), list(blocks.values()))
+        chain.flush()
+        assert chain.snapshot()["chain"]["dropped"] == 3
+        assert chain.locate_many(list(blocks)) == [None, None, None, 0, 0]
+    finally:
+        chain.close()

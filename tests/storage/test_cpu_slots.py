@@ -1,0 +1,36 @@
+"""The CPU tier's slot-level two-phase API used by the GPU transfer engine."""
+from __future__ import annotations
+
+import torch
+
+from tierkv.blocks import BlockLayout
+from tierkv.storage import CpuTier
+
+LAYOUT = BlockLayout(num_kv_heads=1, block_tokens=4, head_dim=8, dtype=torch.float32)
+
+
+def test_prepared_blocks_are_invisible_until_complete_and_never_evicted():
+    tier = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes)
+    slots, evicted = tier.prepare_put(["a", "b"])
+    assert sorted(slots) == [0, 1] and evicted == []
+    assert not tier.contains("a")
+    tier.slab[slots[0]].fill_(1.0)
+    tier.slab[slots[1]].fill_(2.0)
+    # Both slots are pinned by the pending write: a third block finds no slot.
+    assert not tier.put("c", torch.zeros(LAYOUT.shape)).ok
+    tier.complete_put(["a", "b"])
+    assert torch.equal(tier.get("b"), torch.full(LAYOUT.shape, 2.0))
+
+
+def test_acquired_blocks_survive_pressure_until_released():
+    tier = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes)
+    tier.put("a", torch.full(LAYOUT.shape, 1.0))
+    tier.put("b", torch.full(LAYOUT.shape, 2.0))
+    (slot_a,) = tier.acquire(["a"])
+    result = tier.put("c", torch.full(LAYOUT.shape, 3.0))
+    assert result.ok and [k for k, _ in result.evicted] == ["b"]
+    assert torch.equal(tier.slab[slot_a], torch.full(LAYOUT.shape, 1.0))
+    assert not tier.remove("a")  # pinned
+    tier.release(["a"])
+    assert tier.remove("a")
+    assert tier.acquire(["missing"]) == [None]

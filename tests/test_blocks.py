@@ -1,0 +1,74 @@
+"""Content addressing: shared prefixes share keys; other models, dtypes and layers never do."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierkv.blocks import BlockLayout, block_keys_for_prompt, chain_block_hashes, model_fingerprint
+from tierkv.storage.codec import CorruptBlock, decode_block, encode_block_bytes
+
+LAYOUT = BlockLayout(num_kv_heads=8, block_tokens=16, head_dim=128, dtype=torch.bfloat16)
+
+
+def test_layout_bytes_match_llama_8b_block():
+    assert LAYOUT.num_bytes == 64 * 1024  # 2 x 8 heads x 16 tokens x 128 dims x 2 bytes
+    assert LAYOUT.shape == (2, 8, 16, 128)
+
+
+def test_shared_prefix_shares_block_hashes_and_diverges_after():
+    fp = model_fingerprint("m", 32, LAYOUT)
+    prefix = [random.randrange(50_000) for _ in range(64)]
+    a = chain_block_hashes(prefix + [1, 2, 3] * 10, 16, fp)
+    b = chain_block_hashes(prefix + [4, 5, 6] * 10, 16, fp)
+    assert a[:4] == b[:4]
+    assert all(x != y for x, y in zip(a[4:], b[4:]))
+    # A change in the first block changes every later hash (the chain).
+    c = chain_block_hashes([prefix[0] + 1] + prefix[1:], 16, fp)
+    assert all(x != y for x, y in zip(a[:4], c))
+
+
+def test_partial_last_block_has_its_own_hash():
+    fp = model_fingerprint("m", 32, LAYOUT)
+    hashes = chain_block_hashes(list(range(40)), 16, fp)
+    assert len(hashes) == 3
+    assert chain_block_hashes(list(range(41)), 16, fp)[2] != hashes[2]
+
+
+def test_model_dtype_and_layer_separate_keys():
+    tokens = list(range(32))
+    fp_a = model_fingerprint("llama", 32, LAYOUT)
+    fp_b = model_fingerprint("qwen", 32, LAYOUT)
+    fp_c = model_fingerprint("llama", 32, BlockLayout(8, 16, 128, torch.float16))
+    keys = [block_keys_for_prompt(tokens, 16, fp, num_layers=2) for fp in (fp_a, fp_b, fp_c)]
+    flat = [k for per_model in keys for layer in per_model for k in layer]
+    assert len(flat) == len(set(flat)) == 3 * 2 * 2
+
+
+def test_bad_token_ids_are_rejected():
+    with pytest.raises(ValueError, match="block_tokens"):
+        chain_block_hashes([1, 2], 0, "fp")
+    with pytest.raises(ValueError, match="flat"):
+        chain_block_hashes([[1, 2]], 16, "fp")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_codec_round_trip_and_corruption(dtype):
+    block = torch.randn(2, 2, 4, 8).to(dtype)
+    data = bytearray(encode_block_bytes("k/L0", block))
+    assert torch.equal(decode_block("k/L0", data).view(torch.uint8), block.view(torch.uint8))
+    with pytest.raises(CorruptBlock, match="another key"):
+        decode_block("other/L0", data)
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x40
+    with pytest.raises(CorruptBlock, match="checksum"):
+        decode_block("k/L0", flipped)
+    with pytest.raises(CorruptBlock):
+        decode_block("k/L0", data[:-3])
+    with pytest.raises(CorruptBlock):
+        decode_block("k/L0", data[:5])
+    shape_flip = bytearray(data)
+    shape_flip[8] ^= 0x01  # first shape dim
+    with pytest.raises(CorruptBlock):
+        decode_block("k/L0", shape_flip)

@@ -1,0 +1,107 @@
+"""Config: YAML and environment in, typed dataclasses out; every bad value names its key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import ConfigError, load_config
+from tierkv.units import parse_bytes
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name, env={})
+    assert config.tiers[0].kind == "cpu"
+    assert config.cache.gpu_budget_bytes > 0
+
+
+def test_units_and_env_overrides():
+    env = {"TIERKV_CACHE__GPU_BUDGET_BYTES": "512MiB", "TIERKV_TIERS__1__CAPACITY_BYTES": "3 GB",
+           "TIERKV_SCHEDULER__LOOKAHEAD_LAYERS": "4"}
+    config = load_config(CONFIGS / "long-128k.yaml", env=env)
+    assert config.cache.gpu_budget_bytes == 512 * 2**20
+    assert config.tiers[1].capacity_bytes == 3 * 10**9
+    assert config.scheduler.lookahead_layers == 4
+    assert config.cache.block_tokens == 64  # untouched keys keep the file's value
+
+
+def test_config_file_from_environment():
+    config = load_config(None, env={"TIERKV_CONFIG_FILE": str(CONFIGS / "redis.yaml")})
+    assert [t.kind for t in config.tiers] == ["cpu", "redis"]
+
+
+def test_defaults_without_any_file():
+    config = load_config(None, env={})
+    assert config.scheduler.policy == "exact" and config.tiers[0].kind == "cpu"
+
+
+@pytest.mark.parametrize("text,expected", [("2GiB", 2 * 2**30), ("1.5 KiB", 1536), ("10MB", 10**7), (4096, 4096)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+BAD = [
+    ({"cache": {"gpu_budgt_bytes": 1}}, "cache.gpu_budgt_bytes", "did you mean 'gpu_budget_bytes'"),
+    ({"cach": {}}, "cach", "did you mean 'cache'"),
+    ({"cache": {"gpu_budget_bytes": "2 gigs"}}, "cache.gpu_budget_bytes", "GiB"),
+    ({"cache": {"gpu_budget_bytes": "1.5B"}}, "cache.gpu_budget_bytes", "units"),
+    ({"cache": {"gpu_budget_bytes": 0}}, "cache.gpu_budget_bytes", "positive"),
+    ({"cache": {"block_tokens": -16}}, "cache.block_tokens", "positive"),
+    ({"cache": {"sink_tokens": -1}}, "cache.sink_tokens", "at least 0"),
+    ({"cache": {"block_tokens": "sixteen"}}, "cache.block_tokens", "integer"),
+    ({"cache": {"block_tokens": True}}, "cache.block_tokens", "integer"),
+    ({"tiers": [{"kind": "cpu", "capacity_bytes": -5}]}, "tiers[0].capacity_bytes", "positive"),
+    ({"tiers": [{"kind": "cpu", "capacty_bytes": 5}]}, "tiers[0].capacty_bytes", "did you mean 'capacity_bytes'"),
+    ({"tiers": [{"kind": "gpu"}]}, "tiers[0].kind", "cpu, disk, redis"),
+    ({"tiers": [{"capacity_bytes": 5}]}, "tiers[0].kind", "cpu, disk, redis"),
+    ({"tiers": [{"kind": "disk", "path": "/tmp"}]}, "tiers", "first tier must be kind 'cpu'"),
+    ({"tiers": []}, "tiers", "first tier must be kind 'cpu'"),
+    ({"tiers": "cpu"}, "tiers", "list of tiers"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "disk", "path": "/proc/1/tierkv"}]}, "tiers[1].path", "writable"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "disk", "path": "/etc/hostname/x"}]}, "tiers[1].path", "not one"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "http://h:6379"}]}, "tiers[1].url", "redis://"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "redis://h:99999"}]}, "tiers[1].url", "redis://"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "redis://h:6379/zero"}]}, "tiers[1].url", "database"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "redis:///0"}]}, "tiers[1].url", "redis://"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "ttl_s": 0}]}, "tiers[1].ttl_s", "positive"),
+    ({"tiers": [{"kind": "cpu"}, {"kind": "redis", "namespace": ""}]}, "tiers[1].namespace", "non-empty"),
+    ({"tiers": [{"kind": "cpu", "storage_dtype": "fp4"}]}, "tiers[0].storage_dtype", "allowed: auto"),
+    ({"scheduler": {"policy": "magic"}}, "scheduler.policy", "allowed: exact, sparse"),
+    ({"scheduler": {"lookahead_layers": 0}}, "scheduler.lookahead_layers", "positive"),
+    ({"metrics": {"prometheus_port": 70000}}, "metrics.prometheus_port", "at most 65535"),
+    ({"metrics": {"enabled": "yes please"}}, "metrics.enabled", "true or false"),
+    ({"model": {"kv_dtype": "int3"}}, "model.kv_dtype", "bfloat16"),
+    ({"model": "llama"}, "model", "mapping"),
+]
+
+
+@pytest.mark.parametrize("data,key,allowed", BAD, ids=[b[1] + ":" + str(i) for i, b in enumerate(BAD)])
+def test_bad_values_name_key_value_and_what_is_allowed(data, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        load_config(data, env={})
+    message = str(info.value)
+    assert f"'{key}'" in message
+    assert allowed in message
+    assert info.value.key == key
+
+
+def test_bad_env_override_names_the_variable():
+    with pytest.raises(ConfigError, match="TIERKV_CACHE__BLOCK_TOKENS") as info:
+        load_config(None, env={"TIERKV_CACHE__BLOCK_TOKENS": "0"})
+    assert "cache.block_tokens" in str(info.value)
+    with pytest.raises(ConfigError, match="did you mean 'window_tokens'"):
+        load_config(None, env={"TIERKV_CACHE__WINDOW_TOKEN": "8"})
+    with pytest.raises(ConfigError, match="TIERKV_TIERS__5__PATH"):
+        load_config(None, env={"TIERKV_TIERS__5__PATH": "/tmp"})
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config(tmp_path / "nope.yaml", env={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cache: [unclosed\n")
+    with pytest.raises(ConfigError, match="valid YAML"):
+        load_config(broken, env={})

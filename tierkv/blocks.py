@@ -1,0 +1,108 @@
+"""Blocks and their content addresses.
+
+Primitives: `BlockLayout` (shape and dtype of one block), `model_fingerprint`,
+`chain_block_hashes`, `block_key`, `block_keys_for_prompt`.
+
+A block is the K and V of `block_tokens` consecutive tokens of one layer:
+
+    block tensor: [2, num_kv_heads, block_tokens, head_dim]   (index 0 = K, 1 = V)
+
+Its address is a chained hash, so two requests that share a prefix share its blocks,
+across requests, processes and hosts, while different models never mix:
+
+    h_0 = sha256(fingerprint)                       fingerprint = model + KV dtype + shape
+    h_i = sha256(h_{i-1} || token ids of block i)   (the last block may be partial)
+    key(i, layer) = hex(h_i) + "/L" + layer
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """'bfloat16' -> torch.bfloat16; raises ValueError naming what is allowed."""
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {name!r}; allowed: {sorted(_DTYPE_NAMES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Shape and dtype of one KV block of one layer."""
+
+    num_kv_heads: int
+    block_tokens: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.block_tokens * self.head_dim * self.dtype.itemsize
+
+    def empty(self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+        """Uninitialised [num_blocks, 2, num_kv_heads, block_tokens, head_dim] tensor."""
+        return torch.empty((num_blocks, *self.shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
+
+
+def model_fingerprint(model_id: str, num_layers: int, layout: BlockLayout, extra: dict | None = None) -> str:
+    """A short digest naming everything that makes KV bytes incompatible between two runs."""
+    fields = {
+        "model": model_id,
+        "num_layers": num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "block_tokens": layout.block_tokens,
+        "kv_dtype": dtype_name(layout.dtype),
+        **(extra or {}),
+    }
+    blob = json.dumps(fields, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint: str) -> list[str]:
+    """Chained hashes of the blocks of a token sequence; the last entry covers a partial block."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids must be a flat sequence of ints, got shape {ids.shape}")
+    parent = hashlib.sha256(fingerprint.encode()).digest()
+    hashes = []
+    for start in range(0, len(ids), block_tokens):
+        chunk = ids[start : start + block_tokens]
+        parent = hashlib.sha256(parent + chunk.astype("<i8").tobytes()).digest()
+        hashes.append(parent.hex())
+    return hashes
+
+
+def block_key(block_hash: str, layer: int) -> str:
+    return f"{block_hash}/L{layer}"
+
+
+def block_keys_for_prompt(
+    token_ids: Sequence[int], block_tokens: int, fingerprint: str, num_layers: int
+) -> list[list[str]]:
+    """keys[layer][block_index] for every layer of a token sequence."""
+    hashes = chain_block_hashes(token_ids, block_tokens, fingerprint)
+    return [[block_key(h, layer) for h in hashes] for layer in range(num_layers)]

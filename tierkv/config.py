@@ -1,0 +1,132 @@
+"""Typed configuration: dataclasses with a default and a doc per field, loaded from YAML.
+
+Primitives: `TierKVConfig` and its sections, `load_config`, `ConfigError`.
+
+One loader (`tierkv.config_loader`) turns a YAML file or dict plus `TIERKV_*` environment
+variables into these dataclasses. Every bad value raises `ConfigError` naming the key, the
+value and what is allowed. Environment overrides use `__` between levels:
+
+    TIERKV_CACHE__GPU_BUDGET_BYTES=1GiB      TIERKV_TIERS__1__PATH=/nvme/tierkv
+    TIERKV_CONFIG_FILE=configs/long-128k.yaml  (the file to start from)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+def doc(text: str, **extra: object) -> dict:
+    """Field metadata: a docstring and optional `choices` / `min_value` / `check`."""
+    return {"doc": text, **extra}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the model's KV cache; None fields are taken from the model at start-up."""
+
+    name: str = field(default="unnamed-model", metadata=doc("model id, part of every block's address"))
+    num_layers: int | None = field(default=None, metadata=doc("attention layers", min_value=1))
+    num_kv_heads: int | None = field(default=None, metadata=doc("KV heads per layer", min_value=1))
+    head_dim: int | None = field(default=None, metadata=doc("dims per head", min_value=1))
+    kv_dtype: str = field(default="bfloat16", metadata=doc("KV dtype", choices=("bfloat16", "float16", "float32")))
+
+
+@dataclass
+class CacheConfig:
+    """The GPU hot window."""
+
+    block_tokens: int = field(default=16, metadata=doc("tokens per KV block", min_value=1))
+    gpu_budget_bytes: int = field(default=2 * 1024**3, metadata=doc("GPU bytes for KV blocks, all layers", min_value=1))
+    sink_tokens: int = field(default=64, metadata=doc("first tokens kept on the GPU", min_value=0))
+    window_tokens: int = field(default=1024, metadata=doc("most recent tokens kept on the GPU", min_value=0))
+
+
+STORAGE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass
+class CpuTierConfig:
+    """Pinned host memory: a slab of block slots with LRU eviction into the next tier."""
+
+    kind: str = field(default="cpu", metadata=doc("tier kind", choices=("cpu",)))
+    capacity_bytes: int = field(default=8 * 1024**3, metadata=doc("slab size", min_value=1))
+    storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+
+
+@dataclass
+class DiskTierConfig:
+    """Checksummed block files on a local (NVMe) path."""
+
+    kind: str = field(default="disk", metadata=doc("tier kind", choices=("disk",)))
+    path: str = field(default="/var/tmp/tierkv", metadata=doc("directory for block files", check="writable_dir"))
+    capacity_bytes: int = field(default=64 * 1024**3, metadata=doc("bytes on disk", min_value=1))
+    storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+
+
+@dataclass
+class RedisTierConfig:
+    """Redis, shared across processes and hosts."""
+
+    kind: str = field(default="redis", metadata=doc("tier kind", choices=("redis",)))
+    url: str = field(default="redis://127.0.0.1:6379/0", metadata=doc("redis:// rediss:// or unix:// URL", check="redis_url"))
+    namespace: str = field(default="tierkv", metadata=doc("key prefix", check="non_empty"))
+    ttl_s: float | None = field(default=None, metadata=doc("expiry of stored blocks; None = never", min_value=1e-3))
+    capacity_bytes: int | None = field(default=None, metadata=doc("bytes this client may hold; None = server policy", min_value=1))
+    timeout_s: float = field(default=0.5, metadata=doc("socket timeout; slower counts as down", min_value=1e-3))
+    retry_interval_s: float = field(default=2.0, metadata=doc("wait before retrying a down server", min_value=0.0))
+    storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+
+
+TierConfig = Union[CpuTierConfig, DiskTierConfig, RedisTierConfig]
+TIER_CONFIG_KINDS: dict[str, type] = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "redis": RedisTierConfig}
+
+
+@dataclass
+class SchedulerConfig:
+    """The lookahead prefetch scheduler."""
+
+    policy: str = field(default="exact", metadata=doc("which far blocks attention reads", choices=("exact", "sparse")))
+    lookahead_layers: int = field(default=2, metadata=doc("layers prefetched ahead of compute", min_value=1))
+    staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
+    sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
+    predictor: str = field(default="query", metadata=doc("sparse selection predictor", choices=("query", "previous")))
+
+
+@dataclass
+class MetricsConfig:
+    """Counters, the Prometheus endpoint and JSONL snapshots."""
+
+    enabled: bool = field(default=True, metadata=doc("keep counters"))
+    prometheus_port: int | None = field(default=None, metadata=doc("serve /metrics on this port", min_value=1, max_value=65535))
+    jsonl_path: str | None = field(default=None, metadata=doc("append snapshots to this file"))
+    snapshot_interval_s: float = field(default=1.0, metadata=doc("seconds between JSONL snapshots", min_value=1e-3))
+
+
+def _default_tiers() -> list:
+    return [CpuTierConfig()]
+
+
+@dataclass
+class TierKVConfig:
+    """Everything tierkv needs; `tiers` is the ordered list of tiers below the GPU."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=doc("KV shape of the model"))
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata=doc("GPU hot window"))
+    tiers: list[TierConfig] = field(default_factory=_default_tiers, metadata=doc("tiers below the GPU, in order"))
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=doc("prefetch scheduler"))
+    metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata=doc("metrics"))
+
+
+def load_config(source=None, *, env=None) -> TierKVConfig:
+    """Load from a YAML path, a dict, or None (defaults), then apply TIERKV_* overrides."""
+    from tierkv.config_loader import load
+
+    return load(source, env=env)
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed. The message names key, value and what is allowed."""
+
+    def __init__(self, key: str, value: object, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config key '{key}': got {value!r}; {allowed}")

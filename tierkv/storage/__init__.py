@@ -1,0 +1,62 @@
+"""Storage tiers below the GPU and the chain that orders them.
+
+Primitives: `StorageTier`, `PutResult`, `TierError`, `CpuTier`, `TierChain`, `build_tiers`.
+Disk and Redis tiers are imported on first use, so `import tierkv` never imports redis.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
+from tierkv.config import ConfigError
+from tierkv.storage.base import PutResult, StorageTier, TierError
+from tierkv.storage.chain import TierChain
+from tierkv.storage.cpu import CpuTier
+
+if TYPE_CHECKING:
+    from tierkv.config import TierConfig
+
+__all__ = ["CpuTier", "PutResult", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
+
+
+def _storage_layout(index: int, tier_config: "TierConfig", layout: BlockLayout) -> BlockLayout:
+    """Blocks are stored in the KV dtype; converting storage dtypes is not supported yet."""
+    if tier_config.storage_dtype != "auto" and dtype_from_name(tier_config.storage_dtype) != layout.dtype:
+        raise ConfigError(
+            f"tiers[{index}].storage_dtype", tier_config.storage_dtype,
+            f"must be 'auto' or the KV dtype '{dtype_name(layout.dtype)}' (no conversion on store yet)",
+        )
+    return layout
+
+
+def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None) -> StorageTier:
+    """One tier from its config section, named after its kind."""
+    tier_layout = _storage_layout(index, tier_config, layout)
+    name = tier_config.kind
+    if tier_config.kind == "cpu":
+        return CpuTier(name, tier_layout, tier_config.capacity_bytes, pin_memory=pin_memory)
+    if tier_config.kind == "disk":
+        from tierkv.storage.disk import DiskTier
+
+        return DiskTier(name, tier_layout, tier_config.capacity_bytes, tier_config.path)
+    if tier_config.kind == "redis":
+        from tierkv.storage.redis_tier import RedisTier
+
+        return RedisTier(
+            name, tier_layout, tier_config.capacity_bytes, url=tier_config.url, namespace=tier_config.namespace,
+            ttl_s=tier_config.ttl_s, timeout_s=tier_config.timeout_s, retry_interval_s=tier_config.retry_interval_s,
+        )
+    raise ValueError(f"tiers[{index}].kind: unknown tier kind {tier_config.kind!r}")
+
+
+def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_memory: bool | None = None) -> TierChain:
+    """The tier chain, in config order."""
+    tiers = []
+    try:
+        for index, tier_config in enumerate(tier_configs):
+            tiers.append(build_tier(index, tier_config, layout, pin_memory=pin_memory))
+    except Exception:
+        for tier in tiers:
+            tier.close()
+        raise
+    return TierChain(tiers)

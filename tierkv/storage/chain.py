@@ -1,0 +1,181 @@
+"""The tier chain: where each block lives, lookups across tiers, promotion and spilling.
+
+Primitives: `TierChain` (put_many, get_many, locate_many, remove_many, flush, close, snapshot).
+
+    put ──> tier 0 (cpu) ──evicted──> tier 1 (disk) ──evicted──> tier 2 (redis) ──> dropped
+    get <── tier 0 <──promote── tier 1 <──promote── tier 2
+
+Lookups go down the tiers in order, in batches, skipping unhealthy tiers. A hit below tier 0
+is promoted into tier 0. Blocks pushed out of a tier spill into the next one on a background
+thread pool, off the caller's path; while a spill is in flight its blocks are still served
+from memory, so nothing is missed between tiers. A spill that a tier refuses (full, down)
+goes to the tier after it; only a block no tier accepts is dropped, and that is counted.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from tierkv.storage.base import PutResult, StorageTier
+
+
+class TierChain:
+    def __init__(self, tiers: Sequence[StorageTier], *, num_spill_workers: int = 2):
+        if not tiers:
+            raise ValueError("a tier chain needs at least one tier")
+        self.tiers = list(tiers)
+        self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, torch.Tensor] = {}
+        self._futures: set[Future] = set()
+        self.num_spilled = 0
+        self.num_dropped = 0
+        self.num_promoted = 0
+        self.spill_errors: list[str] = []
+
+    # -- writes --------------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Store blocks in the first tier that takes them; evictions spill in the background."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
+        return self._put_from(0, list(keys), list(blocks))
+
+    def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
+        """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background."""
+        if not evicted:
+            return
+        with self._lock:
+            for key, block in evicted:
+                self._in_flight[key] = block
+            future = self._executor.submit(self._spill_now, tier_index + 1, evicted)
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+
+    def _put_from(self, start: int, keys: list[str], blocks: list[torch.Tensor]) -> list[PutResult]:
+        results: list[PutResult | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for index in range(start, len(self.tiers)):
+            tier = self.tiers[index]
+            if not pending or not tier.is_healthy:
+                continue
+            tier_results = tier.put_many([keys[i] for i in pending], [blocks[i] for i in pending])
+            still_pending = []
+            for i, result in zip(pending, tier_results):
+                self.spill(index, result.evicted)
+                results[i] = result
+                if not result.ok:
+                    still_pending.append(i)
+            pending = still_pending
+        return [r if r is not None else PutResult(ok=False, error="no healthy tier") for r in results]
+
+    def _spill_now(self, start: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            keys = [k for k, _ in evicted]
+            known = self._locate_from(start, keys)
+            todo = [(k, b) for (k, b), where in zip(evicted, known) if where is None]
+            if todo:
+                results = self._put_from(start, [k for k, _ in todo], [b for _, b in todo])
+                dropped = sum(not r.ok for r in results)
+                with self._lock:
+                    self.num_dropped += dropped
+            with self._lock:
+                self.num_spilled += len(evicted)
+        except Exception as exc:  # counted and kept: a spill must never kill the pool silently
+            with self._lock:
+                self.spill_errors.append(f"{type(exc).__name__}: {exc}")
+                self.num_dropped += len(evicted)
+        finally:
+            with self._lock:
+                for key, block in evicted:
+                    if self._in_flight.get(key) is block:
+                        del self._in_flight[key]
+
+    def _forget_future(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str], *, promote: bool = True) -> list[torch.Tensor | None]:
+        """Blocks for keys (None for a miss), looked up tier by tier; lower hits promoted to tier 0."""
+        found: list[torch.Tensor | None] = [None] * len(keys)
+        with self._lock:
+            for i, key in enumerate(keys):
+                block = self._in_flight.get(key)
+                if block is not None:
+                    found[i] = block.clone()
+        pending = [i for i, b in enumerate(found) if b is None]
+        for index, tier in enumerate(self.tiers):
+            if not pending or not tier.is_healthy:
+                continue
+            blocks = tier.get_many([keys[i] for i in pending])
+            hits = [(i, b) for i, b in zip(pending, blocks) if b is not None]
+            for i, block in hits:
+                found[i] = block
+            if index > 0 and promote and hits:
+                self._promote([keys[i] for i, _ in hits], [b for _, b in hits])
+            pending = [i for i, b in zip(pending, blocks) if b is None]
+        return found
+
+    def _promote(self, keys: list[str], blocks: list[torch.Tensor]) -> None:
+        results = self.tiers[0].put_many(keys, blocks)
+        for result in results:
+            self.spill(0, result.evicted)
+        with self._lock:
+            self.num_promoted += sum(r.ok for r in results)
+
+    def locate_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Index of the first tier holding each key (None: nowhere). Blocks being spilled count as tier 0."""
+        with self._lock:
+            flying = [k in self._in_flight for k in keys]
+        where = self._locate_from(0, keys)
+        return [0 if fly and w is None else w for fly, w in zip(flying, where)]
+
+    def _locate_from(self, start: int, keys: Sequence[str]) -> list[int | None]:
+        where: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for index in range(start, len(self.tiers)):
+            tier = self.tiers[index]
+            if not pending or not tier.is_healthy:
+                continue
+            present = tier.contains_many([keys[i] for i in pending])
+            for i, is_present in zip(pending, present):
+                if is_present:
+                    where[i] = index
+            pending = [i for i, p in zip(pending, present) if not p]
+        return where
+
+    def remove_many(self, keys: Sequence[str]) -> None:
+        """Remove keys from every tier (after pending spills, so none comes back)."""
+        self.flush()
+        for tier in self.tiers:
+            if tier.is_healthy:
+                tier.remove_many(keys)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for every background spill submitted so far."""
+        while True:
+            with self._lock:
+                self._futures = {f for f in self._futures if not f.done()}
+                futures = list(self._futures)
+            if not futures:
+                return
+            for future in futures:
+                future.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._executor.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            chain = {
+                "spilled": self.num_spilled, "dropped": self.num_dropped, "promoted": self.num_promoted,
+                "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors[-10:]),
+            }
+        return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}

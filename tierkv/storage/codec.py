@@ -1,0 +1,92 @@
+"""Self-describing binary form of a block, shared by the disk and Redis tiers.
+
+Primitives: `encode_block`, `decode_block`, `CorruptBlock`.
+
+    offset  size  field
+    0       4     magic b"TKVB"
+    4       2     format version (little endian)
+    6       1     dtype code
+    7       1     ndim
+    8       4*n   shape (uint32 each)
+    ..      2     key length, then the key (utf-8)
+    ..      8     payload bytes
+    ..      4     crc32 over everything before it and the payload
+    ..      ...   payload (the tensor's raw bytes)
+
+A block whose checksum, key, shape or dtype does not match raises `CorruptBlock`; tiers
+treat that as a miss, count it, and drop the stored copy.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import torch
+
+MAGIC = b"TKVB"
+FORMAT_VERSION = 1
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.uint8: 4, torch.int8: 5}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_PREFIX = struct.Struct("<4sHBB")
+
+
+class CorruptBlock(ValueError):
+    """Stored bytes do not form the block that was asked for."""
+
+
+def encode_block(key: str, block: torch.Tensor) -> list[memoryview | bytes]:
+    """Header and payload as buffers (no copy of the payload); write them in order."""
+    if block.dtype not in _DTYPE_CODES:
+        raise ValueError(f"cannot store dtype {block.dtype}; storable: {list(_DTYPE_CODES)}")
+    payload = memoryview(block.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+    key_bytes = key.encode()
+    meta = b"".join(
+        [
+            _PREFIX.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODES[block.dtype], block.dim()),
+            struct.pack(f"<{block.dim()}I", *block.shape),
+            struct.pack("<H", len(key_bytes)),
+            key_bytes,
+            struct.pack("<Q", payload.nbytes),
+        ]
+    )
+    crc = zlib.crc32(payload, zlib.crc32(meta))
+    return [meta + struct.pack("<I", crc), payload]
+
+
+def encode_block_bytes(key: str, block: torch.Tensor) -> bytes:
+    return b"".join(encode_block(key, block))
+
+
+def decode_block(key: str, data: bytes | bytearray | memoryview, copy: bool = True) -> torch.Tensor:
+    """Parse and verify; returns a tensor that owns its memory.
+
+    copy=False hands `data` (a writable buffer the caller gives up) to the tensor without copying
+    the payload; the caller should place the payload at an aligned offset.
+    """
+    view = memoryview(data)
+    try:
+        magic, version, dtype_code, ndim = _PREFIX.unpack_from(view, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or dtype_code not in _CODE_DTYPES:
+            raise CorruptBlock(f"block {key}: bad header (magic {magic!r}, version {version}, dtype code {dtype_code})")
+        offset = _PREFIX.size
+        shape = struct.unpack_from(f"<{ndim}I", view, offset)
+        offset += 4 * ndim
+        (key_len,) = struct.unpack_from("<H", view, offset)
+        offset += 2
+        stored_key = bytes(view[offset : offset + key_len])
+        offset += key_len
+        num_bytes, crc = struct.unpack_from("<QI", view, offset)
+        meta = view[: offset + 8]
+        offset += 12
+    except struct.error as exc:
+        raise CorruptBlock(f"block {key}: truncated header ({exc})") from None
+    payload = view[offset:]
+    if stored_key != key.encode():
+        raise CorruptBlock(f"block {key}: stored under another key {stored_key[:80]!r}")
+    if payload.nbytes != num_bytes:
+        raise CorruptBlock(f"block {key}: payload is {payload.nbytes} bytes, header says {num_bytes}")
+    if zlib.crc32(payload, zlib.crc32(meta)) != crc:
+        raise CorruptBlock(f"block {key}: checksum mismatch")
+    dtype = _CODE_DTYPES[dtype_code]
+    flat = torch.frombuffer(payload if not copy and not view.readonly else bytearray(payload), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)

@@ -1,0 +1,159 @@
+"""CPU tier: a slab of fixed-size block slots in (pinned) host memory, LRU-evicted.
+
+Primitives: `CpuTier` with the `StorageTier` contract, plus the slot-level two-phase API the
+GPU transfer engine uses:
+
+    slots = tier.prepare_put(keys)   # allocate slots, pinned: not evictable, not yet visible
+    ... D2H scatter into tier.slab[slots] ...
+    tier.complete_put(keys)          # visible to lookups, unpinned
+    slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
+    tier.release(keys)
+
+    slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present)
+
+A pinned block is never evicted; a put that finds every slot pinned fails (ok=False).
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Sequence
+
+import torch
+
+from tierkv.blocks import BlockLayout
+from tierkv.storage.base import PutResult, StorageTier
+
+
+class CpuTier(StorageTier):
+    kind = "cpu"
+
+    def __init__(self, name: str, layout: BlockLayout, capacity_bytes: int, *, pin_memory: bool | None = None):
+        super().__init__(name, layout, capacity_bytes)
+        self.num_slots = capacity_bytes // layout.num_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"{name}: capacity {capacity_bytes} bytes holds no block of {layout.num_bytes} bytes"
+            )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.is_pinned = pin_memory
+        self.slab = layout.empty(self.num_slots, pin_memory=pin_memory)
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
+        self._pending: dict[str, int] = {}  # prepared, not yet complete
+        self._pins: Counter[str] = Counter()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+
+    # -- StorageTier contract --------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._slot_of
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self.counters.timed("get"), self._lock:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                self.counters.record_lookups(0, 1, 0)
+                return None
+            self._slot_of.move_to_end(key)
+            block = self.slab[slot].clone()
+        self.counters.record_lookups(1, 0, self.layout.num_bytes)
+        return block
+
+    def put(self, key: str, block: torch.Tensor) -> PutResult:
+        self._check_block(key, block)
+        with self.counters.timed("put"), self._lock:
+            result = self._allocate(key)
+            if not result.ok:
+                self.counters.add(put_failures=1)
+                return result
+            slot = self._pending.pop(key)
+            self.slab[slot].copy_(block)
+            self._slot_of[key] = slot
+            self._unpin(key)
+        self.counters.add(puts=1, bytes_written=self.layout.num_bytes)
+        return result
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            if key not in self._slot_of or self._pins[key] > 0:
+                return False
+            self._free_slots.append(self._slot_of.pop(key))
+        self.counters.add(removes=1)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._slot_of.clear()
+            self._pending.clear()
+            self._pins.clear()
+            self._free_slots = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return (len(self._slot_of) + len(self._pending)) * self.layout.num_bytes
+
+    # -- slot-level API for the transfer engine ----------------------------------------------
+    def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
+        """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted)."""
+        slots: list[int | None] = []
+        evicted: list[tuple[str, torch.Tensor]] = []
+        with self._lock:
+            for key in keys:
+                result = self._allocate(key)
+                evicted.extend(result.evicted)
+                slots.append(self._pending[key] if result.ok else None)
+        return slots, evicted
+
+    def complete_put(self, keys: Sequence[str]) -> None:
+        """Make prepared blocks visible and unpin them (their bytes are now in the slab)."""
+        with self._lock:
+            for key in keys:
+                self._slot_of[key] = self._pending.pop(key)
+                self._unpin(key)
+        self.counters.add(puts=len(keys), bytes_written=len(keys) * self.layout.num_bytes)
+
+    def acquire(self, keys: Sequence[str]) -> list[int | None]:
+        """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups."""
+        with self._lock:
+            slots = [self._slot_of.get(k) for k in keys]
+            for key, slot in zip(keys, slots):
+                if slot is not None:
+                    self._slot_of.move_to_end(key)
+                    self._pins[key] += 1
+        num_hits = sum(s is not None for s in slots)
+        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
+        return slots
+
+    def release(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._unpin(key)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _allocate(self, key: str) -> PutResult:
+        """Reserve a pinned pending slot for key (reusing its slot when it exists). Lock held."""
+        if key in self._pending:
+            return PutResult(ok=False, error=f"{self.name}: block {key} is already being written")
+        evicted = []
+        if key in self._slot_of:
+            if self._pins[key] > 0:
+                return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader")
+            slot = self._slot_of.pop(key)
+        elif self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = next((k for k in self._slot_of if self._pins[k] <= 0), None)
+            if victim is None:
+                return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned")
+            slot = self._slot_of.pop(victim)
+            evicted.append((victim, self.slab[slot].clone()))
+            self.counters.add(evictions=1)
+        self._pending[key] = slot
+        self._pins[key] += 1
+        return PutResult(ok=True, evicted=evicted)
+
+    def _unpin(self, key: str) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] <= 0:
+            del self._pins[key]

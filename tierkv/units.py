@@ -1,0 +1,47 @@
+"""Byte sizes with units: "2GiB", "512 MiB", "1.5GB", 4096.
+
+Primitives: `parse_bytes`, `format_bytes`.
+"""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+ALLOWED_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (or a plain integer of bytes)"
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Number of bytes in `value`; raises ValueError saying what is allowed."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '2GiB', got {value!r}; units: {ALLOWED_UNITS}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"a size in bytes must be whole, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size such as '2GiB', got {type(value).__name__} {value!r}")
+    match = _SIZE_RE.match(value)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; units: {ALLOWED_UNITS}")
+    number, unit = match.groups()
+    num_bytes = float(number) * _UNITS[unit.lower()]
+    if not num_bytes.is_integer():
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(num_bytes)
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """4294967296 -> '4.00 GiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
