@@ -28,7 +28,8 @@ class ModelConfig:
     num_layers: int | None = field(default=None, metadata=doc("attention layers", min_value=1))
     num_kv_heads: int | None = field(default=None, metadata=doc("KV heads per layer", min_value=1))
     head_dim: int | None = field(default=None, metadata=doc("dims per head", min_value=1))
-    kv_dtype: str = field(default="bfloat16", metadata=doc("KV dtype", choices=("bfloat16", "float16", "float32")))
+    kv_dtype: str = field(default="auto", metadata=doc("KV dtype; auto = the model's dtype",
+                                                         choices=("auto", "bfloat16", "float16", "float32")))
 
 
 @dataclass
@@ -90,6 +91,7 @@ class SchedulerConfig:
     staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
     sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
     predictor: str = field(default="query", metadata=doc("sparse selection predictor", choices=("query", "previous")))
+    prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
 
 
 @dataclass

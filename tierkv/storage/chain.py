@@ -27,6 +27,8 @@ class TierChain:
         if not tiers:
             raise ValueError("a tier chain needs at least one tier")
         self.tiers = list(tiers)
+        if hasattr(self.tiers[-1], "return_evicted"):  # nothing below the last tier: do not read evictions back
+            self.tiers[-1].return_evicted = False
         self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
         self._lock = threading.Lock()
         self._in_flight: dict[str, torch.Tensor] = {}
@@ -125,6 +127,35 @@ class TierChain:
             self.spill(0, result.evicted)
         with self._lock:
             self.num_promoted += sum(r.ok for r in results)
+
+    def acquire_many(self, keys: Sequence[str]) -> list[int] | None:
+        """Pin every key in the first (CPU) tier, promoting lower-tier blocks into pinned slots.
+
+        Blocks already in the first tier are pinned before any promotion, so promotions cannot
+        evict them. Returns their slots (release them with `tiers[0].release`), or None with
+        nothing left pinned when some block is in no tier.
+        """
+        first = self.tiers[0]
+        slots = first.acquire(keys)
+        pinned = [k for k, s in zip(keys, slots) if s is not None]
+        lower = [i for i, s in enumerate(slots) if s is None]
+        if not lower:
+            return slots
+        lower_keys = [keys[i] for i in lower]
+        blocks = self.get_many(lower_keys, promote=False)
+        new_slots, evicted = first.prepare_put(lower_keys) if all(b is not None for b in blocks) else ([None], [])
+        self.spill(0, evicted)
+        if any(s is None for s in new_slots):
+            first.abort_put([k for k, s in zip(lower_keys, new_slots) if s is not None])
+            first.release(pinned)
+            return None
+        for i, block, slot in zip(lower, blocks, new_slots):
+            first.slab[slot].copy_(block)
+            slots[i] = slot
+        first.complete_put(lower_keys, keep_pinned=True)
+        with self._lock:
+            self.num_promoted += len(lower_keys)
+        return slots
 
     def locate_many(self, keys: Sequence[str]) -> list[int | None]:
         """Index of the first tier holding each key (None: nowhere). Blocks being spilled count as tier 0."""

@@ -105,13 +105,21 @@ class CpuTier(StorageTier):
                 slots.append(self._pending[key] if result.ok else None)
         return slots, evicted
 
-    def complete_put(self, keys: Sequence[str]) -> None:
-        """Make prepared blocks visible and unpin them (their bytes are now in the slab)."""
+    def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
+        """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`."""
         with self._lock:
             for key in keys:
                 self._slot_of[key] = self._pending.pop(key)
-                self._unpin(key)
+                if not keep_pinned:
+                    self._unpin(key)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.layout.num_bytes)
+
+    def abort_put(self, keys: Sequence[str]) -> None:
+        """Give back prepared slots whose bytes were never written; the keys stay absent."""
+        with self._lock:
+            for key in keys:
+                self._free_slots.append(self._pending.pop(key))
+                self._unpin(key)
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups."""

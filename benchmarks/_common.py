@@ -1,0 +1,69 @@
+"""Shared helpers for benchmark scripts: one JSON record per run.
+
+Primitives:
+    write_results(path, results, *, command=None)   write {"command", "git_commit", "date",
+                                                      "device", "results"} and return it
+    git_commit(repo=REPO_ROOT)                       HEAD sha, "-dirty" when tracked files changed
+    describe_device()                                GPU name with torch and CUDA versions, or cpu
+
+Importing this module imports nothing heavy; torch is imported only by describe_device().
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(repo: Path = REPO_ROOT) -> str | None:
+    """HEAD commit of `repo` ("<sha>-dirty" with uncommitted tracked changes); None outside git."""
+    try:
+        sha = _git(repo, "rev-parse", "HEAD")
+        dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def describe_device() -> str:
+    """E.g. "NVIDIA H200 (torch 2.11.0, CUDA 13.0)" or "cpu (torch 2.13.0, no CUDA)"."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu (torch not installed)"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return f"{name} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"cpu (torch {torch.__version__}, no CUDA)"
+
+
+def write_results(path: str | Path, results: Any, *, command: str | None = None) -> dict[str, Any]:
+    """Write one benchmark record as JSON to `path` (parents created) and return it.
+
+    `results` must be JSON-serializable; `command` defaults to the command line of this process.
+    """
+    record = {
+        "command": command if command is not None else shlex.join(sys.orig_argv),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": describe_device(),
+        "results": results,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _git(repo: Path, *args: str) -> str:
+    completed = subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True, timeout=30
+    )
+    return completed.stdout.strip()

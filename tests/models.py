@@ -1,0 +1,49 @@
+"""Small random-weight models from real architecture configs, built in code (no downloads)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def build(arch: str, *, num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 16, num_layers: int = 2,
+          vocab_size: int = 512, seed: int | None = None):
+    """A (model, reference) pair with identical weights; the reference keeps stock attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=num_heads * head_dim, intermediate_size=2 * num_heads * head_dim,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, max_position_embeddings=8192, eos_token_id=None, bos_token_id=None)
+    if arch == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen2":  # q/k/v biases
+        config, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
+    elif arch == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=None), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = cls(config).eval()
+    for param in model.parameters():  # larger weights than the default init: sharper attention, real tests
+        param.data.normal_(0, 0.2)
+    reference = cls(copy.deepcopy(config)).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.set_attn_implementation("sdpa")
+    return model, reference
+
+
+@torch.no_grad()
+def reference_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and per-step last-position logits with transformers' DynamicCache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=reference.config)
+    logits = reference(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+    tokens, all_logits = [], [logits]
+    for _ in range(num_new):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        logits = reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+        all_logits.append(logits)
+    return tokens, all_logits

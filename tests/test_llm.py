@@ -1,0 +1,108 @@
+"""TieredLLM: batches of uneven requests, prefix reuse across tiers, refusals before work."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models import build, reference_greedy
+from tierkv.config import load_config
+from tierkv.llm import TieredLLM
+from tierkv.sampling import SamplingParams
+from tierkv.sequence import CapacityError
+
+BLOCK_BYTES = 2 * 2 * 4 * 16 * 4  # K+V, 2 kv heads, 4 tokens, head_dim 16, fp32
+
+
+def make_llm(tmp_path, cpu_blocks: int = 4096):
+    model, reference = build("llama", num_heads=8, num_kv_heads=2)
+    config = load_config({
+        "model": {"name": "test-llama"},
+        "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * BLOCK_BYTES, "sink_tokens": 4, "window_tokens": 8},
+        "tiers": [{"kind": "cpu", "capacity_bytes": cpu_blocks * BLOCK_BYTES},
+                  {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": "64MiB"}],
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * BLOCK_BYTES, "prefill_chunk_tokens": 64},
+    }, env={})
+    return TieredLLM(model, config, show_progress=False), reference
+
+
+def test_batch_of_uneven_requests_matches_dynamic_cache(tmp_path):
+    llm, reference = make_llm(tmp_path)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (37, 301, 130)]
+    with llm:
+        outputs = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+        for prompt, out in zip(prompts, outputs):
+            expected, _ = reference_greedy(reference, prompt, 6)
+            assert out.token_ids == expected
+            assert out.finish_reason == "length"
+            assert out.prompt_token_ids == prompt
+        totals = llm.stats()["requests"]
+    assert totals["requests"] == 3 and totals["generated_tokens"] == 18
+    assert totals["prompt_tokens"] == 37 + 301 + 130
+
+
+def test_repeated_prompt_reuses_its_prefix_and_gives_the_same_tokens(tmp_path):
+    llm, _ = make_llm(tmp_path)
+    prompt = torch.randint(0, 512, (203,)).tolist()
+    with llm:
+        (first,) = llm.generate([prompt], max_new_tokens=5)
+        (second,) = llm.generate([prompt], max_new_tokens=5)
+    assert first.stats["prefix_tokens"] == 0
+    assert second.stats["prefix_tokens"] == 200  # all full blocks but the one holding the last token
+    assert second.stats["prefix_blocks_by_tier"] == {"cpu": 2 * 50}
+    assert second.token_ids == first.token_ids
+
+
+def test_prefix_comes_back_from_disk_after_the_cpu_tier_spilled_it(tmp_path):
+    llm, _ = make_llm(tmp_path, cpu_blocks=120)  # one 203-token request (~104 blocks) at a time
+    prompt_a = torch.randint(0, 512, (203,)).tolist()
+    prompt_b = torch.randint(0, 512, (203,)).tolist()
+    with llm:
+        (a1,) = llm.generate([prompt_a], max_new_tokens=3)
+        llm.generate([prompt_b], max_new_tokens=3)
+        llm.runtime.chain.flush()
+        (a2,) = llm.generate([prompt_a], max_new_tokens=3)
+        stats = llm.stats()
+    assert a2.stats["prefix_tokens"] == 200
+    assert a2.stats["prefix_blocks_by_tier"].get("disk", 0) > 0
+    assert a2.token_ids == a1.token_ids
+    assert stats["chain"]["dropped"] == 0 and stats["chain"]["promoted"] > 0
+
+
+def test_request_larger_than_the_cpu_tier_is_refused_before_any_work(tmp_path):
+    llm, _ = make_llm(tmp_path, cpu_blocks=64)
+    with llm:
+        with pytest.raises(CapacityError, match=r"request 1: .*tiers\[0\]\.capacity_bytes"):
+            llm.generate([[1, 2, 3], list(range(200))], max_new_tokens=4)
+        assert llm.stats()["requests"]["requests"] == 0
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], "request 0: the prompt is empty"),
+    ([1, 2, 512], "request 0: token 2 is 512"),
+    ([1, -3], "token 1 is -3"),
+    ([1, 2.5], "token 1 is 2.5"),
+    ("some text", "needs a tokenizer"),
+])
+def test_bad_prompts_are_named(tmp_path, prompt, message):
+    llm, _ = make_llm(tmp_path)
+    with llm, pytest.raises(ValueError, match=message):
+        llm.generate([prompt], max_new_tokens=2)
+
+
+def test_bad_sampling_and_backend(tmp_path):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="backend: got 'tensorrt'"):
+        TieredLLM(None, None, backend="tensorrt")
+
+
+def test_sampling_with_a_seed_is_reproducible(tmp_path):
+    llm, _ = make_llm(tmp_path)
+    prompt = torch.randint(0, 512, (50,)).tolist()
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=50, top_p=0.9, seed=123)
+    with llm:
+        (a,) = llm.generate([prompt], params)
+        (b,) = llm.generate([prompt], params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8

@@ -1,0 +1,1 @@
+"""Adapters to serving front ends: `transformers` (a Cache + attention function)."""

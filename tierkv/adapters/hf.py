@@ -1,0 +1,136 @@
+"""transformers adapter: a `Cache` whose layers live in tierkv, and the attention that reads them.
+
+Primitives: `TieredCache`, `TieredLayer`, `register` (attention + mask function named "tierkv"),
+`runtime_for_model`.
+
+    model.set_attn_implementation("tierkv")           # after register()
+    cache = TieredCache(runtime, token_ids=prompt_ids)
+    model.generate(input_ids, past_key_values=cache)   # or model(...) step by step
+
+`TieredLayer.update` stores the new K/V in tierkv and hands the layer to the attention call
+through the model's kwargs; the "tierkv" attention function computes exact attention over
+GPU-resident, streamed and fresh blocks (see `tierkv.sequence`). The mask function returns
+None: causality comes from token positions. One sequence per cache (batch size 1).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from tierkv.blocks import dtype_name
+from tierkv.config import TierKVConfig
+from tierkv.runtime import KVRuntime
+from tierkv.sequence import SequenceKV
+
+ATTN_NAME = "tierkv"
+_LAYER_KWARG = "tierkv_layer"
+
+
+class TieredLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, seq: SequenceKV, layer_idx: int):
+        super().__init__()
+        self.seq = seq
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states, value_states: [1, num_kv_heads, n, head_dim] -> returned unchanged."""
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"TieredCache holds one sequence; got a batch of {key_states.shape[0]} "
+                "(TieredLLM.generate runs a batch of requests one after another)"
+            )
+        self.seq.append(self.layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        model_kwargs = kwargs.get("kwargs")
+        if not isinstance(model_kwargs, dict):
+            raise RuntimeError("this model's attention does not pass its kwargs to Cache.update; tierkv needs it")
+        model_kwargs[_LAYER_KWARG] = self
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seq.num_tokens[self.layer_idx]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a TieredCache cannot be reset; make a new one per sequence")
+
+
+class TieredCache(Cache):
+    """A transformers Cache backed by one tierkv sequence."""
+
+    def __init__(self, runtime: KVRuntime, token_ids: list[int] | None = None):
+        self.seq = runtime.new_sequence(token_ids)
+        super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        self.seq.finish()
+
+
+def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """query: [1, num_heads, n, head_dim] -> ([1, n, num_heads, head_dim], None)."""
+    layer = kwargs.get(_LAYER_KWARG)
+    if layer is None:
+        raise RuntimeError("the 'tierkv' attention needs a TieredCache passed as past_key_values")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("tierkv attention does not implement sliding-window layers yet")
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("tierkv attention does not implement logit soft-capping or attention sinks")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = layer.seq.attend(layer.layer_idx, query[0].transpose(0, 1), scale)  # [n, H, D] float32
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def register() -> None:
+    """Register the "tierkv" attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, tiered_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def model_kv_shape(model: PreTrainedModel) -> dict:
+    """num_layers, num_kv_heads, head_dim of a Llama/Qwen2/Mistral-architecture model."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = cfg.num_attention_heads
+    return {
+        "num_layers": cfg.num_hidden_layers,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+    }
+
+
+def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: str | None = None) -> KVRuntime:
+    """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype."""
+    shape = model_kv_shape(model)
+    for key, value in shape.items():
+        configured = getattr(config.model, key)
+        if configured is not None and configured != value:
+            raise ValueError(f"config key 'model.{key}': got {configured}; the model has {value}")
+    param = next(model.parameters())
+    if config.model.kv_dtype not in ("auto", dtype_name(param.dtype)):
+        raise ValueError(f"config key 'model.kv_dtype': got {config.model.kv_dtype!r}; the model runs in {dtype_name(param.dtype)}")
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+    return KVRuntime(config, dtype=param.dtype, device=param.device,
+                     model_id=model_id or config.model.name, **shape)

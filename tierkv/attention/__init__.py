@@ -1,0 +1,84 @@
+"""Partial attention over paged KV blocks, returning ``(out, lse)``, and the exact merge.
+
+Primitives:
+  - ``paged_partial_attention``: attend to a set of blocks of a paged KV pool.
+  - ``contiguous_partial_attention``: attend to plain ``[num_k, kv_heads, dim]`` K/V
+    (the recent window held as tensors).
+  - ``merge_partials``: flash-decoding LSE merge of ``(out, lse)`` pairs.
+
+All three return float32 ``out [num_q, num_heads, head_dim]`` and ``lse [num_q, num_heads]``
+(natural log; ``-inf`` and ``out = 0`` for a row that saw no key). They dispatch to the
+Triton kernels in ``triton_paged`` for CUDA tensors when ``triton`` is installed, and to
+``reference`` (PyTorch) otherwise. ``triton`` is imported only when a CUDA tensor arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from tierkv.attention import reference
+
+__all__ = ["contiguous_partial_attention", "merge_partials", "paged_partial_attention", "reference"]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _backend(t: torch.Tensor) -> ModuleType:
+    """``triton_paged`` for CUDA tensors when triton is installed, else ``reference``."""
+    if t.is_cuda and _triton_installed():
+        from tierkv.attention import triton_paged
+        return triton_paged
+    return reference
+
+
+def paged_partial_attention(
+    q: torch.Tensor,                # [num_q, num_heads, head_dim], any float dtype, device D
+    kv_pool: torch.Tensor,          # [num_slots, 2, num_kv_heads, block_tokens, head_dim]; 0 = K, 1 = V
+    block_slots: torch.Tensor,      # int32/int64 [num_blocks], slot of each block
+    block_start_pos: torch.Tensor,  # int32/int64 [num_blocks], position of each block's first token
+    block_num_tokens: torch.Tensor, # int32/int64 [num_blocks], valid tokens (1..block_tokens)
+    *,
+    scale: float,
+    q_positions: torch.Tensor | None = None,  # int [num_q]; None = no causal mask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over the listed blocks; float32 ``(out, lse)``.
+
+    The key at position ``p`` is visible to query ``i`` iff ``p <= q_positions[i]``.
+    GQA: head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    """
+    return _backend(q).paged_partial_attention(
+        q, kv_pool, block_slots, block_start_pos, block_num_tokens, scale=scale, q_positions=q_positions
+    )
+
+
+def contiguous_partial_attention(
+    q: torch.Tensor,                          # [num_q, num_heads, head_dim]
+    k: torch.Tensor,                          # [num_k, num_kv_heads, head_dim], q's dtype and device
+    v: torch.Tensor,                          # [num_k, num_kv_heads, head_dim]
+    *,
+    scale: float,
+    q_positions: torch.Tensor | None = None,  # int [num_q]; None = no causal mask
+    k_positions: torch.Tensor | None = None,  # int [num_k]; None = arange(num_k)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over plain K/V tensors; same mask rule and outputs as the paged form."""
+    return _backend(q).contiguous_partial_attention(
+        q, k, v, scale=scale, q_positions=q_positions, k_positions=k_positions
+    )
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact LSE merge of ``(out, lse)`` pairs of identical shapes; float32 result.
+
+    Rows whose lse is ``-inf`` in every part give ``out = 0, lse = -inf``.
+    """
+    if len(parts) == 0:
+        raise ValueError("merge_partials needs at least one (out, lse) part, got none")
+    return _backend(parts[0][0]).merge_partials(parts)

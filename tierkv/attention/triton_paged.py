@@ -1,0 +1,300 @@
+"""Triton split-K (flash-decoding) partial attention over paged or contiguous KV.
+
+Imported lazily by ``tierkv.attention`` when a CUDA tensor arrives. Also runs under
+the Triton interpreter (``TRITON_INTERPRET=1`` at import) on CPU tensors.
+
+Primitives:
+  - ``paged_partial_attention`` / ``contiguous_partial_attention``: same contract
+    as ``tierkv.attention.reference``; no host sync, so graph-capturable.
+  - ``merge_partials``: the LSE merge as one kernel.
+  - ``_partial_attention_kernel``: one program per (query tile, kv head, split).
+  - ``_merge_splits_kernel``: one program per (query, head) row.
+
+Work decomposition of ``_partial_attention_kernel``::
+
+    rows of a query tile (BLOCK_M)            keys of a split
+    r -> query  q0 + r // G                   blocks [lo, lo + blocks_per_split)
+    r -> head   kv_head * G + r % G           walked BLOCKS_PER_TILE blocks at a time
+    (all G query heads of one kv head         tile column n -> block n // BT_PAD,
+     share every K/V load)                                  token n %  BT_PAD
+
+Each program keeps an online softmax in float32 and writes a normalized partial
+``out`` plus ``lse`` for its split; ``_merge_splits_kernel`` folds the splits.
+A contiguous K/V is walked as if it were blocks of ``CONTIG_TILE`` tokens in slots
+``0, 1, 2, ...``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tierkv.attention.reference import check_contiguous_args, check_paged_args, empty_result, stack_parts
+
+TILE_TOKENS = 64          # keys per inner-loop step (pow2, >= 16 for tl.dot)
+CONTIG_TILE = 64          # virtual block size for contiguous K/V
+MIN_TILES_PER_SPLIT = 4   # keep each split long enough to amortize its merge
+PROGRAMS_PER_SM = 4       # split until the grid covers this many programs per SM
+
+
+@triton.jit(do_not_specialize=["num_q", "num_blocks", "num_k", "blocks_per_split"])
+def _partial_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    slots_ptr, starts_ptr, fills_ptr, qpos_ptr, kpos_ptr,
+    num_q, num_blocks, num_k, blocks_per_split,
+    stride_qq, stride_qh,
+    stride_kslot, stride_kh, stride_kt,
+    stride_os, stride_oq, stride_oh, stride_ls, stride_lq,
+    qk_scale_log2,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, Q_PER_TILE: tl.constexpr,
+    BT: tl.constexpr, BT_PAD: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+    PAGED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    SKIP_MASKED_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = (pid_m * Q_PER_TILE + rows // G).to(tl.int64)
+    head = kv_head * G + rows % G
+    row_ok = (rows < Q_PER_TILE * G) & (q_idx < num_q)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_offs = q_idx[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    if HAS_QPOS:
+        qpos = tl.load(qpos_ptr + q_idx, mask=row_ok, other=-1).to(tl.int64)
+        q_max = tl.max(qpos, axis=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)                  # running denominator
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    cols = tl.arange(0, BLOCKS_PER_TILE * BT_PAD)
+    col_block = cols // BT_PAD
+    col_tok = cols % BT_PAD
+    block_lo = split * blocks_per_split
+    block_hi = tl.minimum(block_lo + blocks_per_split, num_blocks)
+    for b0 in range(block_lo, block_hi, BLOCKS_PER_TILE):
+        b = b0 + col_block
+        b_ok = b < block_hi
+        if PAGED:
+            slot = tl.load(slots_ptr + b, mask=b_ok, other=0).to(tl.int64)
+            fill = tl.load(fills_ptr + b, mask=b_ok, other=0)
+            kpos = tl.load(starts_ptr + b, mask=b_ok, other=0).to(tl.int64) + col_tok
+            tok_ok = b_ok & (col_tok < fill)
+        else:
+            slot = b.to(tl.int64)
+            key = slot * BT + col_tok
+            tok_ok = b_ok & (col_tok < BT) & (key < num_k)
+            if HAS_KPOS:
+                kpos = tl.load(kpos_ptr + key, mask=tok_ok, other=0).to(tl.int64)
+            else:
+                kpos = key
+        run_tile = True
+        if SKIP_MASKED_TILES:
+            run_tile = tl.min(tl.where(tok_ok, kpos, q_max + 1), axis=0) <= q_max
+        if run_tile:
+            kv_offs = slot * stride_kslot + kv_head * stride_kh + col_tok.to(tl.int64) * stride_kt
+            kv_mask = tok_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
+            visible = tok_ok[None, :]
+            if HAS_QPOS:
+                visible = visible & (kpos[None, :] <= qpos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_offs = split * stride_os + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + split * stride_ls + q_idx * stride_lq + head, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_rows"])
+def _merge_splits_kernel(
+    out_part_ptr, lse_part_ptr, out_ptr, lse_ptr,  # [S, rows, dim], [S, rows], [rows, dim], [rows]
+    num_splits, num_rows,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_PAD)
+    lses = tl.load(lse_part_ptr + s * num_rows + row, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lses, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lses - m_safe), axis=0)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros([D_PAD], tl.float32)
+    for i in range(0, num_splits):
+        w = tl.exp(tl.load(lse_part_ptr + i * num_rows + row) - m_safe)
+        o = tl.load(out_part_ptr + (i * num_rows + row) * HEAD_DIM + d, mask=d_ok, other=0.0)
+        acc += tl.where(w > 0.0, w * o, 0.0)
+    seen = total > 0.0
+    tl.store(out_ptr + row * HEAD_DIM + d, acc / tl.where(seen, total, 1.0), mask=d_ok)
+    tl.store(lse_ptr + row, tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter on CPU: small, so tests still exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _dim_pad(head_dim: int) -> int:
+    return max(16, _pow2(head_dim))  # tl.dot needs K >= 16
+
+
+class _Plan(NamedTuple):
+    """Tile sizes and grid of one launch; host arithmetic on shapes only."""
+
+    block_m: int            # rows (query, head) per program, pow2 >= 16
+    q_per_tile: int         # queries per program: block_m // group
+    bt_pad: int             # block_tokens rounded up to pow2
+    blocks_per_tile: int    # blocks walked per inner-loop step
+    blocks_per_split: int   # blocks per program along the key axis
+    grid: tuple[int, int, int]  # (query tiles, kv heads, splits)
+
+
+def _plan(num_q: int, group: int, num_kv_heads: int, block_tokens: int, num_blocks: int,
+          device: torch.device, num_splits: int | None) -> _Plan:
+    min_rows = max(16, _pow2(group))                    # tl.dot needs >= 16 rows
+    block_m = min(max(64, min_rows), max(min_rows, _pow2(num_q * group)))
+    q_per_tile = block_m // group
+    bt_pad = _pow2(block_tokens)
+    blocks_per_tile = max(1, TILE_TOKENS // bt_pad)
+    num_q_tiles = triton.cdiv(num_q, q_per_tile)
+    num_tiles = triton.cdiv(num_blocks, blocks_per_tile)
+    if num_splits is None:  # fill the GPU, but keep splits long enough to amortize the merge
+        wanted = triton.cdiv(_num_sms(device) * PROGRAMS_PER_SM, num_q_tiles * num_kv_heads)
+        num_splits = min(wanted, num_tiles // MIN_TILES_PER_SPLIT)
+    tiles_per_split = max(1, triton.cdiv(num_tiles, max(1, num_splits)))
+    blocks_per_split = tiles_per_split * blocks_per_tile
+    num_splits = max(1, triton.cdiv(num_blocks, blocks_per_split))
+    return _Plan(block_m, q_per_tile, bt_pad, blocks_per_tile, blocks_per_split,
+                 (num_q_tiles, num_kv_heads, num_splits))
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # slots, start positions, fills
+    kv_strides: tuple[int, int, int],   # (block/slot, kv head, token), in elements
+    num_kv_heads: int, block_tokens: int, num_blocks: int, num_k: int,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    scale: float, num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared host side of the paged and contiguous entry points (no host sync)."""
+    num_q, num_heads, head_dim = q.shape
+    if num_q == 0:
+        return empty_result(0, num_heads, head_dim, q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = num_heads // num_kv_heads
+    plan = _plan(num_q, group, num_kv_heads, block_tokens, num_blocks, q.device, num_splits)
+    num_splits = plan.grid[2]
+    out_part = torch.empty(num_splits, num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(num_splits, num_q, num_heads, dtype=torch.float32, device=q.device)
+    dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    slots, starts, fills = blocks if blocks is not None else (dummy, dummy, dummy)
+    _partial_attention_kernel[plan.grid](
+        q, k, v, out_part, lse_part, slots, starts, fills,
+        q_positions if q_positions is not None else dummy,
+        k_positions if k_positions is not None else dummy,
+        num_q, num_blocks, num_k, plan.blocks_per_split,
+        q.stride(0), q.stride(1), *kv_strides,
+        out_part.stride(0), out_part.stride(1), out_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        scale * 1.4426950408889634,
+        G=group, HEAD_DIM=head_dim, D_PAD=_dim_pad(head_dim),
+        BLOCK_M=plan.block_m, Q_PER_TILE=plan.q_per_tile,
+        BT=block_tokens, BT_PAD=plan.bt_pad, BLOCKS_PER_TILE=plan.blocks_per_tile,
+        PAGED=blocks is not None, HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
+        SKIP_MASKED_TILES=q_positions is not None and plan.grid[0] > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # no tf32 for float32 inputs
+        num_warps=4, num_stages=3 if _dim_pad(head_dim) * q.element_size() <= 256 else 2,
+    )
+    if num_splits == 1:
+        return out_part[0], lse_part[0]
+    return _merge_stacked(out_part, lse_part)
+
+
+def _merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs float32 [S, ..., dim], lses float32 [S, ...], both contiguous -> merged."""
+    head_dim = outs.shape[-1]
+    num_rows = lses[0].numel()
+    out = torch.empty(outs.shape[1:], dtype=torch.float32, device=outs.device)
+    lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
+    if num_rows > 0:
+        _merge_splits_kernel[(num_rows,)](
+            outs, lses, out, lse, outs.shape[0], num_rows,
+            HEAD_DIM=head_dim, D_PAD=_dim_pad(head_dim), S_PAD=_pow2(outs.shape[0]),
+        )
+    return out, lse
+
+
+def paged_partial_attention(
+    q: torch.Tensor,                # [num_q, num_heads, head_dim]
+    kv_pool: torch.Tensor,          # [num_slots, 2, num_kv_heads, block_tokens, head_dim]
+    block_slots: torch.Tensor,      # int [num_blocks]
+    block_start_pos: torch.Tensor,  # int [num_blocks]
+    block_num_tokens: torch.Tensor, # int [num_blocks], 1..block_tokens
+    *,
+    scale: float,
+    q_positions: torch.Tensor | None = None,  # int [num_q]
+    num_splits: int | None = None,  # None = pick from the grid size; tests force it
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.paged_partial_attention``; returns float32 (out, lse)."""
+    check_paged_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens, q_positions)
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("kv_pool must be contiguous in head_dim")
+    k, v = kv_pool[:, 0], kv_pool[:, 1]  # [num_slots, kv_heads, block_tokens, dim] views
+    return _launch(
+        q, k, v, (block_slots, block_start_pos, block_num_tokens), (k.stride(0), k.stride(1), k.stride(2)),
+        kv_pool.shape[2], kv_pool.shape[3], block_slots.shape[0], 0, q_positions, None, scale, num_splits,
+    )
+
+
+def contiguous_partial_attention(
+    q: torch.Tensor,                          # [num_q, num_heads, head_dim]
+    k: torch.Tensor,                          # [num_k, num_kv_heads, head_dim]
+    v: torch.Tensor,                          # [num_k, num_kv_heads, head_dim]
+    *,
+    scale: float,
+    q_positions: torch.Tensor | None = None,  # int [num_q]
+    k_positions: torch.Tensor | None = None,  # int [num_k]; None = arange(num_k)
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.contiguous_partial_attention``."""
+    check_contiguous_args(q, k, v, q_positions, k_positions)
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    num_k = k.shape[0]
+    kv_strides = (CONTIG_TILE * k.stride(0), k.stride(1), k.stride(0))
+    return _launch(
+        q, k, v, None, kv_strides, k.shape[1], CONTIG_TILE, triton.cdiv(num_k, CONTIG_TILE), num_k,
+        q_positions, k_positions, scale, num_splits,
+    )
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.merge_partials`` (stack, then one merge kernel)."""
+    outs, lses = stack_parts(parts)
+    return _merge_stacked(outs.contiguous(), lses.contiguous())

@@ -1,0 +1,194 @@
+"""`TieredLLM`: the Python backend — generate with a KV cache far larger than the GPU budget.
+
+Primitives: `TieredLLM` (`generate`, `stats`, `close`).
+
+    llm = TieredLLM("/models/llama-3.1-8b", "configs/long-128k.yaml")
+    out = llm.generate(["...a 100k-token document..."], SamplingParams(max_new_tokens=128))
+    out[0].text, out[0].stats, llm.stats()
+
+Requests of a batch run one after another (each owns the GPU hot window while it runs). A
+request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
+refuses a request. Prompts that share a prefix with earlier requests (in any tier) skip it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from tierkv.config import TierKVConfig, load_config
+from tierkv.prefix import load_prefix
+from tierkv.sampling import RequestOutput, SamplingParams, sample_next
+
+BACKENDS = ("transformers", "vllm")
+
+
+class TieredLLM:
+    def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
+                 backend: str = "transformers", *, tokenizer=None, device: str | None = None,
+                 show_progress: bool = True):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+        if backend == "vllm":
+            raise NotImplementedError("backend='vllm' is not available yet; use backend='transformers'")
+        self.config = config if isinstance(config, TierKVConfig) else load_config(config)
+        self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
+        from tierkv.adapters.hf import runtime_for_model
+
+        self.runtime = runtime_for_model(self.model, self.config, model_id)
+        self.show_progress = show_progress
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self._totals = {"requests": 0, "prompt_tokens": 0, "prefix_tokens": 0, "generated_tokens": 0,
+                        "prefill_s": 0.0, "decode_s": 0.0}
+
+    # -- public --------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
+        """Prompts as text (needs a tokenizer) or token ids; one RequestOutput per prompt."""
+        if sampling is None:
+            sampling = SamplingParams(**sampling_kwargs)
+        elif sampling_kwargs:
+            raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
+        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
+        for i, ids in enumerate(requests):  # refuse before doing any work
+            try:
+                self.runtime.check_fits(len(ids) + sampling.max_new_tokens)
+            except ValueError as exc:
+                raise type(exc)(f"request {i}: {exc}") from None
+        return [self._run_one(ids, sampling) for ids in requests]
+
+    def stats(self) -> dict:
+        """Running totals since construction: requests, tokens, times, tiers, transfers."""
+        return {"requests": dict(self._totals), **self.runtime.stats()}
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def __enter__(self) -> "TieredLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- one request -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _run_one(self, ids: list[int], sampling: SamplingParams) -> RequestOutput:
+        from tierkv.adapters.hf import TieredCache
+
+        rt = self.runtime
+        before = rt.stats()
+        cache = TieredCache(rt, ids)
+        try:
+            start = time.perf_counter()
+            num_prefix = load_prefix(cache.seq, ids)
+            logits = self._prefill(cache, ids, num_prefix)
+            prefill_s = _elapsed(start, rt.device)
+            generated, reason, decode_s = self._decode(cache, logits, sampling)
+        finally:
+            cache.finish()
+        after = rt.stats()
+        stats = {
+            "prompt_tokens": len(ids), "prefix_tokens": num_prefix, "generated_tokens": len(generated),
+            "prefix_blocks_by_tier": dict(cache.seq.prefix_blocks_by_tier),
+            "prefill_s": prefill_s, "decode_s": decode_s,
+            "h2d_bytes": after["transfer"]["h2d_bytes"] - before["transfer"]["h2d_bytes"],
+            "d2h_bytes": after["transfer"]["d2h_bytes"] - before["transfer"]["d2h_bytes"],
+            "stalls": after["scheduler"]["stalls"] - before["scheduler"]["stalls"],
+            **cache.seq.read_stats(),
+        }
+        for key in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s"):
+            self._totals[key] += stats[key]
+        self._totals["prefix_tokens"] += num_prefix
+        self._totals["requests"] += 1
+        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer is not None else None
+        return RequestOutput(prompt_token_ids=ids, token_ids=generated, text=text, finish_reason=reason, stats=stats)
+
+    def _prefill(self, cache, ids: list[int], start: int) -> torch.Tensor:
+        """Run the prompt from `start` in chunks; returns the last position's logits [vocab]."""
+        chunk = self.config.scheduler.prefill_chunk_tokens
+        device = self.runtime.device
+        todo = len(ids) - start
+        progress = _progress(todo, self.show_progress and todo > 4 * chunk)
+        logits = None
+        for pos in range(start, len(ids), chunk):
+            piece = torch.tensor([ids[pos : pos + chunk]], device=device)
+            logits = self.model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            progress.update(piece.shape[1])
+        progress.close()
+        return logits
+
+    def _decode(self, cache, logits: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], str, float]:
+        device = self.runtime.device
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        stop_ids = set(sampling.stop_token_ids if sampling.stop_token_ids is not None else self._eos_ids())
+        generated: list[int] = []
+        start = time.perf_counter()
+        while True:
+            token = sample_next(logits, sampling, generator)
+            generated.append(token)
+            if token in stop_ids and not sampling.ignore_eos:
+                return generated, "stop", _elapsed(start, device)
+            if len(generated) >= sampling.max_new_tokens:
+                return generated, "length", _elapsed(start, device)
+            cache.seq.token_ids.append(token)
+            piece = torch.tensor([[token]], device=device)
+            logits = self.model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+    # -- input checks ------------------------------------------------------------------------------
+    def _prompt_ids(self, index: int, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {index}: a text prompt needs a tokenizer; pass token ids or tokenizer=")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError(f"request {index}: the prompt is empty")
+        for pos, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"request {index}: token {pos} is {token!r}; token ids are ints in [0, {self.vocab_size})"
+                )
+        return ids
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _is_token_list(prompts) -> bool:
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], int)
+
+
+def _elapsed(start: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", desc="prefill", disable=not enabled, file=sys.stderr)
+
+
+def _load_model(model, tokenizer, device: str | None):
+    """A loaded model, or a local checkpoint directory loaded on `device` (CUDA when present)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        raise ValueError(f"model: got {model!r}; expected a loaded transformers model or a local checkpoint directory")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(target).eval()
+    if tokenizer is None and os.path.exists(os.path.join(model, "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    return loaded, tokenizer, os.path.abspath(model)

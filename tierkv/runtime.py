@@ -1,0 +1,87 @@
+"""The runtime one model uses: tiers, GPU pool, transfer engine, scheduler, counters.
+
+Primitives: `KVRuntime` (`new_sequence`, `check_fits`, `stats`, `close`).
+
+One sequence runs at a time per runtime: it owns the GPU hot window while it runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
+from tierkv.config import TierKVConfig
+from tierkv.scheduler import LookaheadStreamer
+from tierkv.sequence import CapacityError, SequenceKV
+from tierkv.storage import build_tiers
+from tierkv.storage.cpu import CpuTier
+from tierkv.storage.gpu import GpuBlockPool, plan_residency
+from tierkv.transfer import TransferEngine
+from tierkv.units import format_bytes
+
+
+class KVRuntime:
+    def __init__(self, config: TierKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, model_id: str):
+        self.config = config
+        self.device = torch.device(device)
+        self.num_layers = num_layers
+        self.layout = BlockLayout(num_kv_heads, config.cache.block_tokens, head_dim, dtype)
+        self.fingerprint = model_fingerprint(model_id, num_layers, self.layout)
+        self.residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
+                                        config.cache.sink_tokens, config.cache.window_tokens)
+        num_regions = max(2, config.scheduler.lookahead_layers + 1)
+        self.pool = GpuBlockPool(self.layout, num_layers, self.residency, config.scheduler.staging_bytes,
+                                 num_regions, self.device)
+        self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
+        self.cpu: CpuTier = self.chain.tiers[0]
+        self.engine = TransferEngine(self.device)
+        self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers)
+        self.active: SequenceKV | None = None
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise CapacityError, before any work, when `num_tokens` of KV cannot live in the CPU tier."""
+        num_blocks = -(-num_tokens // self.layout.block_tokens) * self.num_layers
+        if num_blocks > self.cpu.num_slots:
+            raise CapacityError(
+                f"a request of {num_tokens} tokens needs {num_blocks} KV blocks "
+                f"({format_bytes(num_blocks * self.layout.num_bytes)}) in the CPU tier, which holds "
+                f"{self.cpu.num_slots} ({format_bytes(self.cpu.capacity_bytes)}): raise tiers[0].capacity_bytes "
+                f"or shorten the request (the GPU budget is not the limit: it only holds the hot window)"
+            )
+
+    def new_sequence(self, token_ids: list[int] | None = None) -> SequenceKV:
+        if self.active is not None and not self.active.is_finished:
+            raise RuntimeError(f"sequence {self.active.seq_id} is still running; finish it first")
+        self.active = SequenceKV(self, token_ids)
+        return self.active
+
+    def stats(self) -> dict:
+        """Running totals: tiers, transfers, stalls, GPU bytes."""
+        streamer = self.streamer
+        return {
+            "gpu": {
+                "resident_bytes": self.pool.resident_bytes,
+                "staging_bytes": self.pool.staging_bytes,
+                "budget_bytes": self.config.cache.gpu_budget_bytes,
+                "resident_blocks_per_layer": self.residency.slots_per_layer,
+            },
+            "transfer": {
+                "h2d_bytes": self.engine.num_bytes_moved["h2d"],
+                "d2h_bytes": self.engine.num_bytes_moved["d2h"],
+                "backend": self.engine.backend,
+            },
+            "scheduler": {
+                "chunks_streamed": streamer.num_chunks_streamed,
+                "bytes_streamed": streamer.bytes_streamed,
+                "stalls": streamer.num_stalls,
+            },
+            "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
+                       "kv_dtype": dtype_name(self.layout.dtype)},
+            **self.chain.snapshot(),
+        }
+
+    def close(self) -> None:
+        if self.active is not None:
+            self.active.finish()
+        self.engine.synchronize()
+        self.chain.close()

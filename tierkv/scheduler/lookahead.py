@@ -1,0 +1,125 @@
+"""The lookahead streamer: copies non-resident blocks of layers L+1..L+d while layer L computes.
+
+Primitives: `LookaheadStreamer` (`plan`, `run`, `chunks_for_layer`), `StagedChunk`.
+
+The staging ring has R regions. Chunks are numbered across layers (g = layer * C + c); chunk g
+goes to region g % R once chunk g - R has been consumed:
+
+    copy stream:    [g0][g1][g2][g3] ... each copy waits for the event "region free"
+    compute stream:      att(g0)  att(g1)  att(g2) ... each waits for its own copy's event
+
+`run()` only enqueues copies (no host sync); `chunks_for_layer(L)` makes the compute stream
+wait on each chunk's copy and nothing else. A chunk that was not copied ahead of its
+attention is copied at once and counted as a stall: results never depend on the prefetch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from tierkv.scheduler.plan import StepPlan, to_device_no_sync
+from tierkv.storage.gpu import GpuBlockPool
+from tierkv.transfer import TransferEngine
+
+
+@dataclass
+class StagedChunk:
+    slots: torch.Tensor        # int64 [n] staging slots holding the chunk, on device
+    start_pos: torch.Tensor    # int64 [n] position of each block's first token, on device
+    num_tokens: torch.Tensor   # int64 [n] all block_tokens (streamed blocks are full)
+
+
+class LookaheadStreamer:
+    def __init__(self, engine: TransferEngine, pool: GpuBlockPool, cpu_slab: torch.Tensor, lookahead_layers: int):
+        self.engine = engine
+        self.pool = pool
+        self.cpu_slab = cpu_slab
+        self.lookahead_layers = lookahead_layers
+        device = pool.staging.device
+        # Copy destinations stay host tensors (the engine stages them), attention reads device copies.
+        self._region_slots_host = [torch.tensor(list(pool.region_slots(r)), dtype=torch.int64) for r in range(pool.num_regions)]
+        self._region_slots = [to_device_no_sync(s, device) for s in self._region_slots_host]
+        self.num_stalls = 0
+        self.num_chunks_streamed = 0
+        self.bytes_streamed = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._chunks: list[tuple[int, range]] = []  # (layer, block range) per global chunk
+        self._cpu_slots: list[torch.Tensor] = []
+        self._handles: list = []
+        self._chunk_meta: list[StagedChunk] = []
+        self._region_free_event: list = [None] * self.pool.num_regions
+        self._num_issued = 0
+        self._num_consumed = 0
+        self._after = None
+
+    def plan(self, step: StepPlan, cpu_slots_per_layer: list[torch.Tensor], block_tokens: int, after=None) -> None:
+        """Host only: lay out this step's chunks.
+
+        cpu_slots_per_layer[layer]: int64 [len(step.streamed_blocks)] CPU-tier slots of the
+        streamed blocks, in block order. `after`: what every copy waits for (e.g. the last D2H).
+        """
+        self._reset()
+        self._after = after
+        region = self.pool.region_blocks
+        streamed = step.streamed_blocks
+        per_layer = [range(s, min(s + region, streamed.stop)) for s in range(streamed.start, streamed.stop, region)]
+        device = self.pool.staging.device
+        self._chunk_meta = [
+            StagedChunk(
+                slots=self._region_slots[0][: len(r)],  # the region is chosen per chunk in chunks_for_layer
+                start_pos=to_device_no_sync([b * block_tokens for b in r], device),
+                num_tokens=to_device_no_sync([block_tokens] * len(r), device),
+            )
+            for r in per_layer
+        ]
+        self._cpu_slots = cpu_slots_per_layer
+        offset = streamed.start
+        self._chunks = [(layer, range(r.start - offset, r.stop - offset))
+                        for layer in range(len(cpu_slots_per_layer)) for r in per_layer]
+        self._handles = [None] * len(self._chunks)
+
+    @property
+    def chunks_per_layer(self) -> int:
+        return len(self._chunk_meta)
+
+    def run(self, through_layer: int) -> None:
+        """Enqueue copies for chunks of layers <= through_layer while a staging region is free."""
+        while (
+            self._num_issued < len(self._chunks)
+            and self._chunks[self._num_issued][0] <= through_layer
+            and self._num_issued < self._num_consumed + self.pool.num_regions
+        ):
+            self._issue(self._num_issued)
+            self._num_issued += 1
+
+    def _issue(self, g: int) -> None:
+        layer, blocks = self._chunks[g]
+        region = g % self.pool.num_regions
+        after = [e for e in (self._region_free_event[region], self._after) if e is not None]
+        src_slots = self._cpu_slots[layer][blocks.start : blocks.stop]
+        dst_slots = self._region_slots_host[region][: len(blocks)]
+        self._handles[g] = self.engine.gather_h2d(self.cpu_slab, src_slots, self.pool.staging, dst_slots, after=after)
+        self.num_chunks_streamed += 1
+        self.bytes_streamed += self._handles[g].num_bytes
+
+    def chunks_for_layer(self, layer: int) -> Iterator[StagedChunk]:
+        """Each streamed chunk of `layer`, ready to read on the current stream once yielded."""
+        per_layer = self.chunks_per_layer
+        for c in range(per_layer):
+            g = layer * per_layer + c
+            if g >= self._num_issued:  # not prefetched: fetch now and count it
+                self.num_stalls += 1
+                self.run(through_layer=layer)
+            handle = self._handles[g]
+            handle.wait_on_current_stream()
+            meta = self._chunk_meta[c]
+            region = g % self.pool.num_regions
+            yield StagedChunk(self._region_slots[region][: meta.slots.numel()], meta.start_pos, meta.num_tokens)
+            self.engine.release_event(self._region_free_event[region])
+            self._region_free_event[region] = self.engine.record_compute_event()
+            self._num_consumed += 1
+            self.run(through_layer=layer + self.lookahead_layers)

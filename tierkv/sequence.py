@@ -1,0 +1,187 @@
+"""The KV cache of one sequence, all layers: what is on the GPU, what is in the CPU tier.
+
+Primitives: `SequenceKV` (`append`, `attend`, `finish`), `CapacityError`.
+
+Per layer and step (one `append` then one `attend`, layer after layer):
+
+    append(layer, k_new, v_new)
+        fresh = old tokens of the partial block + new tokens     [nb, 2, H, T, D] on device
+        full fresh blocks  --D2H-->  CPU tier slots (keys: content hash when tokens are known)
+        resident fresh blocks  -->  their GPU slots
+    attend(layer, q)
+        resident old blocks (paged) + streamed old blocks (staging ring) + fresh tokens (causal)
+        merged with the log-sum-exp rule: exact attention over the whole sequence
+"""
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
+from tierkv.blocks import block_key, chain_block_hashes
+from tierkv.scheduler import StepPlan, plan_step
+
+if TYPE_CHECKING:
+    from tierkv.runtime import KVRuntime
+
+
+class CapacityError(ValueError):
+    """A request's KV does not fit the tier it must live in."""
+
+
+class SequenceKV:
+    def __init__(self, runtime: "KVRuntime", token_ids: list[int] | None = None):
+        self.rt = runtime
+        self.seq_id = uuid.uuid4().hex[:16]
+        self.token_ids: list[int] = list(token_ids or [])  # known tokens, for content keys
+        num_layers = runtime.num_layers
+        self.num_tokens = [0] * num_layers
+        self.cpu_slots: list[list[int]] = [[] for _ in range(num_layers)]
+        self.block_keys: list[list[str]] = [[] for _ in range(num_layers)]
+        self._hashes: list[str] = []
+        self._pending_d2h: list[tuple[list[str], object]] = []
+        self._last_d2h = None
+        self._step: StepPlan | None = None
+        self._fresh: list[torch.Tensor | None] = [None] * num_layers
+        self.num_prefix_tokens = 0
+        self.prefix_blocks_by_tier: dict[str, int] = {}
+        self.is_finished = False
+        self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
+        self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
+
+    @property
+    def seq_length(self) -> int:
+        return self.num_tokens[0]
+
+    # -- writes ---------------------------------------------------------------------------------
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """k_new, v_new: [n, num_kv_heads, head_dim] on the runtime's device, KV dtype."""
+        if self.is_finished:
+            raise RuntimeError(f"sequence {self.seq_id} is finished")
+        rt = self.rt
+        n = k_new.shape[0]
+        if layer == 0:
+            self._begin_step(n)
+        step = self._step
+        if self.num_tokens[layer] != step.t0 or n != step.num_new_tokens:
+            raise RuntimeError(
+                f"layer {layer}: got {n} tokens at position {self.num_tokens[layer]}, "
+                f"layer 0 of this step had {step.num_new_tokens} at {step.t0}"
+            )
+        blocks = self._assemble_fresh(layer, step, k_new, v_new)
+        self._write_back(layer, step, blocks)
+        resident = rt.pool.resident[layer]
+        resident.index_copy_(0, step.fresh_resident_slots, blocks.index_select(0, step.fresh_resident_index))
+        self.num_tokens[layer] += n
+
+    def _begin_step(self, n: int) -> None:
+        rt = self.rt
+        self._complete_finished_d2h()
+        step = plan_step(rt.residency, rt.layout.block_tokens, self.num_tokens[0], n, rt.device)
+        self._step = step
+        self.num_resident_reads += len(step.resident_blocks) * rt.num_layers
+        self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
+        cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
+                     for slots in self.cpu_slots]
+        rt.streamer.plan(step, cpu_slots, rt.layout.block_tokens, after=self._last_d2h)
+        rt.streamer.run(through_layer=rt.config.scheduler.lookahead_layers - 1)
+
+    def _assemble_fresh(self, layer: int, step: StepPlan, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """[nb, 2, H, T, D] blocks from the partial block's old tokens and the new tokens."""
+        rt = self.rt
+        T = rt.layout.block_tokens
+        num_blocks = step.num_blocks_after - step.first_block
+        offset = step.t0 - step.first_block * T
+        tokens = torch.zeros((2, num_blocks * T, *k_new.shape[1:]), dtype=k_new.dtype, device=k_new.device)
+        if offset:
+            old = rt.pool.resident[layer, rt.residency.slot_of(step.first_block)]  # [2, H, T, D]
+            tokens[:, :offset] = old[:, :, :offset].transpose(1, 2)
+        tokens[0, offset : offset + k_new.shape[0]] = k_new
+        tokens[1, offset : offset + k_new.shape[0]] = v_new
+        self._fresh[layer] = tokens[:, : offset + k_new.shape[0]]  # [2, num_fresh, H, D]
+        # [2, nb*T, H, D] -> [nb, 2, H, T, D]
+        return tokens.view(2, num_blocks, T, *k_new.shape[1:]).permute(1, 0, 3, 2, 4).contiguous()
+
+    def _write_back(self, layer: int, step: StepPlan, blocks: torch.Tensor) -> None:
+        """D2H the blocks that became full into pinned CPU-tier slots held by this sequence."""
+        rt = self.rt
+        num_full = step.num_fresh_full
+        if num_full == 0:
+            return
+        first = step.first_block
+        keys = [self._key(b, layer) for b in range(first, first + num_full)]
+        slots, evicted = rt.cpu.prepare_put(keys)
+        rt.chain.spill(0, evicted)
+        if any(s is None for s in slots):
+            rt.cpu.abort_put([k for k, s in zip(keys, slots) if s is not None])
+            raise CapacityError(
+                f"the CPU tier ({rt.cpu.num_slots} blocks) has no free slot for sequence {self.seq_id}: "
+                f"raise tiers[0].capacity_bytes"
+            )
+        handle = rt.engine.scatter_d2h(
+            blocks, torch.arange(num_full, dtype=torch.int64), rt.cpu.slab, torch.tensor(slots, dtype=torch.int64),
+            after=rt.engine.record_compute_event(),
+        )
+        self._pending_d2h.append((keys, handle))
+        self._last_d2h = handle
+        self.cpu_slots[layer].extend(slots)
+        self.block_keys[layer].extend(keys)
+
+    def _key(self, block_index: int, layer: int) -> str:
+        T = self.rt.layout.block_tokens
+        if len(self.token_ids) >= (block_index + 1) * T:
+            if len(self._hashes) <= block_index:
+                known = self.token_ids[: (block_index + 1) * T]
+                self._hashes = chain_block_hashes(known, T, self.rt.fingerprint)
+            return block_key(self._hashes[block_index], layer)
+        return f"anon-{self.seq_id}-{block_index}/L{layer}"
+
+    def _complete_finished_d2h(self, wait: bool = False) -> None:
+        still = []
+        for keys, handle in self._pending_d2h:
+            if wait:
+                handle.synchronize()
+            if handle.is_done():
+                self.rt.cpu.complete_put(keys, keep_pinned=True)
+            else:
+                still.append((keys, handle))
+        self._pending_d2h = still
+
+    # -- reads ----------------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [n, num_heads, head_dim] for the tokens of this step -> float32 [n, num_heads, head_dim]."""
+        rt = self.rt
+        step = self._step
+        acc = None
+        if step.resident_blocks:
+            acc = paged_partial_attention(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
+                                          step.resident_num_tokens, scale=scale, q_positions=step.q_positions)
+        for chunk in rt.streamer.chunks_for_layer(layer):
+            part = paged_partial_attention(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
+                                           scale=scale, q_positions=step.q_positions)
+            acc = part if acc is None else merge_partials([acc, part])
+        fresh = self._fresh[layer]
+        self._fresh[layer] = None
+        part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
+                                            k_positions=step.fresh_positions)
+        out, _ = part if acc is None else merge_partials([acc, part])
+        return out
+
+    def read_stats(self) -> dict:
+        """GPU hit rate at attention time: resident block reads over all block reads."""
+        total = self.num_resident_reads + self.num_streamed_reads
+        return {"resident_block_reads": self.num_resident_reads, "streamed_block_reads": self.num_streamed_reads,
+                "gpu_hit_rate": self.num_resident_reads / total if total else None}
+
+    # -- end ------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait for write-backs, publish content-addressed blocks for reuse, release the rest."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        self._complete_finished_d2h(wait=True)
+        keys = [k for layer_keys in self.block_keys for k in layer_keys]
+        self.rt.cpu.release(keys)
+        self.rt.cpu.remove_many([k for k in keys if k.startswith("anon-")])

@@ -1,0 +1,373 @@
+r"""Batched block transfers between a pinned CPU slab and a GPU slot pool.
+
+Primitives:
+    TransferEngine   gather_h2d / scatter_d2h: one launch per batch on a copy stream, no host sync
+    TransferHandle   one enqueued transfer: wait_on_current_stream, is_done, synchronize
+    pin_if_cuda      a pinned copy of a CPU tensor when CUDA is available
+
+Ordering. Each direction has its own copy stream, so gathers and scatters overlap on PCIe.
+
+ scatter (D2H) of blocks compute just wrote:
+    compute  --[write pool]--(E = record_compute_event())---------------------------->
+                                  \
+    "d2h"                          '--[wait E]--[slots up]--[copy_slots]--(handle.event)
+
+ gather (H2D) of blocks compute will read:
+    "h2d"    --[wait after]--[slots up]--[copy_slots]--(handle.event)
+                                                              \
+    compute  ------------------------------[handle.wait_on_current_stream()]--[read pool]-->
+
+The engine adds no order between its streams beyond `after` and one rule: slot tensors
+given on the device are read after the work already enqueued on the current stream. A gather
+that reads slab slots which a scatter may still be writing must pass `after=scatter_handle`.
+Tensors used by a transfer are kept alive by the engine until its event completes.
+
+Backends, fastest first: "cupy" (the copy_slots kernel), "torch_uva" (torch index ops on
+pinned memory seen through its device address), "copy_loop" (one copy_ per run of consecutive
+slots; it reads slot tensors on the host, so device slots cost a host sync). The first to pass
+a bit-exact self-test at construction is used; `backend_errors` says why others were skipped.
+A "cpu" engine uses "torch_cpu": index_select + index_copy_, synchronous, no streams.
+Invalid slots: CPU slot tensors are checked (ValueError); device slot tensors cannot be checked
+without a sync: the cupy kernel skips such pairs and counts them (`count_invalid_slots_sync`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from typing import Sequence, Union
+
+import torch
+
+from tierkv.transfer import kernels
+from tierkv.transfer.streams import HIGH_PRIORITY, EventPool, StreamPool
+
+logger = logging.getLogger(__name__)
+
+CUDA_BACKENDS = ("cupy", "torch_uva", "copy_loop")
+CPU_BACKEND = "torch_cpu"
+DIRECTIONS = ("h2d", "d2h")
+
+
+def pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
+    """`t` in pinned memory when CUDA is available (a copy unless already pinned), else `t`."""
+    if t.device.type != "cpu":
+        raise ValueError(f"t: expected a CPU tensor, got one on {t.device}")
+    if torch.cuda.is_available() and not t.is_pinned():
+        return t.pin_memory()
+    return t
+
+
+class TransferHandle:
+    """One enqueued transfer.
+
+    `event` is recorded on the copy stream after the copy (None on a CPU engine). It belongs
+    to the handle and goes back to the engine's pool when the handle is garbage-collected:
+    use it through the handle, do not keep it longer.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None, num_bytes: int, device: torch.device):
+        self.event = event
+        self.num_bytes = num_bytes
+        self.device = device
+
+    def wait_on_current_stream(self) -> None:
+        """Make the current stream wait for the copy (no host sync)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def is_done(self) -> bool:
+        """True once the copy has completed (polls, never blocks)."""
+        return self.event is None or self.event.query()
+
+    def synchronize(self) -> None:
+        """Host wait until the copy has completed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+After = Union[torch.cuda.Event, TransferHandle, Sequence[Union[torch.cuda.Event, TransferHandle]], None]
+
+
+class TransferEngine:
+    """Moves scattered fixed-size blocks between a pinned CPU slab and a device slot pool.
+
+    Not thread-safe: use one engine per thread that enqueues transfers.
+    """
+
+    def __init__(
+        self, device: torch.device | str, *, backend: str | None = None, max_ctas: int | None = None
+    ) -> None:
+        """`backend` forces one of CUDA_BACKENDS (RuntimeError if it fails its self-test);
+        `max_ctas` bounds the kernel grid (default: one CTA of 256 threads per SM)."""
+        self.device = _normalize_device(device)
+        self.backend_errors: dict[str, str] = {}
+        self.num_bytes_moved = {direction: 0 for direction in DIRECTIONS}
+        self._inflight: list[tuple[torch.cuda.Event, tuple]] = []
+        self._streams: StreamPool | None = None
+        self._events: EventPool | None = None
+        self._cupy_kernel: kernels.CupySlotKernel | None = None
+        if self.device.type == "cpu":
+            if backend not in (None, CPU_BACKEND):
+                raise ValueError(f"backend: {backend!r} needs CUDA; a cpu engine uses {CPU_BACKEND!r}")
+            self.backend = CPU_BACKEND
+            self.max_ctas = 0
+            return
+        self._streams = StreamPool(self.device)
+        self._events = EventPool()
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_ctas = max_ctas or num_sms
+        self._num_invalid = torch.zeros(1, dtype=torch.int64, device=self.device)  # int64 [1]
+        torch.cuda.synchronize(self.device)  # the zero-fill lands before any copy stream reads it
+        self.backend = self._select_backend(backend)
+
+    def gather_h2d(
+        self,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        dst: torch.Tensor,
+        dst_slots: torch.Tensor,
+        *,
+        after: After = None,
+    ) -> TransferHandle:
+        """Enqueue dst[dst_slots[i]] = src[src_slots[i]] for all i on the "h2d" copy stream.
+
+        src: [num_cpu_slots, *block_shape] CPU, pinned when CUDA; dst: [num_gpu_slots,
+        *block_shape] on the engine's device, same dtype; both contiguous. src_slots, dst_slots:
+        int64 [n] on the CPU or on the engine's device. The copy starts after `after` (events or
+        handles) and nothing else: if compute may still read or write the dst slots, pass
+        `after=engine.record_compute_event()`. Returns at once; duplicate dst slots leave an
+        unspecified winner.
+        """
+        return self._transfer("h2d", src, src_slots, dst, dst_slots, after)
+
+    def scatter_d2h(
+        self,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        dst: torch.Tensor,
+        dst_slots: torch.Tensor,
+        *,
+        after: After = None,
+    ) -> TransferHandle:
+        """Enqueue dst[dst_slots[i]] = src[src_slots[i]] on the "d2h" copy stream.
+
+        src: [num_gpu_slots, *block_shape] on the engine's device; dst: [num_cpu_slots,
+        *block_shape] CPU, pinned when CUDA. Pass `after=engine.record_compute_event()` when
+        compute just wrote src. Otherwise the same contract as gather_h2d.
+        """
+        return self._transfer("d2h", src, src_slots, dst, dst_slots, after)
+
+    def record_compute_event(self) -> torch.cuda.Event | None:
+        """A pooled event recorded on the current (compute) stream now; None on a cpu engine.
+
+        Give it back with `release_event` once nothing will wait on it any more.
+        """
+        if self._events is None:
+            return None
+        return self._events.record(torch.cuda.current_stream(self.device))
+
+    def release_event(self, event: torch.cuda.Event | None) -> None:
+        """Return an event from `record_compute_event` to the pool."""
+        if event is not None and self._events is not None:
+            self._events.release(event)
+
+    def stream(self, direction: str) -> torch.cuda.Stream:
+        """The copy stream of `direction` ("h2d" or "d2h")."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction: {direction!r} is not one of {DIRECTIONS}")
+        if self._streams is None:
+            raise ValueError(f"device: a {self.device} engine has no streams")
+        return self._streams.get(direction, priority=HIGH_PRIORITY)
+
+    def synchronize(self) -> None:
+        """Host wait for every transfer enqueued so far (tests, shutdown; not a hot path)."""
+        if self._streams is not None:
+            self._streams.synchronize_all()
+        self._reap()
+
+    def count_invalid_slots_sync(self) -> int:
+        """Slot pairs skipped by the kernel as out of range, since construction (host sync)."""
+        if self.device.type == "cpu":
+            return 0
+        self.synchronize()
+        return int(self._num_invalid.item())
+
+    def _transfer(self, direction, src, src_slots, dst, dst_slots, after) -> TransferHandle:
+        block_bytes = _check_transfer(direction, src, src_slots, dst, dst_slots, self.device)
+        num_bytes = src_slots.numel() * block_bytes
+        self.num_bytes_moved[direction] += num_bytes
+        if self.device.type == "cpu":
+            kernels.copy_slots_torch(src, src_slots, dst, dst_slots)
+            return TransferHandle(None, num_bytes, self.device)
+        self._reap()
+        stream = self.stream(direction)
+        current = torch.cuda.current_stream(self.device)
+        keepalive: tuple = (src, src_slots, dst, dst_slots)
+        with torch.cuda.stream(stream):
+            for event in _events_of(after):
+                stream.wait_event(event)
+            if src_slots.is_cuda or dst_slots.is_cuda:
+                stream.wait_stream(current)
+            if num_bytes:
+                keepalive += self._launch(direction, src, src_slots, dst, dst_slots, block_bytes)
+            event = self._events.record(stream)
+        self._inflight.append((event, keepalive))
+        handle = TransferHandle(event, num_bytes, self.device)
+        weakref.finalize(handle, self._events.release, event).atexit = False
+        return handle
+
+    def _launch(self, direction, src, src_slots, dst, dst_slots, block_bytes) -> tuple:
+        """Enqueue the copy on the current (copy) stream; returns tensors to keep alive."""
+        if self.backend == "copy_loop":
+            src_list, dst_list = src_slots.tolist(), dst_slots.tolist()  # host sync for device slots
+            _check_slot_list("src_slots", src_list, src.shape[0])
+            _check_slot_list("dst_slots", dst_list, dst.shape[0])
+            kernels.copy_slots_loop(src, src_list, dst, dst_list)
+            return ()
+        src_slots, dst_slots = self._slots_on_device(src_slots, dst_slots)
+        if self.backend == "cupy":
+            copy = kernels.SlotCopy(
+                src_address=src.data_ptr(),
+                num_src_slots=src.shape[0],
+                dst_address=dst.data_ptr(),
+                num_dst_slots=dst.shape[0],
+                src_slots_address=src_slots.data_ptr(),
+                dst_slots_address=dst_slots.data_ptr(),
+                num_pairs=src_slots.numel(),
+                block_bytes=block_bytes,
+            )
+            stream = torch.cuda.current_stream(self.device)
+            self._cupy_kernel.launch(copy, stream, self._num_invalid.data_ptr(), self.max_ctas)
+        else:  # torch_uva
+            host_is_src = direction == "h2d"
+            src_rows = self._rows(src, block_bytes, is_host=host_is_src)
+            dst_rows = self._rows(dst, block_bytes, is_host=not host_is_src)
+            word_bytes = kernels.vector_width(block_bytes, src.data_ptr(), dst.data_ptr())
+            kernels.copy_slots_torch(
+                kernels.as_word_rows(src_rows, word_bytes),
+                src_slots,
+                kernels.as_word_rows(dst_rows, word_bytes),
+                dst_slots,
+            )
+        return (src_slots, dst_slots)
+
+    def _rows(self, t: torch.Tensor, block_bytes: int, *, is_host: bool) -> torch.Tensor:
+        if is_host:
+            return kernels.pinned_as_cuda_rows(t, self.device, block_bytes)
+        return kernels.as_rows(t, block_bytes)
+
+    def _slots_on_device(self, src_slots, dst_slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device int64 slot tensors; CPU ones go up through pinned staging on the current stream."""
+        if not src_slots.is_cuda and not dst_slots.is_cuda:
+            both = torch.stack((src_slots, dst_slots)).pin_memory()  # int64 [2, n]
+            both = both.to(self.device, non_blocking=True)
+            return both[0], both[1]
+        return self._slot_tensor_on_device(src_slots), self._slot_tensor_on_device(dst_slots)
+
+    def _slot_tensor_on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        if slots.is_cuda:
+            return slots.contiguous()
+        return slots.pin_memory().to(self.device, non_blocking=True)
+
+    def _reap(self) -> None:
+        """Drop the references held for transfers whose event has completed."""
+        self._inflight = [job for job in self._inflight if not job[0].query()]
+
+    def _select_backend(self, requested: str | None) -> str:
+        if requested is not None and requested not in CUDA_BACKENDS:
+            raise ValueError(f"backend: {requested!r} is not one of {CUDA_BACKENDS}")
+        for name in (requested,) if requested else CUDA_BACKENDS:
+            try:
+                self._prepare_backend(name)
+                return name
+            except Exception as exc:  # kept in backend_errors and logged; a forced backend re-raises
+                reason = self.backend_errors[name] = f"{type(exc).__name__}: {exc}"
+                if requested:
+                    raise RuntimeError(f"backend: {name!r} is unavailable: {reason}") from exc
+                logger.warning("transfer backend %r unavailable, trying the next: %s", name, reason)
+        raise RuntimeError(f"no transfer backend works on {self.device}: {self.backend_errors}")
+
+    def _prepare_backend(self, name: str) -> None:
+        """Make `name` the backend and prove it with a bit-exact round trip (init only; syncs)."""
+        generator = torch.Generator().manual_seed(0)
+        # 8 blocks of 48 bytes: 16-byte words, like real KV blocks.
+        slab = torch.randint(-(2**15), 2**15, (8, 3, 8), generator=generator, dtype=torch.int16)
+        slab = pin_if_cuda(slab)
+        if name == "cupy":
+            self._cupy_kernel = kernels.CupySlotKernel()
+            self._cupy_kernel.check_host_address(slab.data_ptr())
+            self._cupy_kernel.compile(16, self.device.index)
+        self.backend = name
+        order = torch.randperm(8, generator=generator)
+        identity = torch.arange(8)
+        pool = torch.zeros(slab.shape, dtype=slab.dtype, device=self.device)
+        back = pin_if_cuda(torch.zeros_like(slab))
+        torch.cuda.synchronize(self.device)  # the zero-fill is on the current stream, not `after`
+        self.gather_h2d(slab, order, pool, identity).synchronize()
+        self.scatter_d2h(pool, identity, back, order).synchronize()
+        if not torch.equal(pool.cpu(), slab[order]) or not torch.equal(back, slab):
+            raise RuntimeError(f"self-test of backend {name!r} copied wrong bytes")
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device: {device} is neither cpu nor cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device} requested but CUDA is not available")
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _events_of(after: After) -> list[torch.cuda.Event]:
+    items = after if isinstance(after, (list, tuple)) else (after,)
+    events = [item.event if isinstance(item, TransferHandle) else item for item in items]
+    return [event for event in events if event is not None]
+
+
+def _check_transfer(direction, src, src_slots, dst, dst_slots, device: torch.device) -> int:
+    """Validate one transfer's arguments; returns block_bytes. Raises naming the argument."""
+    named = (("src", src), ("dst", dst), ("src_slots", src_slots), ("dst_slots", dst_slots))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    host_name = "src" if direction == "h2d" else "dst"
+    for name, t in named[:2]:
+        expected = torch.device("cpu") if name == host_name else device
+        if t.device != expected:
+            raise ValueError(f"{name}: expected a tensor on {expected}, got one on {t.device}")
+        if t.dim() < 1:
+            raise ValueError(f"{name}: expected shape [num_slots, *block_shape], got a 0-d tensor")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
+        if name == host_name and device.type == "cuda" and not t.is_pinned():
+            raise ValueError(f"{name}: the CPU slab must be in pinned memory (see pin_if_cuda)")
+    if dst.dtype != src.dtype:
+        raise ValueError(f"dst: dtype {dst.dtype} does not match src dtype {src.dtype}")
+    if dst.shape[1:] != src.shape[1:]:
+        raise ValueError(
+            f"dst: block shape {tuple(dst.shape[1:])} does not match src block shape {tuple(src.shape[1:])}"
+        )
+    for name, slots in named[2:]:
+        if slots.dtype != torch.int64 or slots.dim() != 1:
+            raise ValueError(f"{name}: expected int64 [n], got {slots.dtype} of shape {tuple(slots.shape)}")
+        if slots.device.type != "cpu" and slots.device != device:
+            raise ValueError(f"{name}: expected a tensor on cpu or {device}, got one on {slots.device}")
+    if dst_slots.numel() != src_slots.numel():
+        raise ValueError(f"dst_slots: {dst_slots.numel()} slots but src_slots has {src_slots.numel()}")
+    for name, slots, pool in (("src_slots", src_slots, src), ("dst_slots", dst_slots, dst)):
+        if slots.device.type == "cpu" and slots.numel():
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= pool.shape[0]:
+                bad = low if low < 0 else high
+                raise ValueError(f"{name}: slot {bad} is out of range [0, {pool.shape[0]})")
+    return math.prod(src.shape[1:]) * src.element_size()
+
+
+def _check_slot_list(name: str, slots: list[int], num_slots: int) -> None:
+    for slot in slots:
+        if not 0 <= slot < num_slots:
+            raise ValueError(f"{name}: slot {slot} is out of range [0, {num_slots})")
