@@ -38,12 +38,14 @@ def reference_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int]
     """Greedy tokens and per-step last-position logits with transformers' DynamicCache."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=reference.config)
-    logits = reference(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+    from tierkv.adapters.hf import forward_kwargs
+
+    kwargs = forward_kwargs(reference, DynamicCache(config=reference.config))
+    logits = reference(torch.tensor([ids]), **kwargs).logits[0, -1]
     tokens, all_logits = [], [logits]
     for _ in range(num_new):
         token = int(torch.argmax(logits))
         tokens.append(token)
-        logits = reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = reference(torch.tensor([[token]]), **kwargs).logits[0, -1]
         all_logits.append(logits)
     return tokens, all_logits

@@ -36,9 +36,10 @@ class TieredLLM:
             raise NotImplementedError("backend='vllm' is not available yet; use backend='transformers'")
         self.config = config if isinstance(config, TierKVConfig) else load_config(config)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
-        from tierkv.adapters.hf import runtime_for_model
+        from tierkv.adapters.hf import forward_kwargs, runtime_for_model
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
+        self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
         self.show_progress = show_progress
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self._totals = {"requests": 0, "prompt_tokens": 0, "prefix_tokens": 0, "generated_tokens": 0,
@@ -116,7 +117,7 @@ class TieredLLM:
         logits = None
         for pos in range(start, len(ids), chunk):
             piece = torch.tensor([ids[pos : pos + chunk]], device=device)
-            logits = self.model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = self.model(input_ids=piece, logits_to_keep=1, **self._cache_kwargs(cache)).logits[0, -1]
             progress.update(piece.shape[1])
         progress.close()
         return logits
@@ -136,7 +137,7 @@ class TieredLLM:
                 return generated, "length", _elapsed(start, device)
             cache.seq.token_ids.append(token)
             piece = torch.tensor([[token]], device=device)
-            logits = self.model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = self.model(input_ids=piece, logits_to_keep=1, **self._cache_kwargs(cache)).logits[0, -1]
 
     # -- input checks ------------------------------------------------------------------------------
     def _prompt_ids(self, index: int, prompt) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.models import build, reference_greedy
-from tierkv.adapters.hf import TieredCache, runtime_for_model
+from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model
 from tierkv.config import load_config
 
 CASES = [
@@ -38,15 +38,16 @@ def tiny_config(block_tokens: int, lookahead: int, chunk: int, *, num_layers: in
 @torch.no_grad()
 def tiered_greedy(model, runtime, ids: list[int], num_new: int, chunk: int):
     cache = TieredCache(runtime, ids)
+    kwargs = forward_kwargs(model, cache)
     logits = None
     for pos in range(0, len(ids), chunk):
-        logits = model(torch.tensor([ids[pos : pos + chunk]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([ids[pos : pos + chunk]]), **kwargs).logits[0, -1]
     tokens, all_logits = [], [logits]
     for _ in range(num_new):
         token = int(torch.argmax(logits))
         tokens.append(token)
         cache.seq.token_ids.append(token)
-        logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([[token]]), **kwargs).logits[0, -1]
         all_logits.append(logits)
     cache.finish()
     return tokens, all_logits

@@ -1,8 +1,10 @@
 """Tests of the Triton partial-attention kernels against the PyTorch reference.
 
 Two groups:
-  - interpreter tests: run on CPU through the Triton interpreter (see ``interp``);
-    skipped, with the reason, when triton is not installed or CUDA is present.
+  - interpreter tests (``test_interp_*``): run on CPU through the Triton interpreter;
+    skipped, with the reason, when triton is not installed. Where this process cannot
+    interpret (see ``_no_interpreter_reason``), ``test_interpreter_in_subprocess`` runs
+    them in a fresh process instead.
     float32 and float16 only: the interpreter's ``tl.dot`` multiplies bfloat16 operands
     as raw uint16 bits (triton 3.9), so bfloat16 is covered by the GPU tests.
   - ``@pytest.mark.gpu`` tests: bfloat16 on CUDA with Llama-3.1-8B layer shapes
@@ -17,7 +19,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -52,22 +56,30 @@ def _triton_imported_compiled() -> bool:
     return not isinstance(standard.sum, InterpretedFunction)
 
 
-@pytest.fixture
-def interp(monkeypatch) -> ModuleType:
-    """``triton_paged`` with its kernels running in the Triton interpreter on CPU tensors.
+def _no_interpreter_reason() -> str | None:
+    """Why this process cannot run the interpreter tests, or None when it can.
 
     triton picks interpreter or compiler per ``@triton.jit`` function at import time, its
-    own library functions included, and reads ``TRITON_INTERPRET`` again while running;
-    one process cannot mix the two. So these tests import triton with the variable set,
-    and skip where this process uses (or should use) compiled triton: with CUDA present,
-    run them apart with ``TRITON_INTERPRET=1 python -m pytest -m 'not gpu' <this file>``.
+    own library functions included, and reads ``TRITON_INTERPRET`` again while running,
+    so one process cannot mix the two. Where this one cannot interpret (CUDA present, or
+    triton already imported compiled by an earlier test), ``test_interpreter_in_subprocess``
+    runs the interpreter tests in a fresh process.
     """
     if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
+        return "triton is not installed (pip install triton)"
     if HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA present: kernels run compiled here; set TRITON_INTERPRET=1 to interpret")
+        return "CUDA present, triton runs compiled here; test_interpreter_in_subprocess runs these"
     if _triton_imported_compiled():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 earlier in this process")
+        return "triton was imported compiled earlier in this process; test_interpreter_in_subprocess runs these"
+    return None
+
+
+@pytest.fixture
+def interp(monkeypatch) -> ModuleType:
+    """``triton_paged`` with its kernels running in the Triton interpreter on CPU tensors."""
+    reason = _no_interpreter_reason()
+    if reason is not None:
+        pytest.skip(reason)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from tierkv.attention import triton_paged
 
@@ -223,6 +235,23 @@ def test_interp_contiguous_matches_reference(interp, gen, poisoned_empty, explic
     kwargs = dict(scale=0.25, q_positions=q_positions, k_positions=k_positions)
     check(interp.contiguous_partial_attention(q, kv[:, 0], kv[:, 1], **kwargs, num_splits=2),
           reference.contiguous_partial_attention(q, kv[:, 0], kv[:, 1], **kwargs), gen)
+
+
+@needs_triton
+@pytest.mark.skipif(os.environ.get("TIERKV_ATTENTION_CHILD") == "1", reason="already the child process")
+def test_interpreter_in_subprocess():
+    """Run the ``test_interp_*`` tests in a fresh CPU-only process when this one cannot."""
+    reason = _no_interpreter_reason()
+    if reason is None:
+        pytest.skip("the interpreter tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERKV_ATTENTION_CHILD="1")
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
+    result = subprocess.run(command, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True,
+                            timeout=900)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"child pytest failed ({summary}):\n{result.stdout[-8000:]}{result.stderr[-2000:]}"
+    assert " passed" in summary and "skipped" not in summary, f"child ran no interpreter test: {summary}"
+    print(f"interpreter tests in a child process: {summary}")
 
 
 # ---------------------------------------------------------------- CUDA, Llama-3.1-8B layer shapes

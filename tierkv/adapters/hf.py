@@ -7,12 +7,15 @@ Primitives: `TieredCache`, `TieredLayer`, `register` (attention + mask function 
     cache = TieredCache(runtime, token_ids=prompt_ids)
     model.generate(input_ids, past_key_values=cache)   # or model(...) step by step
 
-`TieredLayer.update` stores the new K/V in tierkv and hands the layer to the attention call
-through the model's kwargs; the "tierkv" attention function computes exact attention over
+`TieredLayer.update` stores the new K/V in tierkv and returns the key tensor tagged with the
+layer (the attention call receives that same tensor, in every transformers 5 release); the
+"tierkv" attention function computes exact attention over
 GPU-resident, streamed and fresh blocks (see `tierkv.sequence`). The mask function returns
 None: causality comes from token positions. One sequence per cache (batch size 1).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -25,7 +28,7 @@ from tierkv.runtime import KVRuntime
 from tierkv.sequence import SequenceKV
 
 ATTN_NAME = "tierkv"
-_LAYER_KWARG = "tierkv_layer"
+_LAYER_ATTR = "_tierkv_layer"
 
 
 class TieredLayer(CacheLayerMixin):
@@ -49,10 +52,7 @@ class TieredLayer(CacheLayerMixin):
                 "(TieredLLM.generate runs a batch of requests one after another)"
             )
         self.seq.append(self.layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
-        model_kwargs = kwargs.get("kwargs")
-        if not isinstance(model_kwargs, dict):
-            raise RuntimeError("this model's attention does not pass its kwargs to Cache.update; tierkv needs it")
-        model_kwargs[_LAYER_KWARG] = self
+        setattr(key_states, _LAYER_ATTR, self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -87,7 +87,7 @@ def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """query: [1, num_heads, n, head_dim] -> ([1, n, num_heads, head_dim], None)."""
-    layer = kwargs.get(_LAYER_KWARG)
+    layer = getattr(key, _LAYER_ATTR, None)
     if layer is None:
         raise RuntimeError("the 'tierkv' attention needs a TieredCache passed as past_key_values")
     if kwargs.get("sliding_window") is not None:
@@ -97,6 +97,12 @@ def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.seq.attend(layer.layer_idx, query[0].transpose(0, 1), scale)  # [n, H, D] float32
     return out.to(query.dtype).unsqueeze(0), None
+
+
+def forward_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
+    """The keyword that passes a cache to `model(...)`: `cache` in newer transformers, else `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def _no_mask(*args, **kwargs) -> None:
