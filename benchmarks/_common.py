@@ -12,6 +12,7 @@ Importing this module imports nothing heavy; torch is imported only by describe_
 from __future__ import annotations
 
 import datetime
+import os
 import json
 import shlex
 import subprocess
@@ -23,7 +24,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit(repo: Path = REPO_ROOT) -> str | None:
-    """HEAD commit of `repo` ("<sha>-dirty" with uncommitted tracked changes); None outside git."""
+    """HEAD commit of `repo` ("<sha>-dirty" with uncommitted tracked changes).
+
+    Outside a git checkout (the GPU machine gets a copy of the tree without .git) the
+    commit comes from $TIERKV_GIT_COMMIT, set by whoever sent the tree; else None.
+    """
+    if not (repo / ".git").exists():
+        return os.environ.get("TIERKV_GIT_COMMIT")
     try:
         sha = _git(repo, "rev-parse", "HEAD")
         dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
