@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
+from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 
@@ -154,20 +155,31 @@ class SequenceKV:
         """q: [n, num_heads, head_dim] for the tokens of this step -> float32 [n, num_heads, head_dim]."""
         rt = self.rt
         step = self._step
+        use_flash = can_use_flash(q)  # prefill chunks on CUDA: old keys all precede the queries
         acc = None
         if step.resident_blocks:
-            acc = paged_partial_attention(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
-                                          step.resident_num_tokens, scale=scale, q_positions=step.q_positions)
+            acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
+                                      step.resident_num_tokens, scale, use_flash)
         for chunk in rt.streamer.chunks_for_layer(layer):
-            part = paged_partial_attention(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
-                                           scale=scale, q_positions=step.q_positions)
+            part = self._attend_blocks(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
+                                       scale, use_flash)
             acc = part if acc is None else merge_partials([acc, part])
         fresh = self._fresh[layer]
         self._fresh[layer] = None
-        part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
-                                            k_positions=step.fresh_positions)
+        if use_flash and fresh.shape[1] == q.shape[0]:
+            part = flash_partial_attention(q, fresh[0], fresh[1], scale=scale, causal=True)
+        else:
+            part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
+                                                k_positions=step.fresh_positions)
         out, _ = part if acc is None else merge_partials([acc, part])
         return out
+
+    def _attend_blocks(self, q, pool, slots, start_pos, num_tokens, scale, use_flash):
+        if use_flash:  # full blocks, all before every query: no mask needed
+            k, v = gather_blocks(pool, slots)
+            return flash_partial_attention(q, k, v, scale=scale, causal=False)
+        return paged_partial_attention(q, pool, slots, start_pos, num_tokens, scale=scale,
+                                       q_positions=self._step.q_positions)
 
     def read_stats(self) -> dict:
         """GPU hit rate at attention time: resident block reads over all block reads."""
