@@ -72,3 +72,11 @@ def test_codec_round_trip_and_corruption(dtype):
     shape_flip[8] ^= 0x01  # first shape dim
     with pytest.raises(CorruptBlock):
         decode_block("k/L0", shape_flip)
+
+
+def test_extending_a_chain_equals_hashing_it_whole():
+    fp = model_fingerprint("m", 2, LAYOUT)
+    tokens = [random.randrange(1000) for _ in range(16 * 7)]
+    whole = chain_block_hashes(tokens, 16, fp)
+    head = chain_block_hashes(tokens[: 16 * 3], 16, fp)
+    assert head + chain_block_hashes(tokens[16 * 3 :], 16, fp, parent_hash=head[-1]) == whole

@@ -80,14 +80,18 @@ def model_fingerprint(model_id: str, num_layers: int, layout: BlockLayout, extra
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint: str) -> list[str]:
-    """Chained hashes of the blocks of a token sequence; the last entry covers a partial block."""
+def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint: str,
+                       parent_hash: str | None = None) -> list[str]:
+    """Chained hashes of the blocks of a token sequence; the last entry covers a partial block.
+
+    `parent_hash`: the hash of the block just before `token_ids` (to extend a chain).
+    """
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError(f"token_ids must be a flat sequence of ints, got shape {ids.shape}")
-    parent = hashlib.sha256(fingerprint.encode()).digest()
+    parent = bytes.fromhex(parent_hash) if parent_hash else hashlib.sha256(fingerprint.encode()).digest()
     hashes = []
     for start in range(0, len(ids), block_tokens):
         chunk = ids[start : start + block_tokens]

@@ -133,9 +133,10 @@ class SequenceKV:
     def _key(self, block_index: int, layer: int) -> str:
         T = self.rt.layout.block_tokens
         if len(self.token_ids) >= (block_index + 1) * T:
-            if len(self._hashes) <= block_index:
-                known = self.token_ids[: (block_index + 1) * T]
-                self._hashes = chain_block_hashes(known, T, self.rt.fingerprint)
+            if len(self._hashes) <= block_index:  # extend the chain over every full block known now
+                start, stop = len(self._hashes) * T, len(self.token_ids) // T * T
+                parent = self._hashes[-1] if self._hashes else None
+                self._hashes += chain_block_hashes(self.token_ids[start:stop], T, self.rt.fingerprint, parent)
             return block_key(self._hashes[block_index], layer)
         return f"anon-{self.seq_id}-{block_index}/L{layer}"
 
