@@ -35,7 +35,7 @@ def git_commit(repo: Path = REPO_ROOT) -> str | None:
         sha = _git(repo, "rev-parse", "HEAD")
         dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("TIERKV_GIT_COMMIT")
     return f"{sha}-dirty" if dirty else sha
 
 
