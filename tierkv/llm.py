@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from tierkv.config import TierKVConfig, load_config
+from tierkv.metrics import MetricsService, runtime_reads
 from tierkv.prefix import load_prefix
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next
 
@@ -44,6 +45,11 @@ class TieredLLM:
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self._totals = {"requests": 0, "prompt_tokens": 0, "prefix_tokens": 0, "generated_tokens": 0,
                         "prefill_s": 0.0, "decode_s": 0.0}
+        try:
+            self.metrics = MetricsService.from_config(self.config.metrics, self.stats, live_reads=runtime_reads(self.runtime))
+        except Exception:
+            self.runtime.close()
+            raise
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -67,6 +73,7 @@ class TieredLLM:
         return {"requests": dict(self._totals), **self.runtime.stats()}
 
     def close(self) -> None:
+        self.metrics.close()
         self.runtime.close()
 
     def __enter__(self) -> "TieredLLM":
@@ -105,6 +112,7 @@ class TieredLLM:
             self._totals[key] += stats[key]
         self._totals["prefix_tokens"] += num_prefix
         self._totals["requests"] += 1
+        self.metrics.record_request(stats)
         text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer is not None else None
         return RequestOutput(prompt_token_ids=ids, token_ids=generated, text=text, finish_reason=reason, stats=stats)
 

@@ -10,6 +10,7 @@ import torch
 
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.config import TierKVConfig
+from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
 from tierkv.sequence import CapacityError, SequenceKV
 from tierkv.storage import build_tiers
@@ -37,6 +38,7 @@ class KVRuntime:
         self.engine = TransferEngine(self.device)
         self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers)
         self.active: SequenceKV | None = None
+        self.prefetch_metrics = PrefetchRecorder(num_layers)  # the scheduler reports per-layer chunks here
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise CapacityError, before any work, when `num_tokens` of KV cannot live in the CPU tier."""
@@ -77,6 +79,7 @@ class KVRuntime:
             },
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
                        "kv_dtype": dtype_name(self.layout.dtype)},
+            "prefetch": self.prefetch_metrics.snapshot(),
             **self.chain.snapshot(),
         }
 

@@ -1,4 +1,12 @@
-"""In-process metrics: per-tier counters (hits, misses, bytes, latency)."""
-from tierkv.metrics.counters import LatencyHistogram, TierCounters
+"""In-process metrics: per-tier counters, snapshot lines (JSONL), a Prometheus endpoint.
 
-__all__ = ["LatencyHistogram", "TierCounters"]
+Primitives: `LatencyHistogram`, `TierCounters` (kept by every tier), `PrefetchRecorder` (what the
+prefetcher reports), `MetricsRecorder` (stats() -> snapshot lines), `MetricsService` (what the
+`metrics:` config section turns on). prometheus_client is imported only when an endpoint is served.
+"""
+from tierkv.metrics.counters import LatencyHistogram, TierCounters
+from tierkv.metrics.prefetch import PrefetchRecorder
+from tierkv.metrics.recorder import MetricsRecorder, runtime_reads
+from tierkv.metrics.service import MetricsService
+
+__all__ = ["LatencyHistogram", "MetricsRecorder", "MetricsService", "PrefetchRecorder", "TierCounters", "runtime_reads"]

@@ -1,0 +1,57 @@
+"""`tierkv config check`: prints the resolved config; bad configs exit 2 naming key and value."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from tierkv.cli import main
+from tierkv.config import load_config
+from tierkv.config_loader import to_dict
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_a_shipped_config_round_trips(capsys):
+    assert main(["config", "check", str(CONFIGS / "long-128k.yaml")]) == 0
+    captured = capsys.readouterr()
+    printed = yaml.safe_load(captured.out)
+    assert printed == to_dict(load_config(CONFIGS / "long-128k.yaml"))
+    assert load_config(printed, env={}) == load_config(CONFIGS / "long-128k.yaml")
+    assert "OK; GPU budget checked against the model's KV shape" in captured.err
+
+
+def test_environment_overrides_show_in_the_resolved_config(capsys, monkeypatch):
+    monkeypatch.setenv("TIERKV_CONFIG_FILE", str(CONFIGS / "default.yaml"))
+    monkeypatch.setenv("TIERKV_SCHEDULER__LOOKAHEAD_LAYERS", "5")
+    assert main(["config", "check", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["scheduler"]["lookahead_layers"] == 5 and printed["cache"]["gpu_budget_bytes"] == 1024**2
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_bad_configs_exit_2_naming_key_and_value(tmp_path, capsys):
+    cases = [
+        ("cache:\n  gpu_budjet_bytes: 1GiB\n", "config key 'cache.gpu_budjet_bytes'", "did you mean 'gpu_budget_bytes'"),
+        ("cache:\n  gpu_budget_bytes: 2 parsecs\n", "config key 'cache.gpu_budget_bytes'", "units"),
+        ("tiers:\n  - kind: tape\n", "config key 'tiers[0].kind'", "allowed: cpu, disk, redis"),
+        ("model: {name: m, num_layers: 32, num_kv_heads: 8, head_dim: 128, kv_dtype: bfloat16}\n"
+         "cache: {block_tokens: 64, gpu_budget_bytes: 64MiB}\n", "config key 'cache.gpu_budget_bytes'",
+         "sinks + window need"),
+        (": : :\n", "config key 'config_file'", "expected valid YAML"),
+    ]
+    for text, key, detail in cases:
+        assert main(["config", "check", write(tmp_path, text)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tierkv config check: error:") and key in err and detail in err, err
+
+
+def test_a_missing_file_exits_2(capsys):
+    assert main(["config", "check", "/no/such/config.yaml"]) == 2
+    assert "expected an existing YAML file" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""`tierkv plan`: the numbers for real model shapes, counted again by hand; bad arguments."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+
+LONG_128K = str(Path(__file__).resolve().parents[2] / "configs" / "long-128k.yaml")
+KIB = 1024
+
+
+def plan_json(capsys, *args) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llama_8b_at_128k_with_a_2gib_budget(capsys):
+    plan = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k", "--gpu-budget", "2GiB",
+                     "--config", LONG_128K, "--vllm-kv-pool", "10GiB")
+    assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 128 * KIB
+    assert plan["kv_bytes"] == 16 * KIB**3
+    block = 2 * 8 * 64 * 128 * 2  # 256 KiB: K+V, 8 heads, 64 tokens, 128 dims, bf16
+    assert plan["block_bytes"] == block
+    # by hand: 2 GiB / (256 KiB x 32 layers) = 256 slots per layer; window = 4096/64 + 1 = 65; front = 191
+    g = plan["gpu"]
+    assert (g["slots_per_layer"], g["window_blocks"], g["sink_blocks"], g["far_cache_blocks"]) == (256, 65, 1, 190)
+    # decoding token 131073: 2049 blocks per layer, 256 of them resident, the rest streamed
+    d = plan["decode_step"]
+    assert d["streamed_blocks_per_layer"] == 2049 - 256
+    assert d["streamed_bytes"] == 1793 * 32 * block
+    assert d["pcie_floor_s"] == pytest.approx(1793 * 32 * block / 55e9)
+    assert plan["cpu"]["fits"] is True
+    assert plan["vllm"]["kv_pool_needed_bytes"] == 16 * KIB**3 and plan["vllm"]["fits"] is False
+
+
+def test_text_output_names_tiers_floor_and_vllm_verdict(capsys):
+    assert main(["plan", "--model-config", "qwen2-7b", "--context", "32768", "--gpu-budget", "1GiB",
+                 "--vllm-kv-pool", "2GiB", "--h2d-gbps", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2-7b: 28 layers x 4 KV heads x 128 dims, bfloat16 -> 56.00 KiB of KV per token" in out
+    for needle in ("GPU  sinks", "GPU  far cache", "GPU  window", "GPU  staging", "CPU  all blocks",
+                   "PCIe floor", "at 25 GB/s H2D", "fits: vLLM alone can hold it"):
+        assert needle in out
+
+
+def test_a_local_config_json_is_read(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+        "torch_dtype": "float16", "max_position_embeddings": 1024, "_name_or_path": "tiny"}))
+    plan = plan_json(capsys, "--model-config", str(tmp_path), "--context", "2048", "--gpu-budget", "4MiB")
+    assert plan["model"]["head_dim"] == 64 and plan["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 2
+    assert main(["plan", "--model-config", str(tmp_path / "config.json"), "--context", "2048", "--gpu-budget", "4MiB"]) == 0
+    assert "warning     the model's max_position_embeddings is 1024" in capsys.readouterr().out
+
+
+def test_a_budget_that_holds_everything_streams_nothing(capsys):
+    plan = plan_json(capsys, "--model-config", "mistral-7b", "--context", "4096", "--gpu-budget", "4GiB")
+    assert plan["decode_step"]["streamed_bytes"] == 0 and plan["decode_step"]["pcie_floor_s"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model-config", "gpt-5", "--context", "1k"], "'gpt-5' is neither a preset"),
+    (["--model-config", "llama-3.1-8b", "--context", "12x"], "expected a positive number of tokens"),
+    (["--model-config", "llama-3.1-8b", "--context", "0"], "expected a positive number of tokens"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "lots"], "cannot read 'lots' as a size"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "1MiB"],
+     "--gpu-budget 1MiB: holds 0 blocks"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--h2d-gbps", "0"], "must be positive"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--config", "/no/such.yaml"], "config_file"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierkv plan: error:") and message in err
+
+
+def test_a_bad_config_json_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"hidden_size": 3}')
+    assert main(["plan", "--model-config", str(tmp_path), "--context", "1k"]) == 2
+    assert "not a transformers model config (KeyError" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""`tierkv run`: the demo model and a local checkpoint, metrics JSONL and report; bad arguments."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.models import build
+from tierkv.cli import main
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+model: {{name: cli-run-test}}
+cache: {{block_tokens: 16, gpu_budget_bytes: 384KiB, sink_tokens: 16, window_tokens: 32}}
+tiers:
+  - {{kind: cpu, capacity_bytes: 4MiB}}
+  - {{kind: disk, path: {tmp_path / 'disk'}, capacity_bytes: 16MiB}}
+scheduler: {{lookahead_layers: 1, staging_bytes: 128KiB, prefill_chunk_tokens: 64}}
+""")
+    return str(path)
+
+
+def test_demo_run_prints_tokens_a_prefill_bar_and_records_metrics(tmp_path, config_path, capsys):
+    jsonl, report = tmp_path / "m.jsonl", tmp_path / "r.html"
+    assert main(["run", "--demo", "--config", config_path, "--prompt-tokens", "300", "--max-new-tokens", "3",
+                 "--jsonl", str(jsonl), "--report", str(report)]) == 0
+    captured = capsys.readouterr()
+    tokens = captured.out.split()
+    assert len(tokens) == 3 and all(t.isdigit() for t in tokens)
+    assert "prefill" in captured.err and "300/300" in captured.err  # tqdm's bar, on stderr
+    assert "tierkv run: 300 prompt tokens (0 reused), 3 generated (length)" in captured.err
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [line["kind"] for line in lines][0] == "start" and lines[-1]["kind"] == "final"
+    request = next(line for line in lines if line["kind"] == "request")["request"]
+    assert request["prompt_tokens"] == 300 and request["generated_tokens"] == 3
+    assert report.read_text().startswith("<!doctype html>")
+
+
+def test_json_output_and_same_tokens_for_the_same_seed(config_path, capsys):
+    argv = ["run", "--demo", "--config", config_path, "--prompt-tokens", "40", "--max-new-tokens", "2", "--json",
+            "--quiet", "--temperature", "0.7", "--seed", "5"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 2
+    assert first["stats"]["prompt_tokens"] == 40 and "tiers" in first["totals"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    model, _ = build("llama", num_layers=2, seed=0)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_local_checkpoint_with_a_prompt_file_of_token_ids(checkpoint, config_path, tmp_path, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(1, 90))))
+    assert main(["run", "--model", str(checkpoint), "--config", config_path, "--prompt-file", str(ids),
+                 "--max-new-tokens", "2", "--quiet", "--device", "cpu"]) == 0
+    assert len(capsys.readouterr().out.split()) == 2
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--prompt", "hello"], "a text prompt needs a tokenizer"),
+    (["--prompt-file", "/no/such/prompt.txt"], "cannot read /no/such/prompt.txt"),
+    (["--prompt-tokens", "0"], "--prompt-tokens: got 0"),
+    (["--prompt-tokens", "20000"], "tiers[0].capacity_bytes"),
+])
+def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, extra, message):
+    assert main(["run", "--model", str(checkpoint), "--config", config_path, "--quiet", *extra]) == 2
+    last_line = capsys.readouterr().err.splitlines()[-1]  # after transformers' loading bar, when it loaded
+    assert last_line.startswith("tierkv run: error:") and message in last_line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--demo", "--prompt", "some text"], "the demo model has no tokenizer"),
+    (["run", "--model", "/no/such/model"], "give a prompt"),
+    (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "is not a directory"),
+    (["run", "--demo", "--max-new-tokens", "0"], "max_new_tokens: got 0"),
+    (["run", "--demo", "--top-p", "2"], "top_p: got 2.0"),
+    (["run", "--demo", "--config", "/no/such.yaml"], "config_file"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierkv run: error:") and message in err
+
+
+def test_missing_or_conflicting_model_is_a_usage_error(capsys):
+    for argv in (["run", "--prompt-tokens", "3"], ["run", "--demo", "--model", "x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

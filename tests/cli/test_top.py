@@ -1,0 +1,72 @@
+"""`tierkv top`: one frame of a recorded JSONL and of a live endpoint; errors."""
+from __future__ import annotations
+
+import pytest
+
+from tests.metrics.workload import record_jsonl
+from tierkv.cli import main
+from tierkv.metrics import MetricsRecorder
+from tierkv.metrics.server import start_metrics_server
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path, _, stats = record_jsonl(tmp_path_factory.mktemp("top"))
+    return path, stats
+
+
+def test_once_on_a_recorded_run_shows_the_figures(recorded, capsys):
+    path, stats = recorded
+    assert main(["top", "--jsonl", str(path), "--once"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    tiers = {t["tier"]: t for t in stats["tiers"]}
+    for tier in ("cpu", "disk"):
+        assert rows[tier][3:6] == [str(tiers[tier]["lookups"]), str(tiers[tier]["hits"]), str(tiers[tier]["misses"])]
+    assert rows["gpu"][1].endswith("%")
+    assert "snapshot 4 (final)" in out
+    assert "late chunks (stalls) 0" in out and "stall time not reported" in out
+    assert "precision -, recall - (no predictor has reported: exact mode)" in out
+    assert "requests  3: 609 prompt tokens (200 reused), 12 generated" in out
+
+
+def test_once_on_a_live_endpoint(capsys):
+    recorder = MetricsRecorder(lambda: {"transfer": {"h2d_bytes": 5, "d2h_bytes": 0}})
+    recorder.snapshot("start")
+    server = start_metrics_server(recorder, 0)
+    try:
+        assert main(["top", "--endpoint", server.url, "--once"]) == 0
+        assert f"tierkv top - {server.url} - run {recorder.run_id}" in capsys.readouterr().out
+    finally:
+        server.close()
+        recorder.close()
+    assert main(["top", "--endpoint", server.url, "--once"]) == 1
+    assert "tierkv top: error:" in capsys.readouterr().err
+
+
+def test_an_empty_jsonl_has_nothing_to_show(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["top", "--jsonl", str(tmp_path / "empty.jsonl"), "--once"]) == 1
+    assert "no snapshots in" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_metrics_is_named(tmp_path, capsys):
+    (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
+    assert main(["top", "--jsonl", str(tmp_path / "x.jsonl"), "--once"]) == 1
+    assert "x.jsonl:1: not a tierkv metrics snapshot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["top", "--jsonl", "/no/such.jsonl", "--once"], "no such file"),
+    (["top", "--endpoint", "127.0.0.1:1", "--once"], "expected http://host:port"),
+    (["top", "--jsonl", "x", "--interval", "0"], "--interval: got 0.0"),
+])
+def test_bad_arguments_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_source_is_required(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["top", "--once"])
+    assert exit_info.value.code == 2

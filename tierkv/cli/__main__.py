@@ -1,0 +1,5 @@
+import sys
+
+from tierkv.cli import main
+
+sys.exit(main())

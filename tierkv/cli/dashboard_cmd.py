@@ -1,0 +1,60 @@
+"""`tierkv dashboard`: serve the web dashboard, or write it as one static HTML file.
+
+    tierkv dashboard --jsonl run.jsonl                  serve http://127.0.0.1:8050/ until Ctrl-C
+    tierkv dashboard --endpoint http://127.0.0.1:9400   a running TieredLLM, through this server
+    tierkv dashboard --jsonl run.jsonl --html run.html  write a self-contained report and exit
+
+The server binds 127.0.0.1 unless --host says otherwise (it has no authentication).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("dashboard", help="serve the web dashboard or write it as HTML",
+                            description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--jsonl", metavar="PATH", help="a metrics JSONL file (re-read as it grows)")
+    source.add_argument("--endpoint", metavar="URL", help="a TieredLLM's metrics server, http://host:port")
+    p.add_argument("--html", metavar="OUT", help="write a static HTML report to OUT and exit")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="port to listen on; 0 picks a free one (default 8050)")
+    p.set_defaults(handler=run_dashboard)
+
+
+def run_dashboard(args) -> int:
+    from tierkv.cli import UsageError
+    from tierkv.dashboard import dashboard_app, serve, static_page
+    from tierkv.metrics.sources import SourceError, open_source
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port: got {args.port}; expected 0..65535")
+    try:
+        source = open_source(jsonl=args.jsonl, endpoint=args.endpoint)
+        if args.html:
+            lines, _ = source.lines_since(0)
+    except SourceError as exc:
+        raise UsageError(str(exc)) from None
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(static_page(lines, source=source.description))
+        print(f"tierkv dashboard: wrote {args.html} ({len(lines)} snapshots from {source.description})", file=sys.stderr)
+        return 0
+    try:
+        server = serve(dashboard_app(source), args.host, args.port)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"tierkv dashboard: {source.description} at {server.url}/ (Ctrl-C to stop)", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,237 @@
+"""`tierkv plan`: where one request's KV lives and what each decode step moves, without a model.
+
+Primitives: `KVShape`, `PRESETS`, `load_shape`, `make_plan`, `format_plan`, `parse_tokens`.
+
+    tierkv plan --model-config llama-3.1-8b --context 128k --gpu-budget 2GiB [--config YAML]
+                [--h2d-gbps 55] [--vllm-kv-pool 20GiB] [--json]
+
+Exact mode reads every block of every layer at every step; blocks that are not resident in the
+GPU hot window are streamed over PCIe, so bytes streamed / H2D bandwidth is a floor on the time
+of a decode step. 55 GB/s is the pinned H2D rate measured on an H200 (DESIGN.md); --h2d-gbps
+sets another. vLLM pre-allocates its KV pool and refuses to start unless one max_model_len
+request fits in it (16-token blocks, every layer).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_H2D_GBPS = 55.0
+VLLM_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class KVShape:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str = "bfloat16"
+    max_context: int | None = None  # the checkpoint's max_position_embeddings, when known
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+
+PRESETS = {  # KV shapes of the released checkpoints (config.json of each)
+    "llama-3.1-8b": KVShape("llama-3.1-8b", 32, 8, 128, max_context=131072),
+    "qwen2-7b": KVShape("qwen2-7b", 28, 4, 128, max_context=32768),  # Instruct; longer with YaRN
+    "mistral-7b": KVShape("mistral-7b", 32, 8, 128, max_context=32768),  # v0.3
+}
+
+
+def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
+    """A preset name, or a transformers config.json (or the directory holding one)."""
+    from tierkv.cli import UsageError
+
+    if spec in PRESETS:
+        shape = PRESETS[spec]
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UsageError(f"--model-config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
+        try:
+            cfg = json.loads(path.read_text())
+            heads = cfg["num_attention_heads"]
+            shape = KVShape(
+                name=cfg.get("_name_or_path") or path.parent.name, num_layers=cfg["num_hidden_layers"],
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                kv_dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+                max_context=cfg.get("max_position_embeddings"),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--model-config {path}: not a transformers model config ({type(exc).__name__}: {exc})") from None
+    return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
+
+
+def _dtype(name: str) -> str:
+    return name if name in DTYPE_BYTES else "bfloat16"
+
+
+def parse_tokens(text: str) -> int:
+    """'131072', '128k' (x1024) -> tokens."""
+    value = text.strip().lower()
+    scale = 1024 if value.endswith("k") else 1
+    digits = value[:-1] if scale > 1 else value
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(f"expected a positive number of tokens such as 131072 or 128k, got {text!r}")
+    return int(digits) * scale
+
+
+def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT_H2D_GBPS,
+              vllm_kv_pool_bytes: int | None = None) -> dict:
+    """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small."""
+    import torch
+
+    from tierkv.blocks import BlockLayout, dtype_from_name
+    from tierkv.scheduler.plan import plan_step
+    from tierkv.storage.gpu import plan_residency
+
+    cache, sched = config.cache, config.scheduler
+    T, L = cache.block_tokens, shape.num_layers
+    layout = BlockLayout(shape.num_kv_heads, T, shape.head_dim, dtype_from_name(shape.kv_dtype))
+    block = layout.num_bytes
+    residency = plan_residency(layout, L, cache.gpu_budget_bytes, cache.sink_tokens, cache.window_tokens)
+    num_regions = max(2, sched.lookahead_layers + 1)
+    region_blocks = sched.staging_bytes // (block * num_regions)
+    if region_blocks < 1:
+        from tierkv.config import ConfigError
+
+        raise ConfigError("scheduler.staging_bytes", sched.staging_bytes,
+                          f"must hold at least {num_regions} blocks of {block} bytes, one per staging region")
+    step = plan_step(residency, T, context, 1, torch.device("cpu"))  # the decode step after `context` tokens
+    num_blocks = -(-context // T)
+    sink_blocks = -(-cache.sink_tokens // T)
+    front = min(residency.num_front_blocks, num_blocks)
+    streamed = len(step.streamed_blocks)
+    streamed_bytes = streamed * L * block
+    cpu_blocks_needed = num_blocks * L
+    cpu = config.tiers[0]
+    vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
+    return {
+        "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
+        "kv_bytes": context * shape.kv_bytes_per_token, "block_tokens": T, "block_bytes": block,
+        "blocks_per_layer": num_blocks, "num_layers": L,
+        "gpu": {
+            "budget_bytes": cache.gpu_budget_bytes,
+            "sink_blocks": min(sink_blocks, front), "far_cache_blocks": max(0, front - sink_blocks),
+            "window_blocks": residency.num_window_blocks, "slots_per_layer": residency.slots_per_layer,
+            "resident_bytes": residency.slots_per_layer * L * block,
+            "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
+            "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block,
+        },
+        "cpu": {"capacity_bytes": cpu.capacity_bytes, "blocks_needed": cpu_blocks_needed,
+                "bytes_needed": cpu_blocks_needed * block, "fits": cpu_blocks_needed <= cpu.capacity_bytes // block},
+        "lower_tiers": [{"kind": t.kind, "capacity_bytes": t.capacity_bytes} for t in config.tiers[1:]],
+        "decode_step": {"streamed_blocks_per_layer": streamed, "streamed_bytes": streamed_bytes,
+                        "h2d_gbps": h2d_gbps, "pcie_floor_s": streamed_bytes / (h2d_gbps * 1e9)},
+        "vllm": {"block_tokens": VLLM_BLOCK_TOKENS, "kv_pool_needed_bytes": vllm_needed,
+                 "kv_pool_bytes": vllm_kv_pool_bytes,
+                 "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes},
+    }
+
+
+def format_plan(plan: dict) -> str:
+    from tierkv.units import format_bytes as fb
+
+    m, g, d, v = plan["model"], plan["gpu"], plan["decode_step"], plan["vllm"]
+    held = g["resident_bytes"] + g["staging_bytes"]
+    rows = [
+        f"model       {m['name']}: {plan['num_layers']} layers x {m['num_kv_heads']} KV heads x {m['head_dim']} dims,"
+        f" {m['kv_dtype']} -> {fb(plan['kv_bytes_per_token'])} of KV per token",
+        f"request     {plan['context_tokens']} tokens -> {fb(plan['kv_bytes'])} of KV ({plan['blocks_per_layer']} blocks"
+        f" of {plan['block_tokens']} tokens per layer, {fb(plan['block_bytes'])} each)",
+    ]
+    if m.get("max_context") and plan["context_tokens"] > m["max_context"]:
+        rows.append(f"warning     the model's max_position_embeddings is {m['max_context']} (longer needs rope scaling)")
+    rows += ["", *_tier_rows(plan), "",
+             f"decode step (exact mode) at {plan['context_tokens']} tokens: {g['resident_blocks_per_layer_at_decode']}"
+             f" blocks per layer read from the GPU, {d['streamed_blocks_per_layer']} streamed",
+             f"  H2D per step  {fb(d['streamed_bytes'])}"]
+    floor = d["pcie_floor_s"]
+    limit = f" (at most {1 / floor:.1f} tokens/s)" if floor > 0 else " (nothing streamed)"
+    rows += [f"  PCIe floor    {1e3 * floor:.1f} ms per token at {d['h2d_gbps']:g} GB/s H2D{limit}", "",
+             f"vLLM alone  one {plan['context_tokens']}-token request needs a GPU KV pool of"
+             f" {fb(v['kv_pool_needed_bytes'])} ({v['block_tokens']}-token blocks);"
+             f" tierkv holds {fb(held)} ({100 * held / v['kv_pool_needed_bytes']:.1f}%)"]
+    if v["kv_pool_bytes"] is None:
+        rows.append("            (pass --vllm-kv-pool SIZE to check a given pool)")
+    else:
+        verdict = "fits: vLLM alone can hold it" if v["fits"] else "does not fit: vLLM refuses to start with this max_model_len"
+        rows.append(f"            with --vllm-kv-pool {fb(v['kv_pool_bytes'])}: {verdict}")
+    return "\n".join(rows)
+
+
+def _tier_rows(plan: dict) -> list[str]:
+    from tierkv.units import format_bytes as fb
+
+    g, c, L, B = plan["gpu"], plan["cpu"], plan["num_layers"], plan["block_bytes"]
+
+    def row(tier: str, part: str, count: int, unit: str, num_bytes: int, what: str) -> str:
+        return f"  {tier:<5}{part:<11}{count:>7} {unit:<8}{fb(num_bytes):>12}   {what}"
+
+    rows = [f"tier layout (per layer, every layer alike; bytes for all {L} layers)",
+            row("GPU", "sinks", g["sink_blocks"], "blocks", g["sink_blocks"] * B * L, "first tokens, always resident"),
+            row("GPU", "far cache", g["far_cache_blocks"], "blocks", g["far_cache_blocks"] * B * L, "the next oldest blocks"),
+            row("GPU", "window", g["window_blocks"], "blocks", g["window_blocks"] * B * L,
+                "most recent tokens + the block being filled"),
+            row("GPU", "staging", g["staging_regions"], "regions", g["staging_bytes"], "ring the streamed blocks pass through"),
+            row("CPU", "all blocks", plan["blocks_per_layer"], "blocks", c["bytes_needed"],
+                f"every full block is written back; tier 0 holds {fb(c['capacity_bytes'])}: "
+                + ("fits" if c["fits"] else "DOES NOT FIT, the request is refused (raise tiers[0].capacity_bytes)"))]
+    for tier in plan["lower_tiers"]:
+        rows.append(f"  {tier['kind']:<5}{'spill':<11}{'':>7} {'':<8}"
+                    f"{fb(tier['capacity_bytes']) if tier['capacity_bytes'] else 'server policy':>12}"
+                    "   blocks of earlier requests, for prefix reuse")
+    held = g["resident_bytes"] + g["staging_bytes"]
+    rows.append(f"GPU KV held {fb(held)} = resident {fb(g['resident_bytes'])} (budget {fb(g['budget_bytes'])})"
+                f" + staging {fb(g['staging_bytes'])}")
+    return rows
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("plan", help="tier layout, bytes per decode step, PCIe floor, vLLM check",
+                            description=__doc__.splitlines()[0])
+    p.add_argument("--model-config", required=True, metavar="PRESET|PATH",
+                   help=f"a preset ({', '.join(PRESETS)}) or a transformers config.json / model directory")
+    p.add_argument("--context", required=True, metavar="TOKENS", help="tokens in the request, e.g. 131072 or 128k")
+    p.add_argument("--gpu-budget", metavar="SIZE", help="GPU bytes for KV, e.g. 2GiB (default: the config's)")
+    p.add_argument("--config", metavar="YAML", help="tierkv config (block size, window, tiers; default: built-in)")
+    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV dtype (default: the model's)")
+    p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS, help="host-to-GPU bandwidth, GB/s (default 55)")
+    p.add_argument("--vllm-kv-pool", metavar="SIZE", help="GPU KV pool vLLM would have, e.g. 20GiB")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(handler=run_plan)
+
+
+def run_plan(args) -> int:
+    from tierkv.cli import UsageError
+    from tierkv.config import ConfigError, load_config
+    from tierkv.units import parse_bytes
+
+    try:
+        context = parse_tokens(args.context)
+        budget = parse_bytes(args.gpu_budget) if args.gpu_budget is not None else None
+        pool = parse_bytes(args.vllm_kv_pool) if args.vllm_kv_pool is not None else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if budget is not None and budget <= 0 or pool is not None and pool <= 0 or args.h2d_gbps <= 0:
+        raise UsageError("--gpu-budget, --vllm-kv-pool and --h2d-gbps must be positive")
+    config = load_config(args.config)
+    if budget is not None:
+        config.cache.gpu_budget_bytes = budget
+    shape = load_shape(args.model_config, args.kv_dtype)
+    try:
+        plan = make_plan(shape, context, config, h2d_gbps=args.h2d_gbps, vllm_kv_pool_bytes=pool)
+    except ConfigError as exc:
+        if exc.key == "cache.gpu_budget_bytes" and budget is not None:
+            raise UsageError(f"--gpu-budget {args.gpu_budget}: {exc.allowed}") from None
+        raise
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0

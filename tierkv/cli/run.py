@@ -1,0 +1,145 @@
+"""`tierkv run`: generate from a prompt with a model directory (or the built-in demo model).
+
+    tierkv run --model /models/Llama-3.1-8B-Instruct --config configs/long-128k.yaml --prompt-file doc.txt
+    tierkv run --demo --prompt-tokens 8192 --jsonl run.jsonl --report run.html
+
+The prompt is text (needs the model's tokenizer), a file of text, or a file holding a JSON list
+of token ids; --demo makes a random prompt of --prompt-tokens. The generated text (or token ids)
+goes to stdout; a progress bar on prefill (for prompts longer than four prefill chunks) and a
+summary go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("run", help="generate from a prompt", description=__doc__.splitlines()[0])
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", metavar="DIR", help="local transformers checkpoint directory")
+    model.add_argument("--demo", action="store_true", help="the built-in random-weight Llama-architecture model")
+    p.add_argument("--config", metavar="YAML", help="tierkv config (default: $TIERKV_CONFIG_FILE, built-in defaults;"
+                   " with --demo, configs/default.yaml)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="text, or a JSON list of token ids")
+    prompt.add_argument("--prompt-tokens", type=int, metavar="N", help="a random prompt of N token ids (default with --demo: 2048)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed and random-prompt seed")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: CUDA when present)")
+    p.add_argument("--jsonl", metavar="PATH", help="append metrics snapshots to PATH (metrics.jsonl_path)")
+    p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve /metrics and the live dashboard")
+    p.add_argument("--report", metavar="HTML", help="write the dashboard of this run as one static HTML file")
+    p.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.set_defaults(handler=run_generate)
+
+
+def run_generate(args) -> int:
+    from tierkv.cli import UsageError
+    from tierkv.config import load_config
+    from tierkv.sampling import SamplingParams
+
+    prompt = _read_prompt(args)  # before loading anything: a bad prompt fails fast
+    if args.demo and isinstance(prompt, str):
+        raise UsageError("the demo model has no tokenizer: use --prompt-tokens N or a --prompt-file of token ids")
+    try:
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed if args.temperature > 0 else None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    config = load_config(args.config if args.config or not args.demo else _demo_config())
+    if args.jsonl or args.report:
+        config.metrics.jsonl_path = args.jsonl or str(Path(args.report).with_suffix(".jsonl"))
+    if args.prometheus_port is not None:
+        config.metrics.prometheus_port = args.prometheus_port
+    llm = _make_llm(args, config)
+    with llm:
+        if llm.metrics.url and not args.quiet:
+            print(f"tierkv run: metrics and live dashboard at {llm.metrics.url}/", file=sys.stderr)
+        if isinstance(prompt, int):
+            prompt = _random_prompt(prompt, llm.vocab_size, args.seed)
+        try:
+            (out,) = llm.generate([prompt], sampling)
+        except ValueError as exc:  # bad prompt, or a request the CPU tier cannot hold
+            raise UsageError(str(exc)) from None
+        stats = llm.stats()
+    _print(args, out, stats)
+    if args.report:
+        from tierkv.dashboard import write_report
+
+        write_report(config.metrics.jsonl_path, args.report)
+        if not args.quiet:
+            print(f"tierkv run: report written to {args.report}", file=sys.stderr)
+    return 0
+
+
+def _read_prompt(args) -> str | list | int:
+    """Text, token ids, or the length of a random prompt to make once the vocabulary is known."""
+    from tierkv.cli import UsageError
+
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--prompt-file: cannot read {args.prompt_file}: {exc.strerror}") from None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        return value if isinstance(value, list) else text
+    if args.prompt_tokens is None and not args.demo:
+        raise UsageError("give a prompt: --prompt TEXT, --prompt-file PATH or --prompt-tokens N")
+    num_tokens = 2048 if args.prompt_tokens is None else args.prompt_tokens
+    if num_tokens < 1:
+        raise UsageError(f"--prompt-tokens: got {num_tokens}; must be at least 1")
+    return num_tokens
+
+
+def _random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(0, vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _demo_config():
+    from tierkv.demo import DEFAULT_CONFIG
+
+    return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
+
+
+def _make_llm(args, config):
+    from tierkv.cli import UsageError
+    from tierkv.llm import TieredLLM
+
+    if args.demo:
+        from tierkv.demo import tiny_llama
+
+        return TieredLLM(tiny_llama(), config, show_progress=not args.quiet)
+    if not Path(args.model).is_dir():
+        raise UsageError(f"--model: {args.model!r} is not a directory (expected a local transformers checkpoint)")
+    return TieredLLM(args.model, config, device=args.device, show_progress=not args.quiet)
+
+
+def _print(args, out, stats) -> None:
+    from tierkv.units import format_bytes as fb
+
+    if args.json:
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                          "stats": out.stats, "totals": stats}, default=str))
+        return
+    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    if args.quiet:
+        return
+    s = out.stats
+    hit = "n/a" if s["gpu_hit_rate"] is None else f"{100 * s['gpu_hit_rate']:.1f}%"
+    print(f"tierkv run: {s['prompt_tokens']} prompt tokens ({s['prefix_tokens']} reused), {s['generated_tokens']} generated"
+          f" ({out.finish_reason}); prefill {s['prefill_s']:.2f} s, decode {s['decode_s']:.2f} s; GPU hit rate {hit};"
+          f" H2D {fb(s['h2d_bytes'])}, D2H {fb(s['d2h_bytes'])}, stalls {s['stalls']}", file=sys.stderr)

@@ -1,0 +1,96 @@
+"""The dashboard as a WSGI app, and a small threaded server to run any WSGI app on loopback.
+
+Primitives: `dashboard_app(source)`, `serve(app, host, port) -> RunningServer`.
+
+    GET /                          the page (polls api/snapshots every second)
+    GET /static/<file>             dashboard.js, dashboard.css, uPlot
+    GET /api/snapshots?since=N     {"lines": [...], "next": M, "source": "..."}; 502 {"error"} when
+                                   the source cannot be read (missing file, endpoint down)
+"""
+from __future__ import annotations
+
+import json
+import threading
+from socketserver import ThreadingMixIn
+from typing import Callable, Iterable
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from tierkv.dashboard.page import STATIC_DIR, STATIC_FILES, live_page
+from tierkv.metrics.sources import SourceError
+
+WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
+
+
+def respond(start_response, status: str, body: bytes, content_type: str) -> list[bytes]:
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))),
+                            ("Cache-Control", "no-store")])
+    return [body]
+
+
+def json_response(start_response, status: str, value: object) -> list[bytes]:
+    return respond(start_response, status, json.dumps(value, default=str).encode(), "application/json")
+
+
+def dashboard_app(source, *, poll_ms: int = 1000) -> WsgiApp:
+    """`source` has `lines_since(n) -> (lines, next)` and `description` (tierkv.metrics.sources)."""
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "/")
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            return respond(start_response, "405 Method Not Allowed", b"GET only\n", "text/plain")
+        if path in ("/", "/index.html"):
+            return respond(start_response, "200 OK", live_page(poll_ms=poll_ms).encode(), "text/html; charset=utf-8")
+        if path.startswith("/static/") and path[len("/static/"):] in STATIC_FILES:
+            file_name, content_type = STATIC_FILES[path[len("/static/"):]]
+            return respond(start_response, "200 OK", (STATIC_DIR / file_name).read_bytes(), content_type)
+        if path == "/api/snapshots":
+            query = parse_qs(environ.get("QUERY_STRING", ""))
+            try:
+                since = int(query.get("since", ["0"])[0])
+            except ValueError:
+                return json_response(start_response, "400 Bad Request", {"error": "since: expected an integer"})
+            try:
+                lines, next_n = source.lines_since(max(0, since))
+            except SourceError as exc:
+                return json_response(start_response, "502 Bad Gateway", {"error": str(exc)})
+            return json_response(start_response, "200 OK", {"lines": lines, "next": next_n, "source": source.description})
+        return respond(start_response, "404 Not Found", f"no such page: {path}\n".encode(), "text/plain")
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
+        pass
+
+
+class RunningServer:
+    """A WSGI app served on a daemon thread; `close()` stops it and frees the port."""
+
+    def __init__(self, app: WsgiApp, host: str, port: int):
+        self._server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tierkv-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+
+def serve(app: WsgiApp, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Serve `app` on host:port (0: a free port) until `close()`."""
+    return RunningServer(app, host, port)

@@ -1,0 +1,71 @@
+"""The dashboard page: served (the browser polls for snapshots) or written as one static file.
+
+Primitives: `live_page`, `static_page`, `write_report`, `STATIC_DIR`, `STATIC_FILES`.
+
+    static/index.html     the page; <!--TIERKV_HEAD--> and <!--TIERKV_SCRIPTS--> are filled here
+    static/dashboard.js   reads snapshot lines, draws the charts and tables
+    static/vendor/        uPlot (MIT), the charting library, unmodified
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tierkv.metrics.sources import JsonlSource
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_FILES = {  # URL path under static/ -> (file, content type)
+    "dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+    "uPlot.iife.min.js": ("vendor/uPlot.iife.min.js", "text/javascript; charset=utf-8"),
+    "uPlot.min.css": ("vendor/uPlot.min.css", "text/css; charset=utf-8"),
+}
+
+
+def _fill(head: str, scripts: str) -> str:
+    template = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
+    return template.replace("<!--TIERKV_HEAD-->", head).replace("<!--TIERKV_SCRIPTS-->", scripts)
+
+
+def _config_script(config: dict) -> str:
+    return f"<script>window.TIERKV = {_script_json(config)};</script>"
+
+
+def _script_json(value: object) -> str:
+    """JSON that is safe inside a script element: no "<" at all (it only occurs inside strings)."""
+    return json.dumps(value, default=str).replace("<", "\\u003c")
+
+
+def live_page(*, poll_ms: int = 1000) -> str:
+    """The page as a server sends it: assets under static/, data from api/snapshots."""
+    head = '<link rel="stylesheet" href="static/uPlot.min.css">\n<link rel="stylesheet" href="static/dashboard.css">'
+    scripts = "\n".join([
+        _config_script({"mode": "live", "poll_ms": poll_ms}),
+        '<script src="static/uPlot.iife.min.js"></script>',
+        '<script src="static/dashboard.js"></script>',
+    ])
+    return _fill(head, scripts)
+
+
+def static_page(lines: list[dict], *, source: str = "") -> str:
+    """One self-contained HTML file: styles, uPlot, the app and the data inlined."""
+    def asset(name: str) -> str:
+        return (STATIC_DIR / STATIC_FILES[name][0]).read_text(encoding="utf-8")
+
+    head = f"<style>{asset('uPlot.min.css')}</style>\n<style>{asset('dashboard.css')}</style>"
+    scripts = "\n".join([
+        _config_script({"mode": "static", "source": source}),
+        f'<script type="application/json" id="tierkv-data">{_script_json(lines)}</script>',
+        f"<script>{asset('uPlot.iife.min.js')}</script>",
+        f"<script>{asset('dashboard.js')}</script>",
+    ])
+    return _fill(head, scripts)
+
+
+def write_report(jsonl_path: str | Path, out_path: str | Path) -> int:
+    """Write the static report of a recorded JSONL file; returns the number of snapshot lines."""
+    lines, _ = JsonlSource(jsonl_path).lines_since(0)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(static_page(lines, source=f"recorded: {Path(jsonl_path).name}"), encoding="utf-8")
+    return len(lines)

@@ -1,0 +1,75 @@
+"""What the prefetcher reports about itself: per-layer chunks on time or late, wait time, and
+the precision and recall of a sparse selection.
+
+Primitives: `PrefetchRecorder` (`record_chunk`, `record_selection`, `snapshot`).
+
+Nothing here is estimated. A figure nobody has reported is None (or absent for the per-layer
+arrays), so exact mode, which has no predictor, shows precision and recall as None:
+
+    precision = |prefetched and needed| / |prefetched|      recall = |prefetched and needed| / |needed|
+
+The scheduler calls it from the host, after it consumed a chunk or compared a selection:
+
+    recorder.record_chunk(layer, is_late=g >= num_issued, wait_s=0.0012)
+    recorder.record_selection(num_prefetched=512, num_used=480, num_needed=500)
+"""
+from __future__ import annotations
+
+import threading
+
+
+class PrefetchRecorder:
+    """Thread-safe running totals; `snapshot()` returns plain data for `KVRuntime.stats()`."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._chunks = [0] * num_layers
+        self._late_chunks = [0] * num_layers
+        self._wait_s = [0.0] * num_layers
+        self._stall_s = 0.0
+        self._num_chunks_reported = 0
+        self._num_prefetched = 0
+        self._num_used = 0
+        self._num_needed = 0
+        self._num_selections = 0
+
+    def record_chunk(self, layer: int, *, is_late: bool, wait_s: float | None = None) -> None:
+        """One streamed chunk of `layer` consumed; `is_late`: it was not copied ahead of need."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: got {layer}; expected 0..{self.num_layers - 1}")
+        with self._lock:
+            self._chunks[layer] += 1
+            self._late_chunks[layer] += int(is_late)
+            self._wait_s[layer] += wait_s or 0.0
+            self._stall_s += (wait_s or 0.0) if is_late else 0.0
+            self._num_chunks_reported += 1
+
+    def record_selection(self, *, num_prefetched: int, num_used: int, num_needed: int) -> None:
+        """Blocks a predictor prefetched, how many of them attention used, how many it needed."""
+        if not 0 <= num_used <= min(num_prefetched, num_needed):
+            raise ValueError(
+                f"num_used: got {num_used}; must be in [0, min(num_prefetched={num_prefetched}, num_needed={num_needed})]"
+            )
+        with self._lock:
+            self._num_prefetched += num_prefetched
+            self._num_used += num_used
+            self._num_needed += num_needed
+            self._num_selections += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            snap: dict = {"precision": None, "recall": None, "stall_s": None}
+            if self._num_selections:
+                snap.update(
+                    precision=self._num_used / self._num_prefetched if self._num_prefetched else None,
+                    recall=self._num_used / self._num_needed if self._num_needed else None,
+                    prefetched_blocks=self._num_prefetched, used_blocks=self._num_used,
+                    needed_blocks=self._num_needed,
+                )
+            if self._num_chunks_reported:
+                snap["stall_s"] = self._stall_s
+                snap["late_chunks"] = sum(self._late_chunks)
+                snap["layers"] = {"chunks": list(self._chunks), "late_chunks": list(self._late_chunks),
+                                  "wait_s": list(self._wait_s)}
+            return snap

@@ -1,0 +1,110 @@
+"""Where a viewer (`tierkv dashboard`, `tierkv top`) reads snapshot lines from.
+
+Primitives: `JsonlSource`, `EndpointSource`, `RecorderSource`, `SourceError`, `open_source`.
+
+Each has `lines_since(n) -> (lines, next_n)`: the lines numbered n and later, and the number to
+ask from next time (`[], n` when nothing is new). Numbers are the source's own:
+
+    JsonlSource     line index in the file; re-reads only what was appended (a running recorder)
+    EndpointSource  a running TieredLLM's metrics server, GET {url}/api/snapshots?since=n
+    RecorderSource  a MetricsRecorder in this process (what the metrics server itself serves)
+"""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tierkv.metrics.snapshot import SCHEMA
+
+
+class SourceError(RuntimeError):
+    """A source cannot be read: missing or malformed file, unreachable or wrong endpoint."""
+
+
+class JsonlSource:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SourceError(f"{self.path}: no such file (expected a JSONL written by a tierkv metrics recorder)")
+        self.description = str(self.path)
+        self._lines: list[dict] = []
+        self._offset = 0
+        self._lock = threading.Lock()
+
+    def _read_new(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError as exc:
+            raise SourceError(f"{self.path}: cannot read ({exc.strerror})") from None
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        for raw in data[:end].splitlines():
+            if raw.strip():
+                self._lines.append(parse_line(raw, f"{self.path}:{len(self._lines) + 1}"))
+        self._offset += end
+
+    def lines_since(self, n: int) -> tuple[list[dict], int]:
+        with self._lock:
+            self._read_new()
+            return self._lines[n:], len(self._lines)
+
+
+class EndpointSource:
+    def __init__(self, url: str, *, timeout_s: float = 2.0):
+        if not url.startswith(("http://", "https://")):
+            raise SourceError(f"endpoint: got {url!r}; expected http://host:port of a TieredLLM's metrics server")
+        self.url = url.rstrip("/")
+        self.description = self.url
+        self.timeout_s = timeout_s
+        self._lines: list[dict] = []
+        self._remote_next = 0
+        self._lock = threading.Lock()
+
+    def lines_since(self, n: int) -> tuple[list[dict], int]:
+        with self._lock:
+            url = f"{self.url}/api/snapshots?since={self._remote_next}"
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                    body = json.loads(response.read())
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                raise SourceError(f"{url}: {getattr(exc, 'reason', exc)}") from None
+            if not isinstance(body, dict) or "lines" not in body or "next" not in body:
+                raise SourceError(f"{url}: not a tierkv metrics endpoint (no 'lines' and 'next' in the reply)")
+            for i, line in enumerate(body["lines"]):
+                self._lines.append(check_line(line, f"{url} line {i}"))
+            self._remote_next = body["next"]
+            return self._lines[n:], len(self._lines)
+
+
+class RecorderSource:
+    def __init__(self, recorder):
+        self.recorder = recorder
+        self.description = f"this process (run {recorder.run_id})"
+
+    def lines_since(self, n: int) -> tuple[list[dict], int]:
+        return self.recorder.lines_since(n)
+
+
+def open_source(*, jsonl: str | None = None, endpoint: str | None = None):
+    if (jsonl is None) == (endpoint is None):
+        raise SourceError("give exactly one of a JSONL file or an endpoint URL")
+    return JsonlSource(jsonl) if jsonl is not None else EndpointSource(endpoint)
+
+
+def parse_line(raw: bytes | str, where: str) -> dict:
+    try:
+        line = json.loads(raw)
+    except ValueError as exc:
+        raise SourceError(f"{where}: not JSON ({exc})") from None
+    return check_line(line, where)
+
+
+def check_line(line: object, where: str) -> dict:
+    if not isinstance(line, dict) or line.get("schema") != SCHEMA:
+        found = line.get("schema") if isinstance(line, dict) else type(line).__name__
+        raise SourceError(f"{where}: not a tierkv metrics snapshot (schema {found!r}, expected {SCHEMA!r})")
+    return line
