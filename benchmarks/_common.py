@@ -27,15 +27,15 @@ def git_commit(repo: Path = REPO_ROOT) -> str | None:
     """HEAD commit of `repo` ("<sha>-dirty" with uncommitted tracked changes).
 
     Outside a git checkout (the GPU machine gets a copy of the tree without .git) the
-    commit comes from $TIERKV_GIT_COMMIT, set by whoever sent the tree; else None.
+    commit comes from $BENCH_GIT_COMMIT, set by whoever sent the tree; else None.
     """
     if not (repo / ".git").exists():
-        return os.environ.get("TIERKV_GIT_COMMIT")
+        return os.environ.get("BENCH_GIT_COMMIT")
     try:
         sha = _git(repo, "rev-parse", "HEAD")
         dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("TIERKV_GIT_COMMIT")
+        return os.environ.get("BENCH_GIT_COMMIT")
     return f"{sha}-dirty" if dirty else sha
 
 
