@@ -68,6 +68,21 @@ class TieredLLM:
                 raise type(exc)(f"request {i}: {exc}") from None
         return [self._run_one(ids, sampling) for ids in requests]
 
+    def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
+        """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; outputs do not change.
+
+        Shrinking returns the memory to the driver. With `wait`, blocks until it took effect
+        (a running request applies it at its next forward step).
+        """
+        from tierkv.units import parse_bytes
+
+        num_bytes = parse_bytes(budget)
+        if num_bytes <= 0:
+            raise ValueError(f"budget: got {budget!r}; must be positive")
+        self.runtime.set_gpu_budget(num_bytes)
+        if wait and not self.runtime.wait_for_budget(timeout_s):
+            raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s")
+
     def stats(self) -> dict:
         """Running totals since construction: requests, tokens, times, tiers, transfers."""
         return {"requests": dict(self._totals), **self.runtime.stats()}

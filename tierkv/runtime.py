@@ -6,10 +6,13 @@ One sequence runs at a time per runtime: it owns the GPU hot window while it run
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.config import TierKVConfig
+from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
 from tierkv.sequence import CapacityError, SequenceKV
@@ -38,7 +41,48 @@ class KVRuntime:
         self.engine = TransferEngine(self.device)
         self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers)
         self.active: SequenceKV | None = None
+        self._budget_lock = threading.RLock()
+        self._pending_budget: tuple[int, object] | None = None
+        self._budget_applied = threading.Event()
+        self._budget_applied.set()
+        self.gpu_bytes_returned = 0
+        self.num_budget_changes = 0
         self.prefetch_metrics = PrefetchRecorder(num_layers)  # the scheduler reports per-layer chunks here
+
+    def set_gpu_budget(self, budget_bytes: int) -> None:
+        """Resize the GPU hot window to `budget_bytes` (all layers).
+
+        With no sequence running it happens now; with one running, when its next forward step
+        starts (call `wait_for_budget` to block until then). Raises ConfigError, changing
+        nothing, when sinks + window do not fit the new budget.
+        """
+        cache = self.config.cache
+        residency = plan_residency(self.layout, self.num_layers, budget_bytes, cache.sink_tokens, cache.window_tokens)
+        with self._budget_lock:
+            self._pending_budget = (budget_bytes, residency)
+            self._budget_applied.clear()
+            if self.active is None or self.active.is_finished:  # idle: nothing can start meanwhile
+                self._apply_locked(None)
+
+    def wait_for_budget(self, timeout_s: float | None = None) -> bool:
+        """Block until the last `set_gpu_budget` has taken effect; False on timeout."""
+        return self._budget_applied.wait(timeout_s)
+
+    def apply_pending_budget(self, seq: SequenceKV | None) -> None:
+        """Called between forward steps: swap in a pending hot-window size, if any."""
+        with self._budget_lock:
+            self._apply_locked(seq)
+
+    def _apply_locked(self, seq: SequenceKV | None) -> None:
+        pending, self._pending_budget = self._pending_budget, None
+        if pending is None:
+            return
+        budget_bytes, residency = pending
+        freed = resize_hot_window(self, residency, seq)
+        self.config.cache.gpu_budget_bytes = budget_bytes
+        self.gpu_bytes_returned += max(freed, 0)
+        self.num_budget_changes += 1
+        self._budget_applied.set()
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise CapacityError, before any work, when `num_tokens` of KV cannot live in the CPU tier."""
@@ -52,9 +96,11 @@ class KVRuntime:
             )
 
     def new_sequence(self, token_ids: list[int] | None = None) -> SequenceKV:
-        if self.active is not None and not self.active.is_finished:
-            raise RuntimeError(f"sequence {self.active.seq_id} is still running; finish it first")
-        self.active = SequenceKV(self, token_ids)
+        with self._budget_lock:
+            if self.active is not None and not self.active.is_finished:
+                raise RuntimeError(f"sequence {self.active.seq_id} is still running; finish it first")
+            self._apply_locked(None)
+            self.active = SequenceKV(self, token_ids)
         return self.active
 
     def stats(self) -> dict:
@@ -66,6 +112,8 @@ class KVRuntime:
                 "staging_bytes": self.pool.staging_bytes,
                 "budget_bytes": self.config.cache.gpu_budget_bytes,
                 "resident_blocks_per_layer": self.residency.slots_per_layer,
+                "returned_bytes": self.gpu_bytes_returned,
+                "budget_changes": self.num_budget_changes,
             },
             "transfer": {
                 "h2d_bytes": self.engine.num_bytes_moved["h2d"],

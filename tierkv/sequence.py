@@ -80,6 +80,7 @@ class SequenceKV:
     def _begin_step(self, n: int) -> None:
         rt = self.rt
         self._complete_finished_d2h()
+        rt.apply_pending_budget(self)
         step = plan_step(rt.residency, rt.layout.block_tokens, self.num_tokens[0], n, rt.device)
         self._step = step
         self.num_resident_reads += len(step.resident_blocks) * rt.num_layers
@@ -139,6 +140,10 @@ class SequenceKV:
                 self._hashes += chain_block_hashes(self.token_ids[start:stop], T, self.rt.fingerprint, parent)
             return block_key(self._hashes[block_index], layer)
         return f"anon-{self.seq_id}-{block_index}/L{layer}"
+
+    def wait_for_write_back(self) -> None:
+        """Host wait until every block written back so far is in the CPU tier."""
+        self._complete_finished_d2h(wait=True)
 
     def _complete_finished_d2h(self, wait: bool = False) -> None:
         still = []

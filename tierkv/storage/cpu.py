@@ -49,29 +49,49 @@ class CpuTier(StorageTier):
             return key in self._slot_of
 
     def get(self, key: str) -> torch.Tensor | None:
-        with self.counters.timed("get"), self._lock:
-            slot = self._slot_of.get(key)
-            if slot is None:
-                self.counters.record_lookups(0, 1, 0)
-                return None
-            self._slot_of.move_to_end(key)
-            block = self.slab[slot].clone()
-        self.counters.record_lookups(1, 0, self.layout.num_bytes)
-        return block
+        return self.get_many([key])[0]
 
     def put(self, key: str, block: torch.Tensor) -> PutResult:
-        self._check_block(key, block)
+        return self.put_many([key], [block])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Hits are rows of one fresh [num_hits, *layout.shape] tensor the caller owns; None for a miss.
+
+        One lock, one gather and one counter update for the whole batch; each hit becomes the
+        most recently used block, in key order.
+        """
+        with self.counters.timed("get"), self._lock:
+            slots = [self._slot_of.get(key) for key in keys]
+            for key, slot in zip(keys, slots):
+                if slot is not None:
+                    self._slot_of.move_to_end(key)
+            hit_slots = [slot for slot in slots if slot is not None]
+            if hit_slots:  # gather while locked: a later put may reuse these slots
+                rows = iter(self.slab.index_select(0, torch.tensor(hit_slots)).unbind(0))
+        num_hits = len(hit_slots)
+        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
+        return [None if slot is None else next(rows) for slot in slots]
+
+    def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Store blocks in key order under one lock, as a loop of put() would; all are checked first."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
+        for key, block in zip(keys, blocks):
+            self._check_block(key, block)  # all or nothing: fail before the first write
+        results = []
         with self.counters.timed("put"), self._lock:
-            result = self._allocate(key)
-            if not result.ok:
-                self.counters.add(put_failures=1)
-                return result
-            slot = self._pending.pop(key)
-            self.slab[slot].copy_(block)
-            self._slot_of[key] = slot
-            self._unpin(key)
-        self.counters.add(puts=1, bytes_written=self.layout.num_bytes)
-        return result
+            for key, block in zip(keys, blocks):
+                result, slot = self._take_slot(key)  # no pin: nobody sees the slot before it is indexed
+                if result.ok:
+                    self.slab[slot].copy_(block)
+                    self._slot_of[key] = slot
+                results.append(result)
+        num_stored = sum(r.ok for r in results)
+        self.counters.add(
+            puts=num_stored, put_failures=len(results) - num_stored, bytes_written=num_stored * self.layout.num_bytes,
+            evictions=sum(len(r.evicted) for r in results),
+        )  # fmt: skip
+        return results
 
     def remove(self, key: str) -> bool:
         with self._lock:
@@ -103,6 +123,7 @@ class CpuTier(StorageTier):
                 result = self._allocate(key)
                 evicted.extend(result.evicted)
                 slots.append(self._pending[key] if result.ok else None)
+        self.counters.add(evictions=len(evicted))
         return slots, evicted
 
     def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
@@ -140,26 +161,35 @@ class CpuTier(StorageTier):
 
     # -- internals ---------------------------------------------------------------------------
     def _allocate(self, key: str) -> PutResult:
-        """Reserve a pinned pending slot for key (reusing its slot when it exists). Lock held."""
+        """Reserve a pinned pending slot for key (see `_take_slot`). Lock held."""
+        result, slot = self._take_slot(key)
+        if result.ok:
+            self._pending[key] = slot
+            self._pins[key] += 1
+        return result
+
+    def _take_slot(self, key: str) -> tuple[PutResult, int | None]:
+        """A slot for key: its own, a free one, or the LRU unpinned block's. Lock held.
+
+        The slot is in no index when this returns; an evicted block's bytes (cloned) are in the
+        result, and the caller counts the eviction.
+        """
         if key in self._pending:
-            return PutResult(ok=False, error=f"{self.name}: block {key} is already being written")
+            return PutResult(ok=False, error=f"{self.name}: block {key} is already being written"), None
         evicted = []
         if key in self._slot_of:
             if self._pins[key] > 0:
-                return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader")
+                return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader"), None
             slot = self._slot_of.pop(key)
         elif self._free_slots:
             slot = self._free_slots.pop()
         else:
             victim = next((k for k in self._slot_of if self._pins[k] <= 0), None)
             if victim is None:
-                return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned")
+                return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
             slot = self._slot_of.pop(victim)
             evicted.append((victim, self.slab[slot].clone()))
-            self.counters.add(evictions=1)
-        self._pending[key] = slot
-        self._pins[key] += 1
-        return PutResult(ok=True, evicted=evicted)
+        return PutResult(ok=True, evicted=evicted), slot
 
     def _unpin(self, key: str) -> None:
         self._pins[key] -= 1

@@ -14,8 +14,17 @@ cache, a power loss may lose recent blocks, and a file the kernel had not writte
 short or zeroed, which the checksum catches (a miss, counted, the file removed).
 `fsync=True` syncs each file before its rename and the directory after: a device flush per put.
 
+A put of a key the tier holds, whose stored header equals the new one (same key, shape, dtype
+and CRC-32 of the payload: the usual case, keys being content hashes), writes nothing: the
+block only becomes the most recent (a rename over an existing file costs several creates on
+ext4). The stored payload is not read back: a damaged file still fails its checksum on the next
+read. Different bytes under a held key are rewritten, except in the 2^-32 case of an equal
+CRC-32, which keeps the older block (still self-consistent, so never served torn).
+
 The index (key, LRU order) lives in memory and is rebuilt on start by scanning the directory,
-oldest mtime first; get() refreshes a file's mtime so the order survives a restart. Capacity,
+oldest mtime first; a get (or a put that finds the block) refreshes the file's mtime when it is
+over a minute old, so the order survives a restart to within a minute without making every read
+a metadata write (the idea of relatime). Capacity,
 used_bytes and the byte counters count block bytes (layout.num_bytes per block; the ~100-byte
 header is not counted). One DiskTier owns a directory: two live tiers on one path would evict
 each other's files (and still never serve wrong bytes: reads check the stored key and checksum).
@@ -26,18 +35,19 @@ import errno
 import itertools
 import logging
 import os
+import time
 import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import unquote
 
 import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock, decode_block, encode_block
+from tierkv.storage.codec import CorruptBlock, encode_block, header_num_bytes, verify_block
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +55,7 @@ _BLOCK_SUFFIX = ".blk"
 _TMP_SUFFIX = ".tierkv-tmp"
 _HEX = frozenset("0123456789abcdef")
 _MAX_NAME_BYTES = 200  # quoted key + suffix; leaves room for the temp suffix under NAME_MAX
-_PAYLOAD_ALIGN = 64  # read buffers place the payload at this alignment
+_TOUCH_INTERVAL_S = 60.0  # a used block's mtime is rewritten at most this often
 
 
 class DiskTier(StorageTier):
@@ -98,16 +108,7 @@ class DiskTier(StorageTier):
             return key in self._lru
 
     def get(self, key: str) -> torch.Tensor | None:
-        self._check_open()
-        with self.counters.timed("get"):
-            with self._lock:
-                known = key in self._lru
-                if known:
-                    self._lru.move_to_end(key)
-            block = self._read(key, self._file_path(key), touch=True) if known else None
-            hit = block is not None
-            self.counters.record_lookups(int(hit), int(not hit), self.layout.num_bytes if hit else 0)
-            return block
+        return self.get_many([key])[0]
 
     def put(self, key: str, block: torch.Tensor) -> PutResult:
         self._check_block(key, block)
@@ -116,9 +117,13 @@ class DiskTier(StorageTier):
             final = self._file_path(key)
             if len(os.path.basename(final).encode()) > _MAX_NAME_BYTES:
                 raise ValueError(f"{self.name}: key {key[:80]!r}... is too long for a file name")
+            parts = encode_block(key, block)  # [header with the CRC-32, payload]
+            if self._refresh_if_stored(key, final, parts[0]):
+                self.counters.add(puts=1)
+                return PutResult(True)
             tmp = self._tmp_path(final)
             try:
-                self._write_file(tmp, encode_block(key, block))
+                self._write_file(tmp, parts)
                 with self._lock:
                     os.replace(tmp, final)
                     victims = self._commit(key)
@@ -140,18 +145,37 @@ class DiskTier(StorageTier):
         return True
 
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        if len(keys) < 2 or self._num_io_threads == 1:
-            return super().get_many(keys)
-        return list(self._io_pool().map(self.get, keys))
+        """Hits are rows of one fresh [num_known, *layout.shape] tensor the caller owns; None for a miss.
+
+        Files are read on the I/O threads, each straight into its row; one lock, one timer and
+        one counter update for the batch.
+        """
+        self._check_open()
+        with self.counters.timed("get"):
+            with self._lock:
+                known = [i for i, key in enumerate(keys) if key in self._lru]
+                for i in known:
+                    self._lru.move_to_end(keys[i])
+            batch = self.layout.empty(len(known))  # [num_known, *layout.shape], one allocation
+            payloads = _payload_views(batch)
+
+            def read(i: int, payload: memoryview) -> bool:
+                return self._read_into(keys[i], self._file_path(keys[i]), payload, touch=True)
+
+            is_read = self._run_spread(read, known, payloads)
+            blocks: list[torch.Tensor | None] = [None] * len(keys)
+            for i, row, ok in zip(known, batch.unbind(0), is_read):
+                blocks[i] = row if ok else None
+            num_hits = sum(is_read)
+            self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
+        return blocks
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
         if len(keys) != len(blocks):
             raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
         for key, block in zip(keys, blocks):
             self._check_block(key, block)  # all or nothing: fail before the first write
-        if len(keys) < 2 or self._num_io_threads == 1:
-            return super().put_many(keys, blocks)
-        return list(self._io_pool().map(self.put, keys, blocks))
+        return self._run_spread(self.put, keys, blocks)
 
     def close(self) -> None:
         with self._lock:
@@ -187,37 +211,72 @@ class DiskTier(StorageTier):
             os.close(fd)
 
     def _read(self, key: str, path: str, touch: bool) -> torch.Tensor | None:
-        """The verified block in `path`, or None; a corrupt file is counted and removed."""
+        """The verified block in `path` in a new tensor, or None (see `_read_into`)."""
+        block = self.layout.empty(1)
+        return block[0] if self._read_into(key, path, _payload_views(block)[0], touch) else None
+
+    def _read_into(self, key: str, path: str, payload: memoryview, touch: bool) -> bool:
+        """Read the block file at `path` into `payload` (layout.num_bytes) and verify it; False for a miss.
+
+        A corrupt file is counted and removed. The header and the payload are read apart (one
+        preadv), the payload straight into the caller's buffer: no copy after the read.
+        """
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:  # removed or evicted since the index said it was here
             self._forget_if_gone(key, path)
-            return None
+            return False
         except OSError as exc:
             self._io_error("open", path, exc)
-            return None
+            return False
+        header = bytearray(header_num_bytes(key, len(self.layout.shape)))
         try:
             stat = os.fstat(fd)
-            # One uninitialised buffer the returned tensor keeps; the payload (at the file's end)
-            # lands at an aligned address, so decode_block can hand it over without a copy.
-            pad = -(stat.st_size - self.layout.num_bytes) % _PAYLOAD_ALIGN
-            buf = memoryview(torch.empty(pad + stat.st_size, dtype=torch.uint8).numpy())[pad:]
-            num_read = _read_all(fd, buf)
+            is_whole = stat.st_size == len(header) + payload.nbytes
+            num_read = _read_all(fd, [header, payload]) if is_whole else None
             if touch:
-                os.utime(fd)  # the LRU order by mtime survives a restart
+                _touch(fd, stat)
         except OSError as exc:
             self._io_error("read", path, exc)
-            return None
+            return False
         finally:
             os.close(fd)
         try:
-            block = decode_block(key, buf[:num_read], copy=False)
-            if tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype:
-                raise CorruptBlock(f"block {key}: shape {tuple(block.shape)} {block.dtype} is not this tier's layout")
-        except (ValueError, RuntimeError) as exc:  # CorruptBlock, or a header that lies about the shape
+            if not is_whole or num_read != stat.st_size:
+                expected = len(header) + payload.nbytes
+                raise CorruptBlock(f"block {key}: file is {stat.st_size} bytes (read {num_read}), not {expected}")
+            dtype, shape = verify_block(key, header, payload)
+            if shape != self.layout.shape or dtype != self.layout.dtype:
+                raise CorruptBlock(f"block {key}: shape {shape} {dtype} is not this tier's layout")
+        except CorruptBlock as exc:
             self._drop_corrupt(key, path, stat, exc)
-            return None
-        return block
+            return False
+        return True
+
+    def _refresh_if_stored(self, key: str, final: str, header: bytes) -> bool:
+        """True when `final` holds this block already; it becomes the most recent instead of being rewritten.
+
+        Same header means the same key, shape, dtype and CRC-32 of the payload. The file itself is
+        not read: a damaged one still fails its checksum on the next read (a miss, counted).
+        """
+        with self._lock:  # no eviction, removal or rename of `final` while we look
+            if key not in self._lru:
+                return False
+            try:
+                fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    stat = os.fstat(fd)
+                    is_same = stat.st_size == len(header) + self.layout.num_bytes
+                    is_same = is_same and os.pread(fd, len(header), 0) == header
+                    if is_same:
+                        _touch(fd, stat)
+                finally:
+                    os.close(fd)
+            except OSError:  # gone or unreadable: write it anew
+                return False
+            if is_same:
+                self._lru.move_to_end(key)
+            return is_same
 
     def _put_failed(self, key: str, exc: OSError) -> PutResult:
         code = errno.errorcode.get(exc.errno or 0, "OSError")
@@ -336,6 +395,19 @@ class DiskTier(StorageTier):
             self._unlink(self._file_path(key))
             self.counters.add(evictions=1)
 
+    def _run_spread(self, fn: Callable[[Any, Any], Any], xs: Sequence, ys: Sequence) -> list:
+        """[fn(x, y) for x, y in zip(xs, ys)], in num_io_threads contiguous runs on the I/O threads.
+
+        One task per thread rather than per block: a task hand-off costs about what a small
+        file's syscalls do, and the threads would queue on the GIL for it.
+        """
+        num_runs = min(self._num_io_threads, len(xs))
+        if num_runs < 2:
+            return list(map(fn, xs, ys))
+        bounds = [len(xs) * run // num_runs for run in range(num_runs + 1)]
+        runs = [(xs[a:b], ys[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [r for results in self._io_pool().map(lambda run: list(map(fn, *run)), runs) for r in results]
+
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             self._check_open()
@@ -369,14 +441,33 @@ def _write_all(fd: int, parts: list) -> None:
             views[0] = views[0][written:]
 
 
-def _read_all(fd: int, buf: memoryview) -> int:
+def _read_all(fd: int, buffers: list) -> int:
+    """Fill `buffers` in order from the start of the file; fewer bytes only at end of file."""
+    views = [memoryview(b).cast("B") for b in buffers]
     num_read = 0
-    while num_read < buf.nbytes:
-        n = os.readv(fd, [buf[num_read:]])
+    while views:
+        n = os.preadv(fd, views, num_read)
         if n == 0:
             break
         num_read += n
+        while views and n >= views[0].nbytes:
+            n -= views.pop(0).nbytes
+        if n:
+            views[0] = views[0][n:]
     return num_read
+
+
+def _payload_views(blocks: torch.Tensor) -> list[memoryview]:
+    """A writable byte view of each block of `blocks` ([num_blocks, ...], contiguous, CPU)."""
+    flat = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())
+    step = blocks[0].numel() * blocks.element_size() if len(blocks) else 0
+    return [flat[i * step : (i + 1) * step] for i in range(len(blocks))]
+
+
+def _touch(fd: int, stat: os.stat_result) -> None:
+    """Mark a block file used now, unless its mtime is already recent (see the module docstring)."""
+    if time.time() - stat.st_mtime >= _TOUCH_INTERVAL_S:
+        os.utime(fd)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -8,7 +8,9 @@ Primitives: `RedisTier`.
 Every operation is a batch on the wire: get_many is MGET, put_many a pipeline of SET (PX when
 ttl_s is set), contains_many a pipeline of EXISTS, remove_many a pipeline of DEL; the
 single-block forms are batches of one. Batches are split so that one round trip carries at most
-about 64 MiB.
+about 64 MiB. The SETs are framed here (`_send_sets`), so that each value goes out as its
+header and the caller's payload buffer, never joined into one copy; get_many decodes each MGET
+round trip into one fresh tensor, whose rows it returns.
 
 Failures never reach the caller. A connection error or timeout marks the tier unhealthy for
 `retry_interval_s`; meanwhile every operation answers at once (misses, PutResult(ok=False),
@@ -35,7 +37,7 @@ import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock, decode_block, encode_block_bytes
+from tierkv.storage.codec import CorruptBlock, decode_block_into, encode_block
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class RedisTier(StorageTier):
         self._client = _connect(redis, url, timeout_s)
         self._link_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._redis_error = redis.exceptions.RedisError
+        self._response_error = redis.exceptions.ResponseError
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._batch_len = max(1, _BATCH_BYTES // (layout.num_bytes + 256))
         self.max_blocks = None if capacity_bytes is None else capacity_bytes // layout.num_bytes
@@ -101,6 +104,7 @@ class RedisTier(StorageTier):
         return removed
 
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Hits are rows of one fresh tensor per round trip, which the caller owns; None for a miss."""
         self._check_open()
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
@@ -110,12 +114,12 @@ class RedisTier(StorageTier):
                 ok, values = self._call(lambda client: client.mget(chunk))
                 if not ok:
                     break
-                for i, value in enumerate(values, start):
-                    answered.append(i)
-                    if value is None:
-                        continue
+                answered += range(start, start + len(chunk))
+                found = [(i, value) for i, value in enumerate(values, start) if value is not None]
+                for (i, value), row in zip(found, self.layout.empty(len(found)).unbind(0)):
                     try:
-                        blocks[i] = self._decode(keys[i], value)
+                        decode_block_into(keys[i], value, row)
+                        blocks[i] = row
                     except CorruptBlock as exc:
                         logger.warning("%s: dropping corrupt value: %s", self.name, exc)
                         corrupt.append(keys[i])
@@ -138,8 +142,8 @@ class RedisTier(StorageTier):
         with self.counters.timed("put"):
             for start in range(0, len(keys), self._batch_len):
                 chunk_keys = keys[start : start + self._batch_len]
-                values = [encode_block_bytes(k, b) for k, b in zip(chunk_keys, blocks[start : start + self._batch_len])]
-                ok, replies = self._call(lambda client: self._set_pipeline(client, chunk_keys, values))
+                values = [encode_block(k, b) for k, b in zip(chunk_keys, blocks[start : start + self._batch_len])]
+                ok, replies = self._call(lambda client: self._send_sets(client, chunk_keys, values))
                 if not ok:
                     error = f"{self.name}: redis unavailable ({self.last_error})"
                     results += [PutResult(False, error) for _ in range(len(keys) - start)]
@@ -218,11 +222,37 @@ class RedisTier(StorageTier):
             replies += [default if isinstance(r, Exception) else r for r in chunk_replies]
         return replies
 
-    def _set_pipeline(self, client: Any, keys: Sequence[str], values: list[bytes]) -> list[Any]:
-        pipe = client.pipeline(transaction=False)
-        for key, value in zip(keys, values):
-            pipe.set(self._redis_key(key), value, px=self._ttl_ms)
-        return pipe.execute(raise_on_error=False)
+    def _send_sets(self, client: Any, keys: Sequence[str], values: list[list]) -> list[Any]:
+        """Pipelined SETs of values given as buffers ([header, payload]); one reply (or error) per key.
+
+        redis-py would join each value into one bytes object first (a block-sized copy); here the
+        RESP frames are written around the buffers on a pooled connection, and the replies read
+        the way redis-py's pipeline reads them. A link error drops the connection and propagates.
+        """
+        px = b"" if self._ttl_ms is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(self._ttl_ms)), self._ttl_ms)
+        frames: list[Any] = []
+        for key, parts in zip(keys, values):
+            name = self._redis_key(key).encode()
+            num_bytes = sum(memoryview(part).nbytes for part in parts)
+            frames.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if px else 3, len(name), name, num_bytes))
+            frames += parts
+            frames.append(b"\r\n" + px)
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(frames)
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(connection.read_response())
+                except self._response_error as exc:  # this SET failed; its reply is consumed
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            connection.disconnect()  # replies may be left unread: never reuse this socket
+            raise
+        finally:
+            pool.release(connection)
 
     def _put_result(self, key: str, reply: Any) -> PutResult:
         if isinstance(reply, Exception):
@@ -266,15 +296,6 @@ class RedisTier(StorageTier):
     # -- helpers -------------------------------------------------------------------------------
     def _redis_key(self, key: str) -> str:
         return f"{self.namespace}:{key}"
-
-    def _decode(self, key: str, value: bytes) -> torch.Tensor:
-        try:
-            block = decode_block(key, value)
-        except (ValueError, RuntimeError) as exc:  # CorruptBlock, or a header that lies about the shape
-            raise CorruptBlock(f"block {key}: {exc}") from None
-        if tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype:
-            raise CorruptBlock(f"block {key}: shape {tuple(block.shape)} {block.dtype} is not this tier's layout")
-        return block
 
     def _check_open(self) -> None:
         if self._closed:
