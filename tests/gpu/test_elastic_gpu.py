@@ -29,6 +29,9 @@ def test_shrink_8_to_1_gib_is_free_within_a_second_and_another_process_can_take_
                         device="cuda", model_id="elastic-gpu")
     try:
         torch.cuda.synchronize()
+        free, _ = torch.cuda.mem_get_info()
+        # Fill the card so that only what the shrink releases is left for another process.
+        filler = torch.empty(free - GiB // 2, dtype=torch.uint8, device="cuda")
         free_before, _ = torch.cuda.mem_get_info()
         start = time.perf_counter()
         runtime.set_gpu_budget(1 * GiB)
@@ -43,5 +46,6 @@ def test_shrink_8_to_1_gib_is_free_within_a_second_and_another_process_can_take_
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert runtime.stats()["gpu"]["returned_bytes"] >= 7 * GiB - (256 << 20)
+        del filler
     finally:
         runtime.close()
