@@ -59,6 +59,8 @@ def _install(seq: "SequenceKV", keys: list[list[str]], slots: list[int], m: int)
         seq.cpu_slots[layer] = list(layer_slots)
         seq.block_keys[layer] = list(keys[layer][:m])
         seq.num_tokens[layer] = m * rt.layout.block_tokens
+        if seq.summaries is not None:
+            seq.summaries.update(layer, 0, rt.cpu.slab[torch.tensor(layer_slots, dtype=torch.int64)])
         for b in range(m):
             if residency.is_resident(b, m):
                 src.append(layer_slots[b])

@@ -23,6 +23,7 @@ from tierkv.attention import contiguous_partial_attention, merge_partials, paged
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
+from tierkv.sparse import BlockSummaries, select_far_blocks
 
 if TYPE_CHECKING:
     from tierkv.runtime import KVRuntime
@@ -49,6 +50,11 @@ class SequenceKV:
         self.num_prefix_tokens = 0
         self.prefix_blocks_by_tier: dict[str, int] = {}
         self.is_finished = False
+        sparse = runtime.config.scheduler.policy == "sparse"
+        layout = runtime.layout
+        self.summaries = (BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, runtime.device)
+                          if sparse else None)
+        self._is_sparse_step = False
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -84,6 +90,10 @@ class SequenceKV:
         step = plan_step(rt.residency, rt.layout.block_tokens, self.num_tokens[0], n, rt.device)
         self._step = step
         self.num_resident_reads += len(step.resident_blocks) * rt.num_layers
+        self._is_sparse_step = self.summaries is not None and n == 1
+        if self._is_sparse_step:  # blocks are chosen per layer at attention time
+            rt.streamer.clear()
+            return
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
@@ -128,6 +138,8 @@ class SequenceKV:
         )
         self._pending_d2h.append((keys, handle))
         self._last_d2h = handle
+        if self.summaries is not None:
+            self.summaries.update(layer, first, blocks[:num_full])
         self.cpu_slots[layer].extend(slots)
         self.block_keys[layer].extend(keys)
 
@@ -166,7 +178,8 @@ class SequenceKV:
         if step.resident_blocks:
             acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
                                       step.resident_num_tokens, scale, use_flash)
-        for chunk in rt.streamer.chunks_for_layer(layer):
+        chunks = self._selected_chunks(layer, q) if self._is_sparse_step else rt.streamer.chunks_for_layer(layer)
+        for chunk in chunks:
             part = self._attend_blocks(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
                                        scale, use_flash)
             acc = part if acc is None else merge_partials([acc, part])
@@ -179,6 +192,18 @@ class SequenceKV:
                                                 k_positions=step.fresh_positions)
         out, _ = part if acc is None else merge_partials([acc, part])
         return out
+
+    def _selected_chunks(self, layer: int, q: torch.Tensor):
+        """Sparse decode: the top-k far blocks for this query, fetched now."""
+        rt = self.rt
+        T = rt.layout.block_tokens
+        k = rt.config.scheduler.sparse_token_budget // T
+        selected = select_far_blocks(self.summaries, layer, q[0], self._step.streamed_blocks, k)
+        self.num_streamed_reads += len(selected)
+        if not selected:
+            return iter(())
+        slots = torch.tensor([self.cpu_slots[layer][b] for b in selected], dtype=torch.int64)
+        return rt.streamer.fetch_now(slots, [b * T for b in selected], T, after=self._last_d2h)
 
     def _attend_blocks(self, q, pool, slots, start_pos, num_tokens, scale, use_flash):
         if use_flash:  # full blocks, all before every query: no mask needed

@@ -106,6 +106,33 @@ class LookaheadStreamer:
         self.num_chunks_streamed += 1
         self.bytes_streamed += self._handles[g].num_bytes
 
+    def clear(self) -> None:
+        """Forget the current plan (a step that streams nothing ahead, e.g. a sparse decode step)."""
+        self._reset()
+
+    def fetch_now(self, cpu_slots: torch.Tensor, start_pos: list[int], block_tokens: int, after=None) -> Iterator[StagedChunk]:
+        """Blocks nobody predicted: copy them now, a staging region at a time, each piece a stall.
+
+        cpu_slots: int64 [n] CPU-tier slots; start_pos: first token position of each block.
+        """
+        device = self.pool.staging.device
+        region_blocks = self.pool.region_blocks
+        for piece, start in enumerate(range(0, cpu_slots.numel(), region_blocks)):
+            region = piece % self.pool.num_regions
+            count = min(region_blocks, cpu_slots.numel() - start)
+            waits = [e for e in (self._region_free_event[region], after, self.engine.record_compute_event()) if e is not None]
+            handle = self.engine.gather_h2d(self.cpu_slab, cpu_slots[start : start + count], self.pool.staging,
+                                            self._region_slots_host[region][:count], after=waits)
+            self.num_stalls += 1
+            self.num_chunks_streamed += 1
+            self.bytes_streamed += handle.num_bytes
+            handle.wait_on_current_stream()
+            yield StagedChunk(self._region_slots[region][:count],
+                              to_device_no_sync(start_pos[start : start + count], device),
+                              to_device_no_sync([block_tokens] * count, device))
+            self.engine.release_event(self._region_free_event[region])
+            self._region_free_event[region] = self.engine.record_compute_event()
+
     def chunks_for_layer(self, layer: int) -> Iterator[StagedChunk]:
         """Each streamed chunk of `layer`, ready to read on the current stream once yielded."""
         per_layer = self.chunks_per_layer

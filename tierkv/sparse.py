@@ -1,0 +1,75 @@
+"""Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
+
+Primitives: `BlockSummaries` (`update`, `upper_bounds`), `select_far_blocks`.
+
+For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
+its keys (as Quest does): 2 x num_kv_heads x head_dim values per block. For a query q, the
+largest score any key of block b can give head h is bounded by
+
+    ub[b, h] = sum_d max(q[h, d] * kmin[b, h', d], q[h, d] * kmax[b, h', d])     (h' = h's KV head)
+
+A decode step reads the resident blocks (sinks, far-block cache, window) plus the k far
+blocks with the largest bound (max over heads), k = sparse_token_budget / block_tokens, and
+attention over that set is exact. When k covers every far block, sparse equals exact.
+Selection happens at attention time (no lookahead prediction yet): every selected block not
+resident is fetched at once and counted as a stall.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BlockSummaries:
+    """kmin, kmax: [num_layers][capacity_blocks, num_kv_heads, head_dim] on the device, grown as needed."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self._shape = (num_kv_heads, head_dim)
+        self._dtype, self._device = dtype, device
+        self.kmin = [torch.empty((0, *self._shape), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kmax = [torch.empty((0, *self._shape), dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def bytes_per_block_per_layer(self) -> int:
+        return 2 * self._shape[0] * self._shape[1] * self._dtype.itemsize
+
+    def update(self, layer: int, first_block: int, blocks: torch.Tensor) -> None:
+        """blocks: [n, 2, num_kv_heads, block_tokens, head_dim] full blocks first_block..first_block+n-1."""
+        if blocks.shape[0] == 0:
+            return
+        keys = blocks[:, 0]                                   # [n, H_kv, T, D]
+        kmin, kmax = keys.amin(dim=2), keys.amax(dim=2)       # [n, H_kv, D]
+        end = first_block + blocks.shape[0]
+        self._grow(layer, end)
+        self.kmin[layer][first_block:end] = kmin.to(self._device, self._dtype)
+        self.kmax[layer][first_block:end] = kmax.to(self._device, self._dtype)
+
+    def _grow(self, layer: int, num_blocks: int) -> None:
+        have = self.kmin[layer].shape[0]
+        if num_blocks <= have:
+            return
+        new_cap = max(num_blocks, 2 * have, 64)
+        for table in (self.kmin, self.kmax):
+            grown = torch.zeros((new_cap, *self._shape), dtype=self._dtype, device=self._device)
+            grown[:have] = table[layer]
+            table[layer] = grown
+
+    def upper_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """q [num_heads, head_dim], block_ids int64 [m] -> float32 [m]: max over heads of ub[b, h]."""
+        num_heads = q.shape[0]
+        num_kv_heads = self._shape[0]
+        qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)          # [H_kv, g, D]
+        kmin = self.kmin[layer].index_select(0, block_ids).float().unsqueeze(2)    # [m, H_kv, 1, D]
+        kmax = self.kmax[layer].index_select(0, block_ids).float().unsqueeze(2)
+        ub = torch.maximum(qg * kmin, qg * kmax).sum(-1)                           # [m, H_kv, g]
+        return ub.flatten(1).amax(1)
+
+
+def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:
+    """The k candidate blocks with the largest upper bound for q [num_heads, head_dim], in block order."""
+    if k >= len(candidates):
+        return list(candidates)
+    if k <= 0:
+        return []
+    ids = torch.arange(candidates.start, candidates.stop, device=q.device)
+    scores = summaries.upper_bounds(layer, q, ids)
+    top = torch.topk(scores, k).indices + candidates.start
+    return sorted(top.tolist())
