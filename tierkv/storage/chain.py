@@ -100,8 +100,8 @@ class TierChain:
             self._futures.discard(future)
 
     # -- reads ---------------------------------------------------------------------------------
-    def get_many(self, keys: Sequence[str], *, promote: bool = True) -> list[torch.Tensor | None]:
-        """Blocks for keys (None for a miss), looked up tier by tier; lower hits promoted to tier 0."""
+    def get_many(self, keys: Sequence[str], *, promote: bool = True, start: int = 0) -> list[torch.Tensor | None]:
+        """Blocks for keys (None for a miss), looked up tier by tier from `start`; lower hits promoted to tier 0."""
         found: list[torch.Tensor | None] = [None] * len(keys)
         with self._lock:
             for i, key in enumerate(keys):
@@ -110,7 +110,7 @@ class TierChain:
                     found[i] = block.clone()
         pending = [i for i, b in enumerate(found) if b is None]
         for index, tier in enumerate(self.tiers):
-            if not pending or not tier.is_healthy:
+            if index < start or not pending or not tier.is_healthy:
                 continue
             blocks = tier.get_many([keys[i] for i in pending])
             hits = [(i, b) for i, b in zip(pending, blocks) if b is not None]
@@ -142,7 +142,7 @@ class TierChain:
         if not lower:
             return slots
         lower_keys = [keys[i] for i in lower]
-        blocks = self.get_many(lower_keys, promote=False)
+        blocks = self.get_many(lower_keys, promote=False, start=1)  # tier 0 just missed them
         new_slots, evicted = first.prepare_put(lower_keys) if all(b is not None for b in blocks) else ([None], [])
         self.spill(0, evicted)
         if any(s is None for s in new_slots):
