@@ -7,9 +7,9 @@ so shrinking loses nothing. A resize builds the new resident pool, fills it for 
 sequence (if any), then frees the old pool and empties the allocator's cache so the driver,
 and any other process, sees the memory free:
 
-    new pool  <- old pool   blocks resident before and after (device copy, one batch)
-    new pool  <- CPU tier   blocks resident only after (one batched gather)
+    partial last block -> a small temporary (it is the only block not yet in the CPU tier)
     old pool  -> freed, torch.cuda.empty_cache()
+    new pool  <- CPU tier   the resident full blocks (one batched gather), then the partial block
 
 It runs between forward steps (a running sequence applies a pending resize when its next
 step starts), so no attention ever reads a pool being replaced.
@@ -28,44 +28,61 @@ if TYPE_CHECKING:
 
 
 def resize_hot_window(rt: "KVRuntime", residency: ResidencyPlan, seq: "SequenceKV | None") -> int:
-    """Swap in a resident pool shaped by `residency`; returns the bytes freed (negative: taken)."""
-    old_pool, old_residency = rt.pool.resident, rt.residency
-    new_pool = torch.zeros((rt.num_layers, residency.slots_per_layer, *rt.layout.shape),
-                           dtype=rt.layout.dtype, device=rt.device)
-    if seq is not None and seq.seq_length > 0:
-        _refill(rt, seq, old_pool, old_residency, new_pool, residency)
-    freed = old_pool.numel() * old_pool.element_size() - new_pool.numel() * new_pool.element_size()
+    """Swap in a resident pool shaped by `residency`; returns the bytes freed (negative: taken).
+
+    A shrink frees the old pool before allocating the new one, so it never needs old + new
+    bytes at once (the card may be full); a grow allocates first, so running out of memory
+    leaves the old pool in place. Only the partial last block lives on the GPU alone;
+    it is kept aside in a small temporary while the pools change.
+    """
+    old_residency = rt.residency
+    old_bytes = rt.pool.resident.numel() * rt.pool.resident.element_size()
+    num_tokens = seq.seq_length if seq is not None else 0
+    num_blocks = -(-num_tokens // rt.layout.block_tokens)
+    partial = None
+    if num_tokens:
+        seq.wait_for_write_back()  # every full block is in the CPU tier
+        if num_tokens % rt.layout.block_tokens:
+            partial = rt.pool.resident[:, old_residency.slot_of(num_blocks - 1)].clone()  # [L, 2, H, T, D]
+    new_bytes = rt.num_layers * residency.slots_per_layer * rt.layout.num_bytes
+    if new_bytes > old_bytes:  # growing: allocate first, so a failure leaves the old pool in place
+        new_pool = _allocate(rt, residency)
+        rt.pool.resident = None
+    else:                      # shrinking: free first, so old + new never need to fit together
+        rt.pool.resident = None
+        _release_cached(rt)
+        new_pool = _allocate(rt, residency)
+    if num_tokens:
+        _refill(rt, seq, new_pool, residency, num_blocks, partial)
     rt.pool.resident = new_pool
     rt.pool.residency = residency
     rt.residency = residency
-    del old_pool
+    _release_cached(rt)
+    return old_bytes - new_bytes
+
+
+def _allocate(rt, residency: ResidencyPlan) -> torch.Tensor:
+    return torch.zeros((rt.num_layers, residency.slots_per_layer, *rt.layout.shape),
+                       dtype=rt.layout.dtype, device=rt.device)
+
+
+def _release_cached(rt) -> None:
+    """Hand freed pool memory back to the driver once nothing reads it."""
     if rt.device.type == "cuda":
-        torch.cuda.current_stream(rt.device).synchronize()  # the copies out of the old pool are done
+        torch.cuda.current_stream(rt.device).synchronize()
         torch.cuda.empty_cache()
-    return freed
 
 
-def _refill(rt, seq, old_pool, old_residency, new_pool, residency) -> None:
-    num_blocks = -(-seq.seq_length // rt.layout.block_tokens)
-    keep_old, keep_new, fetch_blocks, fetch_new = [], [], [], []
-    for b in range(num_blocks):
-        if not residency.is_resident(b, num_blocks):
-            continue
-        if old_residency.is_resident(b, num_blocks):
-            keep_old.append(old_residency.slot_of(b))
-            keep_new.append(residency.slot_of(b))
-        else:  # a full block (the partial one is always resident): its copy is in the CPU tier
-            fetch_blocks.append(b)
-            fetch_new.append(residency.slot_of(b))
-    if keep_old:
-        src = torch.tensor(keep_old, device=old_pool.device)
-        dst = torch.tensor(keep_new, device=old_pool.device)
-        new_pool[:, dst] = old_pool[:, src]
-    if fetch_blocks:
-        seq.wait_for_write_back()
+def _refill(rt, seq, new_pool, residency, num_blocks: int, partial) -> None:
+    """Gather the new pool's resident full blocks from the CPU tier; put the partial block back."""
+    full_blocks = num_blocks - (partial is not None)
+    wanted = [b for b in range(full_blocks) if residency.is_resident(b, num_blocks)]
+    if wanted:
         per_layer = residency.slots_per_layer
-        src = [seq.cpu_slots[layer][b] for layer in range(rt.num_layers) for b in fetch_blocks]
-        dst = [layer * per_layer + s for layer in range(rt.num_layers) for s in fetch_new]
+        src = [seq.cpu_slots[layer][b] for layer in range(rt.num_layers) for b in wanted]
+        dst = [layer * per_layer + residency.slot_of(b) for layer in range(rt.num_layers) for b in wanted]
         handle = rt.engine.gather_h2d(rt.cpu.slab, torch.tensor(src, dtype=torch.int64),
                                       new_pool.view(-1, *rt.layout.shape), torch.tensor(dst, dtype=torch.int64))
         handle.wait_on_current_stream()
+    if partial is not None:
+        new_pool[:, residency.slot_of(num_blocks - 1)] = partial
