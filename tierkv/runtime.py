@@ -39,7 +39,9 @@ class KVRuntime:
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = TransferEngine(self.device)
-        self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers)
+        self.prefetch_metrics = PrefetchRecorder(num_layers)  # the streamer reports every chunk here
+        self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers,
+                                          recorder=self.prefetch_metrics)
         self.active: SequenceKV | None = None
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None
@@ -47,7 +49,6 @@ class KVRuntime:
         self._budget_applied.set()
         self.gpu_bytes_returned = 0
         self.num_budget_changes = 0
-        self.prefetch_metrics = PrefetchRecorder(num_layers)  # the scheduler reports per-layer chunks here
 
     def set_gpu_budget(self, budget_bytes: int) -> None:
         """Resize the GPU hot window to `budget_bytes` (all layers).

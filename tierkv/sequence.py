@@ -203,7 +203,7 @@ class SequenceKV:
         if not selected:
             return iter(())
         slots = torch.tensor([self.cpu_slots[layer][b] for b in selected], dtype=torch.int64)
-        return rt.streamer.fetch_now(slots, [b * T for b in selected], T, after=self._last_d2h)
+        return rt.streamer.fetch_now(layer, slots, [b * T for b in selected], T, after=self._last_d2h)
 
     def _attend_blocks(self, q, pool, slots, start_pos, num_tokens, scale, use_flash):
         if use_flash:  # full blocks, all before every query: no mask needed

@@ -33,14 +33,21 @@ def expected_charts(lines: list[dict]) -> dict:
     return {
         "hitrate": {tier: rate(f"tier.{tier}.hit_rate_interval") for tier in tiers},
         "bytes": bytes_series,
-        "stalls": {"late chunks in interval": rate("scheduler.stalls_interval"), "late chunks, total": total("scheduler.stalls")},
+        "stalls": {"late chunks in interval": rate("scheduler.stalls_interval"), "late chunks, total": total("scheduler.stalls"),
+                   "stall time in interval": rate("prefetch.stall_s_interval")},
         "gpu": {"resident": total("gpu.resident_bytes"), "staging": total("gpu.staging_bytes"),
                 "held": total("gpu.held_bytes"), "budget": total("gpu.budget_bytes"),
                 "returned": total("gpu.returned_bytes")},
-        "timeline": {"chunks streamed in interval": rate("scheduler.chunks_streamed_interval"),
-                     "late chunks in interval": rate("scheduler.stalls_interval")},
+        "timeline": timeline_of(lines),
         "latency": {f"{t}.{op}": rate(f"latency.{t}.{op}.mean_s_interval") for t in ("cpu", "disk") for op in ("get", "put")},
     }
+
+
+def timeline_of(lines: list[dict]) -> dict:
+    """The per-layer prefetch timeline of the last snapshot that has one (the streamer reports it)."""
+    layers = [line["prefetch_layers"] for line in lines if line.get("prefetch_layers")][-1]
+    return {"chunks on time": [c - late for c, late in zip(layers["chunks"], layers["late_chunks"])],
+            "late chunks": layers["late_chunks"], "wait": layers["wait_s"]}
 
 
 def check_page(html: str, lines: list[dict]) -> None:
@@ -52,7 +59,8 @@ def check_page(html: str, lines: list[dict]) -> None:
     for chart, series in expected.items():
         drawn = json.loads(dom.figures[chart]["data-series"])
         assert drawn["labels"] == list(series), chart
-        assert drawn["data"][0] == [line["t"] for line in lines], f"{chart}: x values"
+        x_values = list(range(len(next(iter(series.values()))))) if chart == "timeline" else [line["t"] for line in lines]
+        assert drawn["data"][0] == x_values, f"{chart}: x values"  # the timeline's x axis is the layer
         for label, values, drawn_values in zip(series, series.values(), drawn["data"][1:]):
             assert drawn_values == values, f"{chart} / {label}"
     gpu_hit_rate = lines[-1]["figures"]["tier.gpu.hit_rate"]

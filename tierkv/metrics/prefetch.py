@@ -28,6 +28,7 @@ class PrefetchRecorder:
         self._late_chunks = [0] * num_layers
         self._wait_s = [0.0] * num_layers
         self._stall_s = 0.0
+        self._num_late_unmeasured = 0
         self._num_chunks_reported = 0
         self._num_prefetched = 0
         self._num_used = 0
@@ -43,6 +44,7 @@ class PrefetchRecorder:
             self._late_chunks[layer] += int(is_late)
             self._wait_s[layer] += wait_s or 0.0
             self._stall_s += (wait_s or 0.0) if is_late else 0.0
+            self._num_late_unmeasured += int(is_late and wait_s is None)
             self._num_chunks_reported += 1
 
     def record_selection(self, *, num_prefetched: int, num_used: int, num_needed: int) -> None:
@@ -68,7 +70,8 @@ class PrefetchRecorder:
                     needed_blocks=self._num_needed,
                 )
             if self._num_chunks_reported:
-                snap["stall_s"] = self._stall_s
+                # a late chunk whose wait was not measured (CUDA, no host timing) leaves stall time unknown
+                snap["stall_s"] = None if self._num_late_unmeasured else self._stall_s
                 snap["late_chunks"] = sum(self._late_chunks)
                 snap["layers"] = {"chunks": list(self._chunks), "late_chunks": list(self._late_chunks),
                                   "wait_s": list(self._wait_s)}

@@ -14,6 +14,7 @@ attention is copied at once and counted as a stall: results never depend on the 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,8 +33,11 @@ class StagedChunk:
 
 
 class LookaheadStreamer:
-    def __init__(self, engine: TransferEngine, pool: GpuBlockPool, cpu_slab: torch.Tensor, lookahead_layers: int):
+    def __init__(self, engine: TransferEngine, pool: GpuBlockPool, cpu_slab: torch.Tensor, lookahead_layers: int,
+                 recorder=None):
+        """`recorder`: an optional `tierkv.metrics.prefetch.PrefetchRecorder` told of every chunk."""
         self.engine = engine
+        self.recorder = recorder
         self.pool = pool
         self.cpu_slab = cpu_slab
         self.lookahead_layers = lookahead_layers
@@ -110,7 +114,8 @@ class LookaheadStreamer:
         """Forget the current plan (a step that streams nothing ahead, e.g. a sparse decode step)."""
         self._reset()
 
-    def fetch_now(self, cpu_slots: torch.Tensor, start_pos: list[int], block_tokens: int, after=None) -> Iterator[StagedChunk]:
+    def fetch_now(self, layer: int, cpu_slots: torch.Tensor, start_pos: list[int], block_tokens: int,
+                  after=None) -> Iterator[StagedChunk]:
         """Blocks nobody predicted: copy them now, a staging region at a time, each piece a stall.
 
         cpu_slots: int64 [n] CPU-tier slots; start_pos: first token position of each block.
@@ -121,11 +126,15 @@ class LookaheadStreamer:
             region = piece % self.pool.num_regions
             count = min(region_blocks, cpu_slots.numel() - start)
             waits = [e for e in (self._region_free_event[region], after, self.engine.record_compute_event()) if e is not None]
+            start_s = time.perf_counter()
             handle = self.engine.gather_h2d(self.cpu_slab, cpu_slots[start : start + count], self.pool.staging,
                                             self._region_slots_host[region][:count], after=waits)
             self.num_stalls += 1
             self.num_chunks_streamed += 1
             self.bytes_streamed += handle.num_bytes
+            if self.recorder is not None:  # on CPU the copy was synchronous: its time is the stall
+                wait_s = time.perf_counter() - start_s if self.engine.device.type == "cpu" else None
+                self.recorder.record_chunk(layer, is_late=True, wait_s=wait_s)
             handle.wait_on_current_stream()
             yield StagedChunk(self._region_slots[region][:count],
                               to_device_no_sync(start_pos[start : start + count], device),
@@ -138,9 +147,16 @@ class LookaheadStreamer:
         per_layer = self.chunks_per_layer
         for c in range(per_layer):
             g = layer * per_layer + c
-            if g >= self._num_issued:  # not prefetched: fetch now and count it
+            is_late = g >= self._num_issued
+            wait_s = None
+            if is_late:  # not prefetched: fetch now and count it
                 self.num_stalls += 1
+                start = time.perf_counter()
                 self.run(through_layer=layer)
+                if self.engine.device.type == "cpu":  # the copy ran synchronously: its time is the stall
+                    wait_s = time.perf_counter() - start
+            if self.recorder is not None:
+                self.recorder.record_chunk(layer, is_late=is_late, wait_s=wait_s)
             handle = self._handles[g]
             handle.wait_on_current_stream()
             meta = self._chunk_meta[c]
