@@ -80,3 +80,18 @@ def test_extending_a_chain_equals_hashing_it_whole():
     whole = chain_block_hashes(tokens, 16, fp)
     head = chain_block_hashes(tokens[: 16 * 3], 16, fp)
     assert head + chain_block_hashes(tokens[16 * 3 :], 16, fp, parent_hash=head[-1]) == whole
+
+
+def test_decode_into_checks_shape_dtype_and_checksum():
+    from tierkv.storage.codec import decode_block_into
+
+    block = torch.randn(2, 2, 4, 8).to(torch.bfloat16)
+    data = bytearray(encode_block_bytes("k/L0", block))
+    out = torch.empty_like(block)
+    decode_block_into("k/L0", data, out)
+    assert torch.equal(out.view(torch.uint8), block.view(torch.uint8))
+    with pytest.raises(CorruptBlock, match="expected"):
+        decode_block_into("k/L0", data, torch.empty(2, 2, 4, 8, dtype=torch.float16))
+    data[-1] ^= 1
+    with pytest.raises(CorruptBlock, match="checksum"):
+        decode_block_into("k/L0", data, out)

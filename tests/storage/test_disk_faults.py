@@ -250,3 +250,25 @@ def test_concurrent_puts_and_gets_of_same_keys_never_tear(layout, tmp_path):
         assert tier.used_bytes <= tier.capacity_bytes
         assert tier.used_bytes == layout.num_bytes * len(files_under(tmp_path, ".blk"))
         assert files_under(tmp_path, ".tierkv-tmp") == []
+
+
+def test_reput_of_identical_bytes_only_refreshes_and_different_bytes_rewrite(tmp_path):
+    from tierkv.blocks import BlockLayout
+    from tierkv.storage.disk import DiskTier
+
+    layout = BlockLayout(2, 8, 32, torch.bfloat16)
+    tier = DiskTier("disk", layout, 3 * layout.num_bytes, tmp_path / "d")
+    try:
+        blocks = {k: torch.randn(layout.shape).to(layout.dtype) for k in ("a/L0", "b/L0", "c/L0")}
+        for key, block in blocks.items():
+            assert tier.put(key, block).ok
+        written = tier.counters["bytes_written"]
+        assert tier.put("a/L0", blocks["a/L0"]).ok           # same content address, same bytes
+        assert tier.counters["bytes_written"] == written     # nothing rewritten
+        tier.put("d/L0", torch.randn(layout.shape).to(layout.dtype))
+        assert tier.contains_many(["a/L0", "b/L0"]) == [True, False]  # the refresh made "a" most recent
+        other = torch.randn(layout.shape).to(layout.dtype)
+        assert tier.put("a/L0", other).ok
+        assert torch.equal(tier.get("a/L0"), other)          # different bytes are written
+    finally:
+        tier.close()
