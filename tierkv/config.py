@@ -90,7 +90,9 @@ class SchedulerConfig:
     lookahead_layers: int = field(default=2, metadata=doc("layers prefetched ahead of compute", min_value=1))
     staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
     sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
-    predictor: str = field(default="query", metadata=doc("sparse selection predictor", choices=("query", "previous")))
+    predictor: str = field(default="previous", metadata=doc(
+        "sparse prefetch: 'previous' copies each layer's last selection ahead, 'none' fetches on demand",
+        choices=("previous", "none")))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
 
 

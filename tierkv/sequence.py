@@ -24,6 +24,7 @@ from tierkv.attention.flash import can_use_flash, flash_partial_attention, gathe
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.sparse import BlockSummaries, select_far_blocks
+from tierkv.sparse_prefetch import SparsePrefetcher
 
 if TYPE_CHECKING:
     from tierkv.runtime import KVRuntime
@@ -55,6 +56,11 @@ class SequenceKV:
         self.summaries = (BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, runtime.device)
                           if sparse else None)
         self._is_sparse_step = False
+        self.prefetcher = None
+        if sparse and runtime.config.scheduler.predictor == "previous":
+            prefetcher = SparsePrefetcher(runtime, runtime.config.scheduler.sparse_token_budget // layout.block_tokens)
+            # staging must hold a selection per layer plus a miss area; otherwise blocks are fetched on demand
+            self.prefetcher = prefetcher if prefetcher.enabled else None
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -93,6 +99,8 @@ class SequenceKV:
         self._is_sparse_step = self.summaries is not None and n == 1
         if self._is_sparse_step:  # blocks are chosen per layer at attention time
             rt.streamer.clear()
+            if self.prefetcher is not None:
+                self.prefetcher.begin_step(self, self._last_d2h)
             return
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
@@ -199,11 +207,20 @@ class SequenceKV:
         T = rt.layout.block_tokens
         k = rt.config.scheduler.sparse_token_budget // T
         selected = select_far_blocks(self.summaries, layer, q[0], self._step.streamed_blocks, k)
+        if self.prefetcher is not None:
+            return self._prefetched_chunks(layer, selected)
         self.num_streamed_reads += len(selected)
         if not selected:
             return iter(())
         slots = torch.tensor([self.cpu_slots[layer][b] for b in selected], dtype=torch.int64)
         return rt.streamer.fetch_now(layer, slots, [b * T for b in selected], T, after=self._last_d2h)
+
+    def _prefetched_chunks(self, layer: int, selected: list[int]):
+        """The selection through the prefetcher: prefetched hits count as GPU reads, misses as streamed."""
+        hits, misses = self.prefetcher.num_hits, self.prefetcher.num_misses
+        yield from self.prefetcher.chunks_for_layer(self, layer, selected)
+        self.num_resident_reads += self.prefetcher.num_hits - hits
+        self.num_streamed_reads += self.prefetcher.num_misses - misses
 
     def _attend_blocks(self, q, pool, slots, start_pos, num_tokens, scale, use_flash):
         if use_flash:  # full blocks, all before every query: no mask needed

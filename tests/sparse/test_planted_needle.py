@@ -6,6 +6,7 @@ all 128k tokens, and with sinks + window only (what StreamingLLM keeps) to show 
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.models import build, reference_greedy
@@ -19,13 +20,13 @@ HEADS, KV_HEADS, DIM, T = 8, 2, 64, 64
 CONTEXT = 128 * 1024
 
 
-def runtime_with(budget_tokens: int) -> KVRuntime:
+def runtime_with(budget_tokens: int, predictor: str = "none") -> KVRuntime:
     block_bytes = 2 * KV_HEADS * T * DIM * 4
     config = load_config({
         "cache": {"block_tokens": T, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": T, "window_tokens": 4 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (CONTEXT // T + 16) * block_bytes}],
         "scheduler": {"policy": "sparse", "sparse_token_budget": budget_tokens, "lookahead_layers": 1,
-                      "staging_bytes": 2 * 16 * block_bytes},
+                      "staging_bytes": 2 * 32 * block_bytes, "predictor": predictor},
     }, env={})
     return KVRuntime(config, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                      device="cpu", model_id="needle")
@@ -101,5 +102,54 @@ def test_budget_covering_the_context_equals_exact_mode():
         assert tokens == expected
         for got, want in zip(logits, ref_logits):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        runtime.close()
+
+
+def test_previous_selection_prefetch_hits_on_the_next_step_and_stays_exact():
+    q, keys, values, needles = planted_case()
+    runtime = runtime_with(2048, predictor="previous")
+    try:
+        seq = runtime.new_sequence()
+        for start in range(0, CONTEXT, 16384):
+            seq.append(0, keys[start : start + 16384], values[start : start + 16384])
+        outputs = []
+        for step in range(3):  # three decode steps, the same query: the selection repeats
+            position = CONTEXT + step
+            new_k = keys[CONTEXT:] if step == 0 else torch.randn(1, KV_HEADS, DIM)
+            new_v = values[CONTEXT:] if step == 0 else torch.randn(1, KV_HEADS, DIM)
+            keys, values = (keys, values) if step == 0 else (torch.cat([keys, new_k]), torch.cat([values, new_v]))
+            seq.append(0, new_k, new_v)
+            outputs.append((seq.attend(0, q, DIM**-0.5), position))
+        stats = runtime.stats()
+        prefetcher = seq.prefetcher
+        seq.finish()
+    finally:
+        runtime.close()
+    k = 2048 // T
+    assert prefetcher.enabled
+    assert prefetcher.num_misses == k and prefetcher.num_hits == 2 * k  # only the first step misses
+    assert stats["scheduler"]["stalls"] == k
+    prefetch = stats["prefetch"]
+    assert prefetch["precision"] == 1.0 and prefetch["recall"] == pytest.approx(2 / 3)
+    dense, _ = reference.contiguous_partial_attention(q, keys, values, scale=DIM**-0.5)
+    out, _ = outputs[-1]
+    assert ((out - dense).norm() / dense.norm()).item() <= 1e-2
+
+
+def test_full_budget_with_prefetch_equals_exact_mode():
+    model, reference_model = build("qwen2", num_heads=4, num_kv_heads=2)
+    settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
+    settings["scheduler"].update(policy="sparse", sparse_token_budget=64, predictor="previous",
+                                 staging_bytes=3 * 16 * 2 * 2 * 4 * 16 * 4)
+    runtime = runtime_for_model(model, load_config(settings, env={}), model_id="sparse-prefetch")
+    try:
+        ids = torch.randint(0, 512, (60,)).tolist()  # 15 blocks: a 64-token budget covers every far block
+        expected, ref_logits = reference_greedy(reference_model, ids, 6)
+        tokens, logits = tiered_greedy(model, runtime, ids, 6, 64)
+        assert tokens == expected
+        for got, want in zip(logits, ref_logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert runtime.stats()["prefetch"]["precision"] is not None
     finally:
         runtime.close()
