@@ -11,8 +11,8 @@ largest score any key of block b can give head h is bounded by
 A decode step reads the resident blocks (sinks, far-block cache, window) plus the k far
 blocks with the largest bound (max over heads), k = sparse_token_budget / block_tokens, and
 attention over that set is exact. When k covers every far block, sparse equals exact.
-Selection happens at attention time (no lookahead prediction yet): every selected block not
-resident is fetched at once and counted as a stall.
+Selection happens at attention time; `tierkv.sparse_prefetch` copies each layer's previous
+selection ahead, and a selected block that was not prefetched is fetched at once as a stall.
 """
 from __future__ import annotations
 
