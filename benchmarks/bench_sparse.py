@@ -1,0 +1,94 @@
+"""Sparse mode on the GPU: decode speed and GPU hit rate at 128k against all-in-GPU dense decode.
+
+    python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048] [--out PATH]
+
+Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
+all-in-GPU DynamicCache (sdpa) and tierkv sparse mode (predictor `previous`) with a GPU KV
+budget of one eighth of the full KV. Reports decode ms per token and the ratio (target: tierkv
+at least 0.9x all-in-GPU tokens/s), the GPU hit rate at attention time after the first decode
+step (target >= 95%), stalls per step, prefetch precision and recall, and greedy-token agreement
+(sparse attention reads a subset, so tokens may differ; the count is reported, not asserted).
+Not yet run on the GPU machine: no numbers from it are committed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import write_results  # noqa: E402
+from benchmarks.bench_exact import run_request, warm_up  # noqa: E402
+from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/results/sparse-h200.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_sparse.py needs CUDA: run it on the GPU machine", file=sys.stderr)
+        return 2
+    from transformers import DynamicCache
+
+    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.config import load_config
+
+    model = llama_8b_shaped(num_layers=args.layers)
+    warm_up(model)
+    ids = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
+    full_kv = kv_bytes_per_token(model) * args.context
+    base = run_request(model, DynamicCache(config=model.config), ids, args.new_tokens, chunk=args.context)
+    torch.cuda.empty_cache()
+
+    block_tokens = 64
+    budget_blocks = args.budget_tokens // block_tokens
+    staging = (args.layers + 1) * budget_blocks * (full_kv // args.context // args.layers) * block_tokens
+    summaries = 2 * 8 * 128 * 2 * (args.context // block_tokens) * args.layers
+    config = load_config({
+        "cache": {"block_tokens": block_tokens, "gpu_budget_bytes": full_kv // 8 - staging - summaries,
+                  "sink_tokens": 64, "window_tokens": 1024},
+        "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
+        "scheduler": {"policy": "sparse", "predictor": "previous", "sparse_token_budget": args.budget_tokens,
+                      "staging_bytes": staging, "prefill_chunk_tokens": 32768},
+    }, env={})
+    runtime = runtime_for_model(model, config)
+    try:
+        cache = TieredCache(runtime, ids)
+        row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=cache.seq.token_ids.append)
+        prefetcher = cache.seq.prefetcher
+        stats = runtime.stats()
+        cache.finish()
+    finally:
+        runtime.close()
+        model.set_attn_implementation("sdpa")
+    steps = args.new_tokens
+    hits, misses = (prefetcher.num_hits, prefetcher.num_misses) if prefetcher else (0, 0)
+    first_step_misses = budget_blocks * args.layers  # nothing to prefetch before the first decode step
+    row.update({
+        "gpu_kv_bytes": runtime.pool.resident_bytes + runtime.pool.staging_bytes + summaries,
+        "budget_bytes": full_kv // 8,
+        "decode_tokens_per_s_ratio": base["decode_ms_per_token"] / row["decode_ms_per_token"],
+        "gpu_hit_rate_after_first_step": hits / max(1, hits + misses - first_step_misses),
+        "stalls_per_step": stats["scheduler"]["stalls"] / steps,
+        "prefetch": stats["prefetch"],
+        "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
+    })
+    results = {"context": args.context, "full_kv_bytes": full_kv, "all_in_gpu": base, "tierkv_sparse": row}
+    write_results(args.out, results)
+    print(f"decode ms/token: all-in-GPU {base['decode_ms_per_token']:.1f}, tierkv sparse {row['decode_ms_per_token']:.1f} "
+          f"(tokens/s ratio {row['decode_tokens_per_s_ratio']:.2f}, target 0.90)")
+    print(f"GPU hit rate after the first step {row['gpu_hit_rate_after_first_step']:.3f} (target 0.95), "
+          f"stalls per step {row['stalls_per_step']:.1f}, GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
+          f"vs {full_kv / 2**30:.2f} GiB, tokens agreeing {row['tokens_agreeing_with_all_in_gpu']}/{steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
