@@ -42,7 +42,7 @@ class CacheConfig:
     window_tokens: int = field(default=1024, metadata=doc("most recent tokens kept on the GPU", min_value=0))
 
 
-STORAGE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+STORAGE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "float8_e4m3fn")
 
 
 @dataclass

@@ -81,8 +81,8 @@ def _refill(rt, seq, new_pool, residency, num_blocks: int, partial) -> None:
         per_layer = residency.slots_per_layer
         src = [seq.cpu_slots[layer][b] for layer in range(rt.num_layers) for b in wanted]
         dst = [layer * per_layer + residency.slot_of(b) for layer in range(rt.num_layers) for b in wanted]
-        handle = rt.engine.gather_h2d(rt.cpu.slab, torch.tensor(src, dtype=torch.int64),
-                                      new_pool.view(-1, *rt.layout.shape), torch.tensor(dst, dtype=torch.int64))
+        handle = rt.io.gather(torch.tensor(src, dtype=torch.int64), new_pool.view(-1, *rt.layout.shape),
+                              torch.tensor(dst, dtype=torch.int64))
         handle.wait_on_current_stream()
     if partial is not None:
         new_pool[:, residency.slot_of(num_blocks - 1)] = partial

@@ -60,13 +60,13 @@ def _install(seq: "SequenceKV", keys: list[list[str]], slots: list[int], m: int)
         seq.block_keys[layer] = list(keys[layer][:m])
         seq.num_tokens[layer] = m * rt.layout.block_tokens
         if seq.summaries is not None:
-            seq.summaries.update(layer, 0, rt.cpu.slab[torch.tensor(layer_slots, dtype=torch.int64)])
+            seq.summaries.update(layer, 0, rt.cpu.read_slots(layer_slots))
         for b in range(m):
             if residency.is_resident(b, m):
                 src.append(layer_slots[b])
                 dst.append(layer * per_layer_slots + residency.slot_of(b))
     flat_pool = rt.pool.resident.view(-1, *rt.layout.shape)
-    handle = rt.engine.gather_h2d(rt.cpu.slab, torch.tensor(src, dtype=torch.int64), flat_pool,
+    handle = rt.io.gather(torch.tensor(src, dtype=torch.int64), flat_pool,
                                   torch.tensor(dst, dtype=torch.int64))
     handle.wait_on_current_stream()
     seq.num_prefix_tokens = m * rt.layout.block_tokens

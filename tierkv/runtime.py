@@ -12,6 +12,7 @@ import torch
 
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.config import TierKVConfig
+from tierkv.block_io import BlockIO
 from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
@@ -40,7 +41,8 @@ class KVRuntime:
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = TransferEngine(self.device)
         self.prefetch_metrics = PrefetchRecorder(num_layers)  # the streamer reports every chunk here
-        self.streamer = LookaheadStreamer(self.engine, self.pool, self.cpu.slab, config.scheduler.lookahead_layers,
+        self.io = BlockIO(self.engine, self.cpu)
+        self.streamer = LookaheadStreamer(self.io, self.pool, config.scheduler.lookahead_layers,
                                           recorder=self.prefetch_metrics)
         self.active: SequenceKV | None = None
         self._budget_lock = threading.RLock()

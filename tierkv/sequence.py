@@ -140,10 +140,7 @@ class SequenceKV:
                 f"the CPU tier ({rt.cpu.num_slots} blocks) has no free slot for sequence {self.seq_id}: "
                 f"raise tiers[0].capacity_bytes"
             )
-        handle = rt.engine.scatter_d2h(
-            blocks, torch.arange(num_full, dtype=torch.int64), rt.cpu.slab, torch.tensor(slots, dtype=torch.int64),
-            after=rt.engine.record_compute_event(),
-        )
+        handle = rt.io.scatter(blocks[:num_full], torch.tensor(slots, dtype=torch.int64))
         self._pending_d2h.append((keys, handle))
         self._last_d2h = handle
         if self.summaries is not None:

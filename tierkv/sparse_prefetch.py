@@ -47,8 +47,8 @@ class SparsePrefetcher:
         if not src:
             return
         waits = [e for e in (after, rt.engine.record_compute_event()) if e is not None]
-        handle = rt.engine.gather_h2d(rt.cpu.slab, torch.tensor(src, dtype=torch.int64), rt.pool.staging,
-                                      torch.tensor(dst, dtype=torch.int64), after=waits)
+        handle = rt.io.gather(torch.tensor(src, dtype=torch.int64), rt.pool.staging,
+                              torch.tensor(dst, dtype=torch.int64), after=waits)
         rt.streamer.bytes_streamed += handle.num_bytes
         self._handles = [handle if blocks else None for blocks in self._previous]
 
@@ -78,8 +78,8 @@ class SparsePrefetcher:
         if misses:
             miss_area = self.num_layers * self.k if self.enabled else 0
             dst = list(range(miss_area, miss_area + len(misses)))
-            handle = rt.engine.gather_h2d(
-                rt.cpu.slab, torch.tensor([seq.cpu_slots[layer][b] for b in misses], dtype=torch.int64),
+            handle = rt.io.gather(
+                torch.tensor([seq.cpu_slots[layer][b] for b in misses], dtype=torch.int64),
                 rt.pool.staging, torch.tensor(dst, dtype=torch.int64),
                 after=[e for e in (seq._last_d2h, rt.engine.record_compute_event()) if e is not None])
             rt.streamer.bytes_streamed += handle.num_bytes

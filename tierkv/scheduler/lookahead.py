@@ -22,7 +22,6 @@ import torch
 
 from tierkv.scheduler.plan import StepPlan, to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool
-from tierkv.transfer import TransferEngine
 
 
 @dataclass
@@ -33,13 +32,13 @@ class StagedChunk:
 
 
 class LookaheadStreamer:
-    def __init__(self, engine: TransferEngine, pool: GpuBlockPool, cpu_slab: torch.Tensor, lookahead_layers: int,
-                 recorder=None):
-        """`recorder`: an optional `tierkv.metrics.prefetch.PrefetchRecorder` told of every chunk."""
-        self.engine = engine
+    def __init__(self, io, pool: GpuBlockPool, lookahead_layers: int, recorder=None):
+        """io: a `tierkv.block_io.BlockIO` (CPU tier to device copies; its engine owns the streams).
+        `recorder`: an optional `tierkv.metrics.prefetch.PrefetchRecorder` told of every chunk."""
+        self.io = io
+        self.engine = io.engine
         self.recorder = recorder
         self.pool = pool
-        self.cpu_slab = cpu_slab
         self.lookahead_layers = lookahead_layers
         device = pool.staging.device
         # Copy destinations stay host tensors (the engine stages them), attention reads device copies.
@@ -106,7 +105,7 @@ class LookaheadStreamer:
         after = [e for e in (self._region_free_event[region], self._after) if e is not None]
         src_slots = self._cpu_slots[layer][blocks.start : blocks.stop]
         dst_slots = self._region_slots_host[region][: len(blocks)]
-        self._handles[g] = self.engine.gather_h2d(self.cpu_slab, src_slots, self.pool.staging, dst_slots, after=after)
+        self._handles[g] = self.io.gather(src_slots, self.pool.staging, dst_slots, after=after)
         self.num_chunks_streamed += 1
         self.bytes_streamed += self._handles[g].num_bytes
 
@@ -127,8 +126,8 @@ class LookaheadStreamer:
             count = min(region_blocks, cpu_slots.numel() - start)
             waits = [e for e in (self._region_free_event[region], after, self.engine.record_compute_event()) if e is not None]
             start_s = time.perf_counter()
-            handle = self.engine.gather_h2d(self.cpu_slab, cpu_slots[start : start + count], self.pool.staging,
-                                            self._region_slots_host[region][:count], after=waits)
+            handle = self.io.gather(cpu_slots[start : start + count], self.pool.staging,
+                                    self._region_slots_host[region][:count], after=waits)
             self.num_stalls += 1
             self.num_chunks_streamed += 1
             self.bytes_streamed += handle.num_bytes

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
 from tierkv.config import ConfigError
+from tierkv.quant import QUANT_FORMATS
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain
 from tierkv.storage.cpu import CpuTier
@@ -19,22 +20,29 @@ if TYPE_CHECKING:
 __all__ = ["CpuTier", "PutResult", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
 
 
-def _storage_layout(index: int, tier_config: "TierConfig", layout: BlockLayout) -> BlockLayout:
-    """Blocks are stored in the KV dtype; converting storage dtypes is not supported yet."""
-    if tier_config.storage_dtype != "auto" and dtype_from_name(tier_config.storage_dtype) != layout.dtype:
+def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) -> str | None:
+    """The tier's quantized format, or None for blocks stored in the KV dtype (bit-exact)."""
+    storage = tier_config.storage_dtype
+    if storage in QUANT_FORMATS:
+        if tier_config.kind != "cpu":
+            raise ConfigError(f"tiers[{index}].storage_dtype", storage,
+                              "quantized storage exists only in the cpu tier so far; use 'auto' here")
+        return storage
+    if storage != "auto" and dtype_from_name(storage) != layout.dtype:
         raise ConfigError(
-            f"tiers[{index}].storage_dtype", tier_config.storage_dtype,
-            f"must be 'auto' or the KV dtype '{dtype_name(layout.dtype)}' (no conversion on store yet)",
+            f"tiers[{index}].storage_dtype", storage,
+            f"must be 'auto', the KV dtype '{dtype_name(layout.dtype)}', or int8 / float8_e4m3fn on the cpu tier",
         )
-    return layout
+    return None
 
 
 def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None) -> StorageTier:
     """One tier from its config section, named after its kind."""
-    tier_layout = _storage_layout(index, tier_config, layout)
+    quant_format = _quant_format(index, tier_config, layout)
+    tier_layout = layout
     name = tier_config.kind
     if tier_config.kind == "cpu":
-        return CpuTier(name, tier_layout, tier_config.capacity_bytes, pin_memory=pin_memory)
+        return CpuTier(name, tier_layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 

@@ -149,8 +149,8 @@ class TierChain:
             first.abort_put([k for k, s in zip(lower_keys, new_slots) if s is not None])
             first.release(pinned)
             return None
-        for i, block, slot in zip(lower, blocks, new_slots):
-            first.slab[slot].copy_(block)
+        first.write_slots(new_slots, torch.stack(blocks))
+        for i, slot in zip(lower, new_slots):
             slots[i] = slot
         first.complete_put(lower_keys, keep_pinned=True)
         with self._lock:

@@ -21,23 +21,36 @@ from typing import Sequence
 import torch
 
 from tierkv.blocks import BlockLayout
+from tierkv.quant import dequantize_blocks, quantize_blocks
 from tierkv.storage.base import PutResult, StorageTier
 
 
 class CpuTier(StorageTier):
     kind = "cpu"
 
-    def __init__(self, name: str, layout: BlockLayout, capacity_bytes: int, *, pin_memory: bool | None = None):
+    def __init__(self, name: str, layout: BlockLayout, capacity_bytes: int, *, pin_memory: bool | None = None,
+                 quant_format: str | None = None):
+        """quant_format: None (blocks stored as given, bit-exact) or a `tierkv.quant` format
+        ("int8", "float8_e4m3fn"): one byte per value plus a float32 scale per block, K/V and head;
+        `capacity_bytes` then holds about twice the bf16 blocks."""
         super().__init__(name, layout, capacity_bytes)
-        self.num_slots = capacity_bytes // layout.num_bytes
+        self.quant_format = quant_format
+        self.slot_bytes = layout.num_bytes if quant_format is None else layout.num_bytes // layout.dtype.itemsize
+        if quant_format is not None:
+            self.slot_bytes += 2 * layout.num_kv_heads * 4
+        self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise ValueError(
-                f"{name}: capacity {capacity_bytes} bytes holds no block of {layout.num_bytes} bytes"
+                f"{name}: capacity {capacity_bytes} bytes holds no block of {self.slot_bytes} bytes"
             )
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.is_pinned = pin_memory
-        self.slab = layout.empty(self.num_slots, pin_memory=pin_memory)
+        # slab: [num_slots, 2, H, T, D] in the KV dtype, or uint8 codes with scales [num_slots, 2, H] float32
+        slab_dtype = layout.dtype if quant_format is None else torch.uint8
+        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=slab_dtype, pin_memory=pin_memory)
+        self.scales = (torch.empty((self.num_slots, 2, layout.num_kv_heads), dtype=torch.float32, pin_memory=pin_memory)
+                       if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
         self._pending: dict[str, int] = {}  # prepared, not yet complete
         self._pins: Counter[str] = Counter()
@@ -67,9 +80,9 @@ class CpuTier(StorageTier):
                     self._slot_of.move_to_end(key)
             hit_slots = [slot for slot in slots if slot is not None]
             if hit_slots:  # gather while locked: a later put may reuse these slots
-                rows = iter(self.slab.index_select(0, torch.tensor(hit_slots)).unbind(0))
+                rows = iter(self.read_slots(hit_slots).unbind(0))
         num_hits = len(hit_slots)
-        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
+        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return [None if slot is None else next(rows) for slot in slots]
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
@@ -83,15 +96,37 @@ class CpuTier(StorageTier):
             for key, block in zip(keys, blocks):
                 result, slot = self._take_slot(key)  # no pin: nobody sees the slot before it is indexed
                 if result.ok:
-                    self.slab[slot].copy_(block)
+                    self.write_slots([slot], block.unsqueeze(0))
                     self._slot_of[key] = slot
                 results.append(result)
         num_stored = sum(r.ok for r in results)
         self.counters.add(
-            puts=num_stored, put_failures=len(results) - num_stored, bytes_written=num_stored * self.layout.num_bytes,
+            puts=num_stored, put_failures=len(results) - num_stored, bytes_written=num_stored * self.slot_bytes,
             evictions=sum(len(r.evicted) for r in results),
         )  # fmt: skip
         return results
+
+    # -- slot contents (quantized or not) ---------------------------------------------------------
+    def read_slots(self, slots: Sequence[int]) -> torch.Tensor:
+        """Blocks in the KV dtype: [len(slots), 2, H, T, D], a fresh tensor."""
+        index = torch.as_tensor(list(slots), dtype=torch.int64)
+        if self.quant_format is None:
+            return self.slab.index_select(0, index)
+        return dequantize_blocks(self.slab.index_select(0, index), self.scales.index_select(0, index),
+                                 self.quant_format, self.layout.dtype)
+
+    def write_slots(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
+        """blocks [len(slots), 2, H, T, D] in the KV dtype -> the slots (quantized if the tier is)."""
+        if self.quant_format is None:
+            if len(slots) == 1:
+                self.slab[slots[0]].copy_(blocks[0])
+            else:
+                self.slab.index_copy_(0, torch.as_tensor(list(slots), dtype=torch.int64), blocks)
+            return
+        index = torch.as_tensor(list(slots), dtype=torch.int64)
+        codes, scales = quantize_blocks(blocks, self.quant_format)
+        self.slab.index_copy_(0, index, codes)
+        self.scales.index_copy_(0, index, scales)
 
     def remove(self, key: str) -> bool:
         with self._lock:
@@ -111,7 +146,7 @@ class CpuTier(StorageTier):
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return (len(self._slot_of) + len(self._pending)) * self.layout.num_bytes
+            return (len(self._slot_of) + len(self._pending)) * self.slot_bytes
 
     # -- slot-level API for the transfer engine ----------------------------------------------
     def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
@@ -133,7 +168,7 @@ class CpuTier(StorageTier):
                 self._slot_of[key] = self._pending.pop(key)
                 if not keep_pinned:
                     self._unpin(key)
-        self.counters.add(puts=len(keys), bytes_written=len(keys) * self.layout.num_bytes)
+        self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
 
     def abort_put(self, keys: Sequence[str]) -> None:
         """Give back prepared slots whose bytes were never written; the keys stay absent."""
@@ -151,7 +186,7 @@ class CpuTier(StorageTier):
                     self._slot_of.move_to_end(key)
                     self._pins[key] += 1
         num_hits = sum(s is not None for s in slots)
-        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
+        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return slots
 
     def release(self, keys: Sequence[str]) -> None:
@@ -188,7 +223,7 @@ class CpuTier(StorageTier):
             if victim is None:
                 return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
             slot = self._slot_of.pop(victim)
-            evicted.append((victim, self.slab[slot].clone()))
+            evicted.append((victim, self.read_slots([slot])[0]))
         return PutResult(ok=True, evicted=evicted), slot
 
     def _unpin(self, key: str) -> None:

@@ -324,7 +324,7 @@ def _normalize_device(device: torch.device | str) -> torch.device:
 
 def _events_of(after: After) -> list[torch.cuda.Event]:
     items = after if isinstance(after, (list, tuple)) else (after,)
-    events = [item.event if isinstance(item, TransferHandle) else item for item in items]
+    events = [getattr(item, "event", item) for item in items]  # handles (anything with .event) or events
     return [event for event in events if event is not None]
 
 

@@ -1,0 +1,100 @@
+"""Quantized CPU tier (int8, fp8 e4m3): round trips within the format's bound, attention error
+against full-precision storage reported, and PCIe bytes cut by the code size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.models import build, reference_greedy
+from tierkv.adapters.hf import runtime_for_model
+from tierkv.attention import reference
+from tierkv.blocks import BlockLayout
+from tierkv.config import ConfigError, load_config
+from tierkv.quant import QUANT_FORMATS, dequantize_blocks, max_abs_error, quantize_blocks
+from tierkv.storage import CpuTier
+
+FORMATS = list(QUANT_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_round_trip_error_is_within_the_format_bound(fmt, dtype):
+    blocks = (torch.randn(6, 2, 4, 16, 32) * torch.rand(6, 2, 4, 1, 1) * 10).to(dtype)
+    blocks[0, 1, 2] = 0  # an all-zero group must survive (no division by zero)
+    codes, scales = quantize_blocks(blocks, fmt)
+    assert codes.dtype == torch.uint8 and scales.shape == (6, 2, 4)
+    back = dequantize_blocks(codes, scales, fmt, torch.float32)
+    error = (back - blocks.float()).abs().amax(dim=(-2, -1))
+    slack = blocks.float().abs().amax(dim=(-2, -1)) * 1e-6
+    assert torch.isfinite(back).all()
+    assert (error <= max_abs_error(blocks, fmt) + slack).all()
+    assert torch.equal(back[0, 1, 2], torch.zeros(16, 32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_cpu_tier_holds_twice_the_blocks_and_returns_the_kv_dtype(fmt):
+    layout = BlockLayout(2, 16, 32, torch.bfloat16)
+    tier = CpuTier("cpu", layout, 8 * layout.num_bytes, quant_format=fmt)
+    assert tier.num_slots >= 15  # one byte per value plus a few scales: about twice the bf16 blocks
+    block = torch.randn(layout.shape).to(torch.bfloat16)
+    assert tier.put("k/L0", block).ok
+    got = tier.get("k/L0")
+    assert got.dtype == torch.bfloat16 and got.shape == block.shape
+    bound = max_abs_error(block.unsqueeze(0), fmt)[0][..., None, None] * 1.01 + 1e-2
+    assert ((got.float() - block.float()).abs() <= bound).all()
+
+
+def test_quantized_storage_only_in_the_cpu_tier():
+    with pytest.raises(ConfigError, match="only in the cpu tier"):
+        from tierkv.storage import build_tiers
+
+        config = load_config({"tiers": [{"kind": "cpu"}, {"kind": "disk", "path": "/tmp/q", "storage_dtype": "int8"}]}, env={})
+        build_tiers(config.tiers, BlockLayout(2, 16, 32, torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_error_against_full_precision_storage(fmt):
+    """Random and planted-needle KV: paged attention over dequantized blocks vs the originals."""
+    rows = []
+    for case in ("random", "needle"):
+        q = torch.randn(1, 8, 64)
+        blocks = torch.randn(64, 2, 2, 16, 64)
+        if case == "needle":
+            blocks[17, 0, :, 3] = 4 * q[0].view(2, 4, 64).mean(1)  # one key that dominates
+        codes, scales = quantize_blocks(blocks, fmt)
+        stored = dequantize_blocks(codes, scales, fmt, torch.float32)
+        args = (torch.arange(64), torch.arange(64) * 16, torch.full((64,), 16))
+        exact, _ = reference.paged_partial_attention(q, blocks, *args, scale=64**-0.5)
+        approx, _ = reference.paged_partial_attention(q, stored, *args, scale=64**-0.5)
+        rel = ((approx - exact).norm() / exact.norm()).item()
+        rows.append((case, rel))
+        assert rel < (0.02 if fmt == "int8" else 0.1), f"{fmt} {case}: relative error {rel:.3e}"
+    print(f"{fmt}: " + ", ".join(f"{case} rel. error {rel:.2e}" for case, rel in rows))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exact_mode_over_a_quantized_cpu_tier_moves_fewer_bytes_and_stays_close(fmt):
+    model, reference_model = build("llama", num_heads=8, num_kv_heads=2)
+    settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
+    ids = torch.randint(0, 512, (257,)).tolist()
+    expected, ref_logits = reference_greedy(reference_model, ids, 6)
+    moved = {}
+    for storage in ("auto", fmt):
+        settings["tiers"] = [{"kind": "cpu", "capacity_bytes": "64MiB", "storage_dtype": storage}]
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"quant-{storage}")
+        try:
+            tokens, logits = tiered_greedy(model, runtime, ids, 6, 64)
+            moved[storage] = runtime.engine.num_bytes_moved["h2d"]
+        finally:
+            runtime.close()
+        rel = max(((got - want).norm() / want.norm()).item() for got, want in zip(logits, ref_logits))
+        agree = sum(a == b for a, b in zip(tokens, expected))
+        print(f"storage {storage}: max relative logit error {rel:.2e}, greedy tokens agreeing {agree}/6")
+        if storage == "auto":
+            assert tokens == expected and rel < 1e-4
+        else:
+            assert rel < 0.1
+    # fp32 model: one byte per value instead of four, plus 2 x 2 float32 scales per block
+    block_bytes = 2 * 2 * 4 * 16
+    assert moved[fmt] == pytest.approx(moved["auto"] * (block_bytes + 16) / (block_bytes * 4), rel=1e-6)

@@ -1,0 +1,81 @@
+"""Block moves between the CPU tier and device pools, in the tier's storage form.
+
+Primitives: `BlockIO` (`gather`, `scatter`).
+
+A plain CPU tier moves blocks as they are. A quantized one (int8 / fp8) moves codes and
+scales, so PCIe carries about half the bytes of bf16:
+
+    scatter: blocks --quantize (device)--> codes + scales --D2H--> slab + scale slab
+    gather:  slab + scale slab --H2D--> codes + scales --dequantize (device, on wait)--> pool slots
+
+Handles behave like `TransferHandle`s; a quantized gather's dequantization runs on the
+stream that calls `wait_on_current_stream`, right after the copies it waits for.
+"""
+from __future__ import annotations
+
+import torch
+
+from tierkv.quant import dequantize_blocks, quantize_blocks
+from tierkv.scheduler.plan import to_device_no_sync
+
+
+class _Handles:
+    """Several transfers as one, with an optional step to run once they have landed."""
+
+    def __init__(self, handles: list, on_wait=None):
+        self.handles = handles
+        self.num_bytes = sum(h.num_bytes for h in handles)
+        self._on_wait = on_wait
+
+    def wait_on_current_stream(self) -> None:
+        for handle in self.handles:
+            handle.wait_on_current_stream()
+        if self._on_wait is not None:
+            on_wait, self._on_wait = self._on_wait, None
+            on_wait()
+
+    def is_done(self) -> bool:
+        return all(h.is_done() for h in self.handles)
+
+    def synchronize(self) -> None:
+        for handle in self.handles:
+            handle.synchronize()
+
+    @property
+    def event(self):  # for `after=` lists: the last copy's event
+        return self.handles[-1].event
+
+
+class BlockIO:
+    def __init__(self, engine, cpu_tier):
+        self.engine = engine
+        self.cpu = cpu_tier
+
+    def gather(self, cpu_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor, *, after=None):
+        """dst[dst_slots[i]] = block in CPU slot cpu_slots[i]; cpu_slots, dst_slots: int64 CPU tensors."""
+        cpu = self.cpu
+        if cpu.quant_format is None:
+            return self.engine.gather_h2d(cpu.slab, cpu_slots, dst, dst_slots, after=after)
+        n = cpu_slots.numel()
+        codes = torch.empty((n, *cpu.slab.shape[1:]), dtype=torch.uint8, device=dst.device)
+        scales = torch.empty((n, *cpu.scales.shape[1:]), dtype=torch.float32, device=dst.device)
+        order = torch.arange(n, dtype=torch.int64)
+        handles = [self.engine.gather_h2d(cpu.slab, cpu_slots, codes, order, after=after),
+                   self.engine.gather_h2d(cpu.scales, cpu_slots, scales, order, after=after)]
+        dst_on_device = to_device_no_sync(dst_slots, dst.device)
+
+        def dequantize() -> None:
+            dst.index_copy_(0, dst_on_device, dequantize_blocks(codes, scales, cpu.quant_format, dst.dtype))
+
+        return _Handles(handles, on_wait=dequantize)
+
+    def scatter(self, blocks: torch.Tensor, cpu_slots: torch.Tensor):
+        """CPU slots cpu_slots[i] = blocks[i] (device [n, 2, H, T, D]); waits for the compute that wrote them."""
+        cpu = self.cpu
+        order = torch.arange(blocks.shape[0], dtype=torch.int64)
+        if cpu.quant_format is None:
+            return self.engine.scatter_d2h(blocks, order, cpu.slab, cpu_slots, after=self.engine.record_compute_event())
+        codes, scales = quantize_blocks(blocks, cpu.quant_format)
+        written = self.engine.record_compute_event()  # after the quantization
+        return _Handles([self.engine.scatter_d2h(codes, order, cpu.slab, cpu_slots, after=written),
+                         self.engine.scatter_d2h(scales, order, cpu.scales, cpu_slots, after=written)])
