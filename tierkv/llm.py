@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from tierkv.config import TierKVConfig, load_config
+from tierkv.config_loader import to_dict
 from tierkv.metrics import MetricsService, runtime_reads
 from tierkv.prefix import load_prefix
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next
@@ -46,7 +47,8 @@ class TieredLLM:
         self._totals = {"requests": 0, "prompt_tokens": 0, "prefix_tokens": 0, "generated_tokens": 0,
                         "prefill_s": 0.0, "decode_s": 0.0}
         try:
-            self.metrics = MetricsService.from_config(self.config.metrics, self.stats, live_reads=runtime_reads(self.runtime))
+            self.metrics = MetricsService.from_config(self.config.metrics, self.stats, live_reads=runtime_reads(self.runtime),
+                                                      set_gpu_budget=self.set_gpu_budget)
         except Exception:
             self.runtime.close()
             raise
@@ -82,6 +84,23 @@ class TieredLLM:
         self.runtime.set_gpu_budget(num_bytes)
         if wait and not self.runtime.wait_for_budget(timeout_s):
             raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s")
+
+    def reload_config(self, config: TierKVConfig | str | os.PathLike | dict) -> list[str]:
+        """Apply a changed config at run time; returns the keys applied.
+
+        Only `cache.gpu_budget_bytes` can change while the model is loaded; a change to any other
+        key raises ValueError naming it (those need a new TieredLLM), and nothing is applied.
+        """
+        new = config if isinstance(config, TierKVConfig) else load_config(config)
+        old_flat, new_flat = _flatten(to_dict(self.config)), _flatten(to_dict(new))
+        changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
+        fixed = [k for k in changed if k != "cache.gpu_budget_bytes"]
+        if fixed:
+            raise ValueError(f"config reload: {', '.join(fixed)} cannot change at run time (make a new TieredLLM); "
+                             "only cache.gpu_budget_bytes can")
+        if changed:
+            self.set_gpu_budget(new.cache.gpu_budget_bytes)
+        return changed
 
     def stats(self) -> dict:
         """Running totals since construction: requests, tokens, times, tiers, transfers."""
@@ -184,6 +203,14 @@ class TieredLLM:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
+    if isinstance(data, list):
+        return {k: v for i, value in enumerate(data) for k, v in _flatten(value, f"{prefix[:-1]}[{i}].").items()}
+    return {prefix[:-1]: data}
 
 
 def _is_token_list(prompts) -> bool:

@@ -8,6 +8,7 @@ Primitives: `main(argv) -> exit code`, `build_parser`, `UsageError`.
     tierkv bench        list or run the scripts in benchmarks/
     tierkv top          a live terminal view of a running TieredLLM's figures or a JSONL
     tierkv dashboard    serve the web dashboard, or write it as one static HTML file
+    tierkv budget       resize a running TieredLLM's GPU KV budget through its endpoint
 
 Exit codes: 0 done; 2 bad arguments or config (a message on stderr names the problem);
 1 a failure while running; 130 interrupted (top and dashboard stop with 0 on Ctrl-C).
@@ -28,13 +29,13 @@ class UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     from tierkv import __version__
-    from tierkv.cli import bench, config_cmd, dashboard_cmd, plan, run, top
+    from tierkv.cli import bench, budget, config_cmd, dashboard_cmd, plan, run, top
 
     parser = argparse.ArgumentParser(prog="tierkv", description="tierkv: a tiered KV-cache runtime.")
     parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
     parser.add_argument("--traceback", action="store_true", help="print the full traceback of a failure")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (run, plan, config_cmd, bench, top, dashboard_cmd):
+    for module in (run, plan, config_cmd, bench, top, dashboard_cmd, budget):
         module.add_parser(commands)
     return parser
 

@@ -22,7 +22,8 @@ class MetricsService:
 
     @classmethod
     def from_config(cls, config: MetricsConfig, source: Callable[[], Mapping], *,
-                    live_reads: LiveReads | None = None, host: str = "127.0.0.1") -> "MetricsService":
+                    live_reads: LiveReads | None = None, host: str = "127.0.0.1",
+                    set_gpu_budget: Callable | None = None) -> "MetricsService":
         if not config.enabled:
             return cls(None)
         recorder = MetricsRecorder(source, jsonl_path=config.jsonl_path, live_reads=live_reads)
@@ -33,7 +34,7 @@ class MetricsService:
                 from tierkv.metrics.server import start_metrics_server
 
                 try:
-                    server = start_metrics_server(recorder, config.prometheus_port, host)
+                    server = start_metrics_server(recorder, config.prometheus_port, host, set_gpu_budget)
                 except OSError as exc:
                     raise OSError(exc.errno, f"metrics.prometheus_port: cannot listen on {host}:{config.prometheus_port}"
                                              f" ({exc.strerror})") from None
