@@ -53,7 +53,7 @@ class LookaheadStreamer:
         self._chunks: list[tuple[int, range]] = []  # (layer, block range) per global chunk
         self._cpu_slots: list[torch.Tensor] = []
         self._handles: list = []
-        self._chunk_meta: list[StagedChunk] = []
+        self._chunk_meta: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._region_free_event: list = [None] * self.pool.num_regions
         self._num_issued = 0
         self._num_consumed = 0
@@ -71,12 +71,9 @@ class LookaheadStreamer:
         streamed = step.streamed_blocks
         per_layer = [range(s, min(s + region, streamed.stop)) for s in range(streamed.start, streamed.stop, region)]
         device = self.pool.staging.device
+        # (start_pos, num_tokens) of each chunk of a layer; the staging region is chosen per chunk
         self._chunk_meta = [
-            StagedChunk(
-                slots=self._region_slots[0][: len(r)],  # the region is chosen per chunk in chunks_for_layer
-                start_pos=to_device_no_sync([b * block_tokens for b in r], device),
-                num_tokens=to_device_no_sync([block_tokens] * len(r), device),
-            )
+            (to_device_no_sync([b * block_tokens for b in r], device), to_device_no_sync([block_tokens] * len(r), device))
             for r in per_layer
         ]
         self._cpu_slots = cpu_slots_per_layer
@@ -158,9 +155,9 @@ class LookaheadStreamer:
                 self.recorder.record_chunk(layer, is_late=is_late, wait_s=wait_s)
             handle = self._handles[g]
             handle.wait_on_current_stream()
-            meta = self._chunk_meta[c]
+            start_pos, num_tokens = self._chunk_meta[c]
             region = g % self.pool.num_regions
-            yield StagedChunk(self._region_slots[region][: meta.slots.numel()], meta.start_pos, meta.num_tokens)
+            yield StagedChunk(self._region_slots[region][: num_tokens.numel()], start_pos, num_tokens)
             self.engine.release_event(self._region_free_event[region])
             self._region_free_event[region] = self.engine.record_compute_event()
             self._num_consumed += 1

@@ -39,19 +39,18 @@ def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) ->
 def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None) -> StorageTier:
     """One tier from its config section, named after its kind."""
     quant_format = _quant_format(index, tier_config, layout)
-    tier_layout = layout
     name = tier_config.kind
     if tier_config.kind == "cpu":
-        return CpuTier(name, tier_layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
+        return CpuTier(name, layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 
-        return DiskTier(name, tier_layout, tier_config.capacity_bytes, tier_config.path)
+        return DiskTier(name, layout, tier_config.capacity_bytes, tier_config.path)
     if tier_config.kind == "redis":
         from tierkv.storage.redis_tier import RedisTier
 
         return RedisTier(
-            name, tier_layout, tier_config.capacity_bytes, url=tier_config.url, namespace=tier_config.namespace,
+            name, layout, tier_config.capacity_bytes, url=tier_config.url, namespace=tier_config.namespace,
             ttl_s=tier_config.ttl_s, timeout_s=tier_config.timeout_s, retry_interval_s=tier_config.retry_interval_s,
         )
     raise ValueError(f"tiers[{index}].kind: unknown tier kind {tier_config.kind!r}")
