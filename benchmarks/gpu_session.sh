@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call: every GPU test, then the GPU benchmarks, each bounded in time, full output under $OUT.
+#   BENCH_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh [tests] [quant] [sparse] [exact]
+set -uo pipefail
+OUT="${OUT:-/tmp/tierkv-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests quant sparse exact)
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+summary=()
+for step in "${steps[@]}"; do
+    start=$(date +%s)
+    case "$step" in
+        tests)  timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests.log" | tail -30 ;;
+        quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
+        sparse) timeout 240 python3 benchmarks/bench_sparse.py --out "$OUT/sparse-h200.json" 2>&1 | tee "$OUT/sparse.log" ;;
+        exact)  timeout 240 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+    rc=$?
+    summary+=("$step rc=$rc $(( $(date +%s) - start ))s")
+done
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
