@@ -45,11 +45,11 @@ def test_quantized_cpu_tier_holds_twice_the_blocks_and_returns_the_kv_dtype(fmt)
     assert ((got.float() - block.float()).abs() <= bound).all()
 
 
-def test_quantized_storage_only_in_the_cpu_tier():
-    with pytest.raises(ConfigError, match="only in the cpu tier"):
-        from tierkv.storage import build_tiers
+def test_bad_storage_dtype_names_the_key():
+    from tierkv.storage import build_tiers
 
-        config = load_config({"tiers": [{"kind": "cpu"}, {"kind": "disk", "path": "/tmp/q", "storage_dtype": "int8"}]}, env={})
+    config = load_config({"tiers": [{"kind": "cpu", "storage_dtype": "float16"}]}, env={})
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.storage_dtype"):
         build_tiers(config.tiers, BlockLayout(2, 16, 32, torch.bfloat16))
 
 

@@ -1,19 +1,34 @@
 """Quantized block storage: int8 or fp8 (e4m3) codes with a scale per block, K/V and head.
 
-Primitives: `QUANT_FORMATS`, `quantize_blocks`, `dequantize_blocks`, `max_abs_error`.
+Primitives: `QUANT_FORMATS`, `quantize_blocks`, `dequantize_blocks`, `max_abs_error`,
+`packed_layout`, `pack_blocks`, `unpack_blocks`.
 
     blocks [n, 2, H, T, D] (bf16/fp16/fp32)  ->  codes [n, 2, H, T, D] uint8  +  scales [n, 2, H] float32
     int8:  code = round(x / s) in [-127, 127], s = amax / 127        (stored as its uint8 bit pattern)
     fp8:   code = float8_e4m3fn(x / s),        s = amax / 448
+
+Disk and Redis store one tensor per block, so there the scales ride in one extra token row:
+
+    packed [n, 2, H, T + 1, D] in the code dtype (int8 or float8_e4m3fn):
+        [..., :T, :]   the codes
+        [..., T, :4]   the float32 scale's 4 bytes (rest of the row zero)
+
+The code dtype names the format, so a block written as int8 never decodes as fp8.
 
 The same functions run on the CPU (tier puts and gets) and on the GPU (before a D2H write-back,
 after an H2D gather), so PCIe carries the small form.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from tierkv.blocks import BlockLayout
+
 QUANT_FORMATS = {"int8": 127.0, "float8_e4m3fn": 448.0}
+CODE_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def quantize_blocks(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,3 +57,27 @@ def max_abs_error(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         return amax / 127 / 2
     return amax * 2.0**-4  # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 of the value
+
+
+def packed_layout(layout: "BlockLayout", fmt: str) -> "BlockLayout":
+    """The layout of a packed block: one more token row, in the format's code dtype."""
+    from tierkv.blocks import BlockLayout
+
+    if layout.head_dim < 4:
+        raise ValueError(f"packed {fmt} blocks need head_dim >= 4 for the float32 scale, got {layout.head_dim}")
+    return BlockLayout(layout.num_kv_heads, layout.block_tokens + 1, layout.head_dim, CODE_DTYPES[fmt])
+
+
+def pack_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """blocks [n, 2, H, T, D] -> packed [n, 2, H, T + 1, D] in the code dtype (codes, then the scale row)."""
+    codes, scales = quantize_blocks(blocks, fmt)
+    extra = torch.zeros((*codes.shape[:-2], 1, codes.shape[-1]), dtype=torch.uint8, device=codes.device)
+    extra[..., 0, :4] = scales.contiguous().view(torch.uint8).view(*scales.shape, 4)
+    return torch.cat([codes, extra], dim=-2).view(CODE_DTYPES[fmt])
+
+
+def unpack_blocks(packed: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """packed [n, 2, H, T + 1, D] -> blocks [n, 2, H, T, D] in `dtype`."""
+    raw = packed.view(torch.uint8)
+    scales = raw[..., -1, :4].contiguous().view(torch.float32).squeeze(-1)  # [n, 2, H]
+    return dequantize_blocks(raw[..., :-1, :], scales, fmt, dtype)

@@ -1,6 +1,6 @@
 """Storage tiers below the GPU and the chain that orders them.
 
-Primitives: `StorageTier`, `PutResult`, `TierError`, `CpuTier`, `TierChain`, `build_tiers`.
+Primitives: `StorageTier`, `PutResult`, `TierError`, `CpuTier`, `QuantizedTier`, `TierChain`, `build_tiers`.
 Disk and Redis tiers are imported on first use, so `import tierkv` never imports redis.
 """
 from __future__ import annotations
@@ -9,29 +9,29 @@ from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
 from tierkv.config import ConfigError
-from tierkv.quant import QUANT_FORMATS
+from tierkv.quant import QUANT_FORMATS, packed_layout
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain
 from tierkv.storage.cpu import CpuTier
+from tierkv.storage.quantized import QuantizedTier
 
 if TYPE_CHECKING:
     from tierkv.config import TierConfig
 
-__all__ = ["CpuTier", "PutResult", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
+__all__ = ["CpuTier", "PutResult", "QuantizedTier", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
 
 
 def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) -> str | None:
     """The tier's quantized format, or None for blocks stored in the KV dtype (bit-exact)."""
     storage = tier_config.storage_dtype
     if storage in QUANT_FORMATS:
-        if tier_config.kind != "cpu":
-            raise ConfigError(f"tiers[{index}].storage_dtype", storage,
-                              "quantized storage exists only in the cpu tier so far; use 'auto' here")
+        if layout.head_dim < 4:
+            raise ConfigError(f"tiers[{index}].storage_dtype", storage, "quantized storage needs head_dim >= 4")
         return storage
     if storage != "auto" and dtype_from_name(storage) != layout.dtype:
         raise ConfigError(
             f"tiers[{index}].storage_dtype", storage,
-            f"must be 'auto', the KV dtype '{dtype_name(layout.dtype)}', or int8 / float8_e4m3fn on the cpu tier",
+            f"must be 'auto', the KV dtype '{dtype_name(layout.dtype)}', or int8 / float8_e4m3fn",
         )
     return None
 
@@ -40,20 +40,23 @@ def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pi
     """One tier from its config section, named after its kind."""
     quant_format = _quant_format(index, tier_config, layout)
     name = tier_config.kind
-    if tier_config.kind == "cpu":
+    if tier_config.kind == "cpu":  # quantizes its slab itself (codes and scales move over PCIe as they are)
         return CpuTier(name, layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
+    stored = layout if quant_format is None else packed_layout(layout, quant_format)
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 
-        return DiskTier(name, layout, tier_config.capacity_bytes, tier_config.path)
-    if tier_config.kind == "redis":
+        tier: StorageTier = DiskTier(name, stored, tier_config.capacity_bytes, tier_config.path)
+    elif tier_config.kind == "redis":
         from tierkv.storage.redis_tier import RedisTier
 
-        return RedisTier(
-            name, layout, tier_config.capacity_bytes, url=tier_config.url, namespace=tier_config.namespace,
+        tier = RedisTier(
+            name, stored, tier_config.capacity_bytes, url=tier_config.url, namespace=tier_config.namespace,
             ttl_s=tier_config.ttl_s, timeout_s=tier_config.timeout_s, retry_interval_s=tier_config.retry_interval_s,
         )
-    raise ValueError(f"tiers[{index}].kind: unknown tier kind {tier_config.kind!r}")
+    else:
+        raise ValueError(f"tiers[{index}].kind: unknown tier kind {tier_config.kind!r}")
+    return tier if quant_format is None else QuantizedTier(tier, layout, quant_format)
 
 
 def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_memory: bool | None = None) -> TierChain:

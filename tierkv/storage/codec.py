@@ -32,7 +32,8 @@ except ImportError:  # same values, slower
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.uint8: 4, torch.int8: 5}
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.uint8: 4, torch.int8: 5,
+                torch.float8_e4m3fn: 6}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _PREFIX = struct.Struct("<4sHBB")
 
