@@ -88,7 +88,10 @@ def test_exact_mode_over_a_quantized_cpu_tier_moves_fewer_bytes_and_stays_close(
             moved[storage] = runtime.engine.num_bytes_moved["h2d"]
         finally:
             runtime.close()
-        rel = max(((got - want).norm() / want.norm()).item() for got, want in zip(logits, ref_logits))
+        # Logits after a greedy divergence follow another token sequence: compare up to it.
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(tokens))
+        compared = list(zip(logits, ref_logits))[: diverged + 1]
+        rel = max(((got - want).norm() / want.norm()).item() for got, want in compared)
         agree = sum(a == b for a, b in zip(tokens, expected))
         print(f"storage {storage}: max relative logit error {rel:.2e}, greedy tokens agreeing {agree}/6")
         if storage == "auto":

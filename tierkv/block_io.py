@@ -10,8 +10,16 @@ scales, so PCIe carries about half the bytes of bf16:
 
 Handles behave like `TransferHandle`s; a quantized gather's dequantization runs on the
 stream that calls `wait_on_current_stream`, right after the copies it waits for.
+
+Stream ownership of the temporary code buffers (CUDA caching allocator): a gather's codes are
+allocated on the H2D stream, which writes them, and marked as read by the stream that
+dequantizes them, so the allocator cannot hand their memory to the next gather's copy while a
+dequantization still reads it. A scatter's codes are made on the compute stream and marked as
+read by the D2H stream.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -46,6 +54,13 @@ class _Handles:
         return self.handles[-1].event
 
 
+def _on_copy_stream(engine, direction: str):
+    """Context in which allocations belong to the engine's copy stream (a no-op on a CPU engine)."""
+    if engine.device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(engine.stream(direction))
+
+
 class BlockIO:
     def __init__(self, engine, cpu_tier):
         self.engine = engine
@@ -57,8 +72,9 @@ class BlockIO:
         if cpu.quant_format is None:
             return self.engine.gather_h2d(cpu.slab, cpu_slots, dst, dst_slots, after=after)
         n = cpu_slots.numel()
-        codes = torch.empty((n, *cpu.slab.shape[1:]), dtype=torch.uint8, device=dst.device)
-        scales = torch.empty((n, *cpu.scales.shape[1:]), dtype=torch.float32, device=dst.device)
+        with _on_copy_stream(self.engine, "h2d"):  # written there; see the module docstring
+            codes = torch.empty((n, *cpu.slab.shape[1:]), dtype=torch.uint8, device=dst.device)
+            scales = torch.empty((n, *cpu.scales.shape[1:]), dtype=torch.float32, device=dst.device)
         order = torch.arange(n, dtype=torch.int64)
         handles = [self.engine.gather_h2d(cpu.slab, cpu_slots, codes, order, after=after),
                    self.engine.gather_h2d(cpu.scales, cpu_slots, scales, order, after=after)]
@@ -66,6 +82,10 @@ class BlockIO:
 
         def dequantize() -> None:
             dst.index_copy_(0, dst_on_device, dequantize_blocks(codes, scales, cpu.quant_format, dst.dtype))
+            if codes.is_cuda:
+                stream = torch.cuda.current_stream(codes.device)
+                codes.record_stream(stream)
+                scales.record_stream(stream)
 
         return _Handles(handles, on_wait=dequantize)
 
@@ -77,5 +97,8 @@ class BlockIO:
             return self.engine.scatter_d2h(blocks, order, cpu.slab, cpu_slots, after=self.engine.record_compute_event())
         codes, scales = quantize_blocks(blocks, cpu.quant_format)
         written = self.engine.record_compute_event()  # after the quantization
+        if codes.is_cuda:
+            codes.record_stream(self.engine.stream("d2h"))
+            scales.record_stream(self.engine.stream("d2h"))
         return _Handles([self.engine.scatter_d2h(codes, order, cpu.slab, cpu_slots, after=written),
                          self.engine.scatter_d2h(scales, order, cpu.scales, cpu_slots, after=written)])
