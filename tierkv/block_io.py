@@ -1,6 +1,6 @@
 """Block moves between the CPU tier and device pools, in the tier's storage form.
 
-Primitives: `BlockIO` (`gather`, `scatter`).
+Primitives: `BlockIO` (`gather`, `scatter`), `allocating_on_copy_stream`.
 
 A plain CPU tier moves blocks as they are. A quantized one (int8 / fp8) moves codes and
 scales, so PCIe carries about half the bytes of bf16:
@@ -54,7 +54,7 @@ class _Handles:
         return self.handles[-1].event
 
 
-def _on_copy_stream(engine, direction: str):
+def allocating_on_copy_stream(engine, direction: str):
     """Context in which allocations belong to the engine's copy stream (a no-op on a CPU engine)."""
     if engine.device.type != "cuda":
         return contextlib.nullcontext()
@@ -72,7 +72,7 @@ class BlockIO:
         if cpu.quant_format is None:
             return self.engine.gather_h2d(cpu.slab, cpu_slots, dst, dst_slots, after=after)
         n = cpu_slots.numel()
-        with _on_copy_stream(self.engine, "h2d"):  # written there; see the module docstring
+        with allocating_on_copy_stream(self.engine, "h2d"):  # written there; see the module docstring
             codes = torch.empty((n, *cpu.slab.shape[1:]), dtype=torch.uint8, device=dst.device)
             scales = torch.empty((n, *cpu.scales.shape[1:]), dtype=torch.float32, device=dst.device)
         order = torch.arange(n, dtype=torch.int64)

@@ -39,11 +39,11 @@ class TierChain:
         self.spill_errors: list[str] = []
 
     # -- writes --------------------------------------------------------------------------------
-    def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
-        """Store blocks in the first tier that takes them; evictions spill in the background."""
+    def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], *, start: int = 0) -> list[PutResult]:
+        """Store blocks in the first tier from `start` that takes them; evictions spill in the background."""
         if len(keys) != len(blocks):
             raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
-        return self._put_from(0, list(keys), list(blocks))
+        return self._put_from(start, list(keys), list(blocks))
 
     def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
         """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background."""

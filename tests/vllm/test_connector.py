@@ -1,0 +1,232 @@
+"""The tierkv vLLM connector against vLLM 0.26's own classes, on CPU.
+
+Constructed with both roles from a real VllmConfig and KVCacheConfig; metadata pickled; a prompt
+saved layer by layer from a paged cache in vLLM's FlashAttention layout, found again by the
+scheduler side across the CPU and disk tiers, and loaded back bit-exactly into other blocks.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401  CI installs vLLM (.ci/run): a missing vLLM fails here, never skips
+else:
+    pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the connector tests")
+
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from tierkv.config import ConfigError  # noqa: E402
+from tierkv.vllm_backend import kv_transfer_config  # noqa: E402
+from tierkv.vllm_backend.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.vllm_backend.store import BlockSpan, PagedLayout, peek_store  # noqa: E402
+
+BS, H, D, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 64
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def write_config(tmp_path, cpu_blocks: int = 1000, disk: bool = True) -> str:
+    block_bytes = 2 * H * BS * D * 4
+    lines = ["cache:", f"  block_tokens: {BS}", "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}"]
+    if disk:
+        lines += ["  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}"]
+    lines += ["scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {64 * block_bytes}"]
+    path = tmp_path / "tierkv.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def vllm_config(config_file: str, **extra) -> VllmConfig:
+    transfer = KVTransferConfig(**kv_transfer_config(config_file, model_id="test-llama", **extra))
+    return VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BS),
+                      device_config=DeviceConfig(device="cpu"))
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
+    tensors = [KVCacheTensor(size=NUM_BLOCKS * spec.page_size_bytes, shared_by=[n]) for n in NAMES]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=NAMES, kv_cache_spec=spec)])
+
+
+def paged_caches() -> dict[str, torch.Tensor]:
+    return {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}  # FlashAttention's logical layout
+
+
+def make_request(req_id: str, prompt: list[int]) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), None)
+
+
+def schedule(req: Request, block_ids: list[int], num_computed: int) -> SchedulerOutput:
+    new = NewRequestData.from_request(req, (block_ids,))
+    new.num_computed_tokens = num_computed
+    scheduled = len(req.prompt_token_ids) - num_computed
+    return SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={req.request_id: scheduled}, total_num_scheduled_tokens=scheduled,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[0],
+        finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+
+
+def run_forward(worker: TierKVConnector, caches: dict[str, torch.Tensor], meta: TierKVMetadata) -> None:
+    """What vLLM's model runner does around one forward, per the connector contract."""
+    worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))  # crosses a process boundary in vLLM
+    worker.start_load_kv(None)
+    for name in NAMES:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+@pytest.fixture
+def engine(tmp_path):
+    def make(cpu_blocks=1000, disk=True, worker=True):
+        config = vllm_config(write_config(tmp_path, cpu_blocks, disk))
+        made = []
+        if worker:
+            w = TierKVConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+            caches = paged_caches()
+            w.register_kv_caches(caches)
+            made.append(w)
+        else:
+            w, caches = None, None
+        s = TierKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        made.append(s)
+        connectors.extend(made)
+        return s, w, caches
+
+    connectors: list[TierKVConnector] = []
+    yield make
+    for c in connectors:
+        c.shutdown()
+
+
+def test_both_roles_share_one_store_and_metadata_pickles(engine):
+    scheduler, worker, _ = engine()
+    assert scheduler.role == KVConnectorRole.SCHEDULER and worker.role == KVConnectorRole.WORKER
+    assert scheduler.store is worker.store and not scheduler.store.lookup_only
+    assert scheduler.layout.shape == (2, H, BS, D) and scheduler.store.layer_index[NAMES[2]] == 2
+    meta = TierKVMetadata(loads=[BlockSpan("a", [1, 2], ["x", "y"])], saves=[BlockSpan("b", [3], ["z"])])
+    again = pickle.loads(pickle.dumps(meta))
+    assert again == meta and isinstance(again, TierKVMetadata)
+
+
+def test_prefix_saved_by_one_request_is_found_across_tiers_and_loaded_bit_exactly(engine):
+    # 8 CPU-tier blocks for 3 layers x 6 blocks: most of the prefix spills to disk.
+    scheduler, worker, caches = engine(cpu_blocks=8)
+    prompt = torch.randint(0, 1000, (100,)).tolist()            # 6 full blocks + 4 tokens
+    first = make_request("first", prompt)
+    assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+    first_blocks = list(range(10, 17))
+    scheduler.update_state_after_alloc(first, KVCacheBlocks((tuple(KVCacheBlock(b) for b in first_blocks),)), 0)
+    meta = scheduler.build_connector_meta(schedule(first, first_blocks, 0))
+    assert not meta.loads and [len(s.block_ids) for s in meta.saves] == [6]
+    run_forward(worker, caches, meta)
+    scheduler.request_finished(first, first_blocks)
+    saved = {n: caches[n][first_blocks[:6]].clone() for n in NAMES}
+    store = scheduler.store
+    store.chain.flush()
+    where = store.chain.locate_many([k for layer in range(LAYERS) for k in store.keys(meta.saves[0].hashes, layer)])
+    assert set(where) == {0, 1}  # some in the CPU tier, the rest spilled to disk
+
+    second = make_request("second", prompt[:96] + [7, 8, 9, 10, 11])
+    matched, is_async = scheduler.get_num_new_matched_tokens(second, 0)
+    assert (matched, is_async) == (96, False)
+    second_blocks = list(range(30, 37))
+    for n in NAMES:
+        caches[n][second_blocks] = 0
+    scheduler.update_state_after_alloc(second, KVCacheBlocks((tuple(KVCacheBlock(b) for b in second_blocks),)), 96)
+    meta = scheduler.build_connector_meta(schedule(second, second_blocks, 96))
+    assert [s.block_ids for s in meta.loads] == [second_blocks[:6]] and not meta.saves
+    run_forward(worker, caches, meta)
+    for n in NAMES:
+        assert torch.equal(caches[n][second_blocks[:6]], saved[n])
+    assert worker.get_block_ids_with_load_errors() == set()
+    stats = scheduler.stats()
+    assert stats["counts"]["blocks_loaded"] == 6 and stats["counts"]["blocks_saved"] == 18
+
+
+def test_vllm_prefix_cache_hit_is_not_loaded_again(engine):
+    scheduler, worker, caches = engine()
+    prompt = torch.randint(0, 1000, (80,)).tolist()
+    req = make_request("a", prompt)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(b) for b in range(5)),)), 0)
+    run_forward(worker, caches, scheduler.build_connector_meta(schedule(req, list(range(5)), 0)))
+    again = make_request("b", prompt)
+    # vLLM's own prefix cache already holds 3 blocks: only blocks 3 and 4 come from tierkv, and
+    # the last block holds the last prompt token, which vLLM must compute: block 4 is not offered.
+    assert scheduler.get_num_new_matched_tokens(again, 48) == (16, False)
+
+
+def test_a_block_gone_between_lookup_and_load_is_reported_for_recompute(engine):
+    scheduler, worker, caches = engine(disk=False)
+    prompt = torch.randint(0, 1000, (70,)).tolist()
+    req = make_request("a", prompt)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(b) for b in range(5)),)), 0)
+    meta = scheduler.build_connector_meta(schedule(req, list(range(5)), 0))
+    run_forward(worker, caches, meta)
+    again = make_request("b", prompt)
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (64, False)
+    scheduler.update_state_after_alloc(again, KVCacheBlocks((tuple(KVCacheBlock(b) for b in range(20, 25)),)), 64)
+    meta = scheduler.build_connector_meta(schedule(again, list(range(20, 25)), 64))
+    scheduler.store.chain.remove_many(scheduler.store.keys(meta.loads[0].hashes[2:3], 1))
+    run_forward(worker, caches, meta)
+    assert worker.get_block_ids_with_load_errors() == {22}  # the other blocks loaded; vLLM recomputes from 22
+
+
+def test_a_scheduler_without_its_worker_in_process_looks_up_the_shared_tiers_only(engine, tmp_path):
+    scheduler, _, _ = engine(worker=False)
+    assert scheduler.store.lookup_only and [t.kind for t in scheduler.store.chain.tiers] == ["disk"]
+    assert scheduler.get_num_new_matched_tokens(make_request("x", list(range(64))), 0) == (0, False)
+
+
+@pytest.mark.parametrize("layout", ["BHT2D", "2BTHD", "B2THD"])
+def test_paged_layouts_read_and_write_the_same_blocks(layout):
+    from tierkv.blocks import BlockLayout
+
+    paged = PagedLayout(BlockLayout(H, BS, D, torch.float32))
+    shapes = {"BHT2D": (NUM_BLOCKS, H, BS, 2 * D), "2BTHD": (2, NUM_BLOCKS, BS, H, D), "B2THD": (NUM_BLOCKS, 2, BS, H, D)}
+    kv = torch.randn(shapes[layout])
+    assert paged.kind(kv) == layout
+    ids = torch.tensor([5, 1, 9])
+    blocks = paged.read(kv, ids)
+    assert blocks.shape == (3, 2, H, BS, D)
+    if layout == "2BTHD":  # K of block 1, head 0, token 3 is kv[0, 1, 3, 0]
+        assert torch.equal(blocks[1, 0, 0, 3], kv[0, 1, 3, 0])
+    other = torch.zeros_like(kv)
+    paged.write(other, ids, blocks)
+    assert torch.equal(paged.read(other, ids), blocks)
+    with pytest.raises(ValueError, match="not a layout tierkv reads"):
+        paged.kind(torch.zeros(NUM_BLOCKS, H, BS, D))
+
+
+def test_config_errors_name_the_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIERKV_CONFIG_FILE", raising=False)
+    from tierkv.vllm_backend.config import config_from_kv_transfer
+
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
+        config_from_kv_transfer({}, block_size=BS, env={})
+    with pytest.raises(ConfigError, match="did you mean 'config_file'"):
+        config_from_kv_transfer({"config_fle": "x.yaml"}, block_size=BS, env={})
+    with pytest.raises(ConfigError, match="existing tierkv YAML file"):
+        config_from_kv_transfer({"config_file": str(tmp_path / "missing.yaml")}, block_size=BS, env={})
+    path = write_config(tmp_path)
+    with pytest.raises(ConfigError, match="cache.block_tokens.*vLLM's block_size \\(32\\)"):
+        config_from_kv_transfer({"config_file": path}, block_size=32, env={})
+    assert config_from_kv_transfer({}, block_size=BS, env={"TIERKV_CONFIG_FILE": path}).cache.block_tokens == BS
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
+        TierKVConnector(vllm_config(str(tmp_path / "nope.yaml")), KVConnectorRole.SCHEDULER, kv_cache_config())

@@ -1,0 +1,62 @@
+"""The tierkv config of a vLLM engine, named from its kv_transfer_config.
+
+Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_from_kv_transfer`.
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.vllm_backend.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_file": "configs/vllm-128k.yaml"},
+    })
+
+Without `config_file` the TIERKV_CONFIG_FILE environment variable names the file. The file is
+loaded by the same loader as everywhere else (TIERKV_* overrides, precise errors).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Mapping
+
+from tierkv.config import ConfigError, TierKVConfig, load_config
+
+CONNECTOR_NAME = "TierKVConnector"
+CONNECTOR_MODULE = "tierkv.vllm_backend.connector"
+EXTRA_KEYS = ("config_file", "model_id")
+
+
+def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
+    """The `kv_transfer_config` dict that makes a vLLM engine use tierkv with `config_file`."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_file": str(config_file), **extra},
+    }
+
+
+def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_size: int,
+                            env: Mapping[str, str] | None = None) -> TierKVConfig:
+    """Validate `kv_connector_extra_config` and load the tierkv config it names.
+
+    `block_size`: vLLM's KV block size; tierkv's `cache.block_tokens` must equal it, since one
+    tierkv block is one vLLM block.
+    """
+    env = os.environ if env is None else env
+    extra = dict(extra_config or {})
+    for key in extra:
+        if key not in EXTRA_KEYS:
+            close = difflib.get_close_matches(str(key), EXTRA_KEYS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"kv_connector_extra_config.{key}", extra[key], f"{hint}allowed keys: {list(EXTRA_KEYS)}")
+    path = extra.get("config_file") or env.get("TIERKV_CONFIG_FILE")
+    if not path:
+        raise ConfigError("kv_connector_extra_config.config_file", None,
+                          "name a tierkv YAML file there or in the TIERKV_CONFIG_FILE environment variable")
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise ConfigError("kv_connector_extra_config.config_file", path, "must be an existing tierkv YAML file")
+    config = load_config(path, env=env)
+    if config.cache.block_tokens != block_size:
+        raise ConfigError("cache.block_tokens", config.cache.block_tokens,
+                          f"must equal vLLM's block_size ({block_size}) when tierkv runs as a vLLM connector")
+    return config

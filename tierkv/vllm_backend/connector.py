@@ -1,0 +1,232 @@
+"""tierkv as a vLLM v1 KV connector: every full KV block vLLM computes is saved layer by layer to
+the CPU tier (then disk, Redis), and prompt prefixes found in any tier are loaded back layer by
+layer instead of being prefilled again.
+
+Primitives: `TierKVConnector`, `TierKVMetadata`.
+
+    scheduler side (one per engine)                       worker side (one per GPU worker)
+    get_num_new_matched_tokens: prefix blocks held in     start_load_kv: pin the blocks in the CPU
+      every layer by some tier (beyond vLLM's own cache)    tier, H2D of the first layers
+    update_state_after_alloc: remember where they go      wait_for_layer_load(L): L's blocks into
+    build_connector_meta: loads, and each request's        vLLM's cache; next layer's H2D enqueued
+      blocks that become full in this step               save_kv_layer(L): this step's full blocks
+                                                           of L copied out, D2H to the CPU tier
+                                                         wait_for_save: landed saves become visible
+
+Loads are synchronous from the scheduler's view (the step that needs them waits on the H2D,
+layer by layer). A block that left every tier between lookup and load is reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes it. Needs vLLM (`pip install
+'tierkv-runtime[vllm]'`); the tierkv side (`store.py`) does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from tierkv.blocks import BlockLayout
+from tierkv.config import ConfigError
+from tierkv.vllm_backend.config import config_from_kv_transfer
+from tierkv.vllm_backend.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """What the worker does in one step; pickled from the scheduler to the workers."""
+
+    loads: list[BlockSpan] = field(default_factory=list)
+    saves: list[BlockSpan] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    hashes: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_block_to_save: int = 0
+    load_range: tuple[int, int] | None = None
+    pending_load: BlockSpan | None = None
+
+
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.config = config_from_kv_transfer(extra, block_size=self.block_size)
+        self.layout, self.layer_names = _layout_of(kv_cache_config, self.block_size)
+        model_config = getattr(vllm_config, "model_config", None)
+        self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
+                                                          else self.config.model.name)
+        self.engine_id = str(self._kv_transfer_config.engine_id)
+        self._store: VllmKVStore | None = None
+        self._requests: dict[str, _RequestState] = {}
+
+    # -- the engine's store ------------------------------------------------------------------------
+    def _make_store(self, device: torch.device, lookup_only: bool) -> VllmKVStore:
+        return VllmKVStore(self.config, self.layout, self.layer_names, self.model_id, device, lookup_only=lookup_only)
+
+    @property
+    def store(self) -> VllmKVStore:
+        if self._store is None:
+            if self.role == KVConnectorRole.WORKER:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+                self._store = shared_store(self.engine_id, lambda: self._make_store(device, False))
+            else:
+                existing = peek_store(self.engine_id)
+                self._store = shared_store(
+                    self.engine_id, lambda: existing or self._make_store(torch.device("cpu"), True))
+        return self._store
+
+    # -- worker side ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if self._store is None and kv_caches:
+            device = next(iter(kv_caches.values())).device
+            self._store = shared_store(self.engine_id, lambda: self._make_store(device, False))
+        self.store.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, TierKVMetadata)
+        self.store.poll()
+        if metadata.loads:
+            self.store.begin_loads(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.store.finish_layer_load(self.store.layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, TierKVMetadata)
+        if metadata.saves:
+            self.store.save_layer(self.store.layer_index[layer_name], kv_layer, metadata.saves)
+
+    def wait_for_save(self):
+        self.store.poll()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.store.take_load_errors() if self._store is not None else set()
+
+    def shutdown(self):
+        if self._store is not None:
+            self._store = None
+            release_store(self.engine_id)
+
+    # -- scheduler side -------------------------------------------------------------------------------
+    def on_new_request(self, request: "Request") -> None:
+        self._state(request)
+
+    def _state(self, request: "Request") -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        prompt = request.prompt_token_ids or []
+        start = num_computed_tokens // self.block_size
+        end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
+        state.load_range = None
+        if end <= start:
+            return 0, False
+        hashes = self.store.extend_hashes(state.hashes, prompt, end)
+        found = self.store.present_prefix(hashes[start:end])
+        if found == 0:
+            return 0, False
+        state.load_range = (start, start + found)
+        return start * self.block_size + found * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        state = self._state(request)
+        if num_external_tokens <= 0 or state.load_range is None:
+            state.load_range = None
+            return
+        start, end = state.load_range
+        block_ids = blocks.get_block_ids()[0]
+        state.pending_load = BlockSpan(request.request_id, list(block_ids[start:end]), state.hashes[start:end])
+        state.next_block_to_save = max(state.next_block_to_save, end)  # already held by the tiers
+        state.load_range = None
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = TierKVMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.pending_load is not None:
+                meta.loads.append(state.pending_load)
+                state.pending_load = None
+            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _add_saves(self, meta: TierKVMetadata, state: _RequestState, computed_after_step: int) -> None:
+        tokens = state.request.all_token_ids
+        full = min(computed_after_step, len(tokens)) // self.block_size
+        full = min(full, len(state.block_ids))
+        first = state.next_block_to_save
+        if full <= first:
+            return
+        hashes = self.store.extend_hashes(state.hashes, tokens, full)
+        stored = self.store.stored_mask(hashes[first:full])
+        todo = [b for b, held in zip(range(first, full), stored) if not held]
+        if todo:
+            meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],
+                                        [hashes[b] for b in todo]))
+        state.next_block_to_save = full
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # the per-layer hooks must run outside captured graphs
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+
+def _layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str]]:
+    """The tierkv block layout and the layer names of a single full-attention KV cache group."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ConfigError("vllm kv_cache_groups", len(groups),
+                          "the tierkv connector serves models with one group of full-attention layers")
+    spec = groups[0].kv_cache_spec
+    if getattr(spec, "sliding_window", None) or not hasattr(spec, "num_kv_heads"):
+        raise ConfigError("vllm kv_cache_spec", type(spec).__name__, "only full-attention layers are supported")
+    if spec.block_size != block_size:
+        raise ConfigError("vllm block_size", spec.block_size, f"the KV cache group must use block_size {block_size}")
+    layout = BlockLayout(spec.num_kv_heads, block_size, spec.head_size, spec.dtype)
+    return layout, list(groups[0].layer_names)

@@ -1,0 +1,361 @@
+"""What a vLLM engine's tierkv connector keeps: tiers, transfer engine, and the layer-wise moves
+between vLLM's paged KV cache and the CPU tier. No vLLM import: tested on CPU with plain tensors.
+
+Primitives: `PagedLayout`, `VllmKVStore`, `shared_store`, `release_store`.
+
+    vLLM paged cache of one layer (FlashAttention, logical view):  [num_blocks, H, T, 2 * D]
+    tierkv block:                                                  [2, H, T, D]   (K, V)
+
+    save (per layer, in the forward that computed the blocks):
+        kv_cache[block_ids] --copy on the compute stream--> private [n, 2, H, T, D]
+            --D2H on the copy stream--> CPU-tier slots (prepared, pinned)
+        later, once the copy has landed: slots become visible to lookups (poll)
+    load (per layer, `lookahead_layers` ahead of the layer that needs it):
+        CPU-tier slots (pinned by acquire) --H2D--> fresh [n, 2, H, T, D] --> kv_cache[block_ids]
+
+The private copy means vLLM may free or reuse a saved block as soon as the forward returns:
+nothing reads vLLM's cache after the step. In-flight save bytes are bounded by
+`scheduler.staging_bytes`; past it the oldest save is waited for.
+
+One store per engine (`shared_store`, keyed by vLLM's engine id): the scheduler-side and the
+worker-side connector of an in-process engine share it, so prefix lookups see the CPU tier. A
+scheduler in another process gets a lookup-only store over the shared tiers (disk, Redis).
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tierkv.block_io import BlockIO, allocating_on_copy_stream
+from tierkv.blocks import BlockLayout, block_key, chain_block_hashes, model_fingerprint
+from tierkv.config import TierKVConfig
+from tierkv.storage import build_tiers
+from tierkv.transfer import TransferEngine
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_order(layer_names: Sequence[str]) -> dict[str, int]:
+    """Layer name -> index 0..L-1, by the first number in each name ('model.layers.7.self_attn.attn')."""
+    def number(name: str) -> int:
+        match = _LAYER_NUMBER.search(name)
+        if match is None:
+            raise ValueError(f"cannot tell the layer index of vLLM layer {name!r} (no number in its name)")
+        return int(match.group(1))
+
+    ordered = sorted(layer_names, key=number)
+    numbers = [number(n) for n in ordered]
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"vLLM layer names do not number the layers uniquely: {list(layer_names)[:8]}")
+    return {name: i for i, name in enumerate(ordered)}
+
+
+class PagedLayout:
+    """Reads and writes tierkv blocks in one layer's paged vLLM KV cache tensor."""
+
+    def __init__(self, layout: BlockLayout):
+        self.layout = layout
+
+    def kind(self, kv: torch.Tensor) -> str:
+        H, T, D = self.layout.num_kv_heads, self.layout.block_tokens, self.layout.head_dim
+        if kv.dim() == 4 and tuple(kv.shape[1:]) == (H, T, 2 * D):
+            return "BHT2D"   # FlashAttention in vLLM 0.26: K and V packed in the last dim
+        if kv.dim() == 5 and kv.shape[0] == 2 and tuple(kv.shape[2:]) == (T, H, D):
+            return "2BTHD"   # the older [2, num_blocks, block_size, H, D]
+        if kv.dim() == 5 and kv.shape[1] == 2 and tuple(kv.shape[2:]) == (T, H, D):
+            return "B2THD"
+        raise ValueError(
+            f"vLLM KV cache of shape {tuple(kv.shape)} is not a layout tierkv reads "
+            f"(H={H}, block_size={T}, head_dim={D}); use attention backend FLASH_ATTN"
+        )
+
+    def read(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks block_ids of the cache as a new contiguous [n, 2, H, T, D]."""
+        kind = self.kind(kv)
+        if kind == "BHT2D":
+            x = kv.index_select(0, block_ids)                                 # [n, H, T, 2D]
+            return x.unflatten(-1, (2, self.layout.head_dim)).permute(0, 3, 1, 2, 4).contiguous()
+        if kind == "2BTHD":
+            return kv.index_select(1, block_ids).permute(1, 0, 3, 2, 4).contiguous()
+        return kv.index_select(0, block_ids).transpose(2, 3).contiguous()
+
+    def write(self, kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """kv[block_ids] = blocks ([n, 2, H, T, D]) in the cache's own layout."""
+        kind = self.kind(kv)
+        if kind == "BHT2D":
+            kv.index_copy_(0, block_ids, blocks.permute(0, 2, 3, 1, 4).flatten(-2))
+        elif kind == "2BTHD":
+            kv.index_copy_(1, block_ids, blocks.permute(1, 0, 3, 2, 4))
+        else:
+            kv.index_copy_(0, block_ids, blocks.transpose(2, 3))
+
+
+@dataclass
+class BlockSpan:
+    """Blocks of one request to move: vLLM block ids and the chained hashes of their tokens."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+
+
+class _LayerLoad:
+    def __init__(self, handle, staged: torch.Tensor, block_ids: torch.Tensor):
+        self.handle, self.staged, self.block_ids = handle, staged, block_ids
+
+
+class VllmKVStore:
+    def __init__(self, config: TierKVConfig, layout: BlockLayout, layer_names: Sequence[str], model_id: str,
+                 device: torch.device | str, *, lookup_only: bool = False):
+        self.config = config
+        self.layout = layout
+        self.layer_index = layer_order(layer_names)
+        self.num_layers = len(self.layer_index)
+        self.fingerprint = model_fingerprint(model_id, self.num_layers, layout)
+        self.device = torch.device(device)
+        self.lookup_only = lookup_only
+        tiers = [t for t in config.tiers if t.kind != "cpu"] if lookup_only else config.tiers
+        self.chain = build_tiers(tiers, layout, pin_memory=self.device.type == "cuda") if tiers else None
+        self.paged = PagedLayout(layout)
+        self.lookahead = max(1, config.scheduler.lookahead_layers)
+        self.max_inflight_save_bytes = config.scheduler.staging_bytes
+        if not lookup_only:
+            self.cpu = self.chain.tiers[0]
+            self.engine = TransferEngine(self.device)
+            self.io = BlockIO(self.engine, self.cpu)
+        self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
+        self._lock = threading.RLock()
+        self._pending_saves: list[tuple[object, list[str], int]] = []   # (handle, keys, bytes)
+        self._loads: dict[int, _LayerLoad] = {}
+        self._load_plan: list[BlockSpan] = []
+        self._load_ids = torch.empty(0, dtype=torch.int64)
+        self._load_hashes: list[str] = []
+        self._load_pins: list[tuple[object, list[str]]] = []   # (H2D handle, keys pinned for it)
+        self._next_load_layer = 0
+        self.load_error_block_ids: set[int] = set()
+        self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
+                       "lookups": 0, "lookup_hit_blocks": 0}
+
+    # -- addresses -------------------------------------------------------------------------------
+    def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
+        """`hashes` grown in place to the first `num_blocks` full blocks of token_ids."""
+        bs = self.layout.block_tokens
+        if num_blocks > len(hashes):
+            parent = hashes[-1] if hashes else None
+            hashes.extend(chain_block_hashes(token_ids[len(hashes) * bs : num_blocks * bs], bs, self.fingerprint,
+                                             parent_hash=parent))
+        return hashes
+
+    def keys(self, hashes: Sequence[str], layer: int) -> list[str]:
+        return [block_key(h, layer) for h in hashes]
+
+    # -- scheduler side: lookups ---------------------------------------------------------------------
+    def present_prefix(self, hashes: Sequence[str]) -> int:
+        """How many leading blocks of `hashes` some tier holds for every layer."""
+        if self.chain is None or not hashes:
+            return 0
+        self.poll(wait=True)  # saves that have landed count
+        with self._lock:
+            first = self.chain.locate_many(self.keys(hashes, 0))
+            n = next((i for i, w in enumerate(first) if w is None), len(hashes))
+            for layer in range(1, self.num_layers):
+                if n == 0:
+                    break
+                where = self.chain.locate_many(self.keys(hashes[:n], layer))
+                n = next((i for i, w in enumerate(where) if w is None), n)
+            self.counts["lookups"] += 1
+            self.counts["lookup_hit_blocks"] += n
+        return n
+
+    def stored_mask(self, hashes: Sequence[str]) -> list[bool]:
+        """Per block: already held for the first and the last layer (then it need not be saved)."""
+        if self.chain is None or not hashes:
+            return [False] * len(hashes)
+        with self._lock:
+            first = self.chain.locate_many(self.keys(hashes, 0))
+            last = self.chain.locate_many(self.keys(hashes, self.num_layers - 1))
+        return [a is not None and b is not None for a, b in zip(first, last)]
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, kv in kv_caches.items():
+            if name not in self.layer_index:
+                raise ValueError(f"vLLM layer {name!r} is not among the layers of the KV cache config")
+            self.paged.kind(kv)  # a layout tierkv reads, or a clear error now
+            self.kv_caches[self.layer_index[name]] = kv
+
+    def save_layer(self, layer: int, kv: torch.Tensor, spans: Sequence[BlockSpan]) -> None:
+        """Copy this step's full blocks of `layer` out of vLLM's cache and start their D2H."""
+        block_ids = [b for s in spans for b in s.block_ids]
+        if not block_ids:
+            return
+        hashes = [h for s in spans for h in s.hashes]
+        keys = self.keys(hashes, layer)
+        ids = torch.tensor(block_ids, dtype=torch.int64).to(kv.device, non_blocking=True)
+        blocks = self.paged.read(kv, ids)                                    # private copy, compute stream
+        with self._lock:
+            slots, evicted = self.cpu.prepare_put(keys)
+            self.chain.spill(0, evicted)
+            ok = [i for i, s in enumerate(slots) if s is not None]
+            refused = [i for i, s in enumerate(slots) if s is None]
+            if ok:
+                chosen = blocks if len(ok) == len(keys) else blocks[torch.tensor(ok, device=blocks.device)]
+                handle = self.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
+                self._pending_saves.append((handle, [keys[i] for i in ok], len(ok) * self.layout.num_bytes))
+                self.counts["blocks_saved"] += len(ok)
+        if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
+            self.counts["save_fallbacks"] += len(refused)
+            index = torch.tensor(refused, device=blocks.device)
+            self.chain.put_many([keys[i] for i in refused], list(blocks.index_select(0, index).cpu()), start=1)
+        self._bound_inflight_saves()
+
+    def _bound_inflight_saves(self) -> None:
+        while sum(b for _, _, b in self._pending_saves) > self.max_inflight_save_bytes and len(self._pending_saves) > 1:
+            handle, keys, _ = self._pending_saves[0]
+            handle.synchronize()
+            self.poll()
+
+    def begin_loads(self, spans: Sequence[BlockSpan]) -> None:
+        """Plan this step's loads and start the first `lookahead` layers' H2D copies."""
+        spans = [s for s in spans if s.block_ids]
+        if not spans:
+            return
+        self._load_plan = list(spans)
+        self._load_ids = torch.tensor([b for s in spans for b in s.block_ids], dtype=torch.int64)
+        self._load_hashes = [h for s in spans for h in s.hashes]
+        self.counts["blocks_loaded"] += len(self._load_hashes)
+        self._next_load_layer = 0
+        while self._next_load_layer < min(self.lookahead, self.num_layers):
+            self._issue_load(self._next_load_layer)
+            self._next_load_layer += 1
+
+    def _issue_load(self, layer: int) -> None:
+        """One layer's blocks: pinned in the CPU tier and copied H2D on the copy stream; blocks the
+        CPU tier cannot pin (too small for a layer) are read from the tier holding them and copied
+        from there; blocks no tier holds any more become load errors (vLLM recomputes them)."""
+        keys = self.keys(self._load_hashes, layer)
+        with self._lock:
+            slots = self.chain.acquire_many(keys)
+        n = len(keys)
+        with allocating_on_copy_stream(self.engine, "h2d"):
+            staged = self.layout.empty(n, device=self.device)
+        ids = self._load_ids
+        if slots is not None:
+            handle = self.io.gather(torch.tensor(slots, dtype=torch.int64), staged, torch.arange(n, dtype=torch.int64))
+            self._load_pins.append((handle, keys))
+        else:
+            found = self.chain.get_many(keys, promote=False)
+            missing = [i for i, b in enumerate(found) if b is None]
+            if missing:
+                self.load_error_block_ids.update(int(ids[i]) for i in missing)
+                self.counts["load_failures"] += len(missing)
+            present = [i for i, b in enumerate(found) if b is not None]
+            handle = None
+            if present:
+                rows = torch.stack([found[i] for i in present]).to(self.device)
+                staged, ids = rows, ids[torch.tensor(present)]
+            else:
+                return
+        self._loads[layer] = _LayerLoad(handle, staged, ids.to(self.device, non_blocking=True))
+
+    def finish_layer_load(self, layer: int) -> None:
+        """Before layer `layer`'s attention: its loaded blocks are in vLLM's cache (stream order)."""
+        load = self._loads.pop(layer, None)
+        if load is not None:
+            if load.handle is not None:
+                load.handle.wait_on_current_stream()
+            self.paged.write(self.kv_caches[layer], load.block_ids, load.staged)
+            if load.staged.is_cuda:
+                load.staged.record_stream(torch.cuda.current_stream(load.staged.device))
+        if self._load_plan and self._next_load_layer < self.num_layers and layer + self.lookahead >= self._next_load_layer:
+            self._issue_load(self._next_load_layer)
+            self._next_load_layer += 1
+        if layer == self.num_layers - 1:
+            self._load_plan = []
+        self.poll()
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_error_block_ids = self.load_error_block_ids, set()
+        return errors
+
+    def poll(self, wait: bool = False) -> None:
+        """Make landed saves visible and unpin landed loads (all of them when `wait`)."""
+        if self.lookup_only:
+            return
+        with self._lock:
+            still = []
+            for handle, keys, num_bytes in self._pending_saves:
+                if wait:
+                    handle.synchronize()
+                if wait or handle.is_done():
+                    self.cpu.complete_put(keys)
+                else:
+                    still.append((handle, keys, num_bytes))
+            self._pending_saves = still
+            pins = []
+            for handle, keys in self._load_pins:
+                if wait:
+                    handle.synchronize()
+                if wait or handle.is_done():
+                    self.cpu.release(keys)
+                else:
+                    pins.append((handle, keys))
+            self._load_pins = pins
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = {"counts": dict(self.counts)}
+        if self.chain is not None:
+            out.update(self.chain.snapshot())
+        if not self.lookup_only:
+            out["bytes_moved"] = dict(self.engine.num_bytes_moved)
+        return out
+
+    def close(self) -> None:
+        if not self.lookup_only:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.poll(wait=True)
+        if self.chain is not None:
+            self.chain.close()
+
+
+_STORES: dict[str, tuple[VllmKVStore, int]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def shared_store(engine_id: str, make) -> VllmKVStore:
+    """The engine's store, made by `make(lookup_only)` on first use; each call takes a reference.
+
+    The worker side calls first in an in-process engine and makes the full store; a scheduler
+    side that finds none (its worker lives in another process) makes a lookup-only one.
+    """
+    with _STORES_LOCK:
+        store, refs = _STORES.get(engine_id, (None, 0))
+        if store is None:
+            store = make()
+        _STORES[engine_id] = (store, refs + 1)
+        return store
+
+
+def peek_store(engine_id: str) -> VllmKVStore | None:
+    with _STORES_LOCK:
+        entry = _STORES.get(engine_id)
+        return entry[0] if entry else None
+
+
+def release_store(engine_id: str) -> None:
+    """Drop a reference; the last one closes the store (flushing saves)."""
+    with _STORES_LOCK:
+        store, refs = _STORES.get(engine_id, (None, 0))
+        if store is None:
+            return
+        if refs > 1:
+            _STORES[engine_id] = (store, refs - 1)
+            return
+        del _STORES[engine_id]
+    store.close()
