@@ -6,6 +6,8 @@ Primitives: `TieredLLM` (`generate`, `stats`, `close`).
     out = llm.generate(["...a 100k-token document..."], SamplingParams(max_new_tokens=128))
     out[0].text, out[0].stats, llm.stats()
 
+backend="vllm" returns a `tierkv.vllm_backend.llm.VllmTieredLLM` with the same methods.
+
 Requests of a batch run one after another (each owns the GPU hot window while it runs). A
 request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
 refuses a request. Prompts that share a prefix with earlier requests (in any tier) skip it.
@@ -29,13 +31,18 @@ BACKENDS = ("transformers", "vllm")
 
 
 class TieredLLM:
+    def __new__(cls, model=None, config=None, backend: str = "transformers", **kwargs):
+        if backend == "vllm":  # the same API over a vLLM engine (tierkv.vllm_backend.llm)
+            from tierkv.vllm_backend.llm import VllmTieredLLM
+
+            return VllmTieredLLM(model, config, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
                  backend: str = "transformers", *, tokenizer=None, device: str | None = None,
                  show_progress: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
-        if backend == "vllm":
-            raise NotImplementedError("backend='vllm' is not available yet; use backend='transformers'")
         self.config = config if isinstance(config, TierKVConfig) else load_config(config)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
         from tierkv.adapters.hf import forward_kwargs, runtime_for_model

@@ -1,0 +1,141 @@
+"""`TieredLLM(model_dir, config, backend="vllm")`: a vLLM engine whose KV blocks go to the tierkv
+tiers and whose repeated prefixes come back from them.
+
+Primitives: `VllmTieredLLM` (`generate`, `stats`, `close`), what `TieredLLM` returns for
+backend="vllm".
+
+    llm = TieredLLM("/models/llama-3.1-8b", "configs/vllm-128k.yaml", backend="vllm",
+                    max_model_len=131072, gpu_memory_utilization=0.5)
+    out = llm.generate([ids_or_text], SamplingParams(max_new_tokens=64))
+
+The engine runs in-process (the scheduler and the worker share one tier chain) and eagerly
+(the connector's per-layer hooks run outside CUDA graphs). vLLM's own GPU KV pool is still
+sized by `gpu_memory_utilization`; the hot-window pool that shrinks it is not built yet.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Sequence
+
+import yaml
+
+from tierkv.config import TierKVConfig, load_config
+from tierkv.config_loader import to_dict
+from tierkv.sampling import RequestOutput, SamplingParams
+from tierkv.vllm_backend.config import kv_transfer_config
+
+
+class VllmTieredLLM:
+    def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
+                 tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
+                 enable_prefix_caching: bool = True, **engine_kwargs):
+        if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+            raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory")
+        if tokenizer is not None:
+            raise ValueError("tokenizer: backend='vllm' loads the tokenizer from the checkpoint directory")
+        self.config, self.config_file, self._owned_config_file = _config_file(config)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: scheduler and worker share the tiers
+        from vllm import LLM
+
+        kwargs = dict(
+            model=os.fspath(model),
+            kv_transfer_config=kv_transfer_config(self.config_file, model_id=os.path.abspath(model)),
+            block_size=self.config.cache.block_tokens,
+            enforce_eager=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(engine_kwargs)
+        self.engine = LLM(**kwargs)
+        self.engine_id = str(self.engine.llm_engine.vllm_config.kv_transfer_config.engine_id)
+        self._totals = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_tokens": 0, "wall_s": 0.0}
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
+        """Same inputs and outputs as the transformers backend; vLLM batches the prompts."""
+        from vllm import SamplingParams as VllmSampling
+
+        if sampling is None:
+            sampling = SamplingParams(**sampling_kwargs)
+        elif sampling_kwargs:
+            raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
+        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        inputs = []
+        for i, prompt in enumerate(batch):
+            if isinstance(prompt, str):
+                inputs.append(prompt)
+            elif not prompt:
+                raise ValueError(f"request {i}: the prompt is empty")
+            else:
+                inputs.append({"prompt_token_ids": list(prompt)})
+        params = VllmSampling(
+            max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+            top_p=sampling.top_p or 1.0, seed=sampling.seed, ignore_eos=sampling.ignore_eos,
+            stop_token_ids=sampling.stop_token_ids, logprobs=2,
+        )
+        start = time.perf_counter()
+        outputs = self.engine.generate(inputs, params, use_tqdm=False)
+        wall_s = time.perf_counter() - start
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            margins = [_top2_margin(step) for step in (completion.logprobs or [])]
+            stats = {"prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(completion.token_ids),
+                     "prefix_tokens": out.num_cached_tokens or 0, "batch_wall_s": wall_s, "top2_margins": margins}
+            self._totals["requests"] += 1
+            self._totals["prompt_tokens"] += stats["prompt_tokens"]
+            self._totals["generated_tokens"] += stats["generated_tokens"]
+            self._totals["prefix_tokens"] += stats["prefix_tokens"]
+            results.append(RequestOutput(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(completion.token_ids),
+                                         text=completion.text, finish_reason=completion.finish_reason or "length",
+                                         stats=stats))
+        self._totals["wall_s"] += wall_s
+        return results
+
+    def stats(self) -> dict:
+        from tierkv.vllm_backend.store import peek_store
+
+        store = peek_store(self.engine_id)
+        return {"requests": dict(self._totals), "backend": "vllm", **(store.stats() if store is not None else {})}
+
+    def set_gpu_budget(self, budget) -> None:
+        raise NotImplementedError("backend='vllm': vLLM sizes its own KV pool (gpu_memory_utilization); "
+                                  "the resizable hot-window pool exists on the transformers backend")
+
+    def close(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+        owned, self._owned_config_file = getattr(self, "_owned_config_file", None), None
+        if owned and os.path.exists(owned):
+            os.unlink(owned)
+
+    def __enter__(self) -> "VllmTieredLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
+    """(validated config, a YAML path the connector loads, that path if written here to be removed)."""
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config), os.fspath(config), None
+    loaded = config if isinstance(config, TierKVConfig) else load_config(config)
+    handle, path = tempfile.mkstemp(prefix="tierkv-vllm-", suffix=".yaml")
+    with os.fdopen(handle, "w") as f:
+        yaml.safe_dump(to_dict(loaded), f)
+    return loaded, path, path
+
+
+def _top2_margin(step_logprobs) -> float | None:
+    values = sorted((lp.logprob for lp in step_logprobs.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else None
+
+
+def _is_token_list(prompts) -> bool:
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], int)
