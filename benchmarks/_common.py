@@ -26,11 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def git_commit(repo: Path = REPO_ROOT) -> str | None:
     """HEAD commit of `repo` ("<sha>-dirty" with uncommitted tracked changes).
 
-    Outside a git checkout (the GPU machine gets a copy of the tree without .git) the
-    commit comes from $BENCH_GIT_COMMIT, set by whoever sent the tree; else None.
+    $BENCH_GIT_COMMIT, set by whoever sent a copy of the tree to the GPU machine, wins (the
+    copy's .git can be older than its files); else the checkout's HEAD; else None.
     """
+    if os.environ.get("BENCH_GIT_COMMIT"):  # the sender knows; a copied tree's .git may be stale
+        return os.environ["BENCH_GIT_COMMIT"]
     if not (repo / ".git").exists():
-        return os.environ.get("BENCH_GIT_COMMIT")
+        return None
     try:
         sha = _git(repo, "rev-parse", "HEAD")
         dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
