@@ -230,3 +230,21 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch):
     assert config_from_kv_transfer({}, block_size=BS, env={"TIERKV_CONFIG_FILE": path}).cache.block_tokens == BS
     with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
         TierKVConnector(vllm_config(str(tmp_path / "nope.yaml")), KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_tiered_llm_vllm_backend_checks_its_inputs_before_starting_an_engine(tmp_path):
+    from tierkv import TieredLLM
+    from tierkv.vllm_backend.llm import _config_file
+
+    with pytest.raises(ValueError, match="needs a local checkpoint directory"):
+        TieredLLM(str(tmp_path / "no-such-model"), None, backend="vllm")
+    with pytest.raises(ConfigError, match="tiers"):
+        TieredLLM(str(tmp_path), {"tiers": []}, backend="vllm")
+    # A config given as data reaches the connector as a YAML file that loads back the same.
+    config, path, owned = _config_file({"cache": {"block_tokens": 32}, "tiers": [{"kind": "cpu", "capacity_bytes": "1GiB"}]})
+    try:
+        from tierkv.config import load_config
+
+        assert owned == path and load_config(path) == config and config.cache.block_tokens == 32
+    finally:
+        os.unlink(path)
