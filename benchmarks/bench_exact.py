@@ -95,11 +95,9 @@ def warm_up(model) -> None:
     torch.cuda.empty_cache()
 
 
-def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_offloaded: bool) -> dict:
+def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_offloaded: bool,
+                  prefill_chunks: list[int] = (32768,)) -> dict:
     from transformers import DynamicCache
-
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
-    from tierkv.config import load_config
 
     ids = torch.randint(0, model.config.vocab_size, (context,)).tolist()
     full_kv = kv_bytes_per_token(model) * context
@@ -117,37 +115,13 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
             rows["hf_offloaded"] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.cuda.empty_cache()
 
-    budget = full_kv // 8
-    config = load_config({
-        "model": {"name": "llama-3.1-8b-shaped-random"},
-        "cache": {"block_tokens": 64, "gpu_budget_bytes": budget, "sink_tokens": 64, "window_tokens": 1024},
-        "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
-        "scheduler": {"lookahead_layers": 3, "staging_bytes": min(512 << 20, budget // 2), "prefill_chunk_tokens": 32768},
-    }, env={})
-    runtime = runtime_for_model(model, config)
-    try:
-        torch.cuda.synchronize()
-        cache = TieredCache(runtime, ids)
-        before = runtime.stats()
-        row = run_request(model, cache, ids, num_new, chunk=32768, on_token=cache.seq.token_ids.append)  # noqa: E501
-        after = runtime.stats()
-        cache.finish()
-        steps = cache.seq
-        streamed_per_step = (len(runtime.residency.streamed_range(-(-context // 64)))
-                             * runtime.layout.num_bytes * runtime.num_layers)
-        row.update({
-            "gpu_kv_bytes": runtime.pool.resident_bytes + runtime.pool.staging_bytes,
-            "budget_bytes": budget, "staging_bytes": runtime.pool.staging_bytes,
-            "streamed_bytes_per_decode_step": streamed_per_step,
-            "pcie_floor_ms": 1e3 * streamed_per_step / (ceiling_gbps * 1e9),
-            "stalls": after["scheduler"]["stalls"] - before["scheduler"]["stalls"],
-            "transfer_backend": after["transfer"]["backend"],
-            "gpu_hit_rate": steps.read_stats()["gpu_hit_rate"],
-        })
-        rows["tierkv_exact"] = row
-    finally:
-        runtime.close()
-        model.set_attn_implementation("sdpa")
+    for i, chunk in enumerate(prefill_chunks):
+        name = "tierkv_exact" if i == 0 else f"tierkv_exact_chunk_{chunk}"
+        rows[name] = run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk)
+        if i > 0:
+            rows[name]["prefill_ratio_vs_all_in_gpu"] = rows[name]["prefill_s"] / rows["all_in_gpu"]["prefill_s"]
+            rows[name]["decode_ratio_vs_pcie_floor"] = rows[name]["decode_ms_per_token"] / rows[name]["pcie_floor_ms"]
+            rows[name]["tokens_equal_all_in_gpu"] = rows[name]["tokens"] == rows["all_in_gpu"]["tokens"]
     base, ours = rows["all_in_gpu"], rows["tierkv_exact"]
     ours["prefill_ratio_vs_all_in_gpu"] = ours["prefill_s"] / base["prefill_s"]
     ours["decode_ratio_vs_pcie_floor"] = ours["decode_ms_per_token"] / ours["pcie_floor_ms"]
@@ -162,12 +136,54 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
     return {"context": context, "full_kv_bytes": full_kv, **rows}
 
 
+def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk):
+    """One tierkv exact-mode request with prefill chunks of `chunk` tokens; its row."""
+    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.config import load_config
+
+    budget = full_kv // 8
+    config = load_config({
+        "model": {"name": "llama-3.1-8b-shaped-random"},
+        "cache": {"block_tokens": 64, "gpu_budget_bytes": budget, "sink_tokens": 64, "window_tokens": 1024},
+        "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
+        "scheduler": {"lookahead_layers": 3, "staging_bytes": min(512 << 20, budget // 2), "prefill_chunk_tokens": chunk},
+    }, env={})
+    runtime = runtime_for_model(model, config)
+    try:
+        torch.cuda.synchronize()
+        cache = TieredCache(runtime, ids)
+        before = runtime.stats()
+        row = run_request(model, cache, ids, num_new, chunk=chunk, on_token=cache.seq.token_ids.append)
+        after = runtime.stats()
+        cache.finish()
+        steps = cache.seq
+        streamed_per_step = (len(runtime.residency.streamed_range(-(-context // 64)))
+                             * runtime.layout.num_bytes * runtime.num_layers)
+        row.update({
+            "gpu_kv_bytes": runtime.pool.resident_bytes + runtime.pool.staging_bytes,
+            "budget_bytes": budget, "staging_bytes": runtime.pool.staging_bytes,
+            "streamed_bytes_per_decode_step": streamed_per_step,
+            "pcie_floor_ms": 1e3 * streamed_per_step / (ceiling_gbps * 1e9),
+            "stalls": after["scheduler"]["stalls"] - before["scheduler"]["stalls"],
+            "transfer_backend": after["transfer"]["backend"],
+            "gpu_hit_rate": steps.read_stats()["gpu_hit_rate"],
+        })
+        row["prefill_chunk_tokens"] = chunk
+    finally:
+        runtime.close()
+        model.set_attn_implementation("sdpa")
+        torch.cuda.empty_cache()
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--no-offloaded", action="store_true")
+    parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[32768],
+                        help="tierkv prefill chunk sizes; the first is the main row, the others extra rows")
     parser.add_argument("--out", default="benchmarks/results/exact-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -178,7 +194,8 @@ def main() -> int:
     warm_up(model)
     results = {"h2d_ceiling_gbps": ceiling, "layers": args.layers, "contexts": []}
     for context in args.contexts:
-        results["contexts"].append(bench_context(model, context, args.new_tokens, ceiling, not args.no_offloaded))
+        results["contexts"].append(bench_context(model, context, args.new_tokens, ceiling, not args.no_offloaded,
+                                                        args.prefill_chunks))
         write_results(args.out, results)
     print(f"H2D ceiling {ceiling:.1f} GB/s")
     print(f"{'context':>8} {'prefill s (gpu/tkv/x)':>24} {'decode ms (gpu/off/tkv)':>26} {'floor ms':>9} {'x floor':>8} "
@@ -189,6 +206,12 @@ def main() -> int:
               f"{g['decode_ms_per_token']:7.1f}/{o.get('decode_ms_per_token', float('nan')):7.1f}/{t['decode_ms_per_token']:7.1f}"
               f" {t['pcie_floor_ms']:9.1f} {t['decode_ratio_vs_pcie_floor']:7.2f}x "
               f"{g['gpu_kv_bytes'] / 2**30:9.2f}/{t['gpu_kv_bytes'] / 2**30:9.2f} {str(t['tokens_equal_all_in_gpu']):>11} {t['stalls']:>6}")
+    for r in results["contexts"]:
+        for name, row in r.items():
+            if name.startswith("tierkv_exact"):
+                print(f"{r['context']:>8} prefill chunk {row['prefill_chunk_tokens']:>6}: prefill {row['prefill_s']:6.2f} s "
+                      f"({row['prefill_ratio_vs_all_in_gpu']:.2f}x), decode {row['decode_ms_per_token']:6.1f} ms "
+                      f"({row['decode_ratio_vs_pcie_floor']:.2f}x floor), same tokens {row['tokens_equal_all_in_gpu']}")
     return 0
 
 
