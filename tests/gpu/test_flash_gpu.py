@@ -42,3 +42,21 @@ def test_gather_blocks_orders_tokens_by_slot_list():
     assert k.shape == (12, 2, 8)
     assert torch.equal(k[4:8], pool[2, 0].transpose(0, 1))
     assert torch.equal(v[8:12], pool[5, 1].transpose(0, 1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_and_flash_kernels_agree(causal, monkeypatch):
+    """Both fused kernels the prefill path may use give the same output and LSE (1000 tokens)."""
+    from tierkv.attention import flash
+
+    q = torch.randn(1000, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1000 if causal else 1700, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    results = {}
+    for use_cudnn in (True, False):
+        monkeypatch.setitem(flash._CUDNN_OK, q.device, use_cudnn)
+        results[use_cudnn] = flash_partial_attention(q, k, v, scale=128**-0.5, causal=causal)
+    print("cuDNN available:", flash._CUDNN_OK)
+    (out_c, lse_c), (out_f, lse_f) = results[True], results[False]
+    assert rel(out_c, out_f) < 1e-2
+    assert (lse_c - lse_f).abs().max().item() < 1e-2
