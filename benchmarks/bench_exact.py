@@ -96,7 +96,7 @@ def warm_up(model) -> None:
 
 
 def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_offloaded: bool,
-                  prefill_chunks: list[int] = (32768,)) -> dict:
+                  prefill_chunks: list[int] = (32768,), jsonl: str | None = None) -> dict:
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (context,)).tolist()
@@ -117,7 +117,8 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
 
     for i, chunk in enumerate(prefill_chunks):
         name = "tierkv_exact" if i == 0 else f"tierkv_exact_chunk_{chunk}"
-        rows[name] = run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk)
+        rows[name] = run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk,
+                                jsonl=f"{jsonl}.{context}.jsonl" if jsonl and i == 0 else None)
         if i > 0:
             rows[name]["prefill_ratio_vs_all_in_gpu"] = rows[name]["prefill_s"] / rows["all_in_gpu"]["prefill_s"]
             rows[name]["decode_ratio_vs_pcie_floor"] = rows[name]["decode_ms_per_token"] / rows[name]["pcie_floor_ms"]
@@ -136,10 +137,13 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
     return {"context": context, "full_kv_bytes": full_kv, **rows}
 
 
-def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk):
-    """One tierkv exact-mode request with prefill chunks of `chunk` tokens; its row."""
+def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl: str | None = None):
+    """One tierkv exact-mode request with prefill chunks of `chunk` tokens; its row.
+
+    `jsonl`: also record the metrics snapshots of the run there (what `tierkv dashboard` reads)."""
     from tierkv.adapters.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
+    from tierkv.metrics import MetricsService, runtime_reads
 
     budget = full_kv // 8
     config = load_config({
@@ -149,6 +153,11 @@ def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk):
         "scheduler": {"lookahead_layers": 3, "staging_bytes": min(512 << 20, budget // 2), "prefill_chunk_tokens": chunk},
     }, env={})
     runtime = runtime_for_model(model, config)
+    metrics = None
+    if jsonl is not None:
+        metrics = MetricsService.from_config(
+            load_config({"metrics": {"jsonl_path": jsonl, "snapshot_interval_s": 0.5}}, env={}).metrics,
+            runtime.stats, live_reads=runtime_reads(runtime))
     try:
         torch.cuda.synchronize()
         cache = TieredCache(runtime, ids)
@@ -169,7 +178,10 @@ def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk):
             "gpu_hit_rate": steps.read_stats()["gpu_hit_rate"],
         })
         row["prefill_chunk_tokens"] = chunk
+        row["prefetch"] = after["prefetch"]
     finally:
+        if metrics is not None:
+            metrics.close()
         runtime.close()
         model.set_attn_implementation("sdpa")
         torch.cuda.empty_cache()
@@ -184,6 +196,7 @@ def main() -> int:
     parser.add_argument("--no-offloaded", action="store_true")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[32768],
                         help="tierkv prefill chunk sizes; the first is the main row, the others extra rows")
+    parser.add_argument("--jsonl", default=None, help="record tierkv's metrics to JSONL.CONTEXT.jsonl (for the dashboard)")
     parser.add_argument("--out", default="benchmarks/results/exact-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -195,7 +208,7 @@ def main() -> int:
     results = {"h2d_ceiling_gbps": ceiling, "layers": args.layers, "contexts": []}
     for context in args.contexts:
         results["contexts"].append(bench_context(model, context, args.new_tokens, ceiling, not args.no_offloaded,
-                                                        args.prefill_chunks))
+                                                        args.prefill_chunks, args.jsonl))
         write_results(args.out, results)
     print(f"H2D ceiling {ceiling:.1f} GB/s")
     print(f"{'context':>8} {'prefill s (gpu/tkv/x)':>24} {'decode ms (gpu/off/tkv)':>26} {'floor ms':>9} {'x floor':>8} "

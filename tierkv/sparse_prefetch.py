@@ -18,6 +18,8 @@ prefetch recorder.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tierkv.scheduler import StagedChunk, to_device_no_sync
@@ -66,8 +68,6 @@ class SparsePrefetcher:
         if rt.streamer.recorder is not None:
             rt.streamer.recorder.record_selection(num_prefetched=len(previous), num_used=len(hits),
                                                   num_needed=len(selected))
-            for _ in misses:
-                rt.streamer.recorder.record_chunk(layer, is_late=True)
         if self.enabled:
             self._previous[layer] = list(selected)
         if hits:
@@ -78,11 +78,31 @@ class SparsePrefetcher:
         if misses:
             miss_area = self.num_layers * self.k if self.enabled else 0
             dst = list(range(miss_area, miss_area + len(misses)))
+            start_s = time.perf_counter()
             handle = rt.io.gather(
                 torch.tensor([seq.cpu_slots[layer][b] for b in misses], dtype=torch.int64),
                 rt.pool.staging, torch.tensor(dst, dtype=torch.int64),
                 after=[e for e in (seq._last_d2h, rt.engine.record_compute_event()) if e is not None])
             rt.streamer.bytes_streamed += handle.num_bytes
-            handle.wait_on_current_stream()
+            self._wait_for_misses(layer, handle, len(misses), start_s)
             yield StagedChunk(to_device_no_sync(dst, device), to_device_no_sync([b * T for b in misses], device),
                               to_device_no_sync([T] * len(misses), device))
+
+    def _wait_for_misses(self, layer: int, handle, num_misses: int, start_s: float) -> None:
+        """Wait for the late blocks' copy on the compute stream; report them, the wait timed once
+        for the batch (by the GPU on CUDA, on the host where the copy ran synchronously)."""
+        recorder = self.rt.streamer.recorder
+        if recorder is None:
+            handle.wait_on_current_stream()
+            return
+        if self.rt.engine.device.type == "cuda":
+            start_event, end_event = recorder.chunk_wait_events()
+            start_event.record()
+            handle.wait_on_current_stream()
+            end_event.record()
+            recorder.record_chunk_timed(layer, is_late=True, start=start_event, end=end_event)
+        else:
+            handle.wait_on_current_stream()
+            recorder.record_chunk(layer, is_late=True, wait_s=time.perf_counter() - start_s)
+        for _ in range(num_misses - 1):
+            recorder.record_chunk(layer, is_late=True, wait_s=0.0)

@@ -156,6 +156,36 @@ def test_prefetch_recorder_reports_only_what_it_was_told():
         p.record_selection(num_prefetched=2, num_used=3, num_needed=5)
 
 
+class FakeTimingEvent:
+    """Stands in for a CUDA timing event: completes when the test says, reports a set time."""
+
+    def __init__(self, t_ms: float, done: bool = True):
+        self.t_ms, self.done, self.synchronized = t_ms, done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized, self.done = True, True
+
+    def elapsed_time(self, end: "FakeTimingEvent") -> float:
+        return end.t_ms - self.t_ms
+
+
+def test_gpu_timed_chunk_waits_are_read_when_complete_and_sum_into_stall_time():
+    p = PrefetchRecorder(num_layers=2)
+    p.record_chunk_timed(0, is_late=False, start=FakeTimingEvent(10.0), end=FakeTimingEvent(10.5))
+    pending_end = FakeTimingEvent(25.0, done=False)
+    p.record_chunk_timed(1, is_late=True, start=FakeTimingEvent(20.0), end=pending_end)
+    p._resolve(block=False)  # the second wait has not completed: left for later
+    assert p._pending and p._pending[0][3] is pending_end
+    snap = p.snapshot()  # waits for it
+    assert pending_end.synchronized
+    assert snap["layers"]["wait_s"] == [pytest.approx(0.0005), pytest.approx(0.005)]
+    assert snap["stall_s"] == pytest.approx(0.005)  # only the late chunk's wait is a stall
+    assert snap["layers"]["late_chunks"] == [0, 1] and len(p._free_events) == 4  # events reused
+
+
 def test_reported_prefetch_figures_reach_the_line():
     s = Script()
     rec = MetricsRecorder(s.stats, clock=s.clock)

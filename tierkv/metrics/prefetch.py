@@ -12,6 +12,11 @@ The scheduler calls it from the host, after it consumed a chunk or compared a se
 
     recorder.record_chunk(layer, is_late=g >= num_issued, wait_s=0.0012)
     recorder.record_selection(num_prefetched=512, num_used=480, num_needed=500)
+
+On CUDA the wait is the compute stream's, measured by the GPU: the scheduler brackets the
+stream's wait for a chunk's copy with two timing events (`chunk_wait_events`, then
+`record_chunk_timed`); the time between them is how long compute stood still for that chunk.
+They are read when they have completed (at the latest in `snapshot`) and reused.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ class PrefetchRecorder:
         self._num_used = 0
         self._num_needed = 0
         self._num_selections = 0
+        self._pending: list[tuple[int, bool, object, object]] = []   # (layer, is_late, start, end) events
+        self._free_events: list = []
 
     def record_chunk(self, layer: int, *, is_late: bool, wait_s: float | None = None) -> None:
         """One streamed chunk of `layer` consumed; `is_late`: it was not copied ahead of need."""
@@ -46,6 +53,42 @@ class PrefetchRecorder:
             self._stall_s += (wait_s or 0.0) if is_late else 0.0
             self._num_late_unmeasured += int(is_late and wait_s is None)
             self._num_chunks_reported += 1
+
+    def chunk_wait_events(self):
+        """Two CUDA timing events (reused) to bracket one wait of the compute stream."""
+        import torch
+
+        with self._lock:
+            if len(self._free_events) >= 2:
+                return self._free_events.pop(), self._free_events.pop()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def record_chunk_timed(self, layer: int, *, is_late: bool, start, end) -> None:
+        """Like `record_chunk`, the wait being the GPU time between the recorded `start` and `end`."""
+        self.record_chunk(layer, is_late=is_late, wait_s=0.0)
+        with self._lock:
+            self._pending.append((layer, is_late, start, end))
+            resolve = len(self._pending) >= 1024
+        if resolve:
+            self._resolve(block=False)
+
+    def _resolve(self, *, block: bool) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        still = []
+        for layer, is_late, start, end in pending:
+            if block:
+                end.synchronize()
+            elif not end.query():
+                still.append((layer, is_late, start, end))
+                continue
+            wait_s = start.elapsed_time(end) / 1e3
+            with self._lock:
+                self._wait_s[layer] += wait_s
+                self._stall_s += wait_s if is_late else 0.0
+                self._free_events.extend((start, end))
+        with self._lock:
+            self._pending = still + self._pending
 
     def record_selection(self, *, num_prefetched: int, num_used: int, num_needed: int) -> None:
         """Blocks a predictor prefetched, how many of them attention used, how many it needed."""
@@ -60,6 +103,7 @@ class PrefetchRecorder:
             self._num_selections += 1
 
     def snapshot(self) -> dict:
+        self._resolve(block=True)
         with self._lock:
             snap: dict = {"precision": None, "recall": None, "stall_s": None}
             if self._num_selections:

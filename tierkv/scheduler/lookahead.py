@@ -128,10 +128,16 @@ class LookaheadStreamer:
             self.num_stalls += 1
             self.num_chunks_streamed += 1
             self.bytes_streamed += handle.num_bytes
-            if self.recorder is not None:  # on CPU the copy was synchronous: its time is the stall
-                wait_s = time.perf_counter() - start_s if self.engine.device.type == "cpu" else None
-                self.recorder.record_chunk(layer, is_late=True, wait_s=wait_s)
-            handle.wait_on_current_stream()
+            if self.recorder is not None and self.engine.device.type == "cuda":
+                start_event, end_event = self.recorder.chunk_wait_events()
+                start_event.record()
+                handle.wait_on_current_stream()
+                end_event.record()
+                self.recorder.record_chunk_timed(layer, is_late=True, start=start_event, end=end_event)
+            else:
+                if self.recorder is not None:  # on CPU the copy was synchronous: its time is the stall
+                    self.recorder.record_chunk(layer, is_late=True, wait_s=time.perf_counter() - start_s)
+                handle.wait_on_current_stream()
             yield StagedChunk(self._region_slots[region][:count],
                               to_device_no_sync(start_pos[start : start + count], device),
                               to_device_no_sync([block_tokens] * count, device))
@@ -151,10 +157,17 @@ class LookaheadStreamer:
                 self.run(through_layer=layer)
                 if self.engine.device.type == "cpu":  # the copy ran synchronously: its time is the stall
                     wait_s = time.perf_counter() - start
-            if self.recorder is not None:
-                self.recorder.record_chunk(layer, is_late=is_late, wait_s=wait_s)
             handle = self._handles[g]
-            handle.wait_on_current_stream()
+            if self.recorder is not None and self.engine.device.type == "cuda":
+                start_event, end_event = self.recorder.chunk_wait_events()
+                start_event.record()
+                handle.wait_on_current_stream()
+                end_event.record()  # completes once the copy has landed: the gap is compute's wait
+                self.recorder.record_chunk_timed(layer, is_late=is_late, start=start_event, end=end_event)
+            else:
+                if self.recorder is not None:
+                    self.recorder.record_chunk(layer, is_late=is_late, wait_s=wait_s)
+                handle.wait_on_current_stream()
             start_pos, num_tokens = self._chunk_meta[c]
             region = g % self.pool.num_regions
             yield StagedChunk(self._region_slots[region][: num_tokens.numel()], start_pos, num_tokens)
