@@ -12,6 +12,7 @@ offloaded DynamicCache, and tierkv exact mode. Reported per context:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -154,6 +155,7 @@ def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl
     }, env={})
     runtime = runtime_for_model(model, config)
     metrics = None
+    jsonl = jsonl or os.environ.get("TIERKV_METRICS__JSONL_PATH")  # set by `tierkv bench exact --report`
     if jsonl is not None:
         metrics = MetricsService.from_config(
             load_config({"metrics": {"jsonl_path": jsonl, "snapshot_interval_s": 0.5}}, env={}).metrics,
