@@ -248,3 +248,49 @@ def test_tiered_llm_vllm_backend_checks_its_inputs_before_starting_an_engine(tmp
         assert owned == path and load_config(path) == config and config.cache.block_tokens == 32
     finally:
         os.unlink(path)
+
+
+def test_tensor_parallel_ranks_keep_their_own_heads_and_a_prefix_counts_only_when_every_rank_holds_it(tmp_path):
+    """Each rank stores its own KV heads under rank-named keys; the scheduler's lookup store finds a
+    block only if all ranks hold it; a rank loads back its own heads, never another rank's."""
+    from tierkv.blocks import BlockLayout
+    from tierkv.config import load_config
+    from tierkv.vllm_backend.store import VllmKVStore
+
+    layout = BlockLayout(H, BS, D, torch.float32)
+    config = load_config(write_config(tmp_path, cpu_blocks=2), env={})  # tiny CPU tiers: blocks spill to disk
+    ranks = [VllmKVStore(config, layout, NAMES, "tp-model", "cpu", tp_rank=r, tp_size=2) for r in range(2)]
+    caches = [paged_caches() for _ in ranks]
+    prompt = torch.randint(0, 1000, (64,)).tolist()
+    hashes = ranks[0].extend_hashes([], prompt, 4)
+    assert hashes == ranks[1].extend_hashes([], prompt, 4)  # same tokens, same chain on every rank
+    assert ranks[0].keys(hashes, 0) != ranks[1].keys(hashes, 0)
+    try:
+        for store, kv, num_blocks in ((ranks[0], caches[0], 4), (ranks[1], caches[1], 3)):  # rank 1 saved 3 blocks
+            store.register(kv)
+            span = BlockSpan("r", list(range(num_blocks)), hashes[:num_blocks])
+            # another prompt's blocks after it push the last ones out of the 2-block CPU tier to disk,
+            # the tier a scheduler in another process can see
+            filler = BlockSpan("f", [20, 21], store.extend_hashes([], [7] * 32, 2))
+            for spans in ([span], [filler]):
+                for name in NAMES:
+                    store.save_layer(store.layer_index[name], kv[name], spans)
+                store.poll(wait=True)
+            store.chain.flush()
+        scheduler = VllmKVStore(config, layout, NAMES, "tp-model", "cpu", lookup_only=True, tp_size=2)
+        try:
+            assert scheduler.present_prefix(hashes) == 3  # block 3 exists for rank 0 only
+        finally:
+            scheduler.close()
+        for name in NAMES:
+            caches[1][name][[10, 11, 12]] = 0
+        ranks[1].begin_loads([BlockSpan("r2", [10, 11, 12], hashes[:3])])
+        for name in NAMES:
+            ranks[1].finish_layer_load(ranks[1].layer_index[name])
+        for name in NAMES:
+            assert torch.equal(caches[1][name][[10, 11, 12]], caches[1][name][[0, 1, 2]])
+            assert not torch.equal(caches[1][name][[10, 11, 12]], caches[0][name][[0, 1, 2]])
+        assert ranks[1].take_load_errors() == set()
+    finally:
+        for store in ranks:
+            store.close()

@@ -73,30 +73,41 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
                                                           else self.config.model.name)
         self.engine_id = str(self._kv_transfer_config.engine_id)
+        self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
         self._requests: dict[str, _RequestState] = {}
 
     # -- the engine's store ------------------------------------------------------------------------
     def _make_store(self, device: torch.device, lookup_only: bool) -> VllmKVStore:
-        return VllmKVStore(self.config, self.layout, self.layer_names, self.model_id, device, lookup_only=lookup_only)
+        return VllmKVStore(self.config, self.layout, self.layer_names, self.model_id, device, lookup_only=lookup_only,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+    @property
+    def _store_key(self) -> str:
+        """One store per engine, per tensor-parallel rank on the worker side; a TP scheduler looks
+        up every rank's keys, so it never shares a rank's store."""
+        if self.role == KVConnectorRole.WORKER:
+            return self.engine_id if self.tp_size == 1 else f"{self.engine_id}/rank{self.tp_rank}"
+        return self.engine_id if self.tp_size == 1 else f"{self.engine_id}/scheduler"
 
     @property
     def store(self) -> VllmKVStore:
         if self._store is None:
             if self.role == KVConnectorRole.WORKER:
                 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-                self._store = shared_store(self.engine_id, lambda: self._make_store(device, False))
+                self._store = shared_store(self._store_key, lambda: self._make_store(device, False))
             else:
-                existing = peek_store(self.engine_id)
+                existing = peek_store(self._store_key)
                 self._store = shared_store(
-                    self.engine_id, lambda: existing or self._make_store(torch.device("cpu"), True))
+                    self._store_key, lambda: existing or self._make_store(torch.device("cpu"), True))
         return self._store
 
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self._store is None and kv_caches:
             device = next(iter(kv_caches.values())).device
-            self._store = shared_store(self.engine_id, lambda: self._make_store(device, False))
+            self._store = shared_store(self._store_key, lambda: self._make_store(device, False))
         self.store.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -124,7 +135,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self._store is not None:
             self._store = None
-            release_store(self.engine_id)
+            release_store(self._store_key)
 
     # -- scheduler side -------------------------------------------------------------------------------
     def on_new_request(self, request: "Request") -> None:
@@ -215,6 +226,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def stats(self) -> dict:
         return self.store.stats()
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 before vLLM's process groups exist, as in CPU tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError, AttributeError):
+        return 0
 
 
 def _layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str]]:

@@ -110,7 +110,13 @@ class _LayerLoad:
 
 class VllmKVStore:
     def __init__(self, config: TierKVConfig, layout: BlockLayout, layer_names: Sequence[str], model_id: str,
-                 device: torch.device | str, *, lookup_only: bool = False):
+                 device: torch.device | str, *, lookup_only: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        """tp_rank, tp_size: under tensor parallelism each rank holds its own KV heads, so its keys
+        name the rank (`<hash>/L<layer>/R<rank>of<size>`); a lookup store (scheduler side) finds a
+        block only when every rank's copy is held."""
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank: got {tp_rank}; must be in [0, tp_size={tp_size})")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.config = config
         self.layout = layout
         self.layer_index = layer_order(layer_names)
@@ -150,8 +156,23 @@ class VllmKVStore:
                                              parent_hash=parent))
         return hashes
 
-    def keys(self, hashes: Sequence[str], layer: int) -> list[str]:
-        return [block_key(h, layer) for h in hashes]
+    def keys(self, hashes: Sequence[str], layer: int, rank: int | None = None) -> list[str]:
+        """Keys of blocks `hashes` of `layer` for tensor-parallel rank `rank` (this store's by default)."""
+        if self.tp_size == 1:
+            return [block_key(h, layer) for h in hashes]
+        suffix = f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}"
+        return [block_key(h, layer) + suffix for h in hashes]
+
+    def _lookup_keys(self, hashes: Sequence[str], layer: int) -> list[list[str]]:
+        """Keys to find for a block to count as held: this rank's on a worker, every rank's on a lookup store."""
+        ranks = range(self.tp_size) if self.lookup_only else [self.tp_rank]
+        return [self.keys(hashes, layer, rank) for rank in ranks]
+
+    def _held(self, hashes: Sequence[str], layer: int) -> list[bool]:
+        held = [True] * len(hashes)
+        for keys in self._lookup_keys(hashes, layer):
+            held = [h and w is not None for h, w in zip(held, self.chain.locate_many(keys))]
+        return held
 
     # -- scheduler side: lookups ---------------------------------------------------------------------
     def present_prefix(self, hashes: Sequence[str]) -> int:
@@ -160,13 +181,13 @@ class VllmKVStore:
             return 0
         self.poll(wait=True)  # saves that have landed count
         with self._lock:
-            first = self.chain.locate_many(self.keys(hashes, 0))
-            n = next((i for i, w in enumerate(first) if w is None), len(hashes))
+            first = self._held(hashes, 0)
+            n = next((i for i, held in enumerate(first) if not held), len(hashes))
             for layer in range(1, self.num_layers):
                 if n == 0:
                     break
-                where = self.chain.locate_many(self.keys(hashes[:n], layer))
-                n = next((i for i, w in enumerate(where) if w is None), n)
+                held = self._held(hashes[:n], layer)
+                n = next((i for i, h in enumerate(held) if not h), n)
             self.counts["lookups"] += 1
             self.counts["lookup_hit_blocks"] += n
         return n
@@ -176,9 +197,9 @@ class VllmKVStore:
         if self.chain is None or not hashes:
             return [False] * len(hashes)
         with self._lock:
-            first = self.chain.locate_many(self.keys(hashes, 0))
-            last = self.chain.locate_many(self.keys(hashes, self.num_layers - 1))
-        return [a is not None and b is not None for a, b in zip(first, last)]
+            first = self._held(hashes, 0)
+            last = self._held(hashes, self.num_layers - 1)
+        return [a and b for a, b in zip(first, last)]
 
     # -- worker side ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
