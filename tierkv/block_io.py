@@ -7,6 +7,7 @@ scales, so PCIe carries about half the bytes of bf16:
 
     scatter: blocks --quantize (device)--> codes + scales --D2H--> slab + scale slab
     gather:  slab + scale slab --H2D--> codes + scales --dequantize (device, on wait)--> pool slots
+             (on CUDA one fused Triton kernel writes the pool slots: `tierkv.quant_kernels`)
 
 Handles behave like `TransferHandle`s; a quantized gather's dequantization runs on the
 stream that calls `wait_on_current_stream`, right after the copies it waits for.
@@ -54,6 +55,24 @@ class _Handles:
         return self.handles[-1].event
 
 
+_FUSED = {"ok": True, "error": None}
+
+
+def _fused_dequantize(codes, scales, fmt, dst, slots) -> bool:
+    """The fused Triton dequantization (`tierkv.quant_kernels`); False (and the PyTorch form from
+    then on, the reason kept in `_FUSED`) where it cannot run, e.g. no triton."""
+    if not _FUSED["ok"]:
+        return False
+    try:
+        from tierkv.quant_kernels import dequantize_into_slots
+
+        dequantize_into_slots(codes, scales, fmt, dst, slots)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop generation
+        _FUSED.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return False
+
+
 def allocating_on_copy_stream(engine, direction: str):
     """Context in which allocations belong to the engine's copy stream (a no-op on a CPU engine)."""
     if engine.device.type != "cuda":
@@ -81,7 +100,8 @@ class BlockIO:
         dst_on_device = to_device_no_sync(dst_slots, dst.device)
 
         def dequantize() -> None:
-            dst.index_copy_(0, dst_on_device, dequantize_blocks(codes, scales, cpu.quant_format, dst.dtype))
+            if not (dst.is_cuda and _fused_dequantize(codes, scales, cpu.quant_format, dst, dst_on_device)):
+                dst.index_copy_(0, dst_on_device, dequantize_blocks(codes, scales, cpu.quant_format, dst.dtype))
             if codes.is_cuda:
                 stream = torch.cuda.current_stream(codes.device)
                 codes.record_stream(stream)

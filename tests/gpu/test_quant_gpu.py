@@ -50,3 +50,19 @@ def test_exact_mode_over_a_quantized_cpu_tier_on_the_gpu(fmt):
         assert all(torch.isfinite(g).all() for g in logits)
         assert worst < (2e-2 if storage == "auto" else 0.1)
     assert moved[fmt] < 0.6 * moved["auto"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_fused_dequantization_equals_the_pytorch_form_in_bf16(fmt):
+    from tierkv import block_io
+    from tierkv.quant import dequantize_blocks, quantize_blocks
+    from tierkv.quant_kernels import dequantize_into_slots
+
+    blocks = (torch.randn(300, 2, 8, 64, 128, device="cuda") * 2).to(torch.bfloat16)
+    codes, scales = quantize_blocks(blocks, fmt)
+    slots = torch.randperm(512, device="cuda")[:300]
+    dst = torch.zeros(512, 2, 8, 64, 128, device="cuda", dtype=torch.bfloat16)
+    dequantize_into_slots(codes, scales, fmt, dst, slots)
+    want = torch.zeros_like(dst).index_copy_(0, slots, dequantize_blocks(codes, scales, fmt, torch.bfloat16))
+    assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+    assert block_io._FUSED["ok"], block_io._FUSED["error"]  # the exact-mode runs above used the kernel
