@@ -126,6 +126,9 @@ class KVRuntime:
             "scheduler": {
                 "chunks_streamed": streamer.num_chunks_streamed,
                 "bytes_streamed": streamer.bytes_streamed,
+                "chunks_carried": streamer.num_chunks_carried,
+                "chunks_discarded": streamer.num_chunks_discarded,
+                "bytes_discarded": streamer.bytes_discarded,
                 "stalls": streamer.num_stalls,
             },
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,

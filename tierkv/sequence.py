@@ -238,6 +238,7 @@ class SequenceKV:
         if self.is_finished:
             return
         self.is_finished = True
+        self.rt.streamer.clear()  # chunks copied ahead for a next step that will not come are discarded
         self._complete_finished_d2h(wait=True)
         keys = [k for layer_keys in self.block_keys for k in layer_keys]
         self.rt.cpu.release(keys)

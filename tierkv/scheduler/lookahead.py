@@ -47,6 +47,14 @@ class LookaheadStreamer:
         self.num_stalls = 0
         self.num_chunks_streamed = 0
         self.bytes_streamed = 0
+        self.num_chunks_carried = 0     # next-step chunks copied during the last layer and used
+        self.num_chunks_discarded = 0   # ... and not used (the next step's plan differed)
+        self.bytes_discarded = 0        # their bytes (counted in bytes_streamed too: they crossed PCIe)
+        # Kept across steps: the first copies of a step wait until the previous step's attention
+        # has read the region they overwrite.
+        self._region_free_event: list = [None] * self.pool.num_regions
+        self._carried: list[tuple[int, range, torch.Tensor, object]] = []  # (layer, blocks, src slots, handle)
+        self._is_decode = False
         self._reset()
 
     def _reset(self) -> None:
@@ -54,7 +62,6 @@ class LookaheadStreamer:
         self._cpu_slots: list[torch.Tensor] = []
         self._handles: list = []
         self._chunk_meta: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._region_free_event: list = [None] * self.pool.num_regions
         self._num_issued = 0
         self._num_consumed = 0
         self._after = None
@@ -81,6 +88,37 @@ class LookaheadStreamer:
         self._chunks = [(layer, range(r.start - offset, r.stop - offset))
                         for layer in range(len(cpu_slots_per_layer)) for r in per_layer]
         self._handles = [None] * len(self._chunks)
+        self._is_decode = step.num_new_tokens == 1
+        self._adopt_carried()
+
+    def _adopt_carried(self) -> None:
+        """Use the chunks copied ahead at the end of the last step where this plan wants the same
+        blocks from the same CPU slots (a prefix of its chunks); the rest are superseded: later
+        copies into their regions queue behind them on the same copy stream."""
+        carried, self._carried = self._carried, []
+        for g, (layer, blocks, src, handle) in enumerate(carried):
+            if (g >= len(self._chunks) or self._chunks[g] != (layer, blocks)
+                    or not torch.equal(self._cpu_slots[layer][blocks.start : blocks.stop], src)):
+                self._discard(carried[g:])
+                return
+            self._handles[g] = handle
+            self._num_issued = g + 1
+            self.num_chunks_carried += 1
+
+    def _carry_into_next_step(self) -> None:
+        """After the last layer's chunks of a decode step: copy the first chunks (one per staging
+        region) of the same plan, which the next decode step reads again unless the window moved,
+        so the copy stream does not idle while the host finishes this step and starts the next."""
+        self._carried = []
+        for g in range(min(self.pool.num_regions, len(self._chunks))):
+            layer, blocks = self._chunks[g]
+            region = g % self.pool.num_regions
+            src = self._cpu_slots[layer][blocks.start : blocks.stop]
+            after = [e for e in (self._region_free_event[region],) if e is not None]
+            handle = self.io.gather(src, self.pool.staging, self._region_slots_host[region][: len(blocks)], after=after)
+            self._carried.append((layer, blocks, src, handle))
+            self.num_chunks_streamed += 1
+            self.bytes_streamed += handle.num_bytes
 
     @property
     def chunks_per_layer(self) -> int:
@@ -108,7 +146,13 @@ class LookaheadStreamer:
 
     def clear(self) -> None:
         """Forget the current plan (a step that streams nothing ahead, e.g. a sparse decode step)."""
+        self._discard(self._carried)
+        self._carried = []
         self._reset()
+
+    def _discard(self, carried: list) -> None:
+        self.num_chunks_discarded += len(carried)
+        self.bytes_discarded += sum(handle.num_bytes for *_, handle in carried)
 
     def fetch_now(self, layer: int, cpu_slots: torch.Tensor, start_pos: list[int], block_tokens: int,
                   after=None) -> Iterator[StagedChunk]:
@@ -175,3 +219,5 @@ class LookaheadStreamer:
             self._region_free_event[region] = self.engine.record_compute_event()
             self._num_consumed += 1
             self.run(through_layer=layer + self.lookahead_layers)
+        if self._is_decode and layer == len(self._cpu_slots) - 1 and per_layer:
+            self._carry_into_next_step()
