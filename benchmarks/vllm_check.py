@@ -86,7 +86,7 @@ def run(mode: str, model_dir: str, out: str) -> None:
 
         def generate(prompts):
             outs = llm.generate(prompts, params)
-            return [(o.token_ids, [[0.0, -m] if m is not None else [0.0] for m in o.stats["top2_margins"]]) for o in outs]
+            return [(o.token_ids, o.stats["top2_logprobs"]) for o in outs]
         stats = llm.stats
     generate([[5, 6, 7, 8] * 64])  # warm-up
     results = {}
@@ -113,11 +113,15 @@ def compare(out: str) -> int:
                 lp = plain[name]["top2"][i][step]
                 margin = lp[0] - lp[1] if len(lp) > 1 else None
                 ok &= margin is not None and margin < 0.05
-            rows.append((name, i, len(a), step, margin, plain[name]["wall_s"], tiered[name]["wall_s"]))
+            worst = max(abs(x - y) for p_lp, t_lp in zip(plain[name]["top2"][i], tiered[name]["top2"][i])
+                        for x, y in zip(p_lp, t_lp))  # same-token steps: top-2 logprobs plain vs tierkv
+            rows.append((name, i, len(a), step, margin, worst, plain[name]["wall_s"], tiered[name]["wall_s"]))
     counts = tiered["uneven_batch"]["stats_after"].get("counts", {})
-    print(f"{'case':<14} {'req':>3} {'tokens':>6} {'first diff':>10} {'plain top2 margin':>17} {'plain s':>8} {'tierkv s':>8}")
-    for name, i, n, step, margin, tp, tt in rows:
-        print(f"{name:<14} {i:>3} {n:>6} {str(step):>10} {str(margin and round(margin, 4)):>17} {tp:8.2f} {tt:8.2f}")
+    print(f"{'case':<14} {'req':>3} {'tokens':>6} {'first diff':>10} {'plain top2 margin':>17} "
+          f"{'max |logprob diff|':>18} {'plain s':>8} {'tierkv s':>8}")
+    for name, i, n, step, margin, worst, tp, tt in rows:
+        print(f"{name:<14} {i:>3} {n:>6} {str(step):>10} {str(margin and round(margin, 4)):>17} {worst:18.4f} "
+              f"{tp:8.2f} {tt:8.2f}")
     print("tierkv connector counts:", counts)
     loaded = tiered["repeat"]["stats_after"]["counts"]["blocks_loaded"] - tiered["first"]["stats_after"]["counts"]["blocks_loaded"]
     print(f"repeat: {loaded} blocks loaded from the tiers; tiers: "

@@ -83,9 +83,10 @@ class VllmTieredLLM:
         results = []
         for out in outputs:
             completion = out.outputs[0]
-            margins = [_top2_margin(step) for step in (completion.logprobs or [])]
+            top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in (completion.logprobs or [])]
             stats = {"prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(completion.token_ids),
-                     "prefix_tokens": out.num_cached_tokens or 0, "batch_wall_s": wall_s, "top2_margins": margins}
+                     "prefix_tokens": out.num_cached_tokens or 0, "batch_wall_s": wall_s,
+                     "top2_logprobs": top2, "top2_margins": [t[0] - t[1] if len(t) > 1 else None for t in top2]}
             self._totals["requests"] += 1
             self._totals["prompt_tokens"] += stats["prompt_tokens"]
             self._totals["generated_tokens"] += stats["generated_tokens"]
@@ -130,11 +131,6 @@ def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
     with os.fdopen(handle, "w") as f:
         yaml.safe_dump(to_dict(loaded), f)
     return loaded, path, path
-
-
-def _top2_margin(step_logprobs) -> float | None:
-    values = sorted((lp.logprob for lp in step_logprobs.values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else None
 
 
 def _is_token_list(prompts) -> bool:
