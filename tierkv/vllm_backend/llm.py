@@ -37,6 +37,7 @@ class VllmTieredLLM:
             raise ValueError("tokenizer: backend='vllm' loads the tokenizer from the checkpoint directory")
         self.config, self.config_file, self._owned_config_file = _config_file(config)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: scheduler and worker share the tiers
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the connector was run with on the GPU
         from vllm import LLM
 
         kwargs = dict(
