@@ -22,8 +22,8 @@ import torch
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
-from tierkv.scheduler import StepPlan, plan_step
-from tierkv.sparse import BlockSummaries, select_far_blocks
+from tierkv.scheduler import StepPlan, plan_step, to_device_no_sync
+from tierkv.sparse import BlockSummaries, select_far_blocks, select_far_blocks_on_device
 from tierkv.sparse_prefetch import SparsePrefetcher
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class SequenceKV:
         num_layers = runtime.num_layers
         self.num_tokens = [0] * num_layers
         self.cpu_slots: list[list[int]] = [[] for _ in range(num_layers)]
+        self._slots_mirror: list[tuple[list[int] | None, torch.Tensor | None]] = [(None, None)] * num_layers
         self.block_keys: list[list[str]] = [[] for _ in range(num_layers)]
         self._hashes: list[str] = []
         self._pending_d2h: list[tuple[list[str], object]] = []
@@ -199,18 +200,35 @@ class SequenceKV:
         return out
 
     def _selected_chunks(self, layer: int, q: torch.Tensor):
-        """Sparse decode: the top-k far blocks for this query, fetched now."""
+        """Sparse decode: the top-k far blocks for this query.
+
+        With the `previous` predictor the selection goes to the host (the prefetcher keeps
+        per-block state); without one it stays on the device: the blocks' CPU slots are looked up
+        on the device and the copy kernel reads the slot list there, so nothing waits for the host.
+        """
         rt = self.rt
         T = rt.layout.block_tokens
         k = rt.config.scheduler.sparse_token_budget // T
-        selected = select_far_blocks(self.summaries, layer, q[0], self._step.streamed_blocks, k)
+        candidates = self._step.streamed_blocks
         if self.prefetcher is not None:
-            return self._prefetched_chunks(layer, selected)
-        self.num_streamed_reads += len(selected)
-        if not selected:
+            return self._prefetched_chunks(layer, select_far_blocks(self.summaries, layer, q[0], candidates, k))
+        selected = select_far_blocks_on_device(self.summaries, layer, q[0], candidates, k)
+        self.num_streamed_reads += selected.numel()  # min(k, candidates): known without a sync
+        if selected.numel() == 0:
             return iter(())
-        slots = torch.tensor([self.cpu_slots[layer][b] for b in selected], dtype=torch.int64)
-        return rt.streamer.fetch_now(layer, slots, [b * T for b in selected], T, after=self._last_d2h)
+        slots = self._device_cpu_slots(layer).index_select(0, selected)
+        return rt.streamer.fetch_now(layer, slots, selected * T, T, after=self._last_d2h)
+
+    def _device_cpu_slots(self, layer: int) -> torch.Tensor:
+        """cpu_slots[layer] as an int64 tensor on the runtime's device, extended as blocks are written."""
+        slots = self.cpu_slots[layer]
+        source, mirror = self._slots_mirror[layer]
+        if source is not slots or mirror.numel() > len(slots):  # the list was replaced (prefix load)
+            source, mirror = slots, torch.empty(0, dtype=torch.int64, device=self.rt.device)
+        if mirror.numel() < len(slots):
+            mirror = torch.cat([mirror, to_device_no_sync(slots[mirror.numel():], self.rt.device)])
+        self._slots_mirror[layer] = (source, mirror)
+        return mirror
 
     def _prefetched_chunks(self, layer: int, selected: list[int]):
         """The selection through the prefetcher: prefetched hits count as GPU reads, misses as streamed."""

@@ -1,6 +1,6 @@
 """Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
 
-Primitives: `BlockSummaries` (`update`, `upper_bounds`), `select_far_blocks`.
+Primitives: `BlockSummaries` (`update`, `upper_bounds`), `select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block. For a query q, the
@@ -73,3 +73,16 @@ def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, ca
     scores = summaries.upper_bounds(layer, q, ids)
     top = torch.topk(scores, k).indices + candidates.start
     return sorted(top.tolist())
+
+
+def select_far_blocks_on_device(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range,
+                                k: int) -> torch.Tensor:
+    """Like `select_far_blocks`, but the ids stay on q's device: int64 [min(k, len(candidates))], in
+    block order. No host sync: the caller copies the blocks with device-side slot lists."""
+    if k >= len(candidates):
+        return torch.arange(candidates.start, candidates.stop, device=q.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=q.device)
+    ids = torch.arange(candidates.start, candidates.stop, device=q.device)
+    scores = summaries.upper_bounds(layer, q, ids)
+    return torch.sort(torch.topk(scores, k).indices).values + candidates.start

@@ -154,11 +154,13 @@ class LookaheadStreamer:
         self.num_chunks_discarded += len(carried)
         self.bytes_discarded += sum(handle.num_bytes for *_, handle in carried)
 
-    def fetch_now(self, layer: int, cpu_slots: torch.Tensor, start_pos: list[int], block_tokens: int,
+    def fetch_now(self, layer: int, cpu_slots: torch.Tensor, start_pos: list[int] | torch.Tensor, block_tokens: int,
                   after=None) -> Iterator[StagedChunk]:
         """Blocks nobody predicted: copy them now, a staging region at a time, each piece a stall.
 
-        cpu_slots: int64 [n] CPU-tier slots; start_pos: first token position of each block.
+        cpu_slots: int64 [n] CPU-tier slots, on the CPU or on the device (then the copy kernel
+        reads them there and the host never waits); start_pos: first token position of each
+        block, a list or an int64 tensor on the device.
         """
         device = self.pool.staging.device
         region_blocks = self.pool.region_blocks
@@ -182,8 +184,9 @@ class LookaheadStreamer:
                 if self.recorder is not None:  # on CPU the copy was synchronous: its time is the stall
                     self.recorder.record_chunk(layer, is_late=True, wait_s=time.perf_counter() - start_s)
                 handle.wait_on_current_stream()
-            yield StagedChunk(self._region_slots[region][:count],
-                              to_device_no_sync(start_pos[start : start + count], device),
+            positions = (start_pos[start : start + count] if isinstance(start_pos, torch.Tensor)
+                         else to_device_no_sync(start_pos[start : start + count], device))
+            yield StagedChunk(self._region_slots[region][:count], positions,
                               to_device_no_sync([block_tokens] * count, device))
             self.engine.release_event(self._region_free_event[region])
             self._region_free_event[region] = self.engine.record_compute_event()
