@@ -64,11 +64,7 @@ class TieredLLM:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
         """Prompts as text (needs a tokenizer) or token ids; one RequestOutput per prompt."""
-        if sampling is None:
-            sampling = SamplingParams(**sampling_kwargs)
-        elif sampling_kwargs:
-            raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
-        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs)
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
         for i, ids in enumerate(requests):  # refuse before doing any work
             try:
@@ -218,6 +214,16 @@ def _flatten(data, prefix: str = "") -> dict:
     if isinstance(data, list):
         return {k: v for i, value in enumerate(data) for k, v in _flatten(value, f"{prefix[:-1]}[{i}].").items()}
     return {prefix[:-1]: data}
+
+
+def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict) -> tuple[SamplingParams, list]:
+    """`generate()`'s arguments as (sampling settings, list of prompts), for every backend: one prompt
+    (text or a token-id list) or a batch of them; settings as SamplingParams or keywords, not both."""
+    if sampling is None:
+        sampling = SamplingParams(**sampling_kwargs)
+    elif sampling_kwargs:
+        raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
+    return sampling, [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
 
 
 def _is_token_list(prompts) -> bool:

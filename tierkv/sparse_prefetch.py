@@ -89,20 +89,9 @@ class SparsePrefetcher:
                               to_device_no_sync([T] * len(misses), device))
 
     def _wait_for_misses(self, layer: int, handle, num_misses: int, start_s: float) -> None:
-        """Wait for the late blocks' copy on the compute stream; report them, the wait timed once
-        for the batch (by the GPU on CUDA, on the host where the copy ran synchronously)."""
-        recorder = self.rt.streamer.recorder
-        if recorder is None:
-            handle.wait_on_current_stream()
-            return
-        if self.rt.engine.device.type == "cuda":
-            start_event, end_event = recorder.chunk_wait_events()
-            start_event.record()
-            handle.wait_on_current_stream()
-            end_event.record()
-            recorder.record_chunk_timed(layer, is_late=True, start=start_event, end=end_event)
-        else:
-            handle.wait_on_current_stream()
-            recorder.record_chunk(layer, is_late=True, wait_s=time.perf_counter() - start_s)
-        for _ in range(num_misses - 1):
-            recorder.record_chunk(layer, is_late=True, wait_s=0.0)
+        """Wait for the late blocks' copy; each is a late chunk, the wait timed once for the batch."""
+        streamer = self.rt.streamer
+        streamer.wait_for_chunk(handle, layer, is_late=True, host_wait_s=time.perf_counter() - start_s)
+        if streamer.recorder is not None:
+            for _ in range(num_misses - 1):
+                streamer.recorder.record_chunk(layer, is_late=True, wait_s=0.0)

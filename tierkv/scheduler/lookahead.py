@@ -112,13 +112,9 @@ class LookaheadStreamer:
         self._carried = []
         for g in range(min(self.pool.num_regions, len(self._chunks))):
             layer, blocks = self._chunks[g]
-            region = g % self.pool.num_regions
             src = self._cpu_slots[layer][blocks.start : blocks.stop]
-            after = [e for e in (self._region_free_event[region],) if e is not None]
-            handle = self.io.gather(src, self.pool.staging, self._region_slots_host[region][: len(blocks)], after=after)
-            self._carried.append((layer, blocks, src, handle))
-            self.num_chunks_streamed += 1
-            self.bytes_streamed += handle.num_bytes
+            # only the region's previous reader to wait for: these blocks were streamed this step
+            self._carried.append((layer, blocks, src, self._gather_chunk(g, waits_for_plan=False)))
 
     @property
     def chunks_per_layer(self) -> int:
@@ -135,14 +131,37 @@ class LookaheadStreamer:
             self._num_issued += 1
 
     def _issue(self, g: int) -> None:
+        self._handles[g] = self._gather_chunk(g, waits_for_plan=True)
+
+    def _gather_chunk(self, g: int, *, waits_for_plan: bool):
+        """Enqueue chunk g's copy into its staging region once the region's last reader is done
+        (and, with `waits_for_plan`, once the plan's `after` has happened); counted as streamed."""
         layer, blocks = self._chunks[g]
         region = g % self.pool.num_regions
-        after = [e for e in (self._region_free_event[region], self._after) if e is not None]
-        src_slots = self._cpu_slots[layer][blocks.start : blocks.stop]
-        dst_slots = self._region_slots_host[region][: len(blocks)]
-        self._handles[g] = self.io.gather(src_slots, self.pool.staging, dst_slots, after=after)
+        waits = (self._region_free_event[region], self._after if waits_for_plan else None)
+        handle = self.io.gather(self._cpu_slots[layer][blocks.start : blocks.stop], self.pool.staging,
+                                self._region_slots_host[region][: len(blocks)], after=[e for e in waits if e is not None])
         self.num_chunks_streamed += 1
-        self.bytes_streamed += self._handles[g].num_bytes
+        self.bytes_streamed += handle.num_bytes
+        return handle
+
+    def wait_for_chunk(self, handle, layer: int, *, is_late: bool, host_wait_s: float | None) -> None:
+        """Make the current stream wait for a chunk's copy and report the chunk to the recorder.
+
+        On CUDA the wait is timed by the GPU: two events bracket the stream's wait, the second
+        completing once the copy has landed. On a CPU engine the copy ran synchronously and
+        `host_wait_s` (the caller's host time for it, or None where it was not late) is the wait.
+        """
+        if self.recorder is not None and self.engine.device.type == "cuda":
+            start_event, end_event = self.recorder.chunk_wait_events()
+            start_event.record()
+            handle.wait_on_current_stream()
+            end_event.record()
+            self.recorder.record_chunk_timed(layer, is_late=is_late, start=start_event, end=end_event)
+            return
+        if self.recorder is not None:
+            self.recorder.record_chunk(layer, is_late=is_late, wait_s=host_wait_s)
+        handle.wait_on_current_stream()
 
     def clear(self) -> None:
         """Forget the current plan (a step that streams nothing ahead, e.g. a sparse decode step)."""
@@ -174,16 +193,7 @@ class LookaheadStreamer:
             self.num_stalls += 1
             self.num_chunks_streamed += 1
             self.bytes_streamed += handle.num_bytes
-            if self.recorder is not None and self.engine.device.type == "cuda":
-                start_event, end_event = self.recorder.chunk_wait_events()
-                start_event.record()
-                handle.wait_on_current_stream()
-                end_event.record()
-                self.recorder.record_chunk_timed(layer, is_late=True, start=start_event, end=end_event)
-            else:
-                if self.recorder is not None:  # on CPU the copy was synchronous: its time is the stall
-                    self.recorder.record_chunk(layer, is_late=True, wait_s=time.perf_counter() - start_s)
-                handle.wait_on_current_stream()
+            self.wait_for_chunk(handle, layer, is_late=True, host_wait_s=time.perf_counter() - start_s)
             positions = (start_pos[start : start + count] if isinstance(start_pos, torch.Tensor)
                          else to_device_no_sync(start_pos[start : start + count], device))
             yield StagedChunk(self._region_slots[region][:count], positions,
@@ -204,17 +214,7 @@ class LookaheadStreamer:
                 self.run(through_layer=layer)
                 if self.engine.device.type == "cpu":  # the copy ran synchronously: its time is the stall
                     wait_s = time.perf_counter() - start
-            handle = self._handles[g]
-            if self.recorder is not None and self.engine.device.type == "cuda":
-                start_event, end_event = self.recorder.chunk_wait_events()
-                start_event.record()
-                handle.wait_on_current_stream()
-                end_event.record()  # completes once the copy has landed: the gap is compute's wait
-                self.recorder.record_chunk_timed(layer, is_late=is_late, start=start_event, end=end_event)
-            else:
-                if self.recorder is not None:
-                    self.recorder.record_chunk(layer, is_late=is_late, wait_s=wait_s)
-                handle.wait_on_current_stream()
+            self.wait_for_chunk(self._handles[g], layer, is_late=is_late, host_wait_s=wait_s)
             start_pos, num_tokens = self._chunk_meta[c]
             region = g % self.pool.num_regions
             yield StagedChunk(self._region_slots[region][: num_tokens.numel()], start_pos, num_tokens)

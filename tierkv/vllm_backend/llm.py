@@ -60,11 +60,9 @@ class VllmTieredLLM:
         """Same inputs and outputs as the transformers backend; vLLM batches the prompts."""
         from vllm import SamplingParams as VllmSampling
 
-        if sampling is None:
-            sampling = SamplingParams(**sampling_kwargs)
-        elif sampling_kwargs:
-            raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
-        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        from tierkv.llm import generate_inputs
+
+        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs)
         inputs = []
         for i, prompt in enumerate(batch):
             if isinstance(prompt, str):
@@ -132,7 +130,3 @@ def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
     with os.fdopen(handle, "w") as f:
         yaml.safe_dump(to_dict(loaded), f)
     return loaded, path, path
-
-
-def _is_token_list(prompts) -> bool:
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], int)
