@@ -23,8 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072)
+from benchmarks.models import LLAMA_8B  # noqa: E402
 
 
 def build_model(path: str, layers: int) -> None:

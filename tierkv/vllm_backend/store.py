@@ -33,6 +33,7 @@ import torch
 from tierkv.block_io import BlockIO, allocating_on_copy_stream
 from tierkv.blocks import BlockLayout, block_key, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
+from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import TransferEngine
 
@@ -216,7 +217,7 @@ class VllmKVStore:
             return
         hashes = [h for s in spans for h in s.hashes]
         keys = self.keys(hashes, layer)
-        ids = torch.tensor(block_ids, dtype=torch.int64).to(kv.device, non_blocking=True)
+        ids = to_device_no_sync(block_ids, kv.device)
         blocks = self.paged.read(kv, ids)                                    # private copy, compute stream
         with self._lock:
             slots, evicted = self.cpu.prepare_put(keys)
@@ -281,7 +282,7 @@ class VllmKVStore:
                 staged, ids = rows, ids[torch.tensor(present)]
             else:
                 return
-        self._loads[layer] = _LayerLoad(handle, staged, ids.to(self.device, non_blocking=True))
+        self._loads[layer] = _LayerLoad(handle, staged, to_device_no_sync(ids, self.device))
 
     def finish_layer_load(self, layer: int) -> None:
         """Before layer `layer`'s attention: its loaded blocks are in vLLM's cache (stream order)."""
