@@ -1,14 +1,17 @@
 """Sparse mode on the GPU: decode speed and GPU hit rate at 128k against all-in-GPU dense decode.
 
-    python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048] [--out PATH]
+    python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048]
+        [--predictor previous|none|query] [--lookahead 1] [--cache-selections 4] [--out PATH]
 
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
-all-in-GPU DynamicCache (sdpa) and tierkv sparse mode (predictor `previous`) with a GPU KV
-budget of one eighth of the full KV. Reports decode ms per token and the ratio (target: tierkv
-at least 0.9x all-in-GPU tokens/s), the GPU hit rate at attention time after the first decode
-step (target >= 95%), stalls per step, prefetch precision and recall, and greedy-token agreement
-(sparse attention reads a subset, so tokens may differ; the count is reported, not asserted).
-Not yet run on the GPU machine: no numbers from it are committed.
+all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
+the full KV (resident slots + staging + block summaries). Reports decode ms per token and the
+ratio (target: tierkv at least 0.9x all-in-GPU tokens/s), the GPU hit rate of the selected far
+blocks after the first decode step (target >= 95%), stalls per step, prefetch precision and
+recall, and greedy-token agreement (sparse attention reads a subset, so tokens may differ; the
+count is reported, not asserted). With `--predictor query` the staging memory holds a far-block
+cache of `--cache-selections` selections per layer (LRU, kept across steps) plus a miss area,
+and the next `--lookahead` layers are predicted from each layer's input hidden state.
 """
 from __future__ import annotations
 
@@ -24,15 +27,27 @@ from benchmarks.bench_exact import run_request, warm_up  # noqa: E402
 from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 
+def query_hit_rate(steps: list[dict]) -> float | None:
+    """Selected far blocks found in the far-block cache over all selected, summed over `steps`."""
+    needed = sum(s["needed"] for s in steps)
+    return sum(s["hits"] for s in steps) / needed if needed else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget-tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--predictor", choices=["previous", "none"], default="previous",
+    parser.add_argument("--predictor", choices=["previous", "none", "query"], default="previous",
                         help="previous: prefetch each layer's last selection; none: fetch the selection at once, "
-                             "the slot list staying on the device (no host sync per layer)")
+                             "the slot list staying on the device (no host sync per layer); query: predict the "
+                             "next layers' selection from the hidden state into an LRU far-block cache")
+    parser.add_argument("--lookahead", type=int, default=1, help="layers predicted ahead (predictor query)")
+    parser.add_argument("--cache-selections", type=int, default=4,
+                        help="far-block cache slots per layer, in selections of --budget-tokens (predictor query)")
+    parser.add_argument("--no-previous", action="store_true",
+                        help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--out", default="benchmarks/results/sparse-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -52,21 +67,26 @@ def main() -> int:
 
     block_tokens = 64
     budget_blocks = args.budget_tokens // block_tokens
-    staging = (args.layers + 1) * budget_blocks * (full_kv // args.context // args.layers) * block_tokens
+    block_bytes = full_kv // args.context // args.layers * block_tokens
+    if args.predictor == "query":  # [ layer 0: C | ... | layer L-1: C | miss area: k ], C = selections x k
+        staging = (args.layers * args.cache_selections + 1) * budget_blocks * block_bytes
+    else:
+        staging = (args.layers + 1) * budget_blocks * block_bytes
     summaries = 2 * 8 * 128 * 2 * (args.context // block_tokens) * args.layers
     config = load_config({
         "cache": {"block_tokens": block_tokens, "gpu_budget_bytes": full_kv // 8 - staging - summaries,
                   "sink_tokens": 64, "window_tokens": 1024},
         "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
         "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
-                      "staging_bytes": staging, "prefill_chunk_tokens": 32768},
+                      "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
+                      "predict_with_previous": not args.no_previous},
     }, env={})
     runtime = runtime_for_model(model, config)
     try:
         cache = TieredCache(runtime, ids)
         row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=cache.seq.token_ids.append)
-        prefetcher = cache.seq.prefetcher
-        read_stats = cache.seq.read_stats()
+        prefetcher, query = cache.seq.prefetcher, cache.seq.query
+        read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
         stats = runtime.stats()
         cache.finish()
     finally:
@@ -81,12 +101,17 @@ def main() -> int:
         "decode_tokens_per_s_ratio": base["decode_ms_per_token"] / row["decode_ms_per_token"],
         # with a predictor: its hits over its lookups after step 1; without: attention's resident reads
         "gpu_hit_rate_after_first_step": (hits / max(1, hits + misses - first_step_misses) if prefetcher
+                                          else query_hit_rate(query.step_totals[1:]) if query
                                           else read_stats["gpu_hit_rate"]),
         "stalls_per_step": stats["scheduler"]["stalls"] / steps,
         "prefetch": stats["prefetch"],
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
     row["predictor"] = args.predictor
+    if query is not None:
+        row["query_predictor"] = {"lookahead_layers": args.lookahead, "cache_slots_per_layer": query.cache.slots_per_layer,
+                                  "predict_with_previous": not args.no_previous, "totals": query.totals(),
+                                  "per_step": query.step_totals, "per_layer": query.layer_totals}
     results = {"context": args.context, "full_kv_bytes": full_kv, "all_in_gpu": base, "tierkv_sparse": row}
     write_results(args.out, results)
     print(f"decode ms/token: all-in-GPU {base['decode_ms_per_token']:.1f}, tierkv sparse {row['decode_ms_per_token']:.1f} "

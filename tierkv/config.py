@@ -91,8 +91,12 @@ class SchedulerConfig:
     staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
     sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
     predictor: str = field(default="previous", metadata=doc(
-        "sparse prefetch: 'previous' copies each layer's last selection ahead, 'none' fetches on demand",
-        choices=("previous", "none")))
+        "sparse prefetch: 'previous' copies each layer's last selection ahead, 'none' fetches on demand, "
+        "'query' predicts the next lookahead_layers layers' selection from the current hidden state and keeps "
+        "fetched far blocks in an LRU cache in the staging memory",
+        choices=("previous", "none", "query")))
+    predict_with_previous: bool = field(default=True, metadata=doc(
+        "predictor 'query': also prefetch each layer's previous-step selection"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
 
 

@@ -17,6 +17,7 @@ from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
 from tierkv.sequence import CapacityError, SequenceKV
+from tierkv.sparse_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers
 from tierkv.storage.cpu import CpuTier
 from tierkv.storage.gpu import GpuBlockPool, plan_residency
@@ -37,6 +38,10 @@ class KVRuntime:
         num_regions = max(2, config.scheduler.lookahead_layers + 1)
         self.pool = GpuBlockPool(self.layout, num_layers, self.residency, config.scheduler.staging_bytes,
                                  num_regions, self.device)
+        scheduler = config.scheduler
+        if scheduler.policy == "sparse" and scheduler.predictor == "query":  # refuse a too small staging now
+            cache_slots_per_layer(num_layers, self.pool.staging.shape[0],
+                                  scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = TransferEngine(self.device)
@@ -45,6 +50,8 @@ class KVRuntime:
         self.streamer = LookaheadStreamer(self.io, self.pool, config.scheduler.lookahead_layers,
                                           recorder=self.prefetch_metrics)
         self.active: SequenceKV | None = None
+        # predictor `query`: (layer, hidden [hidden_size], position) -> q [num_heads, head_dim]; set by the adapter
+        self.query_projector = None
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None
         self._budget_applied = threading.Event()

@@ -25,6 +25,7 @@ from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step, to_device_no_sync
 from tierkv.sparse import BlockSummaries, select_far_blocks, select_far_blocks_on_device
 from tierkv.sparse_prefetch import SparsePrefetcher
+from tierkv.sparse_query import QueryLookahead
 
 if TYPE_CHECKING:
     from tierkv.runtime import KVRuntime
@@ -58,10 +59,15 @@ class SequenceKV:
                           if sparse else None)
         self._is_sparse_step = False
         self.prefetcher = None
-        if sparse and runtime.config.scheduler.predictor == "previous":
-            prefetcher = SparsePrefetcher(runtime, runtime.config.scheduler.sparse_token_budget // layout.block_tokens)
+        self.query: QueryLookahead | None = None  # predictor `query`: hidden-state lookahead + far-block cache
+        scheduler = runtime.config.scheduler
+        if sparse and scheduler.predictor == "previous":
+            prefetcher = SparsePrefetcher(runtime, scheduler.sparse_token_budget // layout.block_tokens)
             # staging must hold a selection per layer plus a miss area; otherwise blocks are fetched on demand
             self.prefetcher = prefetcher if prefetcher.enabled else None
+        elif sparse and scheduler.predictor == "query":
+            self.query = QueryLookahead(runtime, scheduler.sparse_token_budget // layout.block_tokens,
+                                        scheduler.lookahead_layers, scheduler.predict_with_previous)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -89,6 +95,8 @@ class SequenceKV:
         resident = rt.pool.resident[layer]
         resident.index_copy_(0, step.fresh_resident_slots, blocks.index_select(0, step.fresh_resident_index))
         self.num_tokens[layer] += n
+        if self.query is not None and self._is_sparse_step:
+            self.query.predict(self, layer)  # the next layers' blocks, copied while this layer computes
 
     def _begin_step(self, n: int) -> None:
         rt = self.rt
@@ -102,7 +110,11 @@ class SequenceKV:
             rt.streamer.clear()
             if self.prefetcher is not None:
                 self.prefetcher.begin_step(self, self._last_d2h)
+            if self.query is not None:
+                self.query.begin_step(step.streamed_blocks)
             return
+        if self.query is not None:
+            self.query.invalidate()  # the streamer's regions overwrite the far-block cache's slots
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
@@ -212,6 +224,8 @@ class SequenceKV:
         candidates = self._step.streamed_blocks
         if self.prefetcher is not None:
             return self._prefetched_chunks(layer, select_far_blocks(self.summaries, layer, q[0], candidates, k))
+        if self.query is not None:
+            return self.query.chunks_for_layer(self, layer, q[0])  # counted in read_stats
         selected = select_far_blocks_on_device(self.summaries, layer, q[0], candidates, k)
         self.num_streamed_reads += selected.numel()  # min(k, candidates): known without a sync
         if selected.numel() == 0:
@@ -244,11 +258,23 @@ class SequenceKV:
         return paged_partial_attention(q, pool, slots, start_pos, num_tokens, scale=scale,
                                        q_positions=self._step.q_positions)
 
+    def observe_layer_input(self, layer: int, hidden: torch.Tensor, position: object) -> None:
+        """Layer `layer`'s input hidden state ([hidden_size], one decode token) and its position as
+        the runtime's `query_projector` takes it; predictor `query` predicts the next layers from it."""
+        if self.query is not None:
+            self.query.observe(layer, hidden, position)
+
     def read_stats(self) -> dict:
-        """GPU hit rate at attention time: resident block reads over all block reads."""
-        total = self.num_resident_reads + self.num_streamed_reads
-        return {"resident_block_reads": self.num_resident_reads, "streamed_block_reads": self.num_streamed_reads,
-                "gpu_hit_rate": self.num_resident_reads / total if total else None}
+        """GPU hit rate at attention time: resident block reads over all block reads (far-block cache
+        hits count as resident, its misses as streamed). Waits for the device's counters."""
+        resident, streamed = self.num_resident_reads, self.num_streamed_reads
+        if self.query is not None:
+            self.query.flush(block=True)
+            totals = self.query.totals()
+            resident, streamed = resident + totals["hits"], streamed + totals["misses"]
+        total = resident + streamed
+        return {"resident_block_reads": resident, "streamed_block_reads": streamed,
+                "gpu_hit_rate": resident / total if total else None}
 
     # -- end ------------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -257,6 +283,8 @@ class SequenceKV:
             return
         self.is_finished = True
         self.rt.streamer.clear()  # chunks copied ahead for a next step that will not come are discarded
+        if self.query is not None:
+            self.query.flush(block=True)
         self._complete_finished_d2h(wait=True)
         keys = [k for layer_keys in self.block_keys for k in layer_keys]
         self.rt.cpu.release(keys)

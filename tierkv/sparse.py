@@ -12,7 +12,8 @@ A decode step reads the resident blocks (sinks, far-block cache, window) plus th
 blocks with the largest bound (max over heads), k = sparse_token_budget / block_tokens, and
 attention over that set is exact. When k covers every far block, sparse equals exact.
 Selection happens at attention time; `tierkv.sparse_prefetch` copies each layer's previous
-selection ahead, and a selected block that was not prefetched is fetched at once as a stall.
+selection ahead, `tierkv.sparse_query` predicts the next layers' selection from the hidden state
+into a far-block cache, and a selected block that was not prefetched is fetched at once as a stall.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """transformers adapter: a `Cache` whose layers live in tierkv, and the attention that reads them.
 
 Primitives: `TieredCache`, `TieredLayer`, `register` (attention + mask function named "tierkv"),
-`runtime_for_model`.
+`runtime_for_model`, `QueryProjector` (the `query` sparse predictor's view of the model).
 
     model.set_attn_implementation("tierkv")           # after register()
     cache = TieredCache(runtime, token_ids=prompt_ids)
@@ -12,6 +12,11 @@ layer (the attention call receives that same tensor, in every transformers 5 rel
 "tierkv" attention function computes exact attention over
 GPU-resident, streamed and fresh blocks (see `tierkv.sequence`). The mask function returns
 None: causality comes from token positions. One sequence per cache (batch size 1).
+
+With `scheduler.predictor: query`, a forward pre-hook on every decoder layer hands the layer's
+input hidden state of a decode token to the sequence, and `QueryProjector` turns it into
+another layer's query (that layer's input norm, q projection, q norm if any, and rotary
+embedding at the decode position) for the lookahead prediction.
 """
 from __future__ import annotations
 
@@ -126,6 +131,63 @@ def model_kv_shape(model: PreTrainedModel) -> dict:
     }
 
 
+class QueryProjector:
+    """hidden [hidden_size] -> q [num_heads, head_dim] of decoder layer `layer`, rotary applied at
+    `position` = (cos, sin), each [head_dim], of the decode token. Enqueues device work only."""
+
+    def __init__(self, layers: torch.nn.ModuleList, head_dim: int):
+        self.layers = layers
+        self.head_dim = head_dim
+
+    @torch.no_grad()
+    def __call__(self, layer: int, hidden: torch.Tensor, position: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        block = self.layers[layer]
+        attn = block.self_attn
+        q = attn.q_proj(block.input_layernorm(hidden.unsqueeze(0))).view(-1, self.head_dim)  # [H, D]
+        if getattr(attn, "q_norm", None) is not None:
+            q = attn.q_norm(q)
+        cos, sin = position
+        half = self.head_dim // 2
+        rotated = torch.cat((-q[:, half:], q[:, :half]), dim=-1)  # rotate_half, as transformers' Llama does
+        return q * cos + rotated * sin
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(f"config key 'scheduler.predictor': got 'query'; {type(model).__name__} has no "
+                         "base_model.layers to read hidden states from (use 'previous' or 'none')")
+    return layers
+
+
+def _observe_layer_input(layer_idx: int):
+    """A forward pre-hook: a decode token's input hidden state to the sequence of a TieredCache."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        position = kwargs.get("position_embeddings")
+        if not isinstance(cache, TieredCache) or position is None:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]  # [1, n, hidden_size]
+        if hidden.shape[1] == 1:
+            cos, sin = position  # [1, 1, head_dim] each
+            cache.seq.observe_layer_input(layer_idx, hidden[0, -1], (cos[0, -1], sin[0, -1]))
+        return None
+
+    return hook
+
+
+def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
+    """Give `runtime` the model's `QueryProjector` and hook the decoder layers (once per model)."""
+    layers = _decoder_layers(model)
+    runtime.query_projector = QueryProjector(layers, runtime.layout.head_dim)
+    if getattr(model, "_tierkv_query_hooks", False):
+        return
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(_observe_layer_input(i), with_kwargs=True)
+    model._tierkv_query_hooks = True
+
+
 def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: str | None = None) -> KVRuntime:
     """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype."""
     shape = model_kv_shape(model)
@@ -138,5 +200,8 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
         raise ValueError(f"config key 'model.kv_dtype': got {config.model.kv_dtype!r}; the model runs in {dtype_name(param.dtype)}")
     register()
     model.set_attn_implementation(ATTN_NAME)
-    return KVRuntime(config, dtype=param.dtype, device=param.device,
-                     model_id=model_id or config.model.name, **shape)
+    runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
+                        model_id=model_id or config.model.name, **shape)
+    if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
+        install_query_projector(model, runtime)
+    return runtime
