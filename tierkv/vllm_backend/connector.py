@@ -33,7 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.blocks import BlockLayout
 from tierkv.config import ConfigError
+from tierkv.vllm_backend import hot_window
 from tierkv.vllm_backend.config import config_from_kv_transfer
+from tierkv.vllm_backend.far import FarKV
 from tierkv.vllm_backend.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
 
 if TYPE_CHECKING:
@@ -50,6 +52,11 @@ class TierKVMetadata(KVConnectorMetadata):
 
     loads: list[BlockSpan] = field(default_factory=list)
     saves: list[BlockSpan] = field(default_factory=list)
+    # hot window only: every scheduled request's (tokens before the step, tokens in it), the block
+    # hashes learnt since the last step (req_id, first block, hashes), requests that finished
+    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    hashes: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +65,7 @@ class _RequestState:
     hashes: list[str] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     next_block_to_save: int = 0
+    hashes_sent: int = 0
     load_range: tuple[int, int] | None = None
     pending_load: BlockSpan | None = None
 
@@ -68,7 +76,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.block_size = vllm_config.cache_config.block_size
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
-        self.layout, self.layer_names = _layout_of(kv_cache_config, self.block_size)
+        self.layout, self.layer_names, self.hot_window = _layout_of(kv_cache_config, self.block_size)
         model_config = getattr(vllm_config, "model_config", None)
         self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
                                                           else self.config.model.name)
@@ -76,7 +84,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
+        self._far: FarKV | None = None
         self._requests: dict[str, _RequestState] = {}
+        if self.hot_window is not None and role == KVConnectorRole.WORKER:
+            hot_window.set_window(self.hot_window)
 
     # -- the engine's store ------------------------------------------------------------------------
     def _make_store(self, device: torch.device, lookup_only: bool) -> VllmKVStore:
@@ -109,6 +120,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             device = next(iter(kv_caches.values())).device
             self._store = shared_store(self._store_key, lambda: self._make_store(device, False))
         self.store.register(kv_caches)
+        if self.hot_window is not None and self._far is None:
+            self._far = FarKV(self.store, self.hot_window)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -116,9 +129,19 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         if metadata.loads:
             self.store.begin_loads(metadata.loads)
+        if self._far is not None:
+            for req_id in metadata.finished:
+                self._far.finish(req_id)
+            for req_id, start, hashes in metadata.hashes:
+                self._far.add_hashes(req_id, start, hashes)
+            rows = self._far.begin_step(hot_window.rows_in_order(hot_window.batch_order(), metadata.scheduled))
+            hot_window.set_step(hot_window.HotWindowStep(self._far, rows, self.store.layer_index))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.store.finish_layer_load(self.store.layer_index[layer_name])
+        layer = self.store.layer_index[layer_name]
+        self.store.finish_layer_load(layer)
+        if self._far is not None:
+            self._far.prefetch(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -127,12 +150,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.store.save_layer(self.store.layer_index[layer_name], kv_layer, metadata.saves)
 
     def wait_for_save(self):
+        if self._far is not None:
+            self._far.end_step()
+            hot_window.set_step(None)
         self.store.poll()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.store.take_load_errors() if self._store is not None else set()
 
     def shutdown(self):
+        if self._far is not None:
+            self._far.close()
+            self._far = None
         if self._store is not None:
             self._store = None
             release_store(self._store_key)
@@ -153,7 +182,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         start = num_computed_tokens // self.block_size
         end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
         state.load_range = None
-        if end <= start:
+        if end <= start or self.hot_window is not None:  # hot window: prefixes are not loaded back yet
             return 0, False
         hashes = self.store.extend_hashes(state.hashes, prompt, end)
         found = self.store.present_prefix(hashes[start:end])
@@ -185,6 +214,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.loads.append(state.pending_load)
                 state.pending_load = None
             self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._add_hot_window(meta, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -196,7 +226,20 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        if self.hot_window is not None:
+            meta.finished = sorted(scheduler_output.finished_req_ids)
         return meta
+
+    def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
+        """The worker's far/near split needs each request's position and the hashes of its full blocks."""
+        if self.hot_window is None or num_new <= 0:
+            return
+        meta.scheduled[state.request.request_id] = (num_computed, num_new)
+        hashes = self.store.extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)
+        if len(hashes) > state.hashes_sent:
+            meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))
+            state.hashes_sent = len(hashes)
 
     def _add_saves(self, meta: TierKVMetadata, state: _RequestState, computed_after_step: int) -> None:
         tokens = state.request.all_token_ids
@@ -225,7 +268,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return True  # the per-layer hooks must run outside captured graphs
 
     def stats(self) -> dict:
-        return self.store.stats()
+        out = self.store.stats()
+        if self._far is not None:
+            out["hot_window"] = {"window_tokens": self.hot_window, **self._far.stats()}
+        return out
 
 
 def _tensor_parallel_rank() -> int:
@@ -238,16 +284,22 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
-def _layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str]]:
-    """The tierkv block layout and the layer names of a single full-attention KV cache group."""
+def _layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str], int | None]:
+    """The tierkv block layout, the layer names and the hot window (None: full attention) of the
+    single KV cache group: full attention, or the hot window's sliding-window spec."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
         raise ConfigError("vllm kv_cache_groups", len(groups),
                           "the tierkv connector serves models with one group of full-attention layers")
     spec = groups[0].kv_cache_spec
-    if getattr(spec, "sliding_window", None) or not hasattr(spec, "num_kv_heads"):
-        raise ConfigError("vllm kv_cache_spec", type(spec).__name__, "only full-attention layers are supported")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = type(spec) is FullAttentionSpec and not spec.sliding_window
+    if not full and type(spec) is not SlidingWindowSpec:
+        raise ConfigError("vllm kv_cache_spec", type(spec).__name__,
+                          "only full-attention layers (or tierkv's hot window over them) are supported")
+    window = spec.sliding_window if type(spec) is SlidingWindowSpec else None
     if spec.block_size != block_size:
         raise ConfigError("vllm block_size", spec.block_size, f"the KV cache group must use block_size {block_size}")
     layout = BlockLayout(spec.num_kv_heads, block_size, spec.head_size, spec.dtype)
-    return layout, list(groups[0].layer_names)
+    return layout, list(groups[0].layer_names), window

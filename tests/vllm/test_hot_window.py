@@ -1,0 +1,239 @@
+"""The hot-window pool on CPU: far attention read back from the tiers equals dense attention over
+the freed blocks, the near/far split matches what vLLM 0.26 frees, the plugin turns full-attention
+layers into a sliding-window spec sized for the window, and the connector sends the worker what it
+needs. The FlashAttention half runs on the GPU (benchmarks/vllm_check.py hotwindow)."""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401  CI installs vLLM (.ci/run): a missing vLLM fails here, never skips
+else:
+    pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the hot-window tests")
+
+import vllm.config  # noqa: E402,F401
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+
+from tierkv.attention import reference  # noqa: E402
+from tierkv.blocks import BlockLayout  # noqa: E402
+from tierkv.config import load_config  # noqa: E402
+from tierkv.vllm_backend import hot_window  # noqa: E402
+from tierkv.vllm_backend.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.vllm_backend.far import FarKV, far_blocks  # noqa: E402
+from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
+
+from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
+
+HQ = 4  # query heads: GQA group of 2
+
+
+def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000) -> str:
+    block_bytes = 2 * H * BS * D * 4
+    path = tmp_path / "hot.yaml"
+    path.write_text("\n".join([
+        "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
+        "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
+        "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
+        "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}",
+    ]) + "\n")
+    return str(path)
+
+
+def dense(q: torch.Tensor, blocks: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, HQ, D] over blocks [m, 2, H, BS, D] without a mask: float64 (out, lse)."""
+    k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, H, D).double().repeat_interleave(HQ // H, dim=1)
+    v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, H, D).double().repeat_interleave(HQ // H, dim=1)
+    scores = torch.einsum("nhd,khd->nhk", q.double(), k) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("nhk,khd->nhd", torch.softmax(scores, dim=-1), v), lse
+
+
+@pytest.mark.parametrize("staging_blocks", [4, 6, 400])
+def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_path, staging_blocks):
+    """Two requests (one decoding, one in a prefill chunk) whose far blocks straddle staging chunks:
+    each row's (out, lse) equals dense attention over exactly its first far_blocks(...) blocks, for
+    every layer; rows before the window get lse -inf; pins are dropped when requests finish."""
+    window = random.choice([BS, 3 * BS + 5, 5 * BS])
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks), env={})
+    layout = BlockLayout(H, BS, D, torch.float32)
+    store = VllmKVStore(config, layout, NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window)
+    lengths = {"a": 30 * BS + 3, "b": 17 * BS, "c": 2}     # tokens before this step
+    new_tokens = {"a": 1, "b": 5, "c": 3}
+    ids = {"a": list(range(0, 31)), "b": list(range(31, 48)), "c": [48]}
+    try:
+        for req, n in lengths.items():
+            prompt = [random.randrange(1000) for _ in range(n)]
+            hashes = store.extend_hashes([], prompt, n // BS)
+            if hashes:
+                for name in NAMES:
+                    store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
+            far.add_hashes(req, 0, hashes)
+        store.poll(wait=True)
+        rows = far.begin_step([(r, lengths[r], new_tokens[r]) for r in ("b", "a", "c")])
+        assert [r.num_far_blocks for r in rows] == [far_blocks(lengths[r], window, BS) for r in ("b", "a", "c")]
+        assert rows[2].num_far_blocks == 0
+        q = torch.randn(sum(new_tokens.values()), HQ, D)
+        scale = 1 / math.sqrt(D)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            out, lse = far.attend(layer, q, scale)
+            assert torch.isfinite(out).all()
+            for row in rows:
+                q_row = slice(row.q_start, row.q_end)
+                if row.num_far_blocks == 0:
+                    assert torch.isneginf(lse[q_row]).all() and not out[q_row].any()
+                    continue
+                block_ids = torch.tensor(ids[row.req_id][: row.num_far_blocks])
+                blocks = store.paged.read(caches[name], block_ids)
+                want_out, want_lse = dense(q[q_row], blocks, scale)
+                torch.testing.assert_close(out[q_row].double(), want_out, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(lse[q_row].double(), want_lse, rtol=1e-5, atol=1e-5)
+        far.end_step()
+        assert sum(store.cpu._pins.values()) > 0
+        for req in lengths:
+            far.finish(req)
+        store.poll(wait=True)
+        assert sum(store.cpu._pins.values()) == 0
+        assert far.stats()["far_blocks_read"] == LAYERS * sum(r.num_far_blocks for r in rows)
+    finally:
+        far.close()
+        store.close()
+
+
+def test_the_far_split_is_what_vllm_frees_under_a_sliding_window():
+    """vLLM frees blocks [0, skipped // block_size) of a sliding-window layer (skipped computed by its
+    own SlidingWindowManager); tierkv reads exactly those from the tiers and everything after from vLLM."""
+    for _ in range(200):
+        window, bs, computed = random.randint(1, 300), random.choice([1, 16, 64]), random.randint(0, 5000)
+        skipped = SlidingWindowManager.get_num_skipped_tokens(SimpleNamespace(sliding_window=window), computed)
+        assert far_blocks(computed, window, bs) == skipped // bs
+
+
+def test_missing_hashes_and_a_mismatched_batch_are_clear_errors(tmp_path):
+    config = load_config(write_config(tmp_path, window=BS, staging_blocks=8), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    far = FarKV(store, BS)
+    try:
+        with pytest.raises(RuntimeError, match="no block hashes were sent"):
+            far.begin_step([("x", 10 * BS, 1)])
+        far.add_hashes("y", 0, ["h0"])
+        with pytest.raises(RuntimeError, match="hashes of only 1"):
+            far.begin_step([("y", 10 * BS, 1)])
+        with pytest.raises(ValueError, match="only 1 are known"):
+            far.add_hashes("y", 3, ["h3"])
+        with pytest.raises(RuntimeError, match="cannot be pinned"):  # hashes known, blocks never saved
+            far.add_hashes("z", 0, [f"h{i}" for i in range(4)])
+            far.begin_step([("z", 4 * BS + BS, 1)])
+        with pytest.raises(RuntimeError, match="differ"):
+            hot_window.rows_in_order(["a", "b"], {"a": (0, 1)})
+    finally:
+        far.close()
+        store.close()
+
+
+def test_near_tables_start_each_row_past_its_far_blocks(tmp_path):
+    config = load_config(write_config(tmp_path, window=2 * BS, staging_blocks=8), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    far = FarKV(store, 2 * BS)
+    try:
+        from tierkv.vllm_backend.far import FarRow
+
+        rows = [FarRow("a", 0, 1, 10 * BS, 8), FarRow("b", 1, 4, BS, 0)]
+        table = torch.arange(2 * 12, dtype=torch.int32).view(2, 12)
+        meta = SimpleNamespace(block_table=table, seq_lens=torch.tensor([10 * BS + 1, BS + 3], dtype=torch.int32),
+                               num_actual_tokens=4, max_seq_len=10 * BS + 1)
+        step = hot_window.HotWindowStep(far, rows, store.layer_index)
+        near_table, seqused_k, max_k = step.near(meta)
+        assert near_table[0, :3].tolist() == [8, 9, 10] and near_table[1, :3].tolist() == [12, 13, 14]
+        assert seqused_k.tolist() == [2 * BS + 1, BS + 3] and max_k == 2 * BS + 1
+        assert step.near(meta)[0] is near_table  # built once per step
+        with pytest.raises(RuntimeError, match="does not match"):
+            hot_window.HotWindowStep(far, rows, store.layer_index).near(SimpleNamespace(**{**vars(meta), "num_actual_tokens": 5}))
+    finally:
+        far.close()
+        store.close()
+
+
+def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_pool(tmp_path):
+    """With the tierkv connector and backend CUSTOM a layer declares SlidingWindowSpec(window); vLLM's
+    per-request admission at max_model_len 131072 then needs the window plus one prefill chunk."""
+    hot_window.register()
+    hot_window.register()  # idempotent
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CUSTOM.get_path() == hot_window.BACKEND_PATH
+    backend = AttentionBackendEnum.CUSTOM.get_class()
+    assert backend.get_name() == "CUSTOM" and backend is hot_window.HotWindowBackend
+    window = 4096
+    config_file = write_config(tmp_path, window=window, staging_blocks=8)
+    layer = SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto", sliding_window=None, num_kv_heads=8,
+                            head_size=128, head_size_v=128, kv_cache_torch_dtype=torch.bfloat16, attn_backend=backend)
+    spec = Attention.get_kv_cache_spec(layer, vllm_config(config_file))
+    assert type(spec) is SlidingWindowSpec and spec.sliding_window == window and spec.block_size == BS
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    hot_blocks = spec.max_admission_blocks_per_request(8192, 131072)
+    full_blocks = -(-131072 // BS)
+    assert hot_blocks * spec.page_size_bytes * 32 < 2 * 1024**3 <= 16 * 1024**3 <= full_blocks * full.page_size_bytes * 32
+    plain = SimpleNamespace(**{**vars(layer), "attn_backend": SimpleNamespace(get_name=lambda: "FLASH_ATTN")})
+    assert type(Attention.get_kv_cache_spec(plain, vllm_config(config_file))) is FullAttentionSpec
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+
+    no_tierkv = VllmConfig(cache_config=CacheConfig(block_size=BS), device_config=DeviceConfig(device="cpu"))
+    with pytest.raises(RuntimeError, match="must name kv_connector"):
+        Attention.get_kv_cache_spec(layer, no_tierkv)
+
+
+def hot_kv_cache_config(window: int) -> KVCacheConfig:
+    spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window)
+    tensors = [KVCacheTensor(size=NUM_BLOCKS * spec.page_size_bytes, shared_by=[n]) for n in NAMES]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=NAMES, kv_cache_spec=spec)])
+
+
+def test_connector_sends_positions_hashes_and_finished_requests_under_the_hot_window(tmp_path):
+    window = 2 * BS
+    config_file = write_config(tmp_path, window=window, staging_blocks=8)
+    connector = TierKVConnector(vllm_config(config_file), KVConnectorRole.SCHEDULER, hot_kv_cache_config(window))
+    try:
+        assert connector.hot_window == window
+        prompt = [random.randrange(1000) for _ in range(5 * BS + 3)]
+        req = make_request("r1", prompt)
+        assert connector.get_num_new_matched_tokens(req, 0) == (0, False)  # no prefix loads in hot-window mode
+        out = schedule(req, list(range(6)), 0)
+        meta = pickle.loads(pickle.dumps(connector.build_connector_meta(out)))
+        assert isinstance(meta, TierKVMetadata)
+        assert meta.scheduled == {"r1": (0, 5 * BS + 3)} and meta.finished == []
+        assert [len(s.block_ids) for s in meta.saves] == [5]
+        assert meta.hashes == [("r1", 0, meta.saves[0].hashes)]  # the blocks this step fills, sent once
+        req.num_computed_tokens = 5 * BS + 3
+        req.append_output_token_ids(7)
+        cached = CachedRequestData.make_empty()
+        cached.req_ids, cached.num_computed_tokens, cached.new_block_ids = ["r1"], [5 * BS + 3], [None]
+        out2 = schedule(req, [], 0)
+        out2.scheduled_new_reqs, out2.scheduled_cached_reqs = [], cached
+        out2.num_scheduled_tokens, out2.finished_req_ids = {"r1": 1}, {"r0"}
+        meta2 = connector.build_connector_meta(out2)
+        assert meta2.scheduled == {"r1": (5 * BS + 3, 1)} and meta2.finished == ["r0"] and meta2.hashes == []
+    finally:
+        connector.shutdown()

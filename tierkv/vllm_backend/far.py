@@ -1,0 +1,215 @@
+"""Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
+
+Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `finish`, `begin_step`, `attend`,
+`end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
+
+With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
+frees the blocks before them. A query at position p then reads
+
+    keys [0, F*T)          far: blocks the connector saved, streamed from the CPU tier   (here)
+    keys [F*T, p]          near: vLLM's paged cache, causal                              (backend)
+
+with F = `far_blocks(num_computed, window, T)` fixed per request and step. vLLM has freed at most
+the blocks before (num_computed - window + 1) // T, so the near part is in its pool, and every
+far block is full and was saved in an earlier step. Both parts return (out, lse); the backend
+merges them with the LSE rule, so the result is exact attention over [0, p].
+
+Per step the far blocks of all requests form one list per layer (request after request); the
+lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
+computes. A request's far blocks stay pinned in the CPU tier from the step they become far until
+the request finishes, so a step pins only the blocks that became far since the last one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tierkv.attention import merge_partials, paged_partial_attention
+from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
+from tierkv.scheduler.lookahead import LookaheadStreamer
+from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+
+
+def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
+    """Blocks read from the tiers by a request with `num_computed` tokens before this step: the
+    full blocks vLLM may have freed (it keeps the last `window_tokens` computed tokens)."""
+    return max(0, (num_computed - window_tokens + 1) // block_tokens)
+
+
+@dataclass(frozen=True)
+class FarRow:
+    """One request of a step, in the step's token order."""
+
+    req_id: str
+    q_start: int          # first of its query rows in the step's flattened tokens
+    q_end: int
+    num_computed: int     # tokens before this step
+    num_far_blocks: int   # blocks [0, num_far_blocks) come from the tiers
+
+
+@dataclass
+class _Request:
+    hashes: list[str] = field(default_factory=list)            # chained hashes of its full blocks
+    pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
+    pinned_slots: list[list[int]] = field(default_factory=list) # per layer, their CPU-tier slots
+
+
+@dataclass(frozen=True)
+class _StreamPlan:
+    """What `LookaheadStreamer.plan` reads of a step: the streamed block range and the step size."""
+
+    streamed_blocks: range
+    num_new_tokens: int
+
+
+class FarKV:
+    def __init__(self, store, window_tokens: int, *, recorder=None):
+        """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O)."""
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
+        self.store = store
+        self.window_tokens = window_tokens
+        self.block_tokens = store.layout.block_tokens
+        lookahead = store.lookahead
+        self.pool = GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), store.config.scheduler.staging_bytes,
+                                 max(2, lookahead + 1), store.device)
+        self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=recorder)
+        self.requests: dict[str, _Request] = {}
+        self.rows: list[FarRow] = []
+        self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
+        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0}
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
+        """Hashes of a request's full blocks start.. (sent by the scheduler side as blocks fill)."""
+        req = self.requests.setdefault(req_id, _Request())
+        if start > len(req.hashes):
+            raise ValueError(f"request {req_id}: block hashes from {start} arrived, but only {len(req.hashes)} are known")
+        del req.hashes[start:]
+        req.hashes.extend(hashes)
+
+    def finish(self, req_id: str) -> None:
+        """Unpin a finished request's far blocks and forget it."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        with self.store._lock:
+            for keys in req.pinned_keys:
+                self.store.cpu.release(keys)
+
+    def _pin(self, req_id: str, req: _Request, num_blocks: int) -> None:
+        """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below)."""
+        if not req.pinned_keys:
+            req.pinned_keys = [[] for _ in range(self.store.num_layers)]
+            req.pinned_slots = [[] for _ in range(self.store.num_layers)]
+        first = len(req.pinned_slots[0])
+        if num_blocks <= first:
+            return
+        if num_blocks > len(req.hashes):
+            raise RuntimeError(f"request {req_id}: {num_blocks} far blocks needed, but the hashes of only "
+                               f"{len(req.hashes)} were sent; the connector's metadata is out of step")
+        hashes = req.hashes[first:num_blocks]
+        for layer in range(self.store.num_layers):
+            keys = self.store.keys(hashes, layer)
+            with self.store._lock:
+                slots = self.store.chain.acquire_many(keys)
+            if slots is None:  # a save still in flight: let it land and look again
+                self.store.poll(wait=True)
+                with self.store._lock:
+                    slots = self.store.chain.acquire_many(keys)
+            if slots is None:
+                held = sum(w is not None for w in self.store.chain.locate_many(keys))
+                raise RuntimeError(
+                    f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer} cannot be pinned in the CPU "
+                    f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "
+                    f"running request (raise tiers[0].capacity_bytes)")
+            req.pinned_keys[layer].extend(keys)
+            req.pinned_slots[layer].extend(slots)
+        self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
+
+    # -- steps ------------------------------------------------------------------------------------
+    def begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
+        """rows: (req_id, tokens before the step, tokens in the step) in the step's token order.
+        Pins what became far, lays out the streamed chunks and starts the first layers' copies."""
+        far_rows, q = [], 0
+        for req_id, num_computed, num_new in rows:
+            n_far = far_blocks(num_computed, self.window_tokens, self.block_tokens)
+            far_rows.append(FarRow(req_id, q, q + num_new, num_computed, n_far))
+            q += num_new
+            if n_far:
+                req = self.requests.get(req_id)
+                if req is None:
+                    raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
+                self._pin(req_id, req, n_far)
+        self.rows = far_rows
+        offsets, total = [], 0
+        for row in far_rows:
+            offsets.append(total)
+            total += row.num_far_blocks
+        cpu_slots = []
+        for layer in range(self.store.num_layers):
+            per_row = [self.requests[r.req_id].pinned_slots[layer][: r.num_far_blocks] for r in far_rows if r.num_far_blocks]
+            cpu_slots.append(torch.tensor([s for slots in per_row for s in slots], dtype=torch.int64))
+        decode = all(r.q_end - r.q_start == 1 for r in far_rows)
+        self.streamer.plan(_StreamPlan(range(0, total), 1 if decode else max(2, q)), cpu_slots, self.block_tokens)
+        region = self.pool.region_blocks
+        self._pieces = []
+        for start in range(0, total, region):
+            end = min(start + region, total)
+            self._pieces.append([(i, max(o, start) - start, min(o + r.num_far_blocks, end) - start)
+                                 for i, (r, o) in enumerate(zip(far_rows, offsets))
+                                 if r.num_far_blocks and o < end and o + r.num_far_blocks > start])
+        self.counts["steps"] += 1
+        if total:
+            self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
+        return far_rows
+
+    def prefetch(self, layer: int) -> None:
+        """Before layer `layer` computes: keep layers up to layer + lookahead copying."""
+        if self._pieces:
+            self.streamer.run(through_layer=layer + self.streamer.lookahead_layers)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention of the step's queries q [num_tokens, H, D] over their far blocks of `layer`:
+        float32 (out [num_tokens, H, D], lse [num_tokens, H]), lse -inf for rows without far
+        blocks; None when no row of this step has any."""
+        if not self._pieces:
+            return None
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        staging = self.pool.staging
+        for c, chunk in enumerate(self.streamer.chunks_for_layer(layer)):  # run to its end: it records events
+            for i, first, end in self._pieces[c]:
+                row = self.rows[i]
+                q_row = q[row.q_start : row.q_end]
+                slots = chunk.slots[first:end]
+                if can_use_flash(q_row):
+                    k, v = gather_blocks(staging, slots)
+                    part = flash_partial_attention(q_row, k, v, scale=scale, causal=False)
+                else:
+                    part = paged_partial_attention(q_row, staging, slots, chunk.start_pos[first:end],
+                                                   chunk.num_tokens[first:end], scale=scale)
+                parts.setdefault(i, []).append(part)
+                self.counts["far_blocks_read"] += end - first
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for i, row_parts in parts.items():
+            row = self.rows[i]
+            o, l = row_parts[0] if len(row_parts) == 1 else merge_partials(row_parts)
+            out[row.q_start : row.q_end] = o
+            lse[row.q_start : row.q_end] = l
+        return out, lse
+
+    def end_step(self) -> None:
+        self.rows, self._pieces = [], []
+
+    def stats(self) -> dict:
+        s = self.streamer
+        return {**self.counts, "requests": len(self.requests), "chunks_streamed": s.num_chunks_streamed,
+                "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls, "chunks_carried": s.num_chunks_carried,
+                "chunks_discarded": s.num_chunks_discarded, "staging_bytes": self.pool.staging_bytes}
+
+    def close(self) -> None:
+        for req_id in list(self.requests):
+            self.finish(req_id)

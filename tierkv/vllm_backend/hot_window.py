@@ -1,0 +1,266 @@
+"""The hot-window KV pool for vLLM 0.26: vLLM reserves only the recent window of each request;
+tierkv's attention backend reads the rest from the tiers.
+
+Primitives: `register` (the `vllm.general_plugins` entry point), `hot_window_tokens`,
+`HotWindowBackend` (attention backend "CUSTOM"), `HotWindowStep`, `set_step` / `current_step`,
+`batch_order`.
+
+    vLLM, told by the plugin                       tierkv backend, per layer and step
+    every full-attention layer declares            near: FlashAttention over vLLM's pool, block
+      SlidingWindowSpec(window_tokens): its          table shifted past the far blocks, causal, LSE
+      start-up check sizes the pool for the        far:  the blocks vLLM freed, streamed from the
+      window, its block manager frees blocks         CPU tier by the lookahead streamer (far.py)
+      that leave it                                out = LSE merge of near and far: exact attention
+
+It takes effect only for an engine whose kv_transfer_config names the tierkv connector and whose
+attention backend is "CUSTOM" (`attention_config={"backend": "CUSTOM"}`); other engines in the
+same process are untouched. `TieredLLM(backend="vllm")` sets both. Where vLLM is attached:
+`Attention.get_kv_cache_spec` (the spec of each layer) and `GPUModelRunner.execute_model` (to
+read the batch's request order, which the attention metadata does not carry); see
+docs/vllm-hot-window.md.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from tierkv.attention import merge_partials
+from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.vllm_backend.config import CONNECTOR_NAME, config_from_kv_transfer
+from tierkv.vllm_backend.far import FarKV, FarRow
+
+BACKEND_PATH = "tierkv.vllm_backend.hot_window.HotWindowBackend"
+_STATE: dict[str, Any] = {"runner": None, "step": None, "window": None, "registered": False}
+
+
+def register() -> None:
+    """Register the CUSTOM attention backend and the two attachment points; idempotent. Runs in
+    every vLLM process through the `vllm.general_plugins` entry point, and from TieredLLM."""
+    if _STATE["registered"]:
+        return
+    import vllm.config  # noqa: F401  vllm's own import order (its attention modules need the config first)
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
+
+    current = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
+    if current not in (None, BACKEND_PATH):
+        raise RuntimeError(f"attention backend CUSTOM is already registered as {current}; "
+                           "the tierkv hot window needs it (unset the other plugin or VLLM_PLUGINS)")
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _patch_kv_cache_spec()
+    _patch_runner()
+    _STATE["registered"] = True
+
+
+@functools.lru_cache(maxsize=16)
+def _window_of(config_file: str | None, extra: tuple, block_size: int) -> int:
+    return config_from_kv_transfer(dict(extra), block_size=block_size).cache.window_tokens
+
+
+def hot_window_tokens(vllm_config) -> int | None:
+    """The hot window of an engine that runs tierkv's connector, else None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
+        return None
+    extra = dict(transfer.kv_connector_extra_config or {})
+    return _window_of(extra.get("config_file"), tuple(sorted(extra.items())), vllm_config.cache_config.block_size)
+
+
+def _patch_kv_cache_spec() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, "_tierkv_hot_window", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if type(spec) is not FullAttentionSpec or not _is_hot_window_backend(self.attn_backend):
+            return spec
+        window = hot_window_tokens(vllm_config)
+        if window is None:
+            raise RuntimeError("attention backend CUSTOM is tierkv's hot window: the engine's kv_transfer_config "
+                               f"must name kv_connector {CONNECTOR_NAME!r}")
+        return SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                 head_size_v=spec.head_size_v, dtype=spec.dtype, kv_quant_mode=spec.kv_quant_mode,
+                                 sliding_window=window)
+
+    get_kv_cache_spec._tierkv_hot_window = True
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _is_hot_window_backend(backend) -> bool:
+    return getattr(backend, "_tierkv_hot_window", False)
+
+
+def _patch_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.execute_model
+    if getattr(original, "_tierkv_hot_window", False):
+        return
+
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        _STATE["runner"] = weakref.ref(self)
+        return original(self, *args, **kwargs)
+
+    execute_model._tierkv_hot_window = True
+    GPUModelRunner.execute_model = execute_model
+
+
+def batch_order() -> list[str]:
+    """Request ids of the step being executed, in the order of its attention metadata rows."""
+    ref = _STATE["runner"]
+    runner = ref() if ref is not None else None
+    if runner is None:
+        raise RuntimeError("tierkv hot window: no vLLM model runner is executing a step "
+                           "(register() must run before the engine is built)")
+    batch = runner.input_batch
+    return list(batch.req_ids[: batch.num_reqs])
+
+
+@dataclass
+class HotWindowStep:
+    """One engine step's far/near split, set by the connector before the forward."""
+
+    far: FarKV
+    rows: list[FarRow]
+    layer_index: dict[str, int]
+    _tables: tuple | None = None   # (attention metadata it was built for, table, seqused_k, max_seqlen_k)
+
+    @property
+    def has_far(self) -> bool:
+        return any(r.num_far_blocks for r in self.rows)
+
+    def near(self, meta) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Block table, key lengths and longest key length of the near part: each row's table and
+        length start past its far blocks. Built once per step (all layers share the metadata)."""
+        if self._tables is not None and self._tables[0] is meta:
+            return self._tables[1:]
+        rows = self.rows
+        bs = self.far.block_tokens
+        num_tokens = rows[-1].q_end if rows else 0
+        max_seq = max((r.num_computed + r.q_end - r.q_start for r in rows), default=0)
+        if num_tokens != meta.num_actual_tokens or max_seq != meta.max_seq_len:
+            raise RuntimeError(
+                f"tierkv hot window: the connector's step ({len(rows)} requests, {num_tokens} tokens, longest "
+                f"{max_seq}) does not match vLLM's attention metadata ({meta.num_actual_tokens} tokens, longest "
+                f"{meta.max_seq_len})")
+        n = len(rows)
+        table = meta.block_table[:n]
+        shift = to_device_no_sync([r.num_far_blocks for r in rows], table.device)
+        cols = table.shape[1]
+        index = (torch.arange(cols, device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(max=cols - 1)
+        table = torch.gather(table, 1, index)
+        seqused_k = meta.seq_lens[:n] - (shift * bs).to(meta.seq_lens.dtype)
+        max_seqlen_k = max(r.num_computed + r.q_end - r.q_start - r.num_far_blocks * bs for r in rows)
+        self._tables = (meta, table, seqused_k, max_seqlen_k)
+        return table, seqused_k, max_seqlen_k
+
+
+def set_step(step: HotWindowStep | None) -> None:
+    _STATE["step"] = step
+
+
+def set_window(window_tokens: int) -> None:
+    """The engine's hot window, told by the worker-side connector at start-up."""
+    _STATE["window"] = window_tokens
+
+
+def current_step() -> HotWindowStep | None:
+    return _STATE["step"]
+
+
+def rows_in_order(order: Sequence[str], scheduled: dict[str, tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """(req_id, tokens before the step, tokens in it) in the batch's order; every request of the
+    batch must be in the connector's metadata."""
+    missing = [r for r in order if r not in scheduled]
+    if missing or len(order) != len(scheduled):
+        raise RuntimeError(f"tierkv hot window: vLLM's batch {list(order)[:8]} and the connector's scheduled "
+                           f"requests {list(scheduled)[:8]} differ")
+    return [(r, *scheduled[r]) for r in order]
+
+
+def _backend_classes():
+    """The backend, its implementation and metadata builder, built on vLLM's FlashAttention ones
+    (imported here: vLLM's attention modules load only with CUDA-side dependencies in place)."""
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    class HotWindowMetadataBuilder(fa.FlashAttentionMetadataBuilder):
+        # the far part streams per layer under host control: never inside a captured graph
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+    class HotWindowImpl(fa.FlashAttentionImpl):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if attn_metadata is None:  # profiling run
+                return output.fill_(0)
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("tierkv hot window: fused output quantization is not supported")
+            if self.attn_type != AttentionType.DECODER or attn_metadata.use_cascade or self.dcp_world_size > 1:
+                raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
+            if fa.is_quantized_kv_cache(self.kv_cache_dtype):
+                raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
+            n = attn_metadata.num_actual_tokens
+            step = current_step()
+            if step is None:  # a warm-up forward outside the connector: nothing may lie beyond the window
+                window = _STATE.get("window")
+                if window is None or attn_metadata.max_seq_len > window:
+                    raise RuntimeError(
+                        f"tierkv hot window: a forward over {attn_metadata.max_seq_len} tokens (window {window}) "
+                        "without the connector's step; the far blocks are unknown")
+                table, seqused_k, max_k = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.max_seq_len
+            else:
+                table, seqused_k, max_k = step.near(attn_metadata)
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
+            has_far = step is not None and step.has_far
+            result = fa.flash_attn_varlen_func(
+                q=query[:n], k=key_cache, v=value_cache, out=None if has_far else output[:n],
+                cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=self.scale, causal=True,
+                alibi_slopes=self.alibi_slopes, window_size=None, block_table=table, softcap=self.logits_soft_cap,
+                fa_version=self.vllm_flash_attn_version, k_descale=layer._k_scale.expand(descale),
+                v_descale=layer._v_scale.expand(descale), s_aux=self.sinks, return_softmax_lse=has_far,
+            )
+            if not has_far:
+                return output
+            near_out, near_lse = result
+            far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale)
+            if far is None:
+                output[:n] = near_out
+                return output
+            merged, _ = merge_partials([(near_out.float(), near_lse[:, :n].transpose(0, 1).float()), far])
+            output[:n] = merged.to(output.dtype)
+            return output
+
+    class HotWindowBackend(fa.FlashAttentionBackend):
+        _tierkv_hot_window = True
+
+        @staticmethod
+        def get_name() -> str:
+            return "CUSTOM"
+
+        @staticmethod
+        def get_impl_cls():
+            return HotWindowImpl
+
+        @staticmethod
+        def get_builder_cls():
+            return HotWindowMetadataBuilder
+
+    return HotWindowBackend, HotWindowImpl, HotWindowMetadataBuilder
+
+
+def __getattr__(name: str):
+    if name in ("HotWindowBackend", "HotWindowImpl", "HotWindowMetadataBuilder"):
+        classes = dict(zip(("HotWindowBackend", "HotWindowImpl", "HotWindowMetadataBuilder"), _backend_classes()))
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(name)
