@@ -237,3 +237,19 @@ def test_connector_sends_positions_hashes_and_finished_requests_under_the_hot_wi
         assert meta2.scheduled == {"r1": (5 * BS + 3, 1)} and meta2.finished == ["r0"] and meta2.hashes == []
     finally:
         connector.shutdown()
+
+
+def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
+    """The pool vLLM is given is the GPU budget minus the staging ring; a budget that leaves no pool
+    is a config error naming the key."""
+    from tierkv.config import ConfigError
+    from tierkv.vllm_backend.llm import hot_window_engine_args
+
+    config = load_config({"cache": {"block_tokens": BS, "gpu_budget_bytes": "2GiB", "window_tokens": 4096},
+                          "scheduler": {"staging_bytes": "256MiB", "prefill_chunk_tokens": 8192}}, env={})
+    args = hot_window_engine_args(config)
+    assert args["attention_config"] == {"backend": "CUSTOM"} and args["kv_cache_memory_bytes"] == (2048 - 256) << 20
+    assert args["max_num_batched_tokens"] == 8192 and args["enable_prefix_caching"] is False
+    tight = load_config({"cache": {"gpu_budget_bytes": "256MiB"}, "scheduler": {"staging_bytes": "256MiB"}}, env={})
+    with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
+        hot_window_engine_args(tight)

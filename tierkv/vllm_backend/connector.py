@@ -122,6 +122,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.register(kv_caches)
         if self.hot_window is not None and self._far is None:
             self._far = FarKV(self.store, self.hot_window)
+            self.store.hot_window = self._far
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -268,10 +269,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return True  # the per-layer hooks must run outside captured graphs
 
     def stats(self) -> dict:
-        out = self.store.stats()
-        if self._far is not None:
-            out["hot_window"] = {"window_tokens": self.hot_window, **self._far.stats()}
-        return out
+        return self.store.stats()
 
 
 def _tensor_parallel_rank() -> int:

@@ -206,7 +206,7 @@ class FarKV:
 
     def stats(self) -> dict:
         s = self.streamer
-        return {**self.counts, "requests": len(self.requests), "chunks_streamed": s.num_chunks_streamed,
+        return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests), "chunks_streamed": s.num_chunks_streamed,
                 "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls, "chunks_carried": s.num_chunks_carried,
                 "chunks_discarded": s.num_chunks_discarded, "staging_bytes": self.pool.staging_bytes}
 

@@ -9,8 +9,15 @@ backend="vllm".
     out = llm.generate([ids_or_text], SamplingParams(max_new_tokens=64))
 
 The engine runs in-process (the scheduler and the worker share one tier chain) and eagerly
-(the connector's per-layer hooks run outside CUDA graphs). vLLM's own GPU KV pool is still
-sized by `gpu_memory_utilization`; the hot-window pool that shrinks it is not built yet.
+(the connector's per-layer hooks run outside CUDA graphs).
+
+With `hot_window=True` (the default) vLLM's KV pool holds only each request's last
+`cache.window_tokens` tokens: the pool is `cache.gpu_budget_bytes` minus the staging ring
+(`scheduler.staging_bytes`), whatever `max_model_len` is, and tierkv's attention backend reads
+older blocks from the tiers (`hot_window.py`). Prompts are prefilled in chunks of
+`scheduler.prefill_chunk_tokens`; vLLM's own prefix cache is off (the tiers hold every block).
+`hot_window=False` keeps vLLM's full pool (sized by `gpu_memory_utilization`) with the connector
+alone: repeated prefixes are then loaded back from the tiers instead of prefilled.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from tierkv.vllm_backend.config import kv_transfer_config
 class VllmTieredLLM:
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
                  tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 enable_prefix_caching: bool = True, **engine_kwargs):
+                 enable_prefix_caching: bool = True, hot_window: bool = True, **engine_kwargs):
         if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
             raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory")
         if tokenizer is not None:
@@ -48,6 +55,13 @@ class VllmTieredLLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.hot_window = hot_window
+        if hot_window:
+            clash = sorted({"attention_config", "kv_cache_memory_bytes"} & set(engine_kwargs))
+            if clash:
+                raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
+                                 "cache.gpu_budget_bytes - scheduler.staging_bytes); pass hot_window=False to set them")
+            kwargs.update(hot_window_engine_args(self.config))
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
@@ -119,6 +133,23 @@ class VllmTieredLLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def hot_window_engine_args(config: TierKVConfig) -> dict:
+    """vLLM engine arguments of the hot-window pool: backend CUSTOM, a KV pool of the GPU budget
+    minus the staging ring, prefill chunks of `scheduler.prefill_chunk_tokens`."""
+    from tierkv.config import ConfigError
+    from tierkv.units import format_bytes
+    from tierkv.vllm_backend import hot_window
+
+    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes
+    if pool <= 0:
+        raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
+                          f"must exceed scheduler.staging_bytes ({format_bytes(config.scheduler.staging_bytes)}): "
+                          "the rest is vLLM's hot-window pool")
+    hot_window.register()
+    return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
+                max_num_batched_tokens=config.scheduler.prefill_chunk_tokens, async_scheduling=False)
 
 
 def _config_file(config) -> tuple[TierKVConfig, str, str | None]:

@@ -144,6 +144,7 @@ class VllmKVStore:
         self._load_pins: list[tuple[object, list[str]]] = []   # (H2D handle, keys pinned for it)
         self._next_load_layer = 0
         self.load_error_block_ids: set[int] = set()
+        self.hot_window = None   # the hot window's far-block reader (far.FarKV), set by the connector
         self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
                        "lookups": 0, "lookup_hit_blocks": 0}
 
@@ -335,6 +336,8 @@ class VllmKVStore:
             out.update(self.chain.snapshot())
         if not self.lookup_only:
             out["bytes_moved"] = dict(self.engine.num_bytes_moved)
+        if self.hot_window is not None:
+            out["hot_window"] = self.hot_window.stats()
         return out
 
     def close(self) -> None:
