@@ -72,18 +72,53 @@ def per_block_copies(src, src_slots: list[int], dst, dst_slots: list[int]) -> No
         dst[d].copy_(src[s], non_blocking=True)
 
 
+def allocate_slab_and_pool(total_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random uint8 [2 * total_bytes] pinned CPU slab and GPU pool, different contents.
+
+    Twice the bytes moved, so the chosen slots are scattered over a larger slab and pool.
+    """
+    slab_bytes = 2 * total_bytes
+    slab = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=True)
+    pool = torch.randint(0, 256, (slab_bytes,), dtype=torch.uint8, device="cuda")
+    slab.copy_(pool)
+    pool.random_(0, 256)
+    return slab, pool
+
+
+def as_blocks(flat: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """bf16 [num_slots, block_bytes // 2] view of a flat uint8 slab or pool."""
+    num_slots = flat.numel() // block_bytes
+    return flat[: num_slots * block_bytes].view(torch.bfloat16).view(num_slots, block_bytes // 2)
+
+
+def scattered_operands(direction: str, slab, pool, num_blocks: int, seed: int):
+    """(src, src_slots, dst, dst_slots) of `num_blocks` random distinct slots, int64 CPU slots."""
+    generator = torch.Generator().manual_seed(seed)
+    cpu_slots = torch.randperm(slab.shape[0], generator=generator)[:num_blocks]
+    gpu_slots = torch.randperm(pool.shape[0], generator=generator)[:num_blocks]
+    if direction == "h2d":
+        return slab, cpu_slots, pool, gpu_slots
+    return pool, gpu_slots, slab, cpu_slots
+
+
+def ceiling_seconds(src, dst, num_bytes: int, reps: int, warmup: int) -> float:
+    """Median time of one contiguous copy of `num_bytes` from src to dst (on a side stream)."""
+    side_stream = torch.cuda.Stream()
+    src_flat, dst_flat = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+    with torch.cuda.stream(side_stream):
+        return median_seconds(
+            side_stream,
+            lambda: dst_flat[:num_bytes].copy_(src_flat[:num_bytes], non_blocking=True),
+            reps,
+            warmup,
+        )
+
+
 def measure_direction(engine, direction, slab, pool, block_bytes, num_blocks, args) -> dict:
     """One row: engine, per-block and ceiling throughput of one direction and block size."""
-    num_slots = slab.shape[0]
-    generator = torch.Generator().manual_seed(block_bytes + len(direction))
-    cpu_slots = torch.randperm(num_slots, generator=generator)[:num_blocks]
-    gpu_slots = torch.randperm(num_slots, generator=generator)[:num_blocks]
-    if direction == "h2d":
-        src, src_slots, dst, dst_slots = slab, cpu_slots, pool, gpu_slots
-        run_engine = engine.gather_h2d
-    else:
-        src, src_slots, dst, dst_slots = pool, gpu_slots, slab, cpu_slots
-        run_engine = engine.scatter_d2h
+    seed = block_bytes + len(direction)
+    src, src_slots, dst, dst_slots = scattered_operands(direction, slab, pool, num_blocks, seed)
+    run_engine = engine.gather_h2d if direction == "h2d" else engine.scatter_d2h
     num_bytes = num_blocks * block_bytes
     copy_stream = engine.stream(direction)
     engine_s = median_seconds(
@@ -93,7 +128,6 @@ def measure_direction(engine, direction, slab, pool, block_bytes, num_blocks, ar
 
     side_stream = torch.cuda.Stream()
     src_list, dst_list = src_slots.tolist(), dst_slots.tolist()
-    src_flat, dst_flat = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
     with torch.cuda.stream(side_stream):
         per_block_s = median_seconds(
             side_stream,
@@ -101,12 +135,7 @@ def measure_direction(engine, direction, slab, pool, block_bytes, num_blocks, ar
             args.per_block_reps,
             1,
         )
-        ceiling_s = median_seconds(
-            side_stream,
-            lambda: dst_flat[:num_bytes].copy_(src_flat[:num_bytes], non_blocking=True),
-            args.reps,
-            args.warmup,
-        )
+    ceiling_s = ceiling_seconds(src, dst, num_bytes, args.reps, args.warmup)
     row = {
         "block_kib": block_bytes // KIB,
         "direction": direction,
@@ -122,12 +151,16 @@ def measure_direction(engine, direction, slab, pool, block_bytes, num_blocks, ar
 
 def check_sample(src, src_slots, dst, dst_slots, num_checked: int = 64) -> None:
     """The engine's last copy moved the right bytes (a sample of blocks; host sync)."""
+    if not sample_matches(src, src_slots, dst, dst_slots, torch.randperm(src_slots.numel())[:num_checked]):
+        raise SystemExit("bench_transfer.py: the engine copied wrong bytes")
+
+
+def sample_matches(src, src_slots, dst, dst_slots, picked: torch.Tensor) -> bool:
+    """dst[dst_slots[picked]] equals src[src_slots[picked]] byte for byte (host sync)."""
     torch.cuda.synchronize()
-    picked = torch.randperm(src_slots.numel())[:num_checked]
     moved = dst[dst_slots[picked].to(dst.device)].cpu()
     expected = src[src_slots[picked].to(src.device)].cpu()
-    if not torch.equal(moved.view(torch.uint8), expected.view(torch.uint8)):
-        raise SystemExit("bench_transfer.py: the engine copied wrong bytes")
+    return torch.equal(moved.view(torch.uint8), expected.view(torch.uint8))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -148,18 +181,11 @@ def main() -> int:
         return 2
     engine = TransferEngine("cuda", backend=args.backend, max_ctas=args.max_ctas)
     total_bytes = args.total_mib * MIB
-    # Twice the bytes moved, so the chosen slots are scattered over a larger slab and pool.
-    slab_bytes = 2 * total_bytes
-    slab = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=True)
-    pool = torch.randint(0, 256, (slab_bytes,), dtype=torch.uint8, device="cuda")
-    slab.copy_(pool)
-    pool.random_(0, 256)
+    slab, pool = allocate_slab_and_pool(total_bytes)
     rows = []
     for block_kib in args.block_kib:
         block_bytes = block_kib * KIB
-        num_slots = slab_bytes // block_bytes
-        slab_blocks = slab.view(torch.bfloat16).view(num_slots, block_bytes // 2)
-        pool_blocks = pool.view(torch.bfloat16).view(num_slots, block_bytes // 2)
+        slab_blocks, pool_blocks = as_blocks(slab, block_bytes), as_blocks(pool, block_bytes)
         num_blocks = total_bytes // block_bytes
         for direction in ("h2d", "d2h"):
             row = measure_direction(

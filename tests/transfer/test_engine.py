@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tierkv.transfer import EventPool, TransferEngine, TransferHandle, pin_if_cuda
-from tierkv.transfer.kernels import contiguous_runs, copy_slots_loop, vector_width
+from tierkv.transfer.kernels import KernelShape, contiguous_runs, copy_slots_loop, vector_width
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 KIB = 1024
@@ -236,6 +236,58 @@ class TestOnGpu:
         )
         scattered.synchronize()
         assert_same_bits(back, moved(torch.zeros_like(slab), slab, src_slots, src_slots))
+
+    @pytest.mark.parametrize(("words_per_thread", "threads", "max_ctas"), [(8, 512, None), (16, 128, 4), (4, 128, 1000)])
+    def test_kernel_shapes_and_grids_move_blocks_both_ways(self, words_per_thread, threads, max_ctas):
+        pytest.importorskip("cupy", reason="the kernel path is compiled with cupy")
+        shape = KernelShape(words_per_thread, threads)
+        engine = TransferEngine("cuda", backend="cupy", max_ctas=max_ctas, kernel_shape=shape)
+        for block_shape in ((2, 16 * KIB), (3,)):  # 64 KiB blocks (16-byte words), 6-byte blocks
+            self._assert_round_trip(engine, block_shape, seed=words_per_thread + threads)
+
+    def test_memcpy_batch_moves_blocks_both_ways(self):
+        engine = self._memcpy_batch_engine()
+        for block_shape in ((2, 16 * KIB), (2, 4 * KIB), (3,)):
+            self._assert_round_trip(engine, block_shape, seed=21)
+        slab = pin_if_cuda(random_blocks(16, (4096,), torch.bfloat16, seed=22))
+        pool = torch.zeros((16, 4096), dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        runs = torch.tensor([3, 4, 5, 6, 9, 10, 0])  # consecutive pairs become one copy each
+        engine.gather_h2d(slab, runs, pool, runs.cuda()).synchronize()
+        assert_same_bits(pool, moved(torch.zeros((16, 4096), dtype=torch.bfloat16), slab, runs, runs))
+        with pytest.raises(ValueError, match=r"dst_slots: slot 16 is out of range \[0, 16\)"):
+            engine.gather_h2d(slab, runs[:2], pool, torch.tensor([1, 16], device="cuda"))
+
+    def test_backend_sequence_falls_back_in_order(self):
+        engine = TransferEngine("cuda", backend=("memcpy_batch", "torch_uva"))
+        assert engine.backend in ("memcpy_batch", "torch_uva")
+        assert (engine.backend == "torch_uva") == ("memcpy_batch" in engine.backend_errors)
+        with pytest.raises(ValueError, match="backend"):
+            TransferEngine("cuda", backend=("memcpy_batch", "no_such_backend"))
+
+    @staticmethod
+    def _memcpy_batch_engine() -> TransferEngine:
+        """cudaMemcpyBatchAsync must work where torch's CUDA runtime is 12.8 or newer."""
+        major, minor = (int(part) for part in torch.version.cuda.split(".")[:2])
+        try:
+            return TransferEngine("cuda", backend="memcpy_batch")
+        except RuntimeError as exc:
+            if (major, minor) >= (12, 8):
+                raise
+            pytest.skip(f"CUDA runtime {torch.version.cuda} has no cudaMemcpyBatchAsync: {exc}")
+
+    def _assert_round_trip(self, engine, block_shape, seed, slots_on=("cpu", "cuda")):
+        """Random scattered gather then scatter back, CPU slots then device slots, bit-exact."""
+        for on in slots_on:
+            slab = pin_if_cuda(random_blocks(48, block_shape, torch.bfloat16, seed=seed))
+            pool = random_blocks(40, block_shape, torch.bfloat16, seed=seed + 1).cuda()
+            pool_before = pool.cpu()  # also waits for the upload: copies do not wait for compute
+            src_slots, dst_slots = random_slot_pairs(48, 40, 33, seed=seed + 2)
+            engine.gather_h2d(slab, self._slots(src_slots, on), pool, self._slots(dst_slots, on)).synchronize()
+            assert_same_bits(pool, moved(pool_before, slab, src_slots, dst_slots))
+            back = pin_if_cuda(torch.zeros_like(slab))
+            engine.scatter_d2h(pool, self._slots(dst_slots, on), back, self._slots(src_slots, on)).synchronize()
+            assert_same_bits(back, moved(torch.zeros_like(slab), slab, src_slots, src_slots))
 
     def test_kernel_handles_blocks_not_a_multiple_of_16_bytes(self, kernel_engine):
         slab = pin_if_cuda(random_blocks(10, (3,), torch.float16, seed=12))  # 6-byte blocks

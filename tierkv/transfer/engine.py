@@ -26,6 +26,9 @@ Backends, fastest first: "cupy" (the copy_slots kernel), "torch_uva" (torch inde
 pinned memory seen through its device address), "copy_loop" (one copy_ per run of consecutive
 slots; it reads slot tensors on the host, so device slots cost a host sync). The first to pass
 a bit-exact self-test at construction is used; `backend_errors` says why others were skipped.
+Opt-in: "memcpy_batch" (cudaMemcpyBatchAsync on the copy engines, no SMs; CUDA 12.8+; slot
+tensors are read on the host like copy_loop, and it cannot be captured in a CUDA graph). Pass a
+sequence such as ("memcpy_batch", "cupy") to fall back in order when a backend is unavailable.
 A "cpu" engine uses "torch_cpu": index_select + index_copy_, synchronous, no streams.
 Invalid slots: CPU slot tensors are checked (ValueError); device slot tensors cannot be checked
 without a sync: the cupy kernel skips such pairs and counts them (`count_invalid_slots_sync`).
@@ -34,18 +37,18 @@ without a sync: the cupy kernel skips such pairs and counts them (`count_invalid
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from typing import Sequence, Union
 
 import torch
 
-from tierkv.transfer import kernels
+from tierkv.transfer import checks, kernels, memcpy_batch
 from tierkv.transfer.streams import HIGH_PRIORITY, EventPool, StreamPool
 
 logger = logging.getLogger(__name__)
 
-CUDA_BACKENDS = ("cupy", "torch_uva", "copy_loop")
+CUDA_BACKENDS = ("cupy", "torch_uva", "copy_loop")  # tried in this order by default
+OPT_IN_BACKENDS = ("memcpy_batch",)  # used only when named in `backend`
 CPU_BACKEND = "torch_cpu"
 DIRECTIONS = ("h2d", "d2h")
 
@@ -97,10 +100,17 @@ class TransferEngine:
     """
 
     def __init__(
-        self, device: torch.device | str, *, backend: str | None = None, max_ctas: int | None = None
+        self,
+        device: torch.device | str,
+        *,
+        backend: str | Sequence[str] | None = None,
+        max_ctas: int | None = None,
+        kernel_shape: kernels.KernelShape | None = None,
     ) -> None:
-        """`backend` forces one of CUDA_BACKENDS (RuntimeError if it fails its self-test);
-        `max_ctas` bounds the kernel grid (default: one CTA of 256 threads per SM)."""
+        """`backend`: one name of CUDA_BACKENDS or OPT_IN_BACKENDS forces it (RuntimeError if it
+        fails its self-test); a sequence of names is tried in order; None tries CUDA_BACKENDS.
+        `max_ctas` bounds the kernel grid (default: one CTA per SM); `kernel_shape` is the cupy
+        kernel's words in flight per thread and CTA width (default: KernelShape())."""
         self.device = _normalize_device(device)
         self.backend_errors: dict[str, str] = {}
         self.num_bytes_moved = {direction: 0 for direction in DIRECTIONS}
@@ -108,6 +118,8 @@ class TransferEngine:
         self._streams: StreamPool | None = None
         self._events: EventPool | None = None
         self._cupy_kernel: kernels.CupySlotKernel | None = None
+        self._memcpy_batch: memcpy_batch.MemcpyBatch | None = None
+        self.kernel_shape = kernel_shape or kernels.KernelShape()
         if self.device.type == "cpu":
             if backend not in (None, CPU_BACKEND):
                 raise ValueError(f"backend: {backend!r} needs CUDA; a cpu engine uses {CPU_BACKEND!r}")
@@ -195,7 +207,7 @@ class TransferEngine:
         return int(self._num_invalid.item())
 
     def _transfer(self, direction, src, src_slots, dst, dst_slots, after) -> TransferHandle:
-        block_bytes = _check_transfer(direction, src, src_slots, dst, dst_slots, self.device)
+        block_bytes = checks.check_transfer(direction, src, src_slots, dst, dst_slots, self.device)
         num_bytes = src_slots.numel() * block_bytes
         self.num_bytes_moved[direction] += num_bytes
         if self.device.type == "cpu":
@@ -219,11 +231,13 @@ class TransferEngine:
         return handle
 
     def _launch(self, direction, src, src_slots, dst, dst_slots, block_bytes) -> tuple:
-        """Enqueue the copy on the current (copy) stream; returns tensors to keep alive."""
+        """Enqueue the copy on the current (copy) stream; returns what to keep alive until it ends."""
+        if self.backend == "memcpy_batch":
+            return self._launch_memcpy_batch(src, src_slots, dst, dst_slots, block_bytes)
         if self.backend == "copy_loop":
             src_list, dst_list = src_slots.tolist(), dst_slots.tolist()  # host sync for device slots
-            _check_slot_list("src_slots", src_list, src.shape[0])
-            _check_slot_list("dst_slots", dst_list, dst.shape[0])
+            checks.check_slot_list("src_slots", src_list, src.shape[0])
+            checks.check_slot_list("dst_slots", dst_list, dst.shape[0])
             kernels.copy_slots_loop(src, src_list, dst, dst_list)
             return ()
         src_slots, dst_slots = self._slots_on_device(src_slots, dst_slots)
@@ -253,6 +267,16 @@ class TransferEngine:
             )
         return (src_slots, dst_slots)
 
+    def _launch_memcpy_batch(self, src, src_slots, dst, dst_slots, block_bytes) -> tuple:
+        """One cudaMemcpyBatchAsync on the current (copy) stream; device slots are read on the host."""
+        src_host, dst_host = src_slots.cpu().numpy(), dst_slots.cpu().numpy()  # host sync for device slots
+        if src_slots.is_cuda or dst_slots.is_cuda:  # CPU slot tensors were checked already
+            checks.check_slot_range("src_slots", src_host, src.shape[0])
+            checks.check_slot_range("dst_slots", dst_host, dst.shape[0])
+        arrays = memcpy_batch.batch_copy_arrays(src.data_ptr(), src_host, dst.data_ptr(), dst_host, block_bytes)
+        self._memcpy_batch.enqueue(*arrays, stream=torch.cuda.current_stream(self.device))
+        return arrays
+
     def _rows(self, t: torch.Tensor, block_bytes: int, *, is_host: bool) -> torch.Tensor:
         if is_host:
             return kernels.pinned_as_cuda_rows(t, self.device, block_bytes)
@@ -275,16 +299,19 @@ class TransferEngine:
         """Drop the references held for transfers whose event has completed."""
         self._inflight = [job for job in self._inflight if not job[0].query()]
 
-    def _select_backend(self, requested: str | None) -> str:
-        if requested is not None and requested not in CUDA_BACKENDS:
-            raise ValueError(f"backend: {requested!r} is not one of {CUDA_BACKENDS}")
-        for name in (requested,) if requested else CUDA_BACKENDS:
+    def _select_backend(self, requested: str | Sequence[str] | None) -> str:
+        is_forced = isinstance(requested, str)
+        names = CUDA_BACKENDS if requested is None else (requested,) if is_forced else tuple(requested)
+        known = CUDA_BACKENDS + OPT_IN_BACKENDS
+        if not names or any(name not in known for name in names):
+            raise ValueError(f"backend: {requested!r} is not one of {known} or a sequence of them")
+        for name in names:
             try:
                 self._prepare_backend(name)
                 return name
             except Exception as exc:  # kept in backend_errors and logged; a forced backend re-raises
                 reason = self.backend_errors[name] = f"{type(exc).__name__}: {exc}"
-                if requested:
+                if is_forced:
                     raise RuntimeError(f"backend: {name!r} is unavailable: {reason}") from exc
                 logger.warning("transfer backend %r unavailable, trying the next: %s", name, reason)
         raise RuntimeError(f"no transfer backend works on {self.device}: {self.backend_errors}")
@@ -296,9 +323,11 @@ class TransferEngine:
         slab = torch.randint(-(2**15), 2**15, (8, 3, 8), generator=generator, dtype=torch.int16)
         slab = pin_if_cuda(slab)
         if name == "cupy":
-            self._cupy_kernel = kernels.CupySlotKernel()
+            self._cupy_kernel = kernels.CupySlotKernel(self.kernel_shape)
             self._cupy_kernel.check_host_address(slab.data_ptr())
             self._cupy_kernel.compile(16, self.device.index)
+        if name == "memcpy_batch":
+            self._memcpy_batch = memcpy_batch.MemcpyBatch.load()
         self.backend = name
         order = torch.randperm(8, generator=generator)
         identity = torch.arange(8)
@@ -326,48 +355,3 @@ def _events_of(after: After) -> list[torch.cuda.Event]:
     items = after if isinstance(after, (list, tuple)) else (after,)
     events = [getattr(item, "event", item) for item in items]  # handles (anything with .event) or events
     return [event for event in events if event is not None]
-
-
-def _check_transfer(direction, src, src_slots, dst, dst_slots, device: torch.device) -> int:
-    """Validate one transfer's arguments; returns block_bytes. Raises naming the argument."""
-    named = (("src", src), ("dst", dst), ("src_slots", src_slots), ("dst_slots", dst_slots))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    host_name = "src" if direction == "h2d" else "dst"
-    for name, t in named[:2]:
-        expected = torch.device("cpu") if name == host_name else device
-        if t.device != expected:
-            raise ValueError(f"{name}: expected a tensor on {expected}, got one on {t.device}")
-        if t.dim() < 1:
-            raise ValueError(f"{name}: expected shape [num_slots, *block_shape], got a 0-d tensor")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous")
-        if name == host_name and device.type == "cuda" and not t.is_pinned():
-            raise ValueError(f"{name}: the CPU slab must be in pinned memory (see pin_if_cuda)")
-    if dst.dtype != src.dtype:
-        raise ValueError(f"dst: dtype {dst.dtype} does not match src dtype {src.dtype}")
-    if dst.shape[1:] != src.shape[1:]:
-        raise ValueError(
-            f"dst: block shape {tuple(dst.shape[1:])} does not match src block shape {tuple(src.shape[1:])}"
-        )
-    for name, slots in named[2:]:
-        if slots.dtype != torch.int64 or slots.dim() != 1:
-            raise ValueError(f"{name}: expected int64 [n], got {slots.dtype} of shape {tuple(slots.shape)}")
-        if slots.device.type != "cpu" and slots.device != device:
-            raise ValueError(f"{name}: expected a tensor on cpu or {device}, got one on {slots.device}")
-    if dst_slots.numel() != src_slots.numel():
-        raise ValueError(f"dst_slots: {dst_slots.numel()} slots but src_slots has {src_slots.numel()}")
-    for name, slots, pool in (("src_slots", src_slots, src), ("dst_slots", dst_slots, dst)):
-        if slots.device.type == "cpu" and slots.numel():
-            low, high = int(slots.min()), int(slots.max())
-            if low < 0 or high >= pool.shape[0]:
-                bad = low if low < 0 else high
-                raise ValueError(f"{name}: slot {bad} is out of range [0, {pool.shape[0]})")
-    return math.prod(src.shape[1:]) * src.element_size()
-
-
-def _check_slot_list(name: str, slots: list[int], num_slots: int) -> None:
-    for slot in slots:
-        if not 0 <= slot < num_slots:
-            raise ValueError(f"{name}: slot {slot} is out of range [0, {num_slots})")

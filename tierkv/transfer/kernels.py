@@ -12,6 +12,9 @@ one contiguous block of `block_bytes` bytes:
 
 Primitives:
     SlotCopy              one batched copy described by device-visible addresses
+    KernelShape           the kernel's compile-time shape: words in flight per thread, CTA width
+    kernel_source         the `copy_slots` CUDA source for one word width and shape
+    num_launch_ctas       the grid one launch uses
     CupySlotKernel        the `copy_slots` CUDA kernel (cupy RawKernel), one launch per batch;
                           reads or writes pinned host memory through its UVA address
     pinned_as_cuda_rows   a pinned CPU tensor seen as a CUDA uint8 [slots, block_bytes] tensor
@@ -32,17 +35,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-THREADS_PER_CTA = 256
-WORDS_PER_THREAD = 4  # loads in flight per thread per chunk
+THREADS_PER_CTA = 256  # default CTA width
+WORDS_PER_THREAD = 4  # default loads in flight per thread per chunk
+MAX_WORDS_PER_THREAD = 64
 _WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 _TORCH_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 # Work is split into chunks of THREADS_PER_CTA * WORDS_PER_THREAD words (16 KiB with 16-byte
-# words); CTAs take chunks grid-stride, so a few large blocks still spread over many SMs and
-# the grid (max_ctas) bounds how much of the GPU the copy occupies.
+# words and the default shape); CTAs take chunks grid-stride, so a few large blocks still spread
+# over many SMs and the grid (max_ctas) bounds how much of the GPU the copy occupies.
+# word_t, WORDS_PER_THREAD and THREADS_PER_CTA are defined by kernel_source() per module.
 _KERNEL_SOURCE = r"""
-#define WORDS_PER_THREAD 4
-extern "C" __global__ void copy_slots(
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA) copy_slots(
     const word_t* __restrict__ src, const long long* __restrict__ src_slots,
     long long num_src_slots,
     word_t* __restrict__ dst, const long long* __restrict__ dst_slots,
@@ -50,7 +54,7 @@ extern "C" __global__ void copy_slots(
     long long num_pairs, long long words_per_block,
     unsigned long long* __restrict__ num_invalid)
 {
-    const long long words_per_chunk = (long long)blockDim.x * WORDS_PER_THREAD;
+    const long long words_per_chunk = (long long)THREADS_PER_CTA * WORDS_PER_THREAD;
     const long long chunks_per_block = (words_per_block + words_per_chunk - 1) / words_per_chunk;
     const long long num_chunks = num_pairs * chunks_per_block;
     for (long long chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
@@ -68,17 +72,61 @@ extern "C" __global__ void copy_slots(
         word_t words[WORDS_PER_THREAD];
         #pragma unroll
         for (int u = 0; u < WORDS_PER_THREAD; ++u) {
-            const long long i = first + (long long)u * blockDim.x;
+            const long long i = first + (long long)u * THREADS_PER_CTA;
             if (i < words_per_block) words[u] = from[i];
         }
         #pragma unroll
         for (int u = 0; u < WORDS_PER_THREAD; ++u) {
-            const long long i = first + (long long)u * blockDim.x;
+            const long long i = first + (long long)u * THREADS_PER_CTA;
             if (i < words_per_block) to[i] = words[u];
         }
     }
 }
 """
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """Compile-time shape of `copy_slots`; each shape is its own compiled module.
+
+    A chunk is threads_per_cta * words_per_thread words; every thread keeps words_per_thread
+    loads in flight before it stores them.
+    """
+
+    words_per_thread: int = WORDS_PER_THREAD  # 1..MAX_WORDS_PER_THREAD
+    threads_per_cta: int = THREADS_PER_CTA  # a multiple of 32, at most 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.words_per_thread <= MAX_WORDS_PER_THREAD:
+            raise ValueError(
+                f"words_per_thread: {self.words_per_thread} is not in [1, {MAX_WORDS_PER_THREAD}]"
+            )
+        if self.threads_per_cta % 32 or not 32 <= self.threads_per_cta <= 1024:
+            raise ValueError(
+                f"threads_per_cta: {self.threads_per_cta} is not a multiple of 32 in [32, 1024]"
+            )
+
+    @property
+    def words_per_chunk(self) -> int:
+        return self.words_per_thread * self.threads_per_cta
+
+
+def kernel_source(word_bytes: int, shape: KernelShape) -> str:
+    """CUDA source of `copy_slots` for `word_bytes`-byte words (16, 8, 4, 2 or 1) and `shape`."""
+    if word_bytes not in _WORD_TYPES:
+        raise ValueError(f"word_bytes: {word_bytes} is not one of {sorted(_WORD_TYPES)}")
+    defines = (
+        f"typedef {_WORD_TYPES[word_bytes]} word_t;\n"
+        f"#define WORDS_PER_THREAD {shape.words_per_thread}\n"
+        f"#define THREADS_PER_CTA {shape.threads_per_cta}\n"
+    )
+    return defines + _KERNEL_SOURCE
+
+
+def num_launch_ctas(num_pairs: int, words_per_block: int, shape: KernelShape, max_ctas: int) -> int:
+    """CTAs in one launch: one per chunk, at most `max_ctas` (they then loop grid-stride)."""
+    num_chunks = num_pairs * -(-words_per_block // shape.words_per_chunk)
+    return min(num_chunks, max_ctas)
 
 
 def vector_width(block_bytes: int, *addresses: int) -> int:
@@ -115,24 +163,27 @@ class SlotCopy:
 
 
 class CupySlotKernel:
-    """The `copy_slots` kernel compiled with cupy (NVRTC), one module per word width.
+    """The `copy_slots` kernel compiled with cupy (NVRTC).
 
-    Raises ImportError at construction when cupy is not installed. Launches enqueue on a
-    torch stream and never synchronize the host. Invalid slot pairs are skipped and counted
-    into an int64 counter in device memory (`num_invalid_address`).
+    One module per (word_bytes, words_per_thread, threads_per_cta), built on first use or by
+    `compile`. `shape` is the default for `compile` and `launch`. Raises ImportError at
+    construction when cupy is not installed. Launches enqueue on a torch stream and never
+    synchronize the host. Invalid slot pairs are skipped and counted into an int64 counter in
+    device memory (`num_invalid_address`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shape: KernelShape | None = None) -> None:
         import cupy  # optional dependency (extra "gpu"); imported only when this path is used
 
         self._cupy = cupy
-        self._kernels: dict[int, object] = {}
+        self.shape = shape or KernelShape()
+        self._kernels: dict[tuple[int, int, int], object] = {}
         self._cupy_streams: dict[int, object] = {}
 
-    def compile(self, word_bytes: int, device_index: int) -> None:
+    def compile(self, word_bytes: int, device_index: int, shape: KernelShape | None = None) -> None:
         """Build the kernel for `word_bytes` now (init time), not on the first hot-path call."""
         with self._cupy.cuda.Device(device_index):
-            self._kernel(word_bytes).kernel  # noqa: B018 - the property compiles for this device
+            self._kernel(word_bytes, shape or self.shape).kernel  # noqa: B018 - compiles for this device
 
     def check_host_address(self, host_address: int) -> None:
         """Raise RuntimeError unless pinned memory at `host_address` is mapped at the same device address."""
@@ -145,15 +196,19 @@ class CupySlotKernel:
             )
 
     def launch(
-        self, copy: SlotCopy, stream: torch.cuda.Stream, num_invalid_address: int, max_ctas: int
+        self,
+        copy: SlotCopy,
+        stream: torch.cuda.Stream,
+        num_invalid_address: int,
+        max_ctas: int,
+        shape: KernelShape | None = None,
     ) -> None:
         """Enqueue `copy` on `stream`: one kernel launch, no host sync."""
         if copy.num_pairs == 0 or copy.block_bytes == 0:
             return
+        shape = shape or self.shape
         word_bytes = vector_width(copy.block_bytes, copy.src_address, copy.dst_address)
         words_per_block = copy.block_bytes // word_bytes
-        words_per_chunk = THREADS_PER_CTA * WORDS_PER_THREAD
-        num_chunks = copy.num_pairs * -(-words_per_block // words_per_chunk)
         args = (
             np.uint64(copy.src_address),
             np.uint64(copy.src_slots_address),
@@ -165,16 +220,17 @@ class CupySlotKernel:
             np.int64(words_per_block),
             np.uint64(num_invalid_address),
         )
-        grid = (min(num_chunks, max_ctas),)
+        grid = (num_launch_ctas(copy.num_pairs, words_per_block, shape, max_ctas),)
+        block = (shape.threads_per_cta,)
         with self._cupy.cuda.Device(stream.device.index):
-            self._kernel(word_bytes)(grid, (THREADS_PER_CTA,), args, stream=self._cupy_stream(stream))
+            self._kernel(word_bytes, shape)(grid, block, args, stream=self._cupy_stream(stream))
 
-    def _kernel(self, word_bytes: int):
-        kernel = self._kernels.get(word_bytes)
+    def _kernel(self, word_bytes: int, shape: KernelShape):
+        key = (word_bytes, shape.words_per_thread, shape.threads_per_cta)
+        kernel = self._kernels.get(key)
         if kernel is None:
-            source = f"typedef {_WORD_TYPES[word_bytes]} word_t;\n{_KERNEL_SOURCE}"
-            kernel = self._cupy.RawKernel(source, "copy_slots")
-            self._kernels[word_bytes] = kernel
+            kernel = self._cupy.RawKernel(kernel_source(word_bytes, shape), "copy_slots")
+            self._kernels[key] = kernel
         return kernel
 
     def _cupy_stream(self, stream: torch.cuda.Stream):
