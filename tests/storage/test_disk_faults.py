@@ -1,4 +1,4 @@
-"""DiskTier under faults: restarts, crashes mid-put, corrupt files, a full disk, capacity."""
+"""DiskTier under faults: restarts, crashes mid-append, torn tails, corrupt records, a full disk, capacity."""
 from __future__ import annotations
 
 import errno
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk import DiskTier
 
@@ -25,12 +26,34 @@ def key_of(i: int, layer: int = 0) -> str:
     return f"{i:064x}/L{layer}"
 
 
-def files_under(root: Path, suffix: str) -> list[Path]:
-    return sorted(p for p in root.rglob(f"*{suffix}"))
+def scan(root: Path) -> list[tuple[Path, list[tuple[int, seg.RecordHeader]], int, int]]:
+    """(segment path, [(offset, header)], end of the last whole record, file size) per segment file."""
+    found = []
+    for path in sorted(Path(root).glob("*.seg")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            records, end = seg.scan_segment(fd, size)
+        finally:
+            os.close(fd)
+        found.append((path, records, end, size))
+    return found
 
 
-def file_of(tier: DiskTier, key: str) -> Path:
-    return Path(tier._file_path(key))
+def keys_on_disk(root: Path) -> list[str]:
+    """Keys of the records a restart would find, in write order."""
+    return [h.key for _, records, _, _ in scan(root) for _, h in records]
+
+
+def torn_bytes(root: Path) -> int:
+    """Bytes after the last whole record of each segment (a torn tail)."""
+    return sum(size - end for _, _, end, size in scan(root))
+
+
+def record_of(tier: DiskTier, key: str) -> tuple[Path, int, int]:
+    """(segment path, offset, record bytes) of the record the tier serves `key` from."""
+    entry = tier._index[key]
+    return Path(tier._segment_path(entry.segment_id)), entry.offset, entry.record_num_bytes
 
 
 def test_blocks_survive_restart_bit_exact(layout, tmp_path):
@@ -50,82 +73,162 @@ def test_restart_keeps_lru_order_and_shrinks_to_capacity(layout, tmp_path):
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
         for i in range(4):
             tier.put(key_of(i), make_block(layout, i))
-            os.utime(file_of(tier, key_of(i)), ns=(10**18 + i, 10**18 + i))  # distinct mtimes
+        assert tier.get(key_of(0)) is not None  # LRU order now 1, 2, 3, 0
     with DiskTier("disk", layout, 2 * layout.num_bytes, tmp_path) as tier:  # smaller: the oldest two go
-        assert [tier.contains(key_of(i)) for i in range(4)] == [False, False, True, True]
+        assert [tier.contains(key_of(i)) for i in range(4)] == [True, False, False, True]
         assert tier.counters["evictions"] == 2
-        assert len(files_under(tmp_path, ".blk")) == 2
+        assert sorted(keys_on_disk(tmp_path)) == [key_of(0), key_of(3)]
+        assert torch.equal(tier.get(key_of(0)), make_block(layout, 0))
+
+
+def test_restart_after_a_crash_keeps_write_order(layout, tmp_path):
+    tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
+    for i in range(4):
+        tier.put(key_of(i), make_block(layout, i))
+    assert tier.get(key_of(0)) is not None
+    # The process dies: no close, no saved LRU order; the log's write order stands.
+    with DiskTier("disk", layout, 2 * layout.num_bytes, tmp_path) as restarted:
+        assert [restarted.contains(key_of(i)) for i in range(4)] == [False, False, True, True]
+
+
+def test_index_rebuild_from_segments(layout, tmp_path):
+    """Many segments, overwrites and removals: a restart finds exactly the live blocks, bit-exact."""
+    segment_bytes = 3 * (layout.num_bytes + seg.ALIGN)  # three records a segment
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, segment_bytes=segment_bytes) as tier:
+        for first in range(0, 12, 3):  # a put_many goes to one segment; the next one starts another
+            keys = [key_of(i) for i in range(first, first + 3)]
+            assert all(r.ok for r in tier.put_many(keys, [make_block(layout, i) for i in range(first, first + 3)]))
+        assert tier.put(key_of(3), make_block(layout, 103)).ok  # overwritten: the later record wins
+        assert tier.remove_many([key_of(6), key_of(7), key_of(8)]) == [True, True, True]  # a whole segment
+        assert tier.remove(key_of(9))
+        used = tier.used_bytes
+    assert len(list(tmp_path.glob("*.seg"))) == 4  # the segment of 6, 7 and 8 is gone
+    os.unlink(tmp_path / "lru.order")  # rebuilt from the segments alone
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, segment_bytes=segment_bytes) as tier:
+        live = [i for i in range(12) if i not in (6, 7, 8, 9)]
+        assert tier.used_bytes == used == len(live) * layout.num_bytes
+        assert tier.contains_many([key_of(i) for i in range(12)]) == [i in live for i in range(12)]
+        for i in live:
+            assert torch.equal(tier.get(key_of(i)), make_block(layout, 103 if i == 3 else i))
+        assert tier.counters["corrupt_blocks"] == 0
+        assert sorted(keys_on_disk(tmp_path)) == sorted(key_of(i) for i in live)  # superseded record punched
 
 
 class SimulatedCrash(BaseException):
     """The process dies: no except-OSError cleanup runs."""
 
 
-def test_crash_between_write_and_rename_leaves_old_value(layout, tmp_path, monkeypatch):
+def test_failed_append_is_cut_away_and_old_value_stays(layout, tmp_path, monkeypatch):
     key = key_of(1)
     old, new = make_block(layout, 1), make_block(layout, 2)
     tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
     assert tier.put(key, old).ok
-    real_replace = os.replace
+    real_writev = os.writev
 
-    def failing_replace(src, dst):
-        if str(src).startswith(str(tmp_path)):
-            raise OSError(errno.EIO, "injected rename failure")
-        return real_replace(src, dst)
+    def failing_writev(fd, buffers):
+        real_writev(fd, [memoryview(buffers[0])[:100]])  # part of the record reaches the file
+        raise OSError(errno.EIO, "injected write failure")
 
-    monkeypatch.setattr(os, "replace", failing_replace)
+    monkeypatch.setattr(os, "writev", failing_writev)
     result = tier.put(key, new)
+    monkeypatch.setattr(os, "writev", real_writev)
     assert not result.ok and "EIO" in result.error
-    assert files_under(tmp_path, ".tierkv-tmp") == []  # the failed put cleaned up after itself
+    assert torn_bytes(tmp_path) == 0  # the failed put cut its bytes away
     assert torch.equal(tier.get(key), old)
     assert tier.counters["put_failures"] == 1 and tier.counters["errors"] == 1
+    assert tier.put(key_of(2), new).ok and torch.equal(tier.get(key_of(2)), new)
+    tier.close()
 
-    def crashing_replace(src, dst):
+
+@pytest.mark.parametrize("torn_at", ["header", "payload", "last_byte"])
+def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, monkeypatch, torn_at):
+    """The crash equivalent of dying between write and rename: a torn record at the tail of a segment."""
+    key = key_of(1)
+    old, new = make_block(layout, 1), make_block(layout, 2)
+    tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
+    assert tier.put(key, old).ok
+    assert tier.put(key_of(2), make_block(layout, 3)).ok
+    real_writev = os.writev
+    num_bytes = {"header": 7, "payload": seg.ALIGN + layout.num_bytes // 2, "last_byte": seg.ALIGN + layout.num_bytes - 1}
+
+    def crashing_writev(fd, buffers):
+        whole = b"".join(bytes(b) for b in buffers)
+        real_writev(fd, [whole[: num_bytes[torn_at]]])
         raise SimulatedCrash()
 
-    monkeypatch.setattr(os, "replace", crashing_replace)
+    monkeypatch.setattr(os, "writev", crashing_writev)
     with pytest.raises(SimulatedCrash):
-        tier.put(key, new)  # dies after writing the temp file, before the rename
-    monkeypatch.setattr(os, "replace", real_replace)
-    final = file_of(tier, key)
-    # Also what a crash mid-write leaves: a complete and a truncated temp file.
-    complete = final.parent / (final.name[: -len(".blk")] + ".999.1.tierkv-tmp")
-    truncated = final.parent / (final.name[: -len(".blk")] + ".999.2.tierkv-tmp")
-    complete.write_bytes(final.read_bytes())
-    truncated.write_bytes(final.read_bytes()[:100])
-    assert len(files_under(tmp_path, ".tierkv-tmp")) >= 3
+        tier.put(key, new)  # dies with part of the new record written
+    monkeypatch.setattr(os, "writev", real_writev)
+    assert torn_bytes(tmp_path) == num_bytes[torn_at]
 
     restarted = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)  # the old process is gone
-    assert files_under(tmp_path, ".tierkv-tmp") == []
+    assert torn_bytes(tmp_path) == 0  # the torn tail was cut off
     assert torch.equal(restarted.get(key), old)
+    assert torch.equal(restarted.get(key_of(2)), make_block(layout, 3))
     assert restarted.counters["corrupt_blocks"] == 0
+    assert restarted.put(key, new).ok and torch.equal(restarted.get(key), new)
     restarted.close()
 
 
-@pytest.mark.parametrize("damage", ["flip_payload_byte", "flip_header_byte", "truncate", "empty"])
-def test_corrupt_file_is_a_counted_miss_and_removed(layout, tmp_path, damage):
+def test_crash_after_append_before_indexing_serves_the_new_block(layout, tmp_path, monkeypatch):
+    key = key_of(1)
+    tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
+    assert tier.put(key, make_block(layout, 1)).ok
+
+    def crashing_commit(*args):
+        raise SimulatedCrash()
+
+    monkeypatch.setattr(tier, "_commit", crashing_commit)
+    with pytest.raises(SimulatedCrash):
+        tier.put(key, make_block(layout, 2))  # the whole record is in the file
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as restarted:
+        assert torch.equal(restarted.get(key), make_block(layout, 2))  # the later record of a key wins
+        assert restarted.used_bytes == layout.num_bytes
+        assert keys_on_disk(tmp_path) == [key]  # the older record was punched at start
+
+
+def test_torn_tail_is_dropped_at_start(layout, tmp_path):
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        assert all(r.ok for r in tier.put_many([key_of(i) for i in range(3)], [make_block(layout, i) for i in range(3)]))
+    (path,) = tmp_path.glob("*.seg")
+    whole = path.read_bytes()
+    record_num_bytes = len(whole) // 3
+    with open(path, "ab") as f:
+        f.write(whole[: record_num_bytes - 5])  # a record cut short: its last bytes never came
+    assert torn_bytes(tmp_path) == record_num_bytes - 5
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        assert path.stat().st_size == len(whole)
+        assert [torch.equal(tier.get(key_of(i)), make_block(layout, i)) for i in range(3)] == [True] * 3
+        assert tier.counters["corrupt_blocks"] == 0 and tier.used_bytes == 3 * layout.num_bytes
+
+
+@pytest.mark.parametrize("damage", ["flip_payload_byte", "flip_header_byte", "truncate", "zero"])
+def test_corrupt_record_is_a_counted_miss_and_dropped(layout, tmp_path, damage):
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
         key, other = key_of(7), key_of(8)
-        tier.put(key, make_block(layout, 7))
         tier.put(other, make_block(layout, 8))
-        path = file_of(tier, key)
+        tier.put(key, make_block(layout, 7))  # the last record: "truncate" cuts only this one
+        path, offset, record_num_bytes = record_of(tier, key)
         data = bytearray(path.read_bytes())
         if damage == "flip_payload_byte":
-            data[-100] ^= 0x01
+            data[offset + seg.ALIGN + layout.num_bytes - 100] ^= 0x01
         elif damage == "flip_header_byte":
-            data[10] ^= 0x40
+            data[offset + 10] ^= 0x40
         elif damage == "truncate":
-            data = data[: len(data) // 2]
-        else:
-            data = bytearray()
+            data = data[: offset + record_num_bytes // 2]
+        else:  # a lost write: the bytes never reached the device
+            data[offset : offset + record_num_bytes] = bytes(record_num_bytes)
         path.write_bytes(bytes(data))
 
         assert tier.get(key) is None
         assert tier.counters["corrupt_blocks"] == 1
         assert tier.counters["misses"] == 1
-        assert not path.exists() and not tier.contains(key)
+        assert not tier.contains(key)
         assert tier.used_bytes == layout.num_bytes
         assert torch.equal(tier.get(other), make_block(layout, 8))
+        assert keys_on_disk(tmp_path) == [other]  # dropped on disk too: a restart will not find it
+        assert tier.put(key, make_block(layout, 7)).ok and torch.equal(tier.get(key), make_block(layout, 7))
 
 
 @pytest.fixture
@@ -157,7 +260,7 @@ def check_fill_until_full(layout, path: Path, capacity_bytes: int, space_freed=l
     key, result = failure
     assert "ENOSPC" in result.error and "no space" in result.error.lower(), result.error
     assert tier.counters["put_failures"] == 1 and tier.counters["errors"] >= 1
-    assert files_under(path, ".tierkv-tmp") == []
+    assert torn_bytes(path) == 0  # the failed append was cut away
     assert not tier.contains(key) and tier.get(key) is None
     assert stored, "not even one block fitted"
     for i in stored:
@@ -201,15 +304,14 @@ def test_capacity_evicts_least_recently_used(layout, tmp_path):
         result = tier.put(keys[3], make_block(layout, 3))
         assert result.ok and [k for k, _ in result.evicted] == [keys[1]]
         assert torch.equal(result.evicted[0][1], make_block(layout, 1))
-        assert not file_of(tier, keys[1]).exists()
+        assert keys[1] not in keys_on_disk(tmp_path / "disk")
         assert tier.contains_many(keys) == [True, False, True, True]
         assert tier.used_bytes == 3 * layout.num_bytes and tier.counters["evictions"] == 1
         tier.return_evicted = False  # the chain has no tier below: drop unread
         result = tier.put(keys[1], make_block(layout, 1))
         assert result.ok and result.evicted == [] and tier.counters["evictions"] == 2
         assert tier.contains_many(keys) == [True, True, False, True]  # 2 was the oldest
-        assert len(files_under(tmp_path / "disk", ".blk")) == 3
-        assert files_under(tmp_path / "disk", ".tierkv-tmp") == []
+        assert sorted(keys_on_disk(tmp_path / "disk")) == sorted(keys[i] for i in (0, 1, 3))
 
 
 def test_unwritable_path_raises_naming_it(layout, tmp_path):
@@ -248,8 +350,8 @@ def test_concurrent_puts_and_gets_of_same_keys_never_tear(layout, tmp_path):
             t.join(timeout=60)
         assert errors == [] and tier.counters["corrupt_blocks"] == 0
         assert tier.used_bytes <= tier.capacity_bytes
-        assert tier.used_bytes == layout.num_bytes * len(files_under(tmp_path, ".blk"))
-        assert files_under(tmp_path, ".tierkv-tmp") == []
+        assert tier.used_bytes == layout.num_bytes * len(keys_on_disk(tmp_path))
+        assert torn_bytes(tmp_path) == 0
 
 
 def test_reput_of_identical_bytes_only_refreshes_and_different_bytes_rewrite(tmp_path):

@@ -1,102 +1,126 @@
-"""Local-disk tier: one checksummed file per block (NVMe in production).
+"""Local-disk tier: blocks appended to segment files, indexed in memory (NVMe in production).
 
 Primitives: `DiskTier`.
 
-    <path>/<fan>/<quoted key>.blk                      a block, written by codec.encode_block
-    <path>/<fan>/<quoted key>.<pid>.<n>.tierkv-tmp     being written, or being evicted
-    fan = the key's first two hex digits (other keys: a byte of their crc32)
-    quoted key = key with % / NUL escaped as %25 %2F %00: "<64 hex>/L3" -> "<64 hex>%2FL3"
+    <path>/<16 hex digits>.seg   a segment: records appended in order (format: disk_segments)
+    <path>/lru.order             the LRU order at the last close; a hint for the next start
 
-Crash safety: a put writes a temp file next to its final name and renames it over that name
-(os.replace), so a reader or a restarted process sees the old file or the new one, never a
-torn one; temp files left by a crash are deleted on start. No fsync by default: this is a
-cache, a power loss may lose recent blocks, and a file the kernel had not written back reads
-short or zeroed, which the checksum catches (a miss, counted, the file removed).
-`fsync=True` syncs each file before its rename and the directory after: a device flush per put.
+Writes. A put_many appends its blocks to the active segment (one writev of up to IOV_MAX
+buffers) and then indexes them; a segment past segment_bytes is closed and a new one begun.
+A crash mid-append leaves at most a torn record at the end of a segment, which the scan at
+start drops (the file is cut after the last whole record); a failed append (a full disk) is
+cut away at once. No fsync by default: this is a cache, and a record that a power loss kept
+from the device fails its checksum when read (a miss, counted, dropped). fsync=True: one
+fdatasync per put_many, before it returns.
 
-A put of a key the tier holds, whose stored header equals the new one (same key, shape, dtype
-and CRC-32 of the payload: the usual case, keys being content hashes), writes nothing: the
-block only becomes the most recent (a rename over an existing file costs several creates on
-ext4). The stored payload is not read back: a damaged file still fails its checksum on the next
-read. Different bytes under a held key are rewritten, except in the 2^-32 case of an equal
-CRC-32, which keeps the older block (still self-consistent, so never served torn).
+Reads. get_many sorts its hits by segment and offset and reads each run of adjacent records
+with one preadv, payloads straight into rows of the result: from the page cache where it holds
+them (RWF_NOWAIT), else from the device with O_DIRECT (payloads of a multiple of 4096 bytes).
+Each block's header and payload CRC-32 are checked; a block that fails is a miss, counted,
+dropped. Batches of a MiB or more are split over num_io_threads threads (I/O and CRC-32 release
+the GIL); so is the CRC-32 of a put_many.
 
-The index (key, LRU order) lives in memory and is rebuilt on start by scanning the directory,
-oldest mtime first; a get (or a put that finds the block) refreshes the file's mtime when it is
-over a minute old, so the order survives a restart to within a minute without making every read
-a metadata write (the idea of relatime). Capacity,
-used_bytes and the byte counters count block bytes (layout.num_bytes per block; the ~100-byte
-header is not counted). One DiskTier owns a directory: two live tiers on one path would evict
-each other's files (and still never serve wrong bytes: reads check the stored key and checksum).
+Remove and evict punch a hole over the record (fallocate PUNCH_HOLE): the space is free at once
+and no later scan finds it; a segment with no live record left is deleted. Where the
+filesystem cannot punch holes the header is zeroed instead, and the space returns when the
+whole segment dies. A put of bytes the tier holds under that key (same CRC-32, the usual case
+for content-addressed keys) writes nothing and only refreshes the block's LRU position.
+
+Index: key -> (segment, offset, sizes, payload CRC-32), LRU-ordered, rebuilt on start from
+the segment headers in write order (a later record of a key wins) and then reordered by
+lru.order when the last run closed cleanly (else write order stands). Capacity, used_bytes and
+the byte counters count block bytes (layout.num_bytes each); a record on disk also holds its
+4 KiB header region and padding to 4 KiB. One DiskTier owns a directory.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import logging
 import os
-import time
-import zlib
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
-from urllib.parse import unquote
+from typing import Callable, Sequence
 
 import torch
 
+from tierkv.blocks import dtype_name
 from tierkv.blocks import BlockLayout
+from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock, encode_block, header_num_bytes, verify_block
+from tierkv.storage.codec import CorruptBlock
 
 logger = logging.getLogger(__name__)
 
-_BLOCK_SUFFIX = ".blk"
-_TMP_SUFFIX = ".tierkv-tmp"
-_HEX = frozenset("0123456789abcdef")
-_MAX_NAME_BYTES = 200  # quoted key + suffix; leaves room for the temp suffix under NAME_MAX
-_TOUCH_INTERVAL_S = 60.0  # a used block's mtime is rewritten at most this often
+_SEGMENT_SUFFIX = ".seg"
+_ORDER_FILE = "lru.order"
+_SPREAD_MIN_BYTES = 1 << 20  # smaller read batches stay on the caller's thread
+_CHUNK_BYTES = 1 << 20  # read or written, then checksummed, at a time: stays in the CPU cache
+_OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
+
+
+class _Entry:
+    """Where a block's record lives."""
+
+    __slots__ = (
+        "segment_id", "offset", "header_num_bytes", "record_num_bytes", "payload_crc", "header_end", "header_crc",
+    )  # fmt: skip
+
+    def __init__(self, segment_id: int, offset: int, h: seg.RecordHeader):
+        self.segment_id, self.offset = segment_id, offset
+        self.header_num_bytes, self.record_num_bytes = h.header_num_bytes, h.record_num_bytes
+        self.payload_crc = h.payload_crc
+        self.header_end, self.header_crc = h.header_end, h.header_crc  # the header's own CRC-32 ends at header_end
 
 
 class DiskTier(StorageTier):
-    """Blocks as files under `path`, at most capacity_bytes // layout.num_bytes of them, LRU.
+    """Blocks in segment files under `path`, at most capacity_bytes // layout.num_bytes of them, LRU.
 
     return_evicted: PutResult.evicted carries (key, block) for blocks pushed out, read back
-        from disk (one file read each) so a chain can spill them; False deletes them unread,
-        right when no tier sits below this one. A plain attribute the chain may set.
-    fsync: sync every block to the device before put returns (see the module docstring).
-    num_io_threads: get_many/put_many spread blocks over this many threads (file I/O and the
-        checksum release the GIL); 1 keeps them sequential.
+        from disk so a chain can spill them; False drops them unread, right when no tier sits
+        below this one. A plain attribute the chain may set.
+    fsync: sync each put_many's records to the device before it returns.
+    num_io_threads: large get_many/put_many batches are split over this many threads.
+    segment_bytes: a segment takes appends until it is this long; None: capacity / 8,
+        clamped to [1 MiB, 1 GiB].
     """
 
     kind = "disk"
 
     def __init__(
-        self,
-        name: str,
-        layout: BlockLayout,
-        capacity_bytes: int,
-        path: str | os.PathLike,
-        *,
-        return_evicted: bool = True,
-        fsync: bool = False,
-        num_io_threads: int = 4,
-    ):
+        self, name: str, layout: BlockLayout, capacity_bytes: int, path: str | os.PathLike, *,
+        return_evicted: bool = True, fsync: bool = False, num_io_threads: int = 4, segment_bytes: int | None = None,
+    ):  # fmt: skip
         if not isinstance(capacity_bytes, int) or capacity_bytes < layout.num_bytes:
             raise ValueError(
                 f"{name}: capacity_bytes={capacity_bytes!r}; must be at least one block ({layout.num_bytes})"
             )
         if num_io_threads < 1:
             raise ValueError(f"{name}: num_io_threads={num_io_threads!r}; must be >= 1")
+        if segment_bytes is not None and segment_bytes < 1:
+            raise ValueError(f"{name}: segment_bytes={segment_bytes!r}; must be >= 1 or None")
         super().__init__(name, layout, capacity_bytes)
         self.path = Path(path)
         self.return_evicted = return_evicted
         self.fsync = fsync
         self.max_blocks = capacity_bytes // layout.num_bytes
+        self.segment_bytes = segment_bytes or min(1 << 30, max(1 << 20, capacity_bytes // 8))
         self._num_io_threads = num_io_threads
-        self._lru: OrderedDict[str, None] = OrderedDict()  # oldest first
-        self._made_dirs: set[str] = set()
-        self._tmp_ids = itertools.count()
+        self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
+        self._is_direct_eligible = layout.num_bytes % seg.ALIGN == 0  # payload rows stay 4096-aligned
+        self._pad = memoryview(bytearray(seg.round_up(layout.num_bytes) - layout.num_bytes))
+        self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._num_live: dict[int, int] = {}  # segment id -> records not yet dropped
+        self._append_lock = threading.Lock()  # the active segment: its fd, size and rollover
+        self._active_id: int | None = None
+        self._active_fd: int | None = None
+        self._active_size = 0
+        self._next_segment_id = 0
+        self._modes = seg.ReadModes()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._open_directory()
@@ -105,178 +129,191 @@ class DiskTier(StorageTier):
     # -- StorageTier ---------------------------------------------------------------------
     def contains(self, key: str) -> bool:
         with self._lock:
-            return key in self._lru
+            return key in self._index
 
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[0]
 
     def put(self, key: str, block: torch.Tensor) -> PutResult:
-        self._check_block(key, block)
-        self._check_open()
-        with self.counters.timed("put"):
-            final = self._file_path(key)
-            if len(os.path.basename(final).encode()) > _MAX_NAME_BYTES:
-                raise ValueError(f"{self.name}: key {key[:80]!r}... is too long for a file name")
-            parts = encode_block(key, block)  # [header with the CRC-32, payload]
-            if self._refresh_if_stored(key, final, parts[0]):
-                self.counters.add(puts=1)
-                return PutResult(True)
-            tmp = self._tmp_path(final)
-            try:
-                self._write_file(tmp, parts)
-                with self._lock:
-                    os.replace(tmp, final)
-                    victims = self._commit(key)
-            except OSError as exc:
-                _unlink_quietly(tmp)
-                return self._put_failed(key, exc)
-            if self.fsync:
-                self._sync_directory(os.path.dirname(final))
-            self.counters.add(puts=1, bytes_written=self.layout.num_bytes)
-            return PutResult(True, evicted=self._collect_victims(victims))
+        return self.put_many([key], [block])[0]
 
     def remove(self, key: str) -> bool:
+        return self.remove_many([key])[0]
+
+    def remove_many(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            if key not in self._lru:
-                return False
-            del self._lru[key]
-            self._unlink(self._file_path(key))
-        self.counters.add(removes=1)
-        return True
+            entries = [self._index.pop(key, None) for key in keys]
+        removed = [e for e in entries if e is not None]
+        self._drop_records(removed)
+        self.counters.add(removes=len(removed))
+        return [e is not None for e in entries]
 
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Hits are rows of one fresh [num_known, *layout.shape] tensor the caller owns; None for a miss.
-
-        Files are read on the I/O threads, each straight into its row; one lock, one timer and
-        one counter update for the batch.
-        """
+        """Hits are rows of one fresh [num_hits, *layout.shape] tensor the caller owns; None for a miss."""
         self._check_open()
         with self.counters.timed("get"):
             with self._lock:
-                known = [i for i, key in enumerate(keys) if key in self._lru]
-                for i in known:
-                    self._lru.move_to_end(keys[i])
-            batch = self.layout.empty(len(known))  # [num_known, *layout.shape], one allocation
-            payloads = _payload_views(batch)
-
-            def read(i: int, payload: memoryview) -> bool:
-                return self._read_into(keys[i], self._file_path(keys[i]), payload, touch=True)
-
-            is_read = self._run_spread(read, known, payloads)
+                found = [(i, self._index[key]) for i, key in enumerate(keys) if key in self._index]
+                for i, _ in found:
+                    self._index.move_to_end(keys[i])
+            batch, failures = self._read_blocks([keys[i] for i, _ in found], [e for _, e in found])
             blocks: list[torch.Tensor | None] = [None] * len(keys)
-            for i, row, ok in zip(known, batch.unbind(0), is_read):
-                blocks[i] = row if ok else None
-            num_hits = sum(is_read)
+            for (i, _), row, failure in zip(found, batch.unbind(0), failures):
+                blocks[i] = row if failure is None else None
+            num_hits = failures.count(None)
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
         return blocks
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Append the blocks not already held to the active segment; all fail together on an I/O error.
+
+        Blocks evicted to make room travel on the batch's last result.
+        """
         if len(keys) != len(blocks):
             raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
         for key, block in zip(keys, blocks):
-            self._check_block(key, block)  # all or nothing: fail before the first write
-        return self._run_spread(self.put, keys, blocks)
+            self._check_block(key, block)  # fail before the first write
+            if len(key) > seg.MAX_KEY_BYTES // 4 and len(key.encode()) > seg.MAX_KEY_BYTES:
+                raise ValueError(f"{self.name}: key {key[:80]!r}... is longer than {seg.MAX_KEY_BYTES} utf-8 bytes")
+        self._check_open()
+        with self.counters.timed("put"):
+            payloads = [_bytes_of(block) for block in blocks]
+            results: list[PutResult | None] = [None] * len(keys)
+            with self._lock:
+                held = {i: self._index[key].payload_crc for i, key in enumerate(keys) if key in self._index}
+            is_same = {i: seg.crc32(payloads[i]) == crc for i, crc in held.items()}
+            with self._lock:
+                for i in (i for i, same in is_same.items() if same):
+                    entry = self._index.get(keys[i])
+                    if entry is not None and entry.payload_crc == held[i]:  # held already: refresh only
+                        self._index.move_to_end(keys[i])
+                        results[i] = PutResult(True)
+            todo = [i for i, r in enumerate(results) if r is None]
+            if todo:
+                appended = self._append([keys[i] for i in todo], [payloads[i] for i in todo])
+                for i, result in zip(todo, appended):
+                    results[i] = result
+            self.counters.add(puts=sum(r.ok for r in results))
+        return results
 
     def close(self) -> None:
         with self._lock:
-            self._closed, pool, self._pool = True, self._pool, None
+            was_closed, self._closed, pool, self._pool = self._closed, True, self._pool, None
+        if was_closed:
+            return
         if pool is not None:
             pool.shutdown(wait=True)
+        with self._append_lock, self._lock:
+            if self._active_fd is not None:
+                os.close(self._active_fd)
+                self._active_fd = None
+            order = list(self._index)
+        try:
+            seg.save_order(os.path.join(self.path, _ORDER_FILE), order)
+        except OSError as exc:
+            self._io_error("save order", str(self.path), exc)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return len(self._lru) * self.layout.num_bytes
+            return len(self._index) * self.layout.num_bytes
 
-    # -- files -----------------------------------------------------------------------------
-    def _file_path(self, key: str) -> str:
-        fan = key[:2] if key[:1] in _HEX and key[1:2] in _HEX else f"{zlib.crc32(key.encode()) & 0xFF:02x}"
-        quoted = key.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
-        return os.path.join(self.path, fan, quoted + _BLOCK_SUFFIX)
-
-    def _tmp_path(self, final: str) -> str:
-        return f"{final[: -len(_BLOCK_SUFFIX)]}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
-
-    def _write_file(self, tmp: str, parts: list) -> None:
-        directory = os.path.dirname(tmp)
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            _write_all(fd, parts)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _read(self, key: str, path: str, touch: bool) -> torch.Tensor | None:
-        """The verified block in `path` in a new tensor, or None (see `_read_into`)."""
-        block = self.layout.empty(1)
-        return block[0] if self._read_into(key, path, _payload_views(block)[0], touch) else None
-
-    def _read_into(self, key: str, path: str, payload: memoryview, touch: bool) -> bool:
-        """Read the block file at `path` into `payload` (layout.num_bytes) and verify it; False for a miss.
-
-        A corrupt file is counted and removed. The header and the payload are read apart (one
-        preadv), the payload straight into the caller's buffer: no copy after the read.
-        """
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # removed or evicted since the index said it was here
-            self._forget_if_gone(key, path)
-            return False
-        except OSError as exc:
-            self._io_error("open", path, exc)
-            return False
-        header = bytearray(header_num_bytes(key, len(self.layout.shape)))
-        try:
-            stat = os.fstat(fd)
-            is_whole = stat.st_size == len(header) + payload.nbytes
-            num_read = _read_all(fd, [header, payload]) if is_whole else None
-            if touch:
-                _touch(fd, stat)
-        except OSError as exc:
-            self._io_error("read", path, exc)
-            return False
-        finally:
-            os.close(fd)
-        try:
-            if not is_whole or num_read != stat.st_size:
-                expected = len(header) + payload.nbytes
-                raise CorruptBlock(f"block {key}: file is {stat.st_size} bytes (read {num_read}), not {expected}")
-            dtype, shape = verify_block(key, header, payload)
-            if shape != self.layout.shape or dtype != self.layout.dtype:
-                raise CorruptBlock(f"block {key}: shape {shape} {dtype} is not this tier's layout")
-        except CorruptBlock as exc:
-            self._drop_corrupt(key, path, stat, exc)
-            return False
-        return True
-
-    def _refresh_if_stored(self, key: str, final: str, header: bytes) -> bool:
-        """True when `final` holds this block already; it becomes the most recent instead of being rewritten.
-
-        Same header means the same key, shape, dtype and CRC-32 of the payload. The file itself is
-        not read: a damaged one still fails its checksum on the next read (a miss, counted).
-        """
-        with self._lock:  # no eviction, removal or rename of `final` while we look
-            if key not in self._lru:
-                return False
+    # -- writing ---------------------------------------------------------------------------
+    def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
+        """Append records for these blocks, then index them; the CRC-32 of each chunk of about a MiB
+        is computed right before its writev, which then copies bytes still in the CPU cache."""
+        with self._append_lock:
+            self._check_open()
+            start = None
             try:
-                fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    stat = os.fstat(fd)
-                    is_same = stat.st_size == len(header) + self.layout.num_bytes
-                    is_same = is_same and os.pread(fd, len(header), 0) == header
-                    if is_same:
-                        _touch(fd, stat)
-                finally:
-                    os.close(fd)
-            except OSError:  # gone or unreadable: write it anew
-                return False
-            if is_same:
-                self._lru.move_to_end(key)
-            return is_same
+                fd, start = self._active_segment()
+                headers = []
+                for first in range(0, len(keys), self._chunk_records):
+                    views, last = [], first + self._chunk_records
+                    for key, payload in zip(keys[first:last], payloads[first:last]):
+                        crc = seg.crc32(payload)
+                        headers.append(seg.encode_header(key, self._dtype_name, self._shape, payload.nbytes, crc))
+                        views += [memoryview(headers[-1].data), payload, self._pad]
+                    seg.append(fd, views)
+                if self.fsync:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                self._cut_back(start)
+                return [self._put_failed(key, exc) for key in keys]
+            entries, offset = [], start
+            for header in headers:
+                entries.append(_Entry(self._active_id, offset, header))
+                offset += header.record_num_bytes
+            self._active_size = offset
+            with self._lock:
+                dropped, victims = self._commit(keys, entries)
+        self.counters.add(bytes_written=len(keys) * self.layout.num_bytes)
+        evicted = []
+        if victims and self.return_evicted:
+            victim_keys = [key for key, _ in victims]
+            batch, failures = self._read_blocks(victim_keys, [e for _, e in victims])
+            rows = zip(victim_keys, batch.unbind(0), failures)
+            evicted = [(key, row) for key, row, failure in rows if failure is None]
+            self.counters.add(bytes_read=len(evicted) * self.layout.num_bytes)
+        self._drop_records(dropped + [e for _, e in victims])
+        results = [PutResult(True) for _ in keys]
+        results[-1].evicted = evicted
+        return results
+
+    def _commit(self, keys: list[str], entries: list[_Entry]) -> tuple[list[_Entry], list[tuple[str, _Entry]]]:
+        """Index appended records; evict LRU blocks over capacity. Caller holds both locks.
+
+        Returns (records superseded, (key, record) evicted); the caller drops them after reading
+        the evicted ones, which is why they still count as live in their segment until then.
+        """
+        dropped = []
+        for key, entry in zip(keys, entries):
+            old = self._index.pop(key, None)
+            if old is not None:
+                dropped.append(old)
+            self._index[key] = entry
+            self._num_live[entry.segment_id] += 1
+        victims = []
+        while len(self._index) > self.max_blocks:
+            victims.append(self._index.popitem(last=False))
+        self.counters.add(evictions=len(victims))
+        return dropped, victims
+
+    def _active_segment(self) -> tuple[int, int]:
+        """(fd, size) of the segment that takes appends, begun anew past segment_bytes. Caller holds _append_lock."""
+        if self._active_fd is not None and self._active_size < self.segment_bytes:
+            self._active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where O_APPEND will write
+            return self._active_fd, self._active_size
+        if self._active_fd is not None:
+            os.close(self._active_fd)
+            self._active_fd = None
+            with self._lock:
+                old, self._active_id = self._active_id, None
+                is_dead = self._num_live.get(old) == 0
+                if is_dead:
+                    del self._num_live[old]
+            if is_dead:
+                self._unlink(self._segment_path(old))
+        segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        self._active_fd = os.open(self._segment_path(segment_id), flags, 0o644)
+        self._active_size = 0
+        with self._lock:
+            self._active_id = segment_id
+            self._num_live[segment_id] = 0
+        if self.fsync:
+            _sync_directory(str(self.path))
+        return self._active_fd, 0
+
+    def _cut_back(self, size: int | None) -> None:
+        """Remove what a failed append left after `size`; if that fails too, begin a new segment next time."""
+        if self._active_fd is None or size is None:
+            return
+        try:
+            os.ftruncate(self._active_fd, size)
+        except OSError as exc:
+            self._io_error("truncate", self._segment_path(self._active_id), exc)
+            self._active_size = self.segment_bytes  # what follows `size` is garbage: the next scan drops it
 
     def _put_failed(self, key: str, exc: OSError) -> PutResult:
         code = errno.errorcode.get(exc.errno or 0, "OSError")
@@ -285,16 +322,232 @@ class DiskTier(StorageTier):
         self.counters.add(put_failures=1, errors=1)
         return PutResult(False, error)
 
-    def _sync_directory(self, directory: str) -> None:
-        """Make the rename durable; the block is in place either way, so a failure is only counted."""
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # -- reading ---------------------------------------------------------------------------
+    def _read_blocks(self, keys: list[str], entries: list[_Entry]) -> tuple[torch.Tensor, list[str | None]]:
+        """Read and verify records into a fresh [len(keys), *layout.shape] tensor; per block None or why it failed.
+
+        A block that fails its checks and is still the indexed one is counted and dropped.
+        """
+        num_bytes = self.layout.num_bytes
+        flat = _aligned_empty(len(keys) * num_bytes)
+        batch = flat.view(self.layout.dtype).view(len(keys), *self._shape)
+        header_offsets = [0, *itertools.accumulate(e.header_num_bytes for e in entries)]
+        headers = memoryview(_aligned_empty(header_offsets[-1]).numpy())
+        payloads = memoryview(flat.numpy())
+        jobs = [
+            (e.segment_id, e.offset, j, headers[header_offsets[j] : header_offsets[j + 1]],
+             payloads[j * num_bytes : (j + 1) * num_bytes])
+            for j, e in enumerate(entries)
+        ]  # fmt: skip
+        jobs.sort(key=lambda job: job[:2])
+        failures: list[str | None] = [None] * len(keys)
+        for j, failure in self._spread(lambda part: self._read_part(part, keys, entries), jobs):
+            failures[j] = failure
+        self._forget_failed(keys, entries, failures)
+        return batch, failures
+
+    def _read_part(self, jobs: list[tuple], keys: list[str], entries: list[_Entry]) -> list[tuple[int, str | None]]:
+        """Read and check one part of a batch, sorted by (segment, offset); per block (index, failure or None)."""
+        results = []
+        for segment_id, group in itertools.groupby(jobs, key=lambda job: job[0]):
+            group = list(group)
+            path = self._segment_path(segment_id)
             try:
-                os.fsync(fd)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                reason = "gone" if exc.errno == errno.ENOENT else f"open failed: {exc}"
+                results += [(job[2], reason) for job in group]
+                continue
+            direct_fds: list[int] = []
+            try:
+                for run in _runs(group, entries):
+                    results += self._read_run(fd, path, direct_fds, run, keys, entries)
             finally:
-                os.close(fd)
+                for f in [fd, *direct_fds]:
+                    os.close(f)
+        return results
+
+    def _read_run(self, fd: int, path: str, direct_fds: list[int], run: list[tuple], keys: list[str],
+                  entries: list[_Entry]) -> list[tuple[int, str | None]]:  # fmt: skip
+        """Adjacent records: from the page cache a chunk of about a MiB at a time, each block checked
+        while its bytes are still in the CPU cache; once a chunk is not cached, the rest of the run
+        comes from the device in one preadv (O_DIRECT where the layout allows)."""
+        results, pos = [], 0
+        while pos < len(run):
+            chunk = run[pos : pos + self._chunk_records]
+            views = [v for job in chunk for v in (job[3], job[4], self._pad) if v.nbytes]
+            try:
+                num_read = seg.read_cached(fd, views, chunk[0][1], self._modes)
+                if num_read < sum(v.nbytes for v in views):
+                    direct_fd = _open_direct(path, direct_fds, self._modes) if self._is_direct_eligible else None
+                    if direct_fd is not None:
+                        chunk = run[pos:]
+                        views = [v for job in chunk for v in (job[3], job[4], self._pad) if v.nbytes]
+                    num_read = seg.read_at(fd, views, chunk[0][1], self._modes, direct_fd)
+            except OSError as exc:
+                return results + [(job[2], f"read failed: {exc}") for job in run[pos:]]
+            end = chunk[0][1] + num_read
+            for _, offset, j, header, payload in chunk:
+                is_whole = offset + entries[j].record_num_bytes <= end
+                results.append((j, self._check(keys[j], entries[j], header, payload) if is_whole else "short read"))
+            pos += len(chunk)
+        return results
+
+    def _check(self, key: str, entry: _Entry, header: memoryview, payload: memoryview) -> str | None:
+        """None when the record read is this block, intact; else what is wrong.
+
+        Fast path: the header is byte for byte the one indexed when its own CRC-32 is the one
+        remembered and matches its bytes; then only the payload's CRC-32 is left to check.
+        """
+        end = entry.header_end
+        if seg.crc32(header[: end - 4]) == entry.header_crc == int.from_bytes(header[end - 4 : end], "little"):
+            return None if seg.crc32(payload) == entry.payload_crc else "payload checksum mismatch"
+        try:
+            h = seg.parse_header(header)
+        except CorruptBlock as exc:
+            return str(exc)
+        if h.key != key or h.payload_crc != entry.payload_crc or h.header_num_bytes != entry.header_num_bytes:
+            return f"the record at offset {entry.offset} is not this block (key {h.key[:80]!r})"
+        if h.dtype_name != self._dtype_name or h.shape != self._shape or h.payload_num_bytes != payload.nbytes:
+            return f"stored as {h.shape} {h.dtype_name}, not this tier's layout"
+        if seg.crc32(payload) != h.payload_crc:
+            return "payload checksum mismatch"
+        return None
+
+    def _forget_failed(self, keys: list[str], entries: list[_Entry], failures: list[str | None]) -> None:
+        """Drop failed blocks that are still the indexed ones: corrupt (counted) or deleted behind our back."""
+        dropped = []
+        with self._lock:
+            for key, entry, failure in zip(keys, entries, failures):
+                if failure is None or self._index.get(key) is not entry:
+                    continue  # fine, or replaced or removed while we read: a plain miss
+                if failure.startswith(("open failed", "read failed")):
+                    self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
+                    continue
+                logger.warning("%s: dropping block %s (segment %x): %s", self.name, key, entry.segment_id, failure)
+                self.counters.add(**({"errors": 1} if failure == "gone" else {"corrupt_blocks": 1}))
+                dropped.append(self._index.pop(key))
+        self._drop_records(dropped)
+
+    # -- dropping records ------------------------------------------------------------------
+    def _drop_records(self, entries: list[_Entry]) -> None:
+        """Punch out records that left the index; delete segments left with no live record."""
+        if not entries:
+            return
+        with self._append_lock, self._lock:  # an emptied active segment is retired too: unlinked, not punched
+            for entry in entries:
+                self._num_live[entry.segment_id] -= 1
+            dead = {e.segment_id for e in entries if self._num_live[e.segment_id] == 0}
+            if self._active_id in dead:
+                os.close(self._active_fd)
+                self._active_id, self._active_fd = None, None
+            for segment_id in dead:
+                del self._num_live[segment_id]
+        for segment_id in dead:
+            self._unlink(self._segment_path(segment_id))
+        by_segment = itertools.groupby(sorted((e for e in entries if e.segment_id not in dead), key=_position),
+                                       key=lambda e: e.segment_id)  # fmt: skip
+        for segment_id, group in by_segment:
+            self._punch_all(segment_id, list(group))
+
+    def _punch_all(self, segment_id: int, entries: list[_Entry]) -> None:
+        path = self._segment_path(segment_id)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
         except OSError as exc:
-            self._io_error("fsync", directory, exc)
+            return self._io_error("open", path, exc)
+        try:
+            for entry in entries:
+                try:
+                    seg.punch(fd, entry.offset, entry.record_num_bytes)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    os.pwrite(fd, bytes(entry.header_num_bytes), entry.offset)  # no scan will find it
+        except OSError as exc:
+            self._io_error("punch", path, exc)
+        finally:
+            os.close(fd)
+
+    # -- start-up --------------------------------------------------------------------------
+    def _open_directory(self) -> None:
+        probe = os.path.join(self.path, f"probe.{os.getpid()}.tmp")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            os.unlink(probe)
+        except OSError as exc:
+            raise TierError(f"{self.name}: cannot store blocks under {str(self.path)!r}: {exc}") from exc
+
+    def _rebuild_index(self) -> None:
+        """Index the records in the segments, oldest first; drop torn tails, superseded and foreign records."""
+        dropped: list[_Entry] = []
+        try:
+            _remove_old_format(self.path)
+            ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if _is_segment_stem(p.stem))
+            for segment_id in ids:
+                dropped += self._scan_into_index(segment_id)
+        except (OSError, ValueError) as exc:
+            raise TierError(f"{self.name}: cannot scan {str(self.path)!r}: {exc}") from exc
+        self._next_segment_id = ids[-1] + 1 if ids else 0
+        order_path = os.path.join(self.path, _ORDER_FILE)
+        for key in reversed(seg.load_order(order_path)):  # the last clean close's order; newer records stay newest
+            if key in self._index:
+                self._index.move_to_end(key, last=False)
+        _unlink_quietly(order_path)
+        while len(self._index) > self.max_blocks:  # capacity shrank since the last run
+            dropped.append(self._index.popitem(last=False)[1])
+            self.counters.add(evictions=1)
+        self._drop_records(dropped)
+        for segment_id in [s for s, n in self._num_live.items() if n == 0]:
+            del self._num_live[segment_id]
+            self._unlink(self._segment_path(segment_id))
+
+    def _scan_into_index(self, segment_id: int) -> list[_Entry]:
+        path, dropped = self._segment_path(segment_id), []
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            records, end = seg.scan_segment(fd, size)
+            if end < size:
+                logger.warning("%s: %s: dropping %d bytes after the last whole record", self.name, path, size - end)
+                os.ftruncate(fd, end)
+        finally:
+            os.close(fd)
+        self._num_live[segment_id] = len(records)
+        for offset, h in records:
+            entry = _Entry(segment_id, offset, h)
+            is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
+            old = self._index.pop(h.key, None) if is_ours else entry
+            if old is not None:
+                dropped.append(old)
+            if is_ours:
+                self._index[h.key] = entry
+        return dropped
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _segment_path(self, segment_id: int) -> str:
+        return os.path.join(self.path, f"{segment_id:016x}{_SEGMENT_SUFFIX}")
+
+    def _spread(self, fn: Callable[[list], list], xs: list) -> list:
+        """fn over contiguous parts of xs, the parts on the I/O threads when xs is large; results concatenated."""
+        num_parts = min(self._num_io_threads, len(xs), len(xs) * self.layout.num_bytes // _SPREAD_MIN_BYTES)
+        if num_parts < 2:
+            return fn(xs)
+        bounds = [len(xs) * part // num_parts for part in range(num_parts + 1)]
+        parts = [xs[a:b] for a, b in zip(bounds, bounds[1:])]
+        futures = [self._io_pool().submit(fn, part) for part in parts[1:]]
+        first = fn(parts[0])
+        return first + [r for future in futures for r in future.result()]
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._num_io_threads - 1, thread_name_prefix=f"tierkv-{self.name}")
+            return self._pool
 
     def _unlink(self, path: str) -> None:
         try:
@@ -308,166 +561,82 @@ class DiskTier(StorageTier):
         logger.warning("%s: %s %s failed: %s", self.name, op, path, exc)
         self.counters.add(errors=1)
 
-    # -- index -----------------------------------------------------------------------------
-    def _commit(self, key: str) -> list[tuple[str, str]]:
-        """Index a renamed-in block and evict LRU blocks over capacity. Caller holds the lock.
-
-        A victim whose data is wanted is renamed to a temp name (so a concurrent put of the
-        same key cannot collide with it) and read after the lock is released; else unlinked.
-        """
-        self._lru[key] = None
-        self._lru.move_to_end(key)
-        victims = []
-        while len(self._lru) > self.max_blocks:
-            victim, _ = self._lru.popitem(last=False)
-            path = self._file_path(victim)
-            self.counters.add(evictions=1)
-            if not self.return_evicted:
-                self._unlink(path)
-                continue
-            hold = self._tmp_path(path)
-            try:
-                os.replace(path, hold)
-                victims.append((victim, hold))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._io_error("evict", path, exc)
-        return victims
-
-    def _collect_victims(self, victims: list[tuple[str, str]]) -> list[tuple[str, torch.Tensor]]:
-        evicted = []
-        for key, hold in victims:
-            block = self._read(key, hold, touch=False)
-            _unlink_quietly(hold)
-            if block is not None:
-                self.counters.add(bytes_read=self.layout.num_bytes)
-                evicted.append((key, block))
-        return evicted
-
-    def _forget_if_gone(self, key: str, path: str) -> None:
-        with self._lock:
-            if key in self._lru and path == self._file_path(key) and not os.path.exists(path):
-                del self._lru[key]  # deleted behind our back
-                self.counters.add(errors=1)
-
-    def _drop_corrupt(self, key: str, path: str, stat: os.stat_result, exc: Exception) -> None:
-        logger.warning("%s: dropping corrupt block file %s: %s", self.name, path, exc)
-        self.counters.add(corrupt_blocks=1)
-        with self._lock:
-            try:
-                current = os.stat(path)
-            except OSError:
-                return
-            if (current.st_ino, current.st_dev) != (stat.st_ino, stat.st_dev):
-                return  # a fresh put replaced the file since we read it
-            self._unlink(path)
-            if path == self._file_path(key):
-                self._lru.pop(key, None)
-
-    # -- start-up --------------------------------------------------------------------------
-    def _open_directory(self) -> None:
-        probe = os.path.join(self.path, f"probe.{os.getpid()}{_TMP_SUFFIX}")
-        try:
-            os.makedirs(self.path, exist_ok=True)
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
-            os.unlink(probe)
-        except OSError as exc:
-            raise TierError(f"{self.name}: cannot store blocks under {str(self.path)!r}: {exc}") from exc
-
-    def _rebuild_index(self) -> None:
-        """Index the block files already on disk, oldest first; delete temp files left by a crash."""
-        found = []
-        try:
-            for entry in _scan_two_levels(self.path):
-                if entry.name.endswith(_TMP_SUFFIX):
-                    _unlink_quietly(entry.path)
-                elif entry.name.endswith(_BLOCK_SUFFIX):
-                    key = unquote(entry.name[: -len(_BLOCK_SUFFIX)])
-                    if self._file_path(key) == entry.path:
-                        found.append((entry.stat(follow_symlinks=False).st_mtime_ns, key))
-        except OSError as exc:
-            raise TierError(f"{self.name}: cannot scan {str(self.path)!r}: {exc}") from exc
-        for _, key in sorted(found):
-            self._lru[key] = None
-        while len(self._lru) > self.max_blocks:  # capacity shrank since the last run
-            key, _ = self._lru.popitem(last=False)
-            self._unlink(self._file_path(key))
-            self.counters.add(evictions=1)
-
-    def _run_spread(self, fn: Callable[[Any, Any], Any], xs: Sequence, ys: Sequence) -> list:
-        """[fn(x, y) for x, y in zip(xs, ys)], in num_io_threads contiguous runs on the I/O threads.
-
-        One task per thread rather than per block: a task hand-off costs about what a small
-        file's syscalls do, and the threads would queue on the GIL for it.
-        """
-        num_runs = min(self._num_io_threads, len(xs))
-        if num_runs < 2:
-            return list(map(fn, xs, ys))
-        bounds = [len(xs) * run // num_runs for run in range(num_runs + 1)]
-        runs = [(xs[a:b], ys[a:b]) for a, b in zip(bounds, bounds[1:])]
-        return [r for results in self._io_pool().map(lambda run: list(map(fn, *run)), runs) for r in results]
-
-    def _io_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"tierkv-{self.name}")
-            return self._pool
-
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"{self.name}: tier is closed")
 
 
-def _scan_two_levels(root: Path):
-    """Files in `root` and in its subdirectories (the fan-out level), as os.DirEntry."""
+def _bytes_of(block: torch.Tensor) -> memoryview:
+    """The block's bytes (a copy only when it is not a contiguous CPU tensor); the view keeps the tensor alive."""
+    if block.device.type != "cpu" or not block.is_contiguous():
+        block = block.detach().cpu().contiguous()
+    array = (ctypes.c_char * (block.numel() * block.element_size())).from_address(block.data_ptr())
+    array.tensor = block
+    return memoryview(array).cast("B")
+
+
+def _aligned_empty(num_bytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of num_bytes whose data starts on a 4096-byte boundary."""
+    raw = torch.empty(num_bytes + seg.ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % seg.ALIGN
+    return raw[start : start + num_bytes]
+
+
+def _is_segment_stem(stem: str) -> bool:
+    return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _position(entry: _Entry) -> tuple[int, int]:
+    return entry.segment_id, entry.offset
+
+
+def _runs(jobs: list[tuple], entries: list[_Entry]) -> list[list[tuple]]:
+    """Split jobs (one segment, sorted by offset) into runs of adjacent records, each one preadv."""
+    runs: list[list[tuple]] = []
+    max_records = seg.IOV_MAX // 3
+    for job in jobs:
+        last = runs[-1][-1] if runs else None
+        if last is not None and len(runs[-1]) < max_records and last[1] + entries[last[2]].record_num_bytes == job[1]:
+            runs[-1].append(job)
+        else:
+            runs.append([job])
+    return runs
+
+
+def _open_direct(path: str, opened: list[int], modes: seg.ReadModes) -> int | None:
+    """An O_DIRECT fd of `path`, opened once per read part (kept in `opened`); None where O_DIRECT is refused."""
+    if not modes.is_direct_ok:
+        return None
+    if not opened:
+        try:
+            opened.append(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
+        except OSError:
+            modes.is_direct_ok = False
+            return None
+    return opened[0]
+
+
+def _sync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_old_format(root: Path) -> None:
+    """Delete block files of the one-file-per-block format (in two-hex-digit subdirectories)."""
     for entry in os.scandir(root):
-        if entry.is_dir(follow_symlinks=False):
-            yield from (sub for sub in os.scandir(entry.path) if sub.is_file(follow_symlinks=False))
-        elif entry.is_file(follow_symlinks=False):
-            yield entry
-
-
-def _write_all(fd: int, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        written = os.writev(fd, views)
-        if written == 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
-        while views and written >= views[0].nbytes:
-            written -= views.pop(0).nbytes
-        if written:
-            views[0] = views[0][written:]
-
-
-def _read_all(fd: int, buffers: list) -> int:
-    """Fill `buffers` in order from the start of the file; fewer bytes only at end of file."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    num_read = 0
-    while views:
-        n = os.preadv(fd, views, num_read)
-        if n == 0:
-            break
-        num_read += n
-        while views and n >= views[0].nbytes:
-            n -= views.pop(0).nbytes
-        if n:
-            views[0] = views[0][n:]
-    return num_read
-
-
-def _payload_views(blocks: torch.Tensor) -> list[memoryview]:
-    """A writable byte view of each block of `blocks` ([num_blocks, ...], contiguous, CPU)."""
-    flat = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())
-    step = blocks[0].numel() * blocks.element_size() if len(blocks) else 0
-    return [flat[i * step : (i + 1) * step] for i in range(len(blocks))]
-
-
-def _touch(fd: int, stat: os.stat_result) -> None:
-    """Mark a block file used now, unless its mtime is already recent (see the module docstring)."""
-    if time.time() - stat.st_mtime >= _TOUCH_INTERVAL_S:
-        os.utime(fd)
+        if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
+            for sub in os.scandir(entry.path):
+                if sub.name.endswith(_OLD_FORMAT_SUFFIXES) and sub.is_file(follow_symlinks=False):
+                    _unlink_quietly(sub.path)
+            try:
+                os.rmdir(entry.path)
+            except OSError:
+                pass
+        elif entry.name.endswith(_OLD_FORMAT_SUFFIXES) or entry.name.startswith((f"{_ORDER_FILE}.", "probe.")):
+            _unlink_quietly(entry.path)
 
 
 def _unlink_quietly(path: str) -> None:
