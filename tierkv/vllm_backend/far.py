@@ -53,7 +53,7 @@ class FarRow:
 class _Request:
     hashes: list[str] = field(default_factory=list)            # chained hashes of its full blocks
     pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
-    pinned_slots: list[list[int]] = field(default_factory=list) # per layer, their CPU-tier slots
+    pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ class FarKV:
         """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below)."""
         if not req.pinned_keys:
             req.pinned_keys = [[] for _ in range(self.store.num_layers)]
-            req.pinned_slots = [[] for _ in range(self.store.num_layers)]
-        first = len(req.pinned_slots[0])
+            req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
+        first = req.pinned_slots[0].numel()
         if num_blocks <= first:
             return
         if num_blocks > len(req.hashes):
@@ -126,7 +126,7 @@ class FarKV:
                     f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "
                     f"running request (raise tiers[0].capacity_bytes)")
             req.pinned_keys[layer].extend(keys)
-            req.pinned_slots[layer].extend(slots)
+            req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], torch.tensor(slots, dtype=torch.int64)])
         self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
 
     # -- steps ------------------------------------------------------------------------------------
@@ -148,10 +148,12 @@ class FarKV:
         for row in far_rows:
             offsets.append(total)
             total += row.num_far_blocks
-        cpu_slots = []
+        cpu_slots = []  # per layer: the rows' far blocks one after another (views when one row has any)
+        far_reqs = [(self.requests[r.req_id], r.num_far_blocks) for r in far_rows if r.num_far_blocks]
         for layer in range(self.store.num_layers):
-            per_row = [self.requests[r.req_id].pinned_slots[layer][: r.num_far_blocks] for r in far_rows if r.num_far_blocks]
-            cpu_slots.append(torch.tensor([s for slots in per_row for s in slots], dtype=torch.int64))
+            per_row = [req.pinned_slots[layer][:n] for req, n in far_reqs]
+            cpu_slots.append(per_row[0] if len(per_row) == 1 else torch.cat(per_row) if per_row
+                             else torch.empty(0, dtype=torch.int64))
         decode = all(r.q_end - r.q_start == 1 for r in far_rows)
         self.streamer.plan(_StreamPlan(range(0, total), 1 if decode else max(2, q)), cpu_slots, self.block_tokens)
         region = self.pool.region_blocks
