@@ -184,7 +184,10 @@ def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_po
 
     assert AttentionBackendEnum.CUSTOM.get_path() == hot_window.BACKEND_PATH
     backend = AttentionBackendEnum.CUSTOM.get_class()
-    assert backend.get_name() == "CUSTOM" and backend is hot_window.HotWindowBackend
+    from tierkv.vllm_backend.hot_window_backend import HotWindowBackend
+
+    assert backend.get_name() == "CUSTOM" and backend is HotWindowBackend
+    assert f"{backend.__module__}.{backend.__qualname__}" == hot_window.BACKEND_PATH  # vLLM resolves it by this path
     window = 4096
     config_file = write_config(tmp_path, window=window, staging_blocks=8)
     layer = SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto", sliding_window=None, num_kv_heads=8,

@@ -1,0 +1,85 @@
+"""tierkv's hot-window attention backend for vLLM 0.26, registered as "CUSTOM" by
+`hot_window.register()`: vLLM's FlashAttention backend whose forward adds the far blocks.
+
+Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
+
+    near: FlashAttention over vLLM's pool with each row's block table and key length starting
+          past its far blocks (`HotWindowStep.near`), causal, returning the LSE
+    far:  `FarKV.attend` over the blocks vLLM freed, streamed from the CPU tier
+    out:  the LSE merge of the two
+
+Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
+"""
+from __future__ import annotations
+
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends import flash_attn as fa
+
+from tierkv.attention import merge_partials
+from tierkv.vllm_backend.hot_window import _STATE, current_step
+
+
+class HotWindowMetadataBuilder(fa.FlashAttentionMetadataBuilder):
+    # the far part streams per layer under host control: never inside a captured graph
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class HotWindowImpl(fa.FlashAttentionImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tierkv hot window: fused output quantization is not supported")
+        if self.attn_type != AttentionType.DECODER or attn_metadata.use_cascade or self.dcp_world_size > 1:
+            raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
+        if fa.is_quantized_kv_cache(self.kv_cache_dtype):
+            raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
+        n = attn_metadata.num_actual_tokens
+        step = current_step()
+        if step is None:  # a warm-up forward outside the connector: nothing may lie beyond the window
+            window = _STATE.get("window")
+            if window is None or attn_metadata.max_seq_len > window:
+                raise RuntimeError(
+                    f"tierkv hot window: a forward over {attn_metadata.max_seq_len} tokens (window {window}) "
+                    "without the connector's step; the far blocks are unknown")
+            table, seqused_k, max_k = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.max_seq_len
+        else:
+            table, seqused_k, max_k = step.near(attn_metadata)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
+        has_far = step is not None and step.has_far
+        result = fa.flash_attn_varlen_func(
+            q=query[:n], k=key_cache, v=value_cache, out=None if has_far else output[:n],
+            cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=self.scale, causal=True,
+            alibi_slopes=self.alibi_slopes, window_size=None, block_table=table, softcap=self.logits_soft_cap,
+            fa_version=self.vllm_flash_attn_version, k_descale=layer._k_scale.expand(descale),
+            v_descale=layer._v_scale.expand(descale), s_aux=self.sinks, return_softmax_lse=has_far,
+        )
+        if not has_far:
+            return output
+        near_out, near_lse = result
+        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale)
+        if far is None:
+            output[:n] = near_out
+            return output
+        merged, _ = merge_partials([(near_out.float(), near_lse[:, :n].transpose(0, 1).float()), far])
+        output[:n] = merged.to(output.dtype)
+        return output
+
+
+class HotWindowBackend(fa.FlashAttentionBackend):
+    _tierkv_hot_window = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return HotWindowImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return HotWindowMetadataBuilder
