@@ -374,3 +374,11 @@ def test_reput_of_identical_bytes_only_refreshes_and_different_bytes_rewrite(tmp
         assert torch.equal(tier.get("a/L0"), other)          # different bytes are written
     finally:
         tier.close()
+
+
+def test_two_live_tiers_on_one_path_each_write_their_own_segments(layout, tmp_path):
+    """Tensor-parallel ranks may share a disk path: segment ids never collide, no put fails."""
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as a, DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as b:
+        assert a.put(key_of(1), make_block(layout, 1)).ok and b.put(key_of(2), make_block(layout, 2)).ok
+        assert torch.equal(a.get(key_of(1)), make_block(layout, 1)) and torch.equal(b.get(key_of(2)), make_block(layout, 2))
+    assert sorted(keys_on_disk(tmp_path)) == [key_of(1), key_of(2)]

@@ -30,7 +30,9 @@ Index: key -> (segment, offset, sizes, payload CRC-32), LRU-ordered, rebuilt on 
 the segment headers in write order (a later record of a key wins) and then reordered by
 lru.order when the last run closed cleanly (else write order stands). Capacity, used_bytes and
 the byte counters count block bytes (layout.num_bytes each); a record on disk also holds its
-4 KiB header region and padding to 4 KiB. One DiskTier owns a directory.
+4 KiB header region and padding to 4 KiB. One DiskTier should own a directory: two live tiers
+on one path (tensor-parallel ranks) each append to segments of their own, see the other's
+blocks only as found at start, and never serve wrong bytes (reads check key and checksum).
 """
 from __future__ import annotations
 
@@ -294,9 +296,13 @@ class DiskTier(StorageTier):
                     del self._num_live[old]
             if is_dead:
                 self._unlink(self._segment_path(old))
-        segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        self._active_fd = os.open(self._segment_path(segment_id), flags, 0o644)
+        while self._active_fd is None:  # another tier on this path may have taken the id: try the next
+            segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
+            try:
+                self._active_fd = os.open(self._segment_path(segment_id), flags, 0o644)
+            except FileExistsError:
+                continue
         self._active_size = 0
         with self._lock:
             self._active_id = segment_id
