@@ -64,7 +64,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int):
     return LLM(model=model_dir, **common), None
 
 
-def run(mode: str, model_dir: str, out: str, context: int, layers: int) -> None:
+def run(mode: str, model_dir: str, out: str, context: int, layers: int, prefix: bool = True) -> None:
     import random
 
     from vllm import SamplingParams
@@ -76,22 +76,27 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int) -> None:
     prompt = [rng.randrange(3, 128000) for _ in range(context)]
     prefix = prompt[:100_000]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    decode = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True, logprobs=2)
     llm.generate([{"prompt_token_ids": [5] * 512}], one, use_tqdm=False)  # warm-up
+
+    top2: list[list[float]] = []
 
     def timed(ids, params):
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        return time.perf_counter() - start, list(outs[0].outputs[0].token_ids)
+        elapsed = time.perf_counter() - start
+        top2[:] = [sorted((lp.logprob for lp in s.values()), reverse=True)[:2] for s in outs[0].outputs[0].logprobs or []]
+        return elapsed, list(outs[0].outputs[0].token_ids)
 
     prefill_s, _ = timed(prompt, one)
     total_s, tokens = timed(prompt, decode)
-    first_prefix_s, _ = timed(prefix + [11], one)
-    repeat_prefix_s, _ = timed(prefix + [12], one)
+    top2_decode = [list(t) for t in top2]
+    first_prefix_s, _ = timed(prefix + [11], one) if prefix else (float("nan"), None)
+    repeat_prefix_s, _ = timed(prefix + [12], one) if prefix else (float("nan"), None)
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
-           "prefill_s": prefill_s, "decode_ms_per_token": 1e3 * (total_s - prefill_s) / 32, "tokens": tokens,
+           "prefill_s": prefill_s, "decode_ms_per_token": 1e3 * (total_s - prefill_s) / 32, "tokens": tokens, "top2_logprobs": top2_decode,
            "prefix_ttft_first_s": first_prefix_s, "prefix_ttft_repeat_s": repeat_prefix_s,
            "connector": tiered.stats() if tiered is not None else None}
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -107,9 +112,19 @@ def table(out: str) -> None:
     for mode, r in rows.items():
         ratio = r["prefill_s"] / plain["prefill_s"] if plain else float("nan")
         same = (r["tokens"] == plain["tokens"]) if plain else None
+        if plain and not same:  # the first divergent step and plain vLLM's top-2 margin there: a near-tie?
+            step = next(i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b)
+            lp = (plain.get("top2_logprobs") or [])[step:step + 1]
+            margin = lp[0][0] - lp[0][1] if lp and len(lp[0]) > 1 else None
+            same = f"step {step} (margin {margin:.4f})" if margin is not None else f"step {step}"
         print(f"{mode:<11} {r['kv_reserved_bytes'] / 2**30:15.2f} {r['prefill_s']:9.2f} {ratio:7.2f} "
               f"{r['decode_ms_per_token']:9.1f} {r['prefix_ttft_first_s']:13.2f}/{r['prefix_ttft_repeat_s']:<13.2f} "
               f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {str(same):>14}")
+        if mode != "plain" and plain and r.get("top2_logprobs") and plain.get("top2_logprobs"):
+            agree = next((i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b), len(r["tokens"]))
+            worst = max((abs(x - y) for i in range(agree) for x, y in zip(r["top2_logprobs"][i], plain["top2_logprobs"][i])),
+                        default=0.0)
+            print(f"{'':<11} top-2 logprobs |diff| vs plain over the {agree} agreeing steps: {worst:.4f}")
 
 
 def main() -> int:
@@ -118,6 +133,7 @@ def main() -> int:
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=131072 - 64)
+    parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     args = parser.parse_args()
     if args.what == "model":
         build_model(args.rest[0], args.layers)
@@ -126,7 +142,7 @@ def main() -> int:
         if mode not in ("plain", "offloading", "tierkv"):
             parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        run(mode, model_dir, out, args.context, args.layers)
+        run(mode, model_dir, out, args.context, args.layers, prefix=not args.no_prefix)
     else:
         table(args.rest[0])
     return 0
