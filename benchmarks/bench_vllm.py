@@ -64,7 +64,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int):
     return LLM(model=model_dir, **common), None
 
 
-def run(mode: str, model_dir: str, out: str, context: int, layers: int, prefix: bool = True) -> None:
+def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True) -> None:
     import random
 
     from vllm import SamplingParams
@@ -91,8 +91,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, prefix: 
     prefill_s, _ = timed(prompt, one)
     total_s, tokens = timed(prompt, decode)
     top2_decode = [list(t) for t in top2]
-    first_prefix_s, _ = timed(prefix + [11], one) if prefix else (float("nan"), None)
-    repeat_prefix_s, _ = timed(prefix + [12], one) if prefix else (float("nan"), None)
+    first_prefix_s, _ = timed(prefix + [11], one) if with_prefix else (float("nan"), None)
+    repeat_prefix_s, _ = timed(prefix + [12], one) if with_prefix else (float("nan"), None)
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
@@ -142,7 +142,7 @@ def main() -> int:
         if mode not in ("plain", "offloading", "tierkv"):
             parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        run(mode, model_dir, out, args.context, args.layers, prefix=not args.no_prefix)
+        run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix)
     else:
         table(args.rest[0])
     return 0
