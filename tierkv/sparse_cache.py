@@ -97,8 +97,8 @@ class FarBlockCache:
         directory.index_put_((torch.where(ok, ids, cap),), victim)               # map the admitted ones
         self.block_of_slot[layer].index_put_((victim,), torch.where(ok, ids, -1))
         self.last_use[layer].index_fill_(0, victim, tick)
-        directory[cap] = -1  # the sink entries hold nothing
-        self.block_of_slot[layer, C] = -1
+        directory[cap : cap + 1].fill_(-1)  # the sink entries hold nothing (fill_: no host-to-device copy)
+        self.block_of_slot[layer, C : C + 1].fill_(-1)
         return torch.where(ok, victim, -1)
 
     def staging_slots(self, layer: int, local_slots: torch.Tensor) -> torch.Tensor:
