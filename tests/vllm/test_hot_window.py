@@ -222,7 +222,7 @@ def test_connector_sends_positions_hashes_and_finished_requests_under_the_hot_wi
         assert connector.hot_window == window
         prompt = [random.randrange(1000) for _ in range(5 * BS + 3)]
         req = make_request("r1", prompt)
-        assert connector.get_num_new_matched_tokens(req, 0) == (0, False)  # no prefix loads in hot-window mode
+        assert connector.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing in the tiers yet
         out = schedule(req, list(range(6)), 0)
         meta = pickle.loads(pickle.dumps(connector.build_connector_meta(out)))
         assert isinstance(meta, TierKVMetadata)
@@ -256,3 +256,71 @@ def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
     tight = load_config({"cache": {"gpu_budget_bytes": "256MiB"}, "scheduler": {"staging_bytes": "256MiB"}}, env={})
     with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
         hot_window_engine_args(tight)
+
+
+class _Runner:  # what the backend reads of vLLM's model runner: the batch's request order
+    def __init__(self, req_ids):
+        self.input_batch = SimpleNamespace(req_ids=list(req_ids), num_reqs=len(req_ids))
+
+
+def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tiers(tmp_path):
+    """vLLM's own KV cache manager with the hot-window spec gives a prefix found in the tiers null
+    blocks before the window; the connector loads only the window's blocks into vLLM's pool, and
+    the far part of the same step reads the blocks before it from the tiers, bit-exactly."""
+    import weakref
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import NewRequestData
+
+    window = 4 * BS
+    config_file = write_config(tmp_path, window=window, staging_blocks=5)
+    kv_config = hot_kv_cache_config(window)
+    engine = vllm_config(config_file)  # one engine: its scheduler side sees the worker's CPU tier
+    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
+    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    worker.register_kv_caches(caches)
+    store = worker.store
+    prompt = [random.randrange(1000) for _ in range(10 * BS + 3)]
+    hashes = store.extend_hashes([], prompt, 10)
+    saved_ids = list(range(40, 50))
+    try:
+        for name in NAMES:  # an earlier request computed the prompt's 10 full blocks
+            store.save_layer(store.layer_index[name], caches[name], [BlockSpan("earlier", saved_ids, hashes)])
+        store.poll(wait=True)
+        original = {n: store.paged.read(caches[n], torch.tensor(saved_ids)) for n in NAMES}
+        req = make_request("again", prompt)
+        matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
+        assert matched == 10 * BS
+        manager = KVCacheManager(kv_config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
+                                 max_in_flight_tokens=256, enable_caching=False)
+        assert manager.allocate_slots(req, len(prompt) - matched, num_external_computed_tokens=matched) is not None
+        row = manager.get_blocks(req.request_id)
+        scheduler.update_state_after_alloc(req, row, matched)
+        out = schedule(req, row.get_block_ids()[0], matched)
+        meta = pickle.loads(pickle.dumps(scheduler.build_connector_meta(out)))
+        first_resident = far_blocks(matched, window, BS)
+        (load,) = meta.loads
+        assert load.hashes == hashes[first_resident:10] and 0 not in load.block_ids
+        assert meta.scheduled == {"again": (matched, len(prompt) - matched)}
+        runner = _Runner(["again"])
+        hot_window._STATE["runner"] = weakref.ref(runner)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        step = hot_window.current_step()
+        assert [r.num_far_blocks for r in step.rows] == [first_resident]
+        q = torch.randn(len(prompt) - matched, HQ, D)
+        for name in NAMES:
+            worker.wait_for_layer_load(name)
+            loaded = store.paged.read(caches[name], torch.tensor(load.block_ids))
+            assert torch.equal(loaded, original[name][first_resident:])
+            out_far, lse_far = step.far.attend(store.layer_index[name], q, 0.3)
+            want_out, want_lse = dense(q, original[name][:first_resident], 0.3)
+            torch.testing.assert_close(out_far.double(), want_out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse_far.double(), want_lse, rtol=1e-5, atol=1e-5)
+        worker.wait_for_save()
+        assert hot_window.current_step() is None
+    finally:
+        hot_window._STATE["runner"] = None
+        worker.shutdown()
+        scheduler.shutdown()

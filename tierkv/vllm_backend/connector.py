@@ -183,7 +183,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         start = num_computed_tokens // self.block_size
         end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
         state.load_range = None
-        if end <= start or self.hot_window is not None:  # hot window: prefixes are not loaded back yet
+        if end <= start:
             return 0, False
         hashes = self.store.extend_hashes(state.hashes, prompt, end)
         found = self.store.present_prefix(hashes[start:end])
@@ -198,8 +198,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             state.load_range = None
             return
         start, end = state.load_range
-        block_ids = blocks.get_block_ids()[0]
-        state.pending_load = BlockSpan(request.request_id, list(block_ids[start:end]), state.hashes[start:end])
+        row = blocks.blocks[0]
+        # under the hot window vLLM gives the prefix's blocks before the window the null block:
+        # only the window is loaded into its pool, the far part reads the rest from the tiers
+        keep = [i for i in range(start, min(end, len(row))) if not row[i].is_null]
+        state.pending_load = BlockSpan(request.request_id, [row[i].block_id for i in keep], [state.hashes[i] for i in keep])
         state.next_block_to_save = max(state.next_block_to_save, end)  # already held by the tiers
         state.load_range = None
 
