@@ -114,7 +114,10 @@ def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_pat
             far.finish(req)
         store.poll(wait=True)
         assert sum(store.cpu._pins.values()) == 0
-        assert far.stats()["far_blocks_read"] == LAYERS * sum(r.num_far_blocks for r in rows)
+        stats = far.stats()
+        assert stats["far_blocks_read"] == LAYERS * sum(r.num_far_blocks for r in rows)
+        per_layer = -(-sum(r.num_far_blocks for r in rows) // far.pool.region_blocks)
+        assert stats["prefetch"]["layers"]["chunks"] == [per_layer] * LAYERS  # every chunk reported to the recorder
     finally:
         far.close()
         store.close()

@@ -28,6 +28,7 @@ import torch
 
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
+from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
@@ -65,8 +66,10 @@ class _StreamPlan:
 
 
 class FarKV:
-    def __init__(self, store, window_tokens: int, *, recorder=None):
-        """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O)."""
+    def __init__(self, store, window_tokens: int):
+        """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
+        streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
+        timed by the GPU."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
@@ -75,7 +78,8 @@ class FarKV:
         lookahead = store.lookahead
         self.pool = GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), store.config.scheduler.staging_bytes,
                                  max(2, lookahead + 1), store.device)
-        self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=recorder)
+        self.recorder = PrefetchRecorder(store.num_layers)
+        self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=self.recorder)
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
@@ -207,10 +211,15 @@ class FarKV:
         self.rows, self._pieces = [], []
 
     def stats(self) -> dict:
+        """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
+        copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
         s = self.streamer
-        return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests), "chunks_streamed": s.num_chunks_streamed,
-                "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls, "chunks_carried": s.num_chunks_carried,
-                "chunks_discarded": s.num_chunks_discarded, "staging_bytes": self.pool.staging_bytes}
+        prefetch = self.recorder.snapshot()
+        return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
+                "chunks_streamed": s.num_chunks_streamed, "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls,
+                "chunks_carried": s.num_chunks_carried, "chunks_discarded": s.num_chunks_discarded,
+                "staging_bytes": self.pool.staging_bytes,
+                "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:
         for req_id in list(self.requests):
