@@ -88,8 +88,14 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         top2[:] = [sorted((lp.logprob for lp in s.values()), reverse=True)[:2] for s in outs[0].outputs[0].logprobs or []]
         return elapsed, list(outs[0].outputs[0].token_ids)
 
+    def far_wait_s() -> float:  # compute's GPU-timed wait for far copies so far (hot window)
+        return tiered.stats().get("hot_window", {}).get("wait_s", 0.0) if tiered is not None else 0.0
+
+    wait0 = far_wait_s()
     prefill_s, _ = timed(prompt, one)
+    wait1 = far_wait_s()
     total_s, tokens = timed(prompt, decode)
+    wait2 = far_wait_s()
     top2_decode = [list(t) for t in top2]
     first_prefix_s, _ = timed(prefix + [11], one) if with_prefix else (float("nan"), None)
     repeat_prefix_s, _ = timed(prefix + [12], one) if with_prefix else (float("nan"), None)
@@ -97,6 +103,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
            "prefill_s": prefill_s, "decode_ms_per_token": 1e3 * (total_s - prefill_s) / 32, "tokens": tokens, "top2_logprobs": top2_decode,
+           "far_wait_prefill_s": wait1 - wait0, "far_wait_prefill_and_decode_s": wait2 - wait1,
            "prefix_ttft_first_s": first_prefix_s, "prefix_ttft_repeat_s": repeat_prefix_s,
            "connector": tiered.stats() if tiered is not None else None}
     Path(out).mkdir(parents=True, exist_ok=True)
