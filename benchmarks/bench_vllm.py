@@ -1,7 +1,7 @@
 """vLLM at 128k: plain vLLM, vLLM's OffloadingConnector and vLLM with the tierkv connector, side by side.
 
     python benchmarks/bench_vllm.py model DIR [--layers 32]        build an 8B-shaped random checkpoint
-    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | tierkv
+    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | tierkv | tierkv-sparse
     python benchmarks/bench_vllm.py table OUT                       the rows, from OUT/bench-vllm-*.json
 
 One engine per process (run each MODE in its own call of this script). Rows per mode: GPU memory
@@ -50,10 +50,12 @@ HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_b
 def engine(mode: str, model_dir: str, out: str, layers: int):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
-    if mode == "tierkv":  # the hot window: vLLM's pool holds 2048 tokens per request, far blocks in the CPU tier
+    if mode in ("tierkv", "tierkv-sparse"):  # the hot window: vLLM's pool holds 2048 tokens per request
         from tierkv import TieredLLM
 
         config = {**HOT_WINDOW, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
+        if mode == "tierkv-sparse":  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
+            config["scheduler"] = {**config["scheduler"], "policy": "sparse", "sparse_token_budget": 2048}
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
         llm = TieredLLM(model_dir, config, backend="vllm", **hot)
         return llm.engine, llm
@@ -146,8 +148,8 @@ def main() -> int:
         build_model(args.rest[0], args.layers)
     elif args.what == "run":
         mode, model_dir, out = args.rest
-        if mode not in ("plain", "offloading", "tierkv"):
-            parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv")
+        if mode not in ("plain", "offloading", "tierkv", "tierkv-sparse"):
+            parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv, tierkv-sparse")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix)
     else:

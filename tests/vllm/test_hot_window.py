@@ -43,14 +43,15 @@ from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_
 HQ = 4  # query heads: GQA group of 2
 
 
-def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000) -> str:
+def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0) -> str:
     block_bytes = 2 * H * BS * D * 4
     path = tmp_path / "hot.yaml"
+    sparse = ["  policy: sparse", f"  sparse_token_budget: {sparse_tokens}"] if sparse_tokens else []
     path.write_text("\n".join([
         "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
         "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
-        "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}",
+        "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}", *sparse,
     ]) + "\n")
     return str(path)
 
@@ -323,6 +324,126 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
             torch.testing.assert_close(lse_far.double(), want_lse, rtol=1e-5, atol=1e-5)
         worker.wait_for_save()
         assert hot_window.current_step() is None
+    finally:
+        hot_window._STATE["runner"] = None
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, plant=None, summarize_all=True):
+    """A store, a sparse FarKV and one request of `num_blocks` saved blocks (keys near zero but for
+    the `plant` blocks, whose keys align with +q); returns (far, store, caches, ids, q)."""
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) * 0.1 for n in NAMES}
+    q = torch.randn(1, H, D).repeat_interleave(HQ // H, dim=1)  # the query heads of a KV group agree
+    ids = list(range(num_blocks))
+    for b in plant or []:
+        for name in NAMES:  # K = 10 q of its group, V random: these blocks carry nearly all the attention
+            caches[name][b, :, :, :D] = 10 * q[0, :: HQ // H].unsqueeze(1)
+    store.register(caches)
+    far = FarKV(store, window)
+    hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(num_blocks * BS)], num_blocks)
+    far.add_hashes("r", 0, hashes)
+    for name in NAMES:
+        spans = [BlockSpan("r", ids, hashes)]
+        blocks = store.save_layer(store.layer_index[name], caches[name], spans)
+        if summarize_all:
+            far.summarize(store.layer_index[name], spans, blocks)
+    store.poll(wait=True)
+    return far, store, caches, ids, q
+
+
+def test_sparse_with_a_budget_covering_the_context_equals_exact(tmp_path):
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=64 * BS, window=window, num_blocks=30)
+    try:
+        (row,) = far.begin_step([("r", 30 * BS, 1)])
+        assert far._sparse_rows == [0] and row.num_far_blocks == far_blocks(30 * BS, window, BS)
+        for name in NAMES:
+            out, lse = far.attend(store.layer_index[name], q, 0.3)
+            want_out, want_lse = dense(q, store.paged.read(caches[name], torch.tensor(ids[: row.num_far_blocks])), 0.3)
+            torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+        assert far.stats()["sparse_selections"] == LAYERS
+    finally:
+        far.close()
+        store.close()
+
+
+def test_sparse_selection_finds_planted_blocks_and_reads_only_the_budget(tmp_path):
+    """A 4-block budget over 40 far blocks: the selection holds the 3 planted blocks, and the output
+    is within 1e-2 of dense attention over all far blocks; sinks + nothing else would not be."""
+    window = 2 * BS
+    plant = random.sample(range(1, 38), 3)
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42, plant=plant)
+    try:
+        (row,) = far.begin_step([("r", 42 * BS, 1)])
+        assert row.num_far_blocks == 40
+        for name in NAMES:
+            layer = store.layer_index[name]
+            selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+            assert len(selected) == 4 and set(plant) <= set(selected)
+            before = far.counts["far_blocks_read"]
+            out, _ = far.attend(layer, q, 0.3)
+            assert far.counts["far_blocks_read"] - before == 4
+            want, _ = dense(q, store.paged.read(caches[name], torch.tensor(ids[:40])), 0.3)
+            err = (out.double() - want).norm() / want.norm()
+            assert err < 1e-2, f"relative error {err:.2e} with the planted blocks selected"
+    finally:
+        far.close()
+        store.close()
+
+
+def test_sparse_always_reads_blocks_it_has_no_summary_of(tmp_path):
+    """Blocks served by the tiers without being computed here (a loaded prefix) have no key summary:
+    they are attended in addition to the budget, never dropped on a guess."""
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=20,
+                                               summarize_all=False)
+    try:
+        (row,) = far.begin_step([("r", 20 * BS, 1)])
+        layer = 0
+        assert far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist() == list(range(row.num_far_blocks))
+        spans = [BlockSpan("r", ids[:10], far.requests["r"].hashes[:10])]
+        far.summarize(layer, spans, store.paged.read(caches[NAMES[0]], torch.tensor(ids[:10])))
+        selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+        assert set(range(10, row.num_far_blocks)) <= set(selected) and len(selected) == row.num_far_blocks - 10 + 2
+    finally:
+        far.close()
+        store.close()
+
+
+def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_path):
+    import weakref
+
+    window = 2 * BS
+    config_file = write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=2 * BS)
+    engine = vllm_config(config_file)
+    kv_config = hot_kv_cache_config(window)
+    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
+    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    worker.register_kv_caches(caches)
+    runner = _Runner(["s"])
+    try:
+        req = make_request("s", [random.randrange(1000) for _ in range(6 * BS + 1)])
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        meta = scheduler.build_connector_meta(schedule(req, list(range(7)), 0))
+        hot_window._STATE["runner"] = weakref.ref(runner)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for name in NAMES:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, caches[name], None)
+        worker.wait_for_save()
+        summaries = worker._far.requests["s"].summaries
+        for name in NAMES:
+            layer = worker.store.layer_index[name]
+            keys = worker.store.paged.read(caches[name], torch.arange(6))[:, 0]
+            torch.testing.assert_close(summaries.kmin[layer][:6], keys.amin(dim=2))
+            torch.testing.assert_close(summaries.kmax[layer][:6], keys.amax(dim=2))
+            assert worker._far.requests["s"].summarized[layer][:6].all()
     finally:
         hot_window._STATE["runner"] = None
         worker.shutdown()

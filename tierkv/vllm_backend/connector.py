@@ -148,7 +148,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TierKVMetadata)
         if metadata.saves:
-            self.store.save_layer(self.store.layer_index[layer_name], kv_layer, metadata.saves)
+            layer = self.store.layer_index[layer_name]
+            blocks = self.store.save_layer(layer, kv_layer, metadata.saves)
+            if self._far is not None and blocks is not None:
+                self._far.summarize(layer, metadata.saves, blocks)
 
     def wait_for_save(self):
         if self._far is not None:

@@ -16,7 +16,10 @@ merges them with the LSE rule, so the result is exact attention over [0, p].
 
 Per step the far blocks of all requests form one list per layer (request after request); the
 lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
-computes. A request's far blocks stay pinned in the CPU tier from the step they become far until
+computes. Under `scheduler.policy: sparse` a decoding request instead attends the
+`sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
+min/max, kept on the device from the copies the connector saves), fetched once selected, plus
+any far block it has no summary of (a prefix served by the tiers); prefill stays exact. A request's far blocks stay pinned in the CPU tier from the step they become far until
 the request finishes, so a step pins only the blocks that became far since the last one.
 """
 from __future__ import annotations
@@ -24,11 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
+from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.sparse import BlockSummaries
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
@@ -53,8 +59,14 @@ class FarRow:
 @dataclass
 class _Request:
     hashes: list[str] = field(default_factory=list)            # chained hashes of its full blocks
+    index: dict[str, int] = field(default_factory=dict)        # hash -> block index
     pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
     pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
+    # sparse policy only
+    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device
+    summaries: BlockSummaries | None = None                    # per layer key min/max of its blocks, on the device
+    summarized: list[np.ndarray] = field(default_factory=list)  # per layer, host: block has a summary
+    summarized_dev: list[torch.Tensor] = field(default_factory=list)  # the same on the device
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,12 @@ class FarKV:
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
-        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0}
+        self._sparse_rows: list[int] = []
+        scheduler = store.config.scheduler
+        # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
+        self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
+                              if scheduler.policy == "sparse" else None)
+        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0}
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -91,8 +108,71 @@ class FarKV:
         req = self.requests.setdefault(req_id, _Request())
         if start > len(req.hashes):
             raise ValueError(f"request {req_id}: block hashes from {start} arrived, but only {len(req.hashes)} are known")
+        for h in req.hashes[start:]:
+            req.index.pop(h, None)
         del req.hashes[start:]
+        req.index.update((h, start + i) for i, h in enumerate(hashes))
         req.hashes.extend(hashes)
+
+    def summarize(self, layer: int, spans: Sequence, blocks: torch.Tensor) -> None:
+        """Sparse policy: key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device,
+        the spans' blocks in order), kept per request and block index for the selection."""
+        if self.sparse_blocks is None:
+            return
+        offset = 0
+        for span in spans:
+            req = self.requests.get(span.req_id)
+            n = len(span.block_ids)
+            if req is not None:
+                indices = [req.index.get(h) for h in span.hashes]
+                run_start = 0
+                for i in range(1, n + 1):  # runs of consecutive block indices
+                    if i < n and indices[i] is not None and indices[i - 1] is not None and indices[i] == indices[i - 1] + 1:
+                        continue
+                    if indices[run_start] is not None:
+                        self._summarize_run(req, layer, indices[run_start], blocks[offset + run_start : offset + i])
+                    run_start = i
+            offset += n
+
+    def _summarize_run(self, req: _Request, layer: int, first: int, blocks: torch.Tensor) -> None:
+        layout = self.store.layout
+        if req.summaries is None:
+            req.summaries = BlockSummaries(self.store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                           self.store.device)
+            req.summarized = [np.zeros(0, dtype=bool) for _ in range(self.store.num_layers)]
+            req.summarized_dev = [torch.zeros(0, dtype=torch.bool, device=self.store.device)
+                                  for _ in range(self.store.num_layers)]
+        req.summaries.update(layer, first, blocks)
+        end = first + blocks.shape[0]
+        have = req.summarized[layer]
+        if end > have.size:
+            cap = req.summaries.kmin[layer].shape[0]
+            req.summarized[layer] = np.concatenate([have, np.zeros(cap - have.size, dtype=bool)])
+            grown = torch.zeros(cap, dtype=torch.bool, device=self.store.device)
+            grown[: have.size] = req.summarized_dev[layer]
+            req.summarized_dev[layer] = grown
+        req.summarized[layer][first:end] = True
+        req.summarized_dev[layer][first:end].fill_(True)
+
+    def _select(self, req: _Request, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:
+        """Far blocks a decoding row attends: int64 [m] on the device, in block order. Every block
+        without a summary (a prefix served by the tiers, never computed here), plus the k blocks with
+        the largest key bound among the others; all of them when k covers them."""
+        device = q.device
+        have = req.summarized[layer][:num_far] if req.summaries is not None else np.zeros(0, dtype=bool)
+        have = np.concatenate([have, np.zeros(num_far - have.size, dtype=bool)])
+        num_summarized = int(have.sum())
+        k = min(self.sparse_blocks, num_summarized)
+        if k >= num_summarized:
+            return torch.arange(num_far, device=device)
+        ids = torch.arange(num_far, device=device)
+        scores = req.summaries.upper_bounds(layer, q, ids)
+        scores = torch.where(req.summarized_dev[layer][:num_far], scores, float("-inf"))
+        top = torch.topk(scores, k).indices
+        missing = np.flatnonzero(~have)
+        if missing.size:
+            top = torch.cat([top, to_device_no_sync(missing.tolist(), device)])
+        return torch.sort(top).values
 
     def finish(self, req_id: str) -> None:
         """Unpin a finished request's far blocks and forget it."""
@@ -108,6 +188,8 @@ class FarKV:
         if not req.pinned_keys:
             req.pinned_keys = [[] for _ in range(self.store.num_layers)]
             req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
+            req.pinned_slots_dev = [torch.empty(0, dtype=torch.int64, device=self.store.device)
+                                    for _ in range(self.store.num_layers)]
         first = req.pinned_slots[0].numel()
         if num_blocks <= first:
             return
@@ -130,7 +212,10 @@ class FarKV:
                     f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "
                     f"running request (raise tiers[0].capacity_bytes)")
             req.pinned_keys[layer].extend(keys)
-            req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], torch.tensor(slots, dtype=torch.int64)])
+            new = torch.tensor(slots, dtype=torch.int64)
+            req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
+            if self.sparse_blocks is not None:
+                req.pinned_slots_dev[layer] = torch.cat([req.pinned_slots_dev[layer], to_device_no_sync(new, self.store.device)])
         self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
 
     # -- steps ------------------------------------------------------------------------------------
@@ -148,12 +233,15 @@ class FarKV:
                     raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
                 self._pin(req_id, req, n_far)
         self.rows = far_rows
+        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 for r in far_rows]
+        self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
+        streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
         offsets, total = [], 0
-        for row in far_rows:
+        for n in streamed:
             offsets.append(total)
-            total += row.num_far_blocks
+            total += n
         cpu_slots = []  # per layer: the rows' far blocks one after another (views when one row has any)
-        far_reqs = [(self.requests[r.req_id], r.num_far_blocks) for r in far_rows if r.num_far_blocks]
+        far_reqs = [(self.requests[r.req_id], n) for r, n in zip(far_rows, streamed) if n]
         for layer in range(self.store.num_layers):
             per_row = [req.pinned_slots[layer][:n] for req, n in far_reqs]
             cpu_slots.append(per_row[0] if len(per_row) == 1 else torch.cat(per_row) if per_row
@@ -164,9 +252,8 @@ class FarKV:
         self._pieces = []
         for start in range(0, total, region):
             end = min(start + region, total)
-            self._pieces.append([(i, max(o, start) - start, min(o + r.num_far_blocks, end) - start)
-                                 for i, (r, o) in enumerate(zip(far_rows, offsets))
-                                 if r.num_far_blocks and o < end and o + r.num_far_blocks > start])
+            self._pieces.append([(i, max(o, start) - start, min(o + n, end) - start)
+                                 for i, (n, o) in enumerate(zip(streamed, offsets)) if n and o < end and o + n > start])
         self.counts["steps"] += 1
         if total:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
@@ -181,7 +268,7 @@ class FarKV:
         """Attention of the step's queries q [num_tokens, H, D] over their far blocks of `layer`:
         float32 (out [num_tokens, H, D], lse [num_tokens, H]), lse -inf for rows without far
         blocks; None when no row of this step has any."""
-        if not self._pieces:
+        if not self._pieces and not self._sparse_rows:
             return None
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         staging = self.pool.staging
@@ -198,6 +285,17 @@ class FarKV:
                                                    chunk.num_tokens[first:end], scale=scale)
                 parts.setdefault(i, []).append(part)
                 self.counts["far_blocks_read"] += end - first
+        for i in self._sparse_rows:  # fetched once selected: each piece counts as a stall
+            row = self.rows[i]
+            req = self.requests[row.req_id]
+            q_row = q[row.q_start : row.q_end]
+            ids = self._select(req, layer, q_row[0], row.num_far_blocks)
+            slots = req.pinned_slots_dev[layer].index_select(0, ids)
+            self.counts["far_blocks_read"] += ids.numel()
+            for chunk in self.streamer.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
+                parts.setdefault(i, []).append(paged_partial_attention(
+                    q_row, staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
+            self.counts["sparse_selections"] += 1
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for i, row_parts in parts.items():
@@ -208,7 +306,7 @@ class FarKV:
         return out, lse
 
     def end_step(self) -> None:
-        self.rows, self._pieces = [], []
+        self.rows, self._pieces, self._sparse_rows = [], [], []
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
@@ -218,7 +316,9 @@ class FarKV:
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
                 "chunks_streamed": s.num_chunks_streamed, "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls,
                 "chunks_carried": s.num_chunks_carried, "chunks_discarded": s.num_chunks_discarded,
-                "staging_bytes": self.pool.staging_bytes,
+                "staging_bytes": self.pool.staging_bytes, "policy": "sparse" if self.sparse_blocks else "exact",
+                "summary_bytes": sum(2 * r.summaries.kmin[0].numel() * r.summaries.kmin[0].element_size()
+                                     * self.store.num_layers for r in self.requests.values() if r.summaries is not None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

@@ -211,11 +211,12 @@ class VllmKVStore:
             self.paged.kind(kv)  # a layout tierkv reads, or a clear error now
             self.kv_caches[self.layer_index[name]] = kv
 
-    def save_layer(self, layer: int, kv: torch.Tensor, spans: Sequence[BlockSpan]) -> None:
-        """Copy this step's full blocks of `layer` out of vLLM's cache and start their D2H."""
+    def save_layer(self, layer: int, kv: torch.Tensor, spans: Sequence[BlockSpan]) -> torch.Tensor | None:
+        """Copy this step's full blocks of `layer` out of vLLM's cache and start their D2H.
+        Returns the private copy [n, 2, H, T, D] (the spans' blocks in order), None if none."""
         block_ids = [b for s in spans for b in s.block_ids]
         if not block_ids:
-            return
+            return None
         hashes = [h for s in spans for h in s.hashes]
         keys = self.keys(hashes, layer)
         ids = to_device_no_sync(block_ids, kv.device)
@@ -235,6 +236,7 @@ class VllmKVStore:
             index = torch.tensor(refused, device=blocks.device)
             self.chain.put_many([keys[i] for i in refused], list(blocks.index_select(0, index).cpu()), start=1)
         self._bound_inflight_saves()
+        return blocks
 
     def _bound_inflight_saves(self) -> None:
         while sum(b for _, _, b in self._pending_saves) > self.max_inflight_save_bytes and len(self._pending_saves) > 1:
