@@ -211,6 +211,20 @@ def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_po
         Attention.get_kv_cache_spec(layer, no_tierkv)
 
 
+def test_tensor_parallel_needs_the_installed_plugin():
+    """Under tensor parallelism vLLM's workers load the backend only through the entry point."""
+    from tierkv.vllm_backend.llm import PLUGIN_ENTRY_POINT, require_plugin_installed
+
+    require_plugin_installed([SimpleNamespace(value=PLUGIN_ENTRY_POINT)])
+    with pytest.raises(RuntimeError, match="tensor_parallel_size > 1"):
+        require_plugin_installed([SimpleNamespace(value="other.plugin:register")])
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["vllm.general_plugins"]["tierkv_hot_window"] == PLUGIN_ENTRY_POINT
+
+
 def hot_kv_cache_config(window: int) -> KVCacheConfig:
     spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window)
     tensors = [KVCacheTensor(size=NUM_BLOCKS * spec.page_size_bytes, shared_by=[n]) for n in NAMES]

@@ -62,6 +62,8 @@ class VllmTieredLLM:
                 raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
                                  "cache.gpu_budget_bytes - scheduler.staging_bytes); pass hot_window=False to set them")
             kwargs.update(hot_window_engine_args(self.config))
+            if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
+                require_plugin_installed()
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
@@ -150,6 +152,22 @@ def hot_window_engine_args(config: TierKVConfig) -> dict:
     hot_window.register()
     return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
                 max_num_batched_tokens=config.scheduler.prefill_chunk_tokens, async_scheduling=False)
+
+
+PLUGIN_ENTRY_POINT = "tierkv.vllm_backend.hot_window:register"
+
+
+def require_plugin_installed(entry_points=None) -> None:
+    """Tensor-parallel workers are separate processes: vLLM registers the hot-window backend there
+    only through the `vllm.general_plugins` entry point of an installed tierkv."""
+    if entry_points is None:
+        from importlib.metadata import entry_points as installed
+
+        entry_points = installed(group="vllm.general_plugins")
+    if not any(ep.value == PLUGIN_ENTRY_POINT for ep in entry_points):
+        raise RuntimeError("tensor_parallel_size > 1 with the hot window needs tierkv installed (pip install "
+                           "tierkv-runtime, or pip install -e . in a checkout) so that vLLM's worker processes load "
+                           f"its plugin {PLUGIN_ENTRY_POINT!r}; or pass hot_window=False")
 
 
 def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
