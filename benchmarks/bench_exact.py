@@ -97,7 +97,8 @@ def warm_up(model) -> None:
 
 
 def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_offloaded: bool,
-                  prefill_chunks: list[int] = (32768,), jsonl: str | None = None) -> dict:
+                  prefill_chunks: list[int] = (32768,), jsonl: str | None = None,
+                  transfer_backends: list[str] = ("auto",)) -> dict:
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (context,)).tolist()
@@ -116,10 +117,13 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
             rows["hf_offloaded"] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.cuda.empty_cache()
 
-    for i, chunk in enumerate(prefill_chunks):
-        name = "tierkv_exact" if i == 0 else f"tierkv_exact_chunk_{chunk}"
+    variants = [(chunk, transfer_backends[0]) for chunk in prefill_chunks]
+    variants += [(prefill_chunks[0], backend) for backend in transfer_backends[1:]]
+    for i, (chunk, backend) in enumerate(variants):
+        name = ("tierkv_exact" if i == 0 else f"tierkv_exact_chunk_{chunk}" if i < len(prefill_chunks)
+                else f"tierkv_exact_{backend}")
         rows[name] = run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk,
-                                jsonl=f"{jsonl}.{context}.jsonl" if jsonl and i == 0 else None)
+                                jsonl=f"{jsonl}.{context}.jsonl" if jsonl and i == 0 else None, transfer_backend=backend)
         if i > 0:
             rows[name]["prefill_ratio_vs_all_in_gpu"] = rows[name]["prefill_s"] / rows["all_in_gpu"]["prefill_s"]
             rows[name]["decode_ratio_vs_pcie_floor"] = rows[name]["decode_ms_per_token"] / rows[name]["pcie_floor_ms"]
@@ -138,7 +142,8 @@ def bench_context(model, context: int, num_new: int, ceiling_gbps: float, with_o
     return {"context": context, "full_kv_bytes": full_kv, **rows}
 
 
-def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl: str | None = None):
+def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl: str | None = None,
+               transfer_backend: str = "auto"):
     """One tierkv exact-mode request with prefill chunks of `chunk` tokens; its row.
 
     `jsonl`: also record the metrics snapshots of the run there (what `tierkv dashboard` reads)."""
@@ -151,7 +156,8 @@ def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl
         "model": {"name": "llama-3.1-8b-shaped-random"},
         "cache": {"block_tokens": 64, "gpu_budget_bytes": budget, "sink_tokens": 64, "window_tokens": 1024},
         "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
-        "scheduler": {"lookahead_layers": 3, "staging_bytes": min(512 << 20, budget // 2), "prefill_chunk_tokens": chunk},
+        "scheduler": {"lookahead_layers": 3, "staging_bytes": min(512 << 20, budget // 2), "prefill_chunk_tokens": chunk,
+                      "transfer_backend": transfer_backend},
     }, env={})
     runtime = runtime_for_model(model, config)
     metrics = None
@@ -198,6 +204,8 @@ def main() -> int:
     parser.add_argument("--no-offloaded", action="store_true")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[32768],
                         help="tierkv prefill chunk sizes; the first is the main row, the others extra rows")
+    parser.add_argument("--transfer-backends", nargs="+", default=["auto"],
+                        help="scheduler.transfer_backend of the main row; the others extra rows (e.g. auto memcpy_batch)")
     parser.add_argument("--jsonl", default=None, help="record tierkv's metrics to JSONL.CONTEXT.jsonl (for the dashboard)")
     parser.add_argument("--out", default="benchmarks/results/exact-h200.json")
     args = parser.parse_args()
@@ -210,7 +218,7 @@ def main() -> int:
     results = {"h2d_ceiling_gbps": ceiling, "layers": args.layers, "contexts": []}
     for context in args.contexts:
         results["contexts"].append(bench_context(model, context, args.new_tokens, ceiling, not args.no_offloaded,
-                                                        args.prefill_chunks, args.jsonl))
+                                                        args.prefill_chunks, args.jsonl, args.transfer_backends))
         write_results(args.out, results)
     print(f"H2D ceiling {ceiling:.1f} GB/s")
     print(f"{'context':>8} {'prefill s (gpu/tkv/x)':>24} {'decode ms (gpu/off/tkv)':>26} {'floor ms':>9} {'x floor':>8} "
@@ -224,7 +232,7 @@ def main() -> int:
     for r in results["contexts"]:
         for name, row in r.items():
             if name.startswith("tierkv_exact"):
-                print(f"{r['context']:>8} prefill chunk {row['prefill_chunk_tokens']:>6}: prefill {row['prefill_s']:6.2f} s "
+                print(f"{r['context']:>8} {row.get('transfer_backend', 'auto'):>12} prefill chunk {row['prefill_chunk_tokens']:>6}: prefill {row['prefill_s']:6.2f} s "
                       f"({row['prefill_ratio_vs_all_in_gpu']:.2f}x), decode {row['decode_ms_per_token']:6.1f} ms "
                       f"({row['decode_ratio_vs_pcie_floor']:.2f}x floor), same tokens {row['tokens_equal_all_in_gpu']}")
     return 0

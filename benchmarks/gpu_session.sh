@@ -18,8 +18,8 @@ for step in "${steps[@]}"; do
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
-        exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
-        sweep)  timeout 200 python3 benchmarks/sweep_transfer.py --out "$OUT/sweep-transfer-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;
+        exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
+        sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     rc=$?

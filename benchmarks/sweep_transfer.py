@@ -17,6 +17,10 @@ variant's copy is checked byte for byte on a sample of blocks (first, last and r
 destination was cleared first. Timing: CUDA events on the copy stream, median of --reps. Variants
 still to run once --budget-s has passed are recorded as skipped, so the run ends in time.
 
+--contended repeats every measurement (ceiling included) while bf16 matmuls keep the SMs busy
+on another stream, as a decode step's compute does: the copy kernel needs SMs, the copy engines
+do not.
+
     python benchmarks/sweep_transfer.py --out benchmarks/results/sweep_transfer.json
 """
 
@@ -80,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cta-multiples", type=int, nargs="+", default=[1, 2, 4], help="max_ctas = multiple x SMs"
     )
     parser.add_argument("--no-memcpy-batch", action="store_true", help="leave out cudaMemcpyBatchAsync")
+    parser.add_argument("--contended", action="store_true",
+                        help="measure while matmuls on another stream keep the SMs busy (ceiling too)")
     parser.add_argument("--num-checked", type=int, default=64, help="blocks compared per variant")
     parser.add_argument("--budget-s", type=float, default=160.0, help="skip variants after this")
     args = parser.parse_args(argv)
@@ -119,6 +125,33 @@ def copy_is_exact(run, src, src_slots, dst, dst_slots, picked: torch.Tensor) -> 
     return sample_matches(src, src_slots, dst, dst_slots, picked)
 
 
+class Contention:
+    """bf16 matmuls enqueued on a side stream for about `seconds`, started before a measurement."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self.stream = torch.cuda.Stream()
+        self.a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+        self.b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+        with torch.cuda.stream(self.stream):
+            torch.mm(self.a, self.b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.stream)
+        with torch.cuda.stream(self.stream):
+            for _ in range(4):
+                torch.mm(self.a, self.b)
+        end.record(self.stream)
+        end.synchronize()
+        self.matmul_s = start.elapsed_time(end) / 4e3
+
+    def start(self, seconds: float) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(max(1, int(seconds / self.matmul_s) + 1)):
+                torch.mm(self.a, self.b)
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
 class Sweep:
     """Runs variants one measurement at a time; engines are built once and reused."""
 
@@ -126,6 +159,7 @@ class Sweep:
         self.args = args
         self.deadline = time.monotonic() + args.budget_s
         self._engines: dict[str, TransferEngine | Exception] = {}
+        self.contention = Contention() if args.contended else None
 
     def engine(self, variant: Variant) -> TransferEngine:
         """The variant's engine; a construction error is kept and raised again on each use."""
@@ -151,9 +185,13 @@ class Sweep:
         try:
             engine = self.engine(variant)
             run = engine.gather_h2d if direction == "h2d" else engine.scatter_d2h
+            if self.contention is not None:  # long enough to cover every rep at half the ceiling's speed
+                self.contention.start(2 * ceiling_s * (self.args.reps + self.args.warmup) + 0.05)
             seconds = median_seconds(
                 engine.stream(direction), lambda: run(*operands), self.args.reps, self.args.warmup
             )
+            if self.contention is not None:
+                self.contention.finish()
             picked = checked_pairs(operands[1].numel(), self.args.num_checked, seed=num_bytes)
             row["is_exact"] = copy_is_exact(run, *operands, picked)
             row["gb_s"] = num_bytes / seconds / 1e9
@@ -207,6 +245,7 @@ def summarize(args, num_sms, total_bytes, variants, ceilings, rows, started) -> 
         "total_bytes": total_bytes,
         "reps": args.reps,
         "warmup": args.warmup,
+        "contended": bool(getattr(args, "contended", False)),
         "variants": [asdict(v) for v in variants],
         "ceilings": ceilings,
         "rows": rows,
@@ -237,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         for direction in DIRECTIONS:
             seed = block_bytes + len(direction)  # the slots bench_transfer.py uses
             operands = scattered_operands(direction, slab_blocks, pool_blocks, num_blocks, seed)
+            if sweep.contention is not None:
+                sweep.contention.start(2 * (num_bytes / 50e9) * (args.reps + args.warmup) + 0.05)
             ceiling_s = ceiling_seconds(operands[0], operands[2], num_bytes, args.reps, args.warmup)
+            if sweep.contention is not None:
+                sweep.contention.finish()
             ceilings.append({"block_kib": block_kib, "direction": direction,
                              "ceiling_gb_s": num_bytes / ceiling_s / 1e9})
             for variant in variants:

@@ -98,6 +98,10 @@ class SchedulerConfig:
     predict_with_previous: bool = field(default=True, metadata=doc(
         "predictor 'query': also prefetch each layer's previous-step selection"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
+    transfer_backend: str = field(default="auto", metadata=doc(
+        "how blocks cross PCIe on CUDA: 'auto' (the copy kernel, else fallbacks), 'cupy' (the copy kernel, on SMs), "
+        "'memcpy_batch' (CUDA's batched memcpy on the copy engines), 'torch_uva', 'copy_loop'; ignored on CPU",
+        choices=("auto", "cupy", "memcpy_batch", "torch_uva", "copy_loop")))
 
 
 @dataclass

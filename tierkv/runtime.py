@@ -21,7 +21,7 @@ from tierkv.sparse_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers
 from tierkv.storage.cpu import CpuTier
 from tierkv.storage.gpu import GpuBlockPool, plan_residency
-from tierkv.transfer import TransferEngine
+from tierkv.transfer import configured_engine
 from tierkv.units import format_bytes
 
 
@@ -44,7 +44,7 @@ class KVRuntime:
                                   scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
         self.cpu: CpuTier = self.chain.tiers[0]
-        self.engine = TransferEngine(self.device)
+        self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
         self.prefetch_metrics = PrefetchRecorder(num_layers)  # the streamer reports every chunk here
         self.io = BlockIO(self.engine, self.cpu)
         self.streamer = LookaheadStreamer(self.io, self.pool, config.scheduler.lookahead_layers,

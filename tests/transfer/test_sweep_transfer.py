@@ -116,3 +116,10 @@ def test_script_without_cuda_exits_2(tmp_path):
     )
     assert completed.returncode == 2
     assert "needs CUDA" in completed.stderr
+
+
+def test_contended_is_off_by_default_and_recorded(sweep, tmp_path):
+    assert sweep.parse_args([]).contended is False
+    args = sweep.parse_args(["--contended", "--out", str(tmp_path / "x.json")])
+    assert args.contended is True
+    assert sweep.summarize(args, 132, 1 << 30, [], [], [], 0.0)["contended"] is True

@@ -12,7 +12,7 @@ Primitives:
 Importing this package imports neither cupy nor triton and does not initialize CUDA.
 """
 
-from tierkv.transfer.engine import TransferEngine, TransferHandle, pin_if_cuda
+from tierkv.transfer.engine import TransferEngine, TransferHandle, configured_engine, pin_if_cuda
 from tierkv.transfer.streams import EventPool, StreamPool
 
-__all__ = ["EventPool", "StreamPool", "TransferEngine", "TransferHandle", "pin_if_cuda"]
+__all__ = ["EventPool", "StreamPool", "TransferEngine", "TransferHandle", "configured_engine", "pin_if_cuda"]

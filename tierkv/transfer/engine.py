@@ -355,3 +355,11 @@ def _events_of(after: After) -> list[torch.cuda.Event]:
     items = after if isinstance(after, (list, tuple)) else (after,)
     events = [getattr(item, "event", item) for item in items]  # handles (anything with .event) or events
     return [event for event in events if event is not None]
+
+
+def configured_engine(device: torch.device | str, transfer_backend: str) -> TransferEngine:
+    """The engine `scheduler.transfer_backend` asks for: 'auto' tries CUDA_BACKENDS in order, a
+    name forces that backend on CUDA; a CPU device always copies with torch."""
+    device = _normalize_device(device)
+    backend = None if transfer_backend == "auto" or device.type == "cpu" else transfer_backend
+    return TransferEngine(device, backend=backend)

@@ -35,7 +35,7 @@ from tierkv.blocks import BlockLayout, block_key, chain_block_hashes, model_fing
 from tierkv.config import TierKVConfig
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage import build_tiers
-from tierkv.transfer import TransferEngine
+from tierkv.transfer import configured_engine
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -132,7 +132,7 @@ class VllmKVStore:
         self.max_inflight_save_bytes = config.scheduler.staging_bytes
         if not lookup_only:
             self.cpu = self.chain.tiers[0]
-            self.engine = TransferEngine(self.device)
+            self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
             self.io = BlockIO(self.engine, self.cpu)
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
         self._lock = threading.RLock()
