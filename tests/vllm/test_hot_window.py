@@ -350,7 +350,8 @@ def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, pl
     config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) * 0.1 for n in NAMES}
-    q = torch.randn(1, H, D).repeat_interleave(HQ // H, dim=1)  # the query heads of a KV group agree
+    q = torch.randn(1, H, D)
+    q = (3 * q / q.norm(dim=-1, keepdim=True)).repeat_interleave(HQ // H, dim=1)  # |q| = 3; a KV group's heads agree
     ids = list(range(num_blocks))
     for b in plant or []:
         for name in NAMES:  # K = 10 q of its group, V random: these blocks carry nearly all the attention

@@ -154,7 +154,13 @@ class CpuTier(StorageTier):
         slots: list[int | None] = []
         evicted: list[tuple[str, torch.Tensor]] = []
         with self._lock:
+            pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
             for key in keys:
+                if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
+                    slot = pending[key] = free.pop()
+                    pins[key] += 1
+                    slots.append(slot)
+                    continue
                 result = self._allocate(key)
                 evicted.extend(result.evicted)
                 slots.append(self._pending[key] if result.ok else None)

@@ -85,6 +85,7 @@ class FarKV:
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
+        store.keep_saves_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         lookahead = store.lookahead
@@ -175,13 +176,35 @@ class FarKV:
         return torch.sort(top).values
 
     def finish(self, req_id: str) -> None:
-        """Unpin a finished request's far blocks and forget it."""
+        """Unpin a finished request's far blocks, and the saved blocks of it that never became
+        far, and forget it."""
         req = self.requests.pop(req_id, None)
         if req is None:
             return
         with self.store._lock:
             for keys in req.pinned_keys:
                 self.store.cpu.release(keys)
+        if self.store.keep_saves_pinned:
+            self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
+            first = len(req.pinned_keys[0]) if req.pinned_keys else 0
+            for layer in range(self.store.num_layers):
+                self.store.release_saved_pins(self.store.keys(req.hashes[first:], layer))
+
+    def _take_or_acquire(self, keys: list[str]) -> list[int] | None:
+        """Slots of `keys` pinned for this reader: pins of landed saves taken over, the rest pinned
+        (promoted from lower tiers if needed); None, with nothing pinned, if some block is missing."""
+        slots = self.store.take_saved_pins(keys)
+        rest = [i for i, s in enumerate(slots) if s is None]
+        if rest:
+            with self.store._lock:
+                acquired = self.store.chain.acquire_many([keys[i] for i in rest])
+            if acquired is None:
+                with self.store._lock:  # hand the taken pins back to the store, unchanged
+                    self.store.saved_pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+                return None
+            for i, slot in zip(rest, acquired):
+                slots[i] = slot
+        return slots
 
     def _pin(self, req_id: str, req: _Request, num_blocks: int) -> None:
         """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below)."""
@@ -199,12 +222,10 @@ class FarKV:
         hashes = req.hashes[first:num_blocks]
         for layer in range(self.store.num_layers):
             keys = self.store.keys(hashes, layer)
-            with self.store._lock:
-                slots = self.store.chain.acquire_many(keys)
+            slots = self._take_or_acquire(keys)
             if slots is None:  # a save still in flight: let it land and look again
                 self.store.poll(wait=True)
-                with self.store._lock:
-                    slots = self.store.chain.acquire_many(keys)
+                slots = self._take_or_acquire(keys)
             if slots is None:
                 held = sum(w is not None for w in self.store.chain.locate_many(keys))
                 raise RuntimeError(

@@ -136,7 +136,11 @@ class VllmKVStore:
             self.io = BlockIO(self.engine, self.cpu)
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
         self._lock = threading.RLock()
-        self._pending_saves: list[tuple[object, list[str], int]] = []   # (handle, keys, bytes)
+        self._pending_saves: list[tuple[object, list[str], int, list[int]]] = []   # (handle, keys, bytes, slots)
+        # hot window: landed saves stay pinned in the CPU tier until the far-block reader takes the
+        # pins over (the blocks become far) or gives them back (its request ends): key -> slot
+        self.keep_saves_pinned = False
+        self.saved_pins: dict[str, int] = {}
         self._loads: dict[int, _LayerLoad] = {}
         self._load_plan: list[BlockSpan] = []
         self._load_ids = torch.empty(0, dtype=torch.int64)
@@ -229,7 +233,8 @@ class VllmKVStore:
             if ok:
                 chosen = blocks if len(ok) == len(keys) else blocks[torch.tensor(ok, device=blocks.device)]
                 handle = self.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
-                self._pending_saves.append((handle, [keys[i] for i in ok], len(ok) * self.layout.num_bytes))
+                self._pending_saves.append((handle, [keys[i] for i in ok], len(ok) * self.layout.num_bytes,
+                                            [slots[i] for i in ok]))
                 self.counts["blocks_saved"] += len(ok)
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             self.counts["save_fallbacks"] += len(refused)
@@ -239,9 +244,8 @@ class VllmKVStore:
         return blocks
 
     def _bound_inflight_saves(self) -> None:
-        while sum(b for _, _, b in self._pending_saves) > self.max_inflight_save_bytes and len(self._pending_saves) > 1:
-            handle, keys, _ = self._pending_saves[0]
-            handle.synchronize()
+        while sum(p[2] for p in self._pending_saves) > self.max_inflight_save_bytes and len(self._pending_saves) > 1:
+            self._pending_saves[0][0].synchronize()
             self.poll()
 
     def begin_loads(self, spans: Sequence[BlockSpan]) -> None:
@@ -303,6 +307,18 @@ class VllmKVStore:
             self._load_plan = []
         self.poll()
 
+    def take_saved_pins(self, keys: Sequence[str]) -> list[int | None]:
+        """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
+        with self._lock:
+            return [self.saved_pins.pop(k, None) for k in keys]
+
+    def release_saved_pins(self, keys: Sequence[str]) -> None:
+        """Give back the pins of landed saves nobody took (blocks that never became far)."""
+        with self._lock:
+            held = [k for k in keys if self.saved_pins.pop(k, None) is not None]
+            if held:
+                self.cpu.release(held)
+
     def take_load_errors(self) -> set[int]:
         errors, self.load_error_block_ids = self.load_error_block_ids, set()
         return errors
@@ -313,13 +329,16 @@ class VllmKVStore:
             return
         with self._lock:
             still = []
-            for handle, keys, num_bytes in self._pending_saves:
+            for pending in self._pending_saves:
+                handle, keys, _, slots = pending
                 if wait:
                     handle.synchronize()
                 if wait or handle.is_done():
-                    self.cpu.complete_put(keys)
+                    self.cpu.complete_put(keys, keep_pinned=self.keep_saves_pinned)
+                    if self.keep_saves_pinned:
+                        self.saved_pins.update(zip(keys, slots))
                 else:
-                    still.append((handle, keys, num_bytes))
+                    still.append(pending)
             self._pending_saves = still
             pins = []
             for handle, keys in self._load_pins:
