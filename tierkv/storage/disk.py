@@ -16,17 +16,19 @@ fdatasync per put_many, before it returns.
 Reads. get_many sorts its hits by segment and offset and reads each run of adjacent records
 with one preadv, payloads straight into rows of the result: from the page cache where it holds
 them (RWF_NOWAIT), else from the device with O_DIRECT (payloads of a multiple of 4096 bytes).
-Each block's header and payload CRC-32 are checked; a block that fails is a miss, counted,
-dropped. Batches of a MiB or more are split over num_io_threads threads (I/O and CRC-32 release
-the GIL); so is the CRC-32 of a put_many.
+Each block's header and payload checksums are checked (XXH3-64; CRC-32 in records of format
+version 1); a block that fails is a miss, counted, dropped. Batches of a MiB or more are split
+over num_io_threads threads (I/O and checksums release the GIL). Results land in pre-faulted,
+recycled slabs (disk_buffers), and a range is probed with cachestat before RWF_NOWAIT so a
+page cache miss starts no readahead that would race the O_DIRECT read.
 
 Remove and evict punch a hole over the record (fallocate PUNCH_HOLE): the space is free at once
 and no later scan finds it; a segment with no live record left is deleted. Where the
 filesystem cannot punch holes the header is zeroed instead, and the space returns when the
-whole segment dies. A put of bytes the tier holds under that key (same CRC-32, the usual case
+whole segment dies. A put of bytes the tier holds under that key (same checksum, the usual case
 for content-addressed keys) writes nothing and only refreshes the block's LRU position.
 
-Index: key -> (segment, offset, sizes, payload CRC-32), LRU-ordered, rebuilt on start from
+Index: key -> (segment, offset, sizes, payload checksum), LRU-ordered, rebuilt on start from
 the segment headers in write order (a later record of a key wins) and then reordered by
 lru.order when the last run closed cleanly (else write order stands). Capacity, used_bytes and
 the byte counters count block bytes (layout.num_bytes each); a record on disk also holds its
@@ -54,13 +56,15 @@ from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.codec import CorruptBlock
+from tierkv.storage.disk_buffers import ReadBufferPool
 
 logger = logging.getLogger(__name__)
 
 _SEGMENT_SUFFIX = ".seg"
 _ORDER_FILE = "lru.order"
 _SPREAD_MIN_BYTES = 1 << 20  # smaller read batches stay on the caller's thread
-_CHUNK_BYTES = 1 << 20  # read or written, then checksummed, at a time: stays in the CPU cache
+_CHUNK_BYTES = 1 << 21  # read then checksummed (or checksummed, then written) at a time: fits the L3
+_READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
 _OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
 
 
@@ -68,14 +72,15 @@ class _Entry:
     """Where a block's record lives."""
 
     __slots__ = (
-        "segment_id", "offset", "header_num_bytes", "record_num_bytes", "payload_crc", "header_end", "header_crc",
+        "segment_id", "offset", "header_num_bytes", "record_num_bytes", "checksum_kind", "payload_checksum",
+        "header_end", "header_checksum",
     )  # fmt: skip
 
     def __init__(self, segment_id: int, offset: int, h: seg.RecordHeader):
         self.segment_id, self.offset = segment_id, offset
         self.header_num_bytes, self.record_num_bytes = h.header_num_bytes, h.record_num_bytes
-        self.payload_crc = h.payload_crc
-        self.header_end, self.header_crc = h.header_end, h.header_crc  # the header's own CRC-32 ends at header_end
+        self.checksum_kind, self.payload_checksum = h.checksum_kind, h.payload_checksum
+        self.header_end, self.header_checksum = h.header_end, h.header_checksum  # the header's own ends at header_end
 
 
 class DiskTier(StorageTier):
@@ -88,6 +93,8 @@ class DiskTier(StorageTier):
     num_io_threads: large get_many/put_many batches are split over this many threads.
     segment_bytes: a segment takes appends until it is this long; None: capacity / 8,
         clamped to [1 MiB, 1 GiB].
+    read_buffer_bytes: get_many results land in pre-faulted slabs (disk_buffers); up to this
+        many bytes of slabs whose tensors were freed are kept for later reads.
     """
 
     kind = "disk"
@@ -95,6 +102,7 @@ class DiskTier(StorageTier):
     def __init__(
         self, name: str, layout: BlockLayout, capacity_bytes: int, path: str | os.PathLike, *,
         return_evicted: bool = True, fsync: bool = False, num_io_threads: int = 4, segment_bytes: int | None = None,
+        read_buffer_bytes: int = _READ_BUFFER_BYTES,
     ):  # fmt: skip
         if not isinstance(capacity_bytes, int) or capacity_bytes < layout.num_bytes:
             raise ValueError(
@@ -123,6 +131,7 @@ class DiskTier(StorageTier):
         self._active_size = 0
         self._next_segment_id = 0
         self._modes = seg.ReadModes()
+        self._buffers = ReadBufferPool(read_buffer_bytes)
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._open_directory()
@@ -182,12 +191,11 @@ class DiskTier(StorageTier):
             payloads = [_bytes_of(block) for block in blocks]
             results: list[PutResult | None] = [None] * len(keys)
             with self._lock:
-                held = {i: self._index[key].payload_crc for i, key in enumerate(keys) if key in self._index}
-            is_same = {i: seg.crc32(payloads[i]) == crc for i, crc in held.items()}
+                held = {i: self._index[key] for i, key in enumerate(keys) if key in self._index}
+            is_same = {i: seg.checksum(e.checksum_kind, payloads[i]) == e.payload_checksum for i, e in held.items()}
             with self._lock:
                 for i in (i for i, same in is_same.items() if same):
-                    entry = self._index.get(keys[i])
-                    if entry is not None and entry.payload_crc == held[i]:  # held already: refresh only
+                    if self._index.get(keys[i]) is held[i]:  # held already: refresh only
                         self._index.move_to_end(keys[i])
                         results[i] = PutResult(True)
             todo = [i for i, r in enumerate(results) if r is None]
@@ -205,6 +213,7 @@ class DiskTier(StorageTier):
             return
         if pool is not None:
             pool.shutdown(wait=True)
+        self._buffers.clear()
         with self._append_lock, self._lock:
             if self._active_fd is not None:
                 os.close(self._active_fd)
@@ -222,8 +231,8 @@ class DiskTier(StorageTier):
 
     # -- writing ---------------------------------------------------------------------------
     def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
-        """Append records for these blocks, then index them; the CRC-32 of each chunk of about a MiB
-        is computed right before its writev, which then copies bytes still in the CPU cache."""
+        """Append records for these blocks, then index them; the checksums of each chunk of about
+        2 MiB are computed right before its writev, which then copies bytes still in the CPU cache."""
         with self._append_lock:
             self._check_open()
             start = None
@@ -233,8 +242,8 @@ class DiskTier(StorageTier):
                 for first in range(0, len(keys), self._chunk_records):
                     views, last = [], first + self._chunk_records
                     for key, payload in zip(keys[first:last], payloads[first:last]):
-                        crc = seg.crc32(payload)
-                        headers.append(seg.encode_header(key, self._dtype_name, self._shape, payload.nbytes, crc))
+                        digest = seg.checksum(seg.CHECKSUM_KIND, payload)
+                        headers.append(seg.encode_header(key, self._dtype_name, self._shape, payload.nbytes, digest))
                         views += [memoryview(headers[-1].data), payload, self._pad]
                     seg.append(fd, views)
                 if self.fsync:
@@ -335,11 +344,13 @@ class DiskTier(StorageTier):
         A block that fails its checks and is still the indexed one is counted and dropped.
         """
         num_bytes = self.layout.num_bytes
-        flat = _aligned_empty(len(keys) * num_bytes)
-        batch = flat.view(self.layout.dtype).view(len(keys), *self._shape)
-        header_offsets = [0, *itertools.accumulate(e.header_num_bytes for e in entries)]
-        headers = memoryview(_aligned_empty(header_offsets[-1]).numpy())
-        payloads = memoryview(flat.numpy())
+        if not keys:
+            return torch.empty((0, *self._shape), dtype=self.layout.dtype), []
+        payloads_end = seg.round_up(len(keys) * num_bytes)  # slab: | payload rows | header regions |
+        header_offsets = list(itertools.accumulate((e.header_num_bytes for e in entries), initial=payloads_end))
+        slab = self._buffers.empty(header_offsets[-1])
+        batch = slab[: len(keys) * num_bytes].view(self.layout.dtype).view(len(keys), *self._shape)
+        headers = payloads = memoryview(slab.numpy())
         jobs = [
             (e.segment_id, e.offset, j, headers[header_offsets[j] : header_offsets[j + 1]],
              payloads[j * num_bytes : (j + 1) * num_bytes])
@@ -375,15 +386,19 @@ class DiskTier(StorageTier):
 
     def _read_run(self, fd: int, path: str, direct_fds: list[int], run: list[tuple], keys: list[str],
                   entries: list[_Entry]) -> list[tuple[int, str | None]]:  # fmt: skip
-        """Adjacent records: from the page cache a chunk of about a MiB at a time, each block checked
-        while its bytes are still in the CPU cache; once a chunk is not cached, the rest of the run
-        comes from the device in one preadv (O_DIRECT where the layout allows)."""
+        """Adjacent records: from the page cache a chunk of about 2 MiB at a time, each block checked
+        while its bytes are still in the CPU cache; once a chunk is not cached (or cachestat says
+        the run is not all cached), the rest of the run comes from the device in one preadv
+        (O_DIRECT where the layout allows)."""
         results, pos = [], 0
+        run_bytes = run[-1][1] + entries[run[-1][2]].record_num_bytes - run[0][1]
+        num_cached = seg.cached_bytes(fd, run[0][1], run_bytes, self._modes)
+        is_cached = num_cached is None or num_cached == run_bytes  # None: unknown, RWF_NOWAIT tells
         while pos < len(run):
             chunk = run[pos : pos + self._chunk_records]
             views = [v for job in chunk for v in (job[3], job[4], self._pad) if v.nbytes]
             try:
-                num_read = seg.read_cached(fd, views, chunk[0][1], self._modes)
+                num_read = seg.read_cached(fd, views, chunk[0][1], self._modes) if is_cached else 0
                 if num_read < sum(v.nbytes for v in views):
                     direct_fd = _open_direct(path, direct_fds, self._modes) if self._is_direct_eligible else None
                     if direct_fd is not None:
@@ -402,21 +417,22 @@ class DiskTier(StorageTier):
     def _check(self, key: str, entry: _Entry, header: memoryview, payload: memoryview) -> str | None:
         """None when the record read is this block, intact; else what is wrong.
 
-        Fast path: the header is byte for byte the one indexed when its own CRC-32 is the one
-        remembered and matches its bytes; then only the payload's CRC-32 is left to check.
+        Fast path: the header is byte for byte the one indexed when its own checksum is the one
+        remembered and matches its bytes; then only the payload's checksum is left to check.
         """
-        end = entry.header_end
-        if seg.crc32(header[: end - 4]) == entry.header_crc == int.from_bytes(header[end - 4 : end], "little"):
-            return None if seg.crc32(payload) == entry.payload_crc else "payload checksum mismatch"
+        kind = entry.checksum_kind
+        if seg.header_checksum_at(kind, header, entry.header_end) == (entry.header_checksum, entry.header_checksum):
+            return None if seg.checksum(kind, payload) == entry.payload_checksum else "payload checksum mismatch"
         try:
             h = seg.parse_header(header)
         except CorruptBlock as exc:
             return str(exc)
-        if h.key != key or h.payload_crc != entry.payload_crc or h.header_num_bytes != entry.header_num_bytes:
+        if (h.key != key or h.payload_checksum != entry.payload_checksum or h.checksum_kind != kind
+                or h.header_num_bytes != entry.header_num_bytes):  # fmt: skip
             return f"the record at offset {entry.offset} is not this block (key {h.key[:80]!r})"
         if h.dtype_name != self._dtype_name or h.shape != self._shape or h.payload_num_bytes != payload.nbytes:
             return f"stored as {h.shape} {h.dtype_name}, not this tier's layout"
-        if seg.crc32(payload) != h.payload_crc:
+        if seg.checksum(kind, payload) != h.payload_checksum:
             return "payload checksum mismatch"
         return None
 
@@ -579,13 +595,6 @@ def _bytes_of(block: torch.Tensor) -> memoryview:
     array = (ctypes.c_char * (block.numel() * block.element_size())).from_address(block.data_ptr())
     array.tensor = block
     return memoryview(array).cast("B")
-
-
-def _aligned_empty(num_bytes: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor of num_bytes whose data starts on a 4096-byte boundary."""
-    raw = torch.empty(num_bytes + seg.ALIGN, dtype=torch.uint8)
-    start = -raw.data_ptr() % seg.ALIGN
-    return raw[start : start + num_bytes]
 
 
 def _is_segment_stem(stem: str) -> bool:
