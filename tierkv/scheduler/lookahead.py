@@ -55,6 +55,8 @@ class LookaheadStreamer:
         self._region_free_event: list = [None] * self.pool.num_regions
         self._carried: list[tuple[int, range, torch.Tensor, object]] = []  # (layer, blocks, src slots, handle)
         self._is_decode = False
+        self._chunk_meta_key: tuple | None = None
+        self._chunk_meta_cached: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -78,11 +80,17 @@ class LookaheadStreamer:
         streamed = step.streamed_blocks
         per_layer = [range(s, min(s + region, streamed.stop)) for s in range(streamed.start, streamed.stop, region)]
         device = self.pool.staging.device
-        # (start_pos, num_tokens) of each chunk of a layer; the staging region is chosen per chunk
-        self._chunk_meta = [
-            (to_device_no_sync([b * block_tokens for b in r], device), to_device_no_sync([block_tokens] * len(r), device))
-            for r in per_layer
-        ]
+        # (start_pos, num_tokens) of each chunk of a layer; the staging region is chosen per chunk.
+        # Read-only on the device, so a step with the same chunks (most decode steps) reuses them.
+        meta_key = (streamed.start, streamed.stop, region, block_tokens)
+        if meta_key != self._chunk_meta_key:
+            self._chunk_meta_key = meta_key
+            self._chunk_meta_cached = [
+                (to_device_no_sync(torch.arange(r.start, r.stop) * block_tokens, device),
+                 to_device_no_sync(torch.full((len(r),), block_tokens), device))
+                for r in per_layer
+            ]
+        self._chunk_meta = self._chunk_meta_cached
         self._cpu_slots = cpu_slots_per_layer
         offset = streamed.start
         self._chunks = [(layer, range(r.start - offset, r.stop - offset))
