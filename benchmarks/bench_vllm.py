@@ -23,13 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 
 def build_model(path: str, layers: int) -> None:
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -68,7 +69,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int):
     return LLM(model=model_dir, **common), None
 
 
-def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True) -> None:
+def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True,
+        profile_steps: list[int] | None = None) -> None:
     import random
 
     from vllm import SamplingParams
@@ -86,10 +88,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     engine_ = llm.llm_engine
     request_ids = iter(range(1 << 30))
 
-    def stepped(ids, params):
+    def stepped(ids, params, profile: list[int] | None = None):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
         top-2 logprobs per token). Decode is timed token by token, so a prefix served from the
-        tiers cannot leak into it."""
+        tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
+        kernel table, the steps' wall time and their summed kernel time go to OUT/profile-MODE.txt)."""
         rid = f"bench-{next(request_ids)}"
         params = copy.deepcopy(params)
         params.output_kind = RequestOutputKind.CUMULATIVE  # an output every step (LLM.generate sets FINAL_ONLY)
@@ -97,8 +100,16 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         engine_.add_request(rid, {"prompt_token_ids": ids}, params)
         first_at = last_at = None
         tokens, logprobs = [], []
+        step_number, profiled = 0, []
         while engine_.has_unfinished_requests():
-            for out in engine_.step():
+            profiler = _start_profiler() if profile and step_number in profile else None
+            step_start = time.perf_counter()
+            step_outputs = engine_.step()
+            if profiler is not None:
+                torch.cuda.synchronize()
+                profiled.append((step_number, time.perf_counter() - step_start, _stop_profiler(profiler)))
+            step_number += 1
+            for out in step_outputs:
                 if out.request_id != rid:
                     continue
                 now = time.perf_counter()
@@ -106,6 +117,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                 if tokens and first_at is None:
                     first_at = now
                 last_at = now
+        if profiled:
+            _write_profile(Path(out) / f"profile-{mode}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
         return first_at - start, per_token_ms, tokens, top2
@@ -114,7 +127,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         return tiered.stats().get("hot_window", {}).get("wait_s", 0.0) if tiered is not None else 0.0
 
     wait0 = far_wait_s()
-    prefill_s, decode_ms, tokens, top2_decode = stepped(prompt, decode)
+    prefill_s, decode_ms, tokens, top2_decode = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
     first_prefix_s = repeat_prefix_s = float("nan")
     if with_prefix:
@@ -130,6 +143,31 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"bench-vllm-{mode}.json").write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "connector")}))
+
+
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler.__enter__()
+    return profiler
+
+
+def _stop_profiler(profiler) -> str:
+    """The step's kernel table, and the summed CUDA kernel time (to compare with the step's wall)."""
+    profiler.__exit__(None, None, None)
+    events = profiler.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    table = events.table(sort_by="self_device_time_total", row_limit=20)
+    return f"summed CUDA kernel time {kernel_us / 1e3:.1f} ms\n{table}"
+
+
+def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for step, wall_s, text in profiled:
+            f.write(f"=== engine step {step}: wall {wall_s * 1e3:.1f} ms\n{text}\n")
+    print(f"profile of steps {[p[0] for p in profiled]} in {path}")
 
 
 def table(out: str) -> None:
@@ -162,6 +200,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
+    parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
+                        help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
     args = parser.parse_args()
     if args.what == "model":
         build_model(args.rest[0], args.layers)
@@ -170,7 +210,8 @@ def main() -> int:
         if mode not in ("plain", "offloading", "tierkv", "tierkv-sparse"):
             parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv, tierkv-sparse")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix)
+        run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix,
+            profile_steps=args.profile_steps)
     else:
         table(args.rest[0])
     return 0

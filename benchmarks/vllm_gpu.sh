@@ -22,8 +22,9 @@ for step in "$@"; do
                 quiet < "$OUT/check-$mode.log" | tail -6
             done
             python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
-        plain|tierkv|offloading)
-            timeout 240 python3 benchmarks/bench_vllm.py run $step /tmp/m8 "$OUT/bv" > "$OUT/bench-$step.log" 2>&1
+        plain|tierkv|offloading)  # PROFILE_STEPS="8 9 20 21": those engine steps under torch.profiler
+            timeout 240 python3 benchmarks/bench_vllm.py run $step /tmp/m8 "$OUT/bv" \
+                ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} > "$OUT/bench-$step.log" 2>&1
             grep "^{" "$OUT/bench-$step.log" | cut -c1-300 ;;
         sparse)
             timeout 240 python3 benchmarks/bench_vllm.py run tierkv-sparse /tmp/m8 "$OUT/bv" > "$OUT/bench-sparse.log" 2>&1
