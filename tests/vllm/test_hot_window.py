@@ -463,3 +463,40 @@ def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_pa
         hot_window._STATE["runner"] = None
         worker.shutdown()
         scheduler.shutdown()
+
+
+def test_the_vllm_backends_stats_become_metrics_lines(tmp_path):
+    """What VllmTieredLLM hands its metrics service (store, tiers and hot-window counters) flattens
+    into the JSONL lines the dashboard reads."""
+    import json
+
+    from tierkv.config import MetricsConfig
+    from tierkv.metrics import MetricsService
+
+    config = load_config(write_config(tmp_path, window=BS, staging_blocks=6), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, BS)
+    store.hot_window = far
+    hashes = store.extend_hashes([], list(range(6 * BS)), 6)
+    far.add_hashes("m", 0, hashes)
+    for name in NAMES:
+        store.save_layer(store.layer_index[name], caches[name], [BlockSpan("m", list(range(6)), hashes)])
+    store.poll(wait=True)
+    far.begin_step([("m", 6 * BS, 1)])
+    for name in NAMES:
+        far.attend(store.layer_index[name], torch.randn(1, HQ, D), 0.3)
+    far.end_step()
+    path = tmp_path / "m.jsonl"
+    service = MetricsService.from_config(MetricsConfig(jsonl_path=str(path)), lambda: {"backend": "vllm", **store.stats()})
+    try:
+        service.record_request({"prompt_tokens": 6 * BS, "generated_tokens": 1})
+    finally:
+        service.close()
+        far.close()
+        store.close()
+    last = json.loads(path.read_text().splitlines()[-1])
+    figures = json.dumps(last)
+    assert "hot_window.far_blocks_read" in figures and "tier.cpu" in figures
+    assert "counts.blocks_saved" in figures

@@ -70,6 +70,13 @@ class VllmTieredLLM:
         self.engine = LLM(**kwargs)
         self.engine_id = str(self.engine.llm_engine.vllm_config.kv_transfer_config.engine_id)
         self._totals = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_tokens": 0, "wall_s": 0.0}
+        from tierkv.metrics import MetricsService
+
+        try:  # the config's metrics section: JSONL snapshots / endpoint / dashboard, as on the transformers backend
+            self.metrics = MetricsService.from_config(self.config.metrics, self.stats)
+        except Exception:
+            self.close()
+            raise
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
@@ -106,6 +113,7 @@ class VllmTieredLLM:
             self._totals["prompt_tokens"] += stats["prompt_tokens"]
             self._totals["generated_tokens"] += stats["generated_tokens"]
             self._totals["prefix_tokens"] += stats["prefix_tokens"]
+            self.metrics.record_request({k: v for k, v in stats.items() if not k.startswith("top2")})
             results.append(RequestOutput(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(completion.token_ids),
                                          text=completion.text, finish_reason=completion.finish_reason or "length",
                                          stats=stats))
@@ -123,6 +131,9 @@ class VllmTieredLLM:
                                   "the resizable hot-window pool exists on the transformers backend")
 
     def close(self) -> None:
+        metrics, self.metrics = getattr(self, "metrics", None), None
+        if metrics is not None:
+            metrics.close()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.llm_engine.engine_core.shutdown()
