@@ -456,9 +456,9 @@ def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_pa
         for name in NAMES:
             layer = worker.store.layer_index[name]
             keys = worker.store.paged.read(caches[name], torch.arange(6))[:, 0]
-            torch.testing.assert_close(summaries.kmin[layer][:6], keys.amin(dim=2))
-            torch.testing.assert_close(summaries.kmax[layer][:6], keys.amax(dim=2))
-            assert worker._far.requests["s"].summarized[layer][:6].all()
+            torch.testing.assert_close(summaries.summaries.kmin[layer][:6], keys.amin(dim=2))
+            torch.testing.assert_close(summaries.summaries.kmax[layer][:6], keys.amax(dim=2))
+            assert summaries.is_summarized[layer][:6].all() and summaries.is_summarized_dev[layer][:6].all()
     finally:
         hot_window._STATE["runner"] = None
         worker.shutdown()

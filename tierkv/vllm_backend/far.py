@@ -27,14 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import BlockSummaries
+from tierkv.vllm_backend.far_summaries import RequestSummaries
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
@@ -64,9 +63,7 @@ class _Request:
     pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
     # sparse policy only
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device
-    summaries: BlockSummaries | None = None                    # per layer key min/max of its blocks, on the device
-    summarized: list[np.ndarray] = field(default_factory=list)  # per layer, host: block has a summary
-    summarized_dev: list[torch.Tensor] = field(default_factory=list)  # the same on the device
+    summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
 
 
 @dataclass(frozen=True)
@@ -136,44 +133,17 @@ class FarKV:
             offset += n
 
     def _summarize_run(self, req: _Request, layer: int, first: int, blocks: torch.Tensor) -> None:
-        layout = self.store.layout
         if req.summaries is None:
-            req.summaries = BlockSummaries(self.store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                                           self.store.device)
-            req.summarized = [np.zeros(0, dtype=bool) for _ in range(self.store.num_layers)]
-            req.summarized_dev = [torch.zeros(0, dtype=torch.bool, device=self.store.device)
-                                  for _ in range(self.store.num_layers)]
+            layout = self.store.layout
+            req.summaries = RequestSummaries(self.store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                             self.store.device)
         req.summaries.update(layer, first, blocks)
-        end = first + blocks.shape[0]
-        have = req.summarized[layer]
-        if end > have.size:
-            cap = req.summaries.kmin[layer].shape[0]
-            req.summarized[layer] = np.concatenate([have, np.zeros(cap - have.size, dtype=bool)])
-            grown = torch.zeros(cap, dtype=torch.bool, device=self.store.device)
-            grown[: have.size] = req.summarized_dev[layer]
-            req.summarized_dev[layer] = grown
-        req.summarized[layer][first:end] = True
-        req.summarized_dev[layer][first:end].fill_(True)
 
     def _select(self, req: _Request, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:
-        """Far blocks a decoding row attends: int64 [m] on the device, in block order. Every block
-        without a summary (a prefix served by the tiers, never computed here), plus the k blocks with
-        the largest key bound among the others; all of them when k covers them."""
-        device = q.device
-        have = req.summarized[layer][:num_far] if req.summaries is not None else np.zeros(0, dtype=bool)
-        have = np.concatenate([have, np.zeros(num_far - have.size, dtype=bool)])
-        num_summarized = int(have.sum())
-        k = min(self.sparse_blocks, num_summarized)
-        if k >= num_summarized:
-            return torch.arange(num_far, device=device)
-        ids = torch.arange(num_far, device=device)
-        scores = req.summaries.upper_bounds(layer, q, ids)
-        scores = torch.where(req.summarized_dev[layer][:num_far], scores, float("-inf"))
-        top = torch.topk(scores, k).indices
-        missing = np.flatnonzero(~have)
-        if missing.size:
-            top = torch.cat([top, to_device_no_sync(missing.tolist(), device)])
-        return torch.sort(top).values
+        """Far blocks a decoding row attends (`RequestSummaries.select`): int64 [m] on the device."""
+        if req.summaries is None:  # nothing computed here: every far block
+            return torch.arange(num_far, device=q.device)
+        return req.summaries.select(layer, q, num_far, self.sparse_blocks)
 
     def finish(self, req_id: str) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became
@@ -338,8 +308,7 @@ class FarKV:
                 "chunks_streamed": s.num_chunks_streamed, "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls,
                 "chunks_carried": s.num_chunks_carried, "chunks_discarded": s.num_chunks_discarded,
                 "staging_bytes": self.pool.staging_bytes, "policy": "sparse" if self.sparse_blocks else "exact",
-                "summary_bytes": sum(2 * r.summaries.kmin[0].numel() * r.summaries.kmin[0].element_size()
-                                     * self.store.num_layers for r in self.requests.values() if r.summaries is not None),
+                "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

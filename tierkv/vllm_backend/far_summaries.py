@@ -1,0 +1,63 @@
+"""Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
+
+Primitives: `RequestSummaries` (`update`, `select`, `num_bytes`).
+
+Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
+filled from the copies the connector saves), and which blocks have one, on the host and on the
+device. A decoding row attends
+
+    every far block without a summary (a prefix served by the tiers, never computed here)
+  + the k summarized far blocks with the largest upper bound of q . k
+
+so a block is never dropped for lack of a summary; with k covering them, all far blocks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.sparse import BlockSummaries
+
+
+class RequestSummaries:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.device = device
+        self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device)
+        self.is_summarized = [np.zeros(0, dtype=bool) for _ in range(num_layers)]                 # host, per layer
+        self.is_summarized_dev = [torch.zeros(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
+
+    def update(self, layer: int, first: int, blocks: torch.Tensor) -> None:
+        """blocks [n, 2, H, T, D] on the device: the request's blocks first..first+n-1 of `layer`."""
+        self.summaries.update(layer, first, blocks)
+        end = first + blocks.shape[0]
+        have = self.is_summarized[layer]
+        if end > have.size:
+            capacity = self.summaries.kmin[layer].shape[0]
+            self.is_summarized[layer] = np.concatenate([have, np.zeros(capacity - have.size, dtype=bool)])
+            grown = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+            grown[: have.size] = self.is_summarized_dev[layer]
+            self.is_summarized_dev[layer] = grown
+        self.is_summarized[layer][first:end] = True
+        self.is_summarized_dev[layer][first:end].fill_(True)
+
+    def select(self, layer: int, q: torch.Tensor, num_far: int, k: int) -> torch.Tensor:
+        """q [num_heads, head_dim] -> int64 [m] far block indices on q's device, in block order."""
+        have = self.is_summarized[layer][:num_far]
+        have = np.concatenate([have, np.zeros(num_far - have.size, dtype=bool)])
+        num_summarized = int(have.sum())
+        if k >= num_summarized:
+            return torch.arange(num_far, device=q.device)
+        ids = torch.arange(num_far, device=q.device)
+        scores = self.summaries.upper_bounds(layer, q, ids)
+        scores = torch.where(self.is_summarized_dev[layer][:num_far], scores, float("-inf"))
+        chosen = torch.topk(scores, k).indices
+        missing = np.flatnonzero(~have)
+        if missing.size:
+            chosen = torch.cat([chosen, to_device_no_sync(missing.tolist(), q.device)])
+        return torch.sort(chosen).values
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(2 * t.numel() * t.element_size() for t in self.summaries.kmin)
+
