@@ -351,12 +351,12 @@ class DiskTier(StorageTier):
         slab = self._buffers.empty(header_offsets[-1])
         batch = slab[: len(keys) * num_bytes].view(self.layout.dtype).view(len(keys), *self._shape)
         headers = payloads = memoryview(slab.numpy())
-        jobs = [
+        jobs = [  # (segment, offset, index, header view, payload view, where the record ends)
             (e.segment_id, e.offset, j, headers[header_offsets[j] : header_offsets[j + 1]],
-             payloads[j * num_bytes : (j + 1) * num_bytes])
+             payloads[j * num_bytes : (j + 1) * num_bytes], e.offset + e.record_num_bytes)
             for j, e in enumerate(entries)
         ]  # fmt: skip
-        jobs.sort(key=lambda job: job[:2])
+        jobs.sort(key=_position_of_job)
         failures: list[str | None] = [None] * len(keys)
         for j, failure in self._spread(lambda part: self._read_part(part, keys, entries), jobs):
             failures[j] = failure
@@ -377,7 +377,7 @@ class DiskTier(StorageTier):
                 continue
             direct_fds: list[int] = []
             try:
-                for run in _runs(group, entries):
+                for run in _runs(group):
                     results += self._read_run(fd, path, direct_fds, run, keys, entries)
             finally:
                 for f in [fd, *direct_fds]:
@@ -391,28 +391,31 @@ class DiskTier(StorageTier):
         the run is not all cached), the rest of the run comes from the device in one preadv
         (O_DIRECT where the layout allows)."""
         results, pos = [], 0
-        run_bytes = run[-1][1] + entries[run[-1][2]].record_num_bytes - run[0][1]
+        run_bytes = run[-1][5] - run[0][1]
         num_cached = seg.cached_bytes(fd, run[0][1], run_bytes, self._modes)
         is_cached = num_cached is None or num_cached == run_bytes  # None: unknown, RWF_NOWAIT tells
         while pos < len(run):
             chunk = run[pos : pos + self._chunk_records]
-            views = [v for job in chunk for v in (job[3], job[4], self._pad) if v.nbytes]
             try:
-                num_read = seg.read_cached(fd, views, chunk[0][1], self._modes) if is_cached else 0
-                if num_read < sum(v.nbytes for v in views):
+                num_read = seg.read_cached(fd, self._views(chunk), chunk[0][1], self._modes) if is_cached else 0
+                if num_read < chunk[-1][5] - chunk[0][1]:
                     direct_fd = _open_direct(path, direct_fds, self._modes) if self._is_direct_eligible else None
                     if direct_fd is not None:
                         chunk = run[pos:]
-                        views = [v for job in chunk for v in (job[3], job[4], self._pad) if v.nbytes]
-                    num_read = seg.read_at(fd, views, chunk[0][1], self._modes, direct_fd)
+                    num_read = seg.read_at(fd, self._views(chunk), chunk[0][1], self._modes, direct_fd)
             except OSError as exc:
                 return results + [(job[2], f"read failed: {exc}") for job in run[pos:]]
             end = chunk[0][1] + num_read
-            for _, offset, j, header, payload in chunk:
-                is_whole = offset + entries[j].record_num_bytes <= end
-                results.append((j, self._check(keys[j], entries[j], header, payload) if is_whole else "short read"))
+            for _, _, j, header, payload, record_end in chunk:
+                results.append((j, self._check(keys[j], entries[j], header, payload) if record_end <= end else "short read"))
             pos += len(chunk)
         return results
+
+    def _views(self, jobs: list[tuple]) -> list[memoryview]:
+        """The buffers a preadv of these adjacent records fills: header region, payload, padding each."""
+        if self._pad.nbytes:
+            return [v for job in jobs for v in (job[3], job[4], self._pad)]
+        return [v for job in jobs for v in (job[3], job[4])]
 
     def _check(self, key: str, entry: _Entry, header: memoryview, payload: memoryview) -> str | None:
         """None when the record read is this block, intact; else what is wrong.
@@ -420,9 +423,10 @@ class DiskTier(StorageTier):
         Fast path: the header is byte for byte the one indexed when its own checksum is the one
         remembered and matches its bytes; then only the payload's checksum is left to check.
         """
-        kind = entry.checksum_kind
-        if seg.header_checksum_at(kind, header, entry.header_end) == (entry.header_checksum, entry.header_checksum):
-            return None if seg.checksum(kind, payload) == entry.payload_checksum else "payload checksum mismatch"
+        kind, end = entry.checksum_kind, entry.header_end
+        digest, body_end = seg.CHECKSUM_FUNCTIONS[kind], end - seg.CHECKSUM_BYTES[kind]
+        if digest(header[:body_end]) == entry.header_checksum == int.from_bytes(header[body_end:end], "little"):
+            return None if digest(payload) == entry.payload_checksum else "payload checksum mismatch"
         try:
             h = seg.parse_header(header)
         except CorruptBlock as exc:
@@ -605,16 +609,20 @@ def _position(entry: _Entry) -> tuple[int, int]:
     return entry.segment_id, entry.offset
 
 
-def _runs(jobs: list[tuple], entries: list[_Entry]) -> list[list[tuple]]:
+def _position_of_job(job: tuple) -> tuple[int, int]:
+    return job[0], job[1]
+
+
+def _runs(jobs: list[tuple]) -> list[list[tuple]]:
     """Split jobs (one segment, sorted by offset) into runs of adjacent records, each one preadv."""
     runs: list[list[tuple]] = []
-    max_records = seg.IOV_MAX // 3
+    max_records, end = seg.IOV_MAX // 3, None
     for job in jobs:
-        last = runs[-1][-1] if runs else None
-        if last is not None and len(runs[-1]) < max_records and last[1] + entries[last[2]].record_num_bytes == job[1]:
+        if job[1] == end and len(runs[-1]) < max_records:
             runs[-1].append(job)
         else:
             runs.append([job])
+        end = job[5]
     return runs
 
 

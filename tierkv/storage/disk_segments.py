@@ -1,6 +1,6 @@
 """The disk tier's on-disk format: records appended to segment files, and the I/O on them.
 
-Primitives: `RecordHeader`, `encode_header`, `parse_header`, `checksum`, `header_checksum_at`,
+Primitives: `RecordHeader`, `encode_header`, `parse_header`, `checksum`, `CHECKSUM_FUNCTIONS`,
 `scan_segment`, `append`,
 `ReadModes`, `read_cached`, `cached_bytes`, `read_at`, `punch`, `save_order`, `load_order`, `ALIGN`.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import struct
@@ -58,16 +59,16 @@ MAX_KEY_BYTES = 0xFFFF
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FIXED = {1: struct.Struct("<4sHHQIBB"), 2: struct.Struct("<4sHHQQBBB")}  # per format version
 _CHECKSUM_STRUCT = {CRC32: struct.Struct("<I"), XXH3_64: struct.Struct("<Q")}
+CHECKSUM_FUNCTIONS = {CRC32: crc32, XXH3_64: xxhash.xxh3_64_intdigest}  # kind -> function of a buffer
+CHECKSUM_BYTES = {CRC32: 4, XXH3_64: 8}  # kind -> bytes of the header's own checksum
 _CRC = _CHECKSUM_STRUCT[CRC32]
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def checksum(kind: int, data: bytes | bytearray | memoryview) -> int:
     """The `kind` checksum of `data` (both functions release the GIL on large buffers)."""
-    if kind == XXH3_64:
-        return xxhash.xxh3_64_intdigest(data)
-    if kind == CRC32:
-        return crc32(data)
+    if kind in CHECKSUM_FUNCTIONS:
+        return CHECKSUM_FUNCTIONS[kind](data)
     raise ValueError(f"checksum kind {kind!r}; known kinds are {CRC32} (CRC-32) and {XXH3_64} (XXH3-64)")
 
 
@@ -98,19 +99,25 @@ def encode_header(
     ValueError on a huge key, or a kind the version cannot carry (version 1: CRC-32 only).
     """
     key_bytes, name = key.encode(), dtype_name.encode("ascii")
+    shape = tuple(shape)
     if len(key_bytes) > MAX_KEY_BYTES:
         raise ValueError(f"block key of {len(key_bytes)} bytes is too long (at most {MAX_KEY_BYTES} utf-8 bytes)")
     if kind not in _CHECKSUM_STRUCT or (version == 1 and kind != CRC32) or version not in _FIXED:
         raise ValueError(f"checksum kind {kind!r} in format version {version!r}; version 1 holds CRC-32 (1) only")
     fixed = [MAGIC, version, len(key_bytes), payload_num_bytes, payload_checksum]
     fixed += [len(shape), len(name)] if version == 1 else [kind, len(shape), len(name)]
-    head = b"".join([_FIXED[version].pack(*fixed), struct.pack(f"<{len(shape)}I", *shape), name, key_bytes])
-    header_checksum = checksum(kind, head)
+    head = _FIXED[version].pack(*fixed) + _shape_and_name(shape, name) + key_bytes
+    header_checksum = CHECKSUM_FUNCTIONS[kind](head)
     head += _CHECKSUM_STRUCT[kind].pack(header_checksum)
     header_num_bytes = round_up(len(head))
-    return RecordHeader(key, payload_num_bytes, payload_checksum, dtype_name, tuple(shape), header_num_bytes,
+    return RecordHeader(key, payload_num_bytes, payload_checksum, dtype_name, shape, header_num_bytes,
                         header_num_bytes + round_up(payload_num_bytes), len(head), header_checksum, kind,
                         head.ljust(header_num_bytes, b"\0"))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_and_name(shape: tuple[int, ...], name: bytes) -> bytes:
+    return struct.pack(f"<{len(shape)}I", *shape) + name
 
 
 def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
@@ -144,13 +151,6 @@ def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     record_num_bytes = header_num_bytes + round_up(payload_num_bytes)
     return RecordHeader(key, payload_num_bytes, payload_checksum, name, tuple(shape), header_num_bytes,
                         record_num_bytes, header_end, stored_checksum, kind)  # fmt: skip
-
-
-def header_checksum_at(kind: int, header: memoryview, header_end: int) -> tuple[int, int]:
-    """(checksum of header[:the stored one], the stored one) for a header of `kind` ending at header_end."""
-    size = _CHECKSUM_STRUCT[kind].size
-    (stored,) = _CHECKSUM_STRUCT[kind].unpack_from(header, header_end - size)
-    return checksum(kind, header[: header_end - size]), stored
 
 
 def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int]:
