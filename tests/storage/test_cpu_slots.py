@@ -34,3 +34,27 @@ def test_acquired_blocks_survive_pressure_until_released():
     tier.release(["a"])
     assert tier.remove("a")
     assert tier.acquire(["missing"]) == [None]
+
+
+def test_eviction_steps_over_a_long_pinned_run_once_and_keeps_lru_order_among_the_rest():
+    """Far blocks of a long request stay pinned at the old end of the LRU order; evictions take the
+    least recently used unpinned blocks, in order, and do not rescan the pinned run each time."""
+    n = 64
+    tier = CpuTier("cpu", LAYOUT, (n + 4) * LAYOUT.num_bytes)
+    pinned = [f"far{i}" for i in range(n)]
+    tier.put_many(pinned, [torch.zeros(LAYOUT.shape)] * n)
+    tier.acquire(pinned)
+    tier.put_many(["u0", "u1", "u2", "u3"], [torch.ones(LAYOUT.shape)] * 4)
+    # acquire made the pinned run recent; make it the oldest again, as time passing would
+    for key in pinned:
+        tier._slot_of.move_to_end(key, last=False)
+    evicted = []
+    for i in range(4):
+        result = tier.put(f"new{i}", torch.full(LAYOUT.shape, 2.0))
+        assert result.ok
+        evicted += [k for k, _ in result.evicted]
+    assert evicted == ["u0", "u1", "u2", "u3"]
+    assert all(tier.contains(k) for k in pinned)
+    assert [k for k, _ in tier.put("one-more", torch.zeros(LAYOUT.shape)).evicted] == ["new0"]
+    tier.release(pinned)
+    assert [k for k, _ in tier.put("after-release", torch.zeros(LAYOUT.shape)).evicted] == ["new1"]  # LRU order kept

@@ -225,12 +225,26 @@ class CpuTier(StorageTier):
         elif self._free_slots:
             slot = self._free_slots.pop()
         else:
-            victim = next((k for k in self._slot_of if self._pins[k] <= 0), None)
+            victim = self._lru_unpinned()
             if victim is None:
                 return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
             slot = self._slot_of.pop(victim)
             evicted.append((victim, self.read_slots([slot])[0]))
         return PutResult(ok=True, evicted=evicted), slot
+
+    def _lru_unpinned(self) -> str | None:
+        """The least recently used unpinned key, None if every block is pinned. Lock held.
+
+        Pinned blocks met on the way are in use, so they move to the recent end: a long-pinned
+        run at the old end (the far blocks of a long request) is stepped over once, not on every
+        eviction."""
+        slot_of, pins = self._slot_of, self._pins
+        for _ in range(len(slot_of)):
+            key = next(iter(slot_of))
+            if pins[key] <= 0:
+                return key
+            slot_of.move_to_end(key)
+        return None
 
     def _unpin(self, key: str) -> None:
         self._pins[key] -= 1
