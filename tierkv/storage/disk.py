@@ -63,7 +63,8 @@ logger = logging.getLogger(__name__)
 _SEGMENT_SUFFIX = ".seg"
 _ORDER_FILE = "lru.order"
 _SPREAD_MIN_BYTES = 1 << 20  # smaller read batches stay on the caller's thread
-_CHUNK_BYTES = 1 << 21  # read then checksummed (or checksummed, then written) at a time: fits the L3
+_CHUNK_BYTES = 1 << 20  # read then checksummed (or checksummed, then written) at a time: stays in the CPU cache
+_MAX_IO_THREADS = 4
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
 _OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
 
@@ -90,7 +91,8 @@ class DiskTier(StorageTier):
         from disk so a chain can spill them; False drops them unread, right when no tier sits
         below this one. A plain attribute the chain may set.
     fsync: sync each put_many's records to the device before it returns.
-    num_io_threads: large get_many/put_many batches are split over this many threads.
+    num_io_threads: large get_many batches are split over this many threads; None: one per CPU
+        this process may run on, at most 4 (more threads than cores only add GIL hand-offs).
     segment_bytes: a segment takes appends until it is this long; None: capacity / 8,
         clamped to [1 MiB, 1 GiB].
     read_buffer_bytes: get_many results land in pre-faulted slabs (disk_buffers); up to this
@@ -101,15 +103,15 @@ class DiskTier(StorageTier):
 
     def __init__(
         self, name: str, layout: BlockLayout, capacity_bytes: int, path: str | os.PathLike, *,
-        return_evicted: bool = True, fsync: bool = False, num_io_threads: int = 4, segment_bytes: int | None = None,
-        read_buffer_bytes: int = _READ_BUFFER_BYTES,
+        return_evicted: bool = True, fsync: bool = False, num_io_threads: int | None = None,
+        segment_bytes: int | None = None, read_buffer_bytes: int = _READ_BUFFER_BYTES,
     ):  # fmt: skip
         if not isinstance(capacity_bytes, int) or capacity_bytes < layout.num_bytes:
             raise ValueError(
                 f"{name}: capacity_bytes={capacity_bytes!r}; must be at least one block ({layout.num_bytes})"
             )
-        if num_io_threads < 1:
-            raise ValueError(f"{name}: num_io_threads={num_io_threads!r}; must be >= 1")
+        if num_io_threads is not None and num_io_threads < 1:
+            raise ValueError(f"{name}: num_io_threads={num_io_threads!r}; must be >= 1 or None")
         if segment_bytes is not None and segment_bytes < 1:
             raise ValueError(f"{name}: segment_bytes={segment_bytes!r}; must be >= 1 or None")
         super().__init__(name, layout, capacity_bytes)
@@ -118,7 +120,7 @@ class DiskTier(StorageTier):
         self.fsync = fsync
         self.max_blocks = capacity_bytes // layout.num_bytes
         self.segment_bytes = segment_bytes or min(1 << 30, max(1 << 20, capacity_bytes // 8))
-        self._num_io_threads = num_io_threads
+        self._num_io_threads = num_io_threads or min(_MAX_IO_THREADS, _num_usable_cpus())
         self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
         self._is_direct_eligible = layout.num_bytes % seg.ALIGN == 0  # payload rows stay 4096-aligned
         self._pad = memoryview(bytearray(seg.round_up(layout.num_bytes) - layout.num_bytes))
@@ -232,7 +234,7 @@ class DiskTier(StorageTier):
     # -- writing ---------------------------------------------------------------------------
     def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
         """Append records for these blocks, then index them; the checksums of each chunk of about
-        2 MiB are computed right before its writev, which then copies bytes still in the CPU cache."""
+        a MiB are computed right before its writev, which then copies bytes still in the CPU cache."""
         with self._append_lock:
             self._check_open()
             start = None
@@ -386,7 +388,7 @@ class DiskTier(StorageTier):
 
     def _read_run(self, fd: int, path: str, direct_fds: list[int], run: list[tuple], keys: list[str],
                   entries: list[_Entry]) -> list[tuple[int, str | None]]:  # fmt: skip
-        """Adjacent records: from the page cache a chunk of about 2 MiB at a time, each block checked
+        """Adjacent records: from the page cache a chunk of about a MiB at a time, each block checked
         while its bytes are still in the CPU cache; once a chunk is not cached (or cachestat says
         the run is not all cached), the rest of the run comes from the device in one preadv
         (O_DIRECT where the layout allows)."""
@@ -407,7 +409,8 @@ class DiskTier(StorageTier):
                 return results + [(job[2], f"read failed: {exc}") for job in run[pos:]]
             end = chunk[0][1] + num_read
             for _, _, j, header, payload, record_end in chunk:
-                results.append((j, self._check(keys[j], entries[j], header, payload) if record_end <= end else "short read"))
+                failure = self._check(keys[j], entries[j], header, payload) if record_end <= end else "short read"
+                results.append((j, failure))
             pos += len(chunk)
         return results
 
@@ -590,6 +593,13 @@ class DiskTier(StorageTier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"{self.name}: tier is closed")
+
+
+def _num_usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _bytes_of(block: torch.Tensor) -> memoryview:

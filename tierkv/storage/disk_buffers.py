@@ -56,7 +56,8 @@ class ReadBufferPool:
         size = slab_bytes(max(num_bytes, 1))
         slab = self._take(size) or _new_slab(size)
         array = numpy.frombuffer(slab, dtype=numpy.uint8)
-        weakref.finalize(array, self._give_back, slab)  # runs once the tensor's storage lets go of it
+        finalizer = weakref.finalize(array, self._give_back, slab)  # runs once the tensor's storage lets go of it
+        finalizer.atexit = False
         return torch.from_numpy(array)[:num_bytes]
 
     @property
