@@ -123,15 +123,15 @@ def test_failed_append_is_cut_away_and_old_value_stays(layout, tmp_path, monkeyp
     old, new = make_block(layout, 1), make_block(layout, 2)
     tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
     assert tier.put(key, old).ok
-    real_writev = os.writev
+    real_pwritev = os.pwritev
 
-    def failing_writev(fd, buffers):
-        real_writev(fd, [memoryview(buffers[0])[:100]])  # part of the record reaches the file
+    def failing_pwritev(fd, buffers, offset):
+        real_pwritev(fd, [memoryview(buffers[0])[:100]], offset)  # part of the record reaches the file
         raise OSError(errno.EIO, "injected write failure")
 
-    monkeypatch.setattr(os, "writev", failing_writev)
+    monkeypatch.setattr(os, "pwritev", failing_pwritev)
     result = tier.put(key, new)
-    monkeypatch.setattr(os, "writev", real_writev)
+    monkeypatch.setattr(os, "pwritev", real_pwritev)
     assert not result.ok and "EIO" in result.error
     assert torn_bytes(tmp_path) == 0  # the failed put cut its bytes away
     assert torch.equal(tier.get(key), old)
@@ -148,18 +148,18 @@ def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, m
     tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)
     assert tier.put(key, old).ok
     assert tier.put(key_of(2), make_block(layout, 3)).ok
-    real_writev = os.writev
+    real_pwritev = os.pwritev
     num_bytes = {"header": 7, "payload": seg.ALIGN + layout.num_bytes // 2, "last_byte": seg.ALIGN + layout.num_bytes - 1}
 
-    def crashing_writev(fd, buffers):
+    def crashing_pwritev(fd, buffers, offset):
         whole = b"".join(bytes(b) for b in buffers)
-        real_writev(fd, [whole[: num_bytes[torn_at]]])
+        real_pwritev(fd, [whole[: num_bytes[torn_at]]], offset)
         raise SimulatedCrash()
 
-    monkeypatch.setattr(os, "writev", crashing_writev)
+    monkeypatch.setattr(os, "pwritev", crashing_pwritev)
     with pytest.raises(SimulatedCrash):
         tier.put(key, new)  # dies with part of the new record written
-    monkeypatch.setattr(os, "writev", real_writev)
+    monkeypatch.setattr(os, "pwritev", real_pwritev)
     assert torn_bytes(tmp_path) == num_bytes[torn_at]
 
     restarted = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)  # the old process is gone
@@ -278,19 +278,19 @@ def test_disk_full_on_real_tmpfs(layout, small_filesystem):
 
 
 def test_disk_full_injected_enospc(layout, tmp_path, monkeypatch):
-    """The same checks with ENOSPC injected into os.writev after a few blocks (any filesystem)."""
-    real_writev, calls = os.writev, [0]
+    """The same checks with ENOSPC injected into os.pwritev after a few blocks (any filesystem)."""
+    real_pwritev, calls = os.pwritev, [0]
 
-    def writev_until_full(fd, buffers):
+    def pwritev_until_full(fd, buffers, offset):
         calls[0] += 1
         if calls[0] <= 5:
-            return real_writev(fd, buffers)
+            return real_pwritev(fd, buffers, offset)
         if calls[0] == 6:  # a short write first, as a filling disk does
-            return real_writev(fd, [memoryview(buffers[0])[:7]])
+            return real_pwritev(fd, [memoryview(buffers[0])[:7]], offset)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "writev", writev_until_full)
-    space_freed = lambda: monkeypatch.setattr(os, "writev", real_writev)  # noqa: E731
+    monkeypatch.setattr(os, "pwritev", pwritev_until_full)
+    space_freed = lambda: monkeypatch.setattr(os, "pwritev", real_pwritev)  # noqa: E731
     check_fill_until_full(layout, tmp_path, CAPACITY_BYTES, space_freed=space_freed)
     assert calls[0] == 7
 

@@ -173,3 +173,36 @@ def test_get_many_results_stay_valid_while_later_reads_reuse_buffers(layout, tmp
         for _ in range(3):
             tier.get_many([key_of(i) for i in range(4, 8)])  # freed at once: their slab is reused
         assert all(torch.equal(k, make_block(layout, i)) for i, k in enumerate(kept))
+
+
+def test_large_put_is_written_in_parts_at_their_offsets(layout, tmp_path):
+    keys = [key_of(i) for i in range(300)]  # 300 x 8 KiB: over a MiB, so two parts on two threads
+    blocks = [make_block(layout, i) for i in range(300)]
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, num_io_threads=2) as tier:
+        assert all(r.ok for r in tier.put_many(keys, blocks))
+        offsets = [tier._index[k].offset for k in keys]
+        assert offsets == sorted(offsets) and len(set(offsets)) == 300  # batch order, no overlap
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as restarted:
+        assert all(torch.equal(g, b) for g, b in zip(restarted.get_many(keys), blocks))
+        assert restarted.counters["corrupt_blocks"] == 0
+
+
+def test_a_failing_part_fails_the_whole_put_and_is_cut_away(layout, tmp_path, monkeypatch):
+    keys = [key_of(i) for i in range(300)]
+    blocks = [make_block(layout, i) for i in range(300)]
+    real_pwritev = os.pwritev
+
+    def failing_in_the_second_half(fd, buffers, offset):
+        if offset >= 150 * (seg.ALIGN + layout.num_bytes):
+            raise OSError(28, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, num_io_threads=2) as tier:
+        monkeypatch.setattr(os, "pwritev", failing_in_the_second_half)
+        results = tier.put_many(keys, blocks)
+        monkeypatch.setattr(os, "pwritev", real_pwritev)
+        assert not any(r.ok for r in results) and "ENOSPC" in results[0].error
+        assert tier.used_bytes == 0 and all(p.stat().st_size == 0 for p in tmp_path.glob("*.seg"))
+        assert all(r.ok for r in tier.put_many(keys[:3], blocks[:3]))
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as restarted:
+        assert restarted.used_bytes == 3 * layout.num_bytes and restarted.counters["corrupt_blocks"] == 0

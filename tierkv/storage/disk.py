@@ -5,11 +5,13 @@ Primitives: `DiskTier`.
     <path>/<16 hex digits>.seg   a segment: records appended in order (format: disk_segments)
     <path>/lru.order             the LRU order at the last close; a hint for the next start
 
-Writes. A put_many appends its blocks to the active segment (one writev of up to IOV_MAX
-buffers) and then indexes them; a segment past segment_bytes is closed and a new one begun.
-A crash mid-append leaves at most a torn record at the end of a segment, which the scan at
-start drops (the file is cut after the last whole record); a failed append (a full disk) is
-cut away at once. No fsync by default: this is a cache, and a record that a power loss kept
+Writes. A put_many appends its blocks to the active segment (pwritev at offsets known up
+front; a batch of a MiB or more in parts on the I/O threads) and then indexes them; a segment
+past segment_bytes is closed and a new one begun. A crash mid-append leaves torn records only
+in the range being appended: at the end of a segment, which the scan at start drops (the file
+is cut after the last whole record), or, when parts were written at once, before a later part's
+whole records, where a torn record fails its checksum when read (a miss, counted, dropped);
+a failed append (a full disk) is cut away at once. No fsync by default: this is a cache, and a record that a power loss kept
 from the device fails its checksum when read (a miss, counted, dropped). fsync=True: one
 fdatasync per put_many, before it returns.
 
@@ -45,7 +47,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -233,21 +235,13 @@ class DiskTier(StorageTier):
 
     # -- writing ---------------------------------------------------------------------------
     def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
-        """Append records for these blocks, then index them; the checksums of each chunk of about
-        a MiB are computed right before its writev, which then copies bytes still in the CPU cache."""
+        """Write records for these blocks at the end of the active segment, then index them."""
         with self._append_lock:
             self._check_open()
             start = None
             try:
                 fd, start = self._active_segment()
-                headers = []
-                for first in range(0, len(keys), self._chunk_records):
-                    views, last = [], first + self._chunk_records
-                    for key, payload in zip(keys[first:last], payloads[first:last]):
-                        digest = seg.checksum(seg.CHECKSUM_KIND, payload)
-                        headers.append(seg.encode_header(key, self._dtype_name, self._shape, payload.nbytes, digest))
-                        views += [memoryview(headers[-1].data), payload, self._pad]
-                    seg.append(fd, views)
+                headers = self._write_records(fd, start, keys, payloads)
                 if self.fsync:
                     os.fdatasync(fd)
             except OSError as exc:
@@ -273,6 +267,33 @@ class DiskTier(StorageTier):
         results[-1].evicted = evicted
         return results
 
+    def _write_records(self, fd: int, start: int, keys: list[str], payloads: list[memoryview]) -> list[seg.RecordHeader]:
+        """Write the records from `start`, each at an offset known before any is checksummed.
+
+        A batch of a MiB or more is split over the I/O threads, each checksumming and writing its
+        own records (the checksum and the copy into the page cache release the GIL); within a
+        part, the checksums of a chunk of about a MiB are computed right before its pwritev,
+        which then copies bytes still in the CPU cache.
+        """
+        ndim, padded = len(self._shape), seg.round_up(self.layout.num_bytes)
+        sizes = [seg.header_region_bytes(key, self._dtype_name, ndim) + padded for key in keys]
+        offsets = list(itertools.accumulate(sizes, initial=start))
+
+        def write_part(indices: list[int]) -> list[seg.RecordHeader]:
+            headers = []
+            for first in range(0, len(indices), self._chunk_records):
+                chunk, views = indices[first : first + self._chunk_records], []
+                for i in chunk:
+                    digest = seg.checksum(seg.CHECKSUM_KIND, payloads[i])
+                    headers.append(seg.encode_header(keys[i], self._dtype_name, self._shape, payloads[i].nbytes, digest))
+                    views += [memoryview(headers[-1].data), payloads[i], self._pad]
+                seg.write_at(fd, views, offsets[chunk[0]])
+            return headers
+
+        headers = self._spread(write_part, list(range(len(keys))))
+        assert all(h.record_num_bytes == n for h, n in zip(headers, sizes)), "header size mispredicted"
+        return headers
+
     def _commit(self, keys: list[str], entries: list[_Entry]) -> tuple[list[_Entry], list[tuple[str, _Entry]]]:
         """Index appended records; evict LRU blocks over capacity. Caller holds both locks.
 
@@ -295,7 +316,7 @@ class DiskTier(StorageTier):
     def _active_segment(self) -> tuple[int, int]:
         """(fd, size) of the segment that takes appends, begun anew past segment_bytes. Caller holds _append_lock."""
         if self._active_fd is not None and self._active_size < self.segment_bytes:
-            self._active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where O_APPEND will write
+            self._active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where the next records go
             return self._active_fd, self._active_size
         if self._active_fd is not None:
             os.close(self._active_fd)
@@ -307,7 +328,7 @@ class DiskTier(StorageTier):
                     del self._num_live[old]
             if is_dead:
                 self._unlink(self._segment_path(old))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         while self._active_fd is None:  # another tier on this path may have taken the id: try the next
             segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
             try:
@@ -561,14 +582,19 @@ class DiskTier(StorageTier):
         return os.path.join(self.path, f"{segment_id:016x}{_SEGMENT_SUFFIX}")
 
     def _spread(self, fn: Callable[[list], list], xs: list) -> list:
-        """fn over contiguous parts of xs, the parts on the I/O threads when xs is large; results concatenated."""
+        """fn over contiguous parts of xs, the parts on the I/O threads when xs is large; results concatenated.
+
+        A part that raises is re-raised once every part has finished."""
         num_parts = min(self._num_io_threads, len(xs), len(xs) * self.layout.num_bytes // _SPREAD_MIN_BYTES)
         if num_parts < 2:
             return fn(xs)
         bounds = [len(xs) * part // num_parts for part in range(num_parts + 1)]
         parts = [xs[a:b] for a, b in zip(bounds, bounds[1:])]
         futures = [self._io_pool().submit(fn, part) for part in parts[1:]]
-        first = fn(parts[0])
+        try:
+            first = fn(parts[0])
+        finally:
+            wait(futures)  # every part is done before anyone cleans up after a failure
         return first + [r for future in futures for r in future.result()]
 
     def _io_pool(self) -> ThreadPoolExecutor:

@@ -1,7 +1,7 @@
 """The disk tier's on-disk format: records appended to segment files, and the I/O on them.
 
 Primitives: `RecordHeader`, `encode_header`, `parse_header`, `checksum`, `CHECKSUM_FUNCTIONS`,
-`scan_segment`, `append`,
+`header_region_bytes`, `scan_segment`, `write_at`,
 `ReadModes`, `read_cached`, `cached_bytes`, `read_at`, `punch`, `save_order`, `load_order`, `ALIGN`.
 
 A segment file (`<path>/<16 hex digits>.seg`) is a sequence of records, each starting at a
@@ -181,17 +181,24 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
     return records, valid_end
 
 
-def append(fd: int, views: list[memoryview]) -> None:
-    """Write `views` in order with os.writev on an O_APPEND fd, at most IOV_MAX buffers a call."""
+def write_at(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write `views` in order from `offset` with os.pwritev, at most IOV_MAX buffers a call."""
     views = [v for v in views if v.nbytes]
     while views:
-        written = os.writev(fd, views[:IOV_MAX])
+        written = os.pwritev(fd, views[:IOV_MAX], offset)
         if written == 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += written
         while views and written >= views[0].nbytes:
             written -= views.pop(0).nbytes
         if written:
             views[0] = views[0][written:]
+
+
+def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int = CHECKSUM_KIND) -> int:
+    """The padded header region encode_header makes for this key and layout (version 2)."""
+    head = _FIXED[2].size + 4 * ndim + len(dtype_name) + len(key.encode()) + _CHECKSUM_STRUCT[kind].size
+    return round_up(head)
 
 
 class ReadModes:
