@@ -11,9 +11,9 @@ past segment_bytes is closed and a new one begun. A crash mid-append leaves torn
 in the range being appended: at the end of a segment, which the scan at start drops (the file
 is cut after the last whole record), or, when parts were written at once, before a later part's
 whole records, where a torn record fails its checksum when read (a miss, counted, dropped);
-a failed append (a full disk) is cut away at once. No fsync by default: this is a cache, and a record that a power loss kept
-from the device fails its checksum when read (a miss, counted, dropped). fsync=True: one
-fdatasync per put_many, before it returns.
+a failed append (a full disk) is cut away at once. No fsync by default: this is a cache, and
+a record that a power loss kept from the device fails its checksum when read (a miss, counted,
+dropped). fsync=True: one fdatasync per put_many, before it returns.
 
 Reads. get_many sorts its hits by segment and offset and reads each run of adjacent records
 with one preadv, payloads straight into rows of the result: from the page cache where it holds
@@ -267,7 +267,9 @@ class DiskTier(StorageTier):
         results[-1].evicted = evicted
         return results
 
-    def _write_records(self, fd: int, start: int, keys: list[str], payloads: list[memoryview]) -> list[seg.RecordHeader]:
+    def _write_records(
+        self, fd: int, start: int, keys: list[str], payloads: list[memoryview]
+    ) -> list[seg.RecordHeader]:
         """Write the records from `start`, each at an offset known before any is checksummed.
 
         A batch of a MiB or more is split over the I/O threads, each checksumming and writing its
@@ -285,7 +287,8 @@ class DiskTier(StorageTier):
                 chunk, views = indices[first : first + self._chunk_records], []
                 for i in chunk:
                     digest = seg.checksum(seg.CHECKSUM_KIND, payloads[i])
-                    headers.append(seg.encode_header(keys[i], self._dtype_name, self._shape, payloads[i].nbytes, digest))
+                    header = seg.encode_header(keys[i], self._dtype_name, self._shape, payloads[i].nbytes, digest)
+                    headers.append(header)
                     views += [memoryview(headers[-1].data), payloads[i], self._pad]
                 seg.write_at(fd, views, offsets[chunk[0]])
             return headers
