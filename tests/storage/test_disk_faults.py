@@ -33,7 +33,7 @@ def scan(root: Path) -> list[tuple[Path, list[tuple[int, seg.RecordHeader]], int
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            records, end = seg.scan_segment(fd, size)
+            records, end, _ = seg.scan_segment(fd, size)
         finally:
             os.close(fd)
         found.append((path, records, end, size))

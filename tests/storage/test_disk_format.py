@@ -206,3 +206,57 @@ def test_a_failing_part_fails_the_whole_put_and_is_cut_away(layout, tmp_path, mo
         assert all(r.ok for r in tier.put_many(keys[:3], blocks[:3]))
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as restarted:
         assert restarted.used_bytes == 3 * layout.num_bytes and restarted.counters["corrupt_blocks"] == 0
+
+
+def test_without_xxhash_new_records_use_crc32_and_xxh3_records_stay_on_disk_unread(layout, tmp_path, monkeypatch):
+    """A process without the xxhash package (a machine with no package index) writes CRC-32 records,
+    treats XXH3 records as misses, and never cuts them off the file: a process with xxhash reads
+    both afterwards."""
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        tier.put(key_of(1), make_block(layout, 1))
+    (first,) = tmp_path.glob("*.seg")
+    size_before = first.stat().st_size
+    with monkeypatch.context() as m:
+        m.setattr(seg, "CHECKSUM_FUNCTIONS", {seg.CRC32: seg.CHECKSUM_FUNCTIONS[seg.CRC32]})
+        m.setattr(seg, "CHECKSUM_KIND", seg.CRC32)
+        with pytest.raises(seg.UnverifiableRecord, match="xxhash"):
+            seg.parse_header(first.read_bytes())
+        with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+            assert tier.get(key_of(1)) is None  # unverifiable here: a miss
+            assert first.stat().st_size == size_before  # and not dropped as a torn tail
+            assert tier.put(key_of(2), make_block(layout, 2)).ok
+            assert torch.equal(tier.get(key_of(2)), make_block(layout, 2))
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        assert torch.equal(tier.get(key_of(1)), make_block(layout, 1))
+        assert torch.equal(tier.get(key_of(2)), make_block(layout, 2))
+
+
+def test_tierkv_and_the_disk_tier_work_in_a_process_without_xxhash(tmp_path):
+    """The GPU machine has no package index: importing tierkv and using a disk tier must not need it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import builtins
+        real_import = builtins.__import__
+        def without_xxhash(name, *args, **kwargs):
+            if name == "xxhash":
+                raise ImportError("no xxhash in this process")
+            return real_import(name, *args, **kwargs)
+        builtins.__import__ = without_xxhash
+        import torch
+        import tierkv
+        from tierkv.blocks import BlockLayout
+        from tierkv.storage import disk_segments as seg
+        from tierkv.storage.disk import DiskTier
+        assert seg.xxhash is None and seg.CHECKSUM_KIND == seg.CRC32
+        layout = BlockLayout(2, 4, 8, torch.float32)
+        block = torch.randn(layout.shape)
+        with DiskTier("disk", layout, 1 << 20, {str(tmp_path)!r}) as tier:
+            assert tier.put("k", block).ok and torch.equal(tier.get("k"), block)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -563,13 +563,14 @@ class DiskTier(StorageTier):
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            records, end = seg.scan_segment(fd, size)
+            records, end, is_partly_unreadable = seg.scan_segment(fd, size)
             if end < size:
                 logger.warning("%s: %s: dropping %d bytes after the last whole record", self.name, path, size - end)
                 os.ftruncate(fd, end)
         finally:
             os.close(fd)
-        self._num_live[segment_id] = len(records)
+        # records this process cannot verify count as one live record: the segment is never deleted here
+        self._num_live[segment_id] = len(records) + int(is_partly_unreadable)
         for offset, h in records:
             entry = _Entry(segment_id, offset, h)
             is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape

@@ -41,8 +41,10 @@ import os
 import struct
 from typing import NamedTuple
 
-import xxhash
-
+try:
+    import xxhash
+except ImportError:  # a machine without it (no package index): new records use CRC-32; XXH3 ones stay, unread
+    xxhash = None
 try:
     from isal.isal_zlib import crc32
 except ImportError:  # same values, slower
@@ -54,21 +56,30 @@ ALIGN = 4096
 MAGIC = b"TKVS"
 FORMAT_VERSION = 2
 CRC32, XXH3_64 = 1, 2  # checksum kinds
-CHECKSUM_KIND = XXH3_64  # what new records use
+CHECKSUM_KIND = XXH3_64 if xxhash is not None else CRC32  # what new records use
 MAX_KEY_BYTES = 0xFFFF
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FIXED = {1: struct.Struct("<4sHHQIBB"), 2: struct.Struct("<4sHHQQBBB")}  # per format version
 _CHECKSUM_STRUCT = {CRC32: struct.Struct("<I"), XXH3_64: struct.Struct("<Q")}
-CHECKSUM_FUNCTIONS = {CRC32: crc32, XXH3_64: xxhash.xxh3_64_intdigest}  # kind -> function of a buffer
+CHECKSUM_FUNCTIONS = {CRC32: crc32}  # kind -> function of a buffer
+if xxhash is not None:
+    CHECKSUM_FUNCTIONS[XXH3_64] = xxhash.xxh3_64_intdigest
 CHECKSUM_BYTES = {CRC32: 4, XXH3_64: 8}  # kind -> bytes of the header's own checksum
 _CRC = _CHECKSUM_STRUCT[CRC32]
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+class UnverifiableRecord(CorruptBlock):
+    """A record whose checksum kind this process cannot compute (XXH3-64 without xxhash): never
+    read, never cut off the file (a process with xxhash reads it)."""
 
 
 def checksum(kind: int, data: bytes | bytearray | memoryview) -> int:
     """The `kind` checksum of `data` (both functions release the GIL on large buffers)."""
     if kind in CHECKSUM_FUNCTIONS:
         return CHECKSUM_FUNCTIONS[kind](data)
+    if kind in _CHECKSUM_STRUCT:
+        raise UnverifiableRecord(f"checksum kind {kind} (XXH3-64) needs the xxhash package (pip install xxhash)")
     raise ValueError(f"checksum kind {kind!r}; known kinds are {CRC32} (CRC-32) and {XXH3_64} (XXH3-64)")
 
 
@@ -92,12 +103,14 @@ def round_up(num_bytes: int) -> int:
 
 def encode_header(
     key: str, dtype_name: str, shape: tuple[int, ...], payload_num_bytes: int, payload_checksum: int,
-    kind: int = CHECKSUM_KIND, version: int = FORMAT_VERSION,
+    kind: int | None = None, version: int = FORMAT_VERSION,
 ) -> RecordHeader:  # fmt: skip
-    """A record's header; `.data` is its region (zero-padded to a multiple of ALIGN).
+    """A record's header; `.data` is its region (zero-padded to a multiple of ALIGN). `kind`:
+    CHECKSUM_KIND (what this process writes) unless given.
 
     ValueError on a huge key, or a kind the version cannot carry (version 1: CRC-32 only).
     """
+    kind = CHECKSUM_KIND if kind is None else kind
     key_bytes, name = key.encode(), dtype_name.encode("ascii")
     shape = tuple(shape)
     if len(key_bytes) > MAX_KEY_BYTES:
@@ -153,8 +166,9 @@ def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
                         record_num_bytes, header_end, stored_checksum, kind)  # fmt: skip
 
 
-def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int]:
-    """([(offset, header)] of the whole records in a segment, the end of the last one).
+def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int, bool]:
+    """([(offset, header)] of the whole records in a segment, the end of the last one, whether the
+    scan stopped at a record this process cannot verify (then the end is the file's: nothing is cut)).
 
     Holes (removed records) are skipped with SEEK_DATA, other bytes that are not a header one
     ALIGN step at a time. A record running past the end of the file is a torn tail: the scan
@@ -165,6 +179,8 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
         head = os.pread(fd, ALIGN, offset)
         try:
             header = parse_header(head)
+        except UnverifiableRecord:  # keep the rest of the file as it is: its records are misses here
+            return records, size, True
         except CorruptBlock:
             if len(head) == ALIGN and head.count(0) == ALIGN:  # a hole: jump to the next data
                 try:
@@ -178,7 +194,7 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
             break
         records.append((offset, header))
         offset = valid_end = offset + header.record_num_bytes
-    return records, valid_end
+    return records, valid_end, False
 
 
 def write_at(fd: int, views: list[memoryview], offset: int) -> None:
@@ -195,8 +211,9 @@ def write_at(fd: int, views: list[memoryview], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int = CHECKSUM_KIND) -> int:
+def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int | None = None) -> int:
     """The padded header region encode_header makes for this key and layout (version 2)."""
+    kind = CHECKSUM_KIND if kind is None else kind
     head = _FIXED[2].size + 4 * ndim + len(dtype_name) + len(key.encode()) + _CHECKSUM_STRUCT[kind].size
     return round_up(head)
 
