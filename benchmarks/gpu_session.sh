@@ -2,6 +2,12 @@
 # One device call: every GPU test, then the GPU benchmarks, each bounded in time, full output under $OUT.
 #   BENCH_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh [tests] [quant] [sparse] [sparse-tests] [exact]
 #   sparse: SPARSE_PREDICTOR=previous|none|query picks the predictor, SPARSE_ARGS adds bench_sparse.py flags
+#   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
+# vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
+#   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
+#   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
+#   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
+#   those engine steps), vllm-table
 set -uo pipefail
 OUT="${OUT:-/tmp/tierkv-gpu-out}"
 mkdir -p "$OUT"
@@ -10,6 +16,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests quant sparse exact)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 summary=()
+quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG\|^\[rank" || true; }
 for step in "${steps[@]}"; do
     start=$(date +%s)
     case "$step" in
@@ -20,6 +27,20 @@ for step in "${steps[@]}"; do
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;
+        vllm-model8b) timeout 200 python3 benchmarks/bench_vllm.py model /tmp/m8 --layers 32 2>&1 | tail -1 ;;
+        vllm-check)
+            [ -d /tmp/m ] || python3 benchmarks/vllm_check.py model /tmp/m 2>&1 | tail -1
+            for mode in plain hotwindow; do
+                timeout 200 python3 benchmarks/vllm_check.py $mode /tmp/m "$OUT/vc" > "$OUT/check-$mode.log" 2>&1
+                quiet < "$OUT/check-$mode.log" | tail -6
+            done
+            python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
+        vllm-plain|vllm-tierkv|vllm-sparse|vllm-offloading)
+            mode=${step#vllm-}; [ "$mode" = sparse ] && mode=tierkv-sparse
+            timeout 240 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
+                ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} > "$OUT/bench-$mode.log" 2>&1
+            grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
+        vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     rc=$?

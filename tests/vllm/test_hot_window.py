@@ -478,7 +478,6 @@ def test_the_vllm_backends_stats_become_metrics_lines(tmp_path):
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
     far = FarKV(store, BS)
-    store.hot_window = far
     hashes = store.extend_hashes([], list(range(6 * BS)), 6)
     far.add_hashes("m", 0, hashes)
     for name in NAMES:

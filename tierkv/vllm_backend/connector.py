@@ -122,7 +122,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.register(kv_caches)
         if self.hot_window is not None and self._far is None:
             self._far = FarKV(self.store, self.hot_window)
-            self.store.hot_window = self._far
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -19,8 +19,11 @@ lookahead streamer copies it through the staging ring chunk by chunk, layers L+1
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
 min/max, kept on the device from the copies the connector saves), fetched once selected, plus
-any far block it has no summary of (a prefix served by the tiers); prefill stays exact. A request's far blocks stay pinned in the CPU tier from the step they become far until
-the request finishes, so a step pins only the blocks that became far since the last one.
+any far block it has no summary of (a prefix served by the tiers); prefill stays exact.
+
+A request's blocks stay pinned in the CPU tier from the save that wrote them (the store keeps the
+pin once the copy lands) or from the step they become far, until the request finishes, so a step
+pins only the blocks that became far since the last one.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ import torch
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
-from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.vllm_backend.far_summaries import RequestSummaries
 from tierkv.scheduler.lookahead import LookaheadStreamer
+from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.vllm_backend.far_summaries import RequestSummaries
 
 
 def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
@@ -82,6 +85,7 @@ class FarKV:
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
+        store.hot_window = self  # its stats() reports ours
         store.keep_saves_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
@@ -121,15 +125,17 @@ class FarKV:
         for span in spans:
             req = self.requests.get(span.req_id)
             n = len(span.block_ids)
-            if req is not None:
-                indices = [req.index.get(h) for h in span.hashes]
-                run_start = 0
-                for i in range(1, n + 1):  # runs of consecutive block indices
-                    if i < n and indices[i] is not None and indices[i - 1] is not None and indices[i] == indices[i - 1] + 1:
-                        continue
-                    if indices[run_start] is not None:
-                        self._summarize_run(req, layer, indices[run_start], blocks[offset + run_start : offset + i])
-                    run_start = i
+            indices = [req.index.get(h) for h in span.hashes] if req is not None else [None] * n
+            i = 0
+            while i < n:  # runs of consecutive block indices, one update each
+                if indices[i] is None:
+                    i += 1
+                    continue
+                j = i + 1
+                while j < n and indices[j] == indices[j - 1] + 1:
+                    j += 1
+                self._summarize_run(req, layer, indices[i], blocks[offset + i : offset + j])
+                i = j
             offset += n
 
     def _summarize_run(self, req: _Request, layer: int, first: int, blocks: torch.Tensor) -> None:

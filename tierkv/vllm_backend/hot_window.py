@@ -55,7 +55,8 @@ def register() -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _window_of(config_file: str | None, extra: tuple, block_size: int) -> int:
+def _window_of(extra: tuple, block_size: int) -> int:
+    """`extra`: kv_connector_extra_config's items, sorted (hashable, so each config loads once)."""
     return config_from_kv_transfer(dict(extra), block_size=block_size).cache.window_tokens
 
 
@@ -64,8 +65,8 @@ def hot_window_tokens(vllm_config) -> int | None:
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return None
-    extra = dict(transfer.kv_connector_extra_config or {})
-    return _window_of(extra.get("config_file"), tuple(sorted(extra.items())), vllm_config.cache_config.block_size)
+    extra = tuple(sorted((transfer.kv_connector_extra_config or {}).items()))
+    return _window_of(extra, vllm_config.cache_config.block_size)
 
 
 def _patch_kv_cache_spec() -> None:

@@ -60,10 +60,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         if not has_far:
             return output
         near_out, near_lse = result
-        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale)
-        if far is None:
-            output[:n] = near_out
-            return output
+        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale)  # not None: has_far
         merged, _ = merge_partials([(near_out.float(), near_lse[:, :n].transpose(0, 1).float()), far])
         output[:n] = merged.to(output.dtype)
         return output
