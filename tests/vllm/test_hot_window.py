@@ -124,6 +124,59 @@ def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_pat
         store.close()
 
 
+def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_path):
+    """A prefill row of at least MIN_QUERIES queries goes through `dense` (the vLLM backend passes
+    vLLM's FlashAttention) over each staging chunk gathered into contiguous K, V; a decoding row
+    of the same step does not. The merged result is dense attention over the row's far blocks."""
+    from tierkv.attention.flash import MIN_QUERIES
+
+    window = 2 * BS
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=10), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window)
+    lengths, new_tokens = {"p": 20 * BS + 7, "d": 12 * BS}, {"p": MIN_QUERIES + random.randrange(9), "d": 1}
+    ids = {"p": list(range(0, 21)), "d": list(range(21, 33))}
+    calls = []
+
+    def dense_kernel(q, k, v, scale):
+        calls.append((q.shape[0], k.shape[0]))
+        k = k.double().repeat_interleave(HQ // H, dim=1)
+        v = v.double().repeat_interleave(HQ // H, dim=1)
+        scores = torch.einsum("nhd,khd->nhk", q.double(), k) * scale
+        return torch.einsum("nhk,khd->nhd", torch.softmax(scores, dim=-1), v).float(), torch.logsumexp(scores, -1).float()
+
+    try:
+        for req, n in lengths.items():
+            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(n)], n // BS)
+            for name in NAMES:
+                store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
+            far.add_hashes(req, 0, hashes)
+        store.poll(wait=True)
+        rows = far.begin_step([(r, lengths[r], new_tokens[r]) for r in ("d", "p")])
+        q = torch.randn(sum(new_tokens.values()), HQ, D)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            calls.clear()
+            out, lse = far.attend(layer, q, 0.3, dense=dense_kernel)
+            prefill = rows[1]
+            assert calls and all(nq == new_tokens["p"] for nq, _ in calls)           # the decoding row never
+            assert sum(nk for _, nk in calls) == prefill.num_far_blocks * BS          # every far key once
+            region, first = far.pool.region_blocks, rows[0].num_far_blocks
+            assert len(calls) == -(-(first + prefill.num_far_blocks) // region) - first // region  # one per chunk it spans
+            for row in rows:
+                blocks = store.paged.read(caches[name], torch.tensor(ids[row.req_id][: row.num_far_blocks]))
+                want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, 0.3)
+                torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+        far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
 def test_the_far_split_is_what_vllm_frees_under_a_sliding_window():
     """vLLM frees blocks [0, skipped // block_size) of a sliding-window layer (skipped computed by its
     own SlidingWindowManager); tierkv reads exactly those from the tiers and everything after from vLLM."""

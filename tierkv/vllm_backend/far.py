@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from tierkv.attention import merge_partials, paged_partial_attention
-from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
+from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
@@ -261,10 +261,15 @@ class FarKV:
         if self._pieces:
             self.streamer.run(through_layer=layer + self.streamer.lookahead_layers)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def attend(self, layer: int, q: torch.Tensor, scale: float, dense=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of the step's queries q [num_tokens, H, D] over their far blocks of `layer`:
         float32 (out [num_tokens, H, D], lse [num_tokens, H]), lse -inf for rows without far
-        blocks; None when no row of this step has any."""
+        blocks; None when no row of this step has any.
+
+        dense: `(q [n, H, D], k, v [m, Hkv, D], scale) -> (out, lse)` without a mask, for rows of
+        at least `MIN_QUERIES` queries (prefill chunks), over each staging chunk gathered into
+        contiguous K and V; the vLLM backend passes vLLM's own FlashAttention. Without it such rows
+        use PyTorch's fused kernels on CUDA and the paged reference elsewhere."""
         if not self._pieces and not self._sparse_rows:
             return None
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -274,7 +279,10 @@ class FarKV:
                 row = self.rows[i]
                 q_row = q[row.q_start : row.q_end]
                 slots = chunk.slots[first:end]
-                if can_use_flash(q_row):
+                if dense is not None and q_row.shape[0] >= MIN_QUERIES:
+                    k, v = gather_blocks(staging, slots)
+                    part = dense(q_row, k, v, scale)
+                elif can_use_flash(q_row):
                     k, v = gather_blocks(staging, slots)
                     part = flash_partial_attention(q_row, k, v, scale=scale, causal=False)
                 else:

@@ -5,13 +5,15 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
 
     near: FlashAttention over vLLM's pool with each row's block table and key length starting
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
-    far:  `FarKV.attend` over the blocks vLLM freed, streamed from the CPU tier
+    far:  `FarKV.attend` over the blocks vLLM freed, streamed from the CPU tier; prefill chunks
+          attend each staging chunk with the same FlashAttention kernel (`_dense`)
     out:  the LSE merge of the two
 
 Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
 """
 from __future__ import annotations
 
+import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
@@ -35,6 +37,9 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
         if fa.is_quantized_kv_cache(self.kv_cache_dtype):
             raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
+        if self.alibi_slopes is not None or self.logits_soft_cap:
+            raise NotImplementedError("tierkv hot window: ALiBi and logit soft-capping are not applied to far blocks; "
+                                      "this model needs a full pool (tierkv without the hot window)")
         n = attn_metadata.num_actual_tokens
         step = current_step()
         if step is None:  # a warm-up forward outside the connector: nothing may lie beyond the window
@@ -60,10 +65,21 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         if not has_far:
             return output
         near_out, near_lse = result
-        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale)  # not None: has_far
+        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
         merged, _ = merge_partials([(near_out.float(), near_lse[:, :n].transpose(0, 1).float()), far])
         output[:n] = merged.to(output.dtype)
         return output
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Unmasked attention of q [n, H, D] over contiguous k, v [m, Hkv, D] (a staging chunk of far
+        blocks) by vLLM's FlashAttention: float32 (out [n, H, D], lse [n, H])."""
+        n, m = q.shape[0], k.shape[0]
+        steps = torch.arange(2, dtype=torch.int32, device=q.device)  # [0, 1]: cu_seqlens built on the device
+        out, lse = fa.flash_attn_varlen_func(
+            q=q, k=k, v=v, cu_seqlens_q=steps * n, max_seqlen_q=n, cu_seqlens_k=steps * m, max_seqlen_k=m,
+            softmax_scale=scale, causal=False, fa_version=self.vllm_flash_attn_version, return_softmax_lse=True,
+        )
+        return out.float(), lse[:, :n].transpose(0, 1).float()
 
 
 class HotWindowBackend(fa.FlashAttentionBackend):
