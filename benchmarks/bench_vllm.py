@@ -90,7 +90,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
 
     def stepped(ids, params, profile: list[int] | None = None):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
-        top-2 logprobs per token). Decode is timed token by token, so a prefix served from the
+        top-2 logprobs per token); each step's wall ms in `stepped.step_ms`. Decode is timed token by token, so a prefix served from the
         tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
         kernel table, the steps' wall time and their summed kernel time go to OUT/profile-MODE.txt)."""
         rid = f"bench-{next(request_ids)}"
@@ -100,7 +100,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         engine_.add_request(rid, {"prompt_token_ids": ids}, params)
         first_at = last_at = None
         tokens, logprobs = [], []
-        step_number, profiled = 0, []
+        step_number, profiled, step_ms = 0, [], []
         while engine_.has_unfinished_requests():
             profiler = _start_profiler() if profile and step_number in profile else None
             step_start = time.perf_counter()
@@ -108,6 +108,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             if profiler is not None:
                 torch.cuda.synchronize()
                 profiled.append((step_number, time.perf_counter() - step_start, _stop_profiler(profiler)))
+            step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_number += 1
             for out in step_outputs:
                 if out.request_id != rid:
@@ -121,6 +122,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             _write_profile(Path(out) / f"profile-{mode}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
+        stepped.step_ms = step_ms  # wall time of each engine step (the prefill chunks first)
         return first_at - start, per_token_ms, tokens, top2
 
     def far_wait_s() -> float:  # compute's GPU-timed wait for far copies so far (hot window)
@@ -129,20 +131,26 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     wait0 = far_wait_s()
     prefill_s, decode_ms, tokens, top2_decode = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
-    first_prefix_s = repeat_prefix_s = float("nan")
-    if with_prefix:
-        first_prefix_s = stepped(prefix + [11], one)[0]
-        repeat_prefix_s = stepped(prefix + [12], one)[0]
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
-           "far_wait_s": wait1 - wait0,
-           "prefix_ttft_first_s": first_prefix_s, "prefix_ttft_repeat_s": repeat_prefix_s,
+           "far_wait_s": wait1 - wait0, "step_ms": stepped.step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"bench-vllm-{mode}.json").write_text(json.dumps(row, indent=1, default=str))
+    path = Path(out) / f"bench-vllm-{mode}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
+    if with_prefix:
+        try:
+            row["prefix_ttft_first_s"] = stepped(prefix + [11], one)[0]
+            row["prefix_ttft_repeat_s"] = stepped(prefix + [12], one)[0]
+        except Exception as exc:  # recorded in the row, and the run fails after writing it
+            row["prefix_error"] = f"{type(exc).__name__}: {exc}"
+        row["connector"] = tiered.stats() if tiered is not None else None
+        path.write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "connector")}))
+    if "prefix_error" in row:
+        raise SystemExit(f"repeated-prefix rows failed: {row['prefix_error']}")
 
 
 def _start_profiler():
@@ -174,7 +182,7 @@ def table(out: str) -> None:
     rows = {p.stem.removeprefix("bench-vllm-"): json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json"))}
     plain = rows.get("plain")
     print(f"{'mode':<11} {'KV reserved GiB':>15} {'prefill s':>9} {'x plain':>7} {'decode ms':>9} "
-          f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'tokens = plain':>14}")
+          f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'far wait s':>10} {'tokens = plain':>14}")
     for mode, r in rows.items():
         ratio = r["prefill_s"] / plain["prefill_s"] if plain else float("nan")
         same = (r["tokens"] == plain["tokens"]) if plain else None
@@ -185,7 +193,8 @@ def table(out: str) -> None:
             same = f"step {step} (margin {margin:.4f})" if margin is not None else f"step {step}"
         print(f"{mode:<11} {r['kv_reserved_bytes'] / 2**30:15.2f} {r['prefill_s']:9.2f} {ratio:7.2f} "
               f"{r['decode_ms_per_token']:9.1f} {r['prefix_ttft_first_s']:13.2f}/{r['prefix_ttft_repeat_s']:<13.2f} "
-              f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {str(same):>14}")
+              f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {r.get('far_wait_s', float('nan')):10.2f} "
+              f"{str(same):>14}")
         if mode != "plain" and plain and r.get("top2_logprobs") and plain.get("top2_logprobs"):
             agree = next((i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b), len(r["tokens"]))
             worst = max((abs(x - y) for i in range(agree) for x, y in zip(r["top2_logprobs"][i], plain["top2_logprobs"][i])),
