@@ -20,24 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import write_results  # noqa: E402
+from benchmarks._common import h2d_ceiling_gbps, write_results  # noqa: E402
 from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
-
-
-def h2d_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return num_bytes / sorted(times)[len(times) // 2] / 1e9
 
 
 @torch.no_grad()

@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import h2d_ceiling_gbps  # noqa: E402
 from benchmarks.models import LLAMA_8B  # noqa: E402
+from tierkv.vllm_backend.far import far_blocks  # noqa: E402
 
 
 def build_model(path: str, layers: int) -> None:
@@ -84,7 +86,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     prefix = [rng.randrange(3, 128000) for _ in range(100_000)]  # its own tokens: never saved by the long prompt
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True, logprobs=2)
-    llm.generate([{"prompt_token_ids": [5] * 512}], one, use_tqdm=False)  # warm-up
+    # warm-up, every mode alike: a 24k-token prompt and two tokens run each prefill chunk shape (16k
+    # and 8k chunks), the hot window's far path (its copies and kernels), and decode once
+    warm = [rng.randrange(3, 128000) for _ in range(24576)]
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
     engine_ = llm.llm_engine
     request_ids = iter(range(1 << 30))
 
@@ -132,10 +138,18 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     prefill_s, decode_ms, tokens, top2_decode = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
+    floor = {}
+    if mode == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
+        cache = tiered.config.cache
+        far_tokens = [far_blocks(context + k - 1, cache.window_tokens, cache.block_tokens) * cache.block_tokens
+                      for k in range(1, len(tokens))]  # the decode steps after the first token
+        ceiling = h2d_ceiling_gbps()
+        floor = {"h2d_ceiling_gbps": ceiling,
+                 "pcie_floor_ms": 1e3 * kv_bytes_per_token(layers) * sum(far_tokens) / len(far_tokens) / (ceiling * 1e9)}
     row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
-           "far_wait_s": wait1 - wait0, "step_ms": stepped.step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
+           **floor, "far_wait_s": wait1 - wait0, "step_ms": stepped.step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
     path = Path(out) / f"bench-vllm-{mode}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +209,9 @@ def table(out: str) -> None:
               f"{r['decode_ms_per_token']:9.1f} {r['prefix_ttft_first_s']:13.2f}/{r['prefix_ttft_repeat_s']:<13.2f} "
               f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {r.get('far_wait_s', float('nan')):10.2f} "
               f"{str(same):>14}")
+        if r.get("pcie_floor_ms"):
+            print(f"{'':<11} decode {r['decode_ms_per_token']:.1f} ms = {r['decode_ms_per_token'] / r['pcie_floor_ms']:.2f}x "
+                  f"the PCIe floor {r['pcie_floor_ms']:.1f} ms (H2D ceiling {r['h2d_ceiling_gbps']:.1f} GB/s, this run)")
         if mode != "plain" and plain and r.get("top2_logprobs") and plain.get("top2_logprobs"):
             agree = next((i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b), len(r["tokens"]))
             worst = max((abs(x - y) for i in range(agree) for x, y in zip(r["top2_logprobs"][i], plain["top2_logprobs"][i])),

@@ -177,6 +177,46 @@ def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_
         store.close()
 
 
+@pytest.mark.parametrize("rows", [["p"], ["d", "p"]])
+def test_merge_into_equals_merging_the_assembled_far_part(tmp_path, rows):
+    """The backend's merge (`merge_into`): one pass over near and every far chunk when the step is
+    one row, the assembled far part otherwise; both equal the two-stage merge of near with `attend`."""
+    from tierkv.attention import merge_partials
+
+    window = 2 * BS
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=6), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window)
+    lengths, new_tokens = {"p": 20 * BS + 7, "d": 12 * BS}, {"p": 9, "d": 1}
+    ids = {"p": list(range(0, 21)), "d": list(range(21, 33))}
+    try:
+        for req in rows:
+            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(lengths[req])], lengths[req] // BS)
+            for name in NAMES:
+                store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
+            far.add_hashes(req, 0, hashes)
+        store.poll(wait=True)
+        far.begin_step([(r, lengths[r], new_tokens[r]) for r in rows])
+        n = sum(new_tokens[r] for r in rows)
+        q = torch.randn(n, HQ, D)
+        near = (torch.randn(n, HQ, D), torch.randn(n, HQ))
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            parts = far.attend_parts(layer, q, 0.3)
+            assert sorted(parts) == list(range(len(rows))) and max(len(p) for p in parts.values()) > 1  # chunks to merge
+            got = torch.full((n, HQ, D), float("nan"), dtype=torch.bfloat16)
+            far.merge_into(got, *near, parts)
+            want = merge_partials([near, far._assemble(parts, q.shape, q.device)])[0]
+            torch.testing.assert_close(got, want.to(torch.bfloat16))
+        far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
 def test_the_far_split_is_what_vllm_frees_under_a_sliding_window():
     """vLLM frees blocks [0, skipped // block_size) of a sliding-window layer (skipped computed by its
     own SlidingWindowManager); tierkv reads exactly those from the tiers and everything after from vLLM."""

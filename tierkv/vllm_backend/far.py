@@ -1,7 +1,7 @@
 """Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
 
 Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `finish`, `begin_step`, `attend`,
-`end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
+`attend_parts`, `merge_into`, `end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -264,7 +264,37 @@ class FarKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float, dense=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of the step's queries q [num_tokens, H, D] over their far blocks of `layer`:
         float32 (out [num_tokens, H, D], lse [num_tokens, H]), lse -inf for rows without far
-        blocks; None when no row of this step has any.
+        blocks; None when no row of this step has any. `dense`: as in `attend_parts`."""
+        parts = self.attend_parts(layer, q, scale, dense)
+        return None if parts is None else self._assemble(parts, q.shape, q.device)
+
+    def _assemble(self, parts: dict, shape: torch.Size, device) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros(shape, dtype=torch.float32, device=device)
+        lse = torch.full(shape[:2], float("-inf"), dtype=torch.float32, device=device)
+        for i, row_parts in parts.items():
+            row = self.rows[i]
+            o, l = row_parts[0] if len(row_parts) == 1 else merge_partials(row_parts)
+            out[row.q_start : row.q_end] = o
+            lse[row.q_start : row.q_end] = l
+        return out, lse
+
+    def merge_into(self, output: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor, parts: dict) -> None:
+        """output [n, H, D] (any dtype) = the LSE merge of the near part (near_out [n, H, D], near_lse
+        [n, H]) with `attend_parts`' far parts. A step of one row (a prefill chunk) merges near and
+        every far chunk in one pass; other steps assemble the far rows first."""
+        n = near_out.shape[0]
+        if len(parts) == 1:
+            (i, row_parts), = parts.items()
+            if (self.rows[i].q_start, self.rows[i].q_end) == (0, n):
+                output.copy_(merge_partials([(near_out, near_lse), *row_parts])[0])
+                return
+        output.copy_(merge_partials([(near_out, near_lse), self._assemble(parts, near_out.shape, near_out.device)])[0])
+
+    def attend_parts(self, layer: int, q: torch.Tensor, scale: float,
+                     dense=None) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The unmerged form of `attend`: per row index (into `self.rows`) with far blocks, its
+        partial results (out [rows, H, D], lse [rows, H]), one per staging chunk or fetch; None when
+        no row of this step has any. A caller merging them with its own part saves a merge pass.
 
         dense: `(q [n, H, D], k, v [m, Hkv, D], scale) -> (out, lse)` without a mask, for rows of
         at least `MIN_QUERIES` queries (prefill chunks), over each staging chunk gathered into
@@ -301,14 +331,7 @@ class FarKV:
                 parts.setdefault(i, []).append(paged_partial_attention(
                     q_row, staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for i, row_parts in parts.items():
-            row = self.rows[i]
-            o, l = row_parts[0] if len(row_parts) == 1 else merge_partials(row_parts)
-            out[row.q_start : row.q_end] = o
-            lse[row.q_start : row.q_end] = l
-        return out, lse
+        return parts
 
     def end_step(self) -> None:
         self.rows, self._pieces, self._sparse_rows = [], [], []

@@ -5,9 +5,9 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
 
     near: FlashAttention over vLLM's pool with each row's block table and key length starting
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
-    far:  `FarKV.attend` over the blocks vLLM freed, streamed from the CPU tier; prefill chunks
-          attend each staging chunk with the same FlashAttention kernel (`_dense`)
-    out:  the LSE merge of the two
+    far:  `FarKV.attend_parts` over the blocks vLLM freed, streamed from the CPU tier; prefill
+          chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
+    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row)
 
 Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
 """
@@ -17,7 +17,6 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.attention import merge_partials
 from tierkv.vllm_backend.hot_window import _STATE, current_step
 
 
@@ -65,9 +64,8 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         if not has_far:
             return output
         near_out, near_lse = result
-        far = step.far.attend(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
-        merged, _ = merge_partials([(near_out.float(), near_lse[:, :n].transpose(0, 1).float()), far])
-        output[:n] = merged.to(output.dtype)
+        far = step.far.attend_parts(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
+        step.far.merge_into(output[:n], near_out, near_lse[:, :n].transpose(0, 1), far)  # has_far: far not None
         return output
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
