@@ -294,3 +294,63 @@ def test_tensor_parallel_ranks_keep_their_own_heads_and_a_prefix_counts_only_whe
     finally:
         for store in ranks:
             store.close()
+
+
+def test_tensor_parallel_stats_name_each_ranks_tiers_in_the_metrics(tmp_path):
+    """Under tensor parallelism `TieredLLM.stats()` gathers every rank's store from the workers
+    (vLLM's collective_rpc) and names each rank's tiers `<tier>@rank<k>`: the metrics lines and the
+    Prometheus endpoint then carry a tier per rank with that rank's own counts."""
+    from types import SimpleNamespace
+
+    from tierkv.blocks import BlockLayout
+    from tierkv.config import load_config
+    from tierkv.metrics.recorder import MetricsRecorder
+    from tierkv.vllm_backend.llm import VllmTieredLLM
+    from tierkv.vllm_backend.store import VllmKVStore, merge_rank_stats, release_store, shared_store, worker_stats
+
+    layout = BlockLayout(H, BS, D, torch.float32)
+    config = load_config(write_config(tmp_path, cpu_blocks=64), env={})
+    engine_id = "tp-stats-engine"
+    ranks = [shared_store(f"{engine_id}/rank{r}", lambda r=r: VllmKVStore(config, layout, NAMES, "tp-model", "cpu",
+                                                                           tp_rank=r, tp_size=2)) for r in range(2)]
+    try:
+        saved = {0: 4, 1: 3}  # blocks each rank saves: the ranks' counts must stay apart
+        for store in ranks:
+            kv = paged_caches()
+            store.register(kv)
+            hashes = store.extend_hashes([], list(range(64)), saved[store.tp_rank])
+            for name in NAMES:
+                store.save_layer(store.layer_index[name], kv[name], [BlockSpan("r", list(range(len(hashes))), hashes)])
+            store.poll(wait=True)
+        # two worker processes: each answers for the rank it holds
+        answers = [[s for s in worker_stats(None, engine_id) if s["tp_rank"] == r] for r in (1, 0)]
+        assert [len(a) for a in answers] == [1, 1]
+        llm = object.__new__(VllmTieredLLM)
+        llm.engine_id, llm._totals = engine_id, {"requests": 0}
+        llm.engine = SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))),
+            collective_rpc=lambda fn, args: answers)
+        stats = llm.stats()
+        assert stats["tensor_parallel_size"] == 2 and sorted(stats["ranks"]) == ["rank0", "rank1"]
+        assert [t["tier"] for t in stats["tiers"]] == ["cpu@rank0", "disk@rank0", "cpu@rank1", "disk@rank1"]
+        for r in (0, 1):
+            assert stats["ranks"][f"rank{r}"]["counts"]["blocks_saved"] == saved[r] * LAYERS
+        recorder = MetricsRecorder(llm.stats)
+        try:
+            figures = recorder.snapshot("start")["figures"]
+        finally:
+            recorder.close()
+        assert figures["ranks.rank0.counts.blocks_saved"] == 4 * LAYERS
+        assert figures["ranks.rank1.counts.blocks_saved"] == 3 * LAYERS
+        assert figures["tier.cpu@rank0.bytes_written"] > figures["tier.cpu@rank1.bytes_written"] > 0
+        from prometheus_client import generate_latest  # a dev dependency, installed by .ci/run
+
+        from tierkv.metrics.prometheus import TierKVCollector, new_registry
+
+        text = generate_latest(new_registry(TierKVCollector(recorder.measure))).decode()
+        assert 'tier="cpu@rank1"' in text and 'tier="disk@rank0"' in text
+        with pytest.raises(ValueError, match="different tensor-parallel sizes"):
+            merge_rank_stats([{"tp_rank": 0, "tp_size": 2}, {"tp_rank": 1, "tp_size": 4}])
+    finally:
+        for r in range(2):
+            release_store(f"{engine_id}/rank{r}")

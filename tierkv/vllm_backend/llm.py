@@ -121,10 +121,17 @@ class VllmTieredLLM:
         return results
 
     def stats(self) -> dict:
-        from tierkv.vllm_backend.store import peek_store
+        """Running totals and the tiers' statistics; under tensor parallelism each rank's (its
+        tiers named `<tier>@rank<k>`, the rest under `ranks.rank<k>`), gathered from the worker
+        processes by vLLM's `collective_rpc`."""
+        from tierkv.vllm_backend.store import merge_rank_stats, peek_store, worker_stats
 
+        totals = {"requests": dict(self._totals), "backend": "vllm"}
+        if self.engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+            per_rank = [s for worker in self.engine.collective_rpc(worker_stats, args=(self.engine_id,)) for s in worker]
+            return {**totals, **merge_rank_stats(per_rank)}
         store = peek_store(self.engine_id)
-        return {"requests": dict(self._totals), "backend": "vllm", **(store.stats() if store is not None else {})}
+        return {**totals, **(store.stats() if store is not None else {})}
 
     def set_gpu_budget(self, budget) -> None:
         raise NotImplementedError("backend='vllm': vLLM sizes its own KV pool (gpu_memory_utilization); "

@@ -36,7 +36,8 @@ from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
 from tierkv.vllm_backend.paged import BlockSpan, PagedLayout, layer_order
 
-__all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order", "peek_store", "release_store", "shared_store"]
+__all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order", "merge_rank_stats", "peek_store", "release_store",
+           "shared_store", "worker_stats"]
 
 
 class _LayerLoad:
@@ -340,3 +341,27 @@ def release_store(engine_id: str) -> None:
             return
         del _STORES[engine_id]
     store.close()
+
+
+def worker_stats(_worker, engine_id: str) -> list[dict]:
+    """Run in every vLLM worker by `LLM.collective_rpc(worker_stats, args=(engine_id,))`: the
+    stats of the worker-side stores of engine `engine_id` in this process (one per tensor-parallel
+    rank it holds), each with its rank."""
+    with _STORES_LOCK:
+        stores = [store for key, (store, _) in _STORES.items() if key == engine_id or key.startswith(f"{engine_id}/rank")]
+    return [{"tp_rank": store.tp_rank, "tp_size": store.tp_size, **store.stats()} for store in stores if not store.lookup_only]
+
+
+def merge_rank_stats(per_rank: Sequence[dict]) -> dict:
+    """Stats of several tensor-parallel ranks as one stats() dict: each rank's tiers under their
+    own name, `<tier>@rank<k>` (so the metrics, the Prometheus endpoint and the dashboard show a
+    tier per rank), and everything else of rank k under `ranks.rank<k>`."""
+    tiers, ranks = [], {}
+    for stats in sorted(per_rank, key=lambda s: s["tp_rank"]):
+        rank = stats["tp_rank"]
+        tiers.extend({**tier, "tier": f"{tier['tier']}@rank{rank}"} for tier in stats.get("tiers", []))
+        ranks[f"rank{rank}"] = {k: v for k, v in stats.items() if k not in ("tiers", "tp_rank", "tp_size")}
+    sizes = {s["tp_size"] for s in per_rank}
+    if len(sizes) > 1:
+        raise ValueError(f"per_rank: stats of different tensor-parallel sizes {sorted(sizes)}")
+    return {"tensor_parallel_size": sizes.pop() if sizes else 1, "tiers": tiers, "ranks": ranks}
