@@ -52,8 +52,9 @@ HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_b
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 
 
-def engine(mode: str, model_dir: str, out: str, layers: int):
+def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
+                  tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
     if mode in ("tierkv", "tierkv-sparse"):  # the hot window: vLLM's pool holds 2048 tokens per request
         from tierkv import TieredLLM
@@ -71,16 +72,17 @@ def engine(mode: str, model_dir: str, out: str, layers: int):
     return LLM(model=model_dir, **common), None
 
 
-def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True,
+def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         profile_steps: list[int] | None = None) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers)
+    llm, tiered = engine(mode, model_dir, out, layers, tp)
     cache_config = llm.llm_engine.vllm_config.cache_config
-    kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
+    # per GPU: under tensor parallelism each rank's pool holds its 1/tp of the KV heads
+    kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers) // tp
     rng = random.Random(0)
     prompt = [rng.randrange(3, 128000) for _ in range(context)]
     prefix = [rng.randrange(3, 128000) for _ in range(100_000)]  # its own tokens: never saved by the long prompt
@@ -146,7 +148,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         ceiling = h2d_ceiling_gbps()
         floor = {"h2d_ceiling_gbps": ceiling,
                  "pcie_floor_ms": 1e3 * kv_bytes_per_token(layers) * sum(far_tokens) / len(far_tokens) / (ceiling * 1e9)}
-    row = {"mode": mode, "context": context, "layers": layers, "kv_reserved_bytes": kv_reserved + staging,
+    row = {"mode": mode, "context": context, "layers": layers, "tensor_parallel_size": tp,
+           "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": stepped.step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
@@ -224,6 +227,7 @@ def main() -> int:
     parser.add_argument("what", choices=["model", "run", "table"])
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rows are per GPU)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
@@ -236,7 +240,7 @@ def main() -> int:
         if mode not in ("plain", "offloading", "tierkv", "tierkv-sparse"):
             parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv, tierkv-sparse")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix,
+        run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             profile_steps=args.profile_steps)
     else:
         table(args.rest[0])
