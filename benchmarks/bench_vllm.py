@@ -52,7 +52,7 @@ HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_b
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 
 
-def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1):
+def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto"):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
@@ -60,6 +60,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1):
         from tierkv import TieredLLM
 
         config = {**HOT_WINDOW, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
+        config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
         if mode == "tierkv-sparse":  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
             config["scheduler"] = {**config["scheduler"], "policy": "sparse", "sparse_token_budget": 2048}
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
@@ -73,13 +74,16 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1):
 
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
+        transfer_backend: str = "auto",
         profile_steps: list[int] | None = None) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers, tp)
+    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend)
+    if transfer_backend != "auto":
+        mode = f"{mode}@{transfer_backend}"  # its own row and file
     cache_config = llm.llm_engine.vllm_config.cache_config
     # per GPU: under tensor parallelism each rank's pool holds its 1/tp of the KV heads
     kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers) // tp
@@ -141,7 +145,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     wait1 = far_wait_s()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     floor = {}
-    if mode == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
+    if mode.split("@")[0] == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
         cache = tiered.config.cache
         far_tokens = [far_blocks(context + k - 1, cache.window_tokens, cache.block_tokens) * cache.block_tokens
                       for k in range(1, len(tokens))]  # the decode steps after the first token
@@ -228,6 +232,7 @@ def main() -> int:
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rows are per GPU)")
+    parser.add_argument("--transfer-backend", default="auto", help="tierkv modes: scheduler.transfer_backend (row MODE@NAME)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
@@ -241,6 +246,7 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv, tierkv-sparse")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
+            transfer_backend=args.transfer_backend,
             profile_steps=args.profile_steps)
     else:
         table(args.rest[0])

@@ -15,7 +15,7 @@ def test_the_config_names_a_backend_or_says_which_exist():
         load_config({"scheduler": {"transfer_backend": "memcpy"}}, env={})
 
 
-@pytest.mark.parametrize("name", ["auto", "cupy", "memcpy_batch", "torch_uva", "copy_loop"])
+@pytest.mark.parametrize("name", ["auto", "cupy", "memcpy_batch", "adaptive", "torch_uva", "copy_loop"])
 def test_a_cpu_device_copies_with_torch_whatever_the_config_says(name):
     assert configured_engine("cpu", name).backend == "torch_cpu"
 

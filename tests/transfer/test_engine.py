@@ -258,6 +258,29 @@ class TestOnGpu:
         with pytest.raises(ValueError, match=r"dst_slots: slot 16 is out of range \[0, 16\)"):
             engine.gather_h2d(slab, runs[:2], pool, torch.tensor([1, 16], device="cuda"))
 
+    def test_adaptive_uses_the_copy_engines_for_long_runs_and_the_kernel_otherwise(self):
+        pytest.importorskip("cupy", reason="the kernel path is compiled with cupy")
+        self._memcpy_batch_engine()  # skips where the runtime has no batched memcpy
+        engine = TransferEngine("cuda", backend="adaptive")
+        assert engine.backend == "adaptive"
+        self._assert_round_trip(engine, (2, 16 * KIB), seed=31)  # scattered 64 KiB blocks: the kernel
+        assert engine.num_launches["copy_engines"] == 0 and engine.num_launches["kernel"] == 4
+        block_shape = (2, 16 * KIB)  # 64 KiB: runs of 20 consecutive blocks are 1.25 MiB each
+        slab = pin_if_cuda(random_blocks(64, block_shape, torch.bfloat16, seed=32))
+        pool = torch.zeros((48, *block_shape), dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        src = torch.cat([torch.arange(30, 50), torch.arange(0, 20)])
+        dst = torch.cat([torch.arange(0, 20), torch.arange(25, 45)])
+        engine.gather_h2d(slab, src, pool, dst).synchronize()
+        assert engine.num_launches["copy_engines"] == 1
+        assert_same_bits(pool, moved(torch.zeros((48, *block_shape), dtype=torch.bfloat16), slab, src, dst))
+        back = pin_if_cuda(torch.zeros_like(slab))
+        engine.scatter_d2h(pool, dst, back, src).synchronize()
+        assert engine.num_launches["copy_engines"] == 2
+        assert_same_bits(back, moved(torch.zeros_like(slab), slab, src, src))
+        engine.gather_h2d(slab, src.cuda(), pool, dst.cuda()).synchronize()  # device slots: never a host read
+        assert engine.num_launches["copy_engines"] == 2
+
     def test_backend_sequence_falls_back_in_order(self):
         engine = TransferEngine("cuda", backend=("memcpy_batch", "torch_uva"))
         assert engine.backend in ("memcpy_batch", "torch_uva")
@@ -382,3 +405,16 @@ class TestOnGpu:
         assert events.acquire() is first
         assert events.num_created == 1
         assert isinstance(TransferHandle(first, 0, torch.device("cuda")).is_done(), bool)
+
+
+def test_mean_run_bytes_counts_runs_where_both_slots_advance_by_one():
+    from tierkv.transfer.engine import mean_run_bytes
+
+    t = torch.tensor
+    assert mean_run_bytes(t([3, 4, 5, 9]), t([0, 1, 2, 3]), 10) == 4 * 10 / 2      # src breaks after 5
+    assert mean_run_bytes(t([3, 4, 5, 6]), t([0, 1, 7, 8]), 10) == 4 * 10 / 2      # dst breaks after 1
+    assert mean_run_bytes(t([7]), t([2]), 10) == 10
+    assert mean_run_bytes(t([], dtype=torch.int64), t([], dtype=torch.int64), 10) == 0
+    order = torch.randperm(50)
+    assert mean_run_bytes(torch.arange(50), torch.arange(50), 64) == 50 * 64
+    assert mean_run_bytes(order, torch.arange(50), 64) <= 50 * 64

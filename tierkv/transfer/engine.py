@@ -27,7 +27,10 @@ pinned memory seen through its device address), "copy_loop" (one copy_ per run o
 slots; it reads slot tensors on the host, so device slots cost a host sync). The first to pass
 a bit-exact self-test at construction is used; `backend_errors` says why others were skipped.
 Opt-in: "memcpy_batch" (cudaMemcpyBatchAsync on the copy engines, no SMs; CUDA 12.8+; slot
-tensors are read on the host like copy_loop, and it cannot be captured in a CUDA graph). Pass a
+tensors are read on the host like copy_loop, and it cannot be captured in a CUDA graph), and
+"adaptive": memcpy_batch for a transfer whose host slot lists form runs of consecutive slots of
+at least `COPY_ENGINE_RUN_BYTES` on average (the copy engines then move few large pieces at the
+contiguous ceiling), the cupy kernel for everything else (scattered blocks, device slots). Pass a
 sequence such as ("memcpy_batch", "cupy") to fall back in order when a backend is unavailable.
 A "cpu" engine uses "torch_cpu": index_select + index_copy_, synchronous, no streams.
 Invalid slots: CPU slot tensors are checked (ValueError); device slot tensors cannot be checked
@@ -48,7 +51,8 @@ from tierkv.transfer.streams import HIGH_PRIORITY, EventPool, StreamPool
 logger = logging.getLogger(__name__)
 
 CUDA_BACKENDS = ("cupy", "torch_uva", "copy_loop")  # tried in this order by default
-OPT_IN_BACKENDS = ("memcpy_batch",)  # used only when named in `backend`
+OPT_IN_BACKENDS = ("memcpy_batch", "adaptive")  # used only when named in `backend`
+COPY_ENGINE_RUN_BYTES = 1 << 20  # "adaptive": mean bytes per run of consecutive slots to use the copy engines
 CPU_BACKEND = "torch_cpu"
 DIRECTIONS = ("h2d", "d2h")
 
@@ -119,6 +123,7 @@ class TransferEngine:
         self._events: EventPool | None = None
         self._cupy_kernel: kernels.CupySlotKernel | None = None
         self._memcpy_batch: memcpy_batch.MemcpyBatch | None = None
+        self.num_launches = {"kernel": 0, "copy_engines": 0}  # "adaptive": which path each transfer took
         self.kernel_shape = kernel_shape or kernels.KernelShape()
         if self.device.type == "cpu":
             if backend not in (None, CPU_BACKEND):
@@ -234,6 +239,12 @@ class TransferEngine:
         """Enqueue the copy on the current (copy) stream; returns what to keep alive until it ends."""
         if self.backend == "memcpy_batch":
             return self._launch_memcpy_batch(src, src_slots, dst, dst_slots, block_bytes)
+        if self.backend == "adaptive":
+            if (not src_slots.is_cuda and not dst_slots.is_cuda
+                    and mean_run_bytes(src_slots, dst_slots, block_bytes) >= COPY_ENGINE_RUN_BYTES):
+                self.num_launches["copy_engines"] += 1
+                return self._launch_memcpy_batch(src, src_slots, dst, dst_slots, block_bytes)
+            self.num_launches["kernel"] += 1
         if self.backend == "copy_loop":
             src_list, dst_list = src_slots.tolist(), dst_slots.tolist()  # host sync for device slots
             checks.check_slot_list("src_slots", src_list, src.shape[0])
@@ -241,7 +252,7 @@ class TransferEngine:
             kernels.copy_slots_loop(src, src_list, dst, dst_list)
             return ()
         src_slots, dst_slots = self._slots_on_device(src_slots, dst_slots)
-        if self.backend == "cupy":
+        if self.backend in ("cupy", "adaptive"):
             copy = kernels.SlotCopy(
                 src_address=src.data_ptr(),
                 num_src_slots=src.shape[0],
@@ -328,6 +339,11 @@ class TransferEngine:
             self._cupy_kernel.compile(16, self.device.index)
         if name == "memcpy_batch":
             self._memcpy_batch = memcpy_batch.MemcpyBatch.load()
+        if name == "adaptive":  # both of its paths, each proven by its own self-test
+            self._prepare_backend("memcpy_batch")
+            self._prepare_backend("cupy")
+            self.backend = name
+            return
         self.backend = name
         order = torch.randperm(8, generator=generator)
         identity = torch.arange(8)
@@ -338,6 +354,17 @@ class TransferEngine:
         self.scatter_d2h(pool, identity, back, order).synchronize()
         if not torch.equal(pool.cpu(), slab[order]) or not torch.equal(back, slab):
             raise RuntimeError(f"self-test of backend {name!r} copied wrong bytes")
+
+
+def mean_run_bytes(src_slots: torch.Tensor, dst_slots: torch.Tensor, block_bytes: int) -> float:
+    """Bytes per run of pairs where both slots advance by one (what one batched memcpy moves);
+    CPU slot tensors."""
+    n = src_slots.numel()
+    if n == 0:
+        return 0.0
+    src, dst = src_slots.reshape(-1), dst_slots.reshape(-1)
+    breaks = int(((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).sum()) if n > 1 else 0
+    return n * block_bytes / (breaks + 1)
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:
