@@ -1,7 +1,7 @@
 """vLLM at 128k: plain vLLM, vLLM's OffloadingConnector and vLLM with the tierkv connector, side by side.
 
     python benchmarks/bench_vllm.py model DIR [--layers 32]        build an 8B-shaped random checkpoint
-    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | tierkv | tierkv-sparse
+    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | lmcache | tierkv | tierkv-sparse
     python benchmarks/bench_vllm.py table OUT                       the rows, from OUT/bench-vllm-*.json
 
 One engine per process (run each MODE in its own call of this script). Rows per mode: GPU memory
@@ -70,6 +70,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
     if mode == "offloading":
         common["kv_offloading_size"] = 3 * kv_bytes_per_token(layers) * 131072 / 2**30  # GiB of CPU memory
+    if mode == "lmcache":  # LMCache's own connector; its CPU size and chunking come from LMCACHE_* variables
+        common["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     return LLM(model=model_dir, **common), None
 
 
@@ -242,8 +244,8 @@ def main() -> int:
         build_model(args.rest[0], args.layers)
     elif args.what == "run":
         mode, model_dir, out = args.rest
-        if mode not in ("plain", "offloading", "tierkv", "tierkv-sparse"):
-            parser.error(f"MODE: got {mode!r}; one of plain, offloading, tierkv, tierkv-sparse")
+        if mode not in ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse"):
+            parser.error(f"MODE: got {mode!r}; one of plain, offloading, lmcache, tierkv, tierkv-sparse")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend,

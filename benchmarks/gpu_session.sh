@@ -7,7 +7,8 @@
 #   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
-#   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs), vllm-table
+#   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs), vllm-lmcache
+#   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table
 set -uo pipefail
 OUT="${OUT:-/tmp/tierkv-gpu-out}"
 mkdir -p "$OUT"
@@ -35,7 +36,7 @@ for step in "${steps[@]}"; do
                 quiet < "$OUT/check-$mode.log" | tail -6
             done
             python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
-        vllm-plain|vllm-tierkv|vllm-sparse|vllm-offloading)
+        vllm-plain|vllm-tierkv|vllm-sparse|vllm-offloading|vllm-lmcache)
             mode=${step#vllm-}; [ "$mode" = sparse ] && mode=tierkv-sparse
             timeout 240 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
