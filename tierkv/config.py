@@ -99,9 +99,9 @@ class SchedulerConfig:
         "predictor 'query': also prefetch each layer's previous-step selection"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
-        "how blocks cross PCIe on CUDA: 'auto' (the copy kernel, else fallbacks), 'cupy' (the copy kernel, on SMs), "
-        "'memcpy_batch' (CUDA's batched memcpy on the copy engines), 'adaptive' (the copy engines for long runs "
-        "of consecutive slots, the kernel otherwise), 'torch_uva', 'copy_loop'; ignored on CPU",
+        "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "
+        "engines for long runs of consecutive slots, the copy kernel otherwise), 'cupy' (the copy kernel, on SMs), "
+        "'memcpy_batch' (CUDA's batched memcpy on the copy engines), 'torch_uva', 'copy_loop'; ignored on CPU",
         choices=("auto", "cupy", "memcpy_batch", "adaptive", "torch_uva", "copy_loop")))
 
 

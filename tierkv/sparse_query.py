@@ -52,7 +52,7 @@ class QueryLookahead:
         device = rt.pool.staging.device
         self.cache = FarBlockCache(rt.num_layers, rt.pool.staging.shape[0], blocks_per_step, rt.layout.num_bytes, device)
         self._block_tokens = to_device_no_sync([rt.layout.block_tokens] * blocks_per_step, device)  # int64 [k]
-        self._skips_on_device = rt.io.engine.backend == "cupy" and rt.cpu.quant_format is None
+        self._skips_on_device = rt.io.engine.backend in ("cupy", "adaptive") and rt.cpu.quant_format is None  # the kernel (device slots)
         self._counts = torch.zeros((rt.num_layers, len(COUNTERS)), dtype=torch.int64, device=device)
         self._predicted = torch.zeros((rt.num_layers, 1), dtype=torch.bool, device=device)  # [L, cap + 1]
         self._previous: list[torch.Tensor | None] = [None] * rt.num_layers

@@ -22,15 +22,18 @@ given on the device are read after the work already enqueued on the current stre
 that reads slab slots which a scatter may still be writing must pass `after=scatter_handle`.
 Tensors used by a transfer are kept alive by the engine until its event completes.
 
-Backends, fastest first: "cupy" (the copy_slots kernel), "torch_uva" (torch index ops on
-pinned memory seen through its device address), "copy_loop" (one copy_ per run of consecutive
-slots; it reads slot tensors on the host, so device slots cost a host sync). The first to pass
-a bit-exact self-test at construction is used; `backend_errors` says why others were skipped.
-Opt-in: "memcpy_batch" (cudaMemcpyBatchAsync on the copy engines, no SMs; CUDA 12.8+; slot
-tensors are read on the host like copy_loop, and it cannot be captured in a CUDA graph), and
-"adaptive": memcpy_batch for a transfer whose host slot lists form runs of consecutive slots of
-at least `COPY_ENGINE_RUN_BYTES` on average (the copy engines then move few large pieces at the
-contiguous ceiling), the cupy kernel for everything else (scattered blocks, device slots). Pass a
+Backends, fastest first: "adaptive" (below), "cupy" (the copy_slots kernel), "torch_uva" (torch
+index ops on pinned memory seen through its device address), "copy_loop" (one copy_ per run of
+consecutive slots; it reads slot tensors on the host, so device slots cost a host sync). The
+first to pass a bit-exact self-test at construction is used; `backend_errors` says why others
+were skipped. "adaptive" = "memcpy_batch" for a transfer whose host slot lists form runs of
+consecutive slots of at least `COPY_ENGINE_RUN_BYTES` on average (the copy engines then move
+few large pieces at the contiguous ceiling, as for far blocks saved chunk by chunk), the cupy
+kernel for everything else (scattered blocks, device slots); on the H200 it took exact decode
+at 128k from 1.12x to 1.00x the PCIe floor and prefill from 1.13x to 1.04x all-in-GPU
+(benchmarks/results/exact-128k-backends-h200-9b5c996.json). Opt-in: "memcpy_batch" alone
+(cudaMemcpyBatchAsync on the copy engines, no SMs; CUDA 12.8+; slot tensors are read on the
+host like copy_loop, and it cannot be captured in a CUDA graph). Pass a
 sequence such as ("memcpy_batch", "cupy") to fall back in order when a backend is unavailable.
 A "cpu" engine uses "torch_cpu": index_select + index_copy_, synchronous, no streams.
 Invalid slots: CPU slot tensors are checked (ValueError); device slot tensors cannot be checked
@@ -50,8 +53,8 @@ from tierkv.transfer.streams import HIGH_PRIORITY, EventPool, StreamPool
 
 logger = logging.getLogger(__name__)
 
-CUDA_BACKENDS = ("cupy", "torch_uva", "copy_loop")  # tried in this order by default
-OPT_IN_BACKENDS = ("memcpy_batch", "adaptive")  # used only when named in `backend`
+CUDA_BACKENDS = ("adaptive", "cupy", "torch_uva", "copy_loop")  # tried in this order by default
+OPT_IN_BACKENDS = ("memcpy_batch",)  # used only when named in `backend`
 COPY_ENGINE_RUN_BYTES = 1 << 20  # "adaptive": mean bytes per run of consecutive slots to use the copy engines
 CPU_BACKEND = "torch_cpu"
 DIRECTIONS = ("h2d", "d2h")
