@@ -104,8 +104,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
 
     def stepped(ids, params, profile: list[int] | None = None):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
-        top-2 logprobs per token); each step's wall ms in `stepped.step_ms`. Decode is timed token by token, so a prefix served from the
-        tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
+        top-2 logprobs per token, wall ms of each engine step, the prefill chunks first). Decode is
+        timed token by token, so a prefix served from the tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
         kernel table, the steps' wall time and their summed kernel time go to OUT/profile-MODE.txt)."""
         rid = f"bench-{next(request_ids)}"
         params = copy.deepcopy(params)
@@ -136,14 +136,13 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             _write_profile(Path(out) / f"profile-{mode}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
-        stepped.step_ms = step_ms  # wall time of each engine step (the prefill chunks first)
-        return first_at - start, per_token_ms, tokens, top2
+        return first_at - start, per_token_ms, tokens, top2, step_ms
 
     def far_wait_s() -> float:  # compute's GPU-timed wait for far copies so far (hot window)
         return tiered.stats().get("hot_window", {}).get("wait_s", 0.0) if tiered is not None else 0.0
 
     wait0 = far_wait_s()
-    prefill_s, decode_ms, tokens, top2_decode = stepped(prompt, decode, profile_steps)
+    prefill_s, decode_ms, tokens, top2_decode, step_ms = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     floor = {}
@@ -158,7 +157,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "kv_reserved_bytes": kv_reserved + staging,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
-           **floor, "far_wait_s": wait1 - wait0, "step_ms": stepped.step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
+           **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
     path = Path(out) / f"bench-vllm-{mode}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

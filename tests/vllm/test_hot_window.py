@@ -124,20 +124,33 @@ def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_pat
         store.close()
 
 
+def far_with_saved_requests(tmp_path, window: int, staging_blocks: int, lengths: dict[str, int],
+                            ids: dict[str, list[int]]):
+    """(store, vLLM caches, FarKV) with each request's full blocks of `lengths[req]` random tokens
+    saved from vLLM block ids `ids[req]` on every layer, its hashes sent, the saves landed."""
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window)
+    for req, n in lengths.items():
+        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(n)], n // BS)
+        for name in NAMES:
+            store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
+        far.add_hashes(req, 0, hashes)
+    store.poll(wait=True)
+    return store, caches, far
+
+
 def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_path):
     """A prefill row of at least MIN_QUERIES queries goes through `dense` (the vLLM backend passes
     vLLM's FlashAttention) over each staging chunk gathered into contiguous K, V; a decoding row
     of the same step does not. The merged result is dense attention over the row's far blocks."""
     from tierkv.attention.flash import MIN_QUERIES
 
-    window = 2 * BS
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=10), env={})
-    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    store.register(caches)
-    far = FarKV(store, window)
     lengths, new_tokens = {"p": 20 * BS + 7, "d": 12 * BS}, {"p": MIN_QUERIES + random.randrange(9), "d": 1}
     ids = {"p": list(range(0, 21)), "d": list(range(21, 33))}
+    store, caches, far = far_with_saved_requests(tmp_path, 2 * BS, 10, lengths, ids)
     calls = []
 
     def dense_kernel(q, k, v, scale):
@@ -148,12 +161,6 @@ def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_
         return torch.einsum("nhk,khd->nhd", torch.softmax(scores, dim=-1), v).float(), torch.logsumexp(scores, -1).float()
 
     try:
-        for req, n in lengths.items():
-            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(n)], n // BS)
-            for name in NAMES:
-                store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
-            far.add_hashes(req, 0, hashes)
-        store.poll(wait=True)
         rows = far.begin_step([(r, lengths[r], new_tokens[r]) for r in ("d", "p")])
         q = torch.randn(sum(new_tokens.values()), HQ, D)
         for name in NAMES:
@@ -183,21 +190,11 @@ def test_merge_into_equals_merging_the_assembled_far_part(tmp_path, rows):
     one row, the assembled far part otherwise; both equal the two-stage merge of near with `attend`."""
     from tierkv.attention import merge_partials
 
-    window = 2 * BS
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=6), env={})
-    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    store.register(caches)
-    far = FarKV(store, window)
-    lengths, new_tokens = {"p": 20 * BS + 7, "d": 12 * BS}, {"p": 9, "d": 1}
+    lengths = {r: n for r, n in {"p": 20 * BS + 7, "d": 12 * BS}.items() if r in rows}
+    new_tokens = {"p": 9, "d": 1}
     ids = {"p": list(range(0, 21)), "d": list(range(21, 33))}
+    store, _, far = far_with_saved_requests(tmp_path, 2 * BS, 6, lengths, ids)
     try:
-        for req in rows:
-            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(lengths[req])], lengths[req] // BS)
-            for name in NAMES:
-                store.save_layer(store.layer_index[name], caches[name], [BlockSpan(req, ids[req][: len(hashes)], hashes)])
-            far.add_hashes(req, 0, hashes)
-        store.poll(wait=True)
         far.begin_step([(r, lengths[r], new_tokens[r]) for r in rows])
         n = sum(new_tokens[r] for r in rows)
         q = torch.randn(n, HQ, D)

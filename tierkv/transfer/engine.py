@@ -360,14 +360,13 @@ class TransferEngine:
 
 
 def mean_run_bytes(src_slots: torch.Tensor, dst_slots: torch.Tensor, block_bytes: int) -> float:
-    """Bytes per run of pairs where both slots advance by one (what one batched memcpy moves);
-    CPU slot tensors."""
+    """Bytes per run of consecutive slot pairs (`memcpy_batch.run_starts`: what one batched memcpy
+    moves); CPU slot tensors."""
     n = src_slots.numel()
     if n == 0:
         return 0.0
-    src, dst = src_slots.reshape(-1), dst_slots.reshape(-1)
-    breaks = int(((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).sum()) if n > 1 else 0
-    return n * block_bytes / (breaks + 1)
+    runs = memcpy_batch.run_starts(src_slots.reshape(-1).numpy(), dst_slots.reshape(-1).numpy()).size
+    return n * block_bytes / runs
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:

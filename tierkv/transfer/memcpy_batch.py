@@ -8,6 +8,7 @@ CUDA graph.
 Primitives:
     batch_copy_arrays       (dsts, srcs, sizes) uint64 host arrays for dst[dst_slots] = src[src_slots],
                             consecutive slot pairs merged into one copy (numpy, no Python loop)
+    run_starts              where those runs of consecutive slot pairs begin
     MemcpyBatch             `cudaMemcpyBatchAsync` of the CUDA runtime torch loaded, through ctypes
     MemcpyBatchUnavailable  raised by MemcpyBatch.load() when the runtime lacks the call
 
@@ -57,14 +58,20 @@ def batch_copy_arrays(
     if num_pairs == 0:
         empty = np.empty(0, dtype=np.uint64)
         return empty, empty.copy(), empty.copy()
-    is_run_start = np.ones(num_pairs, dtype=bool)
-    is_run_start[1:] = (np.diff(src_slots) != 1) | (np.diff(dst_slots) != 1)
-    starts = np.flatnonzero(is_run_start)
+    starts = run_starts(src_slots, dst_slots)
     run_lengths = np.diff(np.append(starts, num_pairs)).astype(np.uint64)
     block = np.uint64(block_bytes)
     srcs = np.uint64(src_address) + src_slots[starts].astype(np.uint64) * block
     dsts = np.uint64(dst_address) + dst_slots[starts].astype(np.uint64) * block
     return dsts, srcs, run_lengths * block
+
+
+def run_starts(src_slots: np.ndarray, dst_slots: np.ndarray) -> np.ndarray:
+    """Indices where a run of pairs begins (both slots advancing by one continues a run);
+    int64 [n], non-empty for n > 0."""
+    is_run_start = np.ones(src_slots.size, dtype=bool)
+    is_run_start[1:] = (np.diff(src_slots) != 1) | (np.diff(dst_slots) != 1)
+    return np.flatnonzero(is_run_start)
 
 
 class _MemLocation(ctypes.Structure):  # cudaMemLocation: a hint, ignored for pinned/device memory
