@@ -53,14 +53,24 @@ class BlockSummaries:
             grown[:have] = table[layer]
             table[layer] = grown
 
-    def upper_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """q [num_heads, head_dim], block_ids int64 [m] -> float32 [m]: max over heads of ub[b, h]."""
+    def upper_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor | range) -> torch.Tensor:
+        """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [m]: max over heads of ub[b, h].
+
+        max(q_d kmin_d, q_d kmax_d) is q_d kmax_d where q_d > 0 and q_d kmin_d otherwise (kmax >= kmin),
+        so the bound is two small matmuls, max(q, 0) . kmax + min(q, 0) . kmin, reading each summary
+        once. A range reads a slice of the table, without gathering it.
+        """
+        if isinstance(block_ids, range):
+            kmin = self.kmin[layer][block_ids.start : block_ids.stop]
+            kmax = self.kmax[layer][block_ids.start : block_ids.stop]
+        else:
+            kmin = self.kmin[layer].index_select(0, block_ids)
+            kmax = self.kmax[layer].index_select(0, block_ids)
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
-        qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)          # [H_kv, g, D]
-        kmin = self.kmin[layer].index_select(0, block_ids).float().unsqueeze(2)    # [m, H_kv, 1, D]
-        kmax = self.kmax[layer].index_select(0, block_ids).float().unsqueeze(2)
-        ub = torch.maximum(qg * kmin, qg * kmax).sum(-1)                           # [m, H_kv, g]
+        qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)            # [H_kv, g, D]
+        ub = (torch.einsum("mhd,hgd->mhg", kmax.float(), qg.clamp(min=0))
+              + torch.einsum("mhd,hgd->mhg", kmin.float(), qg.clamp(max=0)))       # [m, H_kv, g]
         return ub.flatten(1).amax(1)
 
 
@@ -70,8 +80,7 @@ def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, ca
         return list(candidates)
     if k <= 0:
         return []
-    ids = torch.arange(candidates.start, candidates.stop, device=q.device)
-    scores = summaries.upper_bounds(layer, q, ids)
+    scores = summaries.upper_bounds(layer, q, candidates)
     top = torch.topk(scores, k).indices + candidates.start
     return sorted(top.tolist())
 
@@ -84,6 +93,5 @@ def select_far_blocks_on_device(summaries: BlockSummaries, layer: int, q: torch.
         return torch.arange(candidates.start, candidates.stop, device=q.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=q.device)
-    ids = torch.arange(candidates.start, candidates.stop, device=q.device)
-    scores = summaries.upper_bounds(layer, q, ids)
+    scores = summaries.upper_bounds(layer, q, candidates)
     return torch.sort(torch.topk(scores, k).indices).values + candidates.start

@@ -589,3 +589,23 @@ def test_the_vllm_backends_stats_become_metrics_lines(tmp_path):
     figures = json.dumps(last)
     assert "hot_window.far_blocks_read" in figures and "tier.cpu" in figures
     assert "counts.blocks_saved" in figures
+
+
+def test_sparse_reports_how_much_of_a_selection_the_step_before_selected(tmp_path):
+    """The selection overlap between consecutive steps (what a GPU cache of the last selection would
+    hit), sampled every OVERLAP_EVERY steps: the same query selects the same blocks, overlap 1."""
+    from tierkv.vllm_backend.far import OVERLAP_EVERY
+
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=30)
+    try:
+        assert far.stats()["selection_overlap"] is None
+        for _ in range(OVERLAP_EVERY):
+            far.begin_step([("r", 30 * BS, 1)])
+            for name in NAMES:
+                far.attend(store.layer_index[name], q, 0.3)
+            far.end_step()
+        assert far.counts["steps"] % OVERLAP_EVERY == 0 and far.stats()["selection_overlap"] == 1.0
+    finally:
+        far.close()
+        store.close()

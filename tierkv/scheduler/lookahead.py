@@ -44,6 +44,7 @@ class LookaheadStreamer:
         # Copy destinations stay host tensors (the engine stages them), attention reads device copies.
         self._region_slots_host = [torch.tensor(list(pool.region_slots(r)), dtype=torch.int64) for r in range(pool.num_regions)]
         self._region_slots = [to_device_no_sync(s, device) for s in self._region_slots_host]
+        self._full_blocks_cached: tuple[torch.Tensor, int] | None = None
         self.num_stalls = 0
         self.num_chunks_streamed = 0
         self.bytes_streamed = 0
@@ -204,10 +205,16 @@ class LookaheadStreamer:
             self.wait_for_chunk(handle, layer, is_late=True, host_wait_s=time.perf_counter() - start_s)
             positions = (start_pos[start : start + count] if isinstance(start_pos, torch.Tensor)
                          else to_device_no_sync(start_pos[start : start + count], device))
-            yield StagedChunk(self._region_slots[region][:count], positions,
-                              to_device_no_sync([block_tokens] * count, device))
+            yield StagedChunk(self._region_slots[region][:count], positions, self._full_blocks(block_tokens)[:count])
             self.engine.release_event(self._region_free_event[region])
             self._region_free_event[region] = self.engine.record_compute_event()
+
+    def _full_blocks(self, block_tokens: int) -> torch.Tensor:
+        """int64 [region_blocks] of `block_tokens` on the device, made once (read-only)."""
+        if self._full_blocks_cached is None or self._full_blocks_cached[1] != block_tokens:
+            tokens = torch.full((self.pool.region_blocks,), block_tokens, dtype=torch.int64, device=self.pool.staging.device)
+            self._full_blocks_cached = (tokens, block_tokens)
+        return self._full_blocks_cached[0]
 
     def chunks_for_layer(self, layer: int) -> Iterator[StagedChunk]:
         """Each streamed chunk of `layer`, ready to read on the current stream once yielded."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from torch.profiler import record_function
 
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
@@ -39,6 +40,9 @@ from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 from tierkv.vllm_backend.far_summaries import RequestSummaries
+
+
+OVERLAP_EVERY = 8  # sparse: steps between samples of the selection overlap (isin costs a few launches)
 
 
 def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
@@ -67,6 +71,7 @@ class _Request:
     # sparse policy only
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
+    previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: the last step's selection
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ class FarKV:
         self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
                               if scheduler.policy == "sparse" else None)
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0}
+        # sparse: of the blocks selected in a sampled step, how many the same row and layer selected in
+        # the step before (what a GPU cache of the last selection would hit), counted on the device
+        self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
+        self._overlap_of = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -324,12 +333,19 @@ class FarKV:
             row = self.rows[i]
             req = self.requests[row.req_id]
             q_row = q[row.q_start : row.q_end]
-            ids = self._select(req, layer, q_row[0], row.num_far_blocks)
-            slots = req.pinned_slots_dev[layer].index_select(0, ids)
+            with record_function("tierkv.sparse.select"):
+                ids = self._select(req, layer, q_row[0], row.num_far_blocks)
+                previous = req.previous.get(layer)
+                if previous is not None and self.counts["steps"] % OVERLAP_EVERY == 0:
+                    self._overlap += torch.isin(ids, previous).sum()
+                    self._overlap_of += ids.numel()
+                req.previous[layer] = ids
+                slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self.counts["far_blocks_read"] += ids.numel()
-            for chunk in self.streamer.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
-                parts.setdefault(i, []).append(paged_partial_attention(
-                    q_row, staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
+            with record_function("tierkv.sparse.fetch_attend"):
+                for chunk in self.streamer.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
+                    parts.setdefault(i, []).append(paged_partial_attention(
+                        q_row, staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
         return parts
 
@@ -345,6 +361,7 @@ class FarKV:
                 "chunks_streamed": s.num_chunks_streamed, "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls,
                 "chunks_carried": s.num_chunks_carried, "chunks_discarded": s.num_chunks_discarded,
                 "staging_bytes": self.pool.staging_bytes, "policy": "sparse" if self.sparse_blocks else "exact",
+                "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 

@@ -26,6 +26,7 @@ class RequestSummaries:
         self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device)
         self.is_summarized = [np.zeros(0, dtype=bool) for _ in range(num_layers)]                 # host, per layer
         self.is_summarized_dev = [torch.zeros(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
+        self.prefix = [0] * num_layers  # per layer: blocks [0, prefix) all have a summary (host-known)
 
     def update(self, layer: int, first: int, blocks: torch.Tensor) -> None:
         """blocks [n, 2, H, T, D] on the device: the request's blocks first..first+n-1 of `layer`."""
@@ -40,17 +41,26 @@ class RequestSummaries:
             self.is_summarized_dev[layer] = grown
         self.is_summarized[layer][first:end] = True
         self.is_summarized_dev[layer][first:end].fill_(True)
+        if first <= self.prefix[layer] < end:
+            have = self.is_summarized[layer]
+            gaps = np.flatnonzero(~have[end:])
+            self.prefix[layer] = end + int(gaps[0]) if gaps.size else have.size
 
     def select(self, layer: int, q: torch.Tensor, num_far: int, k: int) -> torch.Tensor:
-        """q [num_heads, head_dim] -> int64 [m] far block indices on q's device, in block order."""
-        have = self.is_summarized[layer][:num_far]
-        have = np.concatenate([have, np.zeros(num_far - have.size, dtype=bool)])
-        num_summarized = int(have.sum())
-        if k >= num_summarized:
+        """q [num_heads, head_dim] -> int64 [m] far block indices on q's device, in block order.
+        The common case, every far block summarized, reads no host array."""
+        if num_far <= self.prefix[layer]:
+            if k >= num_far:
+                return torch.arange(num_far, device=q.device)
+            scores = self.summaries.upper_bounds(layer, q, range(num_far))
+            return torch.sort(torch.topk(scores, k).indices).values
+        known = self.is_summarized[layer][:num_far]  # the tables cover blocks [0, known.size)
+        have = np.zeros(num_far, dtype=bool)
+        have[: known.size] = known
+        if k >= int(have.sum()):
             return torch.arange(num_far, device=q.device)
-        ids = torch.arange(num_far, device=q.device)
-        scores = self.summaries.upper_bounds(layer, q, ids)
-        scores = torch.where(self.is_summarized_dev[layer][:num_far], scores, float("-inf"))
+        scores = self.summaries.upper_bounds(layer, q, range(known.size))
+        scores = torch.where(self.is_summarized_dev[layer][: known.size], scores, float("-inf"))
         chosen = torch.topk(scores, k).indices
         missing = np.flatnonzero(~have)
         if missing.size:

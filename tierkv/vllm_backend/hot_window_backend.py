@@ -14,6 +14,7 @@ Imported only where vLLM's CUDA attention modules load (vLLM resolves the class 
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
@@ -64,8 +65,10 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         if not has_far:
             return output
         near_out, near_lse = result
-        far = step.far.attend_parts(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
-        step.far.merge_into(output[:n], near_out, near_lse[:, :n].transpose(0, 1), far)  # has_far: far not None
+        with record_function("tierkv.far"):
+            far = step.far.attend_parts(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
+        with record_function("tierkv.merge"):
+            step.far.merge_into(output[:n], near_out, near_lse[:, :n].transpose(0, 1), far)  # has_far: far not None
         return output
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

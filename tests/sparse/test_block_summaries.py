@@ -1,0 +1,60 @@
+"""The key bound of the sparse selection: per block and head, max over the block's keys of q . k is
+at most the bound, and the two-matmul form equals the elementwise definition (tierkv.sparse)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierkv.sparse import BlockSummaries
+
+HEADS, KV_HEADS, DIM, T, BLOCKS = 8, 2, 32, 16, 40
+
+
+def elementwise_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """sum_d max(q_d kmin_d, q_d kmax_d), max over heads: q [HEADS, DIM], kmin/kmax [m, KV_HEADS, DIM]."""
+    group = HEADS // KV_HEADS
+    qg = q.double().view(KV_HEADS, group, 1, DIM)
+    lo, hi = kmin.double().transpose(0, 1).unsqueeze(1), kmax.double().transpose(0, 1).unsqueeze(1)  # [KV, 1, m, D]
+    return torch.maximum(qg * lo, qg * hi).sum(-1).amax(dim=(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_covers_every_key_and_equals_the_elementwise_definition(dtype):
+    summaries = BlockSummaries(2, KV_HEADS, DIM, dtype, torch.device("cpu"))
+    blocks = torch.randn(BLOCKS, 2, KV_HEADS, T, DIM).to(dtype)
+    summaries.update(1, 0, blocks[:25])
+    summaries.update(1, 25, blocks[25:])
+    q = torch.randn(HEADS, DIM)
+    ids = torch.tensor([3, 0, 39, 17])
+    by_range = summaries.upper_bounds(1, q, range(BLOCKS))
+    torch.testing.assert_close(summaries.upper_bounds(1, q, ids), by_range[ids])
+    want = elementwise_bound(q, summaries.kmin[1][:BLOCKS], summaries.kmax[1][:BLOCKS])
+    torch.testing.assert_close(by_range.double(), want, rtol=1e-5, atol=1e-4)
+    # every key's score, per block the best over heads (head h reads KV head h // group)
+    keys = blocks[:, 0].double().repeat_interleave(HEADS // KV_HEADS, dim=1)      # [m, HEADS, T, D]
+    best = torch.einsum("hd,mhtd->mht", q.double(), keys).amax(dim=(1, 2))
+    assert (by_range.double() >= best - 1e-4).all()
+
+
+def test_request_selection_with_gaps_reads_unsummarized_blocks_and_the_top_k():
+    """Under vLLM's hot window: blocks without a summary (a prefix served by the tiers) are always
+    attended, also past the end of the summary tables; the fast path (every far block summarized)
+    picks the same top k as the general one."""
+    from tierkv.vllm_backend.far_summaries import RequestSummaries
+
+    req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    blocks = torch.randn(BLOCKS, 2, KV_HEADS, T, DIM)
+    q = torch.randn(HEADS, DIM)
+    req.update(0, 0, blocks[:10])
+    req.update(0, 20, blocks[20:30])
+    assert req.prefix[0] == 10
+    scores = req.summaries.upper_bounds(0, q, range(BLOCKS))
+    top_of = lambda ids, k: set(torch.tensor(ids)[torch.topk(scores[ids], k).indices].tolist())  # noqa: E731
+    assert set(req.select(0, q, 10, 3).tolist()) == top_of(list(range(10)), 3)  # fast path
+    num_far = 200  # past the tables' capacity (64 blocks)
+    selected = req.select(0, q, num_far, 3).tolist()
+    missing = set(range(10, 20)) | set(range(30, num_far))
+    assert selected == sorted(selected) and len(selected) == 3 + len(missing)
+    assert missing <= set(selected) and set(selected) - missing == top_of(list(range(10)) + list(range(20, 30)), 3)
+    req.update(0, 10, blocks[10:20])  # the gap filled: the prefix runs on to the next gap
+    assert req.prefix[0] == 30
