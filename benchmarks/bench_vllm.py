@@ -124,11 +124,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                 profiled.append((step_number, time.perf_counter() - step_start, _stop_profiler(profiler)))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_number += 1
-            for out in step_outputs:
-                if out.request_id != rid:
+            for output in step_outputs:
+                if output.request_id != rid:
                     continue
                 now = time.perf_counter()
-                tokens, logprobs = list(out.outputs[0].token_ids), out.outputs[0].logprobs or []
+                tokens, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs or []
                 if tokens and first_at is None:
                     first_at = now
                 last_at = now
