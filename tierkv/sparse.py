@@ -3,8 +3,8 @@
 Primitives: `BlockSummaries` (`update`, `upper_bounds`), `select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
-its keys (as Quest does): 2 x num_kv_heads x head_dim values per block. For a query q, the
-largest score any key of block b can give head h is bounded by
+its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
+side. For a query q, the largest score any key of block b can give head h is bounded by
 
     ub[b, h] = sum_d max(q[h, d] * kmin[b, h', d], q[h, d] * kmax[b, h', d])     (h' = h's KV head)
 
@@ -21,13 +21,22 @@ import torch
 
 
 class BlockSummaries:
-    """kmin, kmax: [num_layers][capacity_blocks, num_kv_heads, head_dim] on the device, grown as needed."""
+    """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device, grown as
+    needed: each block's key max in the first head_dim values, its key min in the rest (`kmax`,
+    `kmin`: per-layer views of those halves)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self._shape = (num_kv_heads, head_dim)
         self._dtype, self._device = dtype, device
-        self.kmin = [torch.empty((0, *self._shape), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.kmax = [torch.empty((0, *self._shape), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tables = [torch.empty((0, num_kv_heads, 2 * head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def kmax(self) -> list[torch.Tensor]:
+        return [t[..., : self._shape[1]] for t in self.tables]
+
+    @property
+    def kmin(self) -> list[torch.Tensor]:
+        return [t[..., self._shape[1] :] for t in self.tables]
 
     def bytes_per_block_per_layer(self) -> int:
         return 2 * self._shape[0] * self._shape[1] * self._dtype.itemsize
@@ -37,41 +46,35 @@ class BlockSummaries:
         if blocks.shape[0] == 0:
             return
         keys = blocks[:, 0]                                   # [n, H_kv, T, D]
-        kmin, kmax = keys.amin(dim=2), keys.amax(dim=2)       # [n, H_kv, D]
+        bounds = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1)  # [n, H_kv, 2D]
         end = first_block + blocks.shape[0]
         self._grow(layer, end)
-        self.kmin[layer][first_block:end] = kmin.to(self._device, self._dtype)
-        self.kmax[layer][first_block:end] = kmax.to(self._device, self._dtype)
+        self.tables[layer][first_block:end] = bounds.to(self._device, self._dtype)
 
     def _grow(self, layer: int, num_blocks: int) -> None:
-        have = self.kmin[layer].shape[0]
+        have = self.tables[layer].shape[0]
         if num_blocks <= have:
             return
-        new_cap = max(num_blocks, 2 * have, 64)
-        for table in (self.kmin, self.kmax):
-            grown = torch.zeros((new_cap, *self._shape), dtype=self._dtype, device=self._device)
-            grown[:have] = table[layer]
-            table[layer] = grown
+        grown = torch.zeros((max(num_blocks, 2 * have, 64), *self.tables[layer].shape[1:]), dtype=self._dtype,
+                            device=self._device)
+        grown[:have] = self.tables[layer]
+        self.tables[layer] = grown
 
     def upper_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor | range) -> torch.Tensor:
         """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [m]: max over heads of ub[b, h].
 
         max(q_d kmin_d, q_d kmax_d) is q_d kmax_d where q_d > 0 and q_d kmin_d otherwise (kmax >= kmin),
-        so the bound is two small matmuls, max(q, 0) . kmax + min(q, 0) . kmin, reading each summary
-        once. A range reads a slice of the table, without gathering it.
+        so the bound is one batched matmul of each block's [kmax | kmin] with [max(q, 0) | min(q, 0)],
+        reading each summary once. A range reads a slice of the table, without gathering it.
         """
-        if isinstance(block_ids, range):
-            kmin = self.kmin[layer][block_ids.start : block_ids.stop]
-            kmax = self.kmax[layer][block_ids.start : block_ids.stop]
-        else:
-            kmin = self.kmin[layer].index_select(0, block_ids)
-            kmax = self.kmax[layer].index_select(0, block_ids)
+        table = self.tables[layer]
+        rows = table[block_ids.start : block_ids.stop] if isinstance(block_ids, range) else table.index_select(0, block_ids)
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
         qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)            # [H_kv, g, D]
-        ub = (torch.einsum("mhd,hgd->mhg", kmax.float(), qg.clamp(min=0))
-              + torch.einsum("mhd,hgd->mhg", kmin.float(), qg.clamp(max=0)))       # [m, H_kv, g]
-        return ub.flatten(1).amax(1)
+        split = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)               # [H_kv, g, 2D]
+        ub = torch.bmm(rows.float().transpose(0, 1), split.transpose(1, 2))         # [H_kv, m, g]
+        return ub.amax(dim=(0, 2))
 
 
 def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:

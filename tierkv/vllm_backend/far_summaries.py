@@ -34,7 +34,7 @@ class RequestSummaries:
         end = first + blocks.shape[0]
         have = self.is_summarized[layer]
         if end > have.size:
-            capacity = self.summaries.kmin[layer].shape[0]
+            capacity = self.summaries.tables[layer].shape[0]
             self.is_summarized[layer] = np.concatenate([have, np.zeros(capacity - have.size, dtype=bool)])
             grown = torch.zeros(capacity, dtype=torch.bool, device=self.device)
             grown[: have.size] = self.is_summarized_dev[layer]
@@ -69,5 +69,5 @@ class RequestSummaries:
 
     @property
     def num_bytes(self) -> int:
-        return sum(2 * t.numel() * t.element_size() for t in self.summaries.kmin)
+        return sum(t.numel() * t.element_size() for t in self.summaries.tables)
 
