@@ -15,14 +15,13 @@ a failed append (a full disk) is cut away at once. No fsync by default: this is 
 a record that a power loss kept from the device fails its checksum when read (a miss, counted,
 dropped). fsync=True: one fdatasync per put_many, before it returns.
 
-Reads. get_many sorts its hits by segment and offset and reads each run of adjacent records
-with one preadv, payloads straight into rows of the result: from the page cache where it holds
-them (RWF_NOWAIT), else from the device with O_DIRECT (payloads of a multiple of 4096 bytes).
-Each block's header and payload checksums are checked (XXH3-64; CRC-32 in records of format
-version 1); a block that fails is a miss, counted, dropped. Batches of a MiB or more are split
-over num_io_threads threads (I/O and checksums release the GIL). Results land in pre-faulted,
-recycled slabs (disk_buffers), and a range is probed with cachestat before RWF_NOWAIT so a
-page cache miss starts no readahead that would race the O_DIRECT read.
+Reads (disk_reads). get_many sorts its hits by segment and offset into slots of one recycled,
+pre-faulted slab (disk_buffers), each slot the record as on disk, and reads each run of adjacent
+records with one preadv: from the page cache where it holds them (cachestat, then RWF_NOWAIT),
+over the I/O threads, else from the device with O_DIRECT on the calling thread, in pieces, an
+I/O thread checking each piece while the next is read. Each block's header and payload
+checksums are checked (XXH3-64; CRC-32 in records of format version 1; both release the GIL);
+a block that fails is a miss, counted, dropped.
 
 Remove and evict punch a hole over the record (fallocate PUNCH_HOLE): the space is free at once
 and no later scan finds it; a segment with no live record left is deleted. Where the
@@ -57,33 +56,18 @@ from tierkv.blocks import dtype_name
 from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock
 from tierkv.storage.disk_buffers import ReadBufferPool
+from tierkv.storage.disk_reads import BatchReader, Entry
 
 logger = logging.getLogger(__name__)
 
 _SEGMENT_SUFFIX = ".seg"
 _ORDER_FILE = "lru.order"
-_SPREAD_MIN_BYTES = 1 << 20  # smaller read batches stay on the caller's thread
-_CHUNK_BYTES = 1 << 20  # read then checksummed (or checksummed, then written) at a time: stays in the CPU cache
+_SPREAD_MIN_BYTES = 1 << 20  # smaller batches stay on the caller's thread
+_CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
 _MAX_IO_THREADS = 4
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
 _OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
-
-
-class _Entry:
-    """Where a block's record lives."""
-
-    __slots__ = (
-        "segment_id", "offset", "header_num_bytes", "record_num_bytes", "checksum_kind", "payload_checksum",
-        "header_end", "header_checksum",
-    )  # fmt: skip
-
-    def __init__(self, segment_id: int, offset: int, h: seg.RecordHeader):
-        self.segment_id, self.offset = segment_id, offset
-        self.header_num_bytes, self.record_num_bytes = h.header_num_bytes, h.record_num_bytes
-        self.checksum_kind, self.payload_checksum = h.checksum_kind, h.payload_checksum
-        self.header_end, self.header_checksum = h.header_end, h.header_checksum  # the header's own ends at header_end
 
 
 class DiskTier(StorageTier):
@@ -93,8 +77,9 @@ class DiskTier(StorageTier):
         from disk so a chain can spill them; False drops them unread, right when no tier sits
         below this one. A plain attribute the chain may set.
     fsync: sync each put_many's records to the device before it returns.
-    num_io_threads: large get_many batches are split over this many threads; None: one per CPU
-        this process may run on, at most 4 (more threads than cores only add GIL hand-offs).
+    num_io_threads: large put_many batches and page-cache reads are split over this many threads,
+        and device reads are checked on them behind the reading thread; None: one per CPU this
+        process may run on, at most 4 (more threads than cores only add GIL hand-offs).
     segment_bytes: a segment takes appends until it is this long; None: capacity / 8,
         clamped to [1 MiB, 1 GiB].
     read_buffer_bytes: get_many results land in pre-faulted slabs (disk_buffers); up to this
@@ -124,10 +109,9 @@ class DiskTier(StorageTier):
         self.segment_bytes = segment_bytes or min(1 << 30, max(1 << 20, capacity_bytes // 8))
         self._num_io_threads = num_io_threads or min(_MAX_IO_THREADS, _num_usable_cpus())
         self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
-        self._is_direct_eligible = layout.num_bytes % seg.ALIGN == 0  # payload rows stay 4096-aligned
         self._pad = memoryview(bytearray(seg.round_up(layout.num_bytes) - layout.num_bytes))
         self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._index: OrderedDict[str, Entry] = OrderedDict()  # oldest first
         self._num_live: dict[int, int] = {}  # segment id -> records not yet dropped
         self._append_lock = threading.Lock()  # the active segment: its fd, size and rollover
         self._active_id: int | None = None
@@ -137,6 +121,7 @@ class DiskTier(StorageTier):
         self._modes = seg.ReadModes()
         self._buffers = ReadBufferPool(read_buffer_bytes)
         self._pool: ThreadPoolExecutor | None = None
+        self._reader = BatchReader(layout, self._segment_path, self._buffers, self._modes, self._spread, self._checker)
         self._closed = False
         self._open_directory()
         self._rebuild_index()
@@ -164,16 +149,16 @@ class DiskTier(StorageTier):
         return [e is not None for e in entries]
 
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Hits are rows of one fresh [num_hits, *layout.shape] tensor the caller owns; None for a miss."""
+        """Hits are [*layout.shape] views of one fresh read buffer the caller owns; None for a miss."""
         self._check_open()
         with self.counters.timed("get"):
             with self._lock:
                 found = [(i, self._index[key]) for i, key in enumerate(keys) if key in self._index]
                 for i, _ in found:
                     self._index.move_to_end(keys[i])
-            batch, failures = self._read_blocks([keys[i] for i, _ in found], [e for _, e in found])
+            rows, failures = self._read_blocks([keys[i] for i, _ in found], [e for _, e in found])
             blocks: list[torch.Tensor | None] = [None] * len(keys)
-            for (i, _), row, failure in zip(found, batch.unbind(0), failures):
+            for (i, _), row, failure in zip(found, rows, failures):
                 blocks[i] = row if failure is None else None
             num_hits = failures.count(None)
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
@@ -249,7 +234,7 @@ class DiskTier(StorageTier):
                 return [self._put_failed(key, exc) for key in keys]
             entries, offset = [], start
             for header in headers:
-                entries.append(_Entry(self._active_id, offset, header))
+                entries.append(Entry(self._active_id, offset, header))
                 offset += header.record_num_bytes
             self._active_size = offset
             with self._lock:
@@ -258,9 +243,8 @@ class DiskTier(StorageTier):
         evicted = []
         if victims and self.return_evicted:
             victim_keys = [key for key, _ in victims]
-            batch, failures = self._read_blocks(victim_keys, [e for _, e in victims])
-            rows = zip(victim_keys, batch.unbind(0), failures)
-            evicted = [(key, row) for key, row, failure in rows if failure is None]
+            rows, failures = self._read_blocks(victim_keys, [e for _, e in victims])
+            evicted = [(key, row) for key, row, failure in zip(victim_keys, rows, failures) if failure is None]
             self.counters.add(bytes_read=len(evicted) * self.layout.num_bytes)
         self._drop_records(dropped + [e for _, e in victims])
         results = [PutResult(True) for _ in keys]
@@ -297,7 +281,7 @@ class DiskTier(StorageTier):
         assert all(h.record_num_bytes == n for h, n in zip(headers, sizes)), "header size mispredicted"
         return headers
 
-    def _commit(self, keys: list[str], entries: list[_Entry]) -> tuple[list[_Entry], list[tuple[str, _Entry]]]:
+    def _commit(self, keys: list[str], entries: list[Entry]) -> tuple[list[Entry], list[tuple[str, Entry]]]:
         """Index appended records; evict LRU blocks over capacity. Caller holds both locks.
 
         Returns (records superseded, (key, record) evicted); the caller drops them after reading
@@ -364,110 +348,16 @@ class DiskTier(StorageTier):
         return PutResult(False, error)
 
     # -- reading ---------------------------------------------------------------------------
-    def _read_blocks(self, keys: list[str], entries: list[_Entry]) -> tuple[torch.Tensor, list[str | None]]:
-        """Read and verify records into a fresh [len(keys), *layout.shape] tensor; per block None or why it failed.
+    def _read_blocks(self, keys: list[str], entries: list[Entry]) -> tuple[list[torch.Tensor], list[str | None]]:
+        """Read and check these records (disk_reads); per block a [*layout.shape] row and None or why it failed.
 
         A block that fails its checks and is still the indexed one is counted and dropped.
         """
-        num_bytes = self.layout.num_bytes
-        if not keys:
-            return torch.empty((0, *self._shape), dtype=self.layout.dtype), []
-        payloads_end = seg.round_up(len(keys) * num_bytes)  # slab: | payload rows | header regions |
-        header_offsets = list(itertools.accumulate((e.header_num_bytes for e in entries), initial=payloads_end))
-        slab = self._buffers.empty(header_offsets[-1])
-        batch = slab[: len(keys) * num_bytes].view(self.layout.dtype).view(len(keys), *self._shape)
-        headers = payloads = memoryview(slab.numpy())
-        jobs = [  # (segment, offset, index, header view, payload view, where the record ends)
-            (e.segment_id, e.offset, j, headers[header_offsets[j] : header_offsets[j + 1]],
-             payloads[j * num_bytes : (j + 1) * num_bytes], e.offset + e.record_num_bytes)
-            for j, e in enumerate(entries)
-        ]  # fmt: skip
-        jobs.sort(key=_position_of_job)
-        failures: list[str | None] = [None] * len(keys)
-        for j, failure in self._spread(lambda part: self._read_part(part, keys, entries), jobs):
-            failures[j] = failure
+        rows, failures = self._reader.read(keys, entries)
         self._forget_failed(keys, entries, failures)
-        return batch, failures
+        return rows, failures
 
-    def _read_part(self, jobs: list[tuple], keys: list[str], entries: list[_Entry]) -> list[tuple[int, str | None]]:
-        """Read and check one part of a batch, sorted by (segment, offset); per block (index, failure or None)."""
-        results = []
-        for segment_id, group in itertools.groupby(jobs, key=lambda job: job[0]):
-            group = list(group)
-            path = self._segment_path(segment_id)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                reason = "gone" if exc.errno == errno.ENOENT else f"open failed: {exc}"
-                results += [(job[2], reason) for job in group]
-                continue
-            direct_fds: list[int] = []
-            try:
-                for run in _runs(group):
-                    results += self._read_run(fd, path, direct_fds, run, keys, entries)
-            finally:
-                for f in [fd, *direct_fds]:
-                    os.close(f)
-        return results
-
-    def _read_run(self, fd: int, path: str, direct_fds: list[int], run: list[tuple], keys: list[str],
-                  entries: list[_Entry]) -> list[tuple[int, str | None]]:  # fmt: skip
-        """Adjacent records: from the page cache a chunk of about a MiB at a time, each block checked
-        while its bytes are still in the CPU cache; once a chunk is not cached (or cachestat says
-        the run is not all cached), the rest of the run comes from the device in one preadv
-        (O_DIRECT where the layout allows)."""
-        results, pos = [], 0
-        run_bytes = run[-1][5] - run[0][1]
-        num_cached = seg.cached_bytes(fd, run[0][1], run_bytes, self._modes)
-        is_cached = num_cached is None or num_cached == run_bytes  # None: unknown, RWF_NOWAIT tells
-        while pos < len(run):
-            chunk = run[pos : pos + self._chunk_records]
-            try:
-                num_read = seg.read_cached(fd, self._views(chunk), chunk[0][1], self._modes) if is_cached else 0
-                if num_read < chunk[-1][5] - chunk[0][1]:
-                    direct_fd = _open_direct(path, direct_fds, self._modes) if self._is_direct_eligible else None
-                    if direct_fd is not None:
-                        chunk = run[pos:]
-                    num_read = seg.read_at(fd, self._views(chunk), chunk[0][1], self._modes, direct_fd)
-            except OSError as exc:
-                return results + [(job[2], f"read failed: {exc}") for job in run[pos:]]
-            end = chunk[0][1] + num_read
-            for _, _, j, header, payload, record_end in chunk:
-                failure = self._check(keys[j], entries[j], header, payload) if record_end <= end else "short read"
-                results.append((j, failure))
-            pos += len(chunk)
-        return results
-
-    def _views(self, jobs: list[tuple]) -> list[memoryview]:
-        """The buffers a preadv of these adjacent records fills: header region, payload, padding each."""
-        if self._pad.nbytes:
-            return [v for job in jobs for v in (job[3], job[4], self._pad)]
-        return [v for job in jobs for v in (job[3], job[4])]
-
-    def _check(self, key: str, entry: _Entry, header: memoryview, payload: memoryview) -> str | None:
-        """None when the record read is this block, intact; else what is wrong.
-
-        Fast path: the header is byte for byte the one indexed when its own checksum is the one
-        remembered and matches its bytes; then only the payload's checksum is left to check.
-        """
-        kind, end = entry.checksum_kind, entry.header_end
-        digest, body_end = seg.CHECKSUM_FUNCTIONS[kind], end - seg.CHECKSUM_BYTES[kind]
-        if digest(header[:body_end]) == entry.header_checksum == int.from_bytes(header[body_end:end], "little"):
-            return None if digest(payload) == entry.payload_checksum else "payload checksum mismatch"
-        try:
-            h = seg.parse_header(header)
-        except CorruptBlock as exc:
-            return str(exc)
-        if (h.key != key or h.payload_checksum != entry.payload_checksum or h.checksum_kind != kind
-                or h.header_num_bytes != entry.header_num_bytes):  # fmt: skip
-            return f"the record at offset {entry.offset} is not this block (key {h.key[:80]!r})"
-        if h.dtype_name != self._dtype_name or h.shape != self._shape or h.payload_num_bytes != payload.nbytes:
-            return f"stored as {h.shape} {h.dtype_name}, not this tier's layout"
-        if seg.checksum(kind, payload) != h.payload_checksum:
-            return "payload checksum mismatch"
-        return None
-
-    def _forget_failed(self, keys: list[str], entries: list[_Entry], failures: list[str | None]) -> None:
+    def _forget_failed(self, keys: list[str], entries: list[Entry], failures: list[str | None]) -> None:
         """Drop failed blocks that are still the indexed ones: corrupt (counted) or deleted behind our back."""
         dropped = []
         with self._lock:
@@ -483,7 +373,7 @@ class DiskTier(StorageTier):
         self._drop_records(dropped)
 
     # -- dropping records ------------------------------------------------------------------
-    def _drop_records(self, entries: list[_Entry]) -> None:
+    def _drop_records(self, entries: list[Entry]) -> None:
         """Punch out records that left the index; delete segments left with no live record."""
         if not entries:
             return
@@ -503,7 +393,7 @@ class DiskTier(StorageTier):
         for segment_id, group in by_segment:
             self._punch_all(segment_id, list(group))
 
-    def _punch_all(self, segment_id: int, entries: list[_Entry]) -> None:
+    def _punch_all(self, segment_id: int, entries: list[Entry]) -> None:
         path = self._segment_path(segment_id)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -536,7 +426,7 @@ class DiskTier(StorageTier):
 
     def _rebuild_index(self) -> None:
         """Index the records in the segments, oldest first; drop torn tails, superseded and foreign records."""
-        dropped: list[_Entry] = []
+        dropped: list[Entry] = []
         try:
             _remove_old_format(self.path)
             ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if _is_segment_stem(p.stem))
@@ -558,7 +448,7 @@ class DiskTier(StorageTier):
             del self._num_live[segment_id]
             self._unlink(self._segment_path(segment_id))
 
-    def _scan_into_index(self, segment_id: int) -> list[_Entry]:
+    def _scan_into_index(self, segment_id: int) -> list[Entry]:
         path, dropped = self._segment_path(segment_id), []
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -572,7 +462,7 @@ class DiskTier(StorageTier):
         # records this process cannot verify count as one live record: the segment is never deleted here
         self._num_live[segment_id] = len(records) + int(is_partly_unreadable)
         for offset, h in records:
-            entry = _Entry(segment_id, offset, h)
+            entry = Entry(segment_id, offset, h)
             is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
             old = self._index.pop(h.key, None) if is_ours else entry
             if old is not None:
@@ -600,6 +490,10 @@ class DiskTier(StorageTier):
         finally:
             wait(futures)  # every part is done before anyone cleans up after a failure
         return first + [r for future in futures for r in future.result()]
+
+    def _checker(self) -> ThreadPoolExecutor | None:
+        """Where device reads are checked while the next piece is read; None: on the reading thread."""
+        return self._io_pool() if self._num_io_threads > 1 else None
 
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -645,38 +539,8 @@ def _is_segment_stem(stem: str) -> bool:
     return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
 
 
-def _position(entry: _Entry) -> tuple[int, int]:
+def _position(entry: Entry) -> tuple[int, int]:
     return entry.segment_id, entry.offset
-
-
-def _position_of_job(job: tuple) -> tuple[int, int]:
-    return job[0], job[1]
-
-
-def _runs(jobs: list[tuple]) -> list[list[tuple]]:
-    """Split jobs (one segment, sorted by offset) into runs of adjacent records, each one preadv."""
-    runs: list[list[tuple]] = []
-    max_records, end = seg.IOV_MAX // 3, None
-    for job in jobs:
-        if job[1] == end and len(runs[-1]) < max_records:
-            runs[-1].append(job)
-        else:
-            runs.append([job])
-        end = job[5]
-    return runs
-
-
-def _open_direct(path: str, opened: list[int], modes: seg.ReadModes) -> int | None:
-    """An O_DIRECT fd of `path`, opened once per read part (kept in `opened`); None where O_DIRECT is refused."""
-    if not modes.is_direct_ok:
-        return None
-    if not opened:
-        try:
-            opened.append(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
-        except OSError:
-            modes.is_direct_ok = False
-            return None
-    return opened[0]
 
 
 def _sync_directory(directory: str) -> None:
