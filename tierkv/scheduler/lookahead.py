@@ -197,8 +197,8 @@ class LookaheadStreamer:
             count = min(region_blocks, cpu_slots.numel() - start)
             waits = [e for e in (self._region_free_event[region], after, self.engine.record_compute_event()) if e is not None]
             start_s = time.perf_counter()
-            handle = self.io.gather(cpu_slots[start : start + count], self.pool.staging,
-                                    self._region_slots_host[region][:count], after=waits)
+            staging_slots = (self._region_slots if cpu_slots.is_cuda else self._region_slots_host)[region][:count]
+            handle = self.io.gather(cpu_slots[start : start + count], self.pool.staging, staging_slots, after=waits)
             self.num_stalls += 1
             self.num_chunks_streamed += 1
             self.bytes_streamed += handle.num_bytes
