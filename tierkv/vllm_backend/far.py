@@ -166,30 +166,13 @@ class FarKV:
         req = self.requests.pop(req_id, None)
         if req is None:
             return
-        with self.store._lock:
-            for keys in req.pinned_keys:
-                self.store.cpu.release(keys)
+        for keys in req.pinned_keys:
+            self.store.unpin(keys)
         if self.store.keep_saves_pinned:
             self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
             first = len(req.pinned_keys[0]) if req.pinned_keys else 0
             for layer in range(self.store.num_layers):
                 self.store.release_saved_pins(self.store.keys(req.hashes[first:], layer))
-
-    def _take_or_acquire(self, keys: list[str]) -> list[int] | None:
-        """Slots of `keys` pinned for this reader: pins of landed saves taken over, the rest pinned
-        (promoted from lower tiers if needed); None, with nothing pinned, if some block is missing."""
-        slots = self.store.take_saved_pins(keys)
-        rest = [i for i, s in enumerate(slots) if s is None]
-        if rest:
-            with self.store._lock:
-                acquired = self.store.chain.acquire_many([keys[i] for i in rest])
-            if acquired is None:
-                with self.store._lock:  # hand the taken pins back to the store, unchanged
-                    self.store.saved_pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
-                return None
-            for i, slot in zip(rest, acquired):
-                slots[i] = slot
-        return slots
 
     def _pin(self, req_id: str, req: _Request, num_blocks: int) -> None:
         """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below)."""
@@ -207,12 +190,12 @@ class FarKV:
         hashes = req.hashes[first:num_blocks]
         for layer in range(self.store.num_layers):
             keys = self.store.keys(hashes, layer)
-            slots = self._take_or_acquire(keys)
+            slots = self.store.pin_for_reader(keys)
             if slots is None:  # a save still in flight: let it land and look again
                 self.store.poll(wait=True)
-                slots = self._take_or_acquire(keys)
+                slots = self.store.pin_for_reader(keys)
             if slots is None:
-                held = sum(w is not None for w in self.store.chain.locate_many(keys))
+                held = self.store.num_held(keys)
                 raise RuntimeError(
                     f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer} cannot be pinned in the CPU "
                     f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "

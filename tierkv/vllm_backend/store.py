@@ -248,6 +248,32 @@ class VllmKVStore:
         with self._lock:
             return [self.saved_pins.pop(k, None) for k in keys]
 
+    def pin_for_reader(self, keys: Sequence[str]) -> list[int] | None:
+        """CPU-tier slots of `keys`, pinned for a reader who gives them back with `unpin`: pins of
+        landed saves taken over, the rest pinned (promoted from lower tiers if needed). None, with
+        nothing pinned, if some block is in no tier (a save still in flight: `poll(wait=True)`)."""
+        slots = self.take_saved_pins(keys)
+        rest = [i for i, s in enumerate(slots) if s is None]
+        if not rest:
+            return slots
+        with self._lock:
+            acquired = self.chain.acquire_many([keys[i] for i in rest])
+            if acquired is None:  # hand the taken pins back, unchanged
+                self.saved_pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+                return None
+        for i, slot in zip(rest, acquired):
+            slots[i] = slot
+        return slots
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Give back pins from `pin_for_reader`."""
+        with self._lock:
+            self.cpu.release(keys)
+
+    def num_held(self, keys: Sequence[str]) -> int:
+        """How many of `keys` some tier holds."""
+        return sum(where is not None for where in self.chain.locate_many(keys))
+
     def release_saved_pins(self, keys: Sequence[str]) -> None:
         """Give back the pins of landed saves nobody took (blocks that never became far)."""
         with self._lock:
