@@ -125,10 +125,11 @@ def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_pat
 
 
 def far_with_saved_requests(tmp_path, window: int, staging_blocks: int, lengths: dict[str, int],
-                            ids: dict[str, list[int]]):
+                            ids: dict[str, list[int]], sparse_tokens: int = 0):
     """(store, vLLM caches, FarKV) with each request's full blocks of `lengths[req]` random tokens
     saved from vLLM block ids `ids[req]` on every layer, its hashes sent, the saves landed."""
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks), env={})
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks,
+                                      sparse_tokens=sparse_tokens), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
@@ -606,6 +607,34 @@ def test_sparse_reports_how_much_of_a_selection_the_step_before_selected(tmp_pat
                 far.attend(store.layer_index[name], q, 0.3)
             far.end_step()
         assert far.counts["steps"] % OVERLAP_EVERY == 0 and far.stats()["selection_overlap"] == 1.0
+    finally:
+        far.close()
+        store.close()
+
+
+@pytest.mark.parametrize("staging_blocks", [4, 6])
+def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, staging_blocks):
+    """A step with a prefill chunk (far blocks streamed ahead through the staging regions) and a
+    sparse decode row (its selection fetched when selected): the fetch must not overwrite chunks
+    copied ahead for the next layers. With a budget covering every far block both rows equal
+    dense attention over their far blocks on every layer."""
+    window = 2 * BS
+    lengths, ids = {"a": 30 * BS + 3, "b": 17 * BS}, {"a": list(range(0, 31)), "b": list(range(31, 48))}
+    store, caches, far = far_with_saved_requests(tmp_path, window, staging_blocks, lengths, ids, sparse_tokens=64 * BS)
+    try:
+        rows = far.begin_step([("b", lengths["b"], 5), ("a", lengths["a"], 1)])
+        assert far._sparse_rows == [1] and far._pieces  # b streamed, a selected
+        q = torch.randn(6, HQ, D)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            out, lse = far.attend(layer, q, 0.3)
+            for row in rows:
+                blocks = store.paged.read(caches[name], torch.tensor(ids[row.req_id][: row.num_far_blocks]))
+                want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, 0.3)
+                torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+        far.end_step()
     finally:
         far.close()
         store.close()

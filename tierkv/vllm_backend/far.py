@@ -19,7 +19,9 @@ lookahead streamer copies it through the staging ring chunk by chunk, layers L+1
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
 min/max, kept on the device from the copies the connector saves), fetched once selected, plus
-any far block it has no summary of (a prefix served by the tiers); prefill stays exact.
+any far block it has no summary of (a prefix served by the tiers); prefill stays exact. Those
+fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
+never overwrite chunks streamed ahead for a prefill row of the same step.
 
 A request's blocks stay pinned in the CPU tier from the save that wrote them (the store keeps the
 pin once the copy lands) or from the step they become far, until the request finishes, so a step
@@ -95,18 +97,28 @@ class FarKV:
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         lookahead = store.lookahead
-        self.pool = GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), store.config.scheduler.staging_bytes,
+        scheduler = store.config.scheduler
+        layout, staging_bytes = store.layout, scheduler.staging_bytes
+        # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
+        self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
+                              if scheduler.policy == "sparse" else None)
+        # Sparse fetches get staging of their own, two regions of up to one selection: the streamed
+        # chunks of prefill rows in the same step sit in the main regions, copied layers ahead.
+        sparse_bytes = 0
+        if self.sparse_blocks is not None:
+            sparse_bytes = 2 * min(self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4)) * layout.num_bytes
+        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes,
                                  max(2, lookahead + 1), store.device)
         self.recorder = PrefetchRecorder(store.num_layers)
         self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=self.recorder)
+        self.sparse_streamer = None
+        if sparse_bytes:
+            sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
+            self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
         self._sparse_rows: list[int] = []
-        scheduler = store.config.scheduler
-        # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
-        self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
-                              if scheduler.policy == "sparse" else None)
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0}
         # sparse: of the blocks selected in a sampled step, how many the same row and layer selected in
         # the step before (what a GPU cache of the last selection would hit), counted on the device
@@ -326,9 +338,10 @@ class FarKV:
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self.counts["far_blocks_read"] += ids.numel()
             with record_function("tierkv.sparse.fetch_attend"):
-                for chunk in self.streamer.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
+                fetcher = self.sparse_streamer
+                for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
                     parts.setdefault(i, []).append(paged_partial_attention(
-                        q_row, staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
+                        q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
         return parts
 
@@ -338,12 +351,17 @@ class FarKV:
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
-        s = self.streamer
+        streamers = [self.streamer] + ([self.sparse_streamer] if self.sparse_streamer is not None else [])
+        def total(counter: str) -> int:
+            return sum(getattr(s, counter) for s in streamers)
+
         prefetch = self.recorder.snapshot()
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
-                "chunks_streamed": s.num_chunks_streamed, "bytes_streamed": s.bytes_streamed, "stalls": s.num_stalls,
-                "chunks_carried": s.num_chunks_carried, "chunks_discarded": s.num_chunks_discarded,
-                "staging_bytes": self.pool.staging_bytes, "policy": "sparse" if self.sparse_blocks else "exact",
+                "chunks_streamed": total("num_chunks_streamed"), "bytes_streamed": total("bytes_streamed"),
+                "stalls": total("num_stalls"), "chunks_carried": self.streamer.num_chunks_carried,
+                "chunks_discarded": self.streamer.num_chunks_discarded,
+                "staging_bytes": sum(s.pool.staging_bytes for s in streamers),
+                "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
