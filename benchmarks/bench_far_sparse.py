@@ -1,7 +1,7 @@
 """The hot window's sparse decode path alone (tierkv.vllm_backend.far, no vLLM): host and GPU time per layer.
 
     python benchmarks/bench_far_sparse.py [--far-tokens 65536] [--layers 4] [--rows 1 4] [--steps 20]
-        [--budget-tokens 2048] [--out PATH]
+        [--budget-tokens 2048] [--graphs] [--out PATH]
 
 What vLLM's CUSTOM backend calls for each layer of a decode step under `scheduler.policy:
 sparse` — `FarKV.attend_parts` (selection from the key summaries, fetch of the selected blocks
@@ -9,7 +9,9 @@ from the pinned CPU tier, attention over them) and `merge_into` — on blocks sa
 same store, with the 8B model's KV shape (8 KV heads, head_dim 128, bf16, 16-token blocks) and
 32 query heads. Per row count: wall ms per layer with the GPU synchronized once per step (the
 host-bound cost vLLM's eager forward pays), GPU ms per layer (events), the copy ceiling of the
-selected bytes, and a cProfile of a few steps (top functions by own time) in OUT.
+selected bytes, and a cProfile of a few steps (top functions by own time) in OUT. `--graphs` adds,
+per row count, the same steps with `scheduler.sparse_cuda_graphs` (each row's layer replayed
+from a CUDA graph) and the ratio to the eager path of the same run.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from benchmarks._common import write_results  # noqa: E402
 HEADS, KV_HEADS, DIM, BS = 32, 8, 128, 16
 
 
-def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: torch.device, tmp: Path):
+def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: torch.device, tmp: Path,
+          graphs: bool = False):
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
     from tierkv.vllm_backend.far import FarKV
@@ -43,7 +46,7 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
         "tiers": [{"kind": "cpu", "capacity_bytes": (rows * blocks * layers + 64) * block_bytes},
                   {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 4096 * block_bytes, "policy": "sparse",
-                      "sparse_token_budget": budget_tokens},
+                      "sparse_token_budget": budget_tokens, "sparse_cuda_graphs": graphs},
     }, env={})
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), names, "bench-far", device)
@@ -90,6 +93,27 @@ def run_steps(far, store, rows: int, blocks: int, layers: int, steps: int, devic
     return wall / steps / layers, gpu / steps / layers
 
 
+def measure(args, rows: int, graphs: bool, device: torch.device, tmp: Path) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    store, far, blocks = build(args.far_tokens, args.layers, rows, args.budget_tokens, device, tmp, graphs)
+    try:
+        run_steps(far, store, rows, blocks, args.layers, 3, device)  # warm-up: kernels built, graphs captured
+        wall_ms, gpu_ms = run_steps(far, store, rows, blocks, args.layers, args.steps, device)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_steps(far, store, rows, blocks, args.layers, 5, device)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        used = (far.graphs.counts["graph_replays"] > 0) if far.graphs is not None else False
+        return {"rows": rows, "graphs": graphs, "graphs_used": used, "wall_ms_per_layer": wall_ms, "gpu_ms_per_layer": gpu_ms,
+                "selected_bytes_per_layer": rows * args.budget_tokens * 2 * KV_HEADS * DIM * 2,
+                "far_stats": far.stats(), "cprofile_5_steps": text.getvalue()}
+    finally:
+        far.close()
+        store.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--far-tokens", type=int, default=65536)
@@ -97,38 +121,26 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--graphs", action="store_true", help="also run each row count with sparse_cuda_graphs")
     parser.add_argument("--out", default="benchmarks/results/far-sparse.json")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     results = []
     for rows in args.rows:
-        tmp = out.parent / f"far-sparse-tmp-{rows}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        store, far, blocks = build(args.far_tokens, args.layers, rows, args.budget_tokens, device, tmp)
-        try:
-            run_steps(far, store, rows, blocks, args.layers, 3, device)  # warm-up: kernels built, pools filled
-            wall_ms, gpu_ms = run_steps(far, store, rows, blocks, args.layers, args.steps, device)
-            profiler = cProfile.Profile()
-            profiler.enable()
-            run_steps(far, store, rows, blocks, args.layers, 5, device)
-            profiler.disable()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-            selected_bytes = rows * args.budget_tokens * 2 * KV_HEADS * DIM * 2  # per layer
-            results.append({"rows": rows, "wall_ms_per_layer": wall_ms, "gpu_ms_per_layer": gpu_ms,
-                            "selected_bytes_per_layer": selected_bytes, "far_stats": far.stats(),
-                            "cprofile_5_steps": text.getvalue()})
-            print(f"rows {rows}: wall {wall_ms:.3f} ms/layer, GPU {gpu_ms:.3f} ms/layer, "
-                  f"{selected_bytes / 2**20:.0f} MiB selected per layer", flush=True)
-        finally:
-            far.close()
-            store.close()
+        for graphs in (False, True) if args.graphs else (False,):
+            results.append(measure(args, rows, graphs, device, out.parent / f"far-sparse-tmp-{rows}-{int(graphs)}"))
+            r = results[-1]
+            print(f"rows {rows}{' graphs' if graphs else ''}{'' if r['graphs_used'] == graphs else ' (not used)'}: wall {r['wall_ms_per_layer']:.3f} ms/layer, "
+                  f"GPU {r['gpu_ms_per_layer']:.3f} ms/layer, {r['selected_bytes_per_layer'] / 2**20:.0f} MiB selected "
+                  "per layer", flush=True)
     write_results(out, {"far_tokens": args.far_tokens, "layers": args.layers, "budget_tokens": args.budget_tokens,
                         "rows": results})
-    print(f"{'rows':>5} {'wall ms/layer':>14} {'GPU ms/layer':>13}")
+    print(f"{'rows':>5} {'graphs used':>11} {'wall ms/layer':>14} {'GPU ms/layer':>13} {'x eager':>8}")
+    eager = {r["rows"]: r["wall_ms_per_layer"] for r in results if not r["graphs"]}
     for r in results:
-        print(f"{r['rows']:>5} {r['wall_ms_per_layer']:>14.3f} {r['gpu_ms_per_layer']:>13.3f}")
+        ratio = r["wall_ms_per_layer"] / eager[r["rows"]]
+        print(f"{r['rows']:>5} {str(r['graphs_used']):>11} {r['wall_ms_per_layer']:>14.3f} {r['gpu_ms_per_layer']:>13.3f} {ratio:>8.2f}")
     return 0
 
 

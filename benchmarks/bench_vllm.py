@@ -1,7 +1,8 @@
 """vLLM at 128k: plain vLLM, vLLM's OffloadingConnector and vLLM with the tierkv connector, side by side.
 
     python benchmarks/bench_vllm.py model DIR [--layers 32]        build an 8B-shaped random checkpoint
-    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | lmcache | tierkv | tierkv-sparse
+    python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | lmcache | tierkv |
+                                                                     tierkv-sparse | tierkv-sparse-graphs
     python benchmarks/bench_vllm.py table OUT                       the rows, from OUT/bench-vllm-*.json
 
 One engine per process (run each MODE in its own call of this script). Rows per mode: GPU memory
@@ -48,6 +49,7 @@ def kv_bytes_per_token(layers: int) -> int:
     return 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
 
 
+MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs")
 HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 
@@ -56,13 +58,14 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
-    if mode in ("tierkv", "tierkv-sparse"):  # the hot window: vLLM's pool holds 2048 tokens per request
+    if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs"):  # the hot window: 2048 tokens per request in vLLM's pool
         from tierkv import TieredLLM
 
         config = {**HOT_WINDOW, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
-        if mode == "tierkv-sparse":  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
-            config["scheduler"] = {**config["scheduler"], "policy": "sparse", "sparse_token_budget": 2048}
+        if mode.startswith("tierkv-sparse"):  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
+            config["scheduler"] = {**config["scheduler"], "policy": "sparse", "sparse_token_budget": 2048,
+                                   "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"}
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
         llm = TieredLLM(model_dir, config, backend="vllm", **hot)
         return llm.engine, llm
@@ -248,8 +251,8 @@ def main() -> int:
         build_model(args.rest[0], args.layers)
     elif args.what == "run":
         mode, model_dir, out = args.rest
-        if mode not in ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse"):
-            parser.error(f"MODE: got {mode!r}; one of plain, offloading, lmcache, tierkv, tierkv-sparse")
+        if mode not in MODES:
+            parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend,

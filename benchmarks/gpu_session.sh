@@ -6,6 +6,7 @@
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
+#   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs),
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
 #   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs), vllm-lmcache
 #   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table
@@ -24,6 +25,7 @@ for step in "${steps[@]}"; do
         tests)  timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests.log" | tail -30 ;;
         quant-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -15 ;;
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
+        far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows 1 4 --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
@@ -36,8 +38,8 @@ for step in "${steps[@]}"; do
                 quiet < "$OUT/check-$mode.log" | tail -6
             done
             python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
-        vllm-plain|vllm-tierkv|vllm-sparse|vllm-offloading|vllm-lmcache)
-            mode=${step#vllm-}; [ "$mode" = sparse ] && mode=tierkv-sparse
+        vllm-plain|vllm-tierkv|vllm-sparse|vllm-sparse-graphs|vllm-offloading|vllm-lmcache)
+            mode=${step#vllm-}; case "$mode" in sparse*) mode=tierkv-$mode ;; esac
             timeout 240 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;

@@ -43,10 +43,12 @@ from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_
 HQ = 4  # query heads: GQA group of 2
 
 
-def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0) -> str:
+def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0,
+                 sparse_graphs: bool = False) -> str:
     block_bytes = 2 * H * BS * D * 4
     path = tmp_path / "hot.yaml"
     sparse = ["  policy: sparse", f"  sparse_token_budget: {sparse_tokens}"] if sparse_tokens else []
+    sparse += ["  sparse_cuda_graphs: true"] if sparse_graphs else []
     path.write_text("\n".join([
         "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
@@ -435,10 +437,12 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
         scheduler.shutdown()
 
 
-def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, plant=None, summarize_all=True):
+def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, plant=None, summarize_all=True,
+                  sparse_graphs=False):
     """A store, a sparse FarKV and one request of `num_blocks` saved blocks (keys near zero but for
     the `plant` blocks, whose keys align with +q); returns (far, store, caches, ids, q)."""
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens), env={})
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens,
+                                      sparse_graphs=sparse_graphs), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) * 0.1 for n in NAMES}
     q = torch.randn(1, H, D)
@@ -634,6 +638,36 @@ def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, s
                 want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, 0.3)
                 torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+        far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
+def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
+    """What a CUDA graph captures for a decoding row (sparse_row_body: selection, the copy kernel's
+    inline copy, attention) gives the eager path's (out, lse); on CPU the graphs themselves are
+    off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the eager path alone."""
+    from tierkv.vllm_backend.far_graphs import SparseRowGraphs, sparse_row_body
+
+    window = 2 * BS
+    plant = random.sample(range(1, 38), 3)
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42, plant=plant,
+                                               sparse_graphs=True)
+    try:
+        assert store.config.scheduler.sparse_cuda_graphs
+        assert not SparseRowGraphs.usable(far) and far.graphs is None and far.stats()["cuda_graphs"] is None
+        (row,) = far.begin_step([("r", 42 * BS, 1)])
+        k = far.sparse_blocks
+        staging = torch.zeros(k, *store.layout.shape)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            want_out, want_lse = far.attend(layer, q, 0.3)
+            out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, row.num_far_blocks, staging,
+                                                 torch.arange(k), torch.full((k,), BS), 0.3)
+            assert set(plant) <= set(selected.tolist()) and selected.numel() == k
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
         far.end_step()
     finally:
         far.close()

@@ -43,6 +43,7 @@ without a sync: the cupy kernel skips such pairs and counts them (`count_invalid
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from typing import Sequence, Union
 
@@ -178,6 +179,29 @@ class TransferEngine:
         compute just wrote src. Otherwise the same contract as gather_h2d.
         """
         return self._transfer("d2h", src, src_slots, dst, dst_slots, after)
+
+    def gather_h2d_inline(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
+                          dst_slots: torch.Tensor) -> None:
+        """dst[dst_slots[i]] = src[src_slots[i]] on the current stream, by the copy kernel: no copy
+        stream, event or host wait, so a CUDA graph can capture it. Slot tensors on the engine's
+        device (int64 [n]); a "cpu" engine copies at once. Kernel backends only ("cupy",
+        "adaptive"). Not counted in `num_bytes_moved` (a graph replays it without calling here):
+        the caller counts. The caller keeps the tensors alive until the stream has run the copy.
+        """
+        if self.device.type == "cpu":
+            kernels.copy_slots_torch(src, src_slots, dst, dst_slots)
+            return
+        if self.backend not in ("cupy", "adaptive"):
+            raise RuntimeError(f"gather_h2d_inline needs the copy kernel; this engine uses {self.backend!r}")
+        if not (src_slots.is_cuda and dst_slots.is_cuda):
+            raise ValueError("gather_h2d_inline: src_slots and dst_slots must be on the engine's device")
+        copy = kernels.SlotCopy(
+            src_address=src.data_ptr(), num_src_slots=src.shape[0], dst_address=dst.data_ptr(),
+            num_dst_slots=dst.shape[0], src_slots_address=src_slots.data_ptr(),
+            dst_slots_address=dst_slots.data_ptr(), num_pairs=src_slots.numel(),
+            block_bytes=math.prod(src.shape[1:]) * src.element_size(),
+        )
+        self._cupy_kernel.launch(copy, torch.cuda.current_stream(self.device), self._num_invalid.data_ptr(), self.max_ctas)
 
     def record_compute_event(self) -> torch.cuda.Event | None:
         """A pooled event recorded on the current (compute) stream now; None on a cpu engine.

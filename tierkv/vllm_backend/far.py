@@ -41,6 +41,7 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.vllm_backend.far_graphs import SparseRowGraphs
 from tierkv.vllm_backend.far_summaries import RequestSummaries
 
 
@@ -73,7 +74,7 @@ class _Request:
     # sparse policy only
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
-    previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: the last step's selection
+    previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class FarKV:
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
+        self.graphs = (SparseRowGraphs(self) if scheduler.sparse_cuda_graphs and SparseRowGraphs.usable(self)
+                       else None)
+        self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
@@ -178,6 +182,8 @@ class FarKV:
         req = self.requests.pop(req_id, None)
         if req is None:
             return
+        if self.graphs is not None:
+            self.graphs.forget(req_id)
         for keys in req.pinned_keys:
             self.store.unpin(keys)
         if self.store.keep_saves_pinned:
@@ -328,13 +334,21 @@ class FarKV:
             row = self.rows[i]
             req = self.requests[row.req_id]
             q_row = q[row.q_start : row.q_end]
+            if self.graphs is not None:
+                replayed = self.graphs.attend(row.req_id, req, layer, q_row, row.num_far_blocks, scale)
+                if replayed is not None:
+                    out, lse, ids = replayed
+                    parts.setdefault(i, []).append((out, lse))
+                    self._note_selection(req, layer, ids)
+                    fetched = self.sparse_blocks * self.store.layout.num_bytes
+                    self._graph_bytes += fetched
+                    self.store.io.engine.num_bytes_moved["h2d"] += fetched
+                    self.counts["far_blocks_read"] += self.sparse_blocks
+                    self.counts["sparse_selections"] += 1
+                    continue
             with record_function("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
-                previous = req.previous.get(layer)
-                if previous is not None and self.counts["steps"] % OVERLAP_EVERY == 0:
-                    self._overlap += torch.isin(ids, previous).sum()
-                    self._overlap_of += ids.numel()
-                req.previous[layer] = ids
+                self._note_selection(req, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self.counts["far_blocks_read"] += ids.numel()
             with record_function("tierkv.sparse.fetch_attend"):
@@ -344,6 +358,18 @@ class FarKV:
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
         return parts
+
+    def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
+        """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` the same row
+        and layer selected the step before (that selection kept, as a copy, one step ahead)."""
+        step = self.counts["steps"]
+        if step % OVERLAP_EVERY == 0:
+            previous = req.previous.pop(layer, None)
+            if previous is not None:
+                self._overlap += torch.isin(ids, previous).sum()
+                self._overlap_of += ids.numel()
+        elif (step + 1) % OVERLAP_EVERY == 0:
+            req.previous[layer] = ids.clone()
 
     def end_step(self) -> None:
         self.rows, self._pieces, self._sparse_rows = [], [], []
@@ -357,12 +383,14 @@ class FarKV:
 
         prefetch = self.recorder.snapshot()
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
-                "chunks_streamed": total("num_chunks_streamed"), "bytes_streamed": total("bytes_streamed"),
-                "stalls": total("num_stalls"), "chunks_carried": self.streamer.num_chunks_carried,
+                "chunks_streamed": total("num_chunks_streamed"),
+                "bytes_streamed": total("bytes_streamed") + self._graph_bytes,
+                "stalls": total("num_stalls") + (self.graphs.counts["graph_replays"] if self.graphs else 0), "chunks_carried": self.streamer.num_chunks_carried,
                 "chunks_discarded": self.streamer.num_chunks_discarded,
                 "staging_bytes": sum(s.pool.staging_bytes for s in streamers),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
+                "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 

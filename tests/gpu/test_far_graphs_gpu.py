@@ -1,0 +1,80 @@
+"""GPU: the hot window's sparse decode rows replayed from CUDA graphs equal the eager path, step
+after step, across a recapture (a new far block every block_tokens steps), for two requests at once,
+and the host is never synchronized by a replay. No vLLM needed (tierkv.vllm_backend.far alone)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+
+from tierkv.blocks import BlockLayout  # noqa: E402
+from tierkv.config import load_config  # noqa: E402
+from tierkv.vllm_backend.far import FarKV  # noqa: E402
+from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BS, LAYERS, BLOCKS = 32, 8, 128, 16, 3, 600
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def sparse_far(tmp_path, caches, prompts, graphs: bool):
+    block_bytes = 2 * KV_HEADS * BS * DIM * 2
+    config = load_config({
+        "cache": {"block_tokens": BS, "window_tokens": 4 * BS},
+        "tiers": [{"kind": "cpu", "capacity_bytes": (len(prompts) * BLOCKS * LAYERS + 64) * block_bytes}],
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 1024 * block_bytes, "policy": "sparse",
+                      "sparse_token_budget": 32 * BS, "sparse_cuda_graphs": graphs},
+    }, env={})
+    store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), NAMES, "graphs", "cuda")
+    store.register(caches)
+    far = FarKV(store, 4 * BS)
+    for req, tokens in prompts.items():
+        hashes = store.extend_hashes([], tokens, BLOCKS)
+        far.add_hashes(req, 0, hashes)
+        for name in NAMES:
+            spans = [BlockSpan(req, list(range(BLOCKS)), hashes)]
+            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+    store.poll(wait=True)
+    return store, far
+
+
+def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path):
+    caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
+    prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b")}
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True)
+    assert eager.graphs is None and graphed.graphs is not None and graphed.graphs.enabled
+    try:
+        start = (BLOCKS - 3) * BS - 2  # the far part grows by one block during the steps below
+        previous = None
+        for step in range(2 * BS + 4):
+            rows = [("a", start + step, 1), ("b", start + step - 5, 1)]
+            q = torch.randn(2, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            for far in (eager, graphed):
+                far_rows = far.begin_step(rows)
+            num_far = [r.num_far_blocks for r in far_rows]
+            replay_only, previous = num_far == previous, num_far  # no capture this step
+            for layer in range(LAYERS):
+                want_out, want_lse = eager.attend(layer, q, DIM ** -0.5)
+                if replay_only and graphed.counts["steps"] % 8 != 0:  # replays must not wait for the GPU
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out, lse = graphed.attend(layer, q, DIM ** -0.5)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+            for far in (eager, graphed):
+                far.end_step()
+        counts = graphed.stats()["cuda_graphs"]
+        assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * (2 * BS + 4)
+        assert 2 * LAYERS * 2 <= counts["graph_captures"] <= 2 * LAYERS * 4  # one more per row and layer per new far block
+    finally:
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.close()
+            store.close()
