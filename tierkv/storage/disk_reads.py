@@ -18,11 +18,11 @@ Runs the page cache holds (cachestat says so; where the kernel cannot tell, RWF_
 copied about a MiB at a time, each block checked while its bytes are still in the CPU cache, the
 runs spread over the I/O threads. The rest comes from the device (O_DIRECT) on the calling
 thread, piece after piece, while an I/O thread checks the piece before (XXH3-64 and CRC-32 release
-the GIL); the pieces halve towards the end of the batch, so that little is left to check after
-the last read, and that little is shared:
+the GIL). Pieces are 16 MiB at most; the last two split what is left 3:1, so that the device
+stays busy while the larger is checked and little is left to check after the last read:
 
-    calling thread:  | read piece 0 (8 MiB) | read 1 (4 MiB) | read 2 (4 MiB) | check half of 2 |
-    I/O thread:                             | check 0 |      | check 1 |      | check half of 2 |
+    calling thread:  | read piece 0 (12 MiB)        | read 1 (4 MiB) | check 1 |
+    I/O thread:                                     | check 0      |
 
 Checking after the whole batch was read left the device idle during the checks.
 """
@@ -42,7 +42,7 @@ from tierkv.storage.disk_buffers import ReadBufferPool
 
 _CHUNK_BYTES = 1 << 20  # copied from the page cache, then checked, at a time: stays in the CPU cache
 _MAX_PIECE_BYTES = 16 << 20  # read from the device at a time
-_MIN_PIECE_BYTES = 4 << 20  # the last pieces of a batch halve down to this
+_MIN_PIECE_BYTES = 4 << 20  # smaller device reads run slower
 _UNCACHED = "not in the page cache"  # a slot to read from the device (never returned)
 
 Spread = Callable[[Callable[[list], list], list], list]  # fn over parts of a list on the I/O threads
@@ -138,7 +138,7 @@ class BatchReader:
         self, batch: _Batch, files: _OpenSegments, runs: list[tuple[int, int]], checker: Executor | None
     ) -> list[tuple[int, str | None]]:  # fmt: skip
         """Read the runs piece by piece on this thread while the checker checks the piece before;
-        the last piece is checked half there, half here (all here without a checker)."""
+        the last piece is checked here (every piece without a checker)."""
         results, futures = [], []
         remaining = sum(batch.disk_bytes(first, end) for first, end in runs)
         try:
@@ -147,7 +147,7 @@ class BatchReader:
                 fd, direct_fd = files.fd(segment_id), files.direct_fd(segment_id)
                 start = first
                 while start < end:
-                    piece_bytes = min(_MAX_PIECE_BYTES, max(_MIN_PIECE_BYTES, remaining // 2))
+                    piece_bytes = min(_MAX_PIECE_BYTES, max(_MIN_PIECE_BYTES, remaining * 3 // 4))
                     stop = min(end, start + -(-piece_bytes // batch.slot_bytes))
                     remaining -= batch.disk_bytes(start, stop)
                     offset = batch.entries[start].offset
@@ -157,15 +157,10 @@ class BatchReader:
                         results += [(p, f"read failed: {exc}") for p in range(start, end)]
                         remaining -= batch.disk_bytes(stop, end)
                         break
-                    if checker is None:
-                        middle = start  # all checked here
-                    elif remaining == 0:
-                        middle = (start + stop) // 2  # the last piece: half there, half here
+                    if checker is None or remaining == 0:
+                        results += self._check_slots(batch, start, stop, read_end)
                     else:
-                        middle = stop  # all checked there, behind the next read
-                    if middle > start:
-                        futures.append(checker.submit(self._check_slots, batch, start, middle, read_end))
-                    results += self._check_slots(batch, middle, stop, read_end)
+                        futures.append(checker.submit(self._check_slots, batch, start, stop, read_end))
                     start = stop
         finally:
             wait(futures)  # no check reads the slab once this returns
