@@ -46,8 +46,19 @@ def keys_on_disk(root: Path) -> list[str]:
 
 
 def torn_bytes(root: Path) -> int:
-    """Bytes after the last whole record of each segment (a torn tail)."""
-    return sum(size - end for _, _, end, size in scan(root))
+    """Bytes of data after the last whole record of each segment (a torn tail); holes punched over
+    removed records there do not count."""
+    torn = 0
+    for path, _, end, size in scan(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data_start = os.lseek(fd, end, os.SEEK_DATA) if end < size else size
+        except OSError:  # ENXIO: nothing but holes after the last record
+            data_start = size
+        finally:
+            os.close(fd)
+        torn += size - data_start
+    return torn
 
 
 def record_of(tier: DiskTier, key: str) -> tuple[Path, int, int]:
