@@ -67,6 +67,15 @@ def dense(q: torch.Tensor, blocks: torch.Tensor, scale: float) -> tuple[torch.Te
     return torch.einsum("nhk,khd->nhd", torch.softmax(scores, dim=-1), v), lse
 
 
+def assert_rows_equal_dense(out, lse, rows, q, read, cache, ids, scale) -> None:
+    """Each row's far (out, lse) equals dense attention over its far blocks (`read(cache, block ids)`)."""
+    for row in rows:
+        blocks = read(cache, torch.tensor(ids[row.req_id][: row.num_far_blocks]))
+        want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, scale)
+        torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("staging_blocks", [4, 6, 400])
 def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_path, staging_blocks):
     """Two requests (one decoding, one in a prefill chunk) whose far blocks straddle staging chunks:
@@ -176,11 +185,7 @@ def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_
             assert sum(nk for _, nk in calls) == prefill.num_far_blocks * BS          # every far key once
             region, first = far.pool.region_blocks, rows[0].num_far_blocks
             assert len(calls) == -(-(first + prefill.num_far_blocks) // region) - first // region  # one per chunk it spans
-            for row in rows:
-                blocks = store.paged.read(caches[name], torch.tensor(ids[row.req_id][: row.num_far_blocks]))
-                want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, 0.3)
-                torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+            assert_rows_equal_dense(out, lse, rows, q, store.paged.read, caches[name], ids, 0.3)
         far.end_step()
     finally:
         far.close()
@@ -633,11 +638,7 @@ def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, s
             layer = store.layer_index[name]
             far.prefetch(layer)
             out, lse = far.attend(layer, q, 0.3)
-            for row in rows:
-                blocks = store.paged.read(caches[name], torch.tensor(ids[row.req_id][: row.num_far_blocks]))
-                want_out, want_lse = dense(q[row.q_start : row.q_end], blocks, 0.3)
-                torch.testing.assert_close(out[row.q_start : row.q_end].double(), want_out, rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(lse[row.q_start : row.q_end].double(), want_lse, rtol=1e-5, atol=1e-5)
+            assert_rows_equal_dense(out, lse, rows, q, store.paged.read, caches[name], ids, 0.3)
         far.end_step()
     finally:
         far.close()
