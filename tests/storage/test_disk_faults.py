@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import threading
@@ -152,7 +153,7 @@ def test_failed_append_is_cut_away_and_old_value_stays(layout, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("torn_at", ["header", "payload", "last_byte"])
-def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, monkeypatch, torn_at):
+def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, monkeypatch, torn_at, caplog):
     """The crash equivalent of dying between write and rename: a torn record at the tail of a segment."""
     key = key_of(1)
     old, new = make_block(layout, 1), make_block(layout, 2)
@@ -173,7 +174,9 @@ def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, m
     monkeypatch.setattr(os, "pwritev", real_pwritev)
     assert torn_bytes(tmp_path) == num_bytes[torn_at]
 
-    restarted = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)  # the old process is gone
+    with caplog.at_level(logging.WARNING, logger="tierkv.storage.disk"):
+        restarted = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path)  # the old process is gone
+    assert f"dropping {num_bytes[torn_at]} bytes after the last whole record" in caplog.text
     assert torn_bytes(tmp_path) == 0  # the torn tail was cut off
     assert torch.equal(restarted.get(key), old)
     assert torch.equal(restarted.get(key_of(2)), make_block(layout, 3))
@@ -393,3 +396,18 @@ def test_two_live_tiers_on_one_path_each_write_their_own_segments(layout, tmp_pa
         assert a.put(key_of(1), make_block(layout, 1)).ok and b.put(key_of(2), make_block(layout, 2)).ok
         assert torch.equal(a.get(key_of(1)), make_block(layout, 1)) and torch.equal(b.get(key_of(2)), make_block(layout, 2))
     assert sorted(keys_on_disk(tmp_path)) == [key_of(1), key_of(2)]
+
+
+def test_removed_records_at_a_segment_tail_are_trimmed_on_restart_without_a_warning(layout, tmp_path, caplog):
+    """Removing the newest records punches holes at the segment's tail; a restart trims them quietly
+    (a warning there would say data was dropped) and keeps the rest."""
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        assert all(r.ok for r in tier.put_many([key_of(i) for i in range(4)], [make_block(layout, i) for i in range(4)]))
+        assert tier.remove_many([key_of(2), key_of(3)]) == [True, True]
+    with caplog.at_level(logging.DEBUG, logger="tierkv.storage.disk"):
+        with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+            assert tier.contains_many([key_of(i) for i in range(4)]) == [True, True, False, False]
+            assert torch.equal(tier.get(key_of(1)), make_block(layout, 1))
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, [r.getMessage() for r in warnings]
+    assert any("trimming" in r.getMessage() and "punched holes" in r.getMessage() for r in caplog.records)

@@ -455,7 +455,11 @@ class DiskTier(StorageTier):
             size = os.fstat(fd).st_size
             records, end, is_partly_unreadable = seg.scan_segment(fd, size)
             if end < size:
-                logger.warning("%s: %s: dropping %d bytes after the last whole record", self.name, path, size - end)
+                if _holds_data(fd, end, size):
+                    logger.warning("%s: %s: dropping %d bytes after the last whole record (a torn write, or removed "
+                                   "records whose headers were zeroed)", self.name, path, size - end)
+                else:  # nothing but the holes punched over removed records
+                    logger.debug("%s: %s: trimming %d bytes of punched holes", self.name, path, size - end)
                 os.ftruncate(fd, end)
         finally:
             os.close(fd)
@@ -533,6 +537,17 @@ def _bytes_of(block: torch.Tensor) -> memoryview:
     array = (ctypes.c_char * (block.numel() * block.element_size())).from_address(block.data_ptr())
     array.tensor = block
     return memoryview(array).cast("B")
+
+
+def _holds_data(fd: int, start: int, end: int) -> bool:
+    """Whether bytes [start, end) of the file hold data, not only holes (True where the
+    filesystem cannot tell)."""
+    try:
+        return os.lseek(fd, start, os.SEEK_DATA) < end
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no data at or after start
+            return False
+        return True
 
 
 def _is_segment_stem(stem: str) -> bool:
