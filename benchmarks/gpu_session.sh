@@ -3,13 +3,16 @@
 #   BENCH_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh [tests] [quant] [sparse] [sparse-tests] [exact]
 #   sparse: SPARSE_PREDICTOR=previous|none|query picks the predictor, SPARSE_ARGS adds bench_sparse.py flags
 #   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
+#   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed)
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
 #   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs),
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
 #   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs), vllm-lmcache
-#   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table
+#   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table; vllm-batch-plain,
+#   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-table (bench_vllm_batch.py: the largest batch
+#   of 128k requests at a fixed GPU memory for KV and its decode tokens/s; BATCH_ARGS adds flags)
 set -uo pipefail
 OUT="${OUT:-/tmp/tierkv-gpu-out}"
 mkdir -p "$OUT"
@@ -44,6 +47,12 @@ for step in "${steps[@]}"; do
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
         vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+        vllm-batch-plain|vllm-batch-sparse|vllm-batch-sparse-graphs)
+            mode=${step#vllm-batch-}; [ "$mode" = plain ] || mode=tierkv-$mode
+            timeout 400 python3 benchmarks/bench_vllm_batch.py run $mode /tmp/m8 "$OUT/bb" ${BATCH_ARGS:-} \
+                > "$OUT/batch-$mode.log" 2>&1
+            grep "^{" "$OUT/batch-$mode.log" | cut -c1-300 ;;
+        vllm-batch-table) python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     rc=$?

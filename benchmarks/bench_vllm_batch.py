@@ -1,0 +1,151 @@
+"""vLLM at a fixed GPU memory for KV: the largest batch of 128k requests and its aggregate decode tokens/s.
+
+    python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens 16]
+    python benchmarks/bench_vllm_batch.py table OUT
+    MODE: plain | tierkv-sparse | tierkv-sparse-graphs     (DIR: the model of bench_vllm.py model)
+
+Issue 4's batch target (sparse mode at least 3x all-in-GPU's aggregate tokens/s at the same GPU
+memory for KV). One engine per process. Plain vLLM gets a KV pool of exactly `--kv-gib`
+(`kv_cache_memory_bytes`) and runs as many 131008-token requests as that pool holds at once.
+tierkv's hot window with the sparse policy gets the same GPU memory (vLLM's pool for the windows,
+staging, and the key summaries of every request); its far KV lives in the pinned CPU tier, so its batch is bounded by host memory:
+by default the requests 70% of this machine's RAM holds. All requests are added at once, the
+engine is stepped to the end; rows: requests, GPU bytes for KV (tierkv: pool + staging + key
+summaries, measured while the requests run), time until every request has its first token, and
+decode tokens/s over the steps after that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_vllm import HOT_WINDOW, kv_bytes_per_token  # noqa: E402
+from benchmarks.models import LLAMA_8B  # noqa: E402
+
+MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
+CONTEXT = 131072 - 64
+
+
+def host_requests(per_request_bytes: int) -> int:
+    """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, int(0.7 * ram) // per_request_bytes)
+
+
+def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int):
+    common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False, enforce_eager=True,
+                  skip_tokenizer_init=True, max_num_seqs=max(requests, 1))
+    if mode == "plain":
+        from vllm import LLM
+
+        return LLM(model=model_dir, kv_cache_memory_bytes=kv_bytes, attention_config={"backend": "FLASH_ATTN"},
+                   **common), None
+    from tierkv import TieredLLM
+
+    per_request = kv_bytes_per_token(layers) * 131072
+    # the key summaries (key min and max per block, KV head and layer) sit on the GPU beside the
+    # budget: the budget shrinks by them, so pool + staging + summaries stay within kv_bytes
+    summaries = 2 * 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 131072 // HOT_WINDOW["cache"]["block_tokens"]
+    config = {"cache": {**HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes - requests * summaries},
+              "scheduler": {**HOT_WINDOW["scheduler"], "policy": "sparse", "sparse_token_budget": 2048,
+                            "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"},
+              "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30)}]}
+    common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
+    tiered = TieredLLM(model_dir, config, backend="vllm", **common)
+    return tiered.engine, tiered
+
+
+def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int, layers: int) -> None:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kv_bytes = int(kv_gib * 2**30)
+    per_request = kv_bytes_per_token(layers) * (CONTEXT + new_tokens)
+    if mode == "plain":
+        requests = requests or kv_bytes // per_request  # what the pool holds at once
+    else:
+        requests = requests or host_requests(per_request)
+    llm, tiered = engine(mode, model_dir, kv_bytes, requests, layers)
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
+    rng = random.Random(0)
+    warm = [rng.randrange(3, 128000) for _ in range(24576)]
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    engine_ = llm.llm_engine
+    start = time.perf_counter()
+    for r in range(requests):
+        engine_.add_request(f"batch-{r}", {"prompt_token_ids": [rng.randrange(3, 128000) for _ in range(CONTEXT)]},
+                            params)
+    counts: dict[str, int] = {}
+    all_first_at, decode_tokens, summary_bytes, steps = None, 0, 0, 0
+    while engine_.has_unfinished_requests():
+        outputs = engine_.step()
+        steps += 1
+        new = 0
+        for output in outputs:
+            n = len(output.outputs[0].token_ids)
+            new += n - counts.get(output.request_id, 0)
+            counts[output.request_id] = n
+        if all_first_at is not None:
+            decode_tokens += new
+        elif len(counts) == requests and all(n >= 1 for n in counts.values()):
+            all_first_at = time.perf_counter()
+            if tiered is not None:  # every request alive: its key summaries are on the GPU now
+                summary_bytes = tiered.stats().get("hot_window", {}).get("summary_bytes", 0)
+    end = time.perf_counter()
+    staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
+    row = {"mode": mode, "requests": requests, "context": CONTEXT, "new_tokens": new_tokens, "kv_gib": kv_gib,
+           "gpu_kv_bytes": pool_bytes + staging + summary_bytes, "vllm_pool_bytes": pool_bytes,
+           "tierkv_staging_bytes": staging, "summary_bytes": summary_bytes, "steps": steps,
+           "all_first_token_s": all_first_at - start if all_first_at else float("nan"),
+           "decode_tokens": decode_tokens,
+           "decode_tokens_per_s": decode_tokens / (end - all_first_at) if all_first_at and end > all_first_at else 0.0,
+           "connector": tiered.stats() if tiered is not None else None}
+    path = Path(out) / f"bench-vllm-batch-{mode}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row, indent=1, default=str))
+    print(json.dumps({k: v for k, v in row.items() if k != "connector"}))
+
+
+def table(out: str) -> None:
+    rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-batch-*.json")))}
+    plain = rows.get("plain")
+    print(f"{'mode':<21} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'decode tok/s':>12} {'x plain':>7}")
+    for mode, r in rows.items():
+        ratio = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"] if plain and plain["decode_tokens_per_s"] else float("nan")
+        print(f"{mode:<21} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
+              f"{r['decode_tokens_per_s']:>12.1f} {ratio:>7.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["run", "table"])
+    parser.add_argument("rest", nargs="*")
+    parser.add_argument("--kv-gib", type=float, default=60.0, help="GPU memory for KV, both engines")
+    parser.add_argument("--requests", type=int, default=None, help="default: what the pool (plain) or host RAM (tierkv) holds")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=32)
+    args = parser.parse_args()
+    if args.what == "table":
+        table(args.rest[0])
+        return 0
+    mode, model_dir, out = args.rest
+    if mode not in MODES:
+        parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
