@@ -1,6 +1,7 @@
 """GPU: the hot window's sparse decode rows replayed from CUDA graphs equal the eager path, step
-after step, across a recapture (a new far block every block_tokens steps), for two requests at once,
-and the host is never synchronized by a replay. No vLLM needed (tierkv.vllm_backend.far alone)."""
+after step, while the far part grows (a new far block every block_tokens steps) and across a
+recapture, for two requests at once, and the host is never synchronized by a replay. No vLLM
+needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
 
 import random
@@ -73,7 +74,9 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path):
                 far.end_step()
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * (2 * BS + 4)
-        assert 2 * LAYERS * 2 <= counts["graph_captures"] <= 2 * LAYERS * 4  # one more per row and layer per new far block
+        # a capture at first use, another when the pinned-slot buffer doubles as the far part first grows;
+        # later growth replays the same graph with a larger far count
+        assert 2 * LAYERS <= counts["graph_captures"] <= 2 * LAYERS * 2
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()

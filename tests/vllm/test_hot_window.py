@@ -664,8 +664,8 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
         for name in NAMES:
             layer = store.layer_index[name]
             want_out, want_lse = far.attend(layer, q, 0.3)
-            out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, row.num_far_blocks, staging,
-                                                 torch.arange(k), torch.full((k,), BS), 0.3)
+            out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
+                                                 staging, torch.arange(k), torch.full((k,), BS), 0.3)
             assert set(plant) <= set(selected.tolist()) and selected.numel() == k
             torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
@@ -673,3 +673,33 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
     finally:
         far.close()
         store.close()
+
+
+def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
+    """Sparse rows read the far blocks' CPU-tier slots from a device buffer that doubles when full
+    (so a CUDA graph's baked-in address rarely moves): after the far part grows step by step, its
+    first entries equal the host's pinned slots."""
+    from tierkv.vllm_backend.far import _append_at
+
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=60)
+    try:
+        addresses = set()
+        for n in range(10 * BS, 60 * BS, 7 * BS):
+            (row,) = far.begin_step([("r", n, 1)])
+            far.end_step()
+            req = far.requests["r"]
+            for layer in range(LAYERS):
+                host = req.pinned_slots[layer]
+                assert host.numel() == row.num_far_blocks
+                assert torch.equal(req.pinned_slots_dev[layer][: host.numel()], host)
+            addresses.add(req.pinned_slots_dev[0].data_ptr())
+        assert len(addresses) == 1  # within the first buffer's 256 entries
+    finally:
+        far.close()
+        store.close()
+    buffer = _append_at(torch.empty(0, dtype=torch.int64), 0, torch.arange(300))
+    assert buffer.numel() == 300
+    grown = _append_at(buffer, 300, torch.arange(300, 310))
+    assert grown.numel() == 600 and torch.equal(grown[:310], torch.arange(310))
+    assert _append_at(grown, 310, torch.arange(5)).data_ptr() == grown.data_ptr()  # room left: in place

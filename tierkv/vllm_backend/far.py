@@ -54,6 +54,18 @@ def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
     return max(0, (num_computed - window_tokens + 1) // block_tokens)
 
 
+def _append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
+    """buffer[start : start + n] = values (n = values.numel()), in a new buffer of twice the size when
+    it is too small; returns the buffer."""
+    end = start + values.numel()
+    if end > buffer.numel():
+        grown = torch.empty(max(end, 2 * buffer.numel(), 256), dtype=buffer.dtype, device=buffer.device)
+        grown[:start] = buffer[:start]
+        buffer = grown
+    buffer[start:end] = values
+    return buffer
+
+
 @dataclass(frozen=True)
 class FarRow:
     """One request of a step, in the step's token order."""
@@ -72,7 +84,8 @@ class _Request:
     pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
     pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
     # sparse policy only
-    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device
+    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device, in a
+    #   buffer grown by doubling (entries past the pinned count unused): its address rarely moves
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
 
@@ -222,7 +235,8 @@ class FarKV:
             new = torch.tensor(slots, dtype=torch.int64)
             req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
             if self.sparse_blocks is not None:
-                req.pinned_slots_dev[layer] = torch.cat([req.pinned_slots_dev[layer], to_device_no_sync(new, self.store.device)])
+                req.pinned_slots_dev[layer] = _append_at(req.pinned_slots_dev[layer], first,
+                                                         to_device_no_sync(new, self.store.device))
         self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
 
     # -- steps ------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-0
 against about 0.25 ms of GPU work. A graph per (request, layer) turns that into one copy of the
 query and one replay:
 
-    captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)] over blocks [0, num_far)   (sparse.py)
+    captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked  (sparse.py)
                ids = sorted top-k of the bound      slots = the layer's pinned CPU-tier slots[ids]
                copy kernel: CPU tier[slots] -> staging[graph slots], on the compute stream
                (out, lse) = attention of q over those staging slots
 
-A graph is captured again when what it baked in moves: num_far (every block_tokens decode
-steps), the layer's summary table or its pinned-slot table (both grow by reallocation). Rows it
+The far count is an input of the graph (the bound runs over the whole summary table, blocks
+past the count masked), so a growing far part replays the same graph; it is captured again only
+when the layer's summary table or its pinned-slot buffer is reallocated (both double). Rows it
 cannot serve go the eager way (`FarKV.attend_parts`): far blocks without a summary, a selection
 larger than the staging region, engines without the copy kernel, a quantized CPU tier, CPU. A
 capture that fails turns the graphs off for the engine's life (logged, counted); the eager path
@@ -33,12 +34,13 @@ from tierkv.attention import paged_partial_attention
 logger = logging.getLogger(__name__)
 
 
-def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: int, staging: torch.Tensor,
+def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, staging: torch.Tensor,
                     staging_slots: torch.Tensor, block_tokens: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sparse decode row of `layer`, device work only: (out [1, H, D], lse [1, H], ids [k]).
-    q [1, H, D]; staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks)."""
-    ids = req.summaries.select(layer, q[0], num_far, far.sparse_blocks)
+    q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than k); staging_slots,
+    block_tokens: int64 [k] on the device (k = far.sparse_blocks)."""
+    ids = req.summaries.select_masked(layer, q[0], num_far, far.sparse_blocks)
     slots = req.pinned_slots_dev[layer].index_select(0, ids)
     far.store.io.engine.gather_h2d_inline(far.store.cpu.slab, slots, staging, staging_slots)
     out, lse = paged_partial_attention(q, staging, staging_slots, ids * far.block_tokens, block_tokens, scale=scale)
@@ -47,9 +49,10 @@ def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: int, staging
 
 @dataclass
 class _Graph:
-    key: tuple              # what it baked in: (num_far, summary table address, pinned-slot table address)
+    key: tuple              # what it baked in: the summary table and pinned-slot buffer (address, size), scale
     graph: torch.cuda.CUDAGraph
-    q: torch.Tensor         # static input [1, H, D]
+    q: torch.Tensor         # static inputs: the query [1, H, D] and the far count (int64 0-d)
+    num_far: torch.Tensor
     out: torch.Tensor       # static outputs, valid until the next replay
     lse: torch.Tensor
     ids: torch.Tensor
@@ -86,7 +89,8 @@ class SparseRowGraphs:
         if (not self.enabled or summaries is None or num_far > summaries.prefix[layer]
                 or num_far <= self.far.sparse_blocks):
             return None
-        key = (num_far, summaries.summaries.tables[layer].data_ptr(), req.pinned_slots_dev[layer].data_ptr(), scale)
+        table, slots = summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
+        key = (table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), scale)
         entry = self.graphs.get((req_id, layer))
         if entry is None or entry.key != key:
             entry = self._capture(req, layer, q_row, num_far, key, scale)
@@ -94,15 +98,17 @@ class SparseRowGraphs:
                 return None
             self.graphs[(req_id, layer)] = entry
         entry.q.copy_(q_row)
+        entry.num_far.fill_(num_far)
         entry.graph.replay()
         self.counts["graph_replays"] += 1
         return entry.out, entry.lse, entry.ids
 
     def _capture(self, req, layer: int, q_row: torch.Tensor, num_far: int, key: tuple, scale: float) -> _Graph | None:
         q = q_row.clone()
+        far_count = torch.full((), num_far, dtype=torch.int64, device=q.device)
 
         def body():
-            return sparse_row_body(self.far, req, layer, q, num_far, self.staging, self.staging_slots,
+            return sparse_row_body(self.far, req, layer, q, far_count, self.staging, self.staging_slots,
                                    self.block_tokens, scale)
 
         current, side = torch.cuda.current_stream(), self.side_stream
@@ -127,7 +133,7 @@ class SparseRowGraphs:
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, out, lse, ids)
+        return _Graph(key, graph, q, far_count, out, lse, ids)
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's graphs."""

@@ -67,6 +67,16 @@ class RequestSummaries:
             chosen = torch.cat([chosen, to_device_no_sync(missing.tolist(), q.device)])
         return torch.sort(chosen).values
 
+    def select_masked(self, layer: int, q: torch.Tensor, num_far: torch.Tensor, k: int) -> torch.Tensor:
+        """`select` for a row whose far blocks all have a summary and number more than k, with the
+        far count a device scalar (int64, 0-d) and the bound taken over the whole table, blocks at
+        or past the count masked out: the shapes stay fixed while the count grows, so a CUDA graph
+        replays it until the table is reallocated."""
+        rows = self.summaries.tables[layer].shape[0]
+        scores = self.summaries.upper_bounds(layer, q, range(rows))
+        scores = torch.where(torch.arange(rows, device=q.device) < num_far, scores, float("-inf"))
+        return torch.sort(torch.topk(scores, k).indices).values
+
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.summaries.tables)
