@@ -117,7 +117,7 @@ class SparseRowGraphs:
             with torch.cuda.stream(side):
                 body()  # first run outside the capture: kernels built, workspaces set
                 # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
-                # allocator's cache on entry: a capture happens every block_tokens steps per layer
+                # allocator's cache on entry: captures recur while a long request's tables grow
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
