@@ -205,12 +205,13 @@ class LookaheadStreamer:
             self.wait_for_chunk(handle, layer, is_late=True, host_wait_s=time.perf_counter() - start_s)
             positions = (start_pos[start : start + count] if isinstance(start_pos, torch.Tensor)
                          else to_device_no_sync(start_pos[start : start + count], device))
-            yield StagedChunk(self._region_slots[region][:count], positions, self._full_blocks(block_tokens)[:count])
+            yield StagedChunk(self._region_slots[region][:count], positions, self.full_blocks(block_tokens)[:count])
             self.engine.release_event(self._region_free_event[region])
             self._region_free_event[region] = self.engine.record_compute_event()
 
-    def _full_blocks(self, block_tokens: int) -> torch.Tensor:
-        """int64 [region_blocks] of `block_tokens` on the device, made once (read-only)."""
+    def full_blocks(self, block_tokens: int) -> torch.Tensor:
+        """int64 [region_blocks] of `block_tokens` on the device (the token counts of full blocks),
+        made once; read-only."""
         if self._full_blocks_cached is None or self._full_blocks_cached[1] != block_tokens:
             tokens = torch.full((self.pool.region_blocks,), block_tokens, dtype=torch.int64, device=self.pool.staging.device)
             self._full_blocks_cached = (tokens, block_tokens)

@@ -195,11 +195,19 @@ class TransferEngine:
             raise RuntimeError(f"gather_h2d_inline needs the copy kernel; this engine uses {self.backend!r}")
         if not (src_slots.is_cuda and dst_slots.is_cuda):
             raise ValueError("gather_h2d_inline: src_slots and dst_slots must be on the engine's device")
+        self._launch_kernel(src, src_slots, dst, dst_slots, math.prod(src.shape[1:]) * src.element_size())
+
+    def _launch_kernel(self, src, src_slots, dst, dst_slots, block_bytes: int) -> None:
+        """The copy kernel on the current stream; slot tensors on the device."""
         copy = kernels.SlotCopy(
-            src_address=src.data_ptr(), num_src_slots=src.shape[0], dst_address=dst.data_ptr(),
-            num_dst_slots=dst.shape[0], src_slots_address=src_slots.data_ptr(),
-            dst_slots_address=dst_slots.data_ptr(), num_pairs=src_slots.numel(),
-            block_bytes=math.prod(src.shape[1:]) * src.element_size(),
+            src_address=src.data_ptr(),
+            num_src_slots=src.shape[0],
+            dst_address=dst.data_ptr(),
+            num_dst_slots=dst.shape[0],
+            src_slots_address=src_slots.data_ptr(),
+            dst_slots_address=dst_slots.data_ptr(),
+            num_pairs=src_slots.numel(),
+            block_bytes=block_bytes,
         )
         self._cupy_kernel.launch(copy, torch.cuda.current_stream(self.device), self._num_invalid.data_ptr(), self.max_ctas)
 
@@ -280,18 +288,7 @@ class TransferEngine:
             return ()
         src_slots, dst_slots = self._slots_on_device(src_slots, dst_slots)
         if self.backend in ("cupy", "adaptive"):
-            copy = kernels.SlotCopy(
-                src_address=src.data_ptr(),
-                num_src_slots=src.shape[0],
-                dst_address=dst.data_ptr(),
-                num_dst_slots=dst.shape[0],
-                src_slots_address=src_slots.data_ptr(),
-                dst_slots_address=dst_slots.data_ptr(),
-                num_pairs=src_slots.numel(),
-                block_bytes=block_bytes,
-            )
-            stream = torch.cuda.current_stream(self.device)
-            self._cupy_kernel.launch(copy, stream, self._num_invalid.data_ptr(), self.max_ctas)
+            self._launch_kernel(src, src_slots, dst, dst_slots, block_bytes)
         else:  # torch_uva
             host_is_src = direction == "h2d"
             src_rows = self._rows(src, block_bytes, is_host=host_is_src)

@@ -392,14 +392,16 @@ class FarKV:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
         streamers = [self.streamer] + ([self.sparse_streamer] if self.sparse_streamer is not None else [])
+
         def total(counter: str) -> int:
             return sum(getattr(s, counter) for s in streamers)
 
         prefetch = self.recorder.snapshot()
+        replays = self.graphs.counts["graph_replays"] if self.graphs is not None else 0  # each a fetch at selection
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
                 "chunks_streamed": total("num_chunks_streamed"),
                 "bytes_streamed": total("bytes_streamed") + self._graph_bytes,
-                "stalls": total("num_stalls") + (self.graphs.counts["graph_replays"] if self.graphs else 0), "chunks_carried": self.streamer.num_chunks_carried,
+                "stalls": total("num_stalls") + replays, "chunks_carried": self.streamer.num_chunks_carried,
                 "chunks_discarded": self.streamer.num_chunks_discarded,
                 "staging_bytes": sum(s.pool.staging_bytes for s in streamers),
                 "policy": "sparse" if self.sparse_blocks else "exact",

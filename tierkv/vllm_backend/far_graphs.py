@@ -68,7 +68,7 @@ class SparseRowGraphs:
         region = streamer.pool.region_slots(0)
         self.staging_slots = (torch.arange(region.start, region.start + k, device=self.staging.device)
                               if len(region) >= k else None)  # a selection must fit one region
-        self.block_tokens = torch.full((k,), far.block_tokens, dtype=torch.int64, device=self.staging.device)
+        self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
         self.graphs: dict[tuple[str, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
