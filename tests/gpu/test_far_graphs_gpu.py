@@ -1,6 +1,7 @@
 """GPU: the hot window's sparse decode rows replayed from CUDA graphs equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps) and across a
-recapture, for two requests at once, and the host is never synchronized by a replay. No vLLM
+recapture, for two requests at once, then for a new request once both finished (every graph freed),
+and the host is never synchronized by a replay. No vLLM
 needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
 
@@ -35,13 +36,43 @@ def sparse_far(tmp_path, caches, prompts, graphs: bool):
     store.register(caches)
     far = FarKV(store, 4 * BS)
     for req, tokens in prompts.items():
-        hashes = store.extend_hashes([], tokens, BLOCKS)
-        far.add_hashes(req, 0, hashes)
-        for name in NAMES:
-            spans = [BlockSpan(req, list(range(BLOCKS)), hashes)]
-            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
-    store.poll(wait=True)
+        add_request(store, far, caches, req, tokens)
     return store, far
+
+
+def add_request(store, far, caches, req, tokens):
+    """A request whose BLOCKS blocks per layer were computed (saved and summarized) from `caches`."""
+    hashes = store.extend_hashes([], tokens, BLOCKS)
+    far.add_hashes(req, 0, hashes)
+    for name in NAMES:
+        spans = [BlockSpan(req, list(range(BLOCKS)), hashes)]
+        far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+    store.poll(wait=True)
+
+
+def compare_steps(eager, graphed, requests: dict[str, int], steps: int):
+    """`steps` decode steps of `requests` (id: position of its first step's token), each layer's
+    far attention by graphs equal to the eager path's; replays with no capture never wait for the GPU."""
+    previous = None
+    for step in range(steps):
+        rows = [(req, first + step, 1) for req, first in requests.items()]
+        q = torch.randn(len(rows), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        for far in (eager, graphed):
+            far_rows = far.begin_step(rows)
+        num_far = [r.num_far_blocks for r in far_rows]
+        replay_only, previous = num_far == previous, num_far  # no capture this step
+        for layer in range(LAYERS):
+            want_out, want_lse = eager.attend(layer, q, DIM ** -0.5)
+            if replay_only and graphed.counts["steps"] % 8 != 0:  # replays must not wait for the GPU
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, lse = graphed.attend(layer, q, DIM ** -0.5)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+        for far in (eager, graphed):
+            far.end_step()
 
 
 def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path):
@@ -52,31 +83,24 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path):
     assert eager.graphs is None and graphed.graphs is not None and graphed.graphs.enabled
     try:
         start = (BLOCKS - 3) * BS - 2  # the far part grows by one block during the steps below
-        previous = None
-        for step in range(2 * BS + 4):
-            rows = [("a", start + step, 1), ("b", start + step - 5, 1)]
-            q = torch.randn(2, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-            for far in (eager, graphed):
-                far_rows = far.begin_step(rows)
-            num_far = [r.num_far_blocks for r in far_rows]
-            replay_only, previous = num_far == previous, num_far  # no capture this step
-            for layer in range(LAYERS):
-                want_out, want_lse = eager.attend(layer, q, DIM ** -0.5)
-                if replay_only and graphed.counts["steps"] % 8 != 0:  # replays must not wait for the GPU
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out, lse = graphed.attend(layer, q, DIM ** -0.5)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
-            for far in (eager, graphed):
-                far.end_step()
+        steps = 2 * BS + 4
+        compare_steps(eager, graphed, {"a": start, "b": start - 5}, steps)
         counts = graphed.stats()["cuda_graphs"]
-        assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * (2 * BS + 4)
+        assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * steps
         # a capture at first use, another when the pinned-slot buffer doubles as the far part first grows;
         # later growth replays the same graph with a larger far count
         assert 2 * LAYERS <= counts["graph_captures"] <= 2 * LAYERS * 2
+        # both requests finish (every graph freed), a new one captures and replays again
+        for far in (eager, graphed):
+            far.finish("a")
+            far.finish("b")
+        assert graphed.stats()["cuda_graphs"]["graphs"] == 0
+        tokens = [random.randrange(1 << 16) for _ in range(BLOCKS * BS)]
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            add_request(store, far, caches, "c", tokens)
+        compare_steps(eager, graphed, {"c": start}, 4)
+        counts = graphed.stats()["cuda_graphs"]
+        assert counts["graph_capture_errors"] == 0 and counts["graphs"] == LAYERS and counts["graphs_enabled"]
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()

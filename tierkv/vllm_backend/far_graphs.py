@@ -20,7 +20,11 @@ cannot serve go the eager way (`FarKV.attend_parts`): far blocks without a summa
 larger than the staging region, engines without the copy kernel, a quantized CPU tier, CPU. A
 capture that fails turns the graphs off for the engine's life (logged, counted); the eager path
 gives the same result. All graphs draw on one memory pool and replay on the compute stream in
-order, one at a time.
+order, one at a time. A graph's scratch may lie where another graph, captured later into the same
+pool, keeps scratch of its own (a recapture breaks the capture order), so what must outlive a
+replay, the inputs and outputs, is allocated outside the pool and copied in and out inside the
+graph. A pool whose graphs were all freed cannot take another capture; the next capture opens a
+new one.
 """
 from __future__ import annotations
 
@@ -111,20 +115,26 @@ class SparseRowGraphs:
             return sparse_row_body(self.far, req, layer, q, far_count, self.staging, self.staging_slots,
                                    self.block_tokens, scale)
 
+        if not self.graphs:  # every graph of the pool freed (requests finished): the pool is gone
+            self.pool = torch.cuda.graph_pool_handle()
         current, side = torch.cuda.current_stream(), self.side_stream
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
-                body()  # first run outside the capture: kernels built, workspaces set
+                first = body()  # first run outside the capture: kernels built, workspaces set
+            outputs = [torch.empty_like(t) for t in first]  # outside the pool, on the compute stream
+            with torch.cuda.stream(side):
                 # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
                 # allocator's cache on entry: captures recur while a long request's tables grow
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    out, lse, ids = body()
+                    for output, result in zip(outputs, body()):
+                        output.copy_(result)
                 finally:
                     graph.capture_end()
             current.wait_stream(side)
+            out, lse, ids = outputs
         except Exception:  # the eager path serves every row from now on; nothing was returned from here
             current.wait_stream(side)
             logger.exception("tierkv hot window: capturing a sparse decode graph failed; sparse rows run eagerly")
