@@ -4,8 +4,8 @@
         [--budget-tokens 2048] [--graphs] [--out PATH]
 
 What vLLM's CUSTOM backend calls for each layer of a decode step under `scheduler.policy:
-sparse` — `FarKV.attend_parts` (selection from the key summaries, fetch of the selected blocks
-from the pinned CPU tier, attention over them) and `merge_into` — on blocks saved through the
+sparse` — `FarKV.attend_into` (selection from the key summaries, fetch of the selected blocks
+from the pinned CPU tier, attention over them, the merge with the near part) — on blocks saved through the
 same store, with the 8B model's KV shape (8 KV heads, head_dim 128, bf16, 16-token blocks) and
 32 query heads. Per row count: wall ms per layer with the GPU synchronized once per step (the
 host-bound cost vLLM's eager forward pays), GPU ms per layer (events), the copy ceiling of the
@@ -82,8 +82,7 @@ def run_steps(far, store, rows: int, blocks: int, layers: int, steps: int, devic
         start = time.perf_counter()
         far.begin_step([(f"r{r}", blocks * BS, 1) for r in range(rows)])
         for layer in range(layers):
-            parts = far.attend_parts(layer, q, DIM ** -0.5)
-            far.merge_into(output, near_out, near_lse, parts)
+            far.attend_into(output, layer, q, near_out, near_lse, DIM ** -0.5)
         far.end_step()
         if is_cuda:
             end_event.record()

@@ -222,6 +222,41 @@ def test_merge_into_equals_merging_the_assembled_far_part(tmp_path, rows):
         store.close()
 
 
+@pytest.mark.parametrize("rows", [["p"], ["d", "p"], ["d", "s"]])
+def test_attend_into_writes_the_merge_of_near_and_far(tmp_path, rows):
+    """What the backend calls (`attend_into`) writes, for every row, the merge of its near part with
+    its far blocks; a row without far blocks ("s", shorter than the window) gets its near part."""
+    from tierkv.attention import merge_partials
+
+    lengths = {r: n for r, n in {"p": 20 * BS + 7, "d": 12 * BS, "s": BS}.items() if r in rows}
+    new_tokens = {"p": 9, "d": 1, "s": 1}
+    ids = {"p": list(range(0, 21)), "d": list(range(21, 33)), "s": list(range(33, 34))}
+    store, _, far = far_with_saved_requests(tmp_path, 2 * BS, 6, lengths, ids)
+    try:
+        n = sum(new_tokens[r] for r in rows)
+        q = torch.randn(n, HQ, D)
+        near = (torch.randn(n, HQ, D), torch.randn(n, HQ))
+        got, want = {}, {}
+        for into in (True, False):  # the same step twice: attend_into, then the far part alone
+            far.begin_step([(r, lengths[r], new_tokens[r]) for r in rows])
+            for name in NAMES:
+                layer = store.layer_index[name]
+                far.prefetch(layer)
+                if into:
+                    got[name] = torch.full((n, HQ, D), float("nan"), dtype=torch.bfloat16)
+                    far.attend_into(got[name], layer, q, *near, 0.3)
+                else:
+                    want[name] = merge_partials([near, far.attend(layer, q, 0.3)])[0].to(torch.bfloat16)
+            far.end_step()
+        for name in NAMES:
+            torch.testing.assert_close(got[name], want[name])
+            if "s" in rows:
+                torch.testing.assert_close(got[name][-1:], near[0][-1:].to(torch.bfloat16))
+    finally:
+        far.close()
+        store.close()
+
+
 def test_the_far_split_is_what_vllm_frees_under_a_sliding_window():
     """vLLM frees blocks [0, skipped // block_size) of a sliding-window layer (skipped computed by its
     own SlidingWindowManager); tierkv reads exactly those from the tiers and everything after from vLLM."""
@@ -649,6 +684,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
     """What a CUDA graph captures for a decoding row (sparse_row_body: selection, the copy kernel's
     inline copy, attention) gives the eager path's (out, lse); on CPU the graphs themselves are
     off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the eager path alone."""
+    from tierkv.attention import merge_partials
     from tierkv.vllm_backend.far_graphs import SparseRowGraphs, sparse_row_body
 
     window = 2 * BS
@@ -669,6 +705,13 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
             assert set(plant) <= set(selected.tolist()) and selected.numel() == k
             torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+            # under vLLM the graph also merges the row's near part
+            near = (torch.randn(1, HQ, D), torch.randn(1, HQ))
+            merged_out, merged_lse, _ = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
+                                                        staging, torch.arange(k), torch.full((k,), BS), 0.3, near)
+            want_merged = merge_partials([near, (want_out, want_lse)])
+            torch.testing.assert_close(merged_out, want_merged[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(merged_lse, want_merged[1], rtol=1e-5, atol=1e-6)
         far.end_step()
     finally:
         far.close()

@@ -1,7 +1,7 @@
 """Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
 
 Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `finish`, `begin_step`, `attend`,
-`attend_parts`, `merge_into`, `end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
+`attend_into`, `attend_parts`, `merge_into`, `end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -314,8 +314,33 @@ class FarKV:
                 return
         output.copy_(merge_partials([(near_out, near_lse), self._assemble(parts, near_out.shape, near_out.device)])[0])
 
-    def attend_parts(self, layer: int, q: torch.Tensor, scale: float,
-                     dense=None) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
+                    near_lse: torch.Tensor, scale: float, dense=None) -> None:
+        """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
+        [n, H, D], near_lse [n, H]) merged with the far blocks. Sparse decode rows that CUDA graphs
+        serve merge inside their graph (one copy each into `output`); the rest go through
+        `attend_parts` and `merge_into`."""
+        graphed: dict[int, torch.Tensor] = {}
+        if self.graphs is not None and not self._pieces:
+            for i in self._sparse_rows:
+                row = self.rows[i]
+                req, a, b = self.requests[row.req_id], row.q_start, row.q_end
+                replayed = self.graphs.attend(row.req_id, req, layer, q[a:b], row.num_far_blocks, scale,
+                                              near=(near_out[a:b], near_lse[a:b]))
+                if replayed is not None:
+                    graphed[i] = replayed[0]
+                    self._count_graph_row(req, layer, replayed[2])
+        if sum(self.rows[i].q_end - self.rows[i].q_start for i in graphed) < q.shape[0]:  # rows left
+            parts = self.attend_parts(layer, q, scale, dense, skip=graphed)
+            if parts:
+                self.merge_into(output, near_out, near_lse, parts)
+            else:
+                output.copy_(near_out)
+        for i, merged in graphed.items():  # after the rest: merge_into wrote these rows' near part
+            output[self.rows[i].q_start : self.rows[i].q_end].copy_(merged)
+
+    def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
+                     skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The unmerged form of `attend`: per row index (into `self.rows`) with far blocks, its
         partial results (out [rows, H, D], lse [rows, H]), one per staging chunk or fetch; None when
         no row of this step has any. A caller merging them with its own part saves a merge pass.
@@ -323,7 +348,8 @@ class FarKV:
         dense: `(q [n, H, D], k, v [m, Hkv, D], scale) -> (out, lse)` without a mask, for rows of
         at least `MIN_QUERIES` queries (prefill chunks), over each staging chunk gathered into
         contiguous K and V; the vLLM backend passes vLLM's own FlashAttention. Without it such rows
-        use PyTorch's fused kernels on CUDA and the paged reference elsewhere."""
+        use PyTorch's fused kernels on CUDA and the paged reference elsewhere. skip: sparse rows
+        served elsewhere (`attend_into`'s graphs)."""
         if not self._pieces and not self._sparse_rows:
             return None
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -348,18 +374,8 @@ class FarKV:
             row = self.rows[i]
             req = self.requests[row.req_id]
             q_row = q[row.q_start : row.q_end]
-            if self.graphs is not None:
-                replayed = self.graphs.attend(row.req_id, req, layer, q_row, row.num_far_blocks, scale)
-                if replayed is not None:
-                    out, lse, ids = replayed
-                    parts.setdefault(i, []).append((out, lse))
-                    self._note_selection(req, layer, ids)
-                    fetched = self.sparse_blocks * self.store.layout.num_bytes
-                    self._graph_bytes += fetched
-                    self.store.io.engine.num_bytes_moved["h2d"] += fetched
-                    self.counts["far_blocks_read"] += self.sparse_blocks
-                    self.counts["sparse_selections"] += 1
-                    continue
+            if i in skip:
+                continue
             with record_function("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
@@ -372,6 +388,14 @@ class FarKV:
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
         return parts
+
+    def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
+        self._note_selection(req, layer, ids)
+        fetched = self.sparse_blocks * self.store.layout.num_bytes
+        self._graph_bytes += fetched
+        self.store.io.engine.num_bytes_moved["h2d"] += fetched
+        self.counts["far_blocks_read"] += self.sparse_blocks
+        self.counts["sparse_selections"] += 1
 
     def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` the same row

@@ -5,9 +5,10 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
 
     near: FlashAttention over vLLM's pool with each row's block table and key length starting
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
-    far:  `FarKV.attend_parts` over the blocks vLLM freed, streamed from the CPU tier; prefill
+    far:  `FarKV.attend_into` over the blocks vLLM freed, streamed from the CPU tier; prefill
           chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
-    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row)
+    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; a
+          sparse decode row served by a CUDA graph merges inside its graph)
 
 Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
 """
@@ -66,9 +67,8 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             return output
         near_out, near_lse = result
         with record_function("tierkv.far"):
-            far = step.far.attend_parts(step.layer_index[layer.layer_name], query[:n], self.scale, dense=self._dense)
-        with record_function("tierkv.merge"):
-            step.far.merge_into(output[:n], near_out, near_lse[:, :n].transpose(0, 1), far)  # has_far: far not None
+            step.far.attend_into(output[:n], step.layer_index[layer.layer_name], query[:n], near_out,
+                                 near_lse[:, :n].transpose(0, 1), self.scale, dense=self._dense)
         return output
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
