@@ -15,6 +15,7 @@ A pinned block is never evicted; a put that finds every slot pinned fails (ok=Fa
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter, OrderedDict
 from typing import Sequence
 
@@ -23,6 +24,29 @@ import torch
 from tierkv.blocks import BlockLayout
 from tierkv.quant import dequantize_blocks, quantize_blocks
 from tierkv.storage.base import PutResult, StorageTier
+
+
+_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: the copy kernel reads it
+
+
+def pin_host(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Page-lock a host tensor's memory in place (cudaHostRegister) and return it. Unlike
+    `pin_memory=True`, whose caching allocator rounds every allocation up to a power of two (an
+    81 GiB slab would pin 128 GiB), this pins exactly the slab's bytes."""
+    num_bytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), num_bytes, _REGISTER_PORTABLE_MAPPED)
+    if int(err) != 0:
+        raise RuntimeError(f"{name}: page-locking {num_bytes} bytes of host memory for the CPU tier failed "
+                           f"({err}); lower its capacity_bytes or free host memory")
+    return t
+
+
+def _unregister_host(t: torch.Tensor) -> None:
+    """Undo `pin_host` before `t`'s memory can be freed (views that outlive it read it unpinned)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # the CUDA context may be gone at interpreter exit
+        pass
 
 
 class CpuTier(StorageTier):
@@ -48,7 +72,9 @@ class CpuTier(StorageTier):
         self.is_pinned = pin_memory
         # slab: [num_slots, 2, H, T, D] in the KV dtype, or uint8 codes with scales [num_slots, 2, H] float32
         slab_dtype = layout.dtype if quant_format is None else torch.uint8
-        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=slab_dtype, pin_memory=pin_memory)
+        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=slab_dtype)
+        if pin_memory:
+            self._unpin = weakref.finalize(self, _unregister_host, pin_host(self.slab, name))
         self.scales = (torch.empty((self.num_slots, 2, layout.num_kv_heads), dtype=torch.float32, pin_memory=pin_memory)
                        if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
