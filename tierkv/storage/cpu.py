@@ -27,6 +27,9 @@ from tierkv.storage.base import PutResult, StorageTier
 
 
 _REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: the copy kernel reads it
+# Slabs from this size are page-locked in place (`pin_host`); smaller ones come from PyTorch's
+# pinned allocator, whose power-of-two rounding then wastes less than this.
+_REGISTER_FROM_BYTES = 1 << 30
 
 
 def pin_host(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -72,9 +75,12 @@ class CpuTier(StorageTier):
         self.is_pinned = pin_memory
         # slab: [num_slots, 2, H, T, D] in the KV dtype, or uint8 codes with scales [num_slots, 2, H] float32
         slab_dtype = layout.dtype if quant_format is None else torch.uint8
-        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=slab_dtype)
-        if pin_memory:
-            self._unpin = weakref.finalize(self, _unregister_host, pin_host(self.slab, name))
+        shape = (self.num_slots, *layout.shape)
+        if pin_memory and self.num_slots * self.slot_bytes >= _REGISTER_FROM_BYTES:
+            self.slab = pin_host(torch.empty(shape, dtype=slab_dtype), name)
+            self._unpin = weakref.finalize(self, _unregister_host, self.slab)
+        else:
+            self.slab = torch.empty(shape, dtype=slab_dtype, pin_memory=pin_memory)
         self.scales = (torch.empty((self.num_slots, 2, layout.num_kv_heads), dtype=torch.float32, pin_memory=pin_memory)
                        if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
