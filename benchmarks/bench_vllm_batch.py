@@ -34,9 +34,16 @@ CONTEXT = 131072 - 64
 
 
 def host_requests(per_request_bytes: int) -> int:
-    """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier."""
+    """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier, counting what
+    PyTorch's pinned allocator locks for the slab (`pinned_bytes`: it rounds to a power of two; an
+    81 GiB tier for 5 requests failed on the GPU machine's 128 GiB)."""
+    from tierkv.storage.cpu import pinned_bytes
+
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(1, int(0.7 * ram) // per_request_bytes)
+    n = max(1, int(0.7 * ram) // per_request_bytes)
+    while n > 1 and pinned_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
+        n -= 1
+    return n
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int):

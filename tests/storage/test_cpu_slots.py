@@ -1,6 +1,7 @@
 """The CPU tier's slot-level two-phase API used by the GPU transfer engine."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tierkv.blocks import BlockLayout
@@ -58,3 +59,34 @@ def test_eviction_steps_over_a_long_pinned_run_once_and_keeps_lru_order_among_th
     assert [k for k, _ in tier.put("one-more", torch.zeros(LAYOUT.shape)).evicted] == ["new0"]
     tier.release(pinned)
     assert [k for k, _ in tier.put("after-release", torch.zeros(LAYOUT.shape)).evicted] == ["new1"]  # LRU order kept
+
+
+def test_pinned_bytes_is_what_pytorchs_pinned_allocator_locks(monkeypatch):
+    """PyTorch's pinned allocator rounds to a power of two unless its settings raise the threshold."""
+    from tierkv.storage.cpu import pinned_bytes
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert pinned_bytes(81 << 30) == 128 << 30 and pinned_bytes(64 << 30) == 64 << 30
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    assert pinned_bytes(81 << 30) == 81 << 30  # above the threshold: exact
+    assert pinned_bytes(100 << 20) == 128 << 20  # below it: still rounded
+
+
+def test_a_slab_the_host_cannot_pin_is_a_clear_error(monkeypatch, caplog):
+    """Pinning failures name the tier, the bytes and what the allocator asked for; a slab that
+    rounding would nearly double is logged."""
+    empty = torch.empty
+
+    def fail_pinned(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return empty(*args, **kwargs)
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch, "empty", fail_pinned)
+    layout = BlockLayout(2, 4, 8, torch.float16)  # 256-byte blocks
+    with pytest.raises(RuntimeError, match=r"big: could not pin 3072 bytes .* asks for 4096, .* lower capacity_bytes"):
+        CpuTier("big", layout, 12 * layout.num_bytes, pin_memory=True)
+    assert "big: its" in caplog.text and "rounds to a power of two" in caplog.text

@@ -15,7 +15,10 @@ A pinned block is never evicted; a put that finds every slot pinned fails (ok=Fa
 """
 from __future__ import annotations
 
-import weakref
+import logging
+import math
+import os
+import re
 from collections import Counter, OrderedDict
 from typing import Sequence
 
@@ -25,31 +28,39 @@ from tierkv.blocks import BlockLayout
 from tierkv.quant import dequantize_blocks, quantize_blocks
 from tierkv.storage.base import PutResult, StorageTier
 
-
-_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: the copy kernel reads it
-# Slabs from this size are page-locked in place (`pin_host`); smaller ones come from PyTorch's
-# pinned allocator, whose power-of-two rounding then wastes less than this.
-_REGISTER_FROM_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
 
-def pin_host(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Page-lock a host tensor's memory in place (cudaHostRegister) and return it. Unlike
-    `pin_memory=True`, whose caching allocator rounds every allocation up to a power of two (an
-    81 GiB slab would pin 128 GiB), this pins exactly the slab's bytes."""
-    num_bytes = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), num_bytes, _REGISTER_PORTABLE_MAPPED)
-    if int(err) != 0:
-        raise RuntimeError(f"{name}: page-locking {num_bytes} bytes of host memory for the CPU tier failed "
-                           f"({err}); lower its capacity_bytes or free host memory")
-    return t
+def pinned_bytes(num_bytes: int) -> int:
+    """Host bytes PyTorch's pinned allocator locks for `num_bytes`: the next power of two, or
+    exactly `num_bytes` above a `pinned_max_round_threshold_mb` in the allocator settings."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = " ".join([get() if get is not None else "", os.environ.get("PYTORCH_ALLOC_CONF", ""),
+                         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")])
+    thresholds = [int(mb) << 20 for mb in re.findall(r"pinned_max_round_threshold_mb:(\d+)", settings)]
+    if num_bytes <= 0 or (thresholds and num_bytes > min(thresholds)):
+        return num_bytes
+    return 1 << (num_bytes - 1).bit_length()
 
 
-def _unregister_host(t: torch.Tensor) -> None:
-    """Undo `pin_host` before `t`'s memory can be freed (views that outlive it read it unpinned)."""
+def _slab(shape: tuple, dtype: torch.dtype, pin_memory: bool, name: str) -> torch.Tensor:
+    """The tier's slab. PyTorch's pinned allocator rounds an allocation up to a power of two, so
+    a pinned slab can lock up to twice its bytes: said once here, and named in the error when the
+    host cannot lock that much."""
+    if not pin_memory:
+        return torch.empty(shape, dtype=dtype)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    locked = pinned_bytes(num_bytes)
+    if locked - num_bytes > num_bytes // 4:
+        logger.warning("%s: its %.1f GiB slab locks %.1f GiB of host memory (PyTorch's pinned allocator "
+                       "rounds to a power of two); a capacity of %.1f GiB would lock only what it uses",
+                       name, num_bytes / 2**30, locked / 2**30, (locked >> 1) / 2**30)
     try:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    except Exception:  # the CUDA context may be gone at interpreter exit
-        pass
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"{name}: could not pin {num_bytes} bytes of host memory for the CPU tier "
+                           f"(PyTorch's pinned allocator asks for {locked}, the next power of two): "
+                           f"lower capacity_bytes ({e})") from e
 
 
 class CpuTier(StorageTier):
@@ -75,12 +86,7 @@ class CpuTier(StorageTier):
         self.is_pinned = pin_memory
         # slab: [num_slots, 2, H, T, D] in the KV dtype, or uint8 codes with scales [num_slots, 2, H] float32
         slab_dtype = layout.dtype if quant_format is None else torch.uint8
-        shape = (self.num_slots, *layout.shape)
-        if pin_memory and self.num_slots * self.slot_bytes >= _REGISTER_FROM_BYTES:
-            self.slab = pin_host(torch.empty(shape, dtype=slab_dtype), name)
-            self._unpin = weakref.finalize(self, _unregister_host, self.slab)
-        else:
-            self.slab = torch.empty(shape, dtype=slab_dtype, pin_memory=pin_memory)
+        self.slab = _slab((self.num_slots, *layout.shape), slab_dtype, pin_memory, name)
         self.scales = (torch.empty((self.num_slots, 2, layout.num_kv_heads), dtype=torch.float32, pin_memory=pin_memory)
                        if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
