@@ -97,9 +97,10 @@ class SchedulerConfig:
         choices=("previous", "none", "query")))
     predict_with_previous: bool = field(default=True, metadata=doc(
         "predictor 'query': also prefetch each layer's previous-step selection"))
-    sparse_cuda_graphs: bool = field(default=False, metadata=doc(
-        "sparse policy under vLLM's hot window: capture each decoding request's per-layer selection, fetch and "
-        "far attention in a CUDA graph and replay it (CUDA, copy-kernel transfer backends, unquantized CPU tier)"))
+    sparse_cuda_graphs: bool = field(default=True, metadata=doc(
+        "sparse policy under vLLM's hot window: capture each decoding request's per-layer selection, fetch, "
+        "far attention and merge in a CUDA graph and replay it (CUDA, copy-kernel transfer backends, unquantized "
+        "CPU tier; elsewhere, and after a failed capture, the eager path)"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "
