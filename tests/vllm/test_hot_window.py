@@ -545,9 +545,10 @@ def test_sparse_selection_finds_planted_blocks_and_reads_only_the_budget(tmp_pat
         store.close()
 
 
-def test_sparse_always_reads_blocks_it_has_no_summary_of(tmp_path):
+def test_the_selection_never_drops_a_block_it_has_no_summary_of(tmp_path):
     """Blocks served by the tiers without being computed here (a loaded prefix) have no key summary:
-    they are attended in addition to the budget, never dropped on a guess."""
+    the selection itself keeps them beside the budget, never dropped on a guess (`attend` gives
+    them summaries before it selects: the next tests)."""
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=20,
                                                summarize_all=False)
@@ -559,6 +560,71 @@ def test_sparse_always_reads_blocks_it_has_no_summary_of(tmp_path):
         far.summarize(layer, spans, store.paged.read(caches[NAMES[0]], torch.tensor(ids[:10])))
         selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
         assert set(range(10, row.num_far_blocks)) <= set(selected) and len(selected) == row.num_far_blocks - 10 + 2
+    finally:
+        far.close()
+        store.close()
+
+
+def test_a_prefix_without_summaries_is_summarized_once_then_selected_like_the_rest(tmp_path):
+    """A request whose far blocks the tiers served (no summaries): its first sparse step fetches
+    and summarizes them, then attends only the budget, planted blocks found; the next step
+    fetches the budget alone."""
+    window = 2 * BS
+    plant = random.sample(range(1, 38), 3)
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42, plant=plant,
+                                               summarize_all=False)
+    try:
+        assert far.requests["r"].summaries is None
+        for step in range(2):
+            (row,) = far.begin_step([("r", 42 * BS + step, 1)])
+            assert row.num_far_blocks == 40
+            for name in NAMES:
+                layer = store.layer_index[name]
+                read, stalls = far.counts["far_blocks_read"], far.sparse_streamer.num_stalls
+                out, _ = far.attend(layer, q, 0.3)
+                assert far.counts["far_blocks_read"] - read == 4  # attended: the budget only
+                summaries = far.requests["r"].summaries
+                assert summaries.prefix[layer] == 40 and summaries.is_summarized[layer][:40].all()
+                # fetches, a staging region at a time: the 40 blocks to summarize at the first step, then the 4 selected
+                region = far.sparse_streamer.pool.region_blocks
+                assert far.sparse_streamer.num_stalls - stalls == (-(-40 // region) if step == 0 else 0) + -(-4 // region)
+                selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+                assert len(selected) == 4 and set(plant) <= set(selected)
+                want, _ = dense(q, store.paged.read(caches[name], torch.tensor(ids[:40])), 0.3)
+                err = (out.double() - want).norm() / want.norm()
+                assert err < 1e-2, f"relative error {err:.2e} with the planted blocks selected"
+                # the summaries equal those the connector makes from the saved blocks
+                want_table = type(summaries.summaries)(LAYERS, H, D, torch.float32, torch.device("cpu"))
+                want_table.update(layer, 0, store.paged.read(caches[name], torch.tensor(ids[:40])).view(40, *store.layout.shape))
+                torch.testing.assert_close(summaries.summaries.tables[layer][:40], want_table.tables[layer][:40])
+            far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
+def test_a_prefill_streaming_unsummarized_far_blocks_summarizes_them(tmp_path):
+    """A prefill row after a served prefix streams every far block exactly; it leaves their
+    summaries behind, so the request's decode selects without fetching them again."""
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42,
+                                               summarize_all=False)
+    try:
+        (row,) = far.begin_step([("r", 42 * BS, 9)])  # a prefill chunk: exact, streamed
+        assert row.num_far_blocks == 40 and far._sparse_rows == []
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            far.attend(layer, torch.randn(9, HQ, D), 0.3)
+            assert far.requests["r"].summaries.prefix[layer] == 40
+        far.end_step()
+        (row,) = far.begin_step([("r", 42 * BS + 9, 1)])
+        stalls = far.sparse_streamer.num_stalls
+        for name in NAMES:
+            far.attend(store.layer_index[name], q, 0.3)
+        region = far.sparse_streamer.pool.region_blocks
+        assert far.sparse_streamer.num_stalls - stalls == LAYERS * -(-4 // region)  # the 4 selected, per layer
+        far.end_step()
     finally:
         far.close()
         store.close()

@@ -18,8 +18,10 @@ Per step the far blocks of all requests form one list per layer (request after r
 lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
-min/max, kept on the device from the copies the connector saves), fetched once selected, plus
-any far block it has no summary of (a prefix served by the tiers); prefill stays exact. Those
+min/max, kept on the device from the copies the connector saves), fetched once selected;
+prefill stays exact. Far blocks without a summary (a prefix the tiers served) get one from the
+first prefill chunk that streams them, or else from one fetch at the row's first sparse step
+of each layer, and are then ranked with the rest. Those
 fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
 never overwrite chunks streamed ahead for a prefill row of the same step.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -270,6 +273,7 @@ class FarKV:
         decode = all(r.q_end - r.q_start == 1 for r in far_rows)
         self.streamer.plan(_StreamPlan(range(0, total), 1 if decode else max(2, q)), cpu_slots, self.block_tokens)
         region = self.pool.region_blocks
+        self._offsets = offsets
         self._pieces = []
         for start in range(0, total, region):
             end = min(start + region, total)
@@ -370,12 +374,16 @@ class FarKV:
                                                    chunk.num_tokens[first:end], scale=scale)
                 parts.setdefault(i, []).append(part)
                 self.counts["far_blocks_read"] += end - first
+                self._summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
         for i in self._sparse_rows:  # fetched once selected: each piece counts as a stall
             row = self.rows[i]
             req = self.requests[row.req_id]
             q_row = q[row.q_start : row.q_end]
             if i in skip:
                 continue
+            if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
+                with record_function("tierkv.sparse.summarize"):
+                    self._summarize_missing(row, req, layer)
             with record_function("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
@@ -388,6 +396,33 @@ class FarKV:
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
             self.counts["sparse_selections"] += 1
         return parts
+
+    def _summarize_staged(self, row: FarRow, layer: int, first_block: int, staging: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+        """Sparse policy: summarize a streamed piece (the row's far blocks first_block.. in `slots`
+        of `staging`) unless each of its blocks has a summary (a prefix served by the tiers has
+        none; the prefill that streams it gives them, so its decode can select)."""
+        req = self.requests[row.req_id]
+        if self.sparse_blocks is None or (req.summaries is not None
+                                          and req.summaries.prefix[layer] >= first_block + slots.numel()):
+            return
+        self._summarize_run(req, layer, first_block, staging.index_select(0, slots))
+
+    def _summarize_missing(self, row: FarRow, req: _Request, layer: int) -> None:
+        """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
+        selection ranks them with the rest (once per request and layer: a prefix the tiers served
+        and no prefill streamed). Each piece counts as a stall."""
+        known = req.summaries.is_summarized[layer][: row.num_far_blocks] if req.summaries is not None else np.zeros(0, bool)
+        missing = np.flatnonzero(~np.concatenate([known, np.zeros(row.num_far_blocks - known.size, dtype=bool)]))
+        slots = req.pinned_slots[layer][torch.from_numpy(missing)]
+        fetcher, done = self.sparse_streamer, 0
+        for chunk in fetcher.fetch_now(layer, slots, (missing * self.block_tokens).tolist(), self.block_tokens):
+            ids = missing[done : done + chunk.slots.numel()]
+            blocks = fetcher.pool.staging.index_select(0, chunk.slots)
+            runs = np.flatnonzero(np.diff(ids) != 1) + 1  # starts of runs of consecutive blocks
+            for a, b in zip([0, *runs], [*runs, ids.size]):
+                self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
+            done += ids.size
 
     def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         self._note_selection(req, layer, ids)
