@@ -10,6 +10,8 @@ device. A decoding row attends
   + the k summarized far blocks with the largest upper bound of q . k
 
 so a block is never dropped for lack of a summary; with k covering them, all far blocks.
+(`FarKV` summarizes such blocks before it selects: from the prefill that streams them, or from
+one fetch.)
 """
 from __future__ import annotations
 
