@@ -374,7 +374,8 @@ class FarKV:
                                                    chunk.num_tokens[first:end], scale=scale)
                 parts.setdefault(i, []).append(part)
                 self.counts["far_blocks_read"] += end - first
-                self._summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
+                if self.sparse_blocks is not None:
+                    self._summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
         for i in self._sparse_rows:  # fetched once selected: each piece counts as a stall
             row = self.rows[i]
             req = self.requests[row.req_id]
@@ -403,8 +404,7 @@ class FarKV:
         of `staging`) unless each of its blocks has a summary (a prefix served by the tiers has
         none; the prefill that streams it gives them, so its decode can select)."""
         req = self.requests[row.req_id]
-        if self.sparse_blocks is None or (req.summaries is not None
-                                          and req.summaries.prefix[layer] >= first_block + slots.numel()):
+        if req.summaries is not None and req.summaries.prefix[layer] >= first_block + slots.numel():
             return
         self._summarize_run(req, layer, first_block, staging.index_select(0, slots))
 
