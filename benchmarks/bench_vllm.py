@@ -52,6 +52,13 @@ def kv_bytes_per_token(layers: int) -> int:
 MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs")
 HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
+# sparse: the same 2 GiB (one eighth of a 128k request's 16 GiB) now also holds the key summaries
+# (TieredLLM reserves them for max_num_seqs requests of max_model_len): 64-token blocks make them
+# 256 MiB per request (1 GiB at 16), and a 384 MiB staging ring leaves vLLM the 1.375 GiB pool its
+# 2048-token window and 8192-token prefill chunks need (1.26 GiB)
+SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
+                     "scheduler": {**HOT_WINDOW["scheduler"], "staging_bytes": "384MiB", "policy": "sparse",
+                                   "sparse_token_budget": 2048}}
 
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto"):
@@ -61,12 +68,15 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
     if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs"):  # the hot window: 2048 tokens per request in vLLM's pool
         from tierkv import TieredLLM
 
-        config = {**HOT_WINDOW, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
+        sparse = mode.startswith("tierkv-sparse")  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
+        config = {**(SPARSE_HOT_WINDOW if sparse else HOT_WINDOW),
+                  "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
-        if mode.startswith("tierkv-sparse"):  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
-            config["scheduler"] = {**config["scheduler"], "policy": "sparse", "sparse_token_budget": 2048,
-                                   "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"}
+        if sparse:
+            config["scheduler"]["sparse_cuda_graphs"] = mode == "tierkv-sparse-graphs"
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
+        if sparse:
+            hot["max_num_seqs"] = 1  # one request at a time: the budget holds one request's summaries
         llm = TieredLLM(model_dir, config, backend="vllm", **hot)
         return llm.engine, llm
     from vllm import LLM
@@ -152,6 +162,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     prefill_s, decode_ms, tokens, top2_decode, step_ms = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
+    summaries = tiered.summary_reserved_bytes if tiered is not None else 0
     floor = {}
     if mode.split("@")[0] == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
         cache = tiered.config.cache
@@ -161,8 +172,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         floor = {"h2d_ceiling_gbps": ceiling,
                  "pcie_floor_ms": 1e3 * kv_bytes_per_token(layers) * sum(far_tokens) / len(far_tokens) / (ceiling * 1e9)}
     row = {"mode": mode, "context": context, "layers": layers, "tensor_parallel_size": tp,
-           "kv_reserved_bytes": kv_reserved + staging,
-           "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging,
+           "kv_reserved_bytes": kv_reserved + staging + summaries,
+           "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}

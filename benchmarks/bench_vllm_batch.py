@@ -26,8 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_vllm import HOT_WINDOW, kv_bytes_per_token  # noqa: E402
-from benchmarks.models import LLAMA_8B  # noqa: E402
+from benchmarks.bench_vllm import SPARSE_HOT_WINDOW, kv_bytes_per_token  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
 CONTEXT = 131072 - 64
@@ -35,12 +34,15 @@ CONTEXT = 131072 - 64
 
 def host_requests(per_request_bytes: int) -> int:
     """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier, counting what
-    PyTorch's pinned allocator locks for the slab (`pinned_bytes`: it rounds to a power of two; an
-    81 GiB tier for 5 requests failed on the GPU machine's 128 GiB)."""
-    from tierkv.storage.cpu import pinned_bytes
+    PyTorch's pinned allocator locks for the slab (`pinned_bytes`). The tier turns the allocator's
+    power-of-two rounding off for its slab (`unrounded_pinning`), as done here first; where this
+    PyTorch cannot, the rounding is counted (an 81 GiB tier for 5 requests once failed on the GPU
+    machine's 128 GiB)."""
+    from tierkv.storage.cpu import pinned_bytes, unrounded_pinning
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = max(1, int(0.7 * ram) // per_request_bytes)
+    unrounded_pinning(per_request_bytes)
     while n > 1 and pinned_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
         n -= 1
     return n
@@ -57,12 +59,10 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int)
     from tierkv import TieredLLM
 
     per_request = kv_bytes_per_token(layers) * 131072
-    # the key summaries (key min and max per block, KV head and layer) sit on the GPU beside the
-    # budget: the budget shrinks by them, so pool + staging + summaries stay within kv_bytes
-    summaries = 2 * 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 131072 // HOT_WINDOW["cache"]["block_tokens"]
-    config = {"cache": {**HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes - requests * summaries},
-              "scheduler": {**HOT_WINDOW["scheduler"], "policy": "sparse", "sparse_token_budget": 2048,
-                            "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"},
+    # the budget holds vLLM's pool, staging and the key summaries TieredLLM reserves for
+    # max_num_seqs = requests (SPARSE_HOT_WINDOW: 64-token blocks, 256 MiB per request)
+    config = {"cache": {**SPARSE_HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes},
+              "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"},
               "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30)}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
     tiered = TieredLLM(model_dir, config, backend="vllm", **common)
@@ -111,9 +111,11 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
                 summary_bytes = tiered.stats().get("hot_window", {}).get("summary_bytes", 0)
     end = time.perf_counter()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
+    reserved = tiered.summary_reserved_bytes if tiered is not None else 0
     row = {"mode": mode, "requests": requests, "context": CONTEXT, "new_tokens": new_tokens, "kv_gib": kv_gib,
-           "gpu_kv_bytes": pool_bytes + staging + summary_bytes, "vllm_pool_bytes": pool_bytes,
-           "tierkv_staging_bytes": staging, "summary_bytes": summary_bytes, "steps": steps,
+           "gpu_kv_bytes": pool_bytes + staging + max(reserved, summary_bytes), "vllm_pool_bytes": pool_bytes,
+           "tierkv_staging_bytes": staging, "summary_reserved_bytes": reserved, "summary_bytes": summary_bytes,
+           "steps": steps,
            "all_first_token_s": all_first_at - start if all_first_at else float("nan"),
            "decode_tokens": decode_tokens,
            "decode_tokens_per_s": decode_tokens / (end - all_first_at) if all_first_at and end > all_first_at else 0.0,

@@ -2,8 +2,8 @@
 the graph, as `attend_into` does for the vLLM backend) equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps) and across a
 recapture, for two requests at once, then for a new request once both finished (every graph freed),
-and the host is never synchronized by a replay. No vLLM
-needed (tierkv.vllm_backend.far alone)."""
+and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
+capped at the engine's longest request. No vLLM needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
 
 import random
@@ -22,11 +22,12 @@ from tierkv.config import load_config  # noqa: E402
 from tierkv.vllm_backend.far import FarKV  # noqa: E402
 from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
 
-HEADS, KV_HEADS, DIM, BS, LAYERS, BLOCKS = 32, 8, 128, 16, 3, 600
+HEADS, KV_HEADS, DIM, LAYERS, TOKENS = 32, 8, 128, 3, 9600
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def sparse_far(tmp_path, caches, prompts, graphs: bool):
+def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int):
+    BLOCKS = TOKENS // BS
     block_bytes = 2 * KV_HEADS * BS * DIM * 2
     config = load_config({
         "cache": {"block_tokens": BS, "window_tokens": 4 * BS},
@@ -36,14 +37,15 @@ def sparse_far(tmp_path, caches, prompts, graphs: bool):
     }, env={})
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), NAMES, "graphs", "cuda")
     store.register(caches)
-    far = FarKV(store, 4 * BS)
+    far = FarKV(store, 4 * BS, max_model_len=TOKENS + 8 * BS)
     for req, tokens in prompts.items():
         add_request(store, far, caches, req, tokens)
     return store, far
 
 
 def add_request(store, far, caches, req, tokens):
-    """A request whose BLOCKS blocks per layer were computed (saved and summarized) from `caches`."""
+    """A request whose blocks per layer were computed (saved and summarized) from `caches`."""
+    BLOCKS = TOKENS // far.block_tokens
     hashes = store.extend_hashes([], tokens, BLOCKS)
     far.add_hashes(req, 0, hashes)
     for name in NAMES:
@@ -78,16 +80,20 @@ def compare_steps(eager, graphed, requests: dict[str, int], steps: int):
             far.end_step()
 
 
-def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path):
+@pytest.mark.parametrize("BS", [16, 64])
+def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS):
+    BLOCKS = TOKENS // BS
     caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
     prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b")}
-    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False)
-    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True)
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
     assert eager.graphs is None and graphed.graphs is not None and graphed.graphs.enabled
     try:
         start = (BLOCKS - 3) * BS - 2  # the far part grows by one block during the steps below
         steps = 2 * BS + 4
         compare_steps(eager, graphed, {"a": start, "b": start - 5}, steps)
+        tables = graphed.requests["a"].summaries.summaries.tables
+        assert all(t.shape[0] <= BLOCKS + 8 for t in tables)  # capped at max_model_len's blocks
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * steps
         # a capture at first use, another when the pinned-slot buffer doubles as the far part first grows;

@@ -73,6 +73,37 @@ def test_pinned_bytes_is_what_pytorchs_pinned_allocator_locks(monkeypatch):
     assert pinned_bytes(100 << 20) == 128 << 20  # below it: still rounded
 
 
+def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog):
+    """An 81 GiB slab would lock 128 GiB: the tier lowers PyTorch's pinned rounding threshold just
+    below its size first (smaller allocations keep theirs), so it locks what it uses, unlogged."""
+    from tierkv.storage import cpu
+
+    settings = {"value": ""}
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings["value"], raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings",
+                        lambda value: settings.update(value=value), raising=False)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu.unrounded_pinning(81 << 30)
+    assert settings["value"] == f"pinned_max_round_threshold_mb:{(81 << 10) - 1}"
+    assert cpu.pinned_bytes(81 << 30) == 81 << 30 and cpu.pinned_bytes(100 << 20) == 128 << 20
+    assert not cpu.unrounded_pinning(3072)  # below a MiB no threshold can help: left alone
+    assert settings["value"] == f"pinned_max_round_threshold_mb:{(81 << 10) - 1}"
+
+    empty, asked = torch.empty, []
+
+    def fake_pinned(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        return empty(*args, **kwargs)
+
+    settings["value"] = ""
+    monkeypatch.setattr(torch, "empty", fake_pinned)
+    layout = BlockLayout(8, 64, 128, torch.bfloat16)  # 256 KiB blocks
+    CpuTier("wide", layout, 20 * layout.num_bytes, pin_memory=True)  # 5 MiB: would lock 8 MiB
+    assert asked[-1] is True and settings["value"] == "pinned_max_round_threshold_mb:4"
+    assert "rounds to a power of two" not in caplog.text
+
+
 def test_a_slab_the_host_cannot_pin_is_a_clear_error(monkeypatch, caplog):
     """Pinning failures name the tier, the bytes and what the allocator asked for; a slab that
     rounding would nearly double is logged."""

@@ -4,6 +4,7 @@ layers into a sliding-window spec sized for the window, and the connector sends 
 needs. The FlashAttention half runs on the GPU (benchmarks/vllm_check.py hotwindow)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -407,6 +408,39 @@ def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
     tight = load_config({"cache": {"gpu_budget_bytes": "256MiB"}, "scheduler": {"staging_bytes": "256MiB"}}, env={})
     with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
         hot_window_engine_args(tight)
+    # the sparse policy's key summaries come out of the same budget
+    assert hot_window_engine_args(config, 256 << 20)["kv_cache_memory_bytes"] == (2048 - 256 - 256) << 20
+    with pytest.raises(ConfigError, match=r"cache.gpu_budget_bytes.*sparse key summaries \(1.75 GiB\)"):
+        hot_window_engine_args(config, 1792 << 20)
+
+
+def _checkpoint(tmp_path, **fields) -> str:
+    shape = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+             "max_position_embeddings": 131072, **fields}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in shape.items() if v is not None}))
+    return str(tmp_path)
+
+
+def test_sparse_key_summaries_are_sized_from_the_checkpoint_and_max_num_seqs(tmp_path):
+    """An 8B Llama shape at 131072 tokens in 64-token blocks: 2048 blocks x 32 layers x (min, max)
+    x 8 KV heads x 128 x 2 bytes = 256 MiB per request; per GPU, the KV heads split over tensor
+    parallelism; max_num_seqs and a readable config.json are required."""
+    from tierkv.vllm_backend.llm import sparse_summary_bytes
+
+    config = load_config({"cache": {"block_tokens": 64}, "scheduler": {"policy": "sparse"}}, env={})
+    model = _checkpoint(tmp_path)
+    assert sparse_summary_bytes(model, config, 131072, {"max_num_seqs": 3}) == 3 * (256 << 20)
+    assert sparse_summary_bytes(model, config, None, {"max_num_seqs": 1, "tensor_parallel_size": 2}) == 128 << 20
+    assert sparse_summary_bytes(model, config, 32768, {"max_num_seqs": 1, "dtype": "float32"}) == 128 << 20
+    with pytest.raises(ValueError, match="max_num_seqs: got None"):
+        sparse_summary_bytes(model, config, 131072, {})
+    with pytest.raises(ValueError, match="num_hidden_layers=None"):
+        sparse_summary_bytes(_checkpoint(tmp_path, num_hidden_layers=None), config, 131072, {"max_num_seqs": 1})
+    with pytest.raises(ValueError, match="max_model_len: not given"):
+        sparse_summary_bytes(_checkpoint(tmp_path, max_position_embeddings=None), config, None, {"max_num_seqs": 1})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json cannot be read as JSON"):
+        sparse_summary_bytes(model, config, 131072, {"max_num_seqs": 1})
 
 
 class _Runner:  # what the backend reads of vLLM's model runner: the batch's request order
@@ -478,7 +512,7 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
 
 
 def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, plant=None, summarize_all=True,
-                  sparse_graphs=False):
+                  sparse_graphs=False, max_model_len=None):
     """A store, a sparse FarKV and one request of `num_blocks` saved blocks (keys near zero but for
     the `plant` blocks, whose keys align with +q); returns (far, store, caches, ids, q)."""
     config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens,
@@ -492,7 +526,7 @@ def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, pl
         for name in NAMES:  # K = 10 q of its group, V random: these blocks carry nearly all the attention
             caches[name][b, :, :, :D] = 10 * q[0, :: HQ // H].unsqueeze(1)
     store.register(caches)
-    far = FarKV(store, window)
+    far = FarKV(store, window, max_model_len=max_model_len)
     hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(num_blocks * BS)], num_blocks)
     far.add_hashes("r", 0, hashes)
     for name in NAMES:
@@ -519,6 +553,24 @@ def test_sparse_with_a_budget_covering_the_context_equals_exact(tmp_path):
     finally:
         far.close()
         store.close()
+
+
+def test_key_summaries_stay_within_the_bytes_reserved_for_a_request_of_max_model_len(tmp_path):
+    """The summary tables grow by doubling, but never past the blocks of the engine's longest
+    request: what `summary_bytes_per_request` reserves in the GPU budget is what they take."""
+    from tierkv.vllm_backend.far_summaries import summary_bytes_per_request
+
+    for max_model_len, table_blocks in ((42 * BS, 42), (None, 64)):  # one update of 42 blocks: 64 rows uncapped
+        far, store, *_ = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=2 * BS, num_blocks=42,
+                                       max_model_len=max_model_len)
+        try:
+            tables = far.requests["r"].summaries.summaries.tables
+            assert [t.shape[0] for t in tables] == [table_blocks] * LAYERS
+            if max_model_len is not None:
+                assert far.stats()["summary_bytes"] == summary_bytes_per_request(max_model_len, BS, LAYERS, H, D, 4)
+        finally:
+            far.close()
+            store.close()
 
 
 def test_sparse_selection_finds_planted_blocks_and_reads_only_the_budget(tmp_path):

@@ -43,14 +43,37 @@ def pinned_bytes(num_bytes: int) -> int:
     return 1 << (num_bytes - 1).bit_length()
 
 
+def unrounded_pinning(num_bytes: int) -> bool:
+    """Ask PyTorch's pinned allocator not to round allocations of `num_bytes` up to a power of two
+    (its `pinned_max_round_threshold_mb` setting, lowered just below them; smaller allocations
+    keep their rounding). True when the settings now say so, False where this PyTorch has no
+    such setting."""
+    if pinned_bytes(num_bytes) == num_bytes:
+        return True
+    if num_bytes <= 2 << 20:  # the threshold is in whole MiB, above 0
+        return False
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_settings is None:
+        return False
+    try:
+        set_settings(f"pinned_max_round_threshold_mb:{max(1, (num_bytes >> 20) - 1)}")
+    except (RuntimeError, ValueError) as e:
+        logger.info("PyTorch refused pinned_max_round_threshold_mb (%s)", e)
+        return False
+    return pinned_bytes(num_bytes) == num_bytes
+
+
 def _slab(shape: tuple, dtype: torch.dtype, pin_memory: bool, name: str) -> torch.Tensor:
     """The tier's slab. PyTorch's pinned allocator rounds an allocation up to a power of two, so
-    a pinned slab can lock up to twice its bytes: said once here, and named in the error when the
-    host cannot lock that much."""
+    a pinned slab could lock up to twice its bytes: `unrounded_pinning` turns that off for
+    allocations this large; where it cannot, that is said once here, and named in the error when
+    the host cannot lock that much."""
     if not pin_memory:
         return torch.empty(shape, dtype=dtype)
     num_bytes = math.prod(shape) * dtype.itemsize
     locked = pinned_bytes(num_bytes)
+    if locked - num_bytes > num_bytes // 4 and unrounded_pinning(num_bytes):
+        locked = num_bytes
     if locked - num_bytes > num_bytes // 4:
         logger.warning("%s: its %.1f GiB slab locks %.1f GiB of host memory (PyTorch's pinned allocator "
                        "rounds to a power of two); a capacity of %.1f GiB would lock only what it uses",
@@ -58,8 +81,8 @@ def _slab(shape: tuple, dtype: torch.dtype, pin_memory: bool, name: str) -> torc
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     except RuntimeError as e:
-        raise RuntimeError(f"{name}: could not pin {num_bytes} bytes of host memory for the CPU tier "
-                           f"(PyTorch's pinned allocator asks for {locked}, the next power of two): "
+        rounding = f" (PyTorch's pinned allocator asks for {locked}, the next power of two)" if locked > num_bytes else ""
+        raise RuntimeError(f"{name}: could not pin {num_bytes} bytes of host memory for the CPU tier{rounding}: "
                            f"lower capacity_bytes ({e})") from e
 
 

@@ -102,10 +102,11 @@ class _StreamPlan:
 
 
 class FarKV:
-    def __init__(self, store, window_tokens: int):
+    def __init__(self, store, window_tokens: int, max_model_len: int | None = None):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
-        timed by the GPU."""
+        timed by the GPU. max_model_len: the engine's longest request; under the sparse policy it
+        bounds each request's key summaries (`summary_bytes_per_request`)."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
@@ -113,6 +114,7 @@ class FarKV:
         store.keep_saves_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
+        self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
         lookahead = store.lookahead
         scheduler = store.config.scheduler
         layout, staging_bytes = store.layout, scheduler.staging_bytes
@@ -183,7 +185,7 @@ class FarKV:
         if req.summaries is None:
             layout = self.store.layout
             req.summaries = RequestSummaries(self.store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                                             self.store.device)
+                                             self.store.device, self.max_blocks)
         req.summaries.update(layer, first, blocks)
 
     def _select(self, req: _Request, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:

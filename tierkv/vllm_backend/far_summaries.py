@@ -1,6 +1,6 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
-Primitives: `RequestSummaries` (`update`, `select`, `num_bytes`).
+Primitives: `RequestSummaries` (`update`, `select`, `num_bytes`), `summary_bytes_per_request`.
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
 filled from the copies the connector saves), and which blocks have one, on the host and on the
@@ -23,9 +23,11 @@ from tierkv.sparse import BlockSummaries
 
 
 class RequestSummaries:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_blocks: int | None = None):
+        """max_blocks: the blocks of the longest request (tables never grow past it)."""
         self.device = device
-        self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device)
+        self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device, max_blocks)
         self.is_summarized = [np.zeros(0, dtype=bool) for _ in range(num_layers)]                 # host, per layer
         self.is_summarized_dev = [torch.zeros(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
         self.prefix = [0] * num_layers  # per layer: blocks [0, prefix) all have a summary (host-known)
@@ -83,3 +85,11 @@ class RequestSummaries:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.summaries.tables)
 
+
+
+def summary_bytes_per_request(max_model_len: int, block_tokens: int, num_layers: int, num_kv_heads: int,
+                              head_dim: int, dtype_bytes: int) -> int:
+    """GPU bytes of one request's key summaries at most: a key min and max per block, KV head and
+    layer for the ceil(max_model_len / block_tokens) blocks its tables may hold (`FarKV` caps them
+    there). 2 * num_kv_heads * head_dim * dtype_bytes / block_tokens bytes per token and layer."""
+    return -(-max_model_len // block_tokens) * num_layers * 2 * num_kv_heads * head_dim * dtype_bytes

@@ -14,13 +14,17 @@ The engine runs in-process (the scheduler and the worker share one tier chain) a
 With `hot_window=True` (the default) vLLM's KV pool holds only each request's last
 `cache.window_tokens` tokens: the pool is `cache.gpu_budget_bytes` minus the staging ring
 (`scheduler.staging_bytes`), whatever `max_model_len` is, and tierkv's attention backend reads
-older blocks from the tiers (`hot_window.py`). Prompts are prefilled in chunks of
+older blocks from the tiers (`hot_window.py`). Under `scheduler.policy: sparse` the budget also
+holds the key summaries of `max_num_seqs` requests of `max_model_len` tokens (both then required
+engine arguments; their bytes come from the checkpoint's config.json), so vLLM's pool, the
+staging ring and the summaries together stay within `cache.gpu_budget_bytes`. Prompts are prefilled in chunks of
 `scheduler.prefill_chunk_tokens`; vLLM's own prefix cache is off (the tiers hold every block).
 `hot_window=False` keeps vLLM's full pool (sized by `gpu_memory_utilization`) with the connector
 alone: repeated prefixes are then loaded back from the tiers instead of prefilled.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -35,6 +39,8 @@ from tierkv.vllm_backend.config import kv_transfer_config
 
 
 class VllmTieredLLM:
+    summary_reserved_bytes = 0  # GPU bytes of the budget kept for sparse key summaries (set by __init__)
+
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
                  tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  enable_prefix_caching: bool = True, hot_window: bool = True, **engine_kwargs):
@@ -61,7 +67,9 @@ class VllmTieredLLM:
             if clash:
                 raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
                                  "cache.gpu_budget_bytes - scheduler.staging_bytes); pass hot_window=False to set them")
-            kwargs.update(hot_window_engine_args(self.config))
+            self.summary_reserved_bytes = (sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
+                                           if self.config.scheduler.policy == "sparse" else 0)
+            kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes))
             if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
                 require_plugin_installed()
         if max_model_len is not None:
@@ -121,12 +129,13 @@ class VllmTieredLLM:
         return results
 
     def stats(self) -> dict:
-        """Running totals and the tiers' statistics; under tensor parallelism each rank's (its
+        """Running totals, the GPU bytes reserved for sparse key summaries, and the tiers'
+        statistics; under tensor parallelism each rank's (its
         tiers named `<tier>@rank<k>`, the rest under `ranks.rank<k>`), gathered from the worker
         processes by vLLM's `collective_rpc`."""
         from tierkv.vllm_backend.store import merge_rank_stats, peek_store, worker_stats
 
-        totals = {"requests": dict(self._totals), "backend": "vllm"}
+        totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes}
         if self.engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
             per_rank = [s for worker in self.engine.collective_rpc(worker_stats, args=(self.engine_id,)) for s in worker]
             return {**totals, **merge_rank_stats(per_rank)}
@@ -155,21 +164,69 @@ class VllmTieredLLM:
         self.close()
 
 
-def hot_window_engine_args(config: TierKVConfig) -> dict:
+def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0) -> dict:
     """vLLM engine arguments of the hot-window pool: backend CUSTOM, a KV pool of the GPU budget
-    minus the staging ring, prefill chunks of `scheduler.prefill_chunk_tokens`."""
+    minus the staging ring and `summary_bytes` (the sparse policy's key summaries,
+    `sparse_summary_bytes`), prefill chunks of `scheduler.prefill_chunk_tokens`."""
     from tierkv.config import ConfigError
     from tierkv.units import format_bytes
     from tierkv.vllm_backend import hot_window
 
-    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes
+    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes - summary_bytes
     if pool <= 0:
+        summaries = f" and the sparse key summaries ({format_bytes(summary_bytes)})" if summary_bytes else ""
         raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
-                          f"must exceed scheduler.staging_bytes ({format_bytes(config.scheduler.staging_bytes)}): "
-                          "the rest is vLLM's hot-window pool")
+                          f"must exceed scheduler.staging_bytes ({format_bytes(config.scheduler.staging_bytes)})"
+                          f"{summaries}: the rest is vLLM's hot-window pool")
     hot_window.register()
     return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
                 max_num_batched_tokens=config.scheduler.prefill_chunk_tokens, async_scheduling=False)
+
+
+def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
+    """GPU bytes the sparse policy's key summaries take at most on each GPU: `max_num_seqs`
+    requests of `max_model_len` tokens (default: the checkpoint's max_position_embeddings), the
+    model's shape read from the checkpoint's config.json, its KV heads split over
+    `tensor_parallel_size`."""
+    from tierkv.vllm_backend.far_summaries import summary_bytes_per_request
+
+    max_num_seqs = engine_kwargs.get("max_num_seqs")
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: got {max_num_seqs!r}; scheduler.policy 'sparse' keeps the key summaries of "
+                         "every running request on the GPU inside cache.gpu_budget_bytes, so the engine needs a "
+                         "positive max_num_seqs (requests at once)")
+    shape = checkpoint_shape(model_dir)
+    max_len = max_model_len or shape["max_position_embeddings"]
+    if not max_len:
+        raise ValueError(f"max_model_len: not given and {model_dir}/config.json has no max_position_embeddings; "
+                         "the sparse policy sizes its key summaries from it")
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    dtype_bytes = 4 if str(engine_kwargs.get("dtype", "auto")) in ("float32", "float", "torch.float32") else 2
+    per_request = summary_bytes_per_request(max_len, config.cache.block_tokens, shape["num_hidden_layers"],
+                                            max(1, shape["num_key_value_heads"] // tp), shape["head_dim"], dtype_bytes)
+    return max_num_seqs * per_request
+
+
+def checkpoint_shape(model_dir) -> dict:
+    """num_hidden_layers, num_key_value_heads, head_dim and max_position_embeddings (None when
+    absent) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: {path} cannot be read as JSON ({e}); the sparse policy sizes its key summaries "
+                         "from the model's shape") from e
+    text = raw.get("text_config") or raw
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        if not isinstance(text.get(key), int) or text[key] < 1:
+            raise ValueError(f"model: {path} has {key}={text.get(key)!r}; a positive integer is needed")
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+    if not head_dim:
+        raise ValueError(f"model: {path} gives neither head_dim nor hidden_size")
+    return {"num_hidden_layers": text["num_hidden_layers"], "num_key_value_heads": text.get("num_key_value_heads") or heads,
+            "head_dim": head_dim, "max_position_embeddings": text.get("max_position_embeddings")}
 
 
 PLUGIN_ENTRY_POINT = "tierkv.vllm_backend.hot_window:register"
