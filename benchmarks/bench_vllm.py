@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -121,13 +122,14 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         timed token by token, so a prefix served from the tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
         kernel table, the steps' wall time and their summed kernel time go to OUT/profile-MODE.txt)."""
         rid = f"bench-{next(request_ids)}"
+        gc_timer.take()
         params = copy.deepcopy(params)
         params.output_kind = RequestOutputKind.CUMULATIVE  # an output every step (LLM.generate sets FINAL_ONLY)
         start = time.perf_counter()
         engine_.add_request(rid, {"prompt_token_ids": ids}, params)
         first_at = last_at = None
         tokens, logprobs = [], []
-        step_number, profiled, step_ms = 0, [], []
+        step_number, profiled, step_ms, step_gc = 0, [], [], []
         while engine_.has_unfinished_requests():
             profiler = _start_profiler() if profile and step_number in profile else None
             step_start = time.perf_counter()
@@ -136,6 +138,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                 torch.cuda.synchronize()
                 profiled.append((step_number, time.perf_counter() - step_start, _stop_profiler(profiler)))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
+            step_gc.append(gc_timer.take())
             step_number += 1
             for output in step_outputs:
                 if output.request_id != rid:
@@ -153,13 +156,14 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             kept = [ms for n, ms in enumerate(step_ms) if n >= first_step and n not in profile]
             per_token_ms = sum(kept) / len(kept) if kept else float("nan")
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
-        return first_at - start, per_token_ms, tokens, top2, step_ms
+        return first_at - start, per_token_ms, tokens, top2, step_ms, step_gc
 
     def far_wait_s() -> float:  # compute's GPU-timed wait for far copies so far (hot window)
         return tiered.stats().get("hot_window", {}).get("wait_s", 0.0) if tiered is not None else 0.0
 
     wait0 = far_wait_s()
-    prefill_s, decode_ms, tokens, top2_decode, step_ms = stepped(prompt, decode, profile_steps)
+    gc_timer = GcTimer()
+    prefill_s, decode_ms, tokens, top2_decode, step_ms, step_gc = stepped(prompt, decode, profile_steps)
     wait1 = far_wait_s()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     summaries = tiered.summary_reserved_bytes if tiered is not None else 0
@@ -175,7 +179,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "kv_reserved_bytes": kv_reserved + staging + summaries,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
-           **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
+           **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
     path = Path(out) / f"bench-vllm-{mode}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +195,26 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "connector")}))
     if "prefix_error" in row:
         raise SystemExit(f"repeated-prefix rows failed: {row['prefix_error']}")
+
+
+class GcTimer:
+    """Python garbage collections while it is installed: (generation, ms) of each, taken per step."""
+
+    def __init__(self):
+        self._current: list[tuple[int, float]] = []
+        self._start = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self._current.append((info["generation"], round(1e3 * (time.perf_counter() - self._start), 2)))
+            self._start = None
+
+    def take(self) -> list[tuple[int, float]]:
+        taken, self._current = self._current, []
+        return taken
 
 
 def _start_profiler():
