@@ -121,3 +121,34 @@ def test_a_slab_the_host_cannot_pin_is_a_clear_error(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match=r"big: could not pin 3072 bytes .* asks for 4096, .* lower capacity_bytes"):
         CpuTier("big", layout, 12 * layout.num_bytes, pin_memory=True)
     assert "big: its" in caplog.text and "rounds to a power of two" in caplog.text
+
+
+def test_a_slab_rounding_would_bloat_comes_from_cuda_host_alloc_of_its_exact_size(monkeypatch):
+    """With cupy present, the slab is cudaHostAlloc'd at its exact bytes (a fake cupy here, backed
+    by host memory) and given back with freeHost once the tier's last view of it is gone."""
+    import ctypes
+    import gc
+    import sys
+    from types import SimpleNamespace
+
+    buffers, freed = {}, []
+
+    def host_alloc(num_bytes, flags):
+        buffer = ctypes.create_string_buffer(num_bytes)
+        buffers[ctypes.addressof(buffer)] = buffer
+        return ctypes.addressof(buffer)
+
+    runtime = SimpleNamespace(hostAlloc=host_alloc, freeHost=freed.append, CUDARuntimeError=RuntimeError)
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
+    layout = BlockLayout(8, 64, 128, torch.bfloat16)  # 256 KiB blocks
+    tier = CpuTier("wide", layout, 20 * layout.num_bytes, pin_memory=True)  # 5 MiB: torch would lock 8 MiB
+    (pointer,) = buffers
+    assert tier.slab.shape == (20, *layout.shape) and tier.slab.dtype == torch.bfloat16
+    assert tier.slab.data_ptr() == pointer
+    block = torch.randn(layout.shape).to(torch.bfloat16)
+    assert tier.put("k", block).ok and torch.equal(tier.get("k"), block)
+    assert freed == []
+    tier.close()
+    del tier
+    gc.collect()
+    assert freed == [pointer]

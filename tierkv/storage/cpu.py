@@ -15,13 +15,16 @@ A pinned block is never evicted; a put that finds every slot pinned fails (ok=Fa
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import re
+import weakref
 from collections import Counter, OrderedDict
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tierkv.blocks import BlockLayout
@@ -63,17 +66,40 @@ def unrounded_pinning(num_bytes: int) -> bool:
     return pinned_bytes(num_bytes) == num_bytes
 
 
+def exact_pinned(shape: tuple, dtype: torch.dtype, name: str) -> torch.Tensor | None:
+    """A pinned tensor of exactly its bytes, from cudaHostAlloc through cupy (PyTorch's pinned
+    allocator would round it up to a power of two), given back to CUDA when its last view goes;
+    None without cupy."""
+    try:
+        import cupy  # optional dependency (extra "gpu")
+    except ImportError:
+        return None
+    num_bytes = math.prod(shape) * dtype.itemsize
+    try:
+        pointer = cupy.cuda.runtime.hostAlloc(num_bytes, 0)
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise RuntimeError(f"{name}: could not pin {num_bytes} bytes of host memory for the CPU tier: "
+                           f"lower capacity_bytes ({e})") from e
+    owner = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(pointer))
+    weakref.finalize(owner, cupy.cuda.runtime.freeHost, pointer)
+    return torch.from_numpy(owner).view(dtype).view(shape)
+
+
 def _slab(shape: tuple, dtype: torch.dtype, pin_memory: bool, name: str) -> torch.Tensor:
     """The tier's slab. PyTorch's pinned allocator rounds an allocation up to a power of two, so
-    a pinned slab could lock up to twice its bytes: `unrounded_pinning` turns that off for
-    allocations this large; where it cannot, that is said once here, and named in the error when
-    the host cannot lock that much."""
+    a pinned slab could lock up to twice its bytes: where that would cost more than a quarter,
+    the slab comes from `exact_pinned`, else from PyTorch with `unrounded_pinning`; where neither
+    can, that is said once here, and named in the error when the host cannot lock that much."""
     if not pin_memory:
         return torch.empty(shape, dtype=dtype)
     num_bytes = math.prod(shape) * dtype.itemsize
     locked = pinned_bytes(num_bytes)
-    if locked - num_bytes > num_bytes // 4 and unrounded_pinning(num_bytes):
-        locked = num_bytes
+    if locked - num_bytes > num_bytes // 4:
+        exact = exact_pinned(shape, dtype, name)
+        if exact is not None:
+            return exact
+        if unrounded_pinning(num_bytes):
+            locked = num_bytes
     if locked - num_bytes > num_bytes // 4:
         logger.warning("%s: its %.1f GiB slab locks %.1f GiB of host memory (PyTorch's pinned allocator "
                        "rounds to a power of two); a capacity of %.1f GiB would lock only what it uses",

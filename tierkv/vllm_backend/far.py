@@ -215,7 +215,8 @@ class FarKV:
         if not req.pinned_keys:
             req.pinned_keys = [[] for _ in range(self.store.num_layers)]
             req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
-            req.pinned_slots_dev = [torch.empty(0, dtype=torch.int64, device=self.store.device)
+            # sized for the longest request when known: the buffer never moves, so no graph recaptures
+            req.pinned_slots_dev = [torch.empty(self.max_blocks or 0, dtype=torch.int64, device=self.store.device)
                                     for _ in range(self.store.num_layers)]
         first = req.pinned_slots[0].numel()
         if num_blocks <= first:
@@ -436,12 +437,13 @@ class FarKV:
 
     def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` the same row
-        and layer selected the step before (that selection kept, as a copy, one step ahead)."""
+        and layer selected the step before (that selection kept, as a copy, one step ahead).
+        Counted with elementwise ops (torch.isin may sort through a host-synchronizing unique)."""
         step = self.counts["steps"]
         if step % OVERLAP_EVERY == 0:
             previous = req.previous.pop(layer, None)
             if previous is not None:
-                self._overlap += torch.isin(ids, previous).sum()
+                self._overlap += (ids.unsqueeze(1) == previous.unsqueeze(0)).any(dim=1).sum()
                 self._overlap_of += ids.numel()
         elif (step + 1) % OVERLAP_EVERY == 0:
             req.previous[layer] = ids.clone()
