@@ -34,16 +34,17 @@ CONTEXT = 131072 - 64
 
 def host_requests(per_request_bytes: int) -> int:
     """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier, counting what
-    PyTorch's pinned allocator locks for the slab (`pinned_bytes`). The tier turns the allocator's
-    power-of-two rounding off for its slab (`unrounded_pinning`), as done here first; where this
-    PyTorch cannot, the rounding is counted (an 81 GiB tier for 5 requests once failed on the GPU
-    machine's 128 GiB)."""
+    its slab locks: its own bytes where the tier can pin it exactly (`exact_pinned`, with cupy, or
+    `unrounded_pinning`), else PyTorch's power-of-two round-up (`pinned_bytes`; an 81 GiB tier for
+    5 requests once failed on the GPU machine's 128 GiB)."""
+    import importlib.util
+
     from tierkv.storage.cpu import pinned_bytes, unrounded_pinning
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = max(1, int(0.7 * ram) // per_request_bytes)
-    unrounded_pinning(per_request_bytes)
-    while n > 1 and pinned_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
+    exact = importlib.util.find_spec("cupy") is not None or unrounded_pinning(per_request_bytes)
+    while n > 1 and not exact and pinned_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
         n -= 1
     return n
 
