@@ -19,9 +19,9 @@ lookahead streamer copies it through the staging ring chunk by chunk, layers L+1
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
 min/max, kept on the device from the copies the connector saves), fetched once selected;
-prefill stays exact. Far blocks without a summary (a prefix the tiers served) get one from the
-first prefill chunk that streams them, or else from one fetch at the row's first sparse step
-of each layer, and are then ranked with the rest. Those
+prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
+is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
+steps select. Sparse
 fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
 never overwrite chunks streamed ahead for a prefill row of the same step.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -260,7 +259,8 @@ class FarKV:
                     raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
                 self._pin(req_id, req, n_far)
         self.rows = far_rows
-        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 for r in far_rows]
+        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_summarized(r)
+                  for r in far_rows]
         self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
         streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
         offsets, total = [], 0
@@ -286,6 +286,11 @@ class FarKV:
         if total:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
         return far_rows
+
+    def _is_summarized(self, row: FarRow) -> bool:
+        """Every far block of the row has a key summary in every layer (host-known)."""
+        req = self.requests.get(row.req_id)
+        return req is not None and req.summaries is not None and min(req.summaries.prefix) >= row.num_far_blocks
 
     def prefetch(self, layer: int) -> None:
         """Before layer `layer` computes: keep layers up to layer + lookahead copying."""
@@ -385,9 +390,6 @@ class FarKV:
             q_row = q[row.q_start : row.q_end]
             if i in skip:
                 continue
-            if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
-                with record_function("tierkv.sparse.summarize"):
-                    self._summarize_missing(row, req, layer)
             with record_function("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
@@ -405,27 +407,12 @@ class FarKV:
                           slots: torch.Tensor) -> None:
         """Sparse policy: summarize a streamed piece (the row's far blocks first_block.. in `slots`
         of `staging`) unless each of its blocks has a summary (a prefix served by the tiers has
-        none; the prefill that streams it gives them, so its decode can select)."""
+        none; the prefill or first decode step that streams it gives them, so the next steps can
+        select)."""
         req = self.requests[row.req_id]
         if req.summaries is not None and req.summaries.prefix[layer] >= first_block + slots.numel():
             return
         self._summarize_run(req, layer, first_block, staging.index_select(0, slots))
-
-    def _summarize_missing(self, row: FarRow, req: _Request, layer: int) -> None:
-        """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
-        selection ranks them with the rest (once per request and layer: a prefix the tiers served
-        and no prefill streamed). Each piece counts as a stall."""
-        known = req.summaries.is_summarized[layer][: row.num_far_blocks] if req.summaries is not None else np.zeros(0, bool)
-        missing = np.flatnonzero(~np.concatenate([known, np.zeros(row.num_far_blocks - known.size, dtype=bool)]))
-        slots = req.pinned_slots[layer][torch.from_numpy(missing)]
-        fetcher, done = self.sparse_streamer, 0
-        for chunk in fetcher.fetch_now(layer, slots, (missing * self.block_tokens).tolist(), self.block_tokens):
-            ids = missing[done : done + chunk.slots.numel()]
-            blocks = fetcher.pool.staging.index_select(0, chunk.slots)
-            runs = np.flatnonzero(np.diff(ids) != 1) + 1  # starts of runs of consecutive blocks
-            for a, b in zip([0, *runs], [*runs, ids.size]):
-                self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
-            done += ids.size
 
     def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         self._note_selection(req, layer, ids)

@@ -10,8 +10,8 @@ device. A decoding row attends
   + the k summarized far blocks with the largest upper bound of q . k
 
 so a block is never dropped for lack of a summary; with k covering them, all far blocks.
-(`FarKV` summarizes such blocks before it selects: from the prefill that streams them, or from
-one fetch.)
+(`FarKV` summarizes such blocks before it selects: a row whose far blocks lack summaries is
+streamed exactly, and the streamed chunks leave them.)
 """
 from __future__ import annotations
 
