@@ -1,12 +1,12 @@
 """The hot window's sparse decode path alone (tierkv.vllm_backend.far, no vLLM): host and GPU time per layer.
 
     python benchmarks/bench_far_sparse.py [--far-tokens 65536] [--layers 4] [--rows 1 4] [--steps 20]
-        [--budget-tokens 2048] [--graphs] [--out PATH]
+        [--budget-tokens 2048] [--block-tokens 16 [64]] [--graphs] [--out PATH]
 
 What vLLM's CUSTOM backend calls for each layer of a decode step under `scheduler.policy:
 sparse` — `FarKV.attend_into` (selection from the key summaries, fetch of the selected blocks
 from the pinned CPU tier, attention over them, the merge with the near part) — on blocks saved through the
-same store, with the 8B model's KV shape (8 KV heads, head_dim 128, bf16, 16-token blocks) and
+same store, with the 8B model's KV shape (8 KV heads, head_dim 128, bf16, blocks of each `--block-tokens`) and
 32 query heads. Per row count: wall ms per layer with the GPU synchronized once per step (the
 host-bound cost vLLM's eager forward pays), GPU ms per layer (events), the copy ceiling of the
 selected bytes, and a cProfile of a few steps (top functions by own time) in OUT. `--graphs` adds,
@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import write_results  # noqa: E402
 
-HEADS, KV_HEADS, DIM, BS = 32, 8, 128, 16
+HEADS, KV_HEADS, DIM = 32, 8, 128
 
 
 def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: torch.device, tmp: Path,
-          graphs: bool = False):
+          graphs: bool = False, BS: int = 16):
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
     from tierkv.vllm_backend.far import FarKV
@@ -66,6 +66,7 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
 
 
 def run_steps(far, store, rows: int, blocks: int, layers: int, steps: int, device) -> tuple[float, float]:
+    BS = far.block_tokens
     """(wall ms per layer, GPU ms per layer) over `steps` decode steps, one sync per step."""
     is_cuda = device.type == "cuda"
     q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
@@ -92,9 +93,9 @@ def run_steps(far, store, rows: int, blocks: int, layers: int, steps: int, devic
     return wall / steps / layers, gpu / steps / layers
 
 
-def measure(args, rows: int, graphs: bool, device: torch.device, tmp: Path) -> dict:
+def measure(args, rows: int, graphs: bool, device: torch.device, tmp: Path, block_tokens: int = 16) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    store, far, blocks = build(args.far_tokens, args.layers, rows, args.budget_tokens, device, tmp, graphs)
+    store, far, blocks = build(args.far_tokens, args.layers, rows, args.budget_tokens, device, tmp, graphs, block_tokens)
     try:
         run_steps(far, store, rows, blocks, args.layers, 3, device)  # warm-up: kernels built, graphs captured
         wall_ms, gpu_ms = run_steps(far, store, rows, blocks, args.layers, args.steps, device)
@@ -105,7 +106,7 @@ def measure(args, rows: int, graphs: bool, device: torch.device, tmp: Path) -> d
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         used = (far.graphs.counts["graph_replays"] > 0) if far.graphs is not None else False
-        return {"rows": rows, "graphs": graphs, "graphs_used": used, "wall_ms_per_layer": wall_ms, "gpu_ms_per_layer": gpu_ms,
+        return {"rows": rows, "block_tokens": block_tokens, "graphs": graphs, "graphs_used": used, "wall_ms_per_layer": wall_ms, "gpu_ms_per_layer": gpu_ms,
                 "selected_bytes_per_layer": rows * args.budget_tokens * 2 * KV_HEADS * DIM * 2,
                 "far_stats": far.stats(), "cprofile_5_steps": text.getvalue()}
     finally:
@@ -120,26 +121,28 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--block-tokens", type=int, nargs="+", default=[16], help="block sizes to run, one store each")
     parser.add_argument("--graphs", action="store_true", help="also run each row count with sparse_cuda_graphs")
     parser.add_argument("--out", default="benchmarks/results/far-sparse.json")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     results = []
-    for rows in args.rows:
+    for rows, bs in [(r, b) for b in args.block_tokens for r in args.rows]:
         for graphs in (False, True) if args.graphs else (False,):
-            results.append(measure(args, rows, graphs, device, out.parent / f"far-sparse-tmp-{rows}-{int(graphs)}"))
+            results.append(measure(args, rows, graphs, device, out.parent / f"far-sparse-tmp-{rows}-{int(graphs)}-{bs}", bs))
             r = results[-1]
-            print(f"rows {rows}{' graphs' if graphs else ''}{'' if r['graphs_used'] == graphs else ' (not used)'}: wall {r['wall_ms_per_layer']:.3f} ms/layer, "
+            print(f"{bs}-token blocks, rows {rows}{' graphs' if graphs else ''}{'' if r['graphs_used'] == graphs else ' (not used)'}: wall {r['wall_ms_per_layer']:.3f} ms/layer, "
                   f"GPU {r['gpu_ms_per_layer']:.3f} ms/layer, {r['selected_bytes_per_layer'] / 2**20:.0f} MiB selected "
                   "per layer", flush=True)
     write_results(out, {"far_tokens": args.far_tokens, "layers": args.layers, "budget_tokens": args.budget_tokens,
                         "rows": results})
-    print(f"{'rows':>5} {'graphs used':>11} {'wall ms/layer':>14} {'GPU ms/layer':>13} {'x eager':>8}")
-    eager = {r["rows"]: r["wall_ms_per_layer"] for r in results if not r["graphs"]}
+    print(f"{'block':>5} {'rows':>5} {'graphs used':>11} {'wall ms/layer':>14} {'GPU ms/layer':>13} {'x eager':>8}")
+    eager = {(r["block_tokens"], r["rows"]): r["wall_ms_per_layer"] for r in results if not r["graphs"]}
     for r in results:
-        ratio = r["wall_ms_per_layer"] / eager[r["rows"]]
-        print(f"{r['rows']:>5} {str(r['graphs_used']):>11} {r['wall_ms_per_layer']:>14.3f} {r['gpu_ms_per_layer']:>13.3f} {ratio:>8.2f}")
+        ratio = r["wall_ms_per_layer"] / eager[r["block_tokens"], r["rows"]]
+        print(f"{r['block_tokens']:>5} {r['rows']:>5} {str(r['graphs_used']):>11} {r['wall_ms_per_layer']:>14.3f} "
+              f"{r['gpu_ms_per_layer']:>13.3f} {ratio:>8.2f}")
     return 0
 
 
