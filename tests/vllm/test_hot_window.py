@@ -659,6 +659,39 @@ def test_a_prefix_without_summaries_is_streamed_exactly_once_then_selected_like_
         store.close()
 
 
+def test_a_few_far_blocks_without_summaries_are_fetched_and_summarized_before_selecting(tmp_path):
+    """Blocks vLLM loaded into its window from the tiers have no summary when they become far: a
+    row missing at most a selection's worth fetches and summarizes just those, then selects (no
+    exact stream); the planted blocks, among the missing ones, are found."""
+    window = 2 * BS
+    plant = [37, 38, 39]
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42, plant=plant,
+                                               summarize_all=False)
+    try:
+        hashes = far.requests["r"].hashes
+        for name in NAMES:  # all but the last 4 far blocks were computed here
+            spans = [BlockSpan("r", ids[:36], hashes[:36])]
+            far.summarize(store.layer_index[name], spans, store.paged.read(caches[name], torch.tensor(ids[:36])))
+        for step in range(2):
+            (row,) = far.begin_step([("r", 42 * BS + step, 1)])
+            assert row.num_far_blocks == 40 and far._sparse_rows == [0] and not far._pieces
+            for name in NAMES:
+                layer = store.layer_index[name]
+                stalls = far.sparse_streamer.num_stalls
+                out, _ = far.attend(layer, q, 0.3)
+                region = far.sparse_streamer.pool.region_blocks
+                fetched = (-(-4 // region) if step == 0 else 0) + -(-4 // region)  # the 4 missing, then the selection
+                assert far.sparse_streamer.num_stalls - stalls == fetched
+                assert far.requests["r"].summaries.prefix[layer] == 40
+                assert set(plant) <= set(far._select(far.requests["r"], layer, q[0], 40).tolist())
+                want, _ = dense(q, store.paged.read(caches[name], torch.tensor(ids[:40])), 0.3)
+                assert (out.double() - want).norm() / want.norm() < 1e-2
+            far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
 def test_a_prefill_streaming_unsummarized_far_blocks_summarizes_them(tmp_path):
     """A prefill row after a served prefix streams every far block exactly; it leaves their
     summaries behind, so the request's decode selects without fetching them again."""

@@ -21,7 +21,8 @@ computes. Under `scheduler.policy: sparse` a decoding request instead attends th
 min/max, kept on the device from the copies the connector saves), fetched once selected;
 prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
 is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
-steps select. Sparse
+steps select; a few missing ones (at most a selection's worth: window blocks vLLM loaded from
+the tiers that became far) are fetched and summarized before the selection. Sparse
 fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
 never overwrite chunks streamed ahead for a prefill row of the same step.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -259,7 +261,7 @@ class FarKV:
                     raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
                 self._pin(req_id, req, n_far)
         self.rows = far_rows
-        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_summarized(r)
+        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_selectable(r)
                   for r in far_rows]
         self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
         streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
@@ -287,10 +289,14 @@ class FarKV:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
         return far_rows
 
-    def _is_summarized(self, row: FarRow) -> bool:
-        """Every far block of the row has a key summary in every layer (host-known)."""
+    def _is_selectable(self, row: FarRow) -> bool:
+        """A decoding row selects when at most one selection's worth of its far blocks lacks a key
+        summary in some layer (those are fetched and summarized first: window blocks vLLM loaded
+        from the tiers, now far); with more (a prefix the tiers served) it streams exactly this
+        once, and the streamed chunks leave the summaries. Host-known, no device read."""
         req = self.requests.get(row.req_id)
-        return req is not None and req.summaries is not None and min(req.summaries.prefix) >= row.num_far_blocks
+        summarized = min(req.summaries.prefix) if req is not None and req.summaries is not None else 0
+        return row.num_far_blocks - summarized <= self.sparse_blocks
 
     def prefetch(self, layer: int) -> None:
         """Before layer `layer` computes: keep layers up to layer + lookahead copying."""
@@ -390,6 +396,9 @@ class FarKV:
             q_row = q[row.q_start : row.q_end]
             if i in skip:
                 continue
+            if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
+                with record_function("tierkv.sparse.summarize"):
+                    self._summarize_missing(row, req, layer)
             with record_function("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
@@ -413,6 +422,22 @@ class FarKV:
         if req.summaries is not None and req.summaries.prefix[layer] >= first_block + slots.numel():
             return
         self._summarize_run(req, layer, first_block, staging.index_select(0, slots))
+
+    def _summarize_missing(self, row: FarRow, req: _Request, layer: int) -> None:
+        """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
+        selection ranks them with the rest (at most one selection's worth: blocks vLLM loaded into
+        its window from the tiers, now far). Each piece counts as a stall."""
+        known = req.summaries.is_summarized[layer][: row.num_far_blocks] if req.summaries is not None else np.zeros(0, bool)
+        missing = np.flatnonzero(~np.concatenate([known, np.zeros(row.num_far_blocks - known.size, dtype=bool)]))
+        slots = req.pinned_slots[layer][torch.from_numpy(missing)]
+        fetcher, done = self.sparse_streamer, 0
+        for chunk in fetcher.fetch_now(layer, slots, (missing * self.block_tokens).tolist(), self.block_tokens):
+            ids = missing[done : done + chunk.slots.numel()]
+            blocks = fetcher.pool.staging.index_select(0, chunk.slots)
+            runs = np.flatnonzero(np.diff(ids) != 1) + 1  # starts of runs of consecutive blocks
+            for a, b in zip([0, *runs], [*runs, ids.size]):
+                self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
+            done += ids.size
 
     def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         self._note_selection(req, layer, ids)
