@@ -81,7 +81,7 @@ def exact_pinned(shape: tuple, dtype: torch.dtype, name: str) -> torch.Tensor | 
         raise RuntimeError(f"{name}: could not pin {num_bytes} bytes of host memory for the CPU tier: "
                            f"lower capacity_bytes ({e})") from e
     owner = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(pointer))
-    weakref.finalize(owner, cupy.cuda.runtime.freeHost, pointer)
+    weakref.finalize(owner, cupy.cuda.runtime.freeHost, pointer).atexit = False  # at exit the process frees it
     return torch.from_numpy(owner).view(dtype).view(shape)
 
 
