@@ -66,8 +66,8 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
 
 
 def run_steps(far, store, rows: int, blocks: int, layers: int, steps: int, device) -> tuple[float, float]:
-    BS = far.block_tokens
     """(wall ms per layer, GPU ms per layer) over `steps` decode steps, one sync per step."""
+    BS = far.block_tokens
     is_cuda = device.type == "cuda"
     q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
     near_out = torch.zeros(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)

@@ -36,18 +36,15 @@ MAX_MODEL_LEN = 131072
 
 
 def host_requests(per_request_bytes: int) -> int:
-    """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier, counting what
-    its slab locks: its own bytes where the tier can pin it exactly (`exact_pinned`, with cupy, or
-    `unrounded_pinning`), else PyTorch's power-of-two round-up (`pinned_bytes`; an 81 GiB tier for
-    5 requests once failed on the GPU machine's 128 GiB)."""
-    import importlib.util
-
-    from tierkv.storage.cpu import pinned_bytes, unrounded_pinning
+    """Requests whose far KV 70% of this machine's RAM holds in the pinned CPU tier (one request's
+    bytes each, plus 1 GiB), counting what the tier's slab locks (`slab_locked_bytes`: its own
+    size when cupy pins it exactly, else PyTorch's power-of-two round-up; an 81 GiB tier for 5
+    requests once failed on the GPU machine's 128 GiB)."""
+    from tierkv.storage.cpu import slab_locked_bytes
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = max(1, int(0.7 * ram) // per_request_bytes)
-    exact = importlib.util.find_spec("cupy") is not None or unrounded_pinning(per_request_bytes)
-    while n > 1 and not exact and pinned_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
+    while n > 1 and slab_locked_bytes(n * per_request_bytes + (1 << 30)) > 0.7 * ram:
         n -= 1
     return n
 

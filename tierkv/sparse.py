@@ -24,8 +24,9 @@ class BlockSummaries:
     """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device, grown as
     needed: each block's key max in the first head_dim values, its key min in the rest (`kmax`,
     `kmin`: per-layer views of those halves). With `max_blocks` (the blocks of the longest
-    request) a table never grows past it, so `max_blocks * bytes_per_block_per_layer()` per layer
-    bounds its memory."""
+    request) a table is allocated at that size once, at its first update, and never grows: its
+    memory is `max_blocks * bytes_per_block_per_layer()` per layer, and it never moves (a CUDA
+    graph reading it stays valid)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  max_blocks: int | None = None):
@@ -59,9 +60,7 @@ class BlockSummaries:
         have = self.tables[layer].shape[0]
         if num_blocks <= have:
             return
-        capacity = max(num_blocks, 2 * have, 64)
-        if self.max_blocks is not None:
-            capacity = max(num_blocks, min(capacity, self.max_blocks))
+        capacity = max(num_blocks, 2 * have, 64) if self.max_blocks is None else max(num_blocks, self.max_blocks)
         grown = torch.zeros((capacity, *self.tables[layer].shape[1:]), dtype=self._dtype, device=self._device)
         grown[:have] = self.tables[layer]
         self.tables[layer] = grown

@@ -3,7 +3,7 @@ the graph, as `attend_into` does for the vLLM backend) equal the eager path, ste
 after step, while the far part grows (a new far block every block_tokens steps) and across a
 recapture, for two requests at once, then for a new request once both finished (every graph freed),
 and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
-capped at the engine's longest request. No vLLM needed (tierkv.vllm_backend.far alone)."""
+allocated once for the engine's longest request. No vLLM needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
 
 import random
@@ -93,12 +93,12 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS):
         steps = 2 * BS + 4
         compare_steps(eager, graphed, {"a": start, "b": start - 5}, steps)
         tables = graphed.requests["a"].summaries.summaries.tables
-        assert all(t.shape[0] <= BLOCKS + 8 for t in tables)  # capped at max_model_len's blocks
+        assert [t.shape[0] for t in tables] == [BLOCKS + 8] * LAYERS  # max_model_len's blocks, allocated once
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * steps
-        # a capture at first use, another when the pinned-slot buffer doubles as the far part first grows;
-        # later growth replays the same graph with a larger far count
-        assert 2 * LAYERS <= counts["graph_captures"] <= 2 * LAYERS * 2
+        # one capture per request and layer at first use: the summary tables and pinned-slot buffers are
+        # sized for max_model_len and never move, so a growing far part replays with a larger far count
+        assert counts["graph_captures"] == 2 * LAYERS
         # both requests finish (every graph freed), a new one captures and replays again
         for far in (eager, graphed):
             far.finish("a")

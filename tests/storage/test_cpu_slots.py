@@ -76,8 +76,11 @@ def test_pinned_bytes_is_what_pytorchs_pinned_allocator_locks(monkeypatch):
 def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog):
     """An 81 GiB slab would lock 128 GiB: the tier lowers PyTorch's pinned rounding threshold just
     below its size first (smaller allocations keep theirs), so it locks what it uses, unlogged."""
+    import sys
+
     from tierkv.storage import cpu
 
+    monkeypatch.setitem(sys.modules, "cupy", None)  # no exact cudaHostAlloc route: PyTorch's allocator
     settings = {"value": ""}
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings["value"], raising=False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings",
@@ -89,6 +92,10 @@ def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog
     assert cpu.pinned_bytes(81 << 30) == 81 << 30 and cpu.pinned_bytes(100 << 20) == 128 << 20
     assert not cpu.unrounded_pinning(3072)  # below a MiB no threshold can help: left alone
     assert settings["value"] == f"pinned_max_round_threshold_mb:{(81 << 10) - 1}"
+    # settings already in effect are passed again (a PyTorch may reset the keys it is not given)
+    settings["value"] = "expandable_segments:True,pinned_max_round_threshold_mb:100000"
+    assert cpu.unrounded_pinning(50 << 30)  # under the 100000 MiB threshold: still rounded before
+    assert settings["value"] == f"expandable_segments:True,pinned_max_round_threshold_mb:{(50 << 10) - 1}"
 
     empty, asked = torch.empty, []
 
@@ -106,7 +113,10 @@ def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog
 
 def test_a_slab_the_host_cannot_pin_is_a_clear_error(monkeypatch, caplog):
     """Pinning failures name the tier, the bytes and what the allocator asked for; a slab that
-    rounding would nearly double is logged."""
+    rounding would nearly double is logged (no cupy, so PyTorch's allocator pins it)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
     empty = torch.empty
 
     def fail_pinned(*args, pin_memory=False, **kwargs):
@@ -152,3 +162,21 @@ def test_a_slab_rounding_would_bloat_comes_from_cuda_host_alloc_of_its_exact_siz
     del tier
     gc.collect()
     assert freed == [pointer]
+
+
+def test_slab_locked_bytes_follows_the_route_the_slab_takes(monkeypatch):
+    """What a slab locks: PyTorch's round-up, or its own size when rounding would cost more than
+    a quarter and cupy pins it exactly."""
+    import sys
+    from types import SimpleNamespace
+
+    from tierkv.storage.cpu import slab_locked_bytes
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert slab_locked_bytes(81 << 30) == 128 << 30 and slab_locked_bytes(120 << 30) == 128 << 30
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(__spec__=SimpleNamespace(name="cupy")))
+    assert slab_locked_bytes(81 << 30) == 81 << 30  # 47 GiB of rounding: pinned exactly
+    assert slab_locked_bytes(120 << 30) == 128 << 30  # 8 GiB of rounding: PyTorch's allocator

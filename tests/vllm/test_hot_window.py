@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import random
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -421,6 +422,45 @@ def _checkpoint(tmp_path, **fields) -> str:
              "max_position_embeddings": 131072, **fields}
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in shape.items() if v is not None}))
     return str(tmp_path)
+
+
+def test_tieredllm_sparse_engine_reserves_summaries_at_the_length_vllm_runs_with(tmp_path, monkeypatch):
+    """TieredLLM(backend="vllm") under the sparse policy: vLLM's pool is the budget minus staging and
+    the summaries of max_num_seqs requests, and without max_model_len vLLM is given the checkpoint's
+    max_position_embeddings, the length the summaries were reserved for."""
+    import vllm
+
+    from tierkv.vllm_backend.llm import VllmTieredLLM
+
+    given = {}
+
+    class FakeLLM:  # what VllmTieredLLM reads of vLLM's engine
+        def __init__(self, **kwargs):
+            given.update(kwargs)
+            transfer = SimpleNamespace(engine_id="fake-engine")
+            core = SimpleNamespace(shutdown=lambda: None)
+            parallel = SimpleNamespace(tensor_parallel_size=1)
+            self.llm_engine = SimpleNamespace(engine_core=core, vllm_config=SimpleNamespace(
+                kv_transfer_config=transfer, parallel_config=parallel))
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):  # set by TieredLLM: restored after
+        monkeypatch.setenv(name, "0")
+    model = _checkpoint(tmp_path, max_position_embeddings=32768)
+    config = {"cache": {"block_tokens": 64, "gpu_budget_bytes": "2GiB"},
+              "scheduler": {"policy": "sparse", "staging_bytes": "256MiB"}}
+    llm = VllmTieredLLM(model, config, max_num_seqs=2)
+    try:
+        per_request = 32768 // 64 * 32 * 2 * 8 * 128 * 2  # 64 MiB
+        assert llm.summary_reserved_bytes == 2 * per_request and given["max_model_len"] == 32768
+        assert given["kv_cache_memory_bytes"] == (2048 - 256) * 2**20 - 2 * per_request
+        assert llm.stats()["summary_reserved_bytes"] == 2 * per_request
+    finally:
+        llm.close()
+    written = set(os.listdir(tempfile.gettempdir()))
+    with pytest.raises(ValueError, match="max_num_seqs: got None"):
+        VllmTieredLLM(model, config)
+    assert not {f for f in set(os.listdir(tempfile.gettempdir())) - written if f.startswith("tierkv-vllm-")}
 
 
 def test_sparse_key_summaries_are_sized_from_the_checkpoint_and_max_num_seqs(tmp_path):

@@ -49,8 +49,9 @@ def pinned_bytes(num_bytes: int) -> int:
 def unrounded_pinning(num_bytes: int) -> bool:
     """Ask PyTorch's pinned allocator not to round allocations of `num_bytes` up to a power of two
     (its `pinned_max_round_threshold_mb` setting, lowered just below them; smaller allocations
-    keep their rounding). True when the settings now say so, False where this PyTorch has no
-    such setting."""
+    keep their rounding). The settings in effect (the allocator's own where PyTorch can read
+    them back, else the PYTORCH_*ALLOC_CONF variables) are passed again with it, so none is reset.
+    True when the settings now say so, False where this PyTorch has no such setting."""
     if pinned_bytes(num_bytes) == num_bytes:
         return True
     if num_bytes <= 2 << 20:  # the threshold is in whole MiB, above 0
@@ -58,12 +59,28 @@ def unrounded_pinning(num_bytes: int) -> bool:
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if set_settings is None:
         return False
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    current = get() if get is not None else ",".join(
+        v for v in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF")) if v)
+    kept = [item for item in current.split(",") if item and not item.startswith("pinned_max_round_threshold_mb")]
     try:
-        set_settings(f"pinned_max_round_threshold_mb:{max(1, (num_bytes >> 20) - 1)}")
+        set_settings(",".join([*kept, f"pinned_max_round_threshold_mb:{max(1, (num_bytes >> 20) - 1)}"]))
     except (RuntimeError, ValueError) as e:
         logger.info("PyTorch refused pinned_max_round_threshold_mb (%s)", e)
         return False
     return pinned_bytes(num_bytes) == num_bytes
+
+
+def slab_locked_bytes(num_bytes: int) -> int:
+    """Host bytes a pinned slab of `num_bytes` locks (`_slab`'s choice, without allocating): its own
+    size where rounding would cost more than a quarter and cupy can pin it exactly, else what
+    PyTorch's allocator asks for (`pinned_bytes`)."""
+    import importlib.util
+
+    rounded = pinned_bytes(num_bytes)
+    if rounded - num_bytes > num_bytes // 4 and importlib.util.find_spec("cupy") is not None:
+        return num_bytes
+    return rounded
 
 
 def exact_pinned(shape: tuple, dtype: torch.dtype, name: str) -> torch.Tensor | None:

@@ -217,7 +217,8 @@ class FarKV:
             req.pinned_keys = [[] for _ in range(self.store.num_layers)]
             req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
             # sized for the longest request when known: the buffer never moves, so no graph recaptures
-            req.pinned_slots_dev = [torch.empty(self.max_blocks or 0, dtype=torch.int64, device=self.store.device)
+            size = (self.max_blocks or 0) if self.sparse_blocks is not None else 0  # read by the sparse policy only
+            req.pinned_slots_dev = [torch.empty(size, dtype=torch.int64, device=self.store.device)
                                     for _ in range(self.store.num_layers)]
         first = req.pinned_slots[0].numel()
         if num_blocks <= first:

@@ -15,9 +15,11 @@ With `hot_window=True` (the default) vLLM's KV pool holds only each request's la
 `cache.window_tokens` tokens: the pool is `cache.gpu_budget_bytes` minus the staging ring
 (`scheduler.staging_bytes`), whatever `max_model_len` is, and tierkv's attention backend reads
 older blocks from the tiers (`hot_window.py`). Under `scheduler.policy: sparse` the budget also
-holds the key summaries of `max_num_seqs` requests of `max_model_len` tokens (both then required
-engine arguments; their bytes come from the checkpoint's config.json), so vLLM's pool, the
-staging ring and the summaries together stay within `cache.gpu_budget_bytes`. Prompts are prefilled in chunks of
+holds the key summaries of `max_num_seqs` requests of `max_model_len` tokens (`max_num_seqs` is
+then required; `max_model_len` defaults to the checkpoint's max_position_embeddings and is passed
+to vLLM, so the summaries are reserved for and capped at the length vLLM runs with; their bytes
+come from the checkpoint's config.json), so vLLM's pool, the staging ring and the summaries
+together stay within `cache.gpu_budget_bytes`. Prompts are prefilled in chunks of
 `scheduler.prefill_chunk_tokens`; vLLM's own prefix cache is off (the tiers hold every block).
 `hot_window=False` keeps vLLM's full pool (sized by `gpu_memory_utilization`) with the connector
 alone: repeated prefixes are then loaded back from the tiers instead of prefilled.
@@ -53,29 +55,13 @@ class VllmTieredLLM:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the connector was run with on the GPU
         from vllm import LLM
 
-        kwargs = dict(
-            model=os.fspath(model),
-            kv_transfer_config=kv_transfer_config(self.config_file, model_id=os.path.abspath(model)),
-            block_size=self.config.cache.block_tokens,
-            enforce_eager=True,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-        )
         self.hot_window = hot_window
-        if hot_window:
-            clash = sorted({"attention_config", "kv_cache_memory_bytes"} & set(engine_kwargs))
-            if clash:
-                raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
-                                 "cache.gpu_budget_bytes - scheduler.staging_bytes); pass hot_window=False to set them")
-            self.summary_reserved_bytes = (sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
-                                           if self.config.scheduler.policy == "sparse" else 0)
-            kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes))
-            if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
-                require_plugin_installed()
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        kwargs.update(engine_kwargs)
-        self.engine = LLM(**kwargs)
+        try:  # a bad argument or a failed start leaves no config file behind
+            self.engine = LLM(**self._engine_kwargs(model, max_model_len, gpu_memory_utilization, enable_prefix_caching,
+                                                    engine_kwargs))
+        except BaseException:
+            self.close()
+            raise
         self.engine_id = str(self.engine.llm_engine.vllm_config.kv_transfer_config.engine_id)
         self._totals = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_tokens": 0, "wall_s": 0.0}
         from tierkv.metrics import MetricsService
@@ -85,6 +71,36 @@ class VllmTieredLLM:
         except Exception:
             self.close()
             raise
+
+    def _engine_kwargs(self, model, max_model_len: int | None, gpu_memory_utilization: float,
+                       enable_prefix_caching: bool, engine_kwargs: dict) -> dict:
+        """vLLM's arguments: the connector, and with the hot window its pool (sets
+        `summary_reserved_bytes` under the sparse policy)."""
+        kwargs = dict(
+            model=os.fspath(model),
+            kv_transfer_config=kv_transfer_config(self.config_file, model_id=os.path.abspath(model)),
+            block_size=self.config.cache.block_tokens,
+            enforce_eager=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        if self.hot_window:
+            clash = sorted({"attention_config", "kv_cache_memory_bytes"} & set(engine_kwargs))
+            if clash:
+                raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
+                                 "cache.gpu_budget_bytes - scheduler.staging_bytes - sparse key summaries); "
+                                 "pass hot_window=False to set them")
+            if self.config.scheduler.policy == "sparse":
+                # the summaries are reserved for, and capped at, the same max_model_len vLLM runs with
+                max_model_len = max_model_len or checkpoint_shape(model)["max_position_embeddings"]
+                self.summary_reserved_bytes = sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
+            kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes))
+            if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
+                require_plugin_installed()
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(engine_kwargs)
+        return kwargs
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
