@@ -89,7 +89,8 @@ class _Request:
     pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
     # sparse policy only
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device, in a
-    #   buffer grown by doubling (entries past the pinned count unused): its address rarely moves
+    #   buffer sized for max_model_len when known, else grown by doubling (entries past the pinned count
+    #   unused): its address rarely moves
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
 

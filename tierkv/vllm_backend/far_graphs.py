@@ -16,7 +16,8 @@ copy of the merged row into vLLM's output (`FarKV.attend_into`):
 
 The far count is an input of the graph (the bound runs over the whole summary table, blocks
 past the count masked), so a growing far part replays the same graph; it is captured again only
-when the layer's summary table or its pinned-slot buffer is reallocated (both double). Rows it
+when the layer's summary table or its pinned-slot buffer is reallocated (both double, unless the
+engine's max_model_len sized them once). Rows it
 cannot serve go the eager way (`FarKV.attend_parts`): far blocks without a summary, a selection
 larger than the staging region, engines without the copy kernel, a quantized CPU tier, CPU. A
 capture that fails turns the graphs off for the engine's life (logged, counted); the eager path
