@@ -186,8 +186,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
     if with_prefix:
         try:
-            row["prefix_ttft_first_s"] = stepped(prefix + [11], one)[0]
-            row["prefix_ttft_repeat_s"] = stepped(prefix + [12], one)[0]
+            for key, last in (("first", 11), ("repeat", 12)):  # with each run's steps, collections and far waits
+                wait_before = far_wait_s()
+                ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one)
+                row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
+                row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
         except Exception as exc:  # recorded in the row, and the run fails after writing it
             row["prefix_error"] = f"{type(exc).__name__}: {exc}"
         row["connector"] = tiered.stats() if tiered is not None else None
