@@ -29,7 +29,7 @@ from vllm.v1.request import Request  # noqa: E402
 from tierkv.config import ConfigError  # noqa: E402
 from tierkv.vllm_backend import kv_transfer_config  # noqa: E402
 from tierkv.vllm_backend.connector import TierKVConnector, TierKVMetadata  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan, PagedLayout, peek_store  # noqa: E402
+from tierkv.vllm_backend.store import BlockSpan, PagedLayout  # noqa: E402
 
 BS, H, D, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -32,7 +32,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from tierkv.attention import reference  # noqa: E402
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.vllm_backend import hot_window  # noqa: E402
@@ -497,7 +496,6 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
     import weakref
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import NewRequestData
 
     window = 4 * BS
     config_file = write_config(tmp_path, window=window, staging_blocks=5)
