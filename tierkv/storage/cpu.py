@@ -34,11 +34,24 @@ from tierkv.storage.base import PutResult, StorageTier
 logger = logging.getLogger(__name__)
 
 
+def _allocator_settings() -> str:
+    """The allocator settings in effect: PyTorch's own where it can read them back, else the
+    PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF variables, comma-separated."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        return get()
+    return ",".join(v for v in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF")) if v)
+
+
+def _rounding_is_costly(num_bytes: int, locked: int) -> bool:
+    """Whether locking `locked` bytes for a slab of `num_bytes` wastes more than a quarter of it."""
+    return locked - num_bytes > num_bytes // 4
+
+
 def pinned_bytes(num_bytes: int) -> int:
     """Host bytes PyTorch's pinned allocator locks for `num_bytes`: the next power of two, or
     exactly `num_bytes` above a `pinned_max_round_threshold_mb` in the allocator settings."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    settings = " ".join([get() if get is not None else "", os.environ.get("PYTORCH_ALLOC_CONF", ""),
+    settings = ",".join([_allocator_settings(), os.environ.get("PYTORCH_ALLOC_CONF", ""),
                          os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")])
     thresholds = [int(mb) << 20 for mb in re.findall(r"pinned_max_round_threshold_mb:(\d+)", settings)]
     if num_bytes <= 0 or (thresholds and num_bytes > min(thresholds)):
@@ -59,10 +72,8 @@ def unrounded_pinning(num_bytes: int) -> bool:
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if set_settings is None:
         return False
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    current = get() if get is not None else ",".join(
-        v for v in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF")) if v)
-    kept = [item for item in current.split(",") if item and not item.startswith("pinned_max_round_threshold_mb")]
+    kept = [item for item in _allocator_settings().split(",")
+            if item and not item.startswith("pinned_max_round_threshold_mb")]
     try:
         set_settings(",".join([*kept, f"pinned_max_round_threshold_mb:{max(1, (num_bytes >> 20) - 1)}"]))
     except (RuntimeError, ValueError) as e:
@@ -78,7 +89,7 @@ def slab_locked_bytes(num_bytes: int) -> int:
     import importlib.util
 
     rounded = pinned_bytes(num_bytes)
-    if rounded - num_bytes > num_bytes // 4 and importlib.util.find_spec("cupy") is not None:
+    if _rounding_is_costly(num_bytes, rounded) and importlib.util.find_spec("cupy") is not None:
         return num_bytes
     return rounded
 
@@ -111,13 +122,13 @@ def _slab(shape: tuple, dtype: torch.dtype, pin_memory: bool, name: str) -> torc
         return torch.empty(shape, dtype=dtype)
     num_bytes = math.prod(shape) * dtype.itemsize
     locked = pinned_bytes(num_bytes)
-    if locked - num_bytes > num_bytes // 4:
+    if _rounding_is_costly(num_bytes, locked):
         exact = exact_pinned(shape, dtype, name)
         if exact is not None:
             return exact
         if unrounded_pinning(num_bytes):
             locked = num_bytes
-    if locked - num_bytes > num_bytes // 4:
+    if _rounding_is_costly(num_bytes, locked):
         logger.warning("%s: its %.1f GiB slab locks %.1f GiB of host memory (PyTorch's pinned allocator "
                        "rounds to a power of two); a capacity of %.1f GiB would lock only what it uses",
                        name, num_bytes / 2**30, locked / 2**30, (locked >> 1) / 2**30)

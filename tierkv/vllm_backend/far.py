@@ -429,8 +429,8 @@ class FarKV:
         """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
         selection ranks them with the rest (at most one selection's worth: blocks vLLM loaded into
         its window from the tiers, now far). Each piece counts as a stall."""
-        known = req.summaries.is_summarized[layer][: row.num_far_blocks] if req.summaries is not None else np.zeros(0, bool)
-        missing = np.flatnonzero(~np.concatenate([known, np.zeros(row.num_far_blocks - known.size, dtype=bool)]))
+        missing = (req.summaries.unsummarized(layer, row.num_far_blocks) if req.summaries is not None
+                   else np.arange(row.num_far_blocks))
         slots = req.pinned_slots[layer][torch.from_numpy(missing)]
         fetcher, done = self.sparse_streamer, 0
         for chunk in fetcher.fetch_now(layer, slots, (missing * self.block_tokens).tolist(), self.block_tokens):

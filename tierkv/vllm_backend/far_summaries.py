@@ -1,6 +1,6 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
-Primitives: `RequestSummaries` (`update`, `select`, `num_bytes`), `summary_bytes_per_request`.
+Primitives: `RequestSummaries` (`update`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`.
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
 filled from the copies the connector saves), and which blocks have one, on the host and on the
@@ -10,8 +10,8 @@ device. A decoding row attends
   + the k summarized far blocks with the largest upper bound of q . k
 
 so a block is never dropped for lack of a summary; with k covering them, all far blocks.
-(`FarKV` summarizes such blocks before it selects: a row whose far blocks lack summaries is
-streamed exactly, and the streamed chunks leave them.)
+(`FarKV` summarizes such blocks before it selects: a row missing more than a selection's worth is
+streamed exactly, and the streamed chunks leave them; a few are fetched and summarized.)
 """
 from __future__ import annotations
 
@@ -58,18 +58,21 @@ class RequestSummaries:
                 return torch.arange(num_far, device=q.device)
             scores = self.summaries.upper_bounds(layer, q, range(num_far))
             return torch.sort(torch.topk(scores, k).indices).values
-        known = self.is_summarized[layer][:num_far]  # the tables cover blocks [0, known.size)
-        have = np.zeros(num_far, dtype=bool)
-        have[: known.size] = known
-        if k >= int(have.sum()):
+        missing = self.unsummarized(layer, num_far)
+        if k >= num_far - missing.size:
             return torch.arange(num_far, device=q.device)
-        scores = self.summaries.upper_bounds(layer, q, range(known.size))
-        scores = torch.where(self.is_summarized_dev[layer][: known.size], scores, float("-inf"))
+        covered = min(num_far, self.is_summarized[layer].size)  # the tables cover blocks [0, covered)
+        scores = self.summaries.upper_bounds(layer, q, range(covered))
+        scores = torch.where(self.is_summarized_dev[layer][:covered], scores, float("-inf"))
         chosen = torch.topk(scores, k).indices
-        missing = np.flatnonzero(~have)
         if missing.size:
             chosen = torch.cat([chosen, to_device_no_sync(missing.tolist(), q.device)])
         return torch.sort(chosen).values
+
+    def unsummarized(self, layer: int, num_far: int) -> np.ndarray:
+        """int64 indices of blocks [0, num_far) of `layer` without a summary, ascending (host)."""
+        known = self.is_summarized[layer][:num_far]
+        return np.concatenate([np.flatnonzero(~known), np.arange(known.size, num_far)])
 
     def select_masked(self, layer: int, q: torch.Tensor, num_far: torch.Tensor, k: int) -> torch.Tensor:
         """`select` for a row whose far blocks all have a summary and number more than k, with the
@@ -84,7 +87,6 @@ class RequestSummaries:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.summaries.tables)
-
 
 
 def summary_bytes_per_request(max_model_len: int, block_tokens: int, num_layers: int, num_kv_heads: int,
