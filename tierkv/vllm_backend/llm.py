@@ -92,7 +92,7 @@ class VllmTieredLLM:
                                  "pass hot_window=False to set them")
             if self.config.scheduler.policy == "sparse":
                 # the summaries are reserved for, and capped at, the same max_model_len vLLM runs with
-                max_model_len = max_model_len or checkpoint_shape(model)["max_position_embeddings"]
+                max_model_len = sparse_max_model_len(model, max_model_len)
                 self.summary_reserved_bytes = sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
             kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes))
             if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
@@ -212,15 +212,22 @@ def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | N
                          "every running request on the GPU inside cache.gpu_budget_bytes, so the engine needs a "
                          "positive max_num_seqs (requests at once)")
     shape = checkpoint_shape(model_dir)
-    max_len = max_model_len or shape["max_position_embeddings"]
-    if not max_len:
-        raise ValueError(f"max_model_len: not given and {model_dir}/config.json has no max_position_embeddings; "
-                         "the sparse policy sizes its key summaries from it")
+    max_len = sparse_max_model_len(model_dir, max_model_len)
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
     dtype_bytes = 4 if str(engine_kwargs.get("dtype", "auto")) in ("float32", "float", "torch.float32") else 2
     per_request = summary_bytes_per_request(max_len, config.cache.block_tokens, shape["num_hidden_layers"],
                                             max(1, shape["num_key_value_heads"] // tp), shape["head_dim"], dtype_bytes)
     return max_num_seqs * per_request
+
+
+def sparse_max_model_len(model_dir, max_model_len: int | None) -> int:
+    """The length the sparse policy reserves summaries for: `max_model_len`, else the checkpoint's
+    max_position_embeddings (what vLLM would take)."""
+    max_len = max_model_len or checkpoint_shape(model_dir)["max_position_embeddings"]
+    if not max_len:
+        raise ValueError(f"max_model_len: not given and {model_dir}/config.json has no max_position_embeddings; "
+                         "the sparse policy sizes its key summaries from it")
+    return max_len
 
 
 def checkpoint_shape(model_dir) -> dict:
