@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -131,12 +133,16 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         tokens, logprobs = [], []
         step_number, profiled, step_ms, step_gc = 0, [], [], []
         while engine_.has_unfinished_requests():
-            profiler = _start_profiler() if profile and step_number in profile else None
+            # the last of several profiled steps also records Python calls (slower, but shows where host time goes)
+            profiler = (_start_profiler(with_stack=len(profile) > 1 and step_number == profile[-1])
+                        if profile and step_number in profile else None)
             step_start = time.perf_counter()
             step_outputs = engine_.step()
             if profiler is not None:
                 torch.cuda.synchronize()
-                profiled.append((step_number, time.perf_counter() - step_start, _stop_profiler(profiler)))
+                wall_s = time.perf_counter() - step_start
+                trace = Path(out) / f"trace-{mode}-step{step_number}.json"
+                profiled.append((step_number, wall_s, _stop_profiler(profiler, trace)))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_gc.append(gc_timer.take())
             step_number += 1
@@ -220,22 +226,30 @@ class GcTimer:
         return taken
 
 
-def _start_profiler():
+def _start_profiler(with_stack: bool = False):
     from torch.profiler import ProfilerActivity, profile
 
-    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack)
     profiler.__enter__()
     return profiler
 
 
-def _stop_profiler(profiler) -> str:
-    """The step's kernel table, and the summed CUDA kernel time (to compare with the step's wall)."""
+def _stop_profiler(profiler, trace: Path) -> str:
+    """The step's kernel table, its GPU busy time and idle gaps, the host's CUDA runtime calls (a
+    synchronizing one shows as a long call), and its chrome trace, gzipped (`trace`.gz)."""
     profiler.__exit__(None, None, None)
     events = profiler.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     table = events.table(sort_by="self_device_time_total", row_limit=20)
     host = events.table(sort_by="cpu_time_total", row_limit=30)  # with tierkv's record_function ranges
-    return f"summed CUDA kernel time {kernel_us / 1e3:.1f} ms\n{table}\nby host time:\n{host}"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(trace))
+    from benchmarks.trace_summary import summarize
+
+    summary = summarize(json.loads(trace.read_text()))
+    with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    return f"{summary}\n{table}\nby host time:\n{host}"
 
 
 def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
