@@ -17,7 +17,20 @@ into a far-block cache, and a selected block that was not prefetched is fetched 
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _uses_kernel(table: torch.Tensor) -> bool:
+    """CUDA tables go through `tierkv.sparse_kernels.block_bounds` (one launch) where triton is installed."""
+    return table.is_cuda and _triton_installed()
 
 
 class BlockSummaries:
@@ -70,9 +83,14 @@ class BlockSummaries:
 
         max(q_d kmin_d, q_d kmax_d) is q_d kmax_d where q_d > 0 and q_d kmin_d otherwise (kmax >= kmin),
         so the bound is one batched matmul of each block's [kmax | kmin] with [max(q, 0) | min(q, 0)],
-        reading each summary once. A range reads a slice of the table, without gathering it.
+        reading each summary once. A range reads a slice of the table, without gathering it; on CUDA
+        it is one kernel (`tierkv.sparse_kernels`).
         """
         table = self.tables[layer]
+        if isinstance(block_ids, range) and _uses_kernel(table):
+            from tierkv.sparse_kernels import block_bounds
+
+            return block_bounds(table, q, block_ids.start, block_ids.stop)
         rows = table[block_ids.start : block_ids.stop] if isinstance(block_ids, range) else table.index_select(0, block_ids)
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
@@ -80,6 +98,17 @@ class BlockSummaries:
         split = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)               # [H_kv, g, 2D]
         ub = torch.bmm(rows.float().transpose(0, 1), split.transpose(1, 2))         # [H_kv, m, g]
         return ub.amax(dim=(0, 2))
+
+    def masked_bounds(self, layer: int, q: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """`upper_bounds` of every row of the layer's table, rows at or past `limit` (int64 0-d on
+        the device) -inf: float32 [rows]. Fixed shapes while the limit grows (a CUDA graph input)."""
+        table = self.tables[layer]
+        if _uses_kernel(table):
+            from tierkv.sparse_kernels import block_bounds
+
+            return block_bounds(table, q, 0, table.shape[0], limit)
+        scores = self.upper_bounds(layer, q, range(table.shape[0]))
+        return torch.where(torch.arange(table.shape[0], device=q.device) < limit, scores, float("-inf"))
 
 
 def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:

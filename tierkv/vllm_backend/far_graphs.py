@@ -9,8 +9,9 @@ against about 0.25 ms of GPU work, and the merge with the near part another 0.37
 per (request, layer) turns that into copies of the query and the near part, one replay and one
 copy of the merged row into vLLM's output (`FarKV.attend_into`):
 
-    captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked  (sparse.py)
-               ids = sorted top-k of the bound      slots = the layer's pinned CPU-tier slots[ids]
+    captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked
+                 (one kernel, tierkv.sparse_kernels)
+               ids = top-k of the bound (unsorted)  slots = the layer's pinned CPU-tier slots[ids]
                copy kernel: CPU tier[slots] -> staging[graph slots], on the compute stream
                (out, lse) = attention of q over those staging slots, LSE-merged with the near part
 
@@ -66,6 +67,7 @@ class _Graph:
     out: torch.Tensor       # static outputs, valid until the next replay
     lse: torch.Tensor
     ids: torch.Tensor
+    far_count: int          # the value num_far holds
 
 
 class SparseRowGraphs:
@@ -109,7 +111,9 @@ class SparseRowGraphs:
                 return None
             self.graphs[(req_id, layer)] = entry
         entry.q.copy_(q_row)
-        entry.num_far.fill_(num_far)
+        if entry.far_count != num_far:  # changes once per block of decoded tokens: a launch saved otherwise
+            entry.num_far.fill_(num_far)
+            entry.far_count = num_far
         entry.near[0].copy_(near[0])
         entry.near[1].copy_(near[1])
         entry.graph.replay()
@@ -154,7 +158,7 @@ class SparseRowGraphs:
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, far_count, near, out, lse, ids)
+        return _Graph(key, graph, q, far_count, near, out, lse, ids, num_far)
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's graphs."""

@@ -78,11 +78,9 @@ class RequestSummaries:
         """`select` for a row whose far blocks all have a summary and number more than k, with the
         far count a device scalar (int64, 0-d) and the bound taken over the whole table, blocks at
         or past the count masked out: the shapes stay fixed while the count grows, so a CUDA graph
-        replays it until the table is reallocated."""
-        rows = self.summaries.tables[layer].shape[0]
-        scores = self.summaries.upper_bounds(layer, q, range(rows))
-        scores = torch.where(torch.arange(rows, device=q.device) < num_far, scores, float("-inf"))
-        return torch.sort(torch.topk(scores, k).indices).values
+        replays it until the table is reallocated. Unlike `select`, the ids come in no particular
+        order (the graph's fetch and attention take any; a sort would cost launches per replay)."""
+        return torch.topk(self.summaries.masked_bounds(layer, q, num_far), k).indices
 
     @property
     def num_bytes(self) -> int:

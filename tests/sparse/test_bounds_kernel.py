@@ -1,0 +1,66 @@
+"""The Triton block-bound kernel (`tierkv.sparse_kernels`) against the PyTorch bound of
+`BlockSummaries`, through the Triton interpreter on CPU (in a child process, which alone may
+import triton in interpreter mode), and compiled on CUDA (`gpu` mark). Fresh random draws each run."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierkv.sparse import BlockSummaries
+
+CHILD = os.environ.get("TIERKV_BOUNDS_CHILD") == "1"
+
+
+def _cases(device: str, dtypes) -> None:
+    """Random tables (Llama-8B and small GQA shapes), slices, limits: the kernel's bound equals the
+    PyTorch path's, rows past the limit are -inf, and top-k picks the same blocks."""
+    from tierkv.sparse_kernels import block_bounds
+
+    seed = random.SystemRandom().randrange(2**63)
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in dtypes:
+        for kv_heads, group, dim, blocks in ((8, 4, 128, 300), (2, 3, 40, 37), (1, 1, 16, 5)):
+            summaries = BlockSummaries(1, kv_heads, dim, dtype, torch.device("cpu"))
+            summaries.update(0, 0, torch.randn(blocks, 2, kv_heads, 4, dim, generator=gen))
+            table = summaries.tables[0]
+            q = torch.randn(kv_heads * group, dim, generator=gen).to(dtype)
+            want = summaries.upper_bounds(0, q, torch.arange(blocks))  # the matmul path (a tensor of ids)
+            first, stop = sorted(torch.randint(0, blocks + 1, (2,), generator=gen).tolist())
+            got = block_bounds(table.to(device), q.to(device), first, stop).cpu()
+            torch.testing.assert_close(got, want[first:stop], rtol=1e-4, atol=1e-3, msg=f"seed={seed}")
+            limit = int(torch.randint(0, blocks + 1, (1,), generator=gen))
+            masked = block_bounds(table.to(device), q.to(device), 0, blocks, torch.tensor(limit).to(device)).cpu()
+            assert torch.isinf(masked[limit:]).all() and (masked[limit:] < 0).all(), f"seed={seed}"
+            torch.testing.assert_close(masked[:limit], want[:limit], rtol=1e-4, atol=1e-3, msg=f"seed={seed}")
+            k = min(4, blocks)
+            assert set(torch.topk(got if (first, stop) == (0, blocks) else block_bounds(
+                table.to(device), q.to(device), 0, blocks).cpu(), k).indices.tolist()) == set(
+                torch.topk(want, k).indices.tolist()), f"seed={seed}"
+
+
+@pytest.mark.skipif(not CHILD, reason="runs in the child process of test_kernel_in_the_interpreter")
+def test_interp_bounds_equal_the_pytorch_bound():
+    _cases("cpu", (torch.float32, torch.float16))
+
+
+def test_kernel_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERKV_BOUNDS_CHILD="1")
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
+    result = subprocess.run(command, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True,
+                            timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"child pytest failed ({summary}):\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
+    assert "1 passed" in summary and "skipped" not in summary, f"child ran no kernel test: {summary}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_on_the_gpu_equals_the_pytorch_bound():
+    _cases("cuda", (torch.float32, torch.bfloat16))
