@@ -237,6 +237,23 @@ def test_interp_contiguous_matches_reference(interp, gen, poisoned_empty, explic
           reference.contiguous_partial_attention(q, kv[:, 0], kv[:, 1], **kwargs), gen)
 
 
+def test_interp_merge_two_into_equals_the_reference(interp, gen):
+    """Two parts of mixed dtypes and strides (an lse transposed as the vLLM backend passes it), rows
+    where one part saw no key, merged into a float16 output in one launch."""
+    n, heads, dim = 3, 4, 40
+    first = (torch.randn(n, heads, dim, generator=gen).half(), torch.randn(heads, n, generator=gen).t())
+    second = (torch.randn(n, heads, dim, generator=gen), torch.randn(n, heads, generator=gen))
+    second[1][1, 2] = float("-inf")
+    second[0][1, 2] = 0.0
+    first[1][0, 1] = float("-inf")
+    first[0][0, 1] = 0.0
+    want = torch.empty(n, heads, dim, dtype=torch.float16)
+    reference.merge_two_into(want, first, second)
+    got = torch.full((n, heads, dim), float("nan"), dtype=torch.float16)
+    interp.merge_two_into(got, first, second)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=f"seed={gen.initial_seed()}")
+
+
 @needs_triton
 @pytest.mark.skipif(os.environ.get("TIERKV_ATTENTION_CHILD") == "1", reason="already the child process")
 def test_interpreter_in_subprocess():

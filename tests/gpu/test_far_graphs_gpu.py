@@ -1,5 +1,5 @@
-"""GPU: the hot window's sparse decode rows replayed from CUDA graphs (merged with a near part in
-the graph, as `attend_into` does for the vLLM backend) equal the eager path, step
+"""GPU: the hot window's sparse decode rows replayed from CUDA graphs (their far part merged with a
+near part by `attend_into`, as for the vLLM backend) equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps) and across a
 recapture, for two requests at once, then for a new request once both finished (every graph freed),
 and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables

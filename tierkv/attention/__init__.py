@@ -5,6 +5,7 @@ Primitives:
   - ``contiguous_partial_attention``: attend to plain ``[num_k, kv_heads, dim]`` K/V
     (the recent window held as tensors).
   - ``merge_partials``: flash-decoding LSE merge of ``(out, lse)`` pairs.
+  - ``merge_two_into``: the merge of two parts written into an existing output (any dtype).
 
 All three return float32 ``out [num_q, num_heads, head_dim]`` and ``lse [num_q, num_heads]``
 (natural log; ``-inf`` and ``out = 0`` for a row that saw no key). They dispatch to the
@@ -23,7 +24,7 @@ import torch
 
 from tierkv.attention import reference
 
-__all__ = ["contiguous_partial_attention", "merge_partials", "paged_partial_attention", "reference"]
+__all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention", "reference"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,3 +83,10 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     if len(parts) == 0:
         raise ValueError("merge_partials needs at least one (out, lse) part, got none")
     return _backend(parts[0][0]).merge_partials(parts)
+
+
+def merge_two_into(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                   second: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """output [n, H, D] (any float dtype, written in place) = the exact LSE merge of two (out [n, H, D],
+    lse [n, H]) parts of any float dtypes and strides (head dims contiguous): one launch on CUDA."""
+    _backend(output).merge_two_into(output, first, second)

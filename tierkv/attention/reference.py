@@ -251,3 +251,23 @@ def stack_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     outs = torch.stack([out.float() for out, _ in parts])
     lses = torch.stack([lse.float() for _, lse in parts])
     return outs, lses
+
+
+def check_merge_two_args(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                         second: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """output [n, H, D]; each part (out [n, H, D], lse [n, H]); head dims contiguous."""
+    for name, (out, lse) in (("first", first), ("second", second)):
+        if out.shape != output.shape or lse.shape != output.shape[:2]:
+            raise ValueError(f"merge_two_into: {name} part has shapes {tuple(out.shape)}, {tuple(lse.shape)}; "
+                             f"output has {tuple(output.shape)}")
+        if out.stride(-1) != 1:
+            raise ValueError(f"merge_two_into: the {name} part's head dim must be contiguous")
+    if output.stride(-1) != 1:
+        raise ValueError("merge_two_into: the output's head dim must be contiguous")
+
+
+def merge_two_into(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                   second: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """output [n, H, D] (any float dtype) = the LSE merge of two (out, lse) parts, in place."""
+    check_merge_two_args(output, first, second)
+    output.copy_(merge_partials([first, second])[0])

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tierkv.attention.reference import check_contiguous_args, check_paged_args, empty_result, stack_parts
+from tierkv.attention.reference import (check_contiguous_args, check_merge_two_args, check_paged_args, empty_result,
+                                        stack_parts)
 
 TILE_TOKENS = 64          # keys per inner-loop step (pow2, >= 16 for tl.dot)
 CONTIG_TILE = 64          # virtual block size for contiguous K/V
@@ -148,6 +149,31 @@ def _merge_splits_kernel(
     seen = total > 0.0
     tl.store(out_ptr + row * HEAD_DIM + d, acc / tl.where(seen, total, 1.0), mask=d_ok)
     tl.store(lse_ptr + row, tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _merge_two_kernel(
+    out_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, num_heads,
+    s_out_q, s_out_h, s_a_q, s_a_h, s_al_q, s_al_h, s_b_q, s_b_h, s_bl_q, s_bl_h,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per (query, head): out = the LSE merge of parts a and b, in out's dtype."""
+    row = tl.program_id(0)
+    q, h = row // num_heads, row % num_heads
+    la = tl.load(a_lse_ptr + q * s_al_q + h * s_al_h).to(tl.float32)
+    lb = tl.load(b_lse_ptr + q * s_bl_q + h * s_bl_h).to(tl.float32)
+    m = tl.maximum(la, lb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m_safe)
+    wb = tl.exp(lb - m_safe)
+    total = wa + wb
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    oa = tl.load(a_ptr + q * s_a_q + h * s_a_h + d, mask=d_ok, other=0.0).to(tl.float32)
+    ob = tl.load(b_ptr + q * s_b_q + h * s_b_h + d, mask=d_ok, other=0.0).to(tl.float32)
+    acc = tl.where(wa > 0.0, wa * oa, 0.0) + tl.where(wb > 0.0, wb * ob, 0.0)
+    out = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + q * s_out_q + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,3 +324,19 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     """Triton twin of ``reference.merge_partials`` (stack, then one merge kernel)."""
     outs, lses = stack_parts(parts)
     return _merge_stacked(outs.contiguous(), lses.contiguous())
+
+
+def merge_two_into(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                   second: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Triton twin of ``reference.merge_two_into``: one launch, any strides with a contiguous head dim."""
+    check_merge_two_args(output, first, second)
+    num_q, num_heads, head_dim = output.shape
+    (a, a_lse), (b, b_lse) = first, second
+    if num_q * num_heads == 0:
+        return
+    _merge_two_kernel[(num_q * num_heads,)](
+        output, a, a_lse, b, b_lse, num_heads,
+        output.stride(0), output.stride(1), a.stride(0), a.stride(1), a_lse.stride(0), a_lse.stride(1),
+        b.stride(0), b.stride(1), b_lse.stride(0), b_lse.stride(1),
+        HEAD_DIM=head_dim, D_PAD=_dim_pad(head_dim),
+    )

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from tierkv.attention import merge_partials, paged_partial_attention
+from tierkv.attention import merge_partials, merge_two_into, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
@@ -338,17 +338,17 @@ class FarKV:
                     near_lse: torch.Tensor, scale: float, dense=None) -> None:
         """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
         [n, H, D], near_lse [n, H]) merged with the far blocks. Sparse decode rows that CUDA graphs
-        serve merge inside their graph (one copy each into `output`); the rest go through
-        `attend_parts` and `merge_into`."""
-        graphed: dict[int, torch.Tensor] = {}
+        serve replay their graph and merge its far part with their near part in one launch each
+        (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
+        graphed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.graphs is not None and not self._pieces:
             for i in self._sparse_rows:
                 row = self.rows[i]
-                req, a, b = self.requests[row.req_id], row.q_start, row.q_end
-                replayed = self.graphs.attend(row.req_id, req, layer, q[a:b], row.num_far_blocks, scale,
-                                              near=(near_out[a:b], near_lse[a:b]))
+                req = self.requests[row.req_id]
+                replayed = self.graphs.attend(row.req_id, req, layer, q[row.q_start : row.q_end], row.num_far_blocks,
+                                              scale)
                 if replayed is not None:
-                    graphed[i] = replayed[0]
+                    graphed[i] = replayed[:2]
                     self._count_graph_row(req, layer, replayed[2])
         if sum(self.rows[i].q_end - self.rows[i].q_start for i in graphed) < q.shape[0]:  # rows left
             parts = self.attend_parts(layer, q, scale, dense, skip=graphed)
@@ -356,8 +356,9 @@ class FarKV:
                 self.merge_into(output, near_out, near_lse, parts)
             else:
                 output.copy_(near_out)
-        for i, merged in graphed.items():  # after the rest: merge_into wrote these rows' near part
-            output[self.rows[i].q_start : self.rows[i].q_end].copy_(merged)
+        for i, far_part in graphed.items():  # after the rest: merge_into wrote these rows' near part
+            a, b = self.rows[i].q_start, self.rows[i].q_end
+            merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), far_part)
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:

@@ -6,14 +6,15 @@ Primitives: `sparse_row_body`, `SparseRowGraphs` (`attend`, `forget`, `stats`).
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
 against about 0.25 ms of GPU work, and the merge with the near part another 0.37 ms. A graph
-per (request, layer) turns that into copies of the query and the near part, one replay and one
-copy of the merged row into vLLM's output (`FarKV.attend_into`):
+per (request, layer) turns that into a copy of the query, one replay, and one launch that merges
+the graph's far part with the near part into vLLM's output (`FarKV.attend_into`,
+`tierkv.attention.merge_two_into`):
 
     captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked
                  (one kernel, tierkv.sparse_kernels)
                ids = top-k of the bound (unsorted)  slots = the layer's pinned CPU-tier slots[ids]
                copy kernel: CPU tier[slots] -> staging[graph slots], on the compute stream
-               (out, lse) = attention of q over those staging slots, LSE-merged with the near part
+               (out, lse) = attention of q over those staging slots
 
 The far count is an input of the graph (the bound runs over the whole summary table, blocks
 past the count masked), so a growing far part replays the same graph; it is captured again only
@@ -36,24 +37,21 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.attention import merge_partials, paged_partial_attention
+from tierkv.attention import paged_partial_attention
 
 logger = logging.getLogger(__name__)
 
 
 def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, staging: torch.Tensor,
-                    staging_slots: torch.Tensor, block_tokens: torch.Tensor, scale: float,
-                    near: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sparse decode row of `layer`, device work only: (out [1, H, D], lse [1, H], ids [k]),
-    float32. q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than k);
-    staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks). near: the row's
-    near part (out [1, H, D], lse [1, H]), merged into the result when given."""
+                    staging_slots: torch.Tensor, block_tokens: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sparse decode row's far part of `layer`, device work only: (out [1, H, D], lse [1, H],
+    ids [k]), float32. q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than
+    k); staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks)."""
     ids = req.summaries.select_masked(layer, q[0], num_far, far.sparse_blocks)
     slots = req.pinned_slots_dev[layer].index_select(0, ids)
     far.store.io.engine.gather_h2d_inline(far.store.cpu.slab, slots, staging, staging_slots)
     out, lse = paged_partial_attention(q, staging, staging_slots, ids * far.block_tokens, block_tokens, scale=scale)
-    if near is not None:
-        out, lse = merge_partials([near, (out, lse)])
     return out, lse, ids
 
 
@@ -63,7 +61,6 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     q: torch.Tensor         # static inputs: the query [1, H, D] and the far count (int64 0-d)
     num_far: torch.Tensor
-    near: tuple[torch.Tensor, torch.Tensor]  # and the row's near part (out [1, H, D], lse [1, H])
     out: torch.Tensor       # static outputs, valid until the next replay
     lse: torch.Tensor
     ids: torch.Tensor
@@ -93,20 +90,20 @@ class SparseRowGraphs:
         return (far.sparse_blocks is not None and far.sparse_streamer is not None and store.device.type == "cuda"
                 and store.io.engine.backend in ("cupy", "adaptive") and store.cpu.quant_format is None)
 
-    def attend(self, req_id: str, req, layer: int, q_row: torch.Tensor, num_far: int, scale: float,
-               near: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(out, lse, ids) of one decoding row by its graph, its far part merged with `near` (out
-        [1, H, D], lse [1, H]): static tensors, read them before this row's next step. None when
-        the eager path must serve it."""
+    def attend(self, req_id: str, req, layer: int, q_row: torch.Tensor, num_far: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(out [1, H, D], lse [1, H], ids) of one decoding row's far part by its graph: static
+        tensors, read them before this row's next step (`FarKV.attend_into` merges them with the
+        near part in one launch). None when the eager path must serve it."""
         summaries = req.summaries
         if (not self.enabled or summaries is None or num_far > summaries.prefix[layer]
                 or num_far <= self.far.sparse_blocks):
             return None
         table, slots = summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
-        key = (table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), scale, near[0].dtype)
+        key = (table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), scale)
         entry = self.graphs.get((req_id, layer))
         if entry is None or entry.key != key:
-            entry = self._capture(req, layer, q_row, num_far, key, scale, near)
+            entry = self._capture(req, layer, q_row, num_far, key, scale)
             if entry is None:
                 return None
             self.graphs[(req_id, layer)] = entry
@@ -114,21 +111,17 @@ class SparseRowGraphs:
         if entry.far_count != num_far:  # changes once per block of decoded tokens: a launch saved otherwise
             entry.num_far.fill_(num_far)
             entry.far_count = num_far
-        entry.near[0].copy_(near[0])
-        entry.near[1].copy_(near[1])
         entry.graph.replay()
         self.counts["graph_replays"] += 1
         return entry.out, entry.lse, entry.ids
 
-    def _capture(self, req, layer: int, q_row: torch.Tensor, num_far: int, key: tuple, scale: float,
-                 near: tuple[torch.Tensor, torch.Tensor]) -> _Graph | None:
+    def _capture(self, req, layer: int, q_row: torch.Tensor, num_far: int, key: tuple, scale: float) -> _Graph | None:
         q = q_row.clone()
         far_count = torch.full((), num_far, dtype=torch.int64, device=q.device)
-        near = (near[0].clone(), near[1].contiguous().clone())
 
         def body():
             return sparse_row_body(self.far, req, layer, q, far_count, self.staging, self.staging_slots,
-                                   self.block_tokens, scale, near)
+                                   self.block_tokens, scale)
 
         if not self.graphs:  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
@@ -158,7 +151,7 @@ class SparseRowGraphs:
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, far_count, near, out, lse, ids, num_far)
+        return _Graph(key, graph, q, far_count, out, lse, ids, num_far)
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's graphs."""
