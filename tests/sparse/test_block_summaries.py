@@ -69,5 +69,4 @@ def test_masked_selection_over_the_whole_table_equals_the_selection_of_the_far_b
     req.update(0, 0, torch.randn(BLOCKS, 2, KV_HEADS, T, DIM))
     for num_far in (5, 23, BLOCKS):
         q = torch.randn(HEADS, DIM)
-        masked = req.select_masked(0, q, torch.tensor(num_far), 4)  # in no particular order
-        assert torch.equal(torch.sort(masked).values, req.select(0, q, num_far, 4))
+        assert torch.equal(req.select_masked(0, q, torch.tensor(num_far), 4), req.select(0, q, num_far, 4))

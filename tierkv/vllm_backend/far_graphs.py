@@ -12,7 +12,7 @@ the graph's far part with the near part into vLLM's output (`FarKV.attend_into`,
 
     captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked
                  (one kernel, tierkv.sparse_kernels)
-               ids = top-k of the bound (unsorted)  slots = the layer's pinned CPU-tier slots[ids]
+               ids = sorted top-k of the bound      slots = the layer's pinned CPU-tier slots[ids]
                copy kernel: CPU tier[slots] -> staging[graph slots], on the compute stream
                (out, lse) = attention of q over those staging slots
 

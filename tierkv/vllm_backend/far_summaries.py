@@ -78,9 +78,10 @@ class RequestSummaries:
         """`select` for a row whose far blocks all have a summary and number more than k, with the
         far count a device scalar (int64, 0-d) and the bound taken over the whole table, blocks at
         or past the count masked out: the shapes stay fixed while the count grows, so a CUDA graph
-        replays it until the table is reallocated. Unlike `select`, the ids come in no particular
-        order (the graph's fetch and attention take any; a sort would cost launches per replay)."""
-        return torch.topk(self.summaries.masked_bounds(layer, q, num_far), k).indices
+        replays it until the table is reallocated. In block order, as `select`: the attention
+        kernel rounds its softmax weights to the KV dtype tile by tile, so another order gives
+        results that differ from the eager path's at that rounding."""
+        return torch.sort(torch.topk(self.summaries.masked_bounds(layer, q, num_far), k).indices).values
 
     @property
     def num_bytes(self) -> int:
