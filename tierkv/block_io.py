@@ -80,6 +80,15 @@ def allocating_on_copy_stream(engine, direction: str):
     return torch.cuda.stream(engine.stream(direction))
 
 
+def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dst: torch.Tensor,
+                    dst_slots: torch.Tensor) -> None:
+    """dst[dst_slots[i]] = block i dequantized (codes uint8 [n, 2, H, T, D], scales float32 [n, 2, H],
+    dst_slots int64 [n] on dst's device), on the current stream without a host wait: one fused
+    kernel on CUDA, PyTorch elsewhere (or where the kernel cannot build)."""
+    if not (dst.is_cuda and _fused_dequantize(codes, scales, fmt, dst, dst_slots)):
+        dst.index_copy_(0, dst_slots, dequantize_blocks(codes, scales, fmt, dst.dtype))
+
+
 class BlockIO:
     def __init__(self, engine, cpu_tier):
         self.engine = engine
@@ -100,8 +109,7 @@ class BlockIO:
         dst_on_device = to_device_no_sync(dst_slots, dst.device)
 
         def dequantize() -> None:
-            if not (dst.is_cuda and _fused_dequantize(codes, scales, cpu.quant_format, dst, dst_on_device)):
-                dst.index_copy_(0, dst_on_device, dequantize_blocks(codes, scales, cpu.quant_format, dst.dtype))
+            dequantize_into(codes, scales, cpu.quant_format, dst, dst_on_device)
             if codes.is_cuda:
                 stream = torch.cuda.current_stream(codes.device)
                 codes.record_stream(stream)

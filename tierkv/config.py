@@ -99,8 +99,8 @@ class SchedulerConfig:
         "predictor 'query': also prefetch each layer's previous-step selection"))
     sparse_cuda_graphs: bool = field(default=True, metadata=doc(
         "sparse policy under vLLM's hot window: capture each decoding request's per-layer selection, fetch, "
-        "far attention and merge in a CUDA graph and replay it (CUDA, copy-kernel transfer backends, unquantized "
-        "CPU tier; elsewhere, and after a failed capture, the eager path)"))
+        "far attention in a CUDA graph and replay it (CUDA, copy-kernel transfer backends; a quantized CPU tier's "
+        "codes are dequantized inside the graph; elsewhere, and after a failed capture, the eager path)"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

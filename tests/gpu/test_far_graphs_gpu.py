@@ -3,7 +3,8 @@ near part by `attend_into`, as for the vLLM backend) equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps) and across a
 recapture, for two requests at once, then for a new request once both finished (every graph freed),
 and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
-allocated once for the engine's longest request. No vLLM needed (tierkv.vllm_backend.far alone)."""
+allocated once for the engine's longest request, and over an fp8 CPU tier (codes and scales
+dequantized inside the graph). No vLLM needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
 
 import random
@@ -26,12 +27,13 @@ HEADS, KV_HEADS, DIM, LAYERS, TOKENS = 32, 8, 128, 3, 9600
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int):
+def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = "auto"):
     BLOCKS = TOKENS // BS
     block_bytes = 2 * KV_HEADS * BS * DIM * 2
     config = load_config({
         "cache": {"block_tokens": BS, "window_tokens": 4 * BS},
-        "tiers": [{"kind": "cpu", "capacity_bytes": (len(prompts) * BLOCKS * LAYERS + 64) * block_bytes}],
+        "tiers": [{"kind": "cpu", "capacity_bytes": (len(prompts) * BLOCKS * LAYERS + 64) * block_bytes,
+                   "storage_dtype": storage}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 1024 * block_bytes, "policy": "sparse",
                       "sparse_token_budget": 32 * BS, "sparse_cuda_graphs": graphs},
     }, env={})
@@ -80,13 +82,13 @@ def compare_steps(eager, graphed, requests: dict[str, int], steps: int):
             far.end_step()
 
 
-@pytest.mark.parametrize("BS", [16, 64])
-def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS):
+@pytest.mark.parametrize("BS,storage", [(16, "auto"), (64, "auto"), (64, "float8_e4m3fn")])
+def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, storage):
     BLOCKS = TOKENS // BS
     caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
     prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b")}
-    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
-    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS, storage=storage)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS, storage=storage)
     assert eager.graphs is None and graphed.graphs is not None and graphed.graphs.enabled
     try:
         start = (BLOCKS - 3) * BS - 2  # the far part grows by one block during the steps below

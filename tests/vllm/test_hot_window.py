@@ -45,14 +45,14 @@ HQ = 4  # query heads: GQA group of 2
 
 
 def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0,
-                 sparse_graphs: bool = False) -> str:
+                 sparse_graphs: bool = False, storage_dtype: str = "auto") -> str:
     block_bytes = 2 * H * BS * D * 4
     path = tmp_path / "hot.yaml"
     sparse = ["  policy: sparse", f"  sparse_token_budget: {sparse_tokens}"] if sparse_tokens else []
     sparse += ["  sparse_cuda_graphs: true"] if sparse_graphs else []
     path.write_text("\n".join([
         "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
-        "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
+        "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}", f"    storage_dtype: {storage_dtype}",
         "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
         "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}", *sparse,
     ]) + "\n")
@@ -552,11 +552,11 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
 
 
 def _sparse_setup(tmp_path, sparse_tokens: int, window: int, num_blocks: int, plant=None, summarize_all=True,
-                  sparse_graphs=False, max_model_len=None):
+                  sparse_graphs=False, max_model_len=None, storage_dtype="auto"):
     """A store, a sparse FarKV and one request of `num_blocks` saved blocks (keys near zero but for
     the `plant` blocks, whose keys align with +q); returns (far, store, caches, ids, q)."""
     config = load_config(write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=sparse_tokens,
-                                      sparse_graphs=sparse_graphs), env={})
+                                      sparse_graphs=sparse_graphs, storage_dtype=storage_dtype), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) * 0.1 for n in NAMES}
     q = torch.randn(1, H, D)
@@ -903,6 +903,46 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
             merged = torch.full((1, HQ, D), float("nan"), dtype=torch.bfloat16)
             merge_two_into(merged, near, (out, lse))
             torch.testing.assert_close(merged, merge_partials([near, (want_out, want_lse)])[0].bfloat16())
+        far.end_step()
+    finally:
+        far.close()
+        store.close()
+
+
+@pytest.mark.parametrize("storage_dtype", ["float8_e4m3fn", "int8"])
+def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype):
+    """A quantized CPU tier (half the bytes per selected block): the selection still holds the planted
+    blocks (summaries come from the unquantized blocks the connector saved), the output stays within
+    1e-2 of dense attention over the far blocks as the tier holds them (quantized and back: the
+    tier's own error is tests/storage/test_quantized_tiers.py's), and the graph body (codes and
+    scales copied into their buffers, dequantized into staging) gives the eager path's result."""
+    from tierkv.quant import dequantize_blocks, quantize_blocks
+    from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_row_body
+
+    window = 2 * BS
+    plant = random.sample(range(1, 38), 3)
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42,
+                                               plant=plant, storage_dtype=storage_dtype)
+    try:
+        assert store.cpu.quant_format == storage_dtype
+        (row,) = far.begin_step([("r", 42 * BS, 1)])
+        k = far.sparse_blocks
+        packed = packed_buffers(far, torch.device("cpu"))
+        assert packed[0].dtype == torch.uint8 and packed[0].shape[0] == k and packed[1].shape == (k, 2, H)
+        staging = torch.zeros(k, *store.layout.shape)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            out, lse = far.attend(layer, q, 0.3)
+            held = store.paged.read(caches[name], torch.tensor(ids[:40]))
+            held = dequantize_blocks(*quantize_blocks(held, storage_dtype), storage_dtype, held.dtype)
+            want, _ = dense(q, held, 0.3)
+            err = (out.double() - want).norm() / want.norm()
+            assert err < 1e-2, f"relative error {err:.2e} against dense attention over the {storage_dtype} tier's blocks"
+            g_out, g_lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
+                                                     staging, torch.arange(k), torch.full((k,), BS), 0.3, packed)
+            assert set(plant) <= set(selected.tolist())
+            torch.testing.assert_close(g_out, out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g_lse, lse, rtol=1e-5, atol=1e-6)
         far.end_step()
     finally:
         far.close()

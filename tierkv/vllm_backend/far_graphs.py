@@ -21,7 +21,8 @@ past the count masked), so a growing far part replays the same graph; it is capt
 when the layer's summary table or its pinned-slot buffer is reallocated (both double, unless the
 engine's max_model_len sized them once). Rows it
 cannot serve go the eager way (`FarKV.attend_parts`): far blocks without a summary, a selection
-larger than the staging region, engines without the copy kernel, a quantized CPU tier, CPU. A
+larger than the staging region, engines without the copy kernel, CPU. With a quantized CPU tier
+the graph copies the selected blocks' codes and scales and dequantizes them into staging. A
 capture that fails turns the graphs off for the engine's life (logged, counted); the eager path
 gives the same result. All graphs draw on one memory pool and replay on the compute stream in
 order, one at a time. A graph's scratch may lie where another graph, captured later into the same
@@ -38,19 +39,41 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.attention import paged_partial_attention
+from tierkv.block_io import dequantize_into
 
 logger = logging.getLogger(__name__)
 
 
+def packed_buffers(far, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """With a quantized CPU tier: device buffers for one selection's codes (uint8 [k, 2, H, T, D]),
+    scales (float32 [k, 2, H]) and their order (int64 arange(k)); None for an unquantized tier."""
+    cpu, k = far.store.cpu, far.sparse_blocks
+    if cpu.quant_format is None:
+        return None
+    return (torch.empty((k, *cpu.slab.shape[1:]), dtype=cpu.slab.dtype, device=device),
+            torch.empty((k, *cpu.scales.shape[1:]), dtype=cpu.scales.dtype, device=device),
+            torch.arange(k, device=device))
+
+
 def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, staging: torch.Tensor,
-                    staging_slots: torch.Tensor, block_tokens: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    staging_slots: torch.Tensor, block_tokens: torch.Tensor, scale: float,
+                    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sparse decode row's far part of `layer`, device work only: (out [1, H, D], lse [1, H],
     ids [k]), float32. q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than
-    k); staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks)."""
+    k); staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks). packed: a
+    quantized CPU tier's buffers (`packed_buffers`): the selected blocks' codes and scales are
+    copied there and dequantized into staging (half the PCIe bytes at fp8 or int8)."""
     ids = req.summaries.select_masked(layer, q[0], num_far, far.sparse_blocks)
     slots = req.pinned_slots_dev[layer].index_select(0, ids)
-    far.store.io.engine.gather_h2d_inline(far.store.cpu.slab, slots, staging, staging_slots)
+    cpu, engine = far.store.cpu, far.store.io.engine
+    if cpu.quant_format is None:
+        engine.gather_h2d_inline(cpu.slab, slots, staging, staging_slots)
+    else:
+        codes, scales, order = packed
+        engine.gather_h2d_inline(cpu.slab, slots, codes, order)
+        engine.gather_h2d_inline(cpu.scales, slots, scales, order)
+        dequantize_into(codes, scales, cpu.quant_format, staging, staging_slots)
     out, lse = paged_partial_attention(q, staging, staging_slots, ids * far.block_tokens, block_tokens, scale=scale)
     return out, lse, ids
 
@@ -69,7 +92,7 @@ class _Graph:
 
 class SparseRowGraphs:
     def __init__(self, far):
-        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine, an unquantized CPU tier)."""
+        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine)."""
         self.far = far
         streamer = far.sparse_streamer
         self.staging = streamer.pool.staging
@@ -78,6 +101,7 @@ class SparseRowGraphs:
         self.staging_slots = (torch.arange(region.start, region.start + k, device=self.staging.device)
                               if len(region) >= k else None)  # a selection must fit one region
         self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
+        self.packed = packed_buffers(far, self.staging.device)  # quantized CPU tier: codes and scales land here
         self.graphs: dict[tuple[str, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
@@ -88,7 +112,7 @@ class SparseRowGraphs:
     def usable(far) -> bool:
         store = far.store
         return (far.sparse_blocks is not None and far.sparse_streamer is not None and store.device.type == "cuda"
-                and store.io.engine.backend in ("cupy", "adaptive") and store.cpu.quant_format is None)
+                and store.io.engine.backend in ("cupy", "adaptive"))
 
     def attend(self, req_id: str, req, layer: int, q_row: torch.Tensor, num_far: int,
                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -121,7 +145,7 @@ class SparseRowGraphs:
 
         def body():
             return sparse_row_body(self.far, req, layer, q, far_count, self.staging, self.staging_slots,
-                                   self.block_tokens, scale)
+                                   self.block_tokens, scale, self.packed)
 
         if not self.graphs:  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
