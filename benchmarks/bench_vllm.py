@@ -64,7 +64,8 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
                                    "sparse_token_budget": 2048}}
 
 
-def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto"):
+def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
+           storage_dtype: str = "auto"):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
@@ -73,7 +74,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
         sparse = mode.startswith("tierkv-sparse")  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
         config = {**(SPARSE_HOT_WINDOW if sparse else HOT_WINDOW),
-                  "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072}]}
+                  "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072,
+                             "storage_dtype": storage_dtype}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
         if sparse:
             config["scheduler"]["sparse_cuda_graphs"] = mode == "tierkv-sparse-graphs"
@@ -92,16 +94,18 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
-        transfer_backend: str = "auto",
+        transfer_backend: str = "auto", storage_dtype: str = "auto",
         profile_steps: list[int] | None = None) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend)
+    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype)
     if transfer_backend != "auto":
         mode = f"{mode}@{transfer_backend}"  # its own row and file
+    if storage_dtype != "auto":
+        mode = f"{mode}@{storage_dtype}"
     cache_config = llm.llm_engine.vllm_config.cache_config
     # per GPU: under tensor parallelism each rank's pool holds its 1/tp of the KV heads
     kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers) // tp
@@ -294,6 +298,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rows are per GPU)")
     parser.add_argument("--transfer-backend", default="auto", help="tierkv modes: scheduler.transfer_backend (row MODE@NAME)")
+    parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
+                        help="tierkv modes: the CPU tier's storage dtype (row MODE@DTYPE)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
@@ -307,7 +313,7 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
-            transfer_backend=args.transfer_backend,
+            transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype,
             profile_steps=args.profile_steps)
     else:
         table(args.rest[0])

@@ -1,6 +1,7 @@
 """vLLM at a fixed GPU memory for KV: the largest batch of 128k requests and its aggregate decode tokens/s.
 
     python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens 128]
+        [--storage-dtype float8_e4m3fn]   (tierkv: the CPU tier's storage, one byte per value: twice the requests)
     python benchmarks/bench_vllm_batch.py table OUT
     MODE: plain | tierkv-sparse | tierkv-sparse-graphs     (DIR: the model of bench_vllm.py model)
 
@@ -30,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vllm import SPARSE_HOT_WINDOW, kv_bytes_per_token  # noqa: E402
+from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
 MAX_MODEL_LEN = 131072
@@ -49,7 +51,17 @@ def host_requests(per_request_bytes: int) -> int:
     return n
 
 
-def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int):
+def host_bytes_per_request(layers: int, storage_dtype: str) -> int:
+    """CPU-tier bytes of one request of MAX_MODEL_LEN tokens: bf16 blocks, or under a quantized
+    storage dtype one byte per value plus a float32 scale per block, K/V and KV head."""
+    per_request = kv_bytes_per_token(layers) * MAX_MODEL_LEN
+    if storage_dtype in ("auto", "bfloat16"):
+        return per_request
+    blocks = -(-MAX_MODEL_LEN // SPARSE_HOT_WINDOW["cache"]["block_tokens"]) * layers
+    return per_request // 2 + blocks * 2 * LLAMA_8B["num_key_value_heads"] * 4
+
+
+def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto"):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False, enforce_eager=True,
                   skip_tokenizer_init=True, max_num_seqs=max(requests, 1))
     if mode == "plain":
@@ -59,18 +71,20 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int)
                    **common), None
     from tierkv import TieredLLM
 
-    per_request = kv_bytes_per_token(layers) * 131072
+    per_request = host_bytes_per_request(layers, storage_dtype)
     # the budget holds vLLM's pool, staging and the key summaries TieredLLM reserves for
     # max_num_seqs = requests (SPARSE_HOT_WINDOW: 64-token blocks, 256 MiB per request)
     config = {"cache": {**SPARSE_HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes},
               "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"},
-              "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30)}]}
+              "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
+                         "storage_dtype": storage_dtype}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
     tiered = TieredLLM(model_dir, config, backend="vllm", **common)
     return tiered.engine, tiered
 
 
-def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int, layers: int) -> None:
+def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int, layers: int,
+        storage_dtype: str = "auto") -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -80,8 +94,10 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     if mode == "plain":
         requests = requests or kv_bytes // per_request  # what the pool holds at once
     else:
-        requests = requests or host_requests(per_request)
-    llm, tiered = engine(mode, model_dir, kv_bytes, requests, layers)
+        requests = requests or host_requests(host_bytes_per_request(layers, storage_dtype))
+        if storage_dtype != "auto":
+            mode = f"{mode}@{storage_dtype}"  # its own row and file
+    llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -121,7 +137,7 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     end = time.perf_counter()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     reserved = tiered.summary_reserved_bytes if tiered is not None else 0
-    row = {"mode": mode, "requests": requests, "context": context, "new_tokens": new_tokens, "kv_gib": kv_gib,
+    row = {"mode": mode, "storage_dtype": storage_dtype, "requests": requests, "context": context, "new_tokens": new_tokens, "kv_gib": kv_gib,
            "gpu_kv_bytes": pool_bytes + staging + max(reserved, summary_bytes), "vllm_pool_bytes": pool_bytes,
            "tierkv_staging_bytes": staging, "summary_reserved_bytes": reserved, "summary_bytes": summary_bytes,
            "steps": steps,
@@ -140,12 +156,12 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
 def table(out: str) -> None:
     rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-batch-*.json")))}
     plain = rows.get("plain")
-    print(f"{'mode':<21} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'full-batch steps':>16} "
+    print(f"{'mode':<36} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'full-batch steps':>16} "
           f"{'tok/s':>7} {'x plain':>7}")
     for mode, r in rows.items():
         rate = r.get("full_batch_tokens_per_s", float("nan"))  # every request decoding in the step
         base = plain.get("full_batch_tokens_per_s", float("nan")) if plain else float("nan")
-        print(f"{mode:<21} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
+        print(f"{mode:<36} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
               f"{r.get('full_batch_steps', 0):>16} {rate:>7.1f} {rate / base if base else float('nan'):>7.2f}")
 
 
@@ -158,6 +174,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128,
                         help="per request; enough that the first request still decodes once the last one's prefill is done")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
+                        help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
     args = parser.parse_args()
     if args.what == "table":
         table(args.rest[0])
@@ -166,7 +184,9 @@ def main() -> int:
     if mode not in MODES:
         parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers)
+    if mode == "plain" and args.storage_dtype != "auto":
+        parser.error("--storage-dtype: plain vLLM has no CPU tier")
+    run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype)
     return 0
 
 

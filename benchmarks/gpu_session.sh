@@ -12,8 +12,9 @@
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
 #   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs), vllm-lmcache
 #   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table; vllm-batch-plain,
-#   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-table (bench_vllm_batch.py: the largest batch
-#   of 128k requests at a fixed GPU memory for KV and its decode tokens/s; BATCH_ARGS adds flags)
+#   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
+#   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
+#   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
 set -uo pipefail
 OUT="${OUT:-/tmp/tierkv-gpu-out}"
 mkdir -p "$OUT"
@@ -54,6 +55,10 @@ for step in "${steps[@]}"; do
             timeout 400 python3 benchmarks/bench_vllm_batch.py run $mode /tmp/m8 "$OUT/bb" ${BATCH_ARGS:-} \
                 > "$OUT/batch-$mode.log" 2>&1
             grep "^{" "$OUT/batch-$mode.log" | cut -c1-300 ;;
+        vllm-batch-sparse-graphs-fp8)  # fp8 CPU tier: half the host bytes per request (FP8_REQUESTS, default 10)
+            timeout 500 python3 benchmarks/bench_vllm_batch.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bb" \
+                --storage-dtype float8_e4m3fn --requests ${FP8_REQUESTS:-10} ${BATCH_ARGS:-} > "$OUT/batch-fp8.log" 2>&1
+            grep "^{" "$OUT/batch-fp8.log" | cut -c1-300 ;;
         vllm-batch-table) python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -444,9 +444,8 @@ class FarKV:
 
     def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
         self._note_selection(req, layer, ids)
-        cpu = self.store.cpu  # what crosses PCIe per block: the block, or a quantized tier's codes and scales
-        per_block = cpu.slot_bytes + (cpu.scales[0].numel() * cpu.scales.element_size() if cpu.scales is not None else 0)
-        fetched = self.sparse_blocks * per_block
+        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
+        fetched = self.sparse_blocks * self.store.cpu.slot_bytes
         self._graph_bytes += fetched
         self.store.io.engine.num_bytes_moved["h2d"] += fetched
         self.counts["far_blocks_read"] += self.sparse_blocks
