@@ -95,7 +95,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto",
-        profile_steps: list[int] | None = None) -> None:
+        profile_steps: list[int] | None = None, profile_prefix: bool = False) -> None:
     import random
 
     from vllm import SamplingParams
@@ -122,7 +122,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     engine_ = llm.llm_engine
     request_ids = iter(range(1 << 30))
 
-    def stepped(ids, params, profile: list[int] | None = None):
+    def stepped(ids, params, profile: list[int] | None = None, label: str = ""):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
         top-2 logprobs per token, wall ms of each engine step, the prefill chunks first). Decode is
         timed token by token, so a prefix served from the tiers cannot leak into it. `profile`: engine step numbers to run under torch.profiler (a
@@ -145,7 +145,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             if profiler is not None:
                 torch.cuda.synchronize()
                 wall_s = time.perf_counter() - step_start
-                trace = Path(out) / f"trace-{mode}-step{step_number}.json"
+                trace = Path(out) / f"trace-{mode}{'-' + label if label else ''}-step{step_number}.json"
                 profiled.append((step_number, wall_s, _stop_profiler(profiler, trace)))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_gc.append(gc_timer.take())
@@ -159,7 +159,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                     first_at = now
                 last_at = now
         if profiled:
-            _write_profile(Path(out) / f"profile-{mode}.txt", profiled)
+            _write_profile(Path(out) / f"profile-{mode}{'-' + label if label else ''}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         if profiled:  # the profiler slows the steps it records: decode is then the mean of the other decode steps
             first_step = len(step_ms) - (len(tokens) - 1)
@@ -196,9 +196,12 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
     if with_prefix:
         try:
-            for key, last in (("first", 11), ("repeat", 12)):  # with each run's steps, collections and far waits
+            runs = [("first", 11), ("repeat", 12)] + ([("repeat_profiled", 13)] if profile_prefix else [])
+            for key, last in runs:  # with each run's steps, collections and far waits
                 wait_before = far_wait_s()
-                ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one)
+                # a third run under the profiler: its first step, where the tiers serve the prefix (its TTFT is the profiler's)
+                profile = [0] if key == "repeat_profiled" else None
+                ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
                 row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
         except Exception as exc:  # recorded in the row, and the run fails after writing it
@@ -302,6 +305,8 @@ def main() -> int:
                         help="tierkv modes: the CPU tier's storage dtype (row MODE@DTYPE)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
+    parser.add_argument("--profile-prefix", action="store_true",
+                        help="a third repeated-prefix run, its first step profiled (where the tiers serve the prefix)")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
                         help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
     args = parser.parse_args()
@@ -314,7 +319,7 @@ def main() -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype,
-            profile_steps=args.profile_steps)
+            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix)
     else:
         table(args.rest[0])
     return 0
