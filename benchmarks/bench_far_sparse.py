@@ -52,7 +52,7 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), names, "bench-far", device)
     caches = {n: torch.randn(blocks, KV_HEADS, BS, 2 * DIM, device=device, dtype=torch.bfloat16) for n in names}
     store.register(caches)
-    far = FarKV(store, 8 * BS)
+    far = FarKV(store, 8 * BS, max_rows=rows)
     for r in range(rows):
         req = f"r{r}"
         hashes = store.extend_hashes([], [random.randrange(1 << 16) for _ in range(blocks * BS)], blocks)

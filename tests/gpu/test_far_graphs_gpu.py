@@ -1,5 +1,6 @@
-"""GPU: the hot window's sparse decode rows replayed from CUDA graphs (their far part merged with a
-near part by `attend_into`, as for the vLLM backend) equal the eager path, step
+"""GPU: the hot window's sparse decode rows replayed from CUDA graphs (one graph per layer for the
+step's rows, their far parts merged with near parts by `attend_into`, as for the vLLM backend)
+equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps) and across a
 recapture, for two requests at once, then for a new request once both finished (every graph freed),
 and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
@@ -39,7 +40,7 @@ def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = 
     }, env={})
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), NAMES, "graphs", "cuda")
     store.register(caches)
-    far = FarKV(store, 4 * BS, max_model_len=TOKENS + 8 * BS)
+    far = FarKV(store, 4 * BS, max_model_len=TOKENS + 8 * BS, max_rows=len(prompts))
     for req, tokens in prompts.items():
         add_request(store, far, caches, req, tokens)
     return store, far
@@ -97,10 +98,11 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         tables = graphed.requests["a"].summaries.summaries.tables
         assert [t.shape[0] for t in tables] == [BLOCKS + 8] * LAYERS  # max_model_len's blocks, allocated once
         counts = graphed.stats()["cuda_graphs"]
-        assert counts["graph_capture_errors"] == 0 and counts["graph_replays"] == 2 * LAYERS * steps
-        # one capture per request and layer at first use: the summary tables and pinned-slot buffers are
-        # sized for max_model_len and never move, so a growing far part replays with a larger far count
-        assert counts["graph_captures"] == 2 * LAYERS
+        assert counts["graph_capture_errors"] == 0 and counts["graph_rows"] == 2 * LAYERS * steps
+        assert counts["graph_replays"] == LAYERS * steps  # one replay per layer serves both rows
+        # one capture per layer at first use: the summary tables and pinned-slot buffers are sized for
+        # max_model_len and never move, so growing far parts replay with larger far counts
+        assert counts["graph_captures"] == LAYERS
         # both requests finish (every graph freed), a new one captures and replays again
         for far in (eager, graphed):
             far.finish("a")

@@ -878,7 +878,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
     inline copy, attention) gives the eager path's (out, lse); on CPU the graphs themselves are
     off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
-    from tierkv.vllm_backend.far_graphs import SparseRowGraphs, sparse_row_body
+    from tierkv.vllm_backend.far_graphs import SparseStepGraphs, sparse_row_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -886,7 +886,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
                                                sparse_graphs=True)
     try:
         assert store.config.scheduler.sparse_cuda_graphs
-        assert not SparseRowGraphs.usable(far) and far.graphs is None and far.stats()["cuda_graphs"] is None
+        assert not SparseStepGraphs.usable(far) and far.graphs is None and far.stats()["cuda_graphs"] is None
         (row,) = far.begin_step([("r", 42 * BS, 1)])
         k = far.sparse_blocks
         staging = torch.zeros(k, *store.layout.shape)
@@ -945,6 +945,82 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype):
             torch.testing.assert_close(g_lse, lse, rtol=1e-5, atol=1e-6)
         far.end_step()
     finally:
+        far.close()
+        store.close()
+
+
+class _BodyGraphs:
+    """`SparseStepGraphs`' interface, each 'replay' running the graph body eagerly (CUDA graphs need a
+    GPU; tests/gpu/test_far_graphs_gpu.py replays real ones): how `FarKV.attend_into` gathers a
+    step's decoding rows into one graph call and merges its far parts back, on CPU."""
+
+    def __init__(self, far, max_rows: int):
+        from tierkv.vllm_backend.far_graphs import packed_buffers
+
+        self.far, self.max_rows, self.calls = far, max_rows, []
+        k = far.sparse_blocks
+        self.staging = torch.zeros(max_rows * k, *far.store.layout.shape)
+        self.packed = [packed_buffers(far, torch.device("cpu")) for _ in range(max_rows)]
+        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
+
+    def servable(self, req, layer, num_far):
+        return req.summaries is not None and self.far.sparse_blocks < num_far <= req.summaries.prefix[layer]
+
+    def attend(self, layer, rows, q, scale):
+        from tierkv.vllm_backend.far_graphs import sparse_row_body
+
+        k = self.far.sparse_blocks
+        self.calls.append([req_id for req_id, _, _ in rows])
+        parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], torch.tensor(n), self.staging,
+                                 torch.arange(r * k, (r + 1) * k), torch.full((k,), BS), scale, self.packed[r])
+                 for r, (_, req, n) in enumerate(rows)]
+        self.counts["graph_replays"] += 1
+        self.counts["graph_rows"] += len(rows)
+        return torch.cat([o for o, _, _ in parts]), torch.cat([lse for _, lse, _ in parts]), torch.stack([i for *_, i in parts])
+
+    def forget(self, req_id):
+        pass
+
+    def stats(self):
+        return dict(self.counts)
+
+
+def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
+    """Three decoding rows with far blocks and, between them, a short prefill row without any: the
+    graphs get the decoding rows in one call per layer (at most max_rows: the rest go eager), and
+    the merged output equals the eager path's for every row."""
+    from tierkv.attention import merge_partials
+
+    window, blocks = 2 * BS, 30
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=32, sparse_tokens=4 * BS), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window, max_rows=2)
+    reqs = ("a", "b", "c")
+    for req in reqs:
+        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
+        far.add_hashes(req, 0, hashes)
+        for name in NAMES:
+            spans = [BlockSpan(req, list(range(blocks)), hashes)]
+            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+    store.poll(wait=True)
+    try:
+        rows = [("a", blocks * BS, 1), ("p", 5, 3), ("b", blocks * BS - 3, 1), ("c", blocks * BS - 7, 1)]
+        far.begin_step(rows)
+        q = torch.randn(6, HQ, D)
+        near = (torch.randn(6, HQ, D), torch.randn(6, HQ))
+        wants = [merge_partials([near, far.attend(store.layer_index[n], q, 0.3)])[0] for n in NAMES]
+        far.graphs = _BodyGraphs(far, max_rows=2)
+        for name, want in zip(NAMES, wants):
+            got = torch.full((6, HQ, D), float("nan"))
+            far.attend_into(got, store.layer_index[name], q, *near, 0.3)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert far.graphs.calls == [["a", "b"]] * LAYERS  # rows 0 and 4 of the step, in one call; "c" eager
+        assert far.graphs.counts["graph_rows"] == 2 * LAYERS
+        far.end_step()
+    finally:
+        far.graphs = None
         far.close()
         store.close()
 

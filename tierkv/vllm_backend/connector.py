@@ -81,6 +81,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
                                                           else self.config.model.name)
         self.max_model_len = getattr(model_config, "max_model_len", None)
+        self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
@@ -122,7 +123,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._store = shared_store(self._store_key, lambda: self._make_store(device, False))
         self.store.register(kv_caches)
         if self.hot_window is not None and self._far is None:
-            self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len)
+            self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -45,7 +45,7 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.vllm_backend.far_graphs import SparseRowGraphs
+from tierkv.vllm_backend.far_graphs import SparseStepGraphs
 from tierkv.vllm_backend.far_summaries import RequestSummaries
 
 
@@ -104,11 +104,13 @@ class _StreamPlan:
 
 
 class FarKV:
-    def __init__(self, store, window_tokens: int, max_model_len: int | None = None):
+    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
         timed by the GPU. max_model_len: the engine's longest request; under the sparse policy it
-        bounds each request's key summaries (`summary_bytes_per_request`)."""
+        bounds each request's key summaries (`summary_bytes_per_request`). max_rows: the engine's
+        decoding rows per step at most (vLLM's max_num_seqs): the sparse policy's CUDA graphs give
+        each a selection's worth of staging, within half of `scheduler.staging_bytes`."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
@@ -123,11 +125,14 @@ class FarKV:
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
         self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
                               if scheduler.policy == "sparse" else None)
-        # Sparse fetches get staging of their own, two regions of up to one selection: the streamed
+        # Sparse fetches get staging of their own, two regions of up to one selection per row (the
+        # graphs stage every decoding row's selection at once), at most half the staging: the streamed
         # chunks of prefill rows in the same step sit in the main regions, copied layers ahead.
         sparse_bytes = 0
         if self.sparse_blocks is not None:
-            sparse_bytes = 2 * min(self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4)) * layout.num_bytes
+            rows = max(1, max_rows) if scheduler.sparse_cuda_graphs else 1
+            region = min(rows * self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4))
+            sparse_bytes = 2 * region * layout.num_bytes
         self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes,
                                  max(2, lookahead + 1), store.device)
         self.recorder = PrefetchRecorder(store.num_layers)
@@ -136,8 +141,8 @@ class FarKV:
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = (SparseRowGraphs(self) if scheduler.sparse_cuda_graphs and SparseRowGraphs.usable(self)
-                       else None)
+        self.graphs = (SparseStepGraphs(self, max(1, max_rows))
+                       if scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(self) else None)
         self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
@@ -337,28 +342,45 @@ class FarKV:
     def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
                     near_lse: torch.Tensor, scale: float, dense=None) -> None:
         """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
-        [n, H, D], near_lse [n, H]) merged with the far blocks. Sparse decode rows that CUDA graphs
-        serve replay their graph and merge its far part with their near part in one launch each
-        (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
-        graphed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        [n, H, D], near_lse [n, H]) merged with the far blocks. The step's sparse decode rows that
+        the CUDA graphs serve replay the layer's one graph, and their far parts merge with their near
+        parts in one launch (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
+        graphed: list[int] = []  # rows the step's graph serves, in its order
         if self.graphs is not None and not self._pieces:
             for i in self._sparse_rows:
                 row = self.rows[i]
-                req = self.requests[row.req_id]
-                replayed = self.graphs.attend(row.req_id, req, layer, q[row.q_start : row.q_end], row.num_far_blocks,
-                                              scale)
-                if replayed is not None:
-                    graphed[i] = replayed[:2]
-                    self._count_graph_row(req, layer, replayed[2])
-        if sum(self.rows[i].q_end - self.rows[i].q_start for i in graphed) < q.shape[0]:  # rows left
-            parts = self.attend_parts(layer, q, scale, dense, skip=graphed)
+                if len(graphed) < self.graphs.max_rows and self.graphs.servable(self.requests[row.req_id], layer,
+                                                                                 row.num_far_blocks):
+                    graphed.append(i)
+        replayed = None
+        if graphed:
+            rows = [self.rows[i] for i in graphed]
+            starts = [r.q_start for r in rows]
+            contiguous = starts == list(range(starts[0], starts[0] + len(rows)))
+            q_rows = (q[starts[0] : starts[0] + len(rows)] if contiguous
+                      else q.index_select(0, to_device_no_sync(starts, q.device)))
+            replayed = self.graphs.attend(layer, [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
+                                          q_rows, scale)
+            if replayed is None:
+                graphed = []
+            else:
+                for n, r in enumerate(rows):
+                    self._count_graph_row(self.requests[r.req_id], layer, replayed[2][n])
+        if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
+            parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
             if parts:
                 self.merge_into(output, near_out, near_lse, parts)
             else:
                 output.copy_(near_out)
-        for i, far_part in graphed.items():  # after the rest: merge_into wrote these rows' near part
-            a, b = self.rows[i].q_start, self.rows[i].q_end
-            merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), far_part)
+        if graphed:  # after the rest: merge_into wrote these rows' near part
+            starts = [self.rows[i].q_start for i in graphed]
+            if starts == list(range(starts[0], starts[0] + len(graphed))):
+                a, b = starts[0], starts[0] + len(graphed)
+                merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), replayed[:2])
+            else:
+                for n, a in enumerate(starts):
+                    merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
+                                   (replayed[0][n : n + 1], replayed[1][n : n + 1]))
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -476,7 +498,7 @@ class FarKV:
             return sum(getattr(s, counter) for s in streamers)
 
         prefetch = self.recorder.snapshot()
-        replays = self.graphs.counts["graph_replays"] if self.graphs is not None else 0  # each a fetch at selection
+        replays = self.graphs.counts["graph_rows"] if self.graphs is not None else 0  # each row a fetch at selection
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
                 "chunks_streamed": total("num_chunks_streamed"),
                 "bytes_streamed": total("bytes_streamed") + self._graph_bytes,

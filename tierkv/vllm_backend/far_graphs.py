@@ -1,35 +1,35 @@
-"""CUDA graphs of the hot window's sparse decode rows: one request's selection, fetch and far
-attention of one layer, captured once and replayed each step until its inputs move.
+"""CUDA graphs of the hot window's sparse decode rows: per layer, the selection, fetch and far
+attention of every decoding row of the step, captured once and replayed each step until the rows
+or their inputs move.
 
-Primitives: `sparse_row_body`, `SparseRowGraphs` (`attend`, `forget`, `stats`).
+Primitives: `sparse_row_body`, `packed_buffers`, `SparseStepGraphs` (`servable`, `attend`, `forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
-against about 0.25 ms of GPU work, and the merge with the near part another 0.37 ms. A graph
-per (request, layer) turns that into a copy of the query, one replay, and one launch that merges
-the graph's far part with the near part into vLLM's output (`FarKV.attend_into`,
-`tierkv.attention.merge_two_into`):
+against about 0.25 ms of GPU work. One graph per layer for all the step's decoding rows turns that
+into a copy of their queries, one replay, and one launch that merges their far parts with their
+near parts into vLLM's output (`FarKV.attend_into`, `tierkv.attention.merge_two_into`), however
+many rows the step holds:
 
-    captured:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past num_far masked
-                 (one kernel, tierkv.sparse_kernels)
-               ids = sorted top-k of the bound      slots = the layer's pinned CPU-tier slots[ids]
-               copy kernel: CPU tier[slots] -> staging[graph slots], on the compute stream
-               (out, lse) = attention of q over those staging slots
+    captured, per row:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past its far
+                          count masked (one kernel, tierkv.sparse_kernels)
+                        ids = sorted top-k of the bound    slots = the layer's pinned CPU-tier slots[ids]
+                        copy kernel: CPU tier[slots] -> the row's staging slots, on the compute stream
+                          (a quantized tier: codes and scales, then dequantized into staging)
+                        (out, lse) = attention of its query over those staging slots
 
-The far count is an input of the graph (the bound runs over the whole summary table, blocks
-past the count masked), so a growing far part replays the same graph; it is captured again only
-when the layer's summary table or its pinned-slot buffer is reallocated (both double, unless the
-engine's max_model_len sized them once). Rows it
-cannot serve go the eager way (`FarKV.attend_parts`): far blocks without a summary, a selection
-larger than the staging region, engines without the copy kernel, CPU. With a quantized CPU tier
-the graph copies the selected blocks' codes and scales and dequantizes them into staging. A
-capture that fails turns the graphs off for the engine's life (logged, counted); the eager path
-gives the same result. All graphs draw on one memory pool and replay on the compute stream in
-order, one at a time. A graph's scratch may lie where another graph, captured later into the same
-pool, keeps scratch of its own (a recapture breaks the capture order), so what must outlive a
-replay, the inputs and outputs, is allocated outside the pool and copied in and out inside the
-graph. A pool whose graphs were all freed cannot take another capture; the next capture opens a
-new one.
+The far counts are inputs of the graph (the bound runs over the whole summary table, blocks past
+the count masked), so growing far parts replay the same graph; a layer is captured again when the
+step's rows change (a request joins or leaves) or a summary table or pinned-slot buffer is
+reallocated (both double, unless the engine's max_model_len sized them once). Rows it cannot serve
+go the eager way (`FarKV.attend_parts`): far blocks without a summary, rows past `max_rows` (each
+row's selection needs staging slots of its own), engines without the copy kernel, CPU. A capture
+that fails turns the graphs off for the engine's life (logged, counted); the eager path gives the
+same result. All graphs draw on one memory pool and replay on the compute stream in order, one at
+a time. A graph's scratch may lie where another graph, captured later into the same pool, keeps
+scratch of its own (a recapture breaks the capture order), so what must outlive a replay, the
+inputs and outputs, is allocated outside the pool and copied in and out inside the graph. A pool
+whose graphs were all freed cannot take another capture; the next capture opens a new one.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import torch
 
 from tierkv.attention import paged_partial_attention
 from tierkv.block_io import dequantize_into
+from tierkv.scheduler.plan import to_device_no_sync
 
 logger = logging.getLogger(__name__)
 
@@ -80,33 +81,37 @@ def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor
 
 @dataclass
 class _Graph:
-    key: tuple              # what it baked in: the summary table and pinned-slot buffer (address, size), scale
+    key: tuple              # what it baked in: per row the request and its summary table and pinned-slot
+                            # buffer (address, size); the scale
     graph: torch.cuda.CUDAGraph
-    q: torch.Tensor         # static inputs: the query [1, H, D] and the far count (int64 0-d)
+    q: torch.Tensor         # static inputs: the rows' queries [m, H, D] and far counts (int64 [m])
     num_far: torch.Tensor
-    out: torch.Tensor       # static outputs, valid until the next replay
+    out: torch.Tensor       # static outputs, valid until the next replay: [m, H, D], [m, H], ids [m, k]
     lse: torch.Tensor
     ids: torch.Tensor
-    far_count: int          # the value num_far holds
+    far_counts: list[int]   # the values num_far holds
 
 
-class SparseRowGraphs:
-    def __init__(self, far):
-        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine)."""
+class SparseStepGraphs:
+    def __init__(self, far, max_rows: int):
+        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine); max_rows: decoding rows
+        one layer's graph serves (each row's selection has staging slots of its own in the sparse pool)."""
         self.far = far
         streamer = far.sparse_streamer
         self.staging = streamer.pool.staging
         k = far.sparse_blocks
         region = streamer.pool.region_slots(0)
-        self.staging_slots = (torch.arange(region.start, region.start + k, device=self.staging.device)
-                              if len(region) >= k else None)  # a selection must fit one region
+        self.max_rows = min(max_rows, len(region) // k)  # the rows' selections must fit one region
+        self.staging_slots = torch.arange(region.start, region.start + self.max_rows * k,
+                                          device=self.staging.device).view(-1, k) if self.max_rows else None
         self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
-        self.packed = packed_buffers(far, self.staging.device)  # quantized CPU tier: codes and scales land here
-        self.graphs: dict[tuple[str, int], _Graph] = {}
+        # quantized CPU tier: each row's codes and scales land here
+        self.packed = [packed_buffers(far, self.staging.device) for _ in range(self.max_rows)]
+        self.graphs: dict[int, _Graph] = {}  # per layer: the graph of the rows it last served
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
-        self.enabled = self.staging_slots is not None
-        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_capture_errors": 0}
+        self.enabled = self.max_rows > 0
+        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
 
     @staticmethod
     def usable(far) -> bool:
@@ -114,38 +119,51 @@ class SparseRowGraphs:
         return (far.sparse_blocks is not None and far.sparse_streamer is not None and store.device.type == "cuda"
                 and store.io.engine.backend in ("cupy", "adaptive"))
 
-    def attend(self, req_id: str, req, layer: int, q_row: torch.Tensor, num_far: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(out [1, H, D], lse [1, H], ids) of one decoding row's far part by its graph: static
-        tensors, read them before this row's next step (`FarKV.attend_into` merges them with the
-        near part in one launch). None when the eager path must serve it."""
+    def servable(self, req, layer: int, num_far: int) -> bool:
+        """Whether a decoding row can be served by the graphs: all its far blocks summarized, and
+        more of them than a selection."""
         summaries = req.summaries
-        if (not self.enabled or summaries is None or num_far > summaries.prefix[layer]
-                or num_far <= self.far.sparse_blocks):
+        return (self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= summaries.prefix[layer])
+
+    def attend(self, layer: int, rows: list[tuple[str, object, int]], q: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The far parts of decoding rows (req_id, request, far blocks) by one graph: (out [m, H, D],
+        lse [m, H], ids [m, k]), static tensors, read them before the next replay (`FarKV.attend_into`
+        merges them with the near parts in one launch). q: the rows' queries [m, H, D], in the same
+        order. None when the eager path must serve them (the caller checked `servable`)."""
+        if not self.enabled or not rows or len(rows) > self.max_rows:
             return None
-        table, slots = summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
-        key = (table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), scale)
-        entry = self.graphs.get((req_id, layer))
-        if entry is None or entry.key != key:
-            entry = self._capture(req, layer, q_row, num_far, key, scale)
+        key = (tuple((req_id, req.summaries.summaries.tables[layer].data_ptr(), req.summaries.summaries.tables[layer].shape[0],
+                      req.pinned_slots_dev[layer].data_ptr(), req.pinned_slots_dev[layer].numel())
+                     for req_id, req, _ in rows), scale)
+        entry = self.graphs.get(layer)
+        counts = [n for _, _, n in rows]
+        if entry is None or entry.key != key:  # a new set of rows (or a table moved): capture again
+            self.graphs.pop(layer, None)
+            entry = self._capture(layer, [req for _, req, _ in rows], q, counts, key, scale)
             if entry is None:
                 return None
-            self.graphs[(req_id, layer)] = entry
-        entry.q.copy_(q_row)
-        if entry.far_count != num_far:  # changes once per block of decoded tokens: a launch saved otherwise
-            entry.num_far.fill_(num_far)
-            entry.far_count = num_far
+            self.graphs[layer] = entry
+        entry.q.copy_(q)
+        if entry.far_counts != counts:  # change once per block of decoded tokens: a copy saved otherwise
+            entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
+            entry.far_counts = counts
         entry.graph.replay()
         self.counts["graph_replays"] += 1
+        self.counts["graph_rows"] += len(rows)
         return entry.out, entry.lse, entry.ids
 
-    def _capture(self, req, layer: int, q_row: torch.Tensor, num_far: int, key: tuple, scale: float) -> _Graph | None:
-        q = q_row.clone()
-        far_count = torch.full((), num_far, dtype=torch.int64, device=q.device)
+    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, counts: list[int], key: tuple,
+                 scale: float) -> _Graph | None:
+        q = q_rows.clone()
+        far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
 
         def body():
-            return sparse_row_body(self.far, req, layer, q, far_count, self.staging, self.staging_slots,
-                                   self.block_tokens, scale, self.packed)
+            parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.staging,
+                                     self.staging_slots[r], self.block_tokens, scale, self.packed[r])
+                     for r, req in enumerate(reqs)]
+            return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                    torch.stack([p[2] for p in parts]))
 
         if not self.graphs:  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
@@ -157,7 +175,7 @@ class SparseRowGraphs:
             outputs = [torch.empty_like(t) for t in first]  # outside the pool, on the compute stream
             with torch.cuda.stream(side):
                 # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
-                # allocator's cache on entry: captures recur while a long request's tables grow
+                # allocator's cache on entry: captures recur as the batch changes
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
@@ -175,12 +193,12 @@ class SparseRowGraphs:
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, far_count, out, lse, ids, num_far)
+        return _Graph(key, graph, q, far_counts, out, lse, ids, counts)
 
     def forget(self, req_id: str) -> None:
-        """Drop a finished request's graphs."""
-        for key in [k for k in self.graphs if k[0] == req_id]:
-            del self.graphs[key]
+        """Drop the graphs that serve a finished request."""
+        for layer in [layer for layer, g in self.graphs.items() if any(row[0] == req_id for row in g.key[0])]:
+            del self.graphs[layer]
 
     def stats(self) -> dict:
-        return {**self.counts, "graphs": len(self.graphs), "graphs_enabled": self.enabled}
+        return {**self.counts, "graphs": len(self.graphs), "graphs_enabled": self.enabled, "max_rows": self.max_rows}
