@@ -32,6 +32,7 @@ pins only the blocks that became far since the last one.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -153,6 +154,7 @@ class FarKV:
         # the step before (what a GPU cache of the last selection would hit), counted on the device
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
         self._overlap_of = 0
+        self._decode_host = [0.0, 0]  # attend_into's host seconds and calls in steps without streamed chunks
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -345,6 +347,7 @@ class FarKV:
         [n, H, D], near_lse [n, H]) merged with the far blocks. The step's sparse decode rows that
         the CUDA graphs serve replay the layer's one graph, and their far parts merge with their near
         parts in one launch (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
+        started = time.perf_counter()
         graphed: list[int] = []  # rows the step's graph serves, in its order
         if self.graphs is not None and not self._pieces:
             for i in self._sparse_rows:
@@ -381,6 +384,9 @@ class FarKV:
                 for n, a in enumerate(starts):
                     merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
                                    (replayed[0][n : n + 1], replayed[1][n : n + 1]))
+        if not self._pieces:  # a step without streamed chunks: this is host time, no wait for copies
+            self._decode_host[0] += time.perf_counter() - started
+            self._decode_host[1] += 1
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -509,6 +515,8 @@ class FarKV:
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
+                # the far path's own host time per layer call in decode steps (no profiler needed)
+                "decode_host_us_per_layer": 1e6 * self._decode_host[0] / self._decode_host[1] if self._decode_host[1] else None,
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:
