@@ -91,6 +91,8 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
     eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS, storage=storage)
     graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS, storage=storage)
     assert eager.graphs is None and graphed.graphs is not None and graphed.graphs.enabled
+    # staging, and a quantized tier's code and scale buffers, stay within scheduler.staging_bytes
+    assert graphed.stats()["staging_bytes"] <= graph_store.config.scheduler.staging_bytes
     try:
         start = (BLOCKS - 3) * BS - 2  # the far part grows by one block during the steps below
         steps = 2 * BS + 4

@@ -962,6 +962,7 @@ class _BodyGraphs:
         self.staging = torch.zeros(max_rows * k, *far.store.layout.shape)
         self.packed = [packed_buffers(far, torch.device("cpu")) for _ in range(max_rows)]
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
+        self.packed_bytes = 0
 
     def servable(self, req, layer, num_far):
         return req.summaries is not None and self.far.sparse_blocks < num_far <= req.summaries.prefix[layer]

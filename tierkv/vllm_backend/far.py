@@ -129,12 +129,16 @@ class FarKV:
         # Sparse fetches get staging of their own, two regions of up to one selection per row (the
         # graphs stage every decoding row's selection at once), at most half the staging: the streamed
         # chunks of prefill rows in the same step sit in the main regions, copied layers ahead.
-        sparse_bytes = 0
+        # With a quantized CPU tier the graphs land each row's selected codes and scales in buffers of
+        # their own before dequantizing them into staging: those come out of the staging bytes too.
+        sparse_bytes = packed_bytes = 0
         if self.sparse_blocks is not None:
             rows = max(1, max_rows) if scheduler.sparse_cuda_graphs else 1
             region = min(rows * self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
-        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes,
+            if scheduler.sparse_cuda_graphs and store.device.type == "cuda" and store.cpu.quant_format is not None:
+                packed_bytes = min(rows, region // self.sparse_blocks) * self.sparse_blocks * store.cpu.slot_bytes
+        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes - packed_bytes,
                                  max(2, lookahead + 1), store.device)
         self.recorder = PrefetchRecorder(store.num_layers)
         self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=self.recorder)
@@ -510,7 +514,8 @@ class FarKV:
                 "bytes_streamed": total("bytes_streamed") + self._graph_bytes,
                 "stalls": total("num_stalls") + replays, "chunks_carried": self.streamer.num_chunks_carried,
                 "chunks_discarded": self.streamer.num_chunks_discarded,
-                "staging_bytes": sum(s.pool.staging_bytes for s in streamers),
+                "staging_bytes": sum(s.pool.staging_bytes for s in streamers)
+                + (self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,

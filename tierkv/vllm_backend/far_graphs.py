@@ -200,5 +200,10 @@ class SparseStepGraphs:
         for layer in [layer for layer, g in self.graphs.items() if any(row[0] == req_id for row in g.key[0])]:
             del self.graphs[layer]
 
+    @property
+    def packed_bytes(self) -> int:
+        """GPU bytes of the quantized tier's code and scale buffers (0 for an unquantized tier)."""
+        return sum(t.numel() * t.element_size() for p in self.packed if p is not None for t in p[:2])
+
     def stats(self) -> dict:
         return {**self.counts, "graphs": len(self.graphs), "graphs_enabled": self.enabled, "max_rows": self.max_rows}
