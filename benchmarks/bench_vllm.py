@@ -65,8 +65,11 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
 
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
-           storage_dtype: str = "auto"):
-    common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False, enforce_eager=True,
+           storage_dtype: str = "auto", compiled: bool = False):
+    # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
+    # makes vLLM capture piecewise, its attention runs between the pieces)
+    common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
+                  enforce_eager=not compiled,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
     if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs"):  # the hot window: 2048 tokens per request in vLLM's pool
@@ -94,18 +97,20 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
-        transfer_backend: str = "auto", storage_dtype: str = "auto",
+        transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         profile_steps: list[int] | None = None, profile_prefix: bool = False) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype)
+    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled)
     if transfer_backend != "auto":
         mode = f"{mode}@{transfer_backend}"  # its own row and file
     if storage_dtype != "auto":
         mode = f"{mode}@{storage_dtype}"
+    if compiled:
+        mode = f"{mode}@compiled"
     cache_config = llm.llm_engine.vllm_config.cache_config
     # per GPU: under tensor parallelism each rank's pool holds its 1/tp of the KV heads
     kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers) // tp
@@ -269,10 +274,11 @@ def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
 
 def table(out: str) -> None:
     rows = {p.stem.removeprefix("bench-vllm-"): json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json"))}
-    plain = rows.get("plain")
+    # each row's baseline: plain vLLM run the same way (compiled rows against plain@compiled)
     print(f"{'mode':<11} {'KV reserved GiB':>15} {'prefill s':>9} {'x plain':>7} {'decode ms':>9} "
           f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'far wait s':>10} {'tokens = plain':>14}")
     for mode, r in rows.items():
+        plain = rows.get("plain@compiled" if mode.endswith("@compiled") else "plain")
         ratio = r["prefill_s"] / plain["prefill_s"] if plain else float("nan")
         same = (r["tokens"] == plain["tokens"]) if plain else None
         if plain and not same:  # the first divergent step and plain vLLM's top-2 margin there: a near-tie?
@@ -306,6 +312,8 @@ def main() -> int:
     parser.add_argument("--transfer-backend", default="auto", help="tierkv modes: scheduler.transfer_backend (row MODE@NAME)")
     parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
                         help="tierkv modes: the CPU tier's storage dtype (row MODE@DTYPE)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled; both engines)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     parser.add_argument("--profile-prefix", action="store_true",
@@ -321,7 +329,7 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
-            transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype,
+            transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             profile_steps=args.profile_steps, profile_prefix=args.profile_prefix)
     else:
         table(args.rest[0])

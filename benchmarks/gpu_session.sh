@@ -11,7 +11,8 @@
 #   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs),
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
 #   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs, "--profile-prefix" for a profiled
-#   repeated-prefix step, "--storage-dtype float8_e4m3fn" for an fp8 CPU tier), vllm-lmcache
+#   repeated-prefix step, "--storage-dtype float8_e4m3fn" for an fp8 CPU tier, "--compiled" for
+#   vLLM's compiled CUDA-graph mode, rows MODE@compiled against plain@compiled), vllm-lmcache
 #   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table; vllm-batch-plain,
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
