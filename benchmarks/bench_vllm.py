@@ -296,7 +296,7 @@ def table(out: str) -> None:
         if r.get("pcie_floor_ms"):
             print(f"{'':<11} decode {r['decode_ms_per_token']:.1f} ms = {r['decode_ms_per_token'] / r['pcie_floor_ms']:.2f}x "
                   f"the PCIe floor {r['pcie_floor_ms']:.1f} ms (H2D ceiling {r['h2d_ceiling_gbps']:.1f} GB/s, this run)")
-        if mode != "plain" and plain and r.get("top2_logprobs") and plain.get("top2_logprobs"):
+        if not mode.startswith("plain") and plain and r.get("top2_logprobs") and plain.get("top2_logprobs"):
             agree = next((i for i, (a, b) in enumerate(zip(r["tokens"], plain["tokens"])) if a != b), len(r["tokens"]))
             worst = max((abs(x - y) for i in range(agree) for x, y in zip(r["top2_logprobs"][i], plain["top2_logprobs"][i])),
                         default=0.0)
