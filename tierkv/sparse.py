@@ -17,20 +17,14 @@ into a far-block cache, and a selected block that was not prefetched is fetched 
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-
-@functools.lru_cache(maxsize=1)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+from tierkv.attention import triton_installed
 
 
 def _uses_kernel(table: torch.Tensor) -> bool:
     """CUDA tables go through `tierkv.sparse_kernels.block_bounds` (one launch) where triton is installed."""
-    return table.is_cuda and _triton_installed()
+    return table.is_cuda and triton_installed()
 
 
 class BlockSummaries:

@@ -24,17 +24,18 @@ import torch
 
 from tierkv.attention import reference
 
-__all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention", "reference"]
+__all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention", "reference",
+           "triton_installed"]
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_installed() -> bool:
+def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
     """``triton_paged`` for CUDA tensors when triton is installed, else ``reference``."""
-    if t.is_cuda and _triton_installed():
+    if t.is_cuda and triton_installed():
         from tierkv.attention import triton_paged
         return triton_paged
     return reference
