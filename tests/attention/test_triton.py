@@ -19,15 +19,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 import tierkv.attention as attention
+from tests.interpreter import run_interpreter_tests
 from tierkv.attention import reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -261,14 +260,7 @@ def test_interpreter_in_subprocess():
     reason = _no_interpreter_reason()
     if reason is None:
         pytest.skip("the interpreter tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERKV_ATTENTION_CHILD="1")
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
-    result = subprocess.run(command, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True,
-                            timeout=900)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"child pytest failed ({summary}):\n{result.stdout[-8000:]}{result.stderr[-2000:]}"
-    assert " passed" in summary and "skipped" not in summary, f"child ran no interpreter test: {summary}"
-    print(f"interpreter tests in a child process: {summary}")
+    print(f"interpreter tests in a child process: {run_interpreter_tests(__file__, 'TIERKV_ATTENTION_CHILD')}")
 
 
 # ---------------------------------------------------------------- CUDA, Llama-3.1-8B layer shapes

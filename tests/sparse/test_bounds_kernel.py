@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.interpreter import run_interpreter_tests
 from tierkv.sparse import BlockSummaries
 
 CHILD = os.environ.get("TIERKV_BOUNDS_CHILD") == "1"
@@ -51,13 +49,7 @@ def test_interp_bounds_equal_the_pytorch_bound():
 
 def test_kernel_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TIERKV_BOUNDS_CHILD="1")
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
-    result = subprocess.run(command, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True,
-                            timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"child pytest failed ({summary}):\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
-    assert "1 passed" in summary and "skipped" not in summary, f"child ran no kernel test: {summary}"
+    assert "1 passed" in run_interpreter_tests(__file__, "TIERKV_BOUNDS_CHILD", timeout=600)
 
 
 @pytest.mark.gpu
