@@ -75,7 +75,9 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     # the budget holds vLLM's pool, staging and the key summaries TieredLLM reserves for
     # max_num_seqs = requests (SPARSE_HOT_WINDOW: 64-token blocks, 256 MiB per request)
     config = {"cache": {**SPARSE_HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes},
-              "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs"},
+              # one graph per layer serves every request's decoding row
+              "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs",
+                            "sparse_graph_rows": requests},
               "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
                          "storage_dtype": storage_dtype}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}

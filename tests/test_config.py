@@ -71,6 +71,7 @@ BAD = [
     ({"tiers": [{"kind": "cpu", "storage_dtype": "fp4"}]}, "tiers[0].storage_dtype", "allowed: auto"),
     ({"scheduler": {"policy": "magic"}}, "scheduler.policy", "allowed: exact, sparse"),
     ({"scheduler": {"lookahead_layers": 0}}, "scheduler.lookahead_layers", "positive"),
+    ({"scheduler": {"sparse_graph_rows": 0}}, "scheduler.sparse_graph_rows", "positive"),
     ({"metrics": {"prometheus_port": 70000}}, "metrics.prometheus_port", "at most 65535"),
     ({"metrics": {"enabled": "yes please"}}, "metrics.enabled", "true or false"),
     ({"model": {"kv_dtype": "int3"}}, "model.kv_dtype", "bfloat16"),

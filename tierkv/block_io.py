@@ -69,6 +69,8 @@ def _fused_dequantize(codes, scales, fmt, dst, slots) -> bool:
         dequantize_into_slots(codes, scales, fmt, dst, slots)
         return True
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop generation
+        if dst.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise  # the capture is void: its owner falls back as a whole (a fallback here would be captured too)
         _FUSED.update(ok=False, error=f"{type(exc).__name__}: {exc}")
         return False
 

@@ -98,9 +98,12 @@ class SchedulerConfig:
     predict_with_previous: bool = field(default=True, metadata=doc(
         "predictor 'query': also prefetch each layer's previous-step selection"))
     sparse_cuda_graphs: bool = field(default=True, metadata=doc(
-        "sparse policy under vLLM's hot window: capture each decoding request's per-layer selection, fetch, "
-        "far attention in a CUDA graph and replay it (CUDA, copy-kernel transfer backends; a quantized CPU tier's "
+        "sparse policy under vLLM's hot window: capture, per layer, the decoding rows' selection, fetch and "
+        "far attention in one CUDA graph and replay it (CUDA, copy-kernel transfer backends; a quantized CPU tier's "
         "codes are dequantized inside the graph; elsewhere, and after a failed capture, the eager path)"))
+    sparse_graph_rows: int = field(default=8, metadata=doc(
+        "sparse CUDA graphs: decoding rows one layer's graph serves, at most vLLM's max_num_seqs; each takes a "
+        "selection's worth of staging (within half of staging_bytes), rows beyond go the eager way", min_value=1))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

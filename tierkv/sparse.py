@@ -22,9 +22,24 @@ import torch
 from tierkv.attention import triton_installed
 
 
-def _uses_kernel(table: torch.Tensor) -> bool:
-    """CUDA tables go through `tierkv.sparse_kernels.block_bounds` (one launch) where triton is installed."""
-    return table.is_cuda and triton_installed()
+_KERNEL = {"ok": True, "error": None}
+
+
+def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
+                   limit: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`tierkv.sparse_kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
+    None where it cannot run (the PyTorch path serves from then on, the reason kept in `_KERNEL`)."""
+    if not (table.is_cuda and triton_installed() and _KERNEL["ok"]):
+        return None
+    try:
+        from tierkv.sparse_kernels import block_bounds
+
+        return block_bounds(table, q, first, stop, limit)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop decoding
+        if torch.cuda.is_current_stream_capturing():
+            raise  # the capture is void: its owner falls back as a whole
+        _KERNEL.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return None
 
 
 class BlockSummaries:
@@ -81,10 +96,10 @@ class BlockSummaries:
         it is one kernel (`tierkv.sparse_kernels`).
         """
         table = self.tables[layer]
-        if isinstance(block_ids, range) and _uses_kernel(table):
-            from tierkv.sparse_kernels import block_bounds
-
-            return block_bounds(table, q, block_ids.start, block_ids.stop)
+        if isinstance(block_ids, range):
+            bounds = _kernel_bounds(table, q, block_ids.start, block_ids.stop)
+            if bounds is not None:
+                return bounds
         rows = table[block_ids.start : block_ids.stop] if isinstance(block_ids, range) else table.index_select(0, block_ids)
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
@@ -97,10 +112,9 @@ class BlockSummaries:
         """`upper_bounds` of every row of the layer's table, rows at or past `limit` (int64 0-d on
         the device) -inf: float32 [rows]. Fixed shapes while the limit grows (a CUDA graph input)."""
         table = self.tables[layer]
-        if _uses_kernel(table):
-            from tierkv.sparse_kernels import block_bounds
-
-            return block_bounds(table, q, 0, table.shape[0], limit)
+        bounds = _kernel_bounds(table, q, 0, table.shape[0], limit)
+        if bounds is not None:
+            return bounds
         scores = self.upper_bounds(layer, q, range(table.shape[0]))
         return torch.where(torch.arange(table.shape[0], device=q.device) < limit, scores, float("-inf"))
 

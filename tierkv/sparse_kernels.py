@@ -55,8 +55,9 @@ def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
     num_heads, head_dim = q.shape
     if width != 2 * head_dim or num_heads % num_kv_heads or not 0 <= first <= stop <= capacity:
         raise ValueError(f"block_bounds: table {tuple(table.shape)}, q {tuple(q.shape)}, blocks {first}..{stop}")
-    if table.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("block_bounds: the table's and q's last dimension must be contiguous")
+    if table.stride(-1) != 1:
+        raise ValueError("block_bounds: the table's last dimension must be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(stop - first, dtype=torch.float32, device=table.device)
     if stop == first:
         return out

@@ -1,9 +1,10 @@
 """GPU: the hot window's sparse decode rows replayed from CUDA graphs (one graph per layer for the
 step's rows, their far parts merged with near parts by `attend_into`, as for the vLLM backend)
 equal the eager path, step
-after step, while the far part grows (a new far block every block_tokens steps) and across a
-recapture, for two requests at once, then for a new request once both finished (every graph freed),
-and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
+after step, while the far part grows (a new far block every block_tokens steps), for two requests
+in one graph, one of them alone (a second set of rows captured beside the first), both again (the
+kept graph replays), then a new request once both finished (every graph freed), and the host is
+never synchronized by a replay; at 16- and 64-token blocks, the summary tables
 allocated once for the engine's longest request, and over an fp8 CPU tier (codes and scales
 dequantized inside the graph). No vLLM needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
@@ -59,20 +60,19 @@ def add_request(store, far, caches, req, tokens):
 
 def compare_steps(eager, graphed, requests: dict[str, int], steps: int):
     """`steps` decode steps of `requests` (id: position of its first step's token), each layer's
-    far attention by graphs equal to the eager path's; replays with no capture never wait for the GPU."""
-    previous = None
+    far attention by graphs equal to the eager path's; after the first step (which may capture a new
+    set of rows) no step waits for the GPU, the steps whose far counts grow included."""
     for step in range(steps):
         rows = [(req, first + step, 1) for req, first in requests.items()]
         q = torch.randn(len(rows), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
         for far in (eager, graphed):
             far_rows = far.begin_step(rows)
-        num_far = [r.num_far_blocks for r in far_rows]
-        replay_only, previous = num_far == previous, num_far  # no capture this step
+        assert all(r.num_far_blocks > graphed.sparse_blocks for r in far_rows)  # every row graph-served
         for layer in range(LAYERS):
             near = (torch.randn(len(rows), HEADS, DIM, device="cuda"), torch.randn(len(rows), HEADS, device="cuda"))
             want = merge_partials([near, eager.attend(layer, q, DIM ** -0.5)])[0]
             got = torch.full_like(want, float("nan"))
-            if replay_only:  # replays must not wait for the GPU (overlap-sampling steps included)
+            if step > 0:  # replays must not wait for the GPU (overlap-sampling steps included)
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 graphed.attend_into(got, layer, q, *near, DIM ** -0.5)  # what the vLLM backend calls
@@ -105,6 +105,13 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         # one capture per layer at first use: the summary tables and pinned-slot buffers are sized for
         # max_model_len and never move, so growing far parts replay with larger far counts
         assert counts["graph_captures"] == LAYERS
+        # a step of "a" alone: a new set of rows, captured into the pool beside the live graphs of both;
+        # then both again: their kept graphs replay, no capture
+        compare_steps(eager, graphed, {"a": start + steps}, 2)
+        compare_steps(eager, graphed, {"a": start + steps + 2, "b": start - 5 + steps}, 2)
+        counts = graphed.stats()["cuda_graphs"]
+        assert counts["graph_capture_errors"] == 0 and counts["graph_captures"] == 2 * LAYERS
+        assert counts["graphs"] == 2 * LAYERS
         # both requests finish (every graph freed), a new one captures and replays again
         for far in (eager, graphed):
             far.finish("a")
@@ -116,6 +123,7 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         compare_steps(eager, graphed, {"c": start}, 4)
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graphs"] == LAYERS and counts["graphs_enabled"]
+        assert counts["graph_captures"] == 3 * LAYERS
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()

@@ -886,7 +886,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
                                                sparse_graphs=True)
     try:
         assert store.config.scheduler.sparse_cuda_graphs
-        assert not SparseStepGraphs.usable(far) and far.graphs is None and far.stats()["cuda_graphs"] is None
+        assert not SparseStepGraphs.usable(store) and far.graphs is None and far.stats()["cuda_graphs"] is None
         (row,) = far.begin_step([("r", 42 * BS, 1)])
         k = far.sparse_blocks
         staging = torch.zeros(k, *store.layout.shape)
@@ -1024,6 +1024,23 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
     finally:
         far.graphs = None
         far.close()
+        store.close()
+
+
+def test_sparse_staging_grows_with_the_rows_only_where_the_graphs_run(tmp_path):
+    """The sparse fetches' staging holds one selection per region unless CUDA graphs can run (CUDA,
+    a copy-kernel backend): then a selection per graph row, within half the staging. On CPU,
+    max_rows changes nothing and the main ring keeps the rest."""
+    config = load_config(write_config(tmp_path, window=2 * BS, staging_blocks=64, sparse_tokens=4 * BS,
+                                      sparse_graphs=True), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    try:
+        for max_rows in (1, 64):
+            far = FarKV(store, 2 * BS, max_rows=max_rows)
+            assert far.graphs is None and far.sparse_streamer.pool.region_blocks == far.sparse_blocks == 4
+            assert far.pool.region_blocks * far.pool.num_regions + 2 * 4 <= 64
+            far.close()
+    finally:
         store.close()
 
 

@@ -33,6 +33,7 @@ pins only the blocks that became far since the last one.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -132,11 +133,12 @@ class FarKV:
         # With a quantized CPU tier the graphs land each row's selected codes and scales in buffers of
         # their own before dequantizing them into staging: those come out of the staging bytes too.
         sparse_bytes = packed_bytes = 0
+        graphed = self.sparse_blocks is not None and scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(store)
         if self.sparse_blocks is not None:
-            rows = max(1, max_rows) if scheduler.sparse_cuda_graphs else 1
+            rows = max(1, min(max_rows, scheduler.sparse_graph_rows)) if graphed else 1
             region = min(rows * self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
-            if scheduler.sparse_cuda_graphs and store.device.type == "cuda" and store.cpu.quant_format is not None:
+            if graphed and store.cpu.quant_format is not None:
                 packed_bytes = min(rows, region // self.sparse_blocks) * self.sparse_blocks * store.cpu.slot_bytes
         self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes - packed_bytes,
                                  max(2, lookahead + 1), store.device)
@@ -146,8 +148,7 @@ class FarKV:
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = (SparseStepGraphs(self, max(1, max_rows))
-                       if scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(self) else None)
+        self.graphs = SparseStepGraphs(self, rows) if graphed else None
         self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
@@ -158,7 +159,7 @@ class FarKV:
         # the step before (what a GPU cache of the last selection would hit), counted on the device
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
         self._overlap_of = 0
-        self._decode_host = [0.0, 0]  # attend_into's host seconds and calls in steps without streamed chunks
+        self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -352,6 +353,7 @@ class FarKV:
         the CUDA graphs serve replay the layer's one graph, and their far parts merge with their near
         parts in one launch (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
         started = time.perf_counter()
+        captures = self.graphs.counts["graph_captures"] if self.graphs is not None else 0
         graphed: list[int] = []  # rows the step's graph serves, in its order
         if self.graphs is not None and not self._pieces:
             for i in self._sparse_rows:
@@ -388,9 +390,8 @@ class FarKV:
                 for n, a in enumerate(starts):
                     merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
                                    (replayed[0][n : n + 1], replayed[1][n : n + 1]))
-        if not self._pieces:  # a step without streamed chunks: this is host time, no wait for copies
-            self._decode_host[0] += time.perf_counter() - started
-            self._decode_host[1] += 1
+        if not self._pieces and (self.graphs is None or self.graphs.counts["graph_captures"] == captures):
+            self._decode_host.append(time.perf_counter() - started)  # host time only: no streamed chunks, no capture
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -520,8 +521,9 @@ class FarKV:
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
-                # the far path's own host time per layer call in decode steps (no profiler needed)
-                "decode_host_us_per_layer": 1e6 * self._decode_host[0] / self._decode_host[1] if self._decode_host[1] else None,
+                # the far path's own host time per layer call in decode steps, median of the last 4096 calls
+                # that captured no graph (no profiler needed)
+                "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

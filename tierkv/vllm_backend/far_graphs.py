@@ -19,9 +19,9 @@ many rows the step holds:
                         (out, lse) = attention of its query over those staging slots
 
 The far counts are inputs of the graph (the bound runs over the whole summary table, blocks past
-the count masked), so growing far parts replay the same graph; a layer is captured again when the
-step's rows change (a request joins or leaves) or a summary table or pinned-slot buffer is
-reallocated (both double, unless the engine's max_model_len sized them once). Rows it cannot serve
+the count masked), so growing far parts replay the same graph; a layer captures again for a new
+set of rows (a request joins or leaves; it keeps the graphs of its last GRAPHS_PER_LAYER sets) or
+when a summary table or pinned-slot buffer is reallocated (both double, unless the engine's max_model_len sized them once). Rows it cannot serve
 go the eager way (`FarKV.attend_parts`): far blocks without a summary, rows past `max_rows` (each
 row's selection needs staging slots of its own), engines without the copy kernel, CPU. A capture
 that fails turns the graphs off for the engine's life (logged, counted); the eager path gives the
@@ -34,6 +34,7 @@ whose graphs were all freed cannot take another capture; the next capture opens 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ from tierkv.block_io import dequantize_into
 from tierkv.scheduler.plan import to_device_no_sync
 
 logger = logging.getLogger(__name__)
+
+GRAPHS_PER_LAYER = 4  # sets of rows whose graphs a layer keeps
 
 
 def packed_buffers(far, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -107,17 +110,18 @@ class SparseStepGraphs:
         self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
         # quantized CPU tier: each row's codes and scales land here
         self.packed = [packed_buffers(far, self.staging.device) for _ in range(self.max_rows)]
-        self.graphs: dict[int, _Graph] = {}  # per layer: the graph of the rows it last served
+        # per layer, the graphs of the last GRAPHS_PER_LAYER sets of rows, least recently used first: a
+        # batch that alternates between a few sets (a request joining, vLLM reordering) recaptures once each
+        self.graphs: dict[int, OrderedDict[tuple, _Graph]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
         self.enabled = self.max_rows > 0
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
 
     @staticmethod
-    def usable(far) -> bool:
-        store = far.store
-        return (far.sparse_blocks is not None and far.sparse_streamer is not None and store.device.type == "cuda"
-                and store.io.engine.backend in ("cupy", "adaptive"))
+    def usable(store) -> bool:
+        """Whether an engine's store can replay the graphs: CUDA and a copy-kernel transfer backend."""
+        return store.device.type == "cuda" and store.io.engine.backend in ("cupy", "adaptive")
 
     def servable(self, req, layer: int, num_far: int) -> bool:
         """Whether a decoding row can be served by the graphs: all its far blocks summarized, and
@@ -136,14 +140,18 @@ class SparseStepGraphs:
         key = (tuple((req_id, req.summaries.summaries.tables[layer].data_ptr(), req.summaries.summaries.tables[layer].shape[0],
                       req.pinned_slots_dev[layer].data_ptr(), req.pinned_slots_dev[layer].numel())
                      for req_id, req, _ in rows), scale)
-        entry = self.graphs.get(layer)
+        kept = self.graphs.setdefault(layer, OrderedDict())
+        entry = kept.get(key)
         counts = [n for _, _, n in rows]
-        if entry is None or entry.key != key:  # a new set of rows (or a table moved): capture again
-            self.graphs.pop(layer, None)
+        if entry is None:  # a new set of rows (or a table moved): capture
+            if len(kept) >= GRAPHS_PER_LAYER:
+                kept.popitem(last=False)
             entry = self._capture(layer, [req for _, req, _ in rows], q, counts, key, scale)
             if entry is None:
                 return None
-            self.graphs[layer] = entry
+            kept[key] = entry
+        else:
+            kept.move_to_end(key)
         entry.q.copy_(q)
         if entry.far_counts != counts:  # change once per block of decoded tokens: a copy saved otherwise
             entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
@@ -165,7 +173,7 @@ class SparseStepGraphs:
             return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
                     torch.stack([p[2] for p in parts]))
 
-        if not self.graphs:  # every graph of the pool freed (requests finished): the pool is gone
+        if not any(self.graphs.values()):  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
         current, side = torch.cuda.current_stream(), self.side_stream
         side.wait_stream(current)
@@ -197,8 +205,9 @@ class SparseStepGraphs:
 
     def forget(self, req_id: str) -> None:
         """Drop the graphs that serve a finished request."""
-        for layer in [layer for layer, g in self.graphs.items() if any(row[0] == req_id for row in g.key[0])]:
-            del self.graphs[layer]
+        for kept in self.graphs.values():
+            for key in [key for key in kept if any(row[0] == req_id for row in key[0])]:
+                del kept[key]
 
     @property
     def packed_bytes(self) -> int:
@@ -206,4 +215,5 @@ class SparseStepGraphs:
         return sum(t.numel() * t.element_size() for p in self.packed if p is not None for t in p[:2])
 
     def stats(self) -> dict:
-        return {**self.counts, "graphs": len(self.graphs), "graphs_enabled": self.enabled, "max_rows": self.max_rows}
+        return {**self.counts, "graphs": sum(len(kept) for kept in self.graphs.values()), "graphs_enabled": self.enabled,
+                "max_rows": self.max_rows}
