@@ -1027,6 +1027,95 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         store.close()
 
 
+def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(tmp_path, monkeypatch):
+    """SparseStepGraphs' bookkeeping on CPU, its capture replaced by one whose 'replay' runs the graph
+    body eagerly (real captures: tests/gpu/test_far_graphs_gpu.py): a set of rows captures once per
+    layer and replays while far counts grow, a second set is captured beside it, the first replays
+    again, the least recently used set goes past GRAPHS_PER_LAYER, a finished request's graphs are
+    dropped; every step's output equals the eager path's."""
+    from tierkv.attention import merge_partials
+    from tierkv.vllm_backend import far_graphs
+
+    class FakeGraph:
+        def __init__(self, run, outputs):
+            self.run, self.outputs = run, outputs
+
+        def replay(self):
+            for output, result in zip(self.outputs, self.run()):
+                output.copy_(result)
+
+    def capture(self, layer, reqs, q_rows, counts, key, scale):
+        q, far_counts = q_rows.clone(), torch.tensor(counts)
+        run = self.body(layer, reqs, q, far_counts, scale)
+        outputs = [t.clone() for t in run()]
+        self.counts["graph_captures"] += 1
+        return far_graphs._Graph(key, FakeGraph(run, outputs), q, far_counts, *outputs, counts)
+
+    monkeypatch.setattr(far_graphs.SparseStepGraphs, "usable", staticmethod(lambda store: True))
+    monkeypatch.setattr(far_graphs.SparseStepGraphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    window, blocks = 2 * BS, 30
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
+                                      sparse_graphs=True), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    graphed, eager = FarKV(store, window, max_rows=2), None
+    try:
+        assert graphed.graphs is not None and graphed.graphs.max_rows == 2
+        reqs = [f"r{i}" for i in range(6)]
+        for req in reqs:
+            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
+            graphed.add_hashes(req, 0, hashes)
+            for name in NAMES:
+                spans = [BlockSpan(req, list(range(blocks)), hashes)]
+                graphed.summarize(store.layer_index[name], spans,
+                                  store.save_layer(store.layer_index[name], caches[name], spans))
+        store.poll(wait=True)
+        position = {req: (blocks - 3) * BS - 4 for req in reqs}
+
+        def step(names):
+            rows = [(req, position[req], 1) for req in names]
+            graphed.begin_step(rows)
+            q = torch.randn(len(rows), HQ, D)
+            near = (torch.randn(len(rows), HQ, D), torch.randn(len(rows), HQ))
+            for name in NAMES:
+                layer = store.layer_index[name]
+                saved, graphed.graphs = graphed.graphs, None  # the eager path, same FarKV and selections
+                want = merge_partials([near, graphed.attend(layer, q, 0.3)])[0]
+                graphed.graphs = saved
+                got = torch.full_like(want, float("nan"))
+                graphed.attend_into(got, layer, q, *near, 0.3)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            graphed.end_step()
+            for req in names:
+                position[req] += 1
+
+        counts = graphed.graphs.counts
+        for _ in range(BS + 2):  # far counts grow by a block on the way: the same graphs replay
+            step(["r0", "r1"])
+        assert counts["graph_captures"] == LAYERS and counts["graph_replays"] == LAYERS * (BS + 2)
+        step(["r0"])  # a second set of rows, captured beside the first
+        step(["r0", "r1"])  # the first set's graphs were kept
+        assert counts["graph_captures"] == 2 * LAYERS and graphed.stats()["cuda_graphs"]["graphs"] == 2 * LAYERS
+        # kept, least recently used first: ("r0",), ("r0", "r1"); then three more sets: past
+        # GRAPHS_PER_LAYER (4) the least recently used, ("r0",), goes
+        for names in (["r2"], ["r3"], ["r4"]):
+            step(names)
+        assert counts["graph_captures"] == 5 * LAYERS
+        assert graphed.stats()["cuda_graphs"]["graphs"] == far_graphs.GRAPHS_PER_LAYER * LAYERS
+        step(["r0"])  # ("r0",) was evicted: captured again, evicting ("r0", "r1")
+        step(["r2"])  # still kept: replayed
+        assert counts["graph_captures"] == 6 * LAYERS
+        graphed.finish("r0")  # its graph goes; ("r2",), ("r3",), ("r4",) stay
+        assert graphed.stats()["cuda_graphs"]["graphs"] == 3 * LAYERS
+        assert counts["graph_capture_errors"] == 0
+    finally:
+        graphed.close()
+        store.close()
+
+
 def test_sparse_staging_grows_with_the_rows_only_where_the_graphs_run(tmp_path):
     """The sparse fetches' staging holds one selection per region unless CUDA graphs can run (CUDA,
     a copy-kernel backend): then a selection per graph row, within half the staging. On CPU,

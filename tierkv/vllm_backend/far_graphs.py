@@ -161,17 +161,23 @@ class SparseStepGraphs:
         self.counts["graph_rows"] += len(rows)
         return entry.out, entry.lse, entry.ids
 
-    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, counts: list[int], key: tuple,
-                 scale: float) -> _Graph | None:
-        q = q_rows.clone()
-        far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-
-        def body():
+    def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, scale: float):
+        """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64
+        [m]): a callable giving (out [m, H, D], lse [m, H], ids [m, k])."""
+        def run():
             parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.staging,
                                      self.staging_slots[r], self.block_tokens, scale, self.packed[r])
                      for r, req in enumerate(reqs)]
             return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
                     torch.stack([p[2] for p in parts]))
+
+        return run
+
+    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, counts: list[int], key: tuple,
+                 scale: float) -> _Graph | None:
+        q = q_rows.clone()
+        far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
+        body = self.body(layer, reqs, q, far_counts, scale)
 
         if not any(self.graphs.values()):  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
