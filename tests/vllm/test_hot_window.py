@@ -1061,7 +1061,7 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
-    graphed, eager = FarKV(store, window, max_rows=2), None
+    graphed = FarKV(store, window, max_rows=2)
     try:
         assert graphed.graphs is not None and graphed.graphs.max_rows == 2
         reqs = [f"r{i}" for i in range(6)]
