@@ -290,9 +290,11 @@ def table(out: str) -> None:
               f"{r['decode_ms_per_token']:9.1f} {r['prefix_ttft_first_s']:13.2f}/{r['prefix_ttft_repeat_s']:<13.2f} "
               f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {r.get('far_wait_s', float('nan')):10.2f} "
               f"{str(same):>14}")
-        host_us = ((r.get("connector") or {}).get("hot_window") or {}).get("decode_host_us_per_layer")
+        hot = (r.get("connector") or {}).get("hot_window") or {}
+        host_us, merge_us = hot.get("decode_host_us_per_layer"), hot.get("merge_host_us_per_layer")
         if host_us:  # the far path's own host time per layer in decode steps: comparable across leases
-            print(f"{'':<11} far path host time {host_us:.0f} us per layer call in decode steps")
+            print(f"{'':<11} far path host time {host_us:.0f} us per layer call in decode steps"
+                  + (f", of which the graph rows' merge {merge_us:.0f} us" if merge_us else ""))
         if r.get("pcie_floor_ms"):
             print(f"{'':<11} decode {r['decode_ms_per_token']:.1f} ms = {r['decode_ms_per_token'] / r['pcie_floor_ms']:.2f}x "
                   f"the PCIe floor {r['pcie_floor_ms']:.1f} ms (H2D ceiling {r['h2d_ceiling_gbps']:.1f} GB/s, this run)")

@@ -160,6 +160,7 @@ class FarKV:
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
         self._overlap_of = 0
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
+        self._merge_host: deque[float] = deque(maxlen=4096)  # of which the graph rows' merge
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -381,6 +382,7 @@ class FarKV:
                 self.merge_into(output, near_out, near_lse, parts)
             else:
                 output.copy_(near_out)
+        merge_started = time.perf_counter()
         if graphed:  # after the rest: merge_into wrote these rows' near part
             starts = [self.rows[i].q_start for i in graphed]
             if starts == list(range(starts[0], starts[0] + len(graphed))):
@@ -391,7 +393,10 @@ class FarKV:
                     merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
                                    (replayed[0][n : n + 1], replayed[1][n : n + 1]))
         if not self._pieces and (self.graphs is None or self.graphs.counts["graph_captures"] == captures):
-            self._decode_host.append(time.perf_counter() - started)  # host time only: no streamed chunks, no capture
+            ended = time.perf_counter()  # host time only: no streamed chunks, no capture
+            self._decode_host.append(ended - started)
+            if graphed:
+                self._merge_host.append(ended - merge_started)
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -524,6 +529,7 @@ class FarKV:
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
+                "merge_host_us_per_layer": 1e6 * float(np.median(self._merge_host)) if self._merge_host else None,
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:
