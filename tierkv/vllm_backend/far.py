@@ -132,14 +132,16 @@ class FarKV:
         # chunks of prefill rows in the same step sit in the main regions, copied layers ahead.
         # With a quantized CPU tier the graphs land each row's selected codes and scales in buffers of
         # their own before dequantizing them into staging: those come out of the staging bytes too.
-        sparse_bytes = packed_bytes = 0
+        sparse_bytes = packed_bytes = graph_rows = 0
         graphed = self.sparse_blocks is not None and scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(store)
         if self.sparse_blocks is not None:
             rows = max(1, min(max_rows, scheduler.sparse_graph_rows)) if graphed else 1
             region = min(rows * self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
-            if graphed and store.cpu.quant_format is not None:
-                packed_bytes = min(rows, region // self.sparse_blocks) * self.sparse_blocks * store.cpu.slot_bytes
+            if graphed:  # the rows whose selections fit one region (none: the graphs stay off)
+                graph_rows = min(rows, region // self.sparse_blocks)
+                if store.cpu.quant_format is not None:
+                    packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
         self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes - packed_bytes,
                                  max(2, lookahead + 1), store.device)
         self.recorder = PrefetchRecorder(store.num_layers)
@@ -148,7 +150,7 @@ class FarKV:
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = SparseStepGraphs(self, rows) if graphed else None
+        self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
         self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
@@ -362,10 +364,10 @@ class FarKV:
                 if len(graphed) < self.graphs.max_rows and self.graphs.servable(self.requests[row.req_id], layer,
                                                                                  row.num_far_blocks):
                     graphed.append(i)
-        replayed = None
+        replayed, starts, contiguous = None, [], False
         if graphed:
             rows = [self.rows[i] for i in graphed]
-            starts = [r.q_start for r in rows]
+            starts = [r.q_start for r in rows]  # their query rows, one each
             contiguous = starts == list(range(starts[0], starts[0] + len(rows)))
             q_rows = (q[starts[0] : starts[0] + len(rows)] if contiguous
                       else q.index_select(0, to_device_no_sync(starts, q.device)))
@@ -384,8 +386,7 @@ class FarKV:
                 output.copy_(near_out)
         merge_started = time.perf_counter()
         if graphed:  # after the rest: merge_into wrote these rows' near part
-            starts = [self.rows[i].q_start for i in graphed]
-            if starts == list(range(starts[0], starts[0] + len(graphed))):
+            if contiguous:
                 a, b = starts[0], starts[0] + len(graphed)
                 merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), replayed[:2])
             else:

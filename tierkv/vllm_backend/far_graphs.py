@@ -98,13 +98,16 @@ class _Graph:
 class SparseStepGraphs:
     def __init__(self, far, max_rows: int):
         """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine); max_rows: decoding rows
-        one layer's graph serves (each row's selection has staging slots of its own in the sparse pool)."""
+        one layer's graph serves, as FarKV sized its sparse pool for them (each row's selection has
+        staging slots of its own in the pool's first region; 0: the graphs stay off)."""
         self.far = far
         streamer = far.sparse_streamer
         self.staging = streamer.pool.staging
         k = far.sparse_blocks
         region = streamer.pool.region_slots(0)
-        self.max_rows = min(max_rows, len(region) // k)  # the rows' selections must fit one region
+        if max_rows * k > len(region):
+            raise ValueError(f"{max_rows} rows of {k} blocks do not fit the sparse staging region of {len(region)}")
+        self.max_rows = max_rows
         self.staging_slots = torch.arange(region.start, region.start + self.max_rows * k,
                                           device=self.staging.device).view(-1, k) if self.max_rows else None
         self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
