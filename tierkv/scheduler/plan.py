@@ -23,6 +23,8 @@ from tierkv.storage.gpu import ResidencyPlan
 
 def to_device_no_sync(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """int64 tensor on `device`; on CUDA staged through pinned memory, so the host never waits."""
+    if isinstance(values, torch.Tensor) and values.is_cuda and device.type == "cuda":
+        return values.to(device, torch.int64, non_blocking=True)  # already on a GPU (a fetch's staging slots)
     host = torch.as_tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return host
