@@ -48,6 +48,11 @@ def build_model(path: str, layers: int) -> None:
     print(f"model {path}: {layers} layers")
 
 
+def file_mode(mode: str) -> str:
+    """A row's name in file names: the device returns only plain names ('@' becomes '_')."""
+    return mode.replace("@", "_")
+
+
 def kv_bytes_per_token(layers: int) -> int:
     return 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
 
@@ -150,7 +155,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             if profiler is not None:
                 torch.cuda.synchronize()
                 wall_s = time.perf_counter() - step_start
-                trace = Path(out) / f"trace-{mode}{'-' + label if label else ''}-step{step_number}.json"
+                trace = Path(out) / f"trace-{file_mode(mode)}{'-' + label if label else ''}-step{step_number}.json"
                 profiled.append((step_number, wall_s, _stop_profiler(profiler, trace)))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_gc.append(gc_timer.take())
@@ -164,7 +169,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                     first_at = now
                 last_at = now
         if profiled:
-            _write_profile(Path(out) / f"profile-{mode}{'-' + label if label else ''}.txt", profiled)
+            _write_profile(Path(out) / f"profile-{file_mode(mode)}{'-' + label if label else ''}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         if profiled:  # the profiler slows the steps it records: decode is then the mean of the other decode steps
             first_step = len(step_ms) - (len(tokens) - 1)
@@ -196,7 +201,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
-    path = Path(out) / f"bench-vllm-{mode}.json"
+    path = Path(out) / f"bench-vllm-{file_mode(mode)}.json"  # plain names travel back from the device
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
     if with_prefix:
@@ -273,7 +278,7 @@ def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
 
 
 def table(out: str) -> None:
-    rows = {p.stem.removeprefix("bench-vllm-"): json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json"))}
+    rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json")))}
     # each row's baseline: plain vLLM run the same way (compiled rows against plain@compiled)
     print(f"{'mode':<11} {'KV reserved GiB':>15} {'prefill s':>9} {'x plain':>7} {'decode ms':>9} "
           f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'far wait s':>10} {'tokens = plain':>14}")

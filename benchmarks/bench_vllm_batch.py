@@ -1,6 +1,6 @@
 """vLLM at a fixed GPU memory for KV: the largest batch of 128k requests and its aggregate decode tokens/s.
 
-    python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens 128]
+    python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens N]
         [--storage-dtype float8_e4m3fn]   (tierkv: the CPU tier's storage, one byte per value: twice the requests)
     python benchmarks/bench_vllm_batch.py table OUT
     MODE: plain | tierkv-sparse | tierkv-sparse-graphs     (DIR: the model of bench_vllm.py model)
@@ -15,7 +15,7 @@ engine is stepped to the end; rows: requests, GPU bytes for KV (tierkv: pool + s
 summaries), time until every request has its first token, and the aggregate decode rate over
 the steps in which every request decoded one token (`full_batch_tokens_per_s`; prefill chunks are
 interleaved with the first requests' decode before that, so `--new-tokens` must outlast the
-prefills: 128 by default). `decode_tokens_per_s` (the tokens after every request's first token,
+prefills: by default 32 steps per request plus 128). A row without such steps says so in the table. `decode_tokens_per_s` (the tokens after every request's first token,
 over the time left) is kept; it mixes in the finishing tail.
 """
 from __future__ import annotations
@@ -30,11 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_vllm import SPARSE_HOT_WINDOW, kv_bytes_per_token  # noqa: E402
+from benchmarks.bench_vllm import SPARSE_HOT_WINDOW, file_mode, kv_bytes_per_token  # noqa: E402
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
 MAX_MODEL_LEN = 131072
+PREFILL_STEPS_PER_REQUEST = 32  # new tokens per request that outlast the batch's prefills (--new-tokens default)
 
 
 def host_requests(per_request_bytes: int) -> int:
@@ -85,13 +86,12 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     return tiered.engine, tiered
 
 
-def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int, layers: int,
+def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
         storage_dtype: str = "auto") -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     kv_bytes = int(kv_gib * 2**30)
-    context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     per_request = kv_bytes_per_token(layers) * MAX_MODEL_LEN
     if mode == "plain":
         requests = requests or kv_bytes // per_request  # what the pool holds at once
@@ -99,6 +99,10 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
         requests = requests or host_requests(host_bytes_per_request(layers, storage_dtype))
         if storage_dtype != "auto":
             mode = f"{mode}@{storage_dtype}"  # its own row and file
+    # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
+    # 128k); 128 tokens more give the steps in which the whole batch decodes
+    new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
+    context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
@@ -149,7 +153,7 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
            "full_batch_steps": full_steps,
            "full_batch_tokens_per_s": requests * full_steps / full_s if full_s else float("nan"),
            "connector": tiered.stats() if tiered is not None else None}
-    path = Path(out) / f"bench-vllm-batch-{mode}.json"
+    path = Path(out) / f"bench-vllm-batch-{file_mode(mode)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k != "connector"}))
@@ -165,6 +169,9 @@ def table(out: str) -> None:
         base = plain.get("full_batch_tokens_per_s", float("nan")) if plain else float("nan")
         print(f"{mode:<36} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
               f"{r.get('full_batch_steps', 0):>16} {rate:>7.1f} {rate / base if base else float('nan'):>7.2f}")
+        if not r.get("full_batch_steps"):
+            print(f"{'':<36} no step decoded every request: the first ones finished while the last prefilled; "
+                  f"rerun with more than --new-tokens {r['new_tokens']}")
 
 
 def main() -> int:
@@ -173,8 +180,9 @@ def main() -> int:
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--kv-gib", type=float, default=60.0, help="GPU memory for KV, both engines")
     parser.add_argument("--requests", type=int, default=None, help="default: what the pool (plain) or host RAM (tierkv) holds")
-    parser.add_argument("--new-tokens", type=int, default=128,
-                        help="per request; enough that the first request still decodes once the last one's prefill is done")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="per request; enough that the first request still decodes once the last one's prefill is "
+                             f"done (default {PREFILL_STEPS_PER_REQUEST} per request + 128)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
                         help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
