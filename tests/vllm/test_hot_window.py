@@ -307,6 +307,20 @@ def test_near_tables_start_each_row_past_its_far_blocks(tmp_path):
         assert near_table[0, :3].tolist() == [8, 9, 10] and near_table[1, :3].tolist() == [12, 13, 14]
         assert seqused_k.tolist() == [2 * BS + 1, BS + 3] and max_k == 2 * BS + 1
         assert step.near(meta)[0] is near_table  # built once per step
+        # the next step, same far parts: the kept column index serves it; a grown far part rebuilds it
+        kept = far.near_index
+        meta2 = SimpleNamespace(**{**vars(meta), "seq_lens": meta.seq_lens + 1, "max_seq_len": 10 * BS + 2})
+        rows2 = [FarRow("a", 0, 1, 10 * BS + 1, 8), FarRow("b", 1, 4, BS + 1, 0)]
+        near2, seqused2, _ = hot_window.HotWindowStep(far, rows2, store.layer_index).near(meta2)
+        assert far.near_index is kept and seqused2.tolist() == [2 * BS + 2, BS + 4]
+        assert torch.equal(near2, near_table)
+        rows3 = [FarRow("a", 0, 1, 11 * BS, 9), FarRow("b", 1, 4, BS + 1, 0)]
+        meta3 = SimpleNamespace(**{**vars(meta), "seq_lens": torch.tensor([11 * BS + 1, BS + 4], dtype=torch.int32),
+                                   "max_seq_len": 11 * BS + 1})
+        near3, seqused3, max3 = hot_window.HotWindowStep(far, rows3, store.layer_index).near(meta3)
+        assert far.near_index is not kept
+        assert near3[0, :3].tolist() == [9, 10, 11] and near3[1, :3].tolist() == [12, 13, 14]
+        assert seqused3.tolist() == [2 * BS + 1, BS + 4] and max3 == 2 * BS + 1
         with pytest.raises(RuntimeError, match="does not match"):
             hot_window.HotWindowStep(far, rows, store.layer_index).near(SimpleNamespace(**{**vars(meta), "num_actual_tokens": 5}))
     finally:

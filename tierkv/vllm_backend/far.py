@@ -33,6 +33,7 @@ pins only the blocks that became far since the last one.
 from __future__ import annotations
 
 import time
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -49,6 +50,12 @@ from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs
 from tierkv.vllm_backend.far_summaries import RequestSummaries
+
+
+def profiled(name: str):
+    """A named range in a running torch profiler's trace, nothing otherwise: entering a
+    `record_function` costs 30-60 us of host time even with no profiler running."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 OVERLAP_EVERY = 8  # sparse: steps between samples of the selection overlap (isin costs a few launches)
@@ -151,6 +158,7 @@ class FarKV:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
         self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
+        self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
@@ -286,12 +294,13 @@ class FarKV:
         for n in streamed:
             offsets.append(total)
             total += n
-        cpu_slots = []  # per layer: the rows' far blocks one after another (views when one row has any)
         far_reqs = [(self.requests[r.req_id], n) for r, n in zip(far_rows, streamed) if n]
-        for layer in range(self.store.num_layers):
-            per_row = [req.pinned_slots[layer][:n] for req, n in far_reqs]
-            cpu_slots.append(per_row[0] if len(per_row) == 1 else torch.cat(per_row) if per_row
-                             else torch.empty(0, dtype=torch.int64))
+        if far_reqs:  # per layer: the rows' far blocks one after another (views when one row has any)
+            cpu_slots = [req_slots[0] if len(req_slots) == 1 else torch.cat(req_slots)
+                         for req_slots in ([req.pinned_slots[layer][:n] for req, n in far_reqs]
+                                           for layer in range(self.store.num_layers))]
+        else:  # nothing streamed (a decode step of sparse rows): one empty list for every layer
+            cpu_slots = [torch.empty(0, dtype=torch.int64)] * self.store.num_layers
         decode = all(r.q_end - r.q_start == 1 for r in far_rows)
         self.streamer.plan(_StreamPlan(range(0, total), 1 if decode else max(2, q)), cpu_slots, self.block_tokens)
         region = self.pool.region_blocks
@@ -377,7 +386,7 @@ class FarKV:
                 graphed = []
             else:
                 for n, r in enumerate(rows):
-                    self._count_graph_row(self.requests[r.req_id], layer, replayed[2][n])
+                    self._count_graph_row(self.requests[r.req_id], layer, replayed[2], n)
         if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
             parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
             if parts:
@@ -386,7 +395,9 @@ class FarKV:
                 output.copy_(near_out)
         merge_started = time.perf_counter()
         if graphed:  # after the rest: merge_into wrote these rows' near part
-            if contiguous:
+            if contiguous and len(graphed) == output.shape[0]:  # a decode step: every row graphed
+                merge_two_into(output, (near_out, near_lse), replayed[:2])
+            elif contiguous:
                 a, b = starts[0], starts[0] + len(graphed)
                 merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), replayed[:2])
             else:
@@ -439,14 +450,14 @@ class FarKV:
             if i in skip:
                 continue
             if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
-                with record_function("tierkv.sparse.summarize"):
+                with profiled("tierkv.sparse.summarize"):
                     self._summarize_missing(row, req, layer)
-            with record_function("tierkv.sparse.select"):
+            with profiled("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self.counts["far_blocks_read"] += ids.numel()
-            with record_function("tierkv.sparse.fetch_attend"):
+            with profiled("tierkv.sparse.fetch_attend"):
                 fetcher = self.sparse_streamer
                 for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
                     parts.setdefault(i, []).append(paged_partial_attention(
@@ -481,8 +492,9 @@ class FarKV:
                 self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
             done += ids.size
 
-    def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
-        self._note_selection(req, layer, ids)
+    def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor, row: int) -> None:
+        """ids: the graph's selections [m, k]; this request's is row `row`."""
+        self._note_selection(req, layer, ids, row)
         # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
         fetched = self.sparse_blocks * self.store.cpu.slot_bytes
         self._graph_bytes += fetched
@@ -490,18 +502,20 @@ class FarKV:
         self.counts["far_blocks_read"] += self.sparse_blocks
         self.counts["sparse_selections"] += 1
 
-    def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor) -> None:
-        """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` the same row
-        and layer selected the step before (that selection kept, as a copy, one step ahead).
-        Counted with elementwise ops (torch.isin may sort through a host-synchronizing unique)."""
+    def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor, row: int | None = None) -> None:
+        """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` (its row `row`
+        when given, indexed only in a sampled step) the same request and layer selected the step
+        before (that selection kept, as a copy, one step ahead). Counted with elementwise ops
+        (torch.isin may sort through a host-synchronizing unique)."""
         step = self.counts["steps"]
         if step % OVERLAP_EVERY == 0:
             previous = req.previous.pop(layer, None)
             if previous is not None:
-                self._overlap += (ids.unsqueeze(1) == previous.unsqueeze(0)).any(dim=1).sum()
-                self._overlap_of += ids.numel()
+                selected = ids if row is None else ids[row]
+                self._overlap += (selected.unsqueeze(1) == previous.unsqueeze(0)).any(dim=1).sum()
+                self._overlap_of += selected.numel()
         elif (step + 1) % OVERLAP_EVERY == 0:
-            req.previous[layer] = ids.clone()
+            req.previous[layer] = (ids if row is None else ids[row]).clone()
 
     def end_step(self) -> None:
         self.rows, self._pieces, self._sparse_rows = [], [], []

@@ -153,11 +153,18 @@ class HotWindowStep:
                 f"{meta.max_seq_len})")
         n = len(rows)
         table = meta.block_table[:n]
-        shift = to_device_no_sync([r.num_far_blocks for r in rows], table.device)
-        cols = table.shape[1]
-        index = (torch.arange(cols, device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(max=cols - 1)
+        # the column index and key shift change when a row's far part grows (once per block of
+        # decoded tokens) or the batch changes: kept on the FarKV from step to step
+        key = (tuple(r.num_far_blocks for r in rows), table.shape[1], table.device, meta.seq_lens.dtype)
+        kept = self.far.near_index
+        if kept is None or kept[0] != key:
+            shift = to_device_no_sync([r.num_far_blocks for r in rows], table.device)
+            cols = table.shape[1]
+            index = (torch.arange(cols, device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(max=cols - 1)
+            kept = self.far.near_index = (key, index, (shift * bs).to(meta.seq_lens.dtype))
+        _, index, key_shift = kept
         table = torch.gather(table, 1, index)
-        seqused_k = meta.seq_lens[:n] - (shift * bs).to(meta.seq_lens.dtype)
+        seqused_k = meta.seq_lens[:n] - key_shift
         max_seqlen_k = max(r.num_computed + r.q_end - r.q_start - r.num_far_blocks * bs for r in rows)
         self._tables = (meta, table, seqused_k, max_seqlen_k)
         return table, seqused_k, max_seqlen_k

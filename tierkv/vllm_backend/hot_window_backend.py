@@ -15,10 +15,10 @@ Imported only where vLLM's CUDA attention modules load (vLLM resolves the class 
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
+from tierkv.vllm_backend.far import profiled
 from tierkv.vllm_backend.hot_window import _STATE, current_step
 
 
@@ -52,7 +52,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             table, seqused_k, max_k = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.max_seq_len
         else:
             table, seqused_k, max_k = step.near(attn_metadata)
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        key_cache, value_cache = self._kv_views(kv_cache)
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
         result = fa.flash_attn_varlen_func(
@@ -66,10 +66,18 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         if not has_far:
             return output
         near_out, near_lse = result
-        with record_function("tierkv.far"):
+        with profiled("tierkv.far"):
             step.far.attend_into(output[:n], step.layer_index[layer.layer_name], query[:n], near_out,
                                  near_lse[:, :n].transpose(0, 1), self.scale, dense=self._dense)
         return output
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value views of its pool tensor, made once (a split costs host time
+        every layer of every step; the pool tensor stays the same for the engine's life)."""
+        views = getattr(self, "_views", None)
+        if views is None or views[0] is not kv_cache:
+            views = self._views = (kv_cache, *kv_cache.transpose(1, 2).split(self.head_size, dim=-1))
+        return views[1], views[2]
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Unmasked attention of q [n, H, D] over contiguous k, v [m, Hkv, D] (a staging chunk of far
