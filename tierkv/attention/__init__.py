@@ -5,8 +5,7 @@ Primitives:
   - ``contiguous_partial_attention``: attend to plain ``[num_k, kv_heads, dim]`` K/V
     (the recent window held as tensors).
   - ``merge_partials``: flash-decoding LSE merge of ``(out, lse)`` pairs.
-  - ``merge_two_into``: the merge of two parts written into an existing output (any dtype);
-    on CUDA through the cupy kernel of ``cupy_merge`` where it covers the dtypes.
+  - ``merge_two_into``: the merge of two parts written into an existing output (any dtype).
 
 All three return float32 ``out [num_q, num_heads, head_dim]`` and ``lse [num_q, num_heads]``
 (natural log; ``-inf`` and ``out = 0`` for a row that saw no key). They dispatch to the
@@ -23,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from tierkv.attention import cupy_merge, reference
+from tierkv.attention import reference
 
 __all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention", "reference",
            "triton_installed"]
@@ -90,10 +89,5 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
 def merge_two_into(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
                    second: tuple[torch.Tensor, torch.Tensor]) -> None:
     """output [n, H, D] (any float dtype, written in place) = the exact LSE merge of two (out [n, H, D],
-    lse [n, H]) parts of any float dtypes and strides (head dims contiguous): one launch on CUDA,
-    through cupy where it covers the dtypes (a launch with less host time than Triton's), else Triton."""
-    if cupy_merge.supports(output, first, second):
-        reference.check_merge_two_args(output, first, second)
-        cupy_merge.merge_two_into(output, first, second)
-        return
+    lse [n, H]) parts of any float dtypes and strides (head dims contiguous): one launch on CUDA."""
     _backend(output).merge_two_into(output, first, second)
