@@ -1176,3 +1176,16 @@ def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
     grown = _append_at(buffer, 300, torch.arange(300, 310))
     assert grown.numel() == 600 and torch.equal(grown[:310], torch.arange(310))
     assert _append_at(grown, 310, torch.arange(5)).data_ptr() == grown.data_ptr()  # room left: in place
+
+
+def test_profiler_ranges_are_entered_only_while_a_profiler_runs():
+    """The backend names its far part in a profiler's trace, and costs nothing when none runs."""
+    import contextlib
+
+    from tierkv.vllm_backend.far import profiled
+
+    assert isinstance(profiled("tierkv.far"), contextlib.nullcontext)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with profiled("tierkv.far"):
+            torch.ones(4).sum()
+    assert [e.name for e in prof.events() if e.name == "tierkv.far"] == ["tierkv.far"]

@@ -32,8 +32,8 @@ pins only the blocks that became far since the last one.
 """
 from __future__ import annotations
 
-import time
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
