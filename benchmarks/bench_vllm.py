@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -277,6 +278,13 @@ def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
     print(f"profile of steps {[p[0] for p in profiled]} in {path}")
 
 
+def decode_step_median(row: dict) -> float | None:
+    """The median wall ms of a row's decode steps (the steps after its first token): unlike the mean,
+    not moved by one step that captures graphs or completes a block."""
+    decode = row.get("step_ms", [])[len(row.get("step_ms", [])) - (len(row.get("tokens", [])) - 1):]
+    return statistics.median(decode) if len(row.get("tokens", [])) > 1 and decode else None
+
+
 def table(out: str) -> None:
     rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json")))}
     # each row's baseline: plain vLLM run the same way (compiled rows against plain@compiled)
@@ -295,6 +303,10 @@ def table(out: str) -> None:
               f"{r['decode_ms_per_token']:9.1f} {r['prefix_ttft_first_s']:13.2f}/{r['prefix_ttft_repeat_s']:<13.2f} "
               f"{r['prefix_ttft_repeat_s'] / r['prefix_ttft_first_s']:12.2f} {r.get('far_wait_s', float('nan')):10.2f} "
               f"{str(same):>14}")
+        median, plain_median = decode_step_median(r), decode_step_median(plain) if plain else None
+        if median and plain_median and not mode.startswith("plain"):  # robust to a capture or boundary step
+            print(f"{'':<11} decode tokens/s x plain: {plain['decode_ms_per_token'] / r['decode_ms_per_token']:.2f} (means), "
+                  f"{plain_median / median:.2f} (median steps {median:.1f} / {plain_median:.1f} ms)")
         hot = (r.get("connector") or {}).get("hot_window") or {}
         host_us, merge_us = hot.get("decode_host_us_per_layer"), hot.get("merge_host_us_per_layer")
         if host_us:  # the far path's own host time per layer in decode steps: comparable across leases
