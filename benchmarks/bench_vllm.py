@@ -104,7 +104,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
-        profile_steps: list[int] | None = None, profile_prefix: bool = False) -> None:
+        profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32) -> None:
     import random
 
     from vllm import SamplingParams
@@ -124,7 +124,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     prompt = [rng.randrange(3, 128000) for _ in range(context)]
     prefix = [rng.randrange(3, 128000) for _ in range(100_000)]  # its own tokens: never saved by the long prompt
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    decode = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True, logprobs=2)
+    decode = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True, logprobs=2)
     # warm-up, every mode alike: a 24k-token prompt and two tokens run each prefill chunk shape (16k
     # and 8k chunks), the hot window's far path (its copies and kernels), and decode once
     warm = [rng.randrange(3, 128000) for _ in range(24576)]
@@ -334,6 +334,8 @@ def main() -> int:
     parser.add_argument("--compiled", action="store_true",
                         help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled; both engines)")
     parser.add_argument("--context", type=int, default=131072 - 64)
+    parser.add_argument("--decode-tokens", type=int, default=32,
+                        help="decode steps measured after the first token (more amortize a first step's graph captures)")
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
     parser.add_argument("--profile-prefix", action="store_true",
                         help="a third repeated-prefix run, its first step profiled (where the tiers serve the prefix)")
@@ -346,10 +348,13 @@ def main() -> int:
         mode, model_dir, out = args.rest
         if mode not in MODES:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+        if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:
+            parser.error(f"--decode-tokens {args.decode_tokens} with --context {args.context}: the prompt, the first "
+                         "token and the decoded ones must fit max_model_len 131072, with at least one decoded")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
-            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix)
+            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens)
     else:
         table(args.rest[0])
     return 0
