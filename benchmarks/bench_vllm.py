@@ -324,6 +324,11 @@ def table(out: str) -> None:
                   f"{plain_median / median:.2f} (median steps {median:.1f} / {plain_median:.1f} ms)")
         hot = (r.get("connector") or {}).get("hot_window") or {}
         host_us, merge_us = hot.get("decode_host_us_per_layer"), hot.get("merge_host_us_per_layer")
+        if hot.get("gpu_hit_rate") is not None:  # issue 4's hit rate: resident block reads over all, sparse decode rows
+            print(f"{'':<11} GPU hit rate at attention time {hot['gpu_hit_rate']:.3f} (window blocks resident; "
+                  f"{hot.get('sparse_fetched_reads', 0)} selected far blocks each fetched when selected, "
+                  f"{hot.get('stalls', 0)} stalls), selection overlap with the step before "
+                  f"{hot.get('selection_overlap') or 0:.3f}")
         if host_us:  # the far path's own host time per layer in decode steps: comparable across leases
             print(f"{'':<11} far path host time {host_us:.0f} us per layer call in decode steps"
                   + (f", of which the graph rows' merge {merge_us:.0f} us" if merge_us else ""))

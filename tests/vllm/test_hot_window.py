@@ -1027,11 +1027,21 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         near = (torch.randn(6, HQ, D), torch.randn(6, HQ))
         wants = [merge_partials([near, far.attend(store.layer_index[n], q, 0.3)])[0] for n in NAMES]
         far.graphs = _BodyGraphs(far, max_rows=2)
+        before = dict(far.counts)
         for name, want in zip(NAMES, wants):
             got = torch.full((6, HQ, D), float("nan"))
             far.attend_into(got, store.layer_index[name], q, *near, 0.3)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert far.graphs.calls == [["a", "b"]] * LAYERS  # rows 0 and 4 of the step, in one call; "c" eager
+        # block reads at attention time, graphed and eager rows alike: each decoding row reads its
+        # window (2 blocks, a third while the window straddles a block edge) from vLLM's pool and
+        # its 4 selected far blocks fetched; the prefill row "p" has no far blocks and counts nothing
+        fetched = far.counts["sparse_fetched_reads"] - before["sparse_fetched_reads"]
+        resident = far.counts["sparse_resident_reads"] - before["sparse_resident_reads"]
+        assert fetched == 3 * 4 * LAYERS
+        assert 3 * 2 * LAYERS <= resident <= 3 * 3 * LAYERS
+        total = far.counts["sparse_resident_reads"] + far.counts["sparse_fetched_reads"]
+        assert far.stats()["gpu_hit_rate"] == far.counts["sparse_resident_reads"] / total
         assert far.graphs.counts["graph_rows"] == 2 * LAYERS
         host = far.stats()  # each attend_into of this decode step timed, and the graph rows' merge within it
         assert 0 < host["merge_host_us_per_layer"] < host["decode_host_us_per_layer"]

@@ -89,6 +89,10 @@ class FarRow:
     num_computed: int     # tokens before this step
     num_far_blocks: int   # blocks [0, num_far_blocks) come from the tiers
 
+    def near_blocks(self, block_tokens: int) -> int:
+        """Blocks its near part reads from vLLM's pool (the window and the step's own tokens)."""
+        return -(-(self.num_computed + self.q_end - self.q_start - self.num_far_blocks * block_tokens) // block_tokens)
+
 
 @dataclass
 class _Request:
@@ -164,7 +168,10 @@ class FarKV:
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
         self._sparse_rows: list[int] = []
-        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0}
+        # sparse decode rows' block reads at attention time: resident (vLLM's pool) and selected far blocks
+        # (each fetched when selected: nothing far stays on the GPU between steps)
+        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
+                       "sparse_resident_reads": 0, "sparse_fetched_reads": 0}
         # sparse: of the blocks selected in a sampled step, how many the same row and layer selected in
         # the step before (what a GPU cache of the last selection would hit), counted on the device
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
@@ -387,6 +394,7 @@ class FarKV:
             else:
                 for n, r in enumerate(rows):
                     self._count_graph_row(self.requests[r.req_id], layer, replayed[2], n)
+                    self.counts["sparse_resident_reads"] += r.near_blocks(self.block_tokens)
         if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
             parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
             if parts:
@@ -457,6 +465,8 @@ class FarKV:
                 self._note_selection(req, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self.counts["far_blocks_read"] += ids.numel()
+            self.counts["sparse_fetched_reads"] += ids.numel()
+            self.counts["sparse_resident_reads"] += row.near_blocks(self.block_tokens)
             with profiled("tierkv.sparse.fetch_attend"):
                 fetcher = self.sparse_streamer
                 for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
@@ -500,6 +510,7 @@ class FarKV:
         self._graph_bytes += fetched
         self.store.io.engine.num_bytes_moved["h2d"] += fetched
         self.counts["far_blocks_read"] += self.sparse_blocks
+        self.counts["sparse_fetched_reads"] += self.sparse_blocks
         self.counts["sparse_selections"] += 1
 
     def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor, row: int | None = None) -> None:
@@ -539,6 +550,10 @@ class FarKV:
                 + (self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
+                # GPU hit rate at attention time of sparse decode rows: resident reads over all reads
+                "gpu_hit_rate": (self.counts["sparse_resident_reads"] / reads
+                                 if (reads := self.counts["sparse_resident_reads"] + self.counts["sparse_fetched_reads"])
+                                 else None),
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
