@@ -95,3 +95,13 @@ def test_decode_into_checks_shape_dtype_and_checksum():
     data[-1] ^= 1
     with pytest.raises(CorruptBlock, match="checksum"):
         decode_block_into("k/L0", data, out)
+
+
+def test_block_keys_are_block_key_for_each_hash():
+    """The batched key builder the tiers' lookups use names blocks exactly as `block_key` does."""
+    from tierkv.blocks import block_key, block_keys
+
+    hashes = chain_block_hashes(list(range(64)), 16, "fp")
+    assert block_keys(hashes, 3) == [block_key(h, 3) for h in hashes]
+    assert block_keys(hashes, 0, "/R1of2") == [block_key(h, 0) + "/R1of2" for h in hashes]
+    assert len(set(block_keys(hashes, 1)) | set(block_keys(hashes, 2))) == 2 * len(hashes)

@@ -104,9 +104,16 @@ def block_key(block_hash: str, layer: int) -> str:
     return f"{block_hash}/L{layer}"
 
 
+def block_keys(block_hashes: Sequence[str], layer: int, suffix: str = "") -> list[str]:
+    """`block_key(h, layer) + suffix` for each hash: one string join per block (a prefix of 100k
+    tokens is 50k keys over 32 layers, built on every lookup and pin)."""
+    tail = f"/L{layer}{suffix}"
+    return [h + tail for h in block_hashes]
+
+
 def block_keys_for_prompt(
     token_ids: Sequence[int], block_tokens: int, fingerprint: str, num_layers: int
 ) -> list[list[str]]:
     """keys[layer][block_index] for every layer of a token sequence."""
     hashes = chain_block_hashes(token_ids, block_tokens, fingerprint)
-    return [[block_key(h, layer) for h in hashes] for layer in range(num_layers)]
+    return [block_keys(hashes, layer) for layer in range(num_layers)]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.blocks import block_key, chain_block_hashes
+from tierkv.blocks import block_keys, chain_block_hashes
 
 if TYPE_CHECKING:
     from tierkv.sequence import SequenceKV
@@ -29,7 +29,7 @@ def load_prefix(seq: "SequenceKV", token_ids: list[int]) -> int:
     if usable <= 0 or seq.seq_length:
         return 0
     hashes = chain_block_hashes(token_ids[: usable * T], T, rt.fingerprint)
-    keys = [[block_key(h, layer) for h in hashes] for layer in range(num_layers)]
+    keys = [block_keys(hashes, layer) for layer in range(num_layers)]
     where = rt.chain.locate_many([k for layer_keys in keys for k in layer_keys])
     where_by_layer = [where[layer * usable : (layer + 1) * usable] for layer in range(num_layers)]
     m = next((b for b in range(usable) if any(w[b] is None for w in where_by_layer)), usable)

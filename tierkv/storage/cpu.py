@@ -176,6 +176,11 @@ class CpuTier(StorageTier):
         with self._lock:
             return key in self._slot_of
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:  # once for the batch: a 100k-token prefix asks for 1.5k keys per layer
+            slot_of = self._slot_of
+            return [key in slot_of for key in keys]
+
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[0]
 
@@ -302,10 +307,11 @@ class CpuTier(StorageTier):
         """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups."""
         with self._lock:
             slots = [self._slot_of.get(k) for k in keys]
+            pins = self._pins
             for key, slot in zip(keys, slots):
                 if slot is not None:
                     self._slot_of.move_to_end(key)
-                    self._pins[key] += 1
+                    pins[key] = pins.get(key, 0) + 1  # not Counter's +=: its __missing__ runs in Python, per key
         num_hits = sum(s is not None for s in slots)
         self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return slots

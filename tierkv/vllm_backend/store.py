@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from tierkv.block_io import BlockIO, allocating_on_copy_stream
-from tierkv.blocks import BlockLayout, block_key, chain_block_hashes, model_fingerprint
+from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage import build_tiers
@@ -101,9 +101,8 @@ class VllmKVStore:
     def keys(self, hashes: Sequence[str], layer: int, rank: int | None = None) -> list[str]:
         """Keys of blocks `hashes` of `layer` for tensor-parallel rank `rank` (this store's by default)."""
         if self.tp_size == 1:
-            return [block_key(h, layer) for h in hashes]
-        suffix = f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}"
-        return [block_key(h, layer) + suffix for h in hashes]
+            return block_keys(hashes, layer)
+        return block_keys(hashes, layer, f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}")
 
     def _lookup_keys(self, hashes: Sequence[str], layer: int) -> list[list[str]]:
         """Keys to find for a block to count as held: this rank's on a worker, every rank's on a lookup store."""
