@@ -53,10 +53,13 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         else:
             table, seqused_k, max_k = step.near(attn_metadata)
         key_cache, value_cache = self._kv_views(kv_cache)
+        # the step's tokens; no slice (host time per layer) when vLLM did not pad the batch
+        q = query if query.shape[0] == n else query[:n]
+        out = output if output.shape[0] == n else output[:n]
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
         result = fa.flash_attn_varlen_func(
-            q=query[:n], k=key_cache, v=value_cache, out=None if has_far else output[:n],
+            q=q, k=key_cache, v=value_cache, out=None if has_far else out,
             cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
             seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=self.scale, causal=True,
             alibi_slopes=self.alibi_slopes, window_size=None, block_table=table, softcap=self.logits_soft_cap,
@@ -67,8 +70,9 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             return output
         near_out, near_lse = result
         with profiled("tierkv.far"):
-            step.far.attend_into(output[:n], step.layer_index[layer.layer_name], query[:n], near_out,
-                                 near_lse[:, :n].transpose(0, 1), self.scale, dense=self._dense)
+            near_lse = near_lse if near_lse.shape[1] == n else near_lse[:, :n]
+            step.far.attend_into(out, step.layer_index[layer.layer_name], q, near_out, near_lse.transpose(0, 1),
+                                 self.scale, dense=self._dense)
         return output
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
