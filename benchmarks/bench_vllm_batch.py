@@ -152,11 +152,27 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
            "decode_tokens_per_s": decode_tokens / (end - all_first_at) if all_first_at and end > all_first_at else 0.0,
            "full_batch_steps": full_steps,
            "full_batch_tokens_per_s": requests * full_steps / full_s if full_s else float("nan"),
+           **(selection_bound(tiered, requests, layers, storage_dtype) if tiered is not None else {}),
            "connector": tiered.stats() if tiered is not None else None}
     path = Path(out) / f"bench-vllm-batch-{file_mode(mode)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k != "connector"}))
+
+
+def selection_bound(tiered, requests: int, layers: int, storage_dtype: str) -> dict:
+    """What the PCIe copies of the selections allow, measured against this machine's H2D ceiling:
+    every step copies each request's selected far blocks of every layer (nothing far stays on the
+    GPU between steps), so `requests` tokens per step take at least those bytes over PCIe."""
+    from benchmarks._common import h2d_ceiling_gbps
+
+    cache, scheduler = tiered.config.cache, tiered.config.scheduler
+    blocks = -(-MAX_MODEL_LEN // cache.block_tokens) * layers
+    block_bytes = host_bytes_per_request(layers, storage_dtype) // blocks  # one block of one layer, with its scales
+    step_bytes = requests * layers * (scheduler.sparse_token_budget // cache.block_tokens) * block_bytes
+    ceiling = h2d_ceiling_gbps()
+    return {"selected_bytes_per_step": step_bytes, "h2d_ceiling_gbps": ceiling,
+            "pcie_bound_tokens_per_s": requests * ceiling * 1e9 / step_bytes}
 
 
 def table(out: str) -> None:
@@ -169,6 +185,11 @@ def table(out: str) -> None:
         base = plain.get("full_batch_tokens_per_s", float("nan")) if plain else float("nan")
         print(f"{mode:<36} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
               f"{r.get('full_batch_steps', 0):>16} {rate:>7.1f} {rate / base if base else float('nan'):>7.2f}")
+        if r.get("pcie_bound_tokens_per_s"):
+            bound = r["pcie_bound_tokens_per_s"]
+            print(f"{'':<36} the selections' copies alone allow {bound:.0f} tokens/s "
+                  f"({bound / base if base else float('nan'):.2f}x plain): {r['selected_bytes_per_step'] / 1e9:.2f} GB "
+                  f"per step at {r['h2d_ceiling_gbps']:.1f} GB/s")
         if not r.get("full_batch_steps"):
             print(f"{'':<36} no step decoded every request: the first ones finished while the last prefilled; "
                   f"rerun with more than --new-tokens {r['new_tokens']}")
