@@ -24,6 +24,7 @@ import contextlib
 
 import torch
 
+from tierkv.optional_kernel import OptionalKernel
 from tierkv.quant import dequantize_blocks, quantize_blocks
 from tierkv.scheduler.plan import to_device_no_sync
 
@@ -55,24 +56,18 @@ class _Handles:
         return self.handles[-1].event
 
 
-_FUSED = {"ok": True, "error": None}
+_FUSED = OptionalKernel("dequantize_into_slots")
 
 
 def _fused_dequantize(codes, scales, fmt, dst, slots) -> bool:
     """The fused Triton dequantization (`tierkv.quant_kernels`); False (and the PyTorch form from
-    then on, the reason kept in `_FUSED`) where it cannot run, e.g. no triton."""
-    if not _FUSED["ok"]:
-        return False
-    try:
+    then on, the reason in `_FUSED.error`) where it cannot run, e.g. no triton."""
+    def launch() -> None:
         from tierkv.quant_kernels import dequantize_into_slots
 
         dequantize_into_slots(codes, scales, fmt, dst, slots)
-        return True
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop generation
-        if dst.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise  # the capture is void: its owner falls back as a whole (a fallback here would be captured too)
-        _FUSED.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        return False
+
+    return _FUSED.run(launch, on_cuda=dst.is_cuda)[0]
 
 
 def allocating_on_copy_stream(engine, direction: str):

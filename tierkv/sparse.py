@@ -20,26 +20,25 @@ from __future__ import annotations
 import torch
 
 from tierkv.attention import triton_installed
+from tierkv.optional_kernel import OptionalKernel
 
 
-_KERNEL = {"ok": True, "error": None}
+_KERNEL = OptionalKernel("block_bounds")
 
 
 def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
                    limit: torch.Tensor | None = None) -> torch.Tensor | None:
     """`tierkv.sparse_kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
-    None where it cannot run (the PyTorch path serves from then on, the reason kept in `_KERNEL`)."""
-    if not (table.is_cuda and triton_installed() and _KERNEL["ok"]):
+    None where it cannot run (the PyTorch path serves from then on, the reason in `_KERNEL.error`)."""
+    if not (table.is_cuda and triton_installed()):
         return None
-    try:
+
+    def launch() -> torch.Tensor:
         from tierkv.sparse_kernels import block_bounds
 
         return block_bounds(table, q, first, stop, limit)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop decoding
-        if torch.cuda.is_current_stream_capturing():
-            raise  # the capture is void: its owner falls back as a whole
-        _KERNEL.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        return None
+
+    return _KERNEL.run(launch, on_cuda=True)[1]
 
 
 class BlockSummaries:
