@@ -385,7 +385,8 @@ class FarKV:
             rows = [self.rows[i] for i in graphed]
             starts = [r.q_start for r in rows]  # their query rows, one each
             contiguous = starts == list(range(starts[0], starts[0] + len(rows)))
-            q_rows = (q[starts[0] : starts[0] + len(rows)] if contiguous
+            q_rows = (q if contiguous and len(rows) == q.shape[0]  # a decode step: every row graphed
+                      else q[starts[0] : starts[0] + len(rows)] if contiguous
                       else q.index_select(0, to_device_no_sync(starts, q.device)))
             replayed = self.graphs.attend(layer, [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
                                           q_rows, scale)
