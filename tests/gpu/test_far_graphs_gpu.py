@@ -124,6 +124,16 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graphs"] == LAYERS and counts["graphs_enabled"]
         assert counts["graph_captures"] == 3 * LAYERS
+        # the kernels ran, not their PyTorch fallbacks (which give the same outputs, so only this shows it)
+        from tierkv import block_io, sparse
+
+        assert sparse._KERNEL.ok, sparse._KERNEL.error
+        if storage != "auto":
+            assert block_io._FUSED.ok, block_io._FUSED.error
+        # both paths count the same reads: the window resident, the selection fetched
+        for key in ("sparse_resident_reads", "sparse_fetched_reads", "gpu_hit_rate"):
+            assert eager.stats()[key] == graphed.stats()[key], key
+        assert 0 < graphed.stats()["gpu_hit_rate"] < 1
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()
