@@ -188,7 +188,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             _write_profile(Path(out) / f"profile-{file_mode(mode)}{'-' + label if label else ''}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         if profiled:  # the profiler slows the steps it records: decode is then the mean of the other decode steps
-            first_step = len(step_ms) - (len(tokens) - 1)
+            first_step = len(step_ms) - len(decode_steps(step_ms, tokens))
             kept = [ms for n, ms in enumerate(step_ms) if n >= first_step and n not in profile]
             per_token_ms = sum(kept) / len(kept) if kept else float("nan")
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
@@ -293,11 +293,16 @@ def _write_profile(path: Path, profiled: list[tuple[int, float, str]]) -> None:
     print(f"profile of steps {[p[0] for p in profiled]} in {path}")
 
 
+def decode_steps(step_ms: list[float], tokens: list[int]) -> list[float]:
+    """The wall ms of the engine steps after the first token: one per later token, the last steps."""
+    return step_ms[len(step_ms) - (len(tokens) - 1):] if len(tokens) > 1 else []
+
+
 def decode_step_median(row: dict) -> float | None:
-    """The median wall ms of a row's decode steps (the steps after its first token): unlike the mean,
-    not moved by one step that captures graphs or completes a block."""
-    decode = row.get("step_ms", [])[len(row.get("step_ms", [])) - (len(row.get("tokens", [])) - 1):]
-    return statistics.median(decode) if len(row.get("tokens", [])) > 1 and decode else None
+    """The median wall ms of a row's decode steps: unlike the mean, not moved by one step that
+    captures graphs or completes a block."""
+    decode = decode_steps(row.get("step_ms", []), row.get("tokens", []))
+    return statistics.median(decode) if decode else None
 
 
 def table(out: str) -> None:

@@ -58,6 +58,11 @@ def profiled(name: str):
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
+def rows_of(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """t[start:end], or t itself when that is all of it (a slice costs host time in every layer)."""
+    return t if start == 0 and end == t.shape[0] else t[start:end]
+
+
 OVERLAP_EVERY = 8  # sparse: steps between samples of the selection overlap (isin costs a few launches)
 
 
@@ -385,8 +390,7 @@ class FarKV:
             rows = [self.rows[i] for i in graphed]
             starts = [r.q_start for r in rows]  # their query rows, one each
             contiguous = starts == list(range(starts[0], starts[0] + len(rows)))
-            q_rows = (q if contiguous and len(rows) == q.shape[0]  # a decode step: every row graphed
-                      else q[starts[0] : starts[0] + len(rows)] if contiguous
+            q_rows = (rows_of(q, starts[0], starts[0] + len(rows)) if contiguous
                       else q.index_select(0, to_device_no_sync(starts, q.device)))
             replayed = self.graphs.attend(layer, [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
                                           q_rows, scale)
@@ -394,8 +398,7 @@ class FarKV:
                 graphed = []
             else:
                 for n, r in enumerate(rows):
-                    self._count_graph_row(self.requests[r.req_id], layer, replayed[2], n)
-                    self.counts["sparse_resident_reads"] += r.near_blocks(self.block_tokens)
+                    self._count_graph_row(r, layer, replayed[2], n)
         if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
             parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
             if parts:
@@ -404,11 +407,9 @@ class FarKV:
                 output.copy_(near_out)
         merge_started = time.perf_counter()
         if graphed:  # after the rest: merge_into wrote these rows' near part
-            if contiguous and len(graphed) == output.shape[0]:  # a decode step: every row graphed
-                merge_two_into(output, (near_out, near_lse), replayed[:2])
-            elif contiguous:
+            if contiguous:
                 a, b = starts[0], starts[0] + len(graphed)
-                merge_two_into(output[a:b], (near_out[a:b], near_lse[a:b]), replayed[:2])
+                merge_two_into(rows_of(output, a, b), (rows_of(near_out, a, b), rows_of(near_lse, a, b)), replayed[:2])
             else:
                 for n, a in enumerate(starts):
                     merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
@@ -465,15 +466,12 @@ class FarKV:
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
-            self.counts["far_blocks_read"] += ids.numel()
-            self.counts["sparse_fetched_reads"] += ids.numel()
-            self.counts["sparse_resident_reads"] += row.near_blocks(self.block_tokens)
+            self._count_selection(row, ids.numel())
             with profiled("tierkv.sparse.fetch_attend"):
                 fetcher = self.sparse_streamer
                 for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
                     parts.setdefault(i, []).append(paged_partial_attention(
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
-            self.counts["sparse_selections"] += 1
         return parts
 
     def _summarize_staged(self, row: FarRow, layer: int, first_block: int, staging: torch.Tensor,
@@ -503,15 +501,20 @@ class FarKV:
                 self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
             done += ids.size
 
-    def _count_graph_row(self, req: _Request, layer: int, ids: torch.Tensor, row: int) -> None:
-        """ids: the graph's selections [m, k]; this request's is row `row`."""
-        self._note_selection(req, layer, ids, row)
+    def _count_graph_row(self, row: FarRow, layer: int, ids: torch.Tensor, n: int) -> None:
+        """ids: the graph's selections [m, k]; this row's is row `n`."""
+        self._note_selection(self.requests[row.req_id], layer, ids, n)
         # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
         fetched = self.sparse_blocks * self.store.cpu.slot_bytes
         self._graph_bytes += fetched
         self.store.io.engine.num_bytes_moved["h2d"] += fetched
-        self.counts["far_blocks_read"] += self.sparse_blocks
-        self.counts["sparse_fetched_reads"] += self.sparse_blocks
+        self._count_selection(row, self.sparse_blocks)
+
+    def _count_selection(self, row: FarRow, num_selected: int) -> None:
+        """A sparse decode row's selection of one layer: its far blocks fetched, its window resident."""
+        self.counts["far_blocks_read"] += num_selected
+        self.counts["sparse_fetched_reads"] += num_selected
+        self.counts["sparse_resident_reads"] += row.near_blocks(self.block_tokens)
         self.counts["sparse_selections"] += 1
 
     def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor, row: int | None = None) -> None:

@@ -82,6 +82,13 @@ def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor
     return out, lse, ids
 
 
+def _row_key(req_id: str, req, layer: int) -> tuple:
+    """What a graph bakes in for one row: the request, and its layer's summary table and pinned-slot
+    buffer (address, size); a new buffer means a new capture."""
+    table, slots = req.summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
+    return req_id, table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel()
+
+
 @dataclass
 class _Graph:
     key: tuple              # what it baked in: per row the request and its summary table and pinned-slot
@@ -140,9 +147,7 @@ class SparseStepGraphs:
         order. None when the eager path must serve them (the caller checked `servable`)."""
         if not self.enabled or not rows or len(rows) > self.max_rows:
             return None
-        key = (tuple((req_id, req.summaries.summaries.tables[layer].data_ptr(), req.summaries.summaries.tables[layer].shape[0],
-                      req.pinned_slots_dev[layer].data_ptr(), req.pinned_slots_dev[layer].numel())
-                     for req_id, req, _ in rows), scale)
+        key = (tuple(_row_key(req_id, req, layer) for req_id, req, _ in rows), scale)
         kept = self.graphs.setdefault(layer, OrderedDict())
         entry = kept.get(key)
         counts = [n for _, _, n in rows]

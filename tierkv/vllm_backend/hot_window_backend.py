@@ -18,7 +18,7 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.vllm_backend.far import profiled
+from tierkv.vllm_backend.far import profiled, rows_of
 from tierkv.vllm_backend.hot_window import _STATE, current_step
 
 
@@ -53,9 +53,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         else:
             table, seqused_k, max_k = step.near(attn_metadata)
         key_cache, value_cache = self._kv_views(kv_cache)
-        # the step's tokens; no slice (host time per layer) when vLLM did not pad the batch
-        q = query if query.shape[0] == n else query[:n]
-        out = output if output.shape[0] == n else output[:n]
+        q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
         result = fa.flash_attn_varlen_func(
