@@ -1,5 +1,6 @@
 """GPU: the hot window's sparse decode rows replayed from CUDA graphs (one graph per layer for the
-step's rows, their far parts merged with near parts by `attend_into`, as for the vLLM backend)
+step's rows, their far parts merged with near parts inside it, the near part written where the
+graph reads it, as the vLLM backend does)
 equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps), for two requests
 in one graph, one of them alone (a second set of rows captured beside the first), both again (the
@@ -74,10 +75,14 @@ def compare_steps(eager, graphed, requests: dict[str, int], steps: int):
             got = torch.full_like(want, float("nan"))
             if step > 0:  # replays must not wait for the GPU (overlap-sampling steps included)
                 torch.cuda.set_sync_debug_mode("error")
-            try:
-                graphed.attend_into(got, layer, q, *near, DIM ** -0.5)  # what the vLLM backend calls
+            try:  # what the vLLM backend does: the near part written where the kept graph reads it, if any
+                buffer = graphed.near_out_buffer(layer, len(rows), DIM ** -0.5)
+                near_out = near[0] if buffer is None else buffer.copy_(near[0])
+                graphed.attend_into(got, layer, q, near_out, near[1], DIM ** -0.5)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            if step > 0:  # the step's rows' graph was captured at its first step
+                assert buffer is not None
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for far in (eager, graphed):
             far.end_step()

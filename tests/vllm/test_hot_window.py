@@ -4,6 +4,7 @@ layers into a sliding-window spec sized for the window, and the connector sends 
 needs. The FlashAttention half runs on the GPU (benchmarks/vllm_check.py hotwindow)."""
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -978,10 +979,17 @@ class _BodyGraphs:
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
         self.packed_bytes = 0
 
-    def servable(self, req, layer, num_far):
-        return req.summaries is not None and self.far.sparse_blocks < num_far <= req.summaries.prefix[layer]
+    def servable(self, req, num_far):
+        return req.summaries is not None and self.far.sparse_blocks < num_far <= min(req.summaries.prefix)
 
-    def attend(self, layer, rows, q, scale):
+    def key(self, layer, rows, scale):
+        return layer, tuple(req_id for req_id, _, _ in rows), scale
+
+    def near_buffer(self, layer, key):
+        return None
+
+    def attend(self, layer, rows, q, near_out, near_lse, out_dtype, scale, key=None):
+        from tierkv.attention import merge_two_into
         from tierkv.vllm_backend.far_graphs import sparse_row_body
 
         k = self.far.sparse_blocks
@@ -991,7 +999,9 @@ class _BodyGraphs:
                  for r, (_, req, n) in enumerate(rows)]
         self.counts["graph_replays"] += 1
         self.counts["graph_rows"] += len(rows)
-        return torch.cat([o for o, _, _ in parts]), torch.cat([lse for _, lse, _ in parts]), torch.stack([i for *_, i in parts])
+        out = torch.empty(near_out.shape, dtype=out_dtype)
+        merge_two_into(out, (near_out, near_lse), (torch.cat([o for o, _, _ in parts]), torch.cat([lse for _, lse, _ in parts])))
+        return out, torch.stack([i for *_, i in parts])
 
     def forget(self, req_id):
         pass
@@ -1043,8 +1053,7 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         total = far.counts["sparse_resident_reads"] + far.counts["sparse_fetched_reads"]
         assert far.stats()["gpu_hit_rate"] == far.counts["sparse_resident_reads"] / total
         assert far.graphs.counts["graph_rows"] == 2 * LAYERS
-        host = far.stats()  # each attend_into of this decode step timed, and the graph rows' merge within it
-        assert 0 < host["merge_host_us_per_layer"] < host["decode_host_us_per_layer"]
+        assert far.stats()["decode_host_us_per_layer"] > 0  # each attend_into of this decode step timed
         far.end_step()
     finally:
         far.graphs = None
@@ -1069,12 +1078,14 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
             for output, result in zip(self.outputs, self.run()):
                 output.copy_(result)
 
-    def capture(self, layer, reqs, q_rows, counts, key, scale):
-        q, far_counts = q_rows.clone(), torch.tensor(counts)
-        run = self.body(layer, reqs, q, far_counts, scale)
-        outputs = [t.clone() for t in run()]
+    def capture(self, layer, reqs, q_rows, near_out, near_lse, out_dtype, counts, key, scale):
+        q, far_counts, near_out, near_lse = q_rows.clone(), torch.tensor(counts), near_out.clone(), near_lse.clone()
+        out = torch.empty(near_out.shape, dtype=out_dtype)
+        run = self.body(layer, reqs, q, far_counts, near_out, near_lse, out, scale)
+        ids = run().clone()
         self.counts["graph_captures"] += 1
-        return far_graphs._Graph(key, FakeGraph(run, outputs), q, far_counts, *outputs, counts)
+        return far_graphs._Graph(key, FakeGraph(lambda: [run()], [ids]), q, far_counts, near_out, near_lse, out, ids,
+                                 counts)
 
     monkeypatch.setattr(far_graphs.SparseStepGraphs, "usable", staticmethod(lambda store: True))
     monkeypatch.setattr(far_graphs.SparseStepGraphs, "_capture", capture)
@@ -1111,16 +1122,24 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
                 want = merge_partials([near, graphed.attend(layer, q, 0.3)])[0]
                 graphed.graphs = saved
                 got = torch.full_like(want, float("nan"))
-                graphed.attend_into(got, layer, q, *near, 0.3)
+                # as the vLLM backend: the near part written where the layer's kept graph reads it, if any
+                buffer = graphed.near_out_buffer(layer, len(rows), 0.3)
+                handed_out[tuple(names)].append(buffer is not None)
+                near_out = near[0] if buffer is None else buffer.copy_(near[0])
+                graphed.attend_into(got, layer, q, near_out, near[1], 0.3)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             graphed.end_step()
             for req in names:
                 position[req] += 1
 
+        handed_out = collections.defaultdict(list)
+
         counts = graphed.graphs.counts
         for _ in range(BS + 2):  # far counts grow by a block on the way: the same graphs replay
             step(["r0", "r1"])
         assert counts["graph_captures"] == LAYERS and counts["graph_replays"] == LAYERS * (BS + 2)
+        # the first step had no kept graph to write into; every later one wrote the near part in place
+        assert handed_out[("r0", "r1")] == [False] * LAYERS + [True] * LAYERS * (BS + 1)
         step(["r0"])  # a second set of rows, captured beside the first
         step(["r0", "r1"])  # the first set's graphs were kept
         assert counts["graph_captures"] == 2 * LAYERS and graphed.stats()["cuda_graphs"]["graphs"] == 2 * LAYERS

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from tierkv.attention import merge_partials, merge_two_into, paged_partial_attention
+from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
@@ -111,6 +111,20 @@ class _Request:
     #   unused): its address rarely moves
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
+
+
+@dataclass
+class _GraphPlan:
+    """The decoding rows of a step that the CUDA graphs serve, the same in each of its layers."""
+
+    indices: list[int]                # into FarKV.rows, in the graph's row order
+    starts: list[int]                 # their query rows
+    contiguous: bool                  # starts run consecutively (no gather or scatter of rows)
+    graph_rows: list[tuple]           # (req_id, request, far blocks), as SparseStepGraphs.attend takes them
+    index: torch.Tensor | None        # starts on the device, when not contiguous
+    resident_blocks: int              # the rows' window blocks, read from vLLM's pool in each layer
+    sampled: bool                     # a step whose selections the overlap sample reads
+    keys: dict[int, tuple] = field(default_factory=dict)  # per layer, the graph key (near_out_buffer made it)
 
 
 @dataclass(frozen=True)
@@ -182,7 +196,7 @@ class FarKV:
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
         self._overlap_of = 0
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
-        self._merge_host: deque[float] = deque(maxlen=4096)  # of which the graph rows' merge
+        self._plan: _GraphPlan | None = None  # the step's graphed rows, from its first layer on
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -370,55 +384,76 @@ class FarKV:
                 return
         output.copy_(merge_partials([(near_out, near_lse), self._assemble(parts, near_out.shape, near_out.device)])[0])
 
+    def _graph_plan(self) -> _GraphPlan | None:
+        """The step's decoding rows the CUDA graphs serve (at most their max_rows, all of them in every
+        layer), worked out at the step's first layer and kept for its others; None without graphs
+        or with streamed chunks in the step."""
+        if self.graphs is None or self._pieces:
+            return None
+        if self._plan is None:
+            indices = []
+            for i in self._sparse_rows:
+                row = self.rows[i]
+                if len(indices) < self.graphs.max_rows and self.graphs.servable(self.requests[row.req_id],
+                                                                                row.num_far_blocks):
+                    indices.append(i)
+            rows = [self.rows[i] for i in indices]
+            starts = [r.q_start for r in rows]  # their query rows, one each
+            contiguous = bool(starts) and starts == list(range(starts[0], starts[0] + len(rows)))
+            self._plan = _GraphPlan(
+                indices, starts, contiguous,
+                [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
+                None if contiguous or not starts else to_device_no_sync(starts, self.store.device),
+                sum(r.near_blocks(self.block_tokens) for r in rows),
+                self.counts["steps"] % OVERLAP_EVERY in (0, OVERLAP_EVERY - 1))
+        return self._plan
+
+    def near_out_buffer(self, layer: int, num_tokens: int, scale: float) -> torch.Tensor | None:
+        """Where the near part of `layer` may be written ([num_tokens, H, D]): the static input of the
+        layer's kept graph when the graphs serve every row of the step, so `attend_into` copies
+        nothing in; None otherwise (the caller allocates)."""
+        plan = self._graph_plan()
+        if plan is None or not plan.contiguous or plan.starts[0] != 0 or len(plan.starts) != num_tokens:
+            return None
+        key = plan.keys[layer] = self.graphs.key(layer, plan.graph_rows, scale)
+        return self.graphs.near_buffer(layer, key)
+
     def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
                     near_lse: torch.Tensor, scale: float, dense=None) -> None:
         """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
         [n, H, D], near_lse [n, H]) merged with the far blocks. The step's sparse decode rows that
-        the CUDA graphs serve replay the layer's one graph, and their far parts merge with their near
-        parts in one launch (`merge_two_into`); the rest go through `attend_parts` and `merge_into`."""
+        the CUDA graphs serve replay the layer's one graph, which merges their far parts with their
+        near parts too; the rest go through `attend_parts` and `merge_into`."""
         started = time.perf_counter()
         captures = self.graphs.counts["graph_captures"] if self.graphs is not None else 0
-        graphed: list[int] = []  # rows the step's graph serves, in its order
-        if self.graphs is not None and not self._pieces:
-            for i in self._sparse_rows:
-                row = self.rows[i]
-                if len(graphed) < self.graphs.max_rows and self.graphs.servable(self.requests[row.req_id], layer,
-                                                                                 row.num_far_blocks):
-                    graphed.append(i)
-        replayed, starts, contiguous = None, [], False
+        plan = self._graph_plan()
+        graphed: list[int] = plan.indices if plan is not None else []  # rows the step's graph serves, in its order
+        replayed = None
         if graphed:
-            rows = [self.rows[i] for i in graphed]
-            starts = [r.q_start for r in rows]  # their query rows, one each
-            contiguous = starts == list(range(starts[0], starts[0] + len(rows)))
-            q_rows = (rows_of(q, starts[0], starts[0] + len(rows)) if contiguous
-                      else q.index_select(0, to_device_no_sync(starts, q.device)))
-            replayed = self.graphs.attend(layer, [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
-                                          q_rows, scale)
-            if replayed is None:
-                graphed = []
+            starts = plan.starts
+            if plan.contiguous:
+                a, b = starts[0], starts[0] + len(starts)
+                inputs = rows_of(q, a, b), rows_of(near_out, a, b), rows_of(near_lse, a, b)
             else:
-                for n, r in enumerate(rows):
-                    self._count_graph_row(r, layer, replayed[2], n)
+                inputs = tuple(t.index_select(0, plan.index) for t in (q, near_out, near_lse))
+            replayed = self.graphs.attend(layer, plan.graph_rows, *inputs, output.dtype, scale, plan.keys.get(layer))
+            if replayed is None:  # the graphs turned off: the eager path serves every row from now on
+                graphed, self._plan = [], None
+            else:
+                self._count_graph_rows(plan, layer, replayed[1])
         if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
             parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
             if parts:
                 self.merge_into(output, near_out, near_lse, parts)
             else:
                 output.copy_(near_out)
-        merge_started = time.perf_counter()
-        if graphed:  # after the rest: merge_into wrote these rows' near part
-            if contiguous:
-                a, b = starts[0], starts[0] + len(graphed)
-                merge_two_into(rows_of(output, a, b), (rows_of(near_out, a, b), rows_of(near_lse, a, b)), replayed[:2])
+        if graphed:  # after the rest: merge_into wrote every row
+            if plan.contiguous:
+                rows_of(output, a, b).copy_(replayed[0])
             else:
-                for n, a in enumerate(starts):
-                    merge_two_into(output[a : a + 1], (near_out[a : a + 1], near_lse[a : a + 1]),
-                                   (replayed[0][n : n + 1], replayed[1][n : n + 1]))
+                output.index_copy_(0, plan.index, replayed[0])
         if not self._pieces and (self.graphs is None or self.graphs.counts["graph_captures"] == captures):
-            ended = time.perf_counter()  # host time only: no streamed chunks, no capture
-            self._decode_host.append(ended - started)
-            if graphed:
-                self._merge_host.append(ended - merge_started)
+            self._decode_host.append(time.perf_counter() - started)  # host time only: no streamed chunks, no capture
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -501,14 +536,21 @@ class FarKV:
                 self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
             done += ids.size
 
-    def _count_graph_row(self, row: FarRow, layer: int, ids: torch.Tensor, n: int) -> None:
-        """ids: the graph's selections [m, k]; this row's is row `n`."""
-        self._note_selection(self.requests[row.req_id], layer, ids, n)
+    def _count_graph_rows(self, plan: _GraphPlan, layer: int, ids: torch.Tensor) -> None:
+        """One replay of the step's graph at `layer`: ids, its selections [m, k]."""
+        m, k = len(plan.indices), self.sparse_blocks
+        if plan.sampled:
+            for n, (_, req, _) in enumerate(plan.graph_rows):
+                self._note_selection(req, layer, ids, n)
         # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
-        fetched = self.sparse_blocks * self.store.cpu.slot_bytes
+        fetched = m * k * self.store.cpu.slot_bytes
         self._graph_bytes += fetched
         self.store.io.engine.num_bytes_moved["h2d"] += fetched
-        self._count_selection(row, self.sparse_blocks)
+        counts = self.counts
+        counts["far_blocks_read"] += m * k
+        counts["sparse_fetched_reads"] += m * k
+        counts["sparse_resident_reads"] += plan.resident_blocks
+        counts["sparse_selections"] += m
 
     def _count_selection(self, row: FarRow, num_selected: int) -> None:
         """A sparse decode row's selection of one layer: its far blocks fetched, its window resident."""
@@ -533,7 +575,7 @@ class FarKV:
             req.previous[layer] = (ids if row is None else ids[row]).clone()
 
     def end_step(self) -> None:
-        self.rows, self._pieces, self._sparse_rows = [], [], []
+        self.rows, self._pieces, self._sparse_rows, self._plan = [], [], [], None
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
@@ -563,7 +605,6 @@ class FarKV:
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
-                "merge_host_us_per_layer": 1e6 * float(np.median(self._merge_host)) if self._merge_host else None,
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

@@ -2,14 +2,15 @@
 attention of every decoding row of the step, captured once and replayed each step until the rows
 or their inputs move.
 
-Primitives: `sparse_row_body`, `packed_buffers`, `SparseStepGraphs` (`servable`, `attend`, `forget`, `stats`).
+Primitives: `sparse_row_body`, `packed_buffers`, `SparseStepGraphs` (`servable`, `key`, `near_buffer`, `attend`,
+`forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
 against about 0.25 ms of GPU work. One graph per layer for all the step's decoding rows turns that
-into a copy of their queries, one replay, and one launch that merges their far parts with their
-near parts into vLLM's output (`FarKV.attend_into`, `tierkv.attention.merge_two_into`), however
-many rows the step holds:
+into copies of their queries and near parts (FlashAttention writes the near outputs straight into
+the graph's input when the graph serves every row of the step), one replay, and a copy of the
+merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step holds:
 
     captured, per row:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past its far
                           count masked (one kernel, tierkv.sparse_kernels)
@@ -17,6 +18,8 @@ many rows the step holds:
                         copy kernel: CPU tier[slots] -> the row's staging slots, on the compute stream
                           (a quantized tier: codes and scales, then dequantized into staging)
                         (out, lse) = attention of its query over those staging slots
+                      then, all rows: merged = LSE merge of (near_out, near_lse) and (out, lse)
+                          (one launch, tierkv.attention.merge_two_into: on the host it cost 22-60 us)
 
 The far counts are inputs of the graph (the bound runs over the whole summary table, blocks past
 the count masked), so growing far parts replay the same graph; a layer captures again for a new
@@ -28,7 +31,8 @@ that fails turns the graphs off for the engine's life (logged, counted); the eag
 same result. All graphs draw on one memory pool and replay on the compute stream in order, one at
 a time. A graph's scratch may lie where another graph, captured later into the same pool, keeps
 scratch of its own (a recapture breaks the capture order), so what must outlive a replay, the
-inputs and outputs, is allocated outside the pool and copied in and out inside the graph. A pool
+inputs and outputs, is allocated outside the pool: inputs copied in before a replay, outputs
+written inside the graph. A pool
 whose graphs were all freed cannot take another capture; the next capture opens a new one.
 """
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.attention import paged_partial_attention
+from tierkv.attention import merge_two_into, paged_partial_attention
 from tierkv.block_io import dequantize_into
 from tierkv.scheduler.plan import to_device_no_sync
 
@@ -94,11 +98,12 @@ class _Graph:
     key: tuple              # what it baked in: per row the request and its summary table and pinned-slot
                             # buffer (address, size); the scale
     graph: torch.cuda.CUDAGraph
-    q: torch.Tensor         # static inputs: the rows' queries [m, H, D] and far counts (int64 [m])
-    num_far: torch.Tensor
-    out: torch.Tensor       # static outputs, valid until the next replay: [m, H, D], [m, H], ids [m, k]
-    lse: torch.Tensor
-    ids: torch.Tensor
+    q: torch.Tensor         # static inputs: the rows' queries [m, H, D], far counts (int64 [m]) and near
+    num_far: torch.Tensor   #   parts (out [m, H, D], lse float32 [m, H]); near_out is what the vLLM backend
+    near_out: torch.Tensor  #   hands FlashAttention as its output when every row of the step is graphed
+    near_lse: torch.Tensor
+    out: torch.Tensor       # static outputs, valid until the next replay: the rows' attention, near and
+    ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
 
 
@@ -133,62 +138,85 @@ class SparseStepGraphs:
         """Whether an engine's store can replay the graphs: CUDA and a copy-kernel transfer backend."""
         return store.device.type == "cuda" and store.io.engine.backend in ("cupy", "adaptive")
 
-    def servable(self, req, layer: int, num_far: int) -> bool:
-        """Whether a decoding row can be served by the graphs: all its far blocks summarized, and
-        more of them than a selection."""
+    def servable(self, req, num_far: int) -> bool:
+        """Whether a decoding row can be served by the graphs in every layer: all its far blocks
+        summarized in each, and more of them than a selection (host-known)."""
         summaries = req.summaries
-        return (self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= summaries.prefix[layer])
+        return self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= min(summaries.prefix)
 
-    def attend(self, layer: int, rows: list[tuple[str, object, int]], q: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The far parts of decoding rows (req_id, request, far blocks) by one graph: (out [m, H, D],
-        lse [m, H], ids [m, k]), static tensors, read them before the next replay (`FarKV.attend_into`
-        merges them with the near parts in one launch). q: the rows' queries [m, H, D], in the same
-        order. None when the eager path must serve them (the caller checked `servable`)."""
+    @staticmethod
+    def key(layer: int, rows: list[tuple[str, object, int]], scale: float) -> tuple:
+        """What a layer's graph for decoding rows (req_id, request, far blocks) bakes in."""
+        return tuple(_row_key(req_id, req, layer) for req_id, req, _ in rows), scale
+
+    def near_buffer(self, layer: int, key: tuple) -> torch.Tensor | None:
+        """The static near output of the layer's graph for `key`, if one is kept: FlashAttention may
+        write the rows' near part there (a copy saved); None otherwise."""
+        entry = self.graphs.get(layer, {}).get(key) if self.enabled else None
+        return entry.near_out if entry is not None else None
+
+    def attend(self, layer: int, rows: list[tuple[str, object, int]], q: torch.Tensor, near_out: torch.Tensor,
+               near_lse: torch.Tensor, out_dtype: torch.dtype, scale: float,
+               key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention of decoding rows (req_id, request, far blocks) by one graph: their far parts,
+        merged with their near parts (near_out [m, H, D], near_lse [m, H]) inside it: (out [m, H, D]
+        of out_dtype, ids [m, k]), static tensors, read them before the next replay. q: the rows'
+        queries [m, H, D], in the same order; key: `key(layer, rows, scale)` when the caller has it.
+        None when the eager path must serve them (the caller checked `servable`)."""
         if not self.enabled or not rows or len(rows) > self.max_rows:
             return None
-        key = (tuple(_row_key(req_id, req, layer) for req_id, req, _ in rows), scale)
+        key = key if key is not None else self.key(layer, rows, scale)
         kept = self.graphs.setdefault(layer, OrderedDict())
         entry = kept.get(key)
         counts = [n for _, _, n in rows]
         if entry is None:  # a new set of rows (or a table moved): capture
             if len(kept) >= GRAPHS_PER_LAYER:
                 kept.popitem(last=False)
-            entry = self._capture(layer, [req for _, req, _ in rows], q, counts, key, scale)
+            entry = self._capture(layer, [req for _, req, _ in rows], q, near_out, near_lse, out_dtype, counts, key, scale)
             if entry is None:
                 return None
             kept[key] = entry
         else:
             kept.move_to_end(key)
         entry.q.copy_(q)
+        if near_out is not entry.near_out:  # FlashAttention wrote elsewhere (no graph was kept at its call)
+            entry.near_out.copy_(near_out)
+        entry.near_lse.copy_(near_lse)
         if entry.far_counts != counts:  # change once per block of decoded tokens: a copy saved otherwise
             entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
             entry.far_counts = counts
         entry.graph.replay()
         self.counts["graph_replays"] += 1
         self.counts["graph_rows"] += len(rows)
-        return entry.out, entry.lse, entry.ids
+        return entry.out, entry.ids
 
-    def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, scale: float):
+    def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near_out: torch.Tensor,
+             near_lse: torch.Tensor, out: torch.Tensor, scale: float):
         """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64
-        [m]): a callable giving (out [m, H, D], lse [m, H], ids [m, k])."""
+        [m], near_out [m, H, D], near_lse [m, H]; static output out [m, H, D]): a callable that
+        writes the rows' merged attention into `out` and gives their selections ids [m, k]."""
         def run():
             parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.staging,
                                      self.staging_slots[r], self.block_tokens, scale, self.packed[r])
                      for r, req in enumerate(reqs)]
             if len(parts) == 1:  # one row: no concatenation (three copy kernels fewer in its graph)
-                out, lse, ids = parts[0]
-                return out, lse, ids.unsqueeze(0)
-            return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                    torch.stack([p[2] for p in parts]))
+                far_out, far_lse, ids = parts[0]
+                ids = ids.unsqueeze(0)
+            else:
+                far_out, far_lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                ids = torch.stack([p[2] for p in parts])
+            merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
+            return ids
 
         return run
 
-    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, counts: list[int], key: tuple,
-                 scale: float) -> _Graph | None:
-        q = q_rows.clone()
+    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor,
+                 out_dtype: torch.dtype, counts: list[int], key: tuple, scale: float) -> _Graph | None:
+        # the static inputs and the merged output, outside the graphs' pool
+        q, near_out, near_lse = q_rows.clone(), near_out.contiguous().clone(), near_lse.contiguous().clone()
+        out = torch.empty(near_out.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        body = self.body(layer, reqs, q, far_counts, scale)
+        body = self.body(layer, reqs, q, far_counts, near_out, near_lse, out, scale)
 
         if not any(self.graphs.values()):  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
@@ -197,19 +225,17 @@ class SparseStepGraphs:
         try:
             with torch.cuda.stream(side):
                 first = body()  # first run outside the capture: kernels built, workspaces set
-            outputs = [torch.empty_like(t) for t in first]  # outside the pool, on the compute stream
+            ids = torch.empty_like(first)  # outside the pool, on the compute stream
             with torch.cuda.stream(side):
                 # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
                 # allocator's cache on entry: captures recur as the batch changes
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    for output, result in zip(outputs, body()):
-                        output.copy_(result)
+                    ids.copy_(body())
                 finally:
                     graph.capture_end()
             current.wait_stream(side)
-            out, lse, ids = outputs
         except Exception:  # the eager path serves every row from now on; nothing was returned from here
             current.wait_stream(side)
             logger.exception("tierkv hot window: capturing a sparse decode graph failed; sparse rows run eagerly")
@@ -218,7 +244,7 @@ class SparseStepGraphs:
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, far_counts, out, lse, ids, counts)
+        return _Graph(key, graph, q, far_counts, near_out, near_lse, out, ids, counts)
 
     def forget(self, req_id: str) -> None:
         """Drop the graphs that serve a finished request."""

@@ -7,8 +7,9 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
     far:  `FarKV.attend_into` over the blocks vLLM freed, streamed from the CPU tier; prefill
           chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
-    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; a
-          sparse decode row served by a CUDA graph merges inside its graph)
+    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; the
+          sparse decode rows served by a CUDA graph merge inside it, FlashAttention writing their
+          near part straight into its static input when the graph serves the whole step)
 
 Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
 """
@@ -56,8 +57,11 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
+        # with far blocks the near part goes to its own buffer: where the layer's CUDA graph reads it
+        # when the graphs serve every row of the step, else a new one
+        near = step.far.near_out_buffer(step.layer_index[layer.layer_name], n, self.scale) if has_far else out
         result = fa.flash_attn_varlen_func(
-            q=q, k=key_cache, v=value_cache, out=None if has_far else out,
+            q=q, k=key_cache, v=value_cache, out=near,
             cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
             seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=self.scale, causal=True,
             alibi_slopes=self.alibi_slopes, window_size=None, block_table=table, softcap=self.logits_soft_cap,
