@@ -1055,6 +1055,8 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         assert far.graphs.counts["graph_rows"] == 2 * LAYERS
         assert far.stats()["decode_host_us_per_layer"] > 0  # each attend_into of this decode step timed
         far.end_step()
+        begin_ms, attend_ms = far.stats()["step_host_ms"][-1]  # and the step's host time, ours
+        assert 0 < begin_ms and LAYERS * far.stats()["decode_host_us_per_layer"] / 1e3 <= 2 * attend_ms
     finally:
         far.graphs = None
         far.close()

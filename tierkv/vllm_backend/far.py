@@ -196,6 +196,10 @@ class FarKV:
         self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
         self._overlap_of = 0
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
+        # per step, the host ms of begin_step and of all the step's attend_into calls (last 512 steps): where
+        # a slow step's time went, ours or not
+        self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
+        self._begin_s = self._attend_s = 0.0
         self._plan: _GraphPlan | None = None  # the step's graphed rows, from its first layer on
 
     # -- requests ---------------------------------------------------------------------------------
@@ -301,6 +305,12 @@ class FarKV:
     def begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
         """rows: (req_id, tokens before the step, tokens in the step) in the step's token order.
         Pins what became far, lays out the streamed chunks and starts the first layers' copies."""
+        started = time.perf_counter()
+        far_rows = self._begin_step(rows)
+        self._begin_s, self._attend_s = time.perf_counter() - started, 0.0
+        return far_rows
+
+    def _begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
         far_rows, q = [], 0
         for req_id, num_computed, num_new in rows:
             n_far = far_blocks(num_computed, self.window_tokens, self.block_tokens)
@@ -452,8 +462,10 @@ class FarKV:
                 rows_of(output, a, b).copy_(replayed[0])
             else:
                 output.index_copy_(0, plan.index, replayed[0])
+        spent = time.perf_counter() - started
+        self._attend_s += spent
         if not self._pieces and (self.graphs is None or self.graphs.counts["graph_captures"] == captures):
-            self._decode_host.append(time.perf_counter() - started)  # host time only: no streamed chunks, no capture
+            self._decode_host.append(spent)  # host time only: no streamed chunks, no capture
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -575,6 +587,8 @@ class FarKV:
             req.previous[layer] = (ids if row is None else ids[row]).clone()
 
     def end_step(self) -> None:
+        if self.rows:
+            self._step_host.append((round(1e3 * self._begin_s, 3), round(1e3 * self._attend_s, 3)))
         self.rows, self._pieces, self._sparse_rows, self._plan = [], [], [], None
 
     def stats(self) -> dict:
@@ -605,6 +619,7 @@ class FarKV:
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
+                "step_host_ms": list(self._step_host),  # per step (begin_step, its attend_into calls), last 512
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:
