@@ -321,7 +321,7 @@ class FarKV:
                 if req is None:
                     raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
                 self._pin(req_id, req, n_far)
-        self.rows = far_rows
+        self.rows, self._plan = far_rows, None
         sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_selectable(r)
                   for r in far_rows]
         self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
