@@ -339,6 +339,12 @@ def table(out: str) -> None:
                   f"{hot.get('sparse_fetched_reads', 0)} selected far blocks each fetched when selected, "
                   f"{hot.get('stalls', 0)} stalls), selection overlap with the step before "
                   f"{hot.get('selection_overlap') or 0:.3f}")
+        graphs = hot.get("cuda_graphs") or {}
+        if graphs.get("graph_replays"):  # how many layer calls one graph served with the window part in it
+            print(f"{'':<11} step graphs: {graphs['graph_replays']} replays, {graphs.get('whole_graph_replays', 0)} of them "
+                  f"with the window part inside, {graphs['graph_captures']} captures"
+                  + (f"; whole vs split graphs, largest |difference| {hot['whole_check_max_abs']:.3g}"
+                     if hot.get("whole_check_max_abs") is not None else ""))
         if host_us:  # the far path's own host time per layer in decode steps: comparable across leases
             print(f"{'':<11} far path host time {host_us:.0f} us per layer call in decode steps"
                   + (f", of which the graph rows' merge {merge_us:.0f} us" if merge_us else ""))

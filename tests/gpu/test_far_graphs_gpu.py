@@ -143,3 +143,78 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()
             store.close()
+
+
+class TorchWindow:
+    """The window part as a whole step graph runs it, in torch ops that read only device tensors (so it
+    can be captured): each row's query over the first seqused_k[r] keys of its blocks table[r] in a
+    layer's pool [blocks, KV_HEADS, BS, 2 * DIM]. The vLLM backend's is FlashAttention."""
+
+    def __init__(self, pool, scale):
+        self.pool, self.scale, self.key = pool, scale, ("torch-window", pool.data_ptr())
+
+    def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
+        m, cols = table.shape
+        bs = self.pool.shape[2]
+        kv = self.pool[table.long()]  # [m, C, KV_HEADS, BS, 2D]
+        kv = kv.permute(0, 1, 3, 2, 4).reshape(m, cols * bs, KV_HEADS, 2 * DIM).float()
+        k = kv[..., :DIM].repeat_interleave(HEADS // KV_HEADS, dim=2)
+        v = kv[..., DIM:].repeat_interleave(HEADS // KV_HEADS, dim=2)
+        scores = torch.einsum("mhd,mkhd->mhk", q.float(), k) * self.scale
+        valid = torch.arange(cols * bs, device=q.device).unsqueeze(0) < seqused_k.unsqueeze(1)  # [m, keys]
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        return torch.einsum("mhk,mkhd->mhd", torch.softmax(scores, dim=-1), v), torch.logsumexp(scores, dim=-1)
+
+
+def test_whole_graphs_run_the_window_part_and_equal_the_split_path(tmp_path):
+    """Every row of each step graphed: one graph per layer runs the window part (here in torch ops)
+    with the far part, reading the block table and key counts written once per step; equal to the
+    window part run eagerly plus the eager far path, while positions and far counts grow, with no
+    host sync after the first step, one capture per layer, and a check run finding the split graphs
+    give the same."""
+    BS = 64
+    BLOCKS = TOKENS // BS
+    scale = DIM ** -0.5
+    caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
+    prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b")}
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
+    windows = [TorchWindow(caches[n], scale) for n in NAMES]
+    try:
+        start = {"a": (BLOCKS - 3) * BS - 2, "b": (BLOCKS - 3) * BS - 7}
+        steps = BS + 4  # the far parts grow by a block on the way
+        for step in range(steps):
+            rows = [(req, first + step, 1) for req, first in start.items()]
+            for far in (eager, graphed):
+                far_rows = far.begin_step(rows)
+            q = torch.randn(len(rows), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            near_len = [r.num_computed + 1 - r.num_far_blocks * BS for r in far_rows]
+            seqused = torch.tensor(near_len, dtype=torch.int32, device="cuda")
+            table = torch.randint(0, BLOCKS, (len(rows), 8), dtype=torch.int32, device="cuda")
+            cu = torch.arange(len(rows) + 1, dtype=torch.int32, device="cuda")
+            for layer, window in enumerate(windows):
+                near = window(q, table, seqused, cu, max(near_len))
+                want = merge_partials([near, eager.attend(layer, q, scale)])[0]
+                got = torch.full_like(want, float("nan"))
+                if step > 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    assert graphed.attend_whole(got, layer, q, scale, window, (table, seqused, max(near_len)),
+                                                check=(lambda: window(q, table, seqused, cu, max(near_len)))
+                                                if step == 0 else None)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for far in (eager, graphed):
+                far.end_step()
+        counts = graphed.stats()["cuda_graphs"]
+        assert counts["graph_capture_errors"] == 0 and counts["whole_capture_errors"] == 0
+        assert counts["whole_graph_replays"] == LAYERS * steps
+        assert counts["graph_captures"] == 2 * LAYERS  # a whole graph per layer, and the check's split twin
+        assert graphed.stats()["whole_check_max_abs"] < 1e-2
+        for key in ("sparse_resident_reads", "sparse_fetched_reads"):
+            assert eager.stats()[key] == graphed.stats()[key], key
+    finally:
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.close()
+            store.close()

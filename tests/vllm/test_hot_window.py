@@ -1063,6 +1063,37 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         store.close()
 
 
+class _FakeGraph:
+    """A captured graph's stand-in on CPU: a 'replay' runs the body eagerly into the static outputs."""
+
+    def __init__(self, run, outputs):
+        self.run, self.outputs = run, outputs
+
+    def replay(self):
+        for output, result in zip(self.outputs, self.run()):
+            output.copy_(result)
+
+
+def fake_graphs(monkeypatch, fail_whole: bool = False):
+    """SparseStepGraphs on CPU, its recording replaced by `_FakeGraph` (real captures:
+    tests/gpu/test_far_graphs_gpu.py); fail_whole: recording a graph with the window part fails."""
+    from tierkv.vllm_backend import far_graphs
+
+    def record(self, body, whole=False):
+        if whole and fail_whole:  # as _record does when a capture raises
+            self.whole_enabled = False
+            self.counts["whole_capture_errors"] += 1
+            return None
+        ids = body().clone()
+        self.counts["graph_captures"] += 1
+        return _FakeGraph(lambda: [body()], [ids]), ids
+
+    monkeypatch.setattr(far_graphs.SparseStepGraphs, "usable", staticmethod(lambda store: True))
+    monkeypatch.setattr(far_graphs.SparseStepGraphs, "_record", record)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+
+
 def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(tmp_path, monkeypatch):
     """SparseStepGraphs' bookkeeping on CPU, its capture replaced by one whose 'replay' runs the graph
     body eagerly (real captures: tests/gpu/test_far_graphs_gpu.py): a set of rows captures once per
@@ -1072,27 +1103,7 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
     from tierkv.attention import merge_partials
     from tierkv.vllm_backend import far_graphs
 
-    class FakeGraph:
-        def __init__(self, run, outputs):
-            self.run, self.outputs = run, outputs
-
-        def replay(self):
-            for output, result in zip(self.outputs, self.run()):
-                output.copy_(result)
-
-    def capture(self, layer, reqs, q_rows, near_out, near_lse, out_dtype, counts, key, scale):
-        q, far_counts, near_out, near_lse = q_rows.clone(), torch.tensor(counts), near_out.clone(), near_lse.clone()
-        out = torch.empty(near_out.shape, dtype=out_dtype)
-        run = self.body(layer, reqs, q, far_counts, near_out, near_lse, out, scale)
-        ids = run().clone()
-        self.counts["graph_captures"] += 1
-        return far_graphs._Graph(key, FakeGraph(lambda: [run()], [ids]), q, far_counts, near_out, near_lse, out, ids,
-                                 counts)
-
-    monkeypatch.setattr(far_graphs.SparseStepGraphs, "usable", staticmethod(lambda store: True))
-    monkeypatch.setattr(far_graphs.SparseStepGraphs, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    fake_graphs(monkeypatch)
     window, blocks = 2 * BS, 30
     config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
                                       sparse_graphs=True), env={})
@@ -1159,6 +1170,139 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
         assert counts["graph_capture_errors"] == 0
     finally:
         graphed.close()
+        store.close()
+
+
+class _Window:
+    """The window part as `FarKV.attend_whole` runs it inside a graph, in PyTorch on CPU: attention of
+    each row's query over the first seqused_k[r] keys of its blocks table[r] in a layer's vLLM pool
+    [blocks, H, BS, 2D] (the backend's is vLLM's FlashAttention)."""
+
+    def __init__(self, pool):
+        self.pool, self.key = pool, ("window", pool.data_ptr())
+        self.bounds = []
+
+    def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
+        outs, lses = [], []
+        for r in range(q.shape[0]):
+            n = int(seqused_k[r])
+            self.bounds.append((n, max_seqlen_k))
+            kv = self.pool[table[r, : -(-n // BS)].long()]  # [b, H, BS, 2D]
+            blocks = torch.stack([kv[..., :D], kv[..., D:]], dim=1)  # [b, 2, H, BS, D]
+            k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
+            v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[r], k) * 0.3
+            outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v))
+            lses.append(torch.logsumexp(scores, dim=-1))
+        return torch.stack(outs), torch.stack(lses)
+
+
+def test_whole_step_graphs_run_the_window_part_and_equal_the_split_path(tmp_path, monkeypatch):
+    """When the graphs serve every row of a decode step, one graph per layer runs the window part
+    too, reading a block table and key counts written once per step: its output equals the window
+    part run outside plus the eager far path, step after step while positions and far counts grow
+    (one capture per layer); a check run beside it finds no difference; a window longer than
+    window + one block, or a step with a row the graphs do not serve, goes the split way; a failed
+    capture turns only these graphs off."""
+    from tierkv.attention import merge_partials
+
+    fake_graphs(monkeypatch)
+    window, blocks = 2 * BS, 30
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
+                                      sparse_graphs=True), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window, max_rows=2)
+    windows = {store.layer_index[n]: _Window(caches[n]) for n in NAMES}
+    try:
+        for req in ("a", "b", "c"):
+            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
+            far.add_hashes(req, 0, hashes)
+            for name in NAMES:
+                spans = [BlockSpan(req, list(range(blocks)), hashes)]
+                far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+        store.poll(wait=True)
+        position = {"a": (blocks - 3) * BS - 4, "b": (blocks - 4) * BS - 1}
+
+        def step(names, extra_keys=0):
+            """One decode step; True when attend_whole served its layers."""
+            rows = far.begin_step([(req, position[req], 1) for req in names])
+            q = torch.randn(len(rows), HQ, D)
+            seqused = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in rows], dtype=torch.int32)
+            seqused[0] += extra_keys
+            table = torch.randint(0, NUM_BLOCKS, (len(rows), 8), dtype=torch.int32)
+            cu = torch.arange(len(rows) + 1, dtype=torch.int32)
+            served = []
+            for layer, win in windows.items():
+                near = win(q, table, seqused, cu, int(seqused.max()))
+                saved, far.graphs = far.graphs, None  # the eager path, same FarKV and selections
+                want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
+                far.graphs = saved
+                got = torch.full_like(want, float("nan"))
+                whole = far.attend_whole(got, layer, q, 0.3, win, (table, seqused, int(seqused.max())),
+                                         check=lambda: win(q, table, seqused, cu, int(seqused.max())))
+                if not whole:
+                    far.attend_into(got, layer, q, *near, 0.3)
+                served.append(whole)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            far.end_step()
+            for req in names:
+                position[req] += 1
+            assert len(set(served)) == 1  # the step's layers all go one way
+            return served[0]
+
+        counts = far.graphs.counts
+        assert all(step(["a", "b"]) for _ in range(BS + 2))  # far counts grow on the way
+        assert counts["whole_graph_replays"] == LAYERS * (BS + 2)
+        # one whole graph per layer, and its split twin the check captured
+        assert counts["graph_captures"] == 2 * LAYERS
+        assert far.stats()["whole_check_max_abs"] == 0.0
+        # the graphs ran the window part with window + one block as the bound of its key counts
+        graphed = [(n, bound) for win in windows.values() for n, bound in win.bounds if bound == window + BS]
+        assert graphed and all(n <= bound for n, bound in graphed)
+        assert not step(["a", "b"], extra_keys=window)  # a longer window than the bound: split
+        position["c"] = position["a"]
+        assert not step(["a", "b", "c"])  # a row past the graphs' max_rows: the step goes the split way
+        far.finish("a")  # its graphs and its sets' window inputs go
+        assert far.graphs.near_inputs == {}
+    finally:
+        far.close()
+        store.close()
+
+
+def test_a_failed_whole_graph_capture_leaves_the_split_graphs_serving(tmp_path, monkeypatch):
+    fake_graphs(monkeypatch, fail_whole=True)
+    window, blocks = 2 * BS, 30
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
+                                      sparse_graphs=True), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    far = FarKV(store, window, max_rows=1)
+    try:
+        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
+        far.add_hashes("a", 0, hashes)
+        for name in NAMES:
+            spans = [BlockSpan("a", list(range(blocks)), hashes)]
+            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+        store.poll(wait=True)
+        for _ in range(2):
+            rows = far.begin_step([("a", (blocks - 3) * BS, 1)])
+            q, near = torch.randn(1, HQ, D), (torch.randn(1, HQ, D), torch.randn(1, HQ))
+            tables = (torch.zeros(1, 8, dtype=torch.int32), torch.tensor([rows[0].near_blocks(BS) * BS], dtype=torch.int32),
+                      rows[0].near_blocks(BS) * BS)
+            for name in NAMES:
+                layer = store.layer_index[name]
+                got = torch.empty(1, HQ, D)
+                assert not far.attend_whole(got, layer, q, 0.3, _Window(caches[name]), tables)
+                far.attend_into(got, layer, q, *near, 0.3)
+            far.end_step()
+        stats = far.stats()["cuda_graphs"]
+        assert stats["whole_capture_errors"] == 1 and not stats["whole_graphs_enabled"]
+        assert stats["graphs_enabled"] and stats["graph_replays"] == 2 * LAYERS and stats["whole_graph_replays"] == 0
+    finally:
+        far.close()
         store.close()
 
 

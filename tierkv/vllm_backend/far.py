@@ -126,6 +126,8 @@ class _GraphPlan:
     resident_blocks: int              # the rows' window blocks, read from vLLM's pool in each layer
     sampled: bool                     # a step whose selections the overlap sample reads
     keys: dict[int, tuple] = field(default_factory=dict)  # per layer, the graph key (near_out_buffer made it)
+    whole: bool | None = None         # its graphs run the window part too (None: not yet asked)
+    near: object | None = None        # then their window inputs (far_graphs.NearInputs)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class FarKV:
         self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
         self._begin_s = self._attend_s = 0.0
         self._plan: _GraphPlan | None = None  # the step's graphed rows, from its first layer on
+        self._whole_check: torch.Tensor | None = None  # attend_whole's check: largest |whole - split| so far
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -429,6 +432,51 @@ class FarKV:
         key = plan.keys[layer] = self.graphs.key(layer, plan.graph_rows, scale)
         return self.graphs.near_buffer(layer, key)
 
+    def attend_whole(self, output: torch.Tensor, layer: int, q: torch.Tensor, scale: float, window,
+                     near_tables, check=None) -> bool:
+        """output [n, H, D] = the step's attention of q [n, H, D] at `layer`, window and far parts by one
+        graph, when the graphs serve every row of the step and every row's window is at most
+        window_tokens + block_tokens keys; False otherwise (the caller runs the window part and
+        `attend_into`). window: the backend's FlashAttention over vLLM's pool (`SparseStepGraphs.
+        attend_whole`); near_tables: the step's (block table, key counts, longest key count) past
+        the far blocks (`HotWindowStep.near`), read once per step. check(): the window part run by the backend, (out, lse
+        [n, H]): the split graph's result is then computed too and the largest difference kept
+        (`whole_check_max_abs`), to verify a run."""
+        plan = self._graph_plan()
+        if plan is None or plan.whole is False:
+            return False
+        started = time.perf_counter()
+        if plan.whole is None:  # the step's first layer: can its graphs run the window part too?
+            plan.whole = False
+            if (self.graphs.whole_enabled and plan.contiguous and plan.starts[0] == 0
+                    and len(plan.starts) == q.shape[0]):
+                table, seqused_k, max_k = near_tables
+                if max_k <= self.window_tokens + self.block_tokens:
+                    plan.near = self.graphs.near_inputs_for(tuple(r[0] for r in plan.graph_rows), table, seqused_k)
+                    plan.whole = True
+            if not plan.whole:
+                return False
+        captures = self.graphs.counts["graph_captures"]
+        key = (self.graphs.key(layer, plan.graph_rows, scale), window.key)
+        replayed = self.graphs.attend_whole(layer, plan.graph_rows, q, window, plan.near,
+                                            self.window_tokens + self.block_tokens, output.dtype, scale, key)
+        if replayed is None:
+            plan.whole = False
+            return False
+        self._count_graph_rows(plan, layer, replayed[1])
+        if check is not None:
+            near_out, near_lse = check()
+            split = self.graphs.attend(layer, plan.graph_rows, q, near_out, near_lse, output.dtype, scale)
+            if split is not None:
+                diff = (split[0].float() - replayed[0].float()).abs().max()
+                self._whole_check = diff if self._whole_check is None else torch.maximum(self._whole_check, diff)
+        output.copy_(replayed[0])
+        spent = time.perf_counter() - started
+        self._attend_s += spent
+        if self.graphs.counts["graph_captures"] == captures and check is None:
+            self._decode_host.append(spent)
+        return True
+
     def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
                     near_lse: torch.Tensor, scale: float, dense=None) -> None:
         """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
@@ -621,6 +669,7 @@ class FarKV:
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
                 "step_host_ms": list(self._step_host),  # per step (begin_step, its attend_into calls), last 512
+                "whole_check_max_abs": self._whole_check.item() if self._whole_check is not None else None,
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

@@ -94,17 +94,33 @@ def _row_key(req_id: str, req, layer: int) -> tuple:
 
 
 @dataclass
+class NearInputs:
+    """Static inputs of the window part when a step's graphs run it too (`attend_whole`), shared by
+    every layer's graph of one set of rows and written once per step: each row's block table past its
+    far blocks [m, C] and key count [m] (int32, as vLLM's), and query offsets 0..m (int32 [m + 1])."""
+
+    table: torch.Tensor
+    seqused_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+
+@dataclass
 class _Graph:
     key: tuple              # what it baked in: per row the request and its summary table and pinned-slot
-                            # buffer (address, size); the scale
+                            # buffer (address, size); the scale; for a whole graph, the window part's too
     graph: torch.cuda.CUDAGraph
-    q: torch.Tensor         # static inputs: the rows' queries [m, H, D], far counts (int64 [m]) and near
-    num_far: torch.Tensor   #   parts (out [m, H, D], lse float32 [m, H]); near_out is what the vLLM backend
-    near_out: torch.Tensor  #   hands FlashAttention as its output when every row of the step is graphed
-    near_lse: torch.Tensor
+    q: torch.Tensor         # static inputs: the rows' queries [m, H, D], far counts (int64 [m]) and, unless
+    num_far: torch.Tensor   #   the graph runs the window part itself, near parts (out [m, H, D], lse float32
+    near_out: torch.Tensor | None  # [m, H]); near_out is what the vLLM backend hands FlashAttention as its
+    near_lse: torch.Tensor | None  # output when every row of the step is graphed
     out: torch.Tensor       # static outputs, valid until the next replay: the rows' attention, near and
     ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
+    near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row[0] for row in self.key[0][0]] if self.near_inputs is not None else [row[0] for row in self.key[0]]
 
 
 class SparseStepGraphs:
@@ -131,7 +147,10 @@ class SparseStepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
         self.enabled = self.max_rows > 0
-        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
+        self.whole_enabled = self.enabled  # graphs that run the window part too (off after a failed capture)
+        self.near_inputs: dict[tuple, NearInputs] = {}  # per set of rows (their ids, the table's columns)
+        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0,
+                       "whole_graph_replays": 0, "whole_capture_errors": 0}
 
     @staticmethod
     def usable(store) -> bool:
@@ -190,12 +209,70 @@ class SparseStepGraphs:
         self.counts["graph_rows"] += len(rows)
         return entry.out, entry.ids
 
-    def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near_out: torch.Tensor,
-             near_lse: torch.Tensor, out: torch.Tensor, scale: float):
-        """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64
-        [m], near_out [m, H, D], near_lse [m, H]; static output out [m, H, D]): a callable that
-        writes the rows' merged attention into `out` and gives their selections ids [m, k]."""
+    def near_inputs_for(self, req_ids: tuple[str, ...], table: torch.Tensor, seqused_k: torch.Tensor) -> NearInputs:
+        """The window inputs of a set of rows' whole graphs, set to this step's table [m, C] and key
+        counts [m] (two copies, once per step for all layers)."""
+        key = (req_ids, table.shape[1], table.dtype, seqused_k.dtype)
+        inputs = self.near_inputs.get(key)
+        if inputs is None:
+            m = len(req_ids)
+            inputs = self.near_inputs[key] = NearInputs(
+                torch.empty_like(table), torch.empty_like(seqused_k),
+                torch.arange(m + 1, dtype=torch.int32, device=table.device))
+        inputs.table.copy_(table)
+        inputs.seqused_k.copy_(seqused_k)
+        return inputs
+
+    def attend_whole(self, layer: int, rows: list[tuple[str, object, int]], q: torch.Tensor, window,
+                     inputs: NearInputs, max_seqlen_k: int, out_dtype: torch.dtype, scale: float,
+                     key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attend` for a step whose rows are all graphed, the window part run inside the graph too:
+        window(q, table, seqused_k, cu_seqlens_q, max_seqlen_k) -> (out [m, H, D], lse [m, H]) is the
+        backend's FlashAttention over vLLM's pool (its cache and scales fixed for the engine's life,
+        named by window.key), reading `inputs` (`near_inputs_for`), with max_seqlen_k an upper bound of
+        every row's key count. key: `(key(layer, rows, scale), window.key)`. None when the caller must
+        run the window part itself (a capture of it failed: the split graphs still serve)."""
+        if not (self.enabled and self.whole_enabled) or not rows or len(rows) > self.max_rows:
+            return None
+        key = (*key, inputs.table.data_ptr(), inputs.table.shape)
+        kept = self.graphs.setdefault(layer, OrderedDict())
+        entry = kept.get(key)
+        counts = [n for _, _, n in rows]
+        if entry is None:
+            if len(kept) >= GRAPHS_PER_LAYER:
+                kept.popitem(last=False)
+            q_static = q.clone()
+            out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+            far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
+
+            def near():
+                return window(q_static, inputs.table, inputs.seqused_k, inputs.cu_seqlens_q, max_seqlen_k)
+
+            recorded = self._record(self.body(layer, [req for _, req, _ in rows], q_static, far_counts, near, out, scale),
+                                    whole=True)
+            if recorded is None:
+                return None
+            entry = kept[key] = _Graph(key, recorded[0], q_static, far_counts, None, None, out, recorded[1], counts, inputs)
+        else:
+            kept.move_to_end(key)
+        entry.q.copy_(q)
+        if entry.far_counts != counts:
+            entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
+            entry.far_counts = counts
+        entry.graph.replay()
+        self.counts["graph_replays"] += 1
+        self.counts["whole_graph_replays"] += 1
+        self.counts["graph_rows"] += len(rows)
+        return entry.out, entry.ids
+
+    def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near, out: torch.Tensor,
+             scale: float):
+        """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64 [m];
+        near: their near parts (out [m, H, D], lse [m, H]) as static inputs, or a callable computing
+        them in the graph; static output out [m, H, D]): a callable that writes the rows' merged
+        attention into `out` and gives their selections ids [m, k]."""
         def run():
+            near_out, near_lse = near() if callable(near) else near
             parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.staging,
                                      self.staging_slots[r], self.block_tokens, scale, self.packed[r])
                      for r, req in enumerate(reqs)]
@@ -216,8 +293,15 @@ class SparseStepGraphs:
         q, near_out, near_lse = q_rows.clone(), near_out.contiguous().clone(), near_lse.contiguous().clone()
         out = torch.empty(near_out.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        body = self.body(layer, reqs, q, far_counts, near_out, near_lse, out, scale)
+        recorded = self._record(self.body(layer, reqs, q, far_counts, (near_out, near_lse), out, scale))
+        if recorded is None:
+            return None
+        return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts)
 
+    def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
+        (logged, counted): a failed split graph turns all graphs off, a failed whole graph only those
+        (the split graphs, with the window part run by the backend, serve from then on)."""
         if not any(self.graphs.values()):  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
         current, side = torch.cuda.current_stream(), self.side_stream
@@ -236,21 +320,32 @@ class SparseStepGraphs:
                 finally:
                     graph.capture_end()
             current.wait_stream(side)
-        except Exception:  # the eager path serves every row from now on; nothing was returned from here
+        except Exception:  # nothing was returned from here: the caller's fallback gives the same result
             current.wait_stream(side)
+            if whole:
+                logger.exception("tierkv hot window: capturing a sparse decode graph with the window part failed; "
+                                 "the backend runs the window part from now on")
+                self.whole_enabled = False
+                for kept in self.graphs.values():
+                    for key in [key for key, entry in kept.items() if entry.near_inputs is not None]:
+                        del kept[key]
+                self.counts["whole_capture_errors"] += 1
+                return None
             logger.exception("tierkv hot window: capturing a sparse decode graph failed; sparse rows run eagerly")
             self.enabled = False
             self.graphs.clear()
             self.counts["graph_capture_errors"] += 1
             return None
         self.counts["graph_captures"] += 1
-        return _Graph(key, graph, q, far_counts, near_out, near_lse, out, ids, counts)
+        return graph, ids
 
     def forget(self, req_id: str) -> None:
-        """Drop the graphs that serve a finished request."""
+        """Drop the graphs that serve a finished request, and its sets' window inputs."""
         for kept in self.graphs.values():
-            for key in [key for key in kept if any(row[0] == req_id for row in key[0])]:
+            for key in [key for key, entry in kept.items() if req_id in entry.request_ids]:
                 del kept[key]
+        for key in [key for key in self.near_inputs if req_id in key[0]]:
+            del self.near_inputs[key]
 
     @property
     def packed_bytes(self) -> int:
@@ -259,4 +354,4 @@ class SparseStepGraphs:
 
     def stats(self) -> dict:
         return {**self.counts, "graphs": sum(len(kept) for kept in self.graphs.values()), "graphs_enabled": self.enabled,
-                "max_rows": self.max_rows}
+                "whole_graphs_enabled": self.enabled and self.whole_enabled, "max_rows": self.max_rows}

@@ -8,12 +8,15 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
     far:  `FarKV.attend_into` over the blocks vLLM freed, streamed from the CPU tier; prefill
           chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
     out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; the
-          sparse decode rows served by a CUDA graph merge inside it, FlashAttention writing their
-          near part straight into its static input when the graph serves the whole step)
+          sparse decode rows served by a CUDA graph merge inside it; when the graphs serve every
+          row of the step, they run the near FlashAttention too (`_WindowAttention`), so a
+          layer's attention costs the host a query copy, a replay and an output copy)
 
 Imported only where vLLM's CUDA attention modules load (vLLM resolves the class by its path).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
@@ -57,6 +60,13 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
+        if has_far and step.far.graphs is not None:  # every row a graphed decoding row: one graph, window and far
+            window = self._window(layer, key_cache, value_cache)
+            check = ((lambda: window(q, table, seqused_k, attn_metadata.query_start_loc, max_k))
+                     if _CHECK_WHOLE.due() else None)
+            if step.far.attend_whole(out, step.layer_index[layer.layer_name], q, self.scale, window,
+                                     (table, seqused_k, max_k), check):
+                return output
         # with far blocks the near part goes to its own buffer: where the layer's CUDA graph reads it
         # when the graphs serve every row of the step, else a new one
         near = step.far.near_out_buffer(step.layer_index[layer.layer_name], n, self.scale) if has_far else out
@@ -77,6 +87,14 @@ class HotWindowImpl(fa.FlashAttentionImpl):
                                  self.scale, dense=self._dense)
         return output
 
+    def _window(self, layer, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "_WindowAttention":
+        """The layer's window part as a step graph runs it, made once (its cache views and scales stay
+        the same for the engine's life)."""
+        window = getattr(self, "_window_part", None)
+        if window is None or window.key_cache is not key_cache:
+            window = self._window_part = _WindowAttention(self, layer, key_cache, value_cache)
+        return window
+
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value views of its pool tensor, made once (a split costs host time
         every layer of every step; the pool tensor stays the same for the engine's life)."""
@@ -95,6 +113,46 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             softmax_scale=scale, causal=False, fa_version=self.vllm_flash_attn_version, return_softmax_lse=True,
         )
         return out.float(), lse[:, :n].transpose(0, 1).float()
+
+
+class _WindowAttention:
+    """FlashAttention of decoding rows over their windows in vLLM's pool, as a step graph captures
+    it (`FarKV.attend_whole`): (q [m, H, D], block table [m, C], key counts [m], query offsets
+    [m + 1], an upper bound of the key counts) -> (out [m, H, D], lse [m, H]). Its cache views and
+    scales are fixed for the engine's life; `key` names them for the graphs."""
+
+    def __init__(self, impl: "HotWindowImpl", layer, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        self.impl, self.layer, self.key_cache, self.value_cache = impl, layer, key_cache, value_cache
+        self.key = (key_cache.data_ptr(), value_cache.data_ptr(), layer._k_scale.data_ptr(), layer._v_scale.data_ptr())
+
+    def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
+        impl, m = self.impl, q.shape[0]
+        descale = (m, impl.num_kv_heads)
+        out, lse = fa.flash_attn_varlen_func(
+            q=q, k=self.key_cache, v=self.value_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+            seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=impl.scale, causal=True,
+            alibi_slopes=impl.alibi_slopes, window_size=None, block_table=table, softcap=impl.logits_soft_cap,
+            fa_version=impl.vllm_flash_attn_version, k_descale=self.layer._k_scale.expand(descale),
+            v_descale=self.layer._v_scale.expand(descale), s_aux=impl.sinks, return_softmax_lse=True)
+        return out, lse[:, :m].transpose(0, 1)
+
+
+class _CheckWhole:
+    """TIERKV_CHECK_WHOLE_GRAPHS=N: in the first N layer calls served by a whole graph, also run the
+    split path (the window part here, the far part by its own graph) and keep the largest output
+    difference (FarKV stats' whole_check_max_abs). For verifying a run; it slows those calls."""
+
+    def __init__(self):
+        self.left = int(os.environ.get("TIERKV_CHECK_WHOLE_GRAPHS", "0") or 0)
+
+    def due(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+_CHECK_WHOLE = _CheckWhole()
 
 
 class HotWindowBackend(fa.FlashAttentionBackend):
