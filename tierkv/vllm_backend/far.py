@@ -439,9 +439,10 @@ class FarKV:
         window_tokens + block_tokens keys; False otherwise (the caller runs the window part and
         `attend_into`). window: the backend's FlashAttention over vLLM's pool (`SparseStepGraphs.
         attend_whole`); near_tables: the step's (block table, key counts, longest key count) past
-        the far blocks (`HotWindowStep.near`), read once per step. check(): the window part run by the backend, (out, lse
-        [n, H]): the split graph's result is then computed too and the largest difference kept
-        (`whole_check_max_abs`), to verify a run."""
+        the far blocks (`HotWindowStep.near`), read once per step. check(): called only when this
+        serves the layer; the window part run by the backend, (out, lse [n, H]), or None when no
+        check is due: with one, the split graph's result is computed too and the largest difference
+        kept (`whole_check_max_abs`), to verify a run."""
         plan = self._graph_plan()
         if plan is None or plan.whole is False:
             return False
@@ -464,16 +465,16 @@ class FarKV:
             plan.whole = False
             return False
         self._count_graph_rows(plan, layer, replayed[1])
-        if check is not None:
-            near_out, near_lse = check()
-            split = self.graphs.attend(layer, plan.graph_rows, q, near_out, near_lse, output.dtype, scale)
+        near = check() if check is not None else None  # None: no check due
+        if near is not None:
+            split = self.graphs.attend(layer, plan.graph_rows, q, *near, output.dtype, scale)
             if split is not None:
                 diff = (split[0].float() - replayed[0].float()).abs().max()
                 self._whole_check = diff if self._whole_check is None else torch.maximum(self._whole_check, diff)
         output.copy_(replayed[0])
         spent = time.perf_counter() - started
         self._attend_s += spent
-        if self.graphs.counts["graph_captures"] == captures and check is None:
+        if self.graphs.counts["graph_captures"] == captures and near is None:
             self._decode_host.append(spent)
         return True
 

@@ -62,8 +62,8 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         has_far = step is not None and step.has_far
         if has_far and step.far.graphs is not None:  # every row a graphed decoding row: one graph, window and far
             window = self._window(layer, key_cache, value_cache)
-            check = ((lambda: window(q, table, seqused_k, attn_metadata.query_start_loc, max_k))
-                     if _CHECK_WHOLE.due() else None)
+            check = ((lambda: window(q, table, seqused_k, attn_metadata.query_start_loc, max_k) if _CHECK_WHOLE.due()
+                      else None) if _CHECK_WHOLE.left > 0 else None)
             if step.far.attend_whole(out, step.layer_index[layer.layer_name], q, self.scale, window,
                                      (table, seqused_k, max_k), check):
                 return output
@@ -138,12 +138,13 @@ class _WindowAttention:
 
 
 class _CheckWhole:
-    """TIERKV_CHECK_WHOLE_GRAPHS=N: in the first N layer calls served by a whole graph, also run the
+    """CHECK_WHOLE_GRAPHS=N: in the first N layer calls served by a whole graph, also run the
     split path (the window part here, the far part by its own graph) and keep the largest output
-    difference (FarKV stats' whole_check_max_abs). For verifying a run; it slows those calls."""
+    difference (FarKV stats' whole_check_max_abs). For verifying a run; it slows those calls. (Not
+    a TIERKV_ variable: those set configuration keys.)"""
 
     def __init__(self):
-        self.left = int(os.environ.get("TIERKV_CHECK_WHOLE_GRAPHS", "0") or 0)
+        self.left = int(os.environ.get("CHECK_WHOLE_GRAPHS", "0") or 0)
 
     def due(self) -> bool:
         if self.left <= 0:
