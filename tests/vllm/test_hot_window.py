@@ -1010,19 +1010,16 @@ class _BodyGraphs:
         return dict(self.counts)
 
 
-def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
-    """Three decoding rows with far blocks and, between them, a short prefill row without any: the
-    graphs get the decoding rows in one call per layer (at most max_rows: the rest go eager), and
-    the merged output equals the eager path's for every row."""
-    from tierkv.attention import merge_partials
-
-    window, blocks = 2 * BS, 30
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=32, sparse_tokens=4 * BS), env={})
+def computed_far(tmp_path, reqs, max_rows: int, staging_blocks: int = 64, sparse_graphs: bool = True,
+                 window: int = 2 * BS, blocks: int = 30):
+    """A sparse-policy FarKV over a CPU store whose requests `reqs` each have `blocks` computed blocks
+    per layer (saved and summarized): (store, caches, far)."""
+    config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks, sparse_tokens=4 * BS,
+                                      sparse_graphs=sparse_graphs), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
-    far = FarKV(store, window, max_rows=2)
-    reqs = ("a", "b", "c")
+    far = FarKV(store, window, max_rows=max_rows)
     for req in reqs:
         hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
         far.add_hashes(req, 0, hashes)
@@ -1030,6 +1027,18 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
             spans = [BlockSpan(req, list(range(blocks)), hashes)]
             far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
     store.poll(wait=True)
+    return store, caches, far
+
+
+def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
+    """Three decoding rows with far blocks and, between them, a short prefill row without any: the
+    graphs get the decoding rows in one call per layer (at most max_rows: the rest go eager), and
+    the merged output equals the eager path's for every row."""
+    from tierkv.attention import merge_partials
+
+    blocks = 30
+    store, _, far = computed_far(tmp_path, ("a", "b", "c"), max_rows=2, staging_blocks=32, sparse_graphs=False,
+                                 blocks=blocks)
     try:
         rows = [("a", blocks * BS, 1), ("p", 5, 3), ("b", blocks * BS - 3, 1), ("c", blocks * BS - 7, 1)]
         far.begin_step(rows)
@@ -1104,24 +1113,11 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
     from tierkv.vllm_backend import far_graphs
 
     fake_graphs(monkeypatch)
-    window, blocks = 2 * BS, 30
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
-                                      sparse_graphs=True), env={})
-    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    store.register(caches)
-    graphed = FarKV(store, window, max_rows=2)
+    blocks = 30
+    reqs = [f"r{i}" for i in range(6)]
+    store, _, graphed = computed_far(tmp_path, reqs, max_rows=2, blocks=blocks)
     try:
         assert graphed.graphs is not None and graphed.graphs.max_rows == 2
-        reqs = [f"r{i}" for i in range(6)]
-        for req in reqs:
-            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
-            graphed.add_hashes(req, 0, hashes)
-            for name in NAMES:
-                spans = [BlockSpan(req, list(range(blocks)), hashes)]
-                graphed.summarize(store.layer_index[name], spans,
-                                  store.save_layer(store.layer_index[name], caches[name], spans))
-        store.poll(wait=True)
         position = {req: (blocks - 3) * BS - 4 for req in reqs}
 
         def step(names):
@@ -1208,21 +1204,9 @@ def test_whole_step_graphs_run_the_window_part_and_equal_the_split_path(tmp_path
 
     fake_graphs(monkeypatch)
     window, blocks = 2 * BS, 30
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
-                                      sparse_graphs=True), env={})
-    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    store.register(caches)
-    far = FarKV(store, window, max_rows=2)
+    store, caches, far = computed_far(tmp_path, ("a", "b", "c"), max_rows=2, window=window, blocks=blocks)
     windows = {store.layer_index[n]: _Window(caches[n]) for n in NAMES}
     try:
-        for req in ("a", "b", "c"):
-            hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
-            far.add_hashes(req, 0, hashes)
-            for name in NAMES:
-                spans = [BlockSpan(req, list(range(blocks)), hashes)]
-                far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
-        store.poll(wait=True)
         position = {"a": (blocks - 3) * BS - 4, "b": (blocks - 4) * BS - 1}
 
         def step(names, extra_keys=0, checked=True):
@@ -1274,21 +1258,11 @@ def test_whole_step_graphs_run_the_window_part_and_equal_the_split_path(tmp_path
 
 
 def test_a_failed_whole_graph_capture_leaves_the_split_graphs_serving(tmp_path, monkeypatch):
+    """A whole graph whose capture fails: those graphs turn off (counted), the split graphs serve on."""
     fake_graphs(monkeypatch, fail_whole=True)
-    window, blocks = 2 * BS, 30
-    config = load_config(write_config(tmp_path, window=window, staging_blocks=64, sparse_tokens=4 * BS,
-                                      sparse_graphs=True), env={})
-    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    store.register(caches)
-    far = FarKV(store, window, max_rows=1)
+    blocks = 30
+    store, caches, far = computed_far(tmp_path, ("a",), max_rows=1, blocks=blocks)
     try:
-        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
-        far.add_hashes("a", 0, hashes)
-        for name in NAMES:
-            spans = [BlockSpan("a", list(range(blocks)), hashes)]
-            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
-        store.poll(wait=True)
         for _ in range(2):
             rows = far.begin_step([("a", (blocks - 3) * BS, 1)])
             q, near = torch.randn(1, HQ, D), (torch.randn(1, HQ, D), torch.randn(1, HQ))

@@ -197,16 +197,19 @@ class SparseStepGraphs:
             kept[key] = entry
         else:
             kept.move_to_end(key)
-        entry.q.copy_(q)
         if near_out is not entry.near_out:  # FlashAttention wrote elsewhere (no graph was kept at its call)
             entry.near_out.copy_(near_out)
         entry.near_lse.copy_(near_lse)
+        return self._replay(entry, q, counts)
+
+    def _replay(self, entry: _Graph, q: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        entry.q.copy_(q)
         if entry.far_counts != counts:  # change once per block of decoded tokens: a copy saved otherwise
             entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
             entry.far_counts = counts
         entry.graph.replay()
         self.counts["graph_replays"] += 1
-        self.counts["graph_rows"] += len(rows)
+        self.counts["graph_rows"] += len(counts)
         return entry.out, entry.ids
 
     def near_inputs_for(self, req_ids: tuple[str, ...], table: torch.Tensor, seqused_k: torch.Tensor) -> NearInputs:
@@ -255,15 +258,8 @@ class SparseStepGraphs:
             entry = kept[key] = _Graph(key, recorded[0], q_static, far_counts, None, None, out, recorded[1], counts, inputs)
         else:
             kept.move_to_end(key)
-        entry.q.copy_(q)
-        if entry.far_counts != counts:
-            entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
-            entry.far_counts = counts
-        entry.graph.replay()
-        self.counts["graph_replays"] += 1
         self.counts["whole_graph_replays"] += 1
-        self.counts["graph_rows"] += len(rows)
-        return entry.out, entry.ids
+        return self._replay(entry, q, counts)
 
     def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near, out: torch.Tensor,
              scale: float):
