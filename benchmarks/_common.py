@@ -95,3 +95,27 @@ def h2d_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return num_bytes / sorted(times)[len(times) // 2] / 1e9
+
+
+class H2DProbe:
+    """A small pinned-host to device copy timed by CUDA events, for sampling the H2D bandwidth while a
+    benchmark runs (is the PCIe link or host memory contended?): `sample()` -> GB/s, one copy,
+    synchronizing. Buffers allocated once."""
+
+    def __init__(self, num_bytes: int = 32 << 20):
+        import torch
+
+        self.host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+        self.dev.copy_(self.host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def sample(self) -> float:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.dev.copy_(self.host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return self.host.numel() / (start.elapsed_time(end) / 1e3) / 1e9

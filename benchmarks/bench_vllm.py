@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import h2d_ceiling_gbps  # noqa: E402
+from benchmarks._common import H2DProbe, h2d_ceiling_gbps  # noqa: E402
 from benchmarks.models import LLAMA_8B  # noqa: E402
 from tierkv.vllm_backend.far import far_blocks  # noqa: E402
 
@@ -107,7 +107,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
-        profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32) -> None:
+        profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
+        sample_h2d: int = 0) -> None:
     import random
 
     from vllm import SamplingParams
@@ -135,6 +136,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                  use_tqdm=False)
     engine_ = llm.llm_engine
     request_ids = iter(range(1 << 30))
+
+    # every sample_h2d engine steps, the H2D bandwidth of a 32 MiB pinned copy: do slow sparse steps come
+    # with a contended PCIe link or host memory? (plain reads no host memory in decode)
+    probe = H2DProbe() if sample_h2d else None
+    h2d_samples: list[tuple[int, float]] = []
 
     def stepped(ids, params, profile: list[int] | None = None, label: str = ""):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
@@ -175,6 +181,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                 profiled.append((step_number, wall_s, text))
             step_ms.append(round(1e3 * (time.perf_counter() - step_start), 2))
             step_gc.append(gc_timer.take())
+            if probe is not None and step_number % sample_h2d == 0:  # between steps: in no step's time
+                h2d_samples.append((step_number, round(probe.sample(), 2)))
             step_number += 1
             for output in step_outputs:
                 if output.request_id != rid:
@@ -216,7 +224,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
-           "connector": tiered.stats() if tiered is not None else None}
+           "connector": tiered.stats() if tiered is not None else None, "h2d_samples": list(h2d_samples)}
     path = Path(out) / f"bench-vllm-{file_mode(mode)}.json"  # plain names travel back from the device
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
@@ -339,6 +347,10 @@ def table(out: str) -> None:
                   f"{hot.get('sparse_fetched_reads', 0)} selected far blocks each fetched when selected, "
                   f"{hot.get('stalls', 0)} stalls), selection overlap with the step before "
                   f"{hot.get('selection_overlap') or 0:.3f}")
+        samples = [gbps for _, gbps in r.get("h2d_samples") or []]
+        if samples:
+            print(f"{'':<11} H2D probe during the run: {min(samples):.1f} / {statistics.median(samples):.1f} / "
+                  f"{max(samples):.1f} GB/s (min / median / max of {len(samples)})")
         graphs = hot.get("cuda_graphs") or {}
         if graphs.get("graph_replays"):  # how many layer calls one graph served with the window part in it
             print(f"{'':<11} step graphs: {graphs['graph_replays']} replays, {graphs.get('whole_graph_replays', 0)} of them "
@@ -373,6 +385,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32,
                         help="decode steps measured after the first token (more amortize a first step's graph captures)")
     parser.add_argument("--no-prefix", action="store_true", help="skip the repeated-prefix rows")
+    parser.add_argument("--sample-h2d", type=int, default=0, metavar="N",
+                        help="every N engine steps, time a 32 MiB pinned H2D copy between steps (row key h2d_samples; "
+                             "the per-token mean then includes them, the step times do not)")
     parser.add_argument("--profile-prefix", action="store_true",
                         help="a third repeated-prefix run, its first step profiled (where the tiers serve the prefix)")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
@@ -390,7 +405,8 @@ def main() -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
-            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens)
+            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
+            sample_h2d=args.sample_h2d)
     else:
         table(args.rest[0])
     return 0

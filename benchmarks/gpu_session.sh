@@ -8,7 +8,8 @@
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
-#   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs),
+#   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs), vllm-sparse-check (its whole
+#   graphs against the split path, numerically: CHECK_WHOLE_GRAPHS layer calls, default 64),
 #   vllm-offloading (bench_vllm rows at 128k, one engine per process; PROFILE_STEPS="8 9 20 21" profiles
 #   those engine steps; VLLM_ARGS adds bench_vllm.py flags, e.g. "--tp 2" on two GPUs, "--profile-prefix" for a profiled
 #   repeated-prefix step, "--storage-dtype float8_e4m3fn" for an fp8 CPU tier, "--compiled" for
@@ -17,6 +18,9 @@
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
+# VLLM_ARGS="--sample-h2d 16" samples the H2D bandwidth every 16 engine steps (is PCIe contended when
+# sparse steps slow down?); CHECK_WHOLE_GRAPHS=N compares the first N whole-graph layer calls with the
+# split path (bench_vllm's table prints the largest difference)
 set -uo pipefail
 OUT="${OUT:-/tmp/tierkv-gpu-out}"
 mkdir -p "$OUT"
@@ -24,6 +28,8 @@ export PYTHONUNBUFFERED=1
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests quant sparse exact)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# the GPU's PCIe and NUMA placement, for reading copy-bound rows across leases
+{ nvidia-smi topo -m; lscpu | grep -i -E "numa|model name|^cpu\(s\)"; } > "$OUT/topology.txt" 2>&1 || true
 summary=()
 quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG\|^\[rank" || true; }
 for step in "${steps[@]}"; do
@@ -52,6 +58,11 @@ for step in "${steps[@]}"; do
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
         vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+        vllm-sparse-check)  # whole step graphs against the split path, numerically (8 decode tokens, own OUT)
+            CHECK_WHOLE_GRAPHS=${CHECK_WHOLE_GRAPHS:-64} timeout 150 python3 benchmarks/bench_vllm.py run \
+                tierkv-sparse-graphs /tmp/m8 "$OUT/check" --context 130880 --decode-tokens 8 --no-prefix \
+                > "$OUT/check-whole.log" 2>&1
+            python3 benchmarks/bench_vllm.py table "$OUT/check" | grep -i "graphs\|mode" ;;
         vllm-batch-plain|vllm-batch-sparse|vllm-batch-sparse-graphs)
             mode=${step#vllm-batch-}; [ "$mode" = plain ] || mode=tierkv-$mode
             timeout 400 python3 benchmarks/bench_vllm_batch.py run $mode /tmp/m8 "$OUT/bb" ${BATCH_ARGS:-} \
