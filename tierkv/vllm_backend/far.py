@@ -48,7 +48,7 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.vllm_backend.far_graphs import SparseStepGraphs
+from tierkv.vllm_backend.far_graphs import NearInputs, SparseStepGraphs
 from tierkv.vllm_backend.far_summaries import RequestSummaries
 
 
@@ -127,7 +127,7 @@ class _GraphPlan:
     sampled: bool                     # a step whose selections the overlap sample reads
     keys: dict[int, tuple] = field(default_factory=dict)  # per layer, the graph key (near_out_buffer made it)
     whole: bool | None = None         # its graphs run the window part too (None: not yet asked)
-    near: object | None = None        # then their window inputs (far_graphs.NearInputs)
+    near: NearInputs | None = None    # then their window inputs
 
 
 @dataclass(frozen=True)

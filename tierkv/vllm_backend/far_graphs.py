@@ -2,8 +2,8 @@
 attention of every decoding row of the step, captured once and replayed each step until the rows
 or their inputs move.
 
-Primitives: `sparse_row_body`, `packed_buffers`, `SparseStepGraphs` (`servable`, `key`, `near_buffer`, `attend`,
-`forget`, `stats`).
+Primitives: `sparse_row_body`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
+`near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
@@ -116,11 +116,8 @@ class _Graph:
     out: torch.Tensor       # static outputs, valid until the next replay: the rows' attention, near and
     ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
+    request_ids: tuple[str, ...]  # the rows' requests, in order
     near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [row[0] for row in self.key[0][0]] if self.near_inputs is not None else [row[0] for row in self.key[0]]
 
 
 class SparseStepGraphs:
@@ -191,7 +188,7 @@ class SparseStepGraphs:
         if entry is None:  # a new set of rows (or a table moved): capture
             if len(kept) >= GRAPHS_PER_LAYER:
                 kept.popitem(last=False)
-            entry = self._capture(layer, [req for _, req, _ in rows], q, near_out, near_lse, out_dtype, counts, key, scale)
+            entry = self._capture(layer, rows, q, near_out, near_lse, out_dtype, counts, key, scale)
             if entry is None:
                 return None
             kept[key] = entry
@@ -255,7 +252,8 @@ class SparseStepGraphs:
                                     whole=True)
             if recorded is None:
                 return None
-            entry = kept[key] = _Graph(key, recorded[0], q_static, far_counts, None, None, out, recorded[1], counts, inputs)
+            entry = kept[key] = _Graph(key, recorded[0], q_static, far_counts, None, None, out, recorded[1], counts,
+                                       tuple(r[0] for r in rows), inputs)
         else:
             kept.move_to_end(key)
         self.counts["whole_graph_replays"] += 1
@@ -283,16 +281,19 @@ class SparseStepGraphs:
 
         return run
 
-    def _capture(self, layer: int, reqs: list, q_rows: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor,
-                 out_dtype: torch.dtype, counts: list[int], key: tuple, scale: float) -> _Graph | None:
+    def _capture(self, layer: int, rows: list[tuple[str, object, int]], q_rows: torch.Tensor, near_out: torch.Tensor,
+                 near_lse: torch.Tensor, out_dtype: torch.dtype, counts: list[int], key: tuple,
+                 scale: float) -> _Graph | None:
         # the static inputs and the merged output, outside the graphs' pool
         q, near_out, near_lse = q_rows.clone(), near_out.contiguous().clone(), near_lse.contiguous().clone()
         out = torch.empty(near_out.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        recorded = self._record(self.body(layer, reqs, q, far_counts, (near_out, near_lse), out, scale))
+        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, (near_out, near_lse), out,
+                                          scale))
         if recorded is None:
             return None
-        return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts)
+        return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
+                      tuple(r[0] for r in rows))
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
