@@ -1340,3 +1340,25 @@ def test_profiler_ranges_are_entered_only_while_a_profiler_runs():
         with profiled("tierkv.far"):
             torch.ones(4).sum()
     assert [e.name for e in prof.events() if e.name == "tierkv.far"] == ["tierkv.far"]
+
+
+def test_the_whole_graph_check_counts_only_the_calls_it_runs(monkeypatch):
+    """CHECK_WHOLE_GRAPHS=N: the backend hands attend_whole a check for every call, but only the N
+    that run (attend_whole runs one only where a whole graph served the layer) use it up; prefill
+    calls, where none is run, do not."""
+    from tierkv.vllm_backend import hot_window_backend
+
+    monkeypatch.setenv("CHECK_WHOLE_GRAPHS", "2")
+    checks = hot_window_backend._CheckWhole()
+    ran = []
+
+    def window(*args):
+        ran.append(args)
+        return "near"
+
+    for layer in range(5):  # handed out, never run
+        assert checks.check(window, layer) is not None
+    assert checks.left == 2 and not ran
+    run = checks.check(window, "a")
+    assert [run(), run(), run()] == ["near", "near", None]
+    assert ran == [("a",), ("a",)] and checks.check(window, "b") is None

@@ -62,8 +62,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         has_far = step is not None and step.has_far
         if has_far and step.far.graphs is not None:  # every row a graphed decoding row: one graph, window and far
             window = self._window(layer, key_cache, value_cache)
-            check = ((lambda: window(q, table, seqused_k, attn_metadata.query_start_loc, max_k) if _CHECK_WHOLE.due()
-                      else None) if _CHECK_WHOLE.left > 0 else None)
+            check = _CHECK_WHOLE.check(window, q, table, seqused_k, attn_metadata.query_start_loc, max_k)
             if step.far.attend_whole(out, step.layer_index[layer.layer_name], q, self.scale, window,
                                      (table, seqused_k, max_k), check):
                 return output
@@ -146,11 +145,20 @@ class _CheckWhole:
     def __init__(self):
         self.left = int(os.environ.get("CHECK_WHOLE_GRAPHS", "0") or 0)
 
-    def due(self) -> bool:
+    def check(self, window: "_WindowAttention", *args):
+        """`FarKV.attend_whole`'s check for this call (window(*args): the window part run here), or
+        None once the checks are used up. It counts only when called, and attend_whole calls it only
+        when a whole graph served the layer."""
         if self.left <= 0:
-            return False
-        self.left -= 1
-        return True
+            return None
+
+        def run():
+            if self.left <= 0:
+                return None
+            self.left -= 1
+            return window(*args)
+
+        return run
 
 
 _CHECK_WHOLE = _CheckWhole()
