@@ -230,11 +230,13 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
     if with_prefix:
         try:
-            # a second repeat: what the first pays once (kernels built for the prefix's shapes) is gone
-            runs = [("first", 11), ("repeat", 12), ("repeat_again", 13)] + ([("repeat_profiled", 14)] if profile_prefix else [])
+            # a second repeat: what the first pays once after the engine starts is gone. With profile_prefix the
+            # first repeat runs under the profiler and cProfile (its first step, where the tiers serve the prefix:
+            # the one-off shows there; its TTFT is the profiler's), and "repeat" and "repeat_again" are warm
+            runs = ([("first", 11)] + ([("repeat_profiled", 14)] if profile_prefix else [])
+                    + [("repeat", 12), ("repeat_again", 13)])
             for key, last in runs:  # with each run's steps, collections and far waits
                 wait_before = far_wait_s()
-                # a third run under the profiler: its first step, where the tiers serve the prefix (its TTFT is the profiler's)
                 profile = [0] if key == "repeat_profiled" else None
                 ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
@@ -394,7 +396,8 @@ def main() -> int:
                         help="every N engine steps, time a 32 MiB pinned H2D copy between steps (row key h2d_samples; "
                              "the per-token mean then includes them, the step times do not)")
     parser.add_argument("--profile-prefix", action="store_true",
-                        help="a third repeated-prefix run, its first step profiled (where the tiers serve the prefix)")
+                        help="the first repeat of the prefix runs profiled, its first step under torch.profiler and "
+                             "cProfile (what the first repeat after start pays once); the repeat rows are then warm")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
                         help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
     args = parser.parse_args()
