@@ -57,14 +57,14 @@ class RequestSummaries:
             if k >= num_far:
                 return torch.arange(num_far, device=q.device)
             scores = self.summaries.upper_bounds(layer, q, range(num_far))
-            return torch.sort(torch.topk(scores, k).indices).values
+            return torch.sort(torch.topk(scores, k, sorted=False).indices).values
         missing = self.unsummarized(layer, num_far)
         if k >= num_far - missing.size:
             return torch.arange(num_far, device=q.device)
         covered = min(num_far, self.is_summarized[layer].size)  # the tables cover blocks [0, covered)
         scores = self.summaries.upper_bounds(layer, q, range(covered))
         scores = torch.where(self.is_summarized_dev[layer][:covered], scores, float("-inf"))
-        chosen = torch.topk(scores, k).indices
+        chosen = torch.topk(scores, k, sorted=False).indices
         if missing.size:
             chosen = torch.cat([chosen, to_device_no_sync(missing.tolist(), q.device)])
         return torch.sort(chosen).values
@@ -81,7 +81,8 @@ class RequestSummaries:
         replays it until the table is reallocated. In block order, as `select`: the attention
         kernel rounds its softmax weights to the KV dtype tile by tile, so another order gives
         results that differ from the eager path's at that rounding."""
-        return torch.sort(torch.topk(self.summaries.masked_bounds(layer, q, num_far), k).indices).values
+        # top-k unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway)
+        return torch.sort(torch.topk(self.summaries.masked_bounds(layer, q, num_far), k, sorted=False).indices).values
 
     @property
     def num_bytes(self) -> int:
