@@ -304,22 +304,32 @@ class CpuTier(StorageTier):
                 self._unpin(key)
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
-        """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups."""
+        """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups.
+        (A long prefix pins some 50k keys per request: the loop keeps to local names.)"""
         with self._lock:
-            slots = [self._slot_of.get(k) for k in keys]
-            pins = self._pins
+            slot_of = self._slot_of
+            slots = [slot_of.get(k) for k in keys]
+            pins, pinned, bump = self._pins, self._pins.get, slot_of.move_to_end
+            num_hits = 0
             for key, slot in zip(keys, slots):
                 if slot is not None:
-                    self._slot_of.move_to_end(key)
-                    pins[key] = pins.get(key, 0) + 1  # not Counter's +=: its __missing__ runs in Python, per key
-        num_hits = sum(s is not None for s in slots)
+                    bump(key)
+                    pins[key] = pinned(key, 0) + 1  # not Counter's +=: its __missing__ runs in Python, per key
+                    num_hits += 1
         self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return slots
 
     def release(self, keys: Sequence[str]) -> None:
+        """Give back one pin of each key (`_unpin`, inlined: a finished long request gives back some
+        50k); a key without a pin is left alone."""
         with self._lock:
+            pins, pinned = self._pins, self._pins.get
             for key in keys:
-                self._unpin(key)
+                count = pinned(key, 0) - 1
+                if count > 0:
+                    pins[key] = count
+                else:
+                    pins.pop(key, None)
 
     # -- internals ---------------------------------------------------------------------------
     def _allocate(self, key: str) -> PutResult:
