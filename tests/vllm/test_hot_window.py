@@ -1362,3 +1362,84 @@ def test_the_whole_graph_check_counts_only_the_calls_it_runs(monkeypatch):
     run = checks.check(window, "a")
     assert [run(), run(), run()] == ["near", "near", None]
     assert ran == [("a",), ("a",)] and checks.check(window, "b") is None
+
+
+def _torch_flash_attn(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+                      block_table, return_softmax_lse=False, out=None, **_):
+    """vLLM's flash_attn_varlen_func for decoding rows (one query each) over a paged cache, in PyTorch
+    on CPU: k, v [blocks, BS, H, D] as the backend's views give them; lse [HQ, m] as FlashAttention's."""
+    assert max_seqlen_q == 1 and int(seqused_k.max()) <= max_seqlen_k
+    outs, lses = [], []
+    for r in range(q.shape[0]):
+        n = int(seqused_k[r])
+        blocks = block_table[r, : -(-n // BS)].long()
+        keys = k[blocks].reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
+        values = v[blocks].reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[r], keys) * softmax_scale
+        outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), values))
+        lses.append(torch.logsumexp(scores, dim=-1))
+    result = torch.stack(outs)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, torch.stack(lses).transpose(0, 1).contiguous()) if return_softmax_lse else result
+
+
+def test_the_backend_runs_whole_step_graphs_and_their_check_on_decode_steps(tmp_path, monkeypatch):
+    """HotWindowImpl.forward under the sparse policy with graphs, FlashAttention replaced by a PyTorch
+    paged attention (and graphs by eager bodies): a decode step of graphed rows goes through one
+    whole graph per layer, a step with a row past the graphs' max_rows through the split path, and
+    both equal the window part plus the eager far path; CHECK_WHOLE_GRAPHS runs the split path
+    beside the first calls only and finds no difference."""
+    from tierkv.attention import merge_partials
+    from tierkv.vllm_backend import hot_window_backend as backend
+    from tierkv.vllm_backend.hot_window import HotWindowStep
+
+    fake_graphs(monkeypatch)
+    monkeypatch.setattr(backend.fa, "flash_attn_varlen_func", _torch_flash_attn, raising=False)  # CUDA-only import
+    monkeypatch.setenv("CHECK_WHOLE_GRAPHS", str(LAYERS))
+    monkeypatch.setattr(backend, "_CHECK_WHOLE", backend._CheckWhole())  # one step's layers checked
+    window, blocks = 2 * BS, 30
+    store, caches, far = computed_far(tmp_path, ("a", "b", "c"), max_rows=2, window=window, blocks=blocks)
+    impls = {n: backend.HotWindowImpl(num_heads=HQ, head_size=D, scale=0.3, num_kv_heads=H, alibi_slopes=None,
+                                      sliding_window=None, kv_cache_dtype="auto") for n in NAMES}
+    layers = {n: SimpleNamespace(layer_name=n, _k_scale=torch.ones(1), _v_scale=torch.ones(1)) for n in NAMES}
+    vllm_tables = {req: torch.randint(0, NUM_BLOCKS, (blocks + 4,), dtype=torch.int32) for req in ("a", "b", "c")}
+    position = {"a": (blocks - 3) * BS - 4, "b": (blocks - 4) * BS - 1, "c": (blocks - 3) * BS}
+    try:
+        def step(names):
+            rows = far.begin_step([(req, position[req], 1) for req in names])
+            m = len(rows)
+            seq_lens = torch.tensor([r.num_computed + 1 for r in rows], dtype=torch.int32)
+            meta = SimpleNamespace(num_actual_tokens=m, block_table=torch.stack([vllm_tables[r] for r in names]),
+                                   seq_lens=seq_lens, max_seq_len=int(seq_lens.max()),
+                                   query_start_loc=torch.arange(m + 1, dtype=torch.int32), max_query_len=1,
+                                   use_cascade=False)
+            hot_window.set_step(HotWindowStep(far, rows, store.layer_index))
+            replays = far.graphs.counts["whole_graph_replays"]
+            for name in NAMES:
+                layer = store.layer_index[name]
+                q = torch.randn(m, HQ, D)
+                table, seqused_k, max_k = hot_window.current_step().near(meta)
+                key_cache, value_cache = impls[name]._kv_views(caches[name])
+                near_out, near_lse = _torch_flash_attn(q, key_cache, value_cache, meta.query_start_loc, 1, seqused_k,
+                                                       max_k, 0.3, True, table, return_softmax_lse=True)
+                saved, far.graphs = far.graphs, None  # the eager path, same FarKV and selections
+                want = merge_partials([(near_out, near_lse.transpose(0, 1)), far.attend(layer, q, 0.3)])[0]
+                far.graphs = saved
+                output = torch.full((m, HQ, D), float("nan"))
+                impls[name].forward(layers[name], q, None, None, caches[name], meta, output)
+                torch.testing.assert_close(output, want, rtol=1e-5, atol=1e-6)
+            hot_window.set_step(None)
+            far.end_step()
+            for req in names:
+                position[req] += 1
+            return far.graphs.counts["whole_graph_replays"] - replays
+
+        assert step(["a", "b"]) == LAYERS  # every layer one whole graph; the first step's layers checked
+        assert far.stats()["whole_check_max_abs"] == 0.0 and backend._CHECK_WHOLE.left == 0
+        assert step(["a", "b"]) == LAYERS
+        assert step(["a", "b", "c"]) == 0  # "c" is past max_rows: the split path
+    finally:
+        hot_window.set_step(None)
+        far.close()
+        store.close()
