@@ -320,16 +320,9 @@ class CpuTier(StorageTier):
         return slots
 
     def release(self, keys: Sequence[str]) -> None:
-        """Give back one pin of each key (`_unpin`, inlined: a finished long request gives back some
-        50k); a key without a pin is left alone."""
         with self._lock:
-            pins, pinned = self._pins, self._pins.get
             for key in keys:
-                count = pinned(key, 0) - 1
-                if count > 0:
-                    pins[key] = count
-                else:
-                    pins.pop(key, None)
+                self._unpin(key)
 
     # -- internals ---------------------------------------------------------------------------
     def _allocate(self, key: str) -> PutResult:
@@ -378,6 +371,10 @@ class CpuTier(StorageTier):
         return None
 
     def _unpin(self, key: str) -> None:
-        self._pins[key] -= 1
-        if self._pins[key] <= 0:
-            del self._pins[key]
+        """One pin of key given back (a key without a pin is left alone). Plain dict operations, not
+        Counter arithmetic: a finished long request gives back some 50k pins."""
+        count = self._pins.get(key, 0) - 1
+        if count > 0:
+            self._pins[key] = count
+        else:
+            self._pins.pop(key, None)
