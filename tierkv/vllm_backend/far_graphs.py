@@ -182,22 +182,30 @@ class SparseStepGraphs:
         if not self.enabled or not rows or len(rows) > self.max_rows:
             return None
         key = key if key is not None else self.key(layer, rows, scale)
-        kept = self.graphs.setdefault(layer, OrderedDict())
-        entry = kept.get(key)
         counts = [n for _, _, n in rows]
-        if entry is None:  # a new set of rows (or a table moved): capture
-            if len(kept) >= GRAPHS_PER_LAYER:
-                kept.popitem(last=False)
-            entry = self._capture(layer, rows, q, near_out, near_lse, out_dtype, counts, key, scale)
-            if entry is None:
-                return None
-            kept[key] = entry
-        else:
-            kept.move_to_end(key)
+        entry = self._kept(layer, key, lambda: self._capture(layer, rows, q, out_dtype, counts, key, scale,
+                                                             near_parts=(near_out, near_lse)))
+        if entry is None:
+            return None
         if near_out is not entry.near_out:  # FlashAttention wrote elsewhere (no graph was kept at its call)
             entry.near_out.copy_(near_out)
         entry.near_lse.copy_(near_lse)
         return self._replay(entry, q, counts)
+
+    def _kept(self, layer: int, key: tuple, capture) -> _Graph | None:
+        """The layer's graph for `key`, made most recently used; else `capture()`'s, kept in place of
+        the least recently used past GRAPHS_PER_LAYER (None when the capture failed)."""
+        kept = self.graphs.setdefault(layer, OrderedDict())
+        entry = kept.get(key)
+        if entry is not None:
+            kept.move_to_end(key)
+            return entry
+        if len(kept) >= GRAPHS_PER_LAYER:
+            kept.popitem(last=False)
+        entry = capture()
+        if entry is not None:
+            kept[key] = entry
+        return entry
 
     def _replay(self, entry: _Graph, q: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         entry.q.copy_(q)
@@ -235,27 +243,11 @@ class SparseStepGraphs:
         if not (self.enabled and self.whole_enabled) or not rows or len(rows) > self.max_rows:
             return None
         key = (*key, inputs.table.data_ptr(), inputs.table.shape)
-        kept = self.graphs.setdefault(layer, OrderedDict())
-        entry = kept.get(key)
         counts = [n for _, _, n in rows]
+        entry = self._kept(layer, key, lambda: self._capture(layer, rows, q, out_dtype, counts, key, scale,
+                                                             window=(window, inputs, max_seqlen_k)))
         if entry is None:
-            if len(kept) >= GRAPHS_PER_LAYER:
-                kept.popitem(last=False)
-            q_static = q.clone()
-            out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-            far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-
-            def near():
-                return window(q_static, inputs.table, inputs.seqused_k, inputs.cu_seqlens_q, max_seqlen_k)
-
-            recorded = self._record(self.body(layer, [req for _, req, _ in rows], q_static, far_counts, near, out, scale),
-                                    whole=True)
-            if recorded is None:
-                return None
-            entry = kept[key] = _Graph(key, recorded[0], q_static, far_counts, None, None, out, recorded[1], counts,
-                                       tuple(r[0] for r in rows), inputs)
-        else:
-            kept.move_to_end(key)
+            return None
         self.counts["whole_graph_replays"] += 1
         return self._replay(entry, q, counts)
 
@@ -281,19 +273,32 @@ class SparseStepGraphs:
 
         return run
 
-    def _capture(self, layer: int, rows: list[tuple[str, object, int]], q_rows: torch.Tensor, near_out: torch.Tensor,
-                 near_lse: torch.Tensor, out_dtype: torch.dtype, counts: list[int], key: tuple,
-                 scale: float) -> _Graph | None:
+    def _capture(self, layer: int, rows: list[tuple[str, object, int]], q_rows: torch.Tensor, out_dtype: torch.dtype,
+                 counts: list[int], key: tuple, scale: float, near_parts: tuple | None = None,
+                 window: tuple | None = None) -> _Graph | None:
+        """A graph for decoding rows: near_parts (out, lse), the rows' near parts copied into static
+        inputs before each replay; or window (the backend's FlashAttention, its NearInputs, the key
+        count bound), the window part run inside the graph."""
         # the static inputs and the merged output, outside the graphs' pool
-        q, near_out, near_lse = q_rows.clone(), near_out.contiguous().clone(), near_lse.contiguous().clone()
-        out = torch.empty(near_out.shape, dtype=out_dtype, device=q.device)
+        q = q_rows.clone()
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, (near_out, near_lse), out,
-                                          scale))
+        near_out = near_lse = inputs = None
+        if window is None:
+            near_out, near_lse = (t.contiguous().clone() for t in near_parts)
+            near = near_out, near_lse
+        else:
+            run_window, inputs, max_seqlen_k = window
+
+            def near():
+                return run_window(q, inputs.table, inputs.seqused_k, inputs.cu_seqlens_q, max_seqlen_k)
+
+        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale),
+                                whole=window is not None)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
-                      tuple(r[0] for r in rows))
+                      tuple(r[0] for r in rows), inputs)
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
