@@ -472,10 +472,7 @@ class FarKV:
                 diff = (split[0].float() - replayed[0].float()).abs().max()
                 self._whole_check = diff if self._whole_check is None else torch.maximum(self._whole_check, diff)
         output.copy_(replayed[0])
-        spent = time.perf_counter() - started
-        self._attend_s += spent
-        if self.graphs.counts["graph_captures"] == captures and near is None:
-            self._decode_host.append(spent)
+        self._note_host(started, self.graphs.counts["graph_captures"] == captures and near is None)
         return True
 
     def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
@@ -512,10 +509,16 @@ class FarKV:
                 rows_of(output, a, b).copy_(replayed[0])
             else:
                 output.index_copy_(0, plan.index, replayed[0])
+        self._note_host(started, not self._pieces and (self.graphs is None
+                                                       or self.graphs.counts["graph_captures"] == captures))
+
+    def _note_host(self, started: float, steady: bool) -> None:
+        """A layer call's host time (from `started`) into its step's total, and into the decode median
+        when `steady`: no streamed chunks, no capture, no check."""
         spent = time.perf_counter() - started
         self._attend_s += spent
-        if not self._pieces and (self.graphs is None or self.graphs.counts["graph_captures"] == captures):
-            self._decode_host.append(spent)  # host time only: no streamed chunks, no capture
+        if steady:
+            self._decode_host.append(spent)
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -563,7 +566,7 @@ class FarKV:
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
                 self._note_selection(req, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
-            self._count_selection(row, ids.numel())
+            self._count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
             with profiled("tierkv.sparse.fetch_attend"):
                 fetcher = self.sparse_streamer
                 for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
@@ -608,18 +611,16 @@ class FarKV:
         fetched = m * k * self.store.cpu.slot_bytes
         self._graph_bytes += fetched
         self.store.io.engine.num_bytes_moved["h2d"] += fetched
-        counts = self.counts
-        counts["far_blocks_read"] += m * k
-        counts["sparse_fetched_reads"] += m * k
-        counts["sparse_resident_reads"] += plan.resident_blocks
-        counts["sparse_selections"] += m
+        self._count_selections(m * k, plan.resident_blocks, m)
 
-    def _count_selection(self, row: FarRow, num_selected: int) -> None:
-        """A sparse decode row's selection of one layer: its far blocks fetched, its window resident."""
-        self.counts["far_blocks_read"] += num_selected
-        self.counts["sparse_fetched_reads"] += num_selected
-        self.counts["sparse_resident_reads"] += row.near_blocks(self.block_tokens)
-        self.counts["sparse_selections"] += 1
+    def _count_selections(self, num_fetched: int, num_resident: int, num_rows: int) -> None:
+        """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks
+        fetched, their windows' blocks resident."""
+        counts = self.counts
+        counts["far_blocks_read"] += num_fetched
+        counts["sparse_fetched_reads"] += num_fetched
+        counts["sparse_resident_reads"] += num_resident
+        counts["sparse_selections"] += num_rows
 
     def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor, row: int | None = None) -> None:
         """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` (its row `row`
