@@ -60,15 +60,15 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
         descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
+        layer_index = step.layer_index[layer.layer_name] if has_far else None
         if has_far and step.far.graphs is not None:  # every row a graphed decoding row: one graph, window and far
             window = self._window(layer, key_cache, value_cache)
             check = _CHECK_WHOLE.check(window, q, table, seqused_k, attn_metadata.query_start_loc, max_k)
-            if step.far.attend_whole(out, step.layer_index[layer.layer_name], q, self.scale, window,
-                                     (table, seqused_k, max_k), check):
+            if step.far.attend_whole(out, layer_index, q, self.scale, window, (table, seqused_k, max_k), check):
                 return output
         # with far blocks the near part goes to its own buffer: where the layer's CUDA graph reads it
         # when the graphs serve every row of the step, else a new one
-        near = step.far.near_out_buffer(step.layer_index[layer.layer_name], n, self.scale) if has_far else out
+        near = step.far.near_out_buffer(layer_index, n, self.scale) if has_far else out
         result = fa.flash_attn_varlen_func(
             q=q, k=key_cache, v=value_cache, out=near,
             cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
@@ -82,8 +82,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         near_out, near_lse = result
         with profiled("tierkv.far"):
             near_lse = near_lse if near_lse.shape[1] == n else near_lse[:, :n]
-            step.far.attend_into(out, step.layer_index[layer.layer_name], q, near_out, near_lse.transpose(0, 1),
-                                 self.scale, dense=self._dense)
+            step.far.attend_into(out, layer_index, q, near_out, near_lse.transpose(0, 1), self.scale, dense=self._dense)
         return output
 
     def _window(self, layer, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "_WindowAttention":
