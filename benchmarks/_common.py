@@ -80,21 +80,8 @@ def _git(repo: Path, *args: str) -> str:
 
 def h2d_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
     """One contiguous pinned-host to device copy: the median GB/s of five, timed by CUDA events."""
-    import torch
-
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return num_bytes / sorted(times)[len(times) // 2] / 1e9
+    probe = H2DProbe(num_bytes)
+    return sorted(probe.sample() for _ in range(5))[2]
 
 
 class H2DProbe:
