@@ -1170,27 +1170,20 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
 
 
 class _Window:
-    """The window part as `FarKV.attend_whole` runs it inside a graph, in PyTorch on CPU: attention of
-    each row's query over the first seqused_k[r] keys of its blocks table[r] in a layer's vLLM pool
-    [blocks, H, BS, 2D] (the backend's is vLLM's FlashAttention)."""
+    """The window part as `FarKV.attend_whole` runs it inside a graph, on CPU: `_torch_flash_attn` over
+    a layer's vLLM pool [blocks, H, BS, 2D] (the backend's is vLLM's FlashAttention), each call's key
+    counts and bound recorded."""
 
     def __init__(self, pool):
-        self.pool, self.key = pool, ("window", pool.data_ptr())
+        self.key = ("window", pool.data_ptr())
+        self.key_cache, self.value_cache = pool.transpose(1, 2).split(D, dim=-1)  # as the backend's views
         self.bounds = []
 
     def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
-        outs, lses = [], []
-        for r in range(q.shape[0]):
-            n = int(seqused_k[r])
-            self.bounds.append((n, max_seqlen_k))
-            kv = self.pool[table[r, : -(-n // BS)].long()]  # [b, H, BS, 2D]
-            blocks = torch.stack([kv[..., :D], kv[..., D:]], dim=1)  # [b, 2, H, BS, D]
-            k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
-            v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, H, D)[:n].repeat_interleave(HQ // H, dim=1)
-            scores = torch.einsum("hd,khd->hk", q[r], k) * 0.3
-            outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v))
-            lses.append(torch.logsumexp(scores, dim=-1))
-        return torch.stack(outs), torch.stack(lses)
+        self.bounds += [(int(n), max_seqlen_k) for n in seqused_k]
+        out, lse = _torch_flash_attn(q, self.key_cache, self.value_cache, cu_seqlens_q, 1, seqused_k, max_seqlen_k,
+                                     0.3, True, table, return_softmax_lse=True)
+        return out, lse.transpose(0, 1)
 
 
 def test_whole_step_graphs_run_the_window_part_and_equal_the_split_path(tmp_path, monkeypatch):
