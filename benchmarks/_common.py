@@ -106,3 +106,71 @@ class H2DProbe:
         end.record()
         end.synchronize()
         return self.host.numel() / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+class CpuUse:
+    """Where the host's CPU time went between `start()` and `take()` (Linux /proc): per thread of this
+    process by name, and the whole machine's busy cores, for reading slow host-bound steps (is another
+    thread of ours, or another process, taking the CPU?). Empty on systems without /proc."""
+
+    def __init__(self):
+        self._threads: dict[str, float] = {}
+        self._machine: tuple[float, float] | None = None
+        self._wall = 0.0
+
+    def start(self) -> None:
+        self._threads, self._machine = _thread_cpu_s(), _machine_cpu_s()
+        self._wall = _monotonic()
+
+    def take(self) -> dict:
+        """{"wall_s", "threads": {name: CPU seconds}, busiest first, "machine_busy_cores"} since start()."""
+        wall = _monotonic() - self._wall
+        now = _thread_cpu_s()
+        threads = {name: round(s - self._threads.get(name, 0.0), 3) for name, s in now.items()}
+        threads = dict(sorted(((n, s) for n, s in threads.items() if s > 0), key=lambda item: -item[1]))
+        machine, busy = _machine_cpu_s(), None
+        if machine is not None and self._machine is not None and wall > 0:
+            busy = round((machine[0] - self._machine[0]) / wall, 2)
+        return {"wall_s": round(wall, 3), "threads": threads, "machine_busy_cores": busy}
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of this process, by "name (thread id)": the
+    Python thread's name where it has one, else the kernel's."""
+    import threading
+
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    totals: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return totals
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = python_names.get(int(tid)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        key = f"{name} ({tid})"
+        totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return totals
+
+
+def _machine_cpu_s() -> tuple[float, float] | None:
+    """(busy, idle) CPU seconds of the whole machine since boot, summed over cores (/proc/stat)."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    values = [int(v) for v in first[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values) - idle) / ticks, idle / ticks

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import H2DProbe, h2d_ceiling_gbps  # noqa: E402
+from benchmarks._common import CpuUse, H2DProbe, h2d_ceiling_gbps  # noqa: E402
 from benchmarks.models import LLAMA_8B  # noqa: E402
 from tierkv.vllm_backend.far import far_blocks  # noqa: E402
 
@@ -141,6 +141,9 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     # with a contended PCIe link or host memory? (plain reads no host memory in decode)
     probe = H2DProbe() if sample_h2d else None
     h2d_samples: list[tuple[int, float]] = []
+    # the host CPU of the last request's decode steps, per thread of ours and machine-wide: host-bound steps
+    # that slow down with no more work of ours show there whether another thread or process took the CPU
+    cpu_use, decode_cpu = CpuUse(), {}
 
     def stepped(ids, params, profile: list[int] | None = None, label: str = ""):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
@@ -191,7 +194,9 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                 tokens, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs or []
                 if tokens and first_at is None:
                     first_at = now
+                    cpu_use.start()
                 last_at = now
+        decode_cpu.update(cpu_use.take())
         if profiled:
             _write_profile(Path(out) / f"profile-{file_mode(mode)}{'-' + label if label else ''}.txt", profiled)
         per_token_ms = 1e3 * (last_at - first_at) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
@@ -224,7 +229,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
-           "connector": tiered.stats() if tiered is not None else None, "h2d_samples": list(h2d_samples)}
+           "connector": tiered.stats() if tiered is not None else None, "h2d_samples": list(h2d_samples),
+           "decode_cpu": dict(decode_cpu)}
     path = Path(out) / f"bench-vllm-{file_mode(mode)}.json"  # plain names travel back from the device
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))  # kept if the prefix rows fail
@@ -358,6 +364,10 @@ def table(out: str) -> None:
         if samples:
             print(f"{'':<11} H2D probe during the run: {min(samples):.1f} / {statistics.median(samples):.1f} / "
                   f"{max(samples):.1f} GB/s (min / median / max of {len(samples)})")
+        cpu = r.get("decode_cpu") or {}
+        if cpu.get("wall_s"):  # who used the host CPU in decode: the busiest threads of ours, and the machine
+            busiest = ", ".join(f"{name} {s / cpu['wall_s']:.2f}" for name, s in list(cpu["threads"].items())[:3])
+            print(f"{'':<11} decode host CPU, cores busy: machine {cpu.get('machine_busy_cores')}; ours by thread {busiest}")
         graphs = hot.get("cuda_graphs") or {}
         if graphs.get("graph_replays"):  # how many layer calls one graph served with the window part in it
             print(f"{'':<11} step graphs: {graphs['graph_replays']} replays, {graphs.get('whole_graph_replays', 0)} of them "
