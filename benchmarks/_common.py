@@ -119,11 +119,14 @@ class CpuUse:
         self._wall = 0.0
 
     def start(self) -> None:
+        self._probe_us = host_probe_us()
         self._threads, self._machine = _thread_cpu_s(), _machine_cpu_s()
         self._wall = _monotonic()
 
     def take(self) -> dict:
-        """{"wall_s", "threads": {name: CPU seconds}, busiest first, "machine_busy_cores"} since start()."""
+        """{"wall_s", "threads": {name: CPU seconds}, busiest first, "machine_busy_cores",
+        "host_probe_us": [at start, now] (`host_probe_us`), "cpu": the core this thread last ran on}
+        since start()."""
         wall = _monotonic() - self._wall
         now = _thread_cpu_s()
         threads = {name: round(s - self._threads.get(name, 0.0), 3) for name, s in now.items()}
@@ -131,7 +134,34 @@ class CpuUse:
         machine, busy = _machine_cpu_s(), None
         if machine is not None and self._machine is not None and wall > 0:
             busy = round((machine[0] - self._machine[0]) / wall, 2)
-        return {"wall_s": round(wall, 3), "threads": threads, "machine_busy_cores": busy}
+        return {"wall_s": round(wall, 3), "threads": threads, "machine_busy_cores": busy,
+                "host_probe_us": [round(self._probe_us, 1), round(host_probe_us(), 1)], "cpu": _current_cpu()}
+
+
+def host_probe_us(repeats: int = 5) -> float:
+    """A fixed piece of Python work (20k loop iterations with a dict and a list), the median of
+    `repeats` timings in us: the same machine gives the same figure, so a process whose host runs
+    slow (a shared or throttled core) shows a larger one."""
+    import time
+
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        table, items = {}, []
+        for i in range(20_000):
+            table[i & 255] = i
+            items.append(table[i & 255] + 1)
+        timings.append(time.perf_counter() - start)
+    return 1e6 * sorted(timings)[repeats // 2]
+
+
+def _current_cpu() -> int | None:
+    """The core the calling thread last ran on (/proc/thread-self/stat field 39), None without /proc."""
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[36])
 
 
 def _monotonic() -> float:

@@ -108,7 +108,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
-        sample_h2d: int = 0) -> None:
+        sample_h2d: int = 0, tag: str = "") -> None:
     import random
 
     from vllm import SamplingParams
@@ -121,6 +121,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         mode = f"{mode}@{storage_dtype}"
     if compiled:
         mode = f"{mode}@compiled"
+    if tag:
+        mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     cache_config = llm.llm_engine.vllm_config.cache_config
     # per GPU: under tensor parallelism each rank's pool holds its 1/tp of the KV heads
     kv_reserved = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers) // tp
@@ -331,7 +333,7 @@ def table(out: str) -> None:
     print(f"{'mode':<11} {'KV reserved GiB':>15} {'prefill s':>9} {'x plain':>7} {'decode ms':>9} "
           f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'far wait s':>10} {'tokens = plain':>14}")
     for mode, r in rows.items():
-        plain = rows.get("plain@compiled" if mode.endswith("@compiled") else "plain")
+        plain = rows.get("plain@compiled" if "@compiled" in mode else "plain")
         ratio = r["prefill_s"] / plain["prefill_s"] if plain else float("nan")
         same = (r["tokens"] == plain["tokens"]) if plain else None
         if plain and not same:  # the first divergent step and plain vLLM's top-2 margin there: a near-tie?
@@ -367,7 +369,9 @@ def table(out: str) -> None:
         cpu = r.get("decode_cpu") or {}
         if cpu.get("wall_s"):  # who used the host CPU in decode: the busiest threads of ours, and the machine
             busiest = ", ".join(f"{name} {s / cpu['wall_s']:.2f}" for name, s in list(cpu["threads"].items())[:3])
-            print(f"{'':<11} decode host CPU, cores busy: machine {cpu.get('machine_busy_cores')}; ours by thread {busiest}")
+            probe = cpu.get("host_probe_us") or [None, None]
+            print(f"{'':<11} decode host CPU, cores busy: machine {cpu.get('machine_busy_cores')}; ours by thread {busiest}; "
+                  f"host probe {probe[0]} / {probe[1]} us at decode start / end, on core {cpu.get('cpu')}")
         graphs = hot.get("cuda_graphs") or {}
         if graphs.get("graph_replays"):  # how many layer calls one graph served with the window part in it
             print(f"{'':<11} step graphs: {graphs['graph_replays']} replays, {graphs.get('whole_graph_replays', 0)} of them "
@@ -408,6 +412,7 @@ def main() -> int:
     parser.add_argument("--profile-prefix", action="store_true",
                         help="the first repeat of the prefix runs profiled, its first step under torch.profiler and "
                              "cProfile (what the first repeat after start pays once); the repeat rows are then warm")
+    parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
                         help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
     args = parser.parse_args()
@@ -417,6 +422,8 @@ def main() -> int:
         mode, model_dir, out = args.rest
         if mode not in MODES:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+        if args.tag and not args.tag.isalnum():
+            parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
         if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:
             parser.error(f"--decode-tokens {args.decode_tokens} with --context {args.context}: the prompt, the first "
                          "token and the decoded ones must fit max_model_len 131072, with at least one decoded")
@@ -424,7 +431,7 @@ def main() -> int:
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
-            sample_h2d=args.sample_h2d)
+            sample_h2d=args.sample_h2d, tag=args.tag)
     else:
         table(args.rest[0])
     return 0

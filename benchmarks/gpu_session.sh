@@ -18,6 +18,8 @@
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
+# vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
+#   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
 # VLLM_ARGS="--sample-h2d 16" samples the H2D bandwidth every 16 engine steps (is PCIe contended when
 # sparse steps slow down?); CHECK_WHOLE_GRAPHS=N compares the first N whole-graph layer calls with the
 # split path (bench_vllm's table prints the largest difference)
@@ -58,6 +60,17 @@ for step in "${steps[@]}"; do
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
         vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+        vllm-compiled-quant)  # compiled vLLM: plain, then the sparse graphs over int8 and fp8 CPU tiers, REPEATS runs each
+            timeout 200 python3 benchmarks/bench_vllm.py run plain /tmp/m8 "$OUT/bv" --compiled ${VLLM_ARGS:-} \
+                > "$OUT/bench-plain-compiled.log" 2>&1
+            for dtype in int8 float8_e4m3fn; do
+                for r in $(seq 1 "${REPEATS:-2}"); do
+                    timeout 200 python3 benchmarks/bench_vllm.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bv" --compiled \
+                        --storage-dtype $dtype --tag "r$r" ${VLLM_ARGS:-} > "$OUT/bench-$dtype-r$r.log" 2>&1
+                done
+            done
+            rm -f "$OUT"/bench-*.log  # the rows' JSON comes back; the device returns few files
+            python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
         vllm-sparse-check)  # whole step graphs against the split path, numerically (8 decode tokens, own OUT)
             CHECK_WHOLE_GRAPHS=${CHECK_WHOLE_GRAPHS:-64} timeout 150 python3 benchmarks/bench_vllm.py run \
                 tierkv-sparse-graphs /tmp/m8 "$OUT/check" --context 130880 --decode-tokens 8 --no-prefix \
