@@ -847,7 +847,7 @@ def test_the_vllm_backends_stats_become_metrics_lines(tmp_path):
 def test_sparse_reports_how_much_of_a_selection_the_step_before_selected(tmp_path):
     """The selection overlap between consecutive steps (what a GPU cache of the last selection would
     hit), sampled every OVERLAP_EVERY steps: the same query selects the same blocks, overlap 1."""
-    from tierkv.vllm_backend.far import OVERLAP_EVERY
+    from tierkv.vllm_backend.far_summaries import OVERLAP_EVERY
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=30)

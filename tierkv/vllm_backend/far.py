@@ -1,7 +1,9 @@
 """Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
 
-Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `finish`, `begin_step`, `attend`,
-`attend_into`, `attend_parts`, `merge_into`, `end_step`). No vLLM import: tested on CPU with the PyTorch reference attention.
+Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`,
+`attend`, `attend_into`, `attend_whole`, `near_out_buffer`, `attend_parts`, `merge_into`, `end_step`,
+`stats`). No vLLM import: tested on CPU with the PyTorch reference attention. The decoding rows
+the CUDA graphs serve go through `tierkv.vllm_backend.far_graphed`.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -48,23 +50,15 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.vllm_backend.far_graphs import NearInputs, SparseStepGraphs
-from tierkv.vllm_backend.far_summaries import RequestSummaries
+from tierkv.vllm_backend.far_graphed import GraphedRows
+from tierkv.vllm_backend.far_graphs import SparseStepGraphs
+from tierkv.vllm_backend.far_summaries import RequestSummaries, SelectionOverlap
 
 
 def profiled(name: str):
     """A named range in a running torch profiler's trace, nothing otherwise: entering a
     `record_function` costs 30-60 us of host time even with no profiler running."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def rows_of(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """t[start:end], or t itself when that is all of it (a slice costs host time in every layer)."""
-    return t if start == 0 and end == t.shape[0] else t[start:end]
-
-
-OVERLAP_EVERY = 32  # sparse: steps between samples of the selection overlap (a sampled step and the one
-#   before it cost about 2.5 and 0.5 ms more at 32 layers: the comparison and the copy are launches per layer)
 
 
 def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
@@ -112,22 +106,6 @@ class _Request:
     #   unused): its address rarely moves
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
-
-
-@dataclass
-class _GraphPlan:
-    """The decoding rows of a step that the CUDA graphs serve, the same in each of its layers."""
-
-    indices: list[int]                # into FarKV.rows, in the graph's row order
-    starts: list[int]                 # their query rows
-    contiguous: bool                  # starts run consecutively (no gather or scatter of rows)
-    graph_rows: list[tuple]           # (req_id, request, far blocks), as SparseStepGraphs.attend takes them
-    index: torch.Tensor | None        # starts on the device, when not contiguous
-    resident_blocks: int              # the rows' window blocks, read from vLLM's pool in each layer
-    sampled: bool                     # a step whose selections the overlap sample reads
-    keys: dict[int, tuple] = field(default_factory=dict)  # per layer, the graph key (near_out_buffer made it)
-    whole: bool | None = None         # its graphs run the window part too (None: not yet asked)
-    near: NearInputs | None = None    # then their window inputs
 
 
 @dataclass(frozen=True)
@@ -184,8 +162,8 @@ class FarKV:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
         self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
+        self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
-        self._graph_bytes = 0
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
@@ -194,17 +172,12 @@ class FarKV:
         # (each fetched when selected: nothing far stays on the GPU between steps)
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
                        "sparse_resident_reads": 0, "sparse_fetched_reads": 0}
-        # sparse: of the blocks selected in a sampled step, how many the same row and layer selected in
-        # the step before (what a GPU cache of the last selection would hit), counted on the device
-        self._overlap = torch.zeros(1, dtype=torch.int64, device=store.device)
-        self._overlap_of = 0
+        self.overlap = SelectionOverlap(store.device)  # sparse: sampled reuse of a selection by the next step
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
         # per step, the host ms of begin_step and of all the step's attend_into calls (last 512 steps): where
         # a slow step's time went, ours or not
         self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
         self._begin_s = self._attend_s = 0.0
-        self._plan: _GraphPlan | None = None  # the step's graphed rows, from its first layer on
-        self._whole_check: torch.Tensor | None = None  # attend_whole's check: largest |whole - split| so far
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
@@ -325,7 +298,8 @@ class FarKV:
                 if req is None:
                     raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
                 self._pin(req_id, req, n_far)
-        self.rows, self._plan = far_rows, None
+        self.rows = far_rows
+        self.graphed.reset()
         sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_selectable(r)
                   for r in far_rows]
         self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
@@ -398,39 +372,11 @@ class FarKV:
                 return
         output.copy_(merge_partials([(near_out, near_lse), self._assemble(parts, near_out.shape, near_out.device)])[0])
 
-    def _graph_plan(self) -> _GraphPlan | None:
-        """The step's decoding rows the CUDA graphs serve (at most their max_rows, all of them in every
-        layer), worked out at the step's first layer and kept for its others; None without graphs
-        or with streamed chunks in the step."""
-        if self.graphs is None or self._pieces:
-            return None
-        if self._plan is None:
-            indices = []
-            for i in self._sparse_rows:
-                row = self.rows[i]
-                if len(indices) < self.graphs.max_rows and self.graphs.servable(self.requests[row.req_id],
-                                                                                row.num_far_blocks):
-                    indices.append(i)
-            rows = [self.rows[i] for i in indices]
-            starts = [r.q_start for r in rows]  # their query rows, one each
-            contiguous = bool(starts) and starts == list(range(starts[0], starts[0] + len(rows)))
-            self._plan = _GraphPlan(
-                indices, starts, contiguous,
-                [(r.req_id, self.requests[r.req_id], r.num_far_blocks) for r in rows],
-                None if contiguous or not starts else to_device_no_sync(starts, self.store.device),
-                sum(r.near_blocks(self.block_tokens) for r in rows),
-                self.counts["steps"] % OVERLAP_EVERY in (0, OVERLAP_EVERY - 1))
-        return self._plan
-
     def near_out_buffer(self, layer: int, num_tokens: int, scale: float) -> torch.Tensor | None:
         """Where the near part of `layer` may be written ([num_tokens, H, D]): the static input of the
         layer's kept graph when the graphs serve every row of the step, so `attend_into` copies
         nothing in; None otherwise (the caller allocates)."""
-        plan = self._graph_plan()
-        if plan is None or not plan.contiguous or plan.starts[0] != 0 or len(plan.starts) != num_tokens:
-            return None
-        key = plan.keys[layer] = self.graphs.key(layer, plan.graph_rows, scale)
-        return self.graphs.near_buffer(layer, key)
+        return self.graphed.near_out_buffer(layer, num_tokens, scale)
 
     def attend_whole(self, output: torch.Tensor, layer: int, q: torch.Tensor, scale: float, window,
                      near_tables, check=None) -> bool:
@@ -440,40 +386,10 @@ class FarKV:
         `attend_into`). window: the backend's FlashAttention over vLLM's pool (`SparseStepGraphs.
         attend_whole`); near_tables: the step's (block table, key counts, longest key count) past
         the far blocks (`HotWindowStep.near`), read once per step. check(): called only when this
-        serves the layer; the window part run by the backend, (out, lse [n, H]), or None when no
-        check is due: with one, the split graph's result is computed too and the largest difference
+        returns True, None or the window part computed the split way (out, lse), against which
+        the graph's output is compared through the split graph too and the largest difference
         kept (`whole_check_max_abs`), to verify a run."""
-        plan = self._graph_plan()
-        if plan is None or plan.whole is False:
-            return False
-        started = time.perf_counter()
-        if plan.whole is None:  # the step's first layer: can its graphs run the window part too?
-            plan.whole = False
-            if (self.graphs.whole_enabled and plan.contiguous and plan.starts[0] == 0
-                    and len(plan.starts) == q.shape[0]):
-                table, seqused_k, max_k = near_tables
-                if max_k <= self.window_tokens + self.block_tokens:
-                    plan.near = self.graphs.near_inputs_for(tuple(r[0] for r in plan.graph_rows), table, seqused_k)
-                    plan.whole = True
-            if not plan.whole:
-                return False
-        captures = self.graphs.counts["graph_captures"]
-        key = (self.graphs.key(layer, plan.graph_rows, scale), window.key)
-        replayed = self.graphs.attend_whole(layer, plan.graph_rows, q, window, plan.near,
-                                            self.window_tokens + self.block_tokens, output.dtype, scale, key)
-        if replayed is None:
-            plan.whole = False
-            return False
-        self._count_graph_rows(plan, layer, replayed[1])
-        near = check() if check is not None else None  # None: no check due
-        if near is not None:
-            split = self.graphs.attend(layer, plan.graph_rows, q, *near, output.dtype, scale)
-            if split is not None:
-                diff = (split[0].float() - replayed[0].float()).abs().max()
-                self._whole_check = diff if self._whole_check is None else torch.maximum(self._whole_check, diff)
-        output.copy_(replayed[0])
-        self._note_host(started, self.graphs.counts["graph_captures"] == captures and near is None)
-        return True
+        return self.graphed.attend_whole(output, layer, q, scale, window, near_tables, check)
 
     def attend_into(self, output: torch.Tensor, layer: int, q: torch.Tensor, near_out: torch.Tensor,
                     near_lse: torch.Tensor, scale: float, dense=None) -> None:
@@ -483,32 +399,17 @@ class FarKV:
         near parts too; the rest go through `attend_parts` and `merge_into`."""
         started = time.perf_counter()
         captures = self.graphs.counts["graph_captures"] if self.graphs is not None else 0
-        plan = self._graph_plan()
-        graphed: list[int] = plan.indices if plan is not None else []  # rows the step's graph serves, in its order
-        replayed = None
-        if graphed:
-            starts = plan.starts
-            if plan.contiguous:
-                a, b = starts[0], starts[0] + len(starts)
-                inputs = rows_of(q, a, b), rows_of(near_out, a, b), rows_of(near_lse, a, b)
-            else:
-                inputs = tuple(t.index_select(0, plan.index) for t in (q, near_out, near_lse))
-            replayed = self.graphs.attend(layer, plan.graph_rows, *inputs, output.dtype, scale, plan.keys.get(layer))
-            if replayed is None:  # the graphs turned off: the eager path serves every row from now on
-                graphed, self._plan = [], None
-            else:
-                self._count_graph_rows(plan, layer, replayed[1])
-        if len(graphed) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
-            parts = self.attend_parts(layer, q, scale, dense, skip=set(graphed))
+        graphed = self.graphed.attend_rows(layer, q, near_out, near_lse, output.dtype, scale)
+        served = graphed[0].indices if graphed is not None else []  # rows the step's graph served, in its order
+        if len(served) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
+            parts = self.attend_parts(layer, q, scale, dense, skip=set(served))
             if parts:
                 self.merge_into(output, near_out, near_lse, parts)
             else:
                 output.copy_(near_out)
-        if graphed:  # after the rest: merge_into wrote every row
-            if plan.contiguous:
-                rows_of(output, a, b).copy_(replayed[0])
-            else:
-                output.index_copy_(0, plan.index, replayed[0])
+        if graphed is not None:  # after the rest: merge_into wrote every row
+            plan, replayed = graphed
+            self.graphed.write_rows(output, plan, replayed[0])
         self._note_host(started, not self._pieces and (self.graphs is None
                                                        or self.graphs.counts["graph_captures"] == captures))
 
@@ -564,7 +465,7 @@ class FarKV:
                     self._summarize_missing(row, req, layer)
             with profiled("tierkv.sparse.select"):
                 ids = self._select(req, layer, q_row[0], row.num_far_blocks)
-                self._note_selection(req, layer, ids)
+                self.overlap.note(self.counts["steps"], req.previous, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self._count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
             with profiled("tierkv.sparse.fetch_attend"):
@@ -601,18 +502,6 @@ class FarKV:
                 self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
             done += ids.size
 
-    def _count_graph_rows(self, plan: _GraphPlan, layer: int, ids: torch.Tensor) -> None:
-        """One replay of the step's graph at `layer`: ids, its selections [m, k]."""
-        m, k = len(plan.indices), self.sparse_blocks
-        if plan.sampled:
-            for n, (_, req, _) in enumerate(plan.graph_rows):
-                self._note_selection(req, layer, ids, n)
-        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
-        fetched = m * k * self.store.cpu.slot_bytes
-        self._graph_bytes += fetched
-        self.store.io.engine.num_bytes_moved["h2d"] += fetched
-        self._count_selections(m * k, plan.resident_blocks, m)
-
     def _count_selections(self, num_fetched: int, num_resident: int, num_rows: int) -> None:
         """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks
         fetched, their windows' blocks resident."""
@@ -622,25 +511,11 @@ class FarKV:
         counts["sparse_resident_reads"] += num_resident
         counts["sparse_selections"] += num_rows
 
-    def _note_selection(self, req: _Request, layer: int, ids: torch.Tensor, row: int | None = None) -> None:
-        """Sample the selection overlap: every OVERLAP_EVERY steps, how many of `ids` (its row `row`
-        when given, indexed only in a sampled step) the same request and layer selected the step
-        before (that selection kept, as a copy, one step ahead). Counted with elementwise ops
-        (torch.isin may sort through a host-synchronizing unique)."""
-        step = self.counts["steps"]
-        if step % OVERLAP_EVERY == 0:
-            previous = req.previous.pop(layer, None)
-            if previous is not None:
-                selected = ids if row is None else ids[row]
-                self._overlap += (selected.unsqueeze(1) == previous.unsqueeze(0)).any(dim=1).sum()
-                self._overlap_of += selected.numel()
-        elif (step + 1) % OVERLAP_EVERY == 0:
-            req.previous[layer] = (ids if row is None else ids[row]).clone()
-
     def end_step(self) -> None:
         if self.rows:
             self._step_host.append((round(1e3 * self._begin_s, 3), round(1e3 * self._attend_s, 3)))
-        self.rows, self._pieces, self._sparse_rows, self._plan = [], [], [], None
+        self.rows, self._pieces, self._sparse_rows = [], [], []
+        self.graphed.reset()
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
@@ -654,13 +529,13 @@ class FarKV:
         replays = self.graphs.counts["graph_rows"] if self.graphs is not None else 0  # each row a fetch at selection
         return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
                 "chunks_streamed": total("num_chunks_streamed"),
-                "bytes_streamed": total("bytes_streamed") + self._graph_bytes,
+                "bytes_streamed": total("bytes_streamed") + self.graphed.num_bytes,
                 "stalls": total("num_stalls") + replays, "chunks_carried": self.streamer.num_chunks_carried,
                 "chunks_discarded": self.streamer.num_chunks_discarded,
                 "staging_bytes": sum(s.pool.staging_bytes for s in streamers)
                 + (self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
-                "selection_overlap": self._overlap.item() / self._overlap_of if self._overlap_of else None,
+                "selection_overlap": self.overlap.value(),
                 # GPU hit rate at attention time of sparse decode rows: resident reads over all reads
                 "gpu_hit_rate": (self.counts["sparse_resident_reads"] / reads
                                  if (reads := self.counts["sparse_resident_reads"] + self.counts["sparse_fetched_reads"])
@@ -671,7 +546,8 @@ class FarKV:
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
                 "step_host_ms": list(self._step_host),  # per step (begin_step, its attend_into calls), last 512
-                "whole_check_max_abs": self._whole_check.item() if self._whole_check is not None else None,
+                "whole_check_max_abs": (self.graphed.whole_check.item() if self.graphed.whole_check is not None
+                                        else None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
 
     def close(self) -> None:

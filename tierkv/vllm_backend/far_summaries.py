@@ -1,6 +1,7 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
-Primitives: `RequestSummaries` (`update`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`.
+Primitives: `RequestSummaries` (`update`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
+`SelectionOverlap` (`note`, `value`).
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
 filled from the copies the connector saves), and which blocks have one, on the host and on the
@@ -20,6 +21,9 @@ import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.sparse import BlockSummaries
+
+OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled step and the one before it
+#   cost about 2.5 and 0.5 ms more at 32 layers: the comparison and the copy are launches per layer)
 
 
 class RequestSummaries:
@@ -95,3 +99,32 @@ def summary_bytes_per_request(max_model_len: int, block_tokens: int, num_layers:
     layer for the ceil(max_model_len / block_tokens) blocks its tables may hold (`FarKV` caps them
     there). 2 * num_kv_heads * head_dim * dtype_bytes / block_tokens bytes per token and layer."""
     return -(-max_model_len // block_tokens) * num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
+
+
+class SelectionOverlap:
+    """Of the blocks selected in a sampled step (every OVERLAP_EVERY steps), how many the same
+    request and layer selected the step before: what a GPU cache of the last selection would hit.
+    Counted on the device with elementwise ops (torch.isin may sort through a host-synchronizing
+    unique); `value` reads the count."""
+
+    def __init__(self, device: torch.device):
+        self._hits = torch.zeros(1, dtype=torch.int64, device=device)
+        self._of = 0
+
+    def note(self, step: int, previous: dict[int, torch.Tensor], layer: int, ids: torch.Tensor,
+             row: int | None = None) -> None:
+        """Step `step`'s selection ids at `layer` (its row `row` when given: ids [m, k]) of a request
+        whose sampled selections are `previous` (per layer): the step before a sample keeps a copy,
+        the sampled step compares with it."""
+        if step % OVERLAP_EVERY == 0:
+            before = previous.pop(layer, None)
+            if before is not None:
+                selected = ids if row is None else ids[row]
+                self._hits += (selected.unsqueeze(1) == before.unsqueeze(0)).any(dim=1).sum()
+                self._of += selected.numel()
+        elif (step + 1) % OVERLAP_EVERY == 0:
+            previous[layer] = (ids if row is None else ids[row]).clone()
+
+    def value(self) -> float | None:
+        """The sampled overlap so far (reads the device count), None before any sample."""
+        return self._hits.item() / self._of if self._of else None

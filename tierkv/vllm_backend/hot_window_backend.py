@@ -22,7 +22,8 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.vllm_backend.far import profiled, rows_of
+from tierkv.vllm_backend.far import profiled
+from tierkv.vllm_backend.far_graphed import rows_of
 from tierkv.vllm_backend.hot_window import _STATE, current_step
 
 

@@ -212,7 +212,7 @@ def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | N
                          "every running request on the GPU inside cache.gpu_budget_bytes, so the engine needs a "
                          "positive max_num_seqs (requests at once)")
     shape = checkpoint_shape(model_dir)
-    max_len = sparse_max_model_len(model_dir, max_model_len)
+    max_len = sparse_max_model_len(model_dir, max_model_len, shape)
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
     dtype_bytes = 4 if str(engine_kwargs.get("dtype", "auto")) in ("float32", "float", "torch.float32") else 2
     per_request = summary_bytes_per_request(max_len, config.cache.block_tokens, shape["num_hidden_layers"],
@@ -220,10 +220,11 @@ def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | N
     return max_num_seqs * per_request
 
 
-def sparse_max_model_len(model_dir, max_model_len: int | None) -> int:
+def sparse_max_model_len(model_dir, max_model_len: int | None, shape: dict | None = None) -> int:
     """The length the sparse policy reserves summaries for: `max_model_len`, else the checkpoint's
-    max_position_embeddings (what vLLM would take)."""
-    max_len = max_model_len or checkpoint_shape(model_dir)["max_position_embeddings"]
+    max_position_embeddings (what vLLM would take). shape: `checkpoint_shape(model_dir)` when the
+    caller has read it."""
+    max_len = max_model_len or (shape or checkpoint_shape(model_dir))["max_position_embeddings"]
     if not max_len:
         raise ValueError(f"max_model_len: not given and {model_dir}/config.json has no max_position_embeddings; "
                          "the sparse policy sizes its key summaries from it")
