@@ -20,6 +20,7 @@
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
 #   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
+# More than 8 files under $OUT come back as one results.tar.gz (PACK_OUT=0: left as they are).
 # VLLM_ARGS="--sample-h2d 16" samples the H2D bandwidth every 16 engine steps (is PCIe contended when
 # sparse steps slow down?); CHECK_WHOLE_GRAPHS=N compares the first N whole-graph layer calls with the
 # split path (bench_vllm's table prints the largest difference)
@@ -93,3 +94,9 @@ for step in "${steps[@]}"; do
 done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
+# the device returns at most 8 files from $OUT: past that, everything goes back in one archive
+# (PACK_OUT=0 keeps the files as they are; unpack here with tar -xzf results.tar.gz)
+if [ "${PACK_OUT:-1}" != 0 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    tar -czf /tmp/results.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tar.gz "$OUT/"
+    echo "more than 8 files: packed into \$OUT/results.tar.gz"
+fi
