@@ -639,7 +639,7 @@ def test_sparse_selection_finds_planted_blocks_and_reads_only_the_budget(tmp_pat
         assert row.num_far_blocks == 40
         for name in NAMES:
             layer = store.layer_index[name]
-            selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+            selected = far.key_summaries.select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
             assert len(selected) == 4 and set(plant) <= set(selected)
             before = far.counts["far_blocks_read"]
             out, _ = far.attend(layer, q, 0.3)
@@ -662,10 +662,10 @@ def test_the_selection_never_drops_a_block_it_has_no_summary_of(tmp_path):
     try:
         (row,) = far.begin_step([("r", 20 * BS, 1)])
         layer = 0
-        assert far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist() == list(range(row.num_far_blocks))
+        assert far.key_summaries.select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist() == list(range(row.num_far_blocks))
         spans = [BlockSpan("r", ids[:10], far.requests["r"].hashes[:10])]
         far.summarize(layer, spans, store.paged.read(caches[NAMES[0]], torch.tensor(ids[:10])))
-        selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+        selected = far.key_summaries.select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
         assert set(range(10, row.num_far_blocks)) <= set(selected) and len(selected) == row.num_far_blocks - 10 + 2
     finally:
         far.close()
@@ -700,7 +700,7 @@ def test_a_prefix_without_summaries_is_streamed_exactly_once_then_selected_like_
                 err = (out.double() - want).norm() / want.norm()
                 assert err < (1e-5 if step == 0 else 1e-2), f"step {step}: relative error {err:.2e}"
                 if step == 1:
-                    selected = far._select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
+                    selected = far.key_summaries.select(far.requests["r"], layer, q[0], row.num_far_blocks).tolist()
                     assert len(selected) == 4 and set(plant) <= set(selected)
                 # the summaries equal those the connector makes from the saved blocks
                 want_table = type(summaries.summaries)(LAYERS, H, D, torch.float32, torch.device("cpu"))
@@ -736,7 +736,7 @@ def test_a_few_far_blocks_without_summaries_are_fetched_and_summarized_before_se
                 fetched = (-(-4 // region) if step == 0 else 0) + -(-4 // region)  # the 4 missing, then the selection
                 assert far.sparse_streamer.num_stalls - stalls == fetched
                 assert far.requests["r"].summaries.prefix[layer] == 40
-                assert set(plant) <= set(far._select(far.requests["r"], layer, q[0], 40).tolist())
+                assert set(plant) <= set(far.key_summaries.select(far.requests["r"], layer, q[0], 40).tolist())
                 want, _ = dense(q, store.paged.read(caches[name], torch.tensor(ids[:40])), 0.3)
                 assert (out.double() - want).norm() / want.norm() < 1e-2
             far.end_step()

@@ -20,7 +20,8 @@ Per step the far blocks of all requests form one list per layer (request after r
 lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
-min/max, kept on the device from the copies the connector saves), fetched once selected;
+min/max, kept on the device from the copies the connector saves by `far_summaries.KeySummaries`),
+fetched once selected;
 prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
 is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
 steps select; a few missing ones (at most a selection's worth: window blocks vLLM loaded from
@@ -52,7 +53,7 @@ from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 from tierkv.vllm_backend.far_graphed import GraphedRows
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs
-from tierkv.vllm_backend.far_summaries import RequestSummaries, SelectionOverlap
+from tierkv.vllm_backend.far_summaries import KeySummaries, RequestSummaries, SelectionOverlap
 
 
 def profiled(name: str):
@@ -162,6 +163,7 @@ class FarKV:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
         self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
+        self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self.requests: dict[str, _Request] = {}
@@ -194,37 +196,8 @@ class FarKV:
     def summarize(self, layer: int, spans: Sequence, blocks: torch.Tensor) -> None:
         """Sparse policy: key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device,
         the spans' blocks in order), kept per request and block index for the selection."""
-        if self.sparse_blocks is None:
-            return
-        offset = 0
-        for span in spans:
-            req = self.requests.get(span.req_id)
-            n = len(span.block_ids)
-            indices = [req.index.get(h) for h in span.hashes] if req is not None else [None] * n
-            i = 0
-            while i < n:  # runs of consecutive block indices, one update each
-                if indices[i] is None:
-                    i += 1
-                    continue
-                j = i + 1
-                while j < n and indices[j] == indices[j - 1] + 1:
-                    j += 1
-                self._summarize_run(req, layer, indices[i], blocks[offset + i : offset + j])
-                i = j
-            offset += n
-
-    def _summarize_run(self, req: _Request, layer: int, first: int, blocks: torch.Tensor) -> None:
-        if req.summaries is None:
-            layout = self.store.layout
-            req.summaries = RequestSummaries(self.store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                                             self.store.device, self.max_blocks)
-        req.summaries.update(layer, first, blocks)
-
-    def _select(self, req: _Request, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:
-        """Far blocks a decoding row attends (`RequestSummaries.select`): int64 [m] on the device."""
-        if req.summaries is None:  # nothing computed here: every far block
-            return torch.arange(num_far, device=q.device)
-        return req.summaries.select(layer, q, num_far, self.sparse_blocks)
+        if self.sparse_blocks is not None:
+            self.key_summaries.summarize(layer, spans, blocks)
 
     def finish(self, req_id: str) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became
@@ -300,7 +273,7 @@ class FarKV:
                 self._pin(req_id, req, n_far)
         self.rows = far_rows
         self.graphed.reset()
-        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self._is_selectable(r)
+        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self.key_summaries.is_selectable(r)
                   for r in far_rows]
         self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
         streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
@@ -328,15 +301,6 @@ class FarKV:
         if total:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
         return far_rows
-
-    def _is_selectable(self, row: FarRow) -> bool:
-        """A decoding row selects when at most one selection's worth of its far blocks lacks a key
-        summary in some layer (those are fetched and summarized first: window blocks vLLM loaded
-        from the tiers, now far); with more (a prefix the tiers served) it streams exactly this
-        once, and the streamed chunks leave the summaries. Host-known, no device read."""
-        req = self.requests.get(row.req_id)
-        summarized = min(req.summaries.prefix) if req is not None and req.summaries is not None else 0
-        return row.num_far_blocks - summarized <= self.sparse_blocks
 
     def prefetch(self, layer: int) -> None:
         """Before layer `layer` computes: keep layers up to layer + lookahead copying."""
@@ -453,7 +417,7 @@ class FarKV:
                 parts.setdefault(i, []).append(part)
                 self.counts["far_blocks_read"] += end - first
                 if self.sparse_blocks is not None:
-                    self._summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
+                    self.key_summaries.summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
         for i in self._sparse_rows:  # fetched once selected: each piece counts as a stall
             row = self.rows[i]
             req = self.requests[row.req_id]
@@ -462,9 +426,9 @@ class FarKV:
                 continue
             if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
                 with profiled("tierkv.sparse.summarize"):
-                    self._summarize_missing(row, req, layer)
+                    self.key_summaries.summarize_missing(row, req, layer)
             with profiled("tierkv.sparse.select"):
-                ids = self._select(req, layer, q_row[0], row.num_far_blocks)
+                ids = self.key_summaries.select(req, layer, q_row[0], row.num_far_blocks)
                 self.overlap.note(self.counts["steps"], req.previous, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
             self._count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
@@ -474,33 +438,6 @@ class FarKV:
                     parts.setdefault(i, []).append(paged_partial_attention(
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
         return parts
-
-    def _summarize_staged(self, row: FarRow, layer: int, first_block: int, staging: torch.Tensor,
-                          slots: torch.Tensor) -> None:
-        """Sparse policy: summarize a streamed piece (the row's far blocks first_block.. in `slots`
-        of `staging`) unless each of its blocks has a summary (a prefix served by the tiers has
-        none; the prefill or first decode step that streams it gives them, so the next steps can
-        select)."""
-        req = self.requests[row.req_id]
-        if req.summaries is not None and req.summaries.prefix[layer] >= first_block + slots.numel():
-            return
-        self._summarize_run(req, layer, first_block, staging.index_select(0, slots))
-
-    def _summarize_missing(self, row: FarRow, req: _Request, layer: int) -> None:
-        """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
-        selection ranks them with the rest (at most one selection's worth: blocks vLLM loaded into
-        its window from the tiers, now far). Each piece counts as a stall."""
-        missing = (req.summaries.unsummarized(layer, row.num_far_blocks) if req.summaries is not None
-                   else np.arange(row.num_far_blocks))
-        slots = req.pinned_slots[layer][torch.from_numpy(missing)]
-        fetcher, done = self.sparse_streamer, 0
-        for chunk in fetcher.fetch_now(layer, slots, (missing * self.block_tokens).tolist(), self.block_tokens):
-            ids = missing[done : done + chunk.slots.numel()]
-            blocks = fetcher.pool.staging.index_select(0, chunk.slots)
-            runs = np.flatnonzero(np.diff(ids) != 1) + 1  # starts of runs of consecutive blocks
-            for a, b in zip([0, *runs], [*runs, ids.size]):
-                self._summarize_run(req, layer, int(ids[a]), blocks[a:b])
-            done += ids.size
 
     def _count_selections(self, num_fetched: int, num_resident: int, num_rows: int) -> None:
         """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks

@@ -1,6 +1,7 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
 Primitives: `RequestSummaries` (`update`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
+`KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`, `summarize_missing`),
 `SelectionOverlap` (`note`, `value`).
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
@@ -99,6 +100,86 @@ def summary_bytes_per_request(max_model_len: int, block_tokens: int, num_layers:
     layer for the ceil(max_model_len / block_tokens) blocks its tables may hold (`FarKV` caps them
     there). 2 * num_kv_heads * head_dim * dtype_bytes / block_tokens bytes per token and layer."""
     return -(-max_model_len // block_tokens) * num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
+
+
+class KeySummaries:
+    """The sparse policy's key summaries of a `FarKV`'s requests, kept up to date from three sources
+    (the blocks the connector saves, the chunks streamed for a row, and blocks fetched because a row
+    lacks a few), and the eager path's selection over them."""
+
+    def __init__(self, far):
+        """far: the engine's FarKV (its requests, store, staging and selection size)."""
+        self.far = far
+
+    def summarize(self, layer: int, spans, blocks: torch.Tensor) -> None:
+        """Key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device, the spans' blocks
+        in order: `BlockSpan`s with req_id, block_ids, hashes), kept per request and block index."""
+        offset = 0
+        for span in spans:
+            req = self.far.requests.get(span.req_id)
+            n = len(span.block_ids)
+            indices = [req.index.get(h) for h in span.hashes] if req is not None else [None] * n
+            i = 0
+            while i < n:  # runs of consecutive block indices, one update each
+                if indices[i] is None:
+                    i += 1
+                    continue
+                j = i + 1
+                while j < n and indices[j] == indices[j - 1] + 1:
+                    j += 1
+                self._update(req, layer, indices[i], blocks[offset + i : offset + j])
+                i = j
+            offset += n
+
+    def _update(self, req, layer: int, first: int, blocks: torch.Tensor) -> None:
+        """req's blocks first..first+n-1 of `layer` (blocks [n, 2, H, T, D]), its tables made at the first."""
+        if req.summaries is None:
+            store = self.far.store
+            layout = store.layout
+            req.summaries = RequestSummaries(store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                             store.device, self.far.max_blocks)
+        req.summaries.update(layer, first, blocks)
+
+    def select(self, req, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:
+        """Far blocks a decoding row attends (`RequestSummaries.select`): int64 [m] on the device."""
+        if req.summaries is None:  # nothing computed here: every far block
+            return torch.arange(num_far, device=q.device)
+        return req.summaries.select(layer, q, num_far, self.far.sparse_blocks)
+
+    def is_selectable(self, row) -> bool:
+        """A decoding row (a `FarRow`) selects when at most one selection's worth of its far blocks
+        lacks a key summary in some layer (those are fetched and summarized first: window blocks
+        vLLM loaded from the tiers, now far); with more (a prefix the tiers served) it streams
+        exactly this once, and the streamed chunks leave the summaries. Host-known, no device read."""
+        req = self.far.requests.get(row.req_id)
+        summarized = min(req.summaries.prefix) if req is not None and req.summaries is not None else 0
+        return row.num_far_blocks - summarized <= self.far.sparse_blocks
+
+    def summarize_staged(self, row, layer: int, first_block: int, staging: torch.Tensor, slots: torch.Tensor) -> None:
+        """Summarize a streamed piece (the row's far blocks first_block.. in `slots` of `staging`)
+        unless each of its blocks has a summary (a prefix served by the tiers has none; the prefill
+        or first decode step that streams it gives them, so the next steps can select)."""
+        req = self.far.requests[row.req_id]
+        if req.summaries is not None and req.summaries.prefix[layer] >= first_block + slots.numel():
+            return
+        self._update(req, layer, first_block, staging.index_select(0, slots))
+
+    def summarize_missing(self, row, req, layer: int) -> None:
+        """Fetch and summarize a decoding row's far blocks of `layer` that have no summary, so the
+        selection ranks them with the rest (at most one selection's worth: blocks vLLM loaded into
+        its window from the tiers, now far). Each piece counts as a stall."""
+        far = self.far
+        missing = (req.summaries.unsummarized(layer, row.num_far_blocks) if req.summaries is not None
+                   else np.arange(row.num_far_blocks))
+        slots = req.pinned_slots[layer][torch.from_numpy(missing)]
+        fetcher, done = far.sparse_streamer, 0
+        for chunk in fetcher.fetch_now(layer, slots, (missing * far.block_tokens).tolist(), far.block_tokens):
+            ids = missing[done : done + chunk.slots.numel()]
+            blocks = fetcher.pool.staging.index_select(0, chunk.slots)
+            runs = np.flatnonzero(np.diff(ids) != 1) + 1  # starts of runs of consecutive blocks
+            for a, b in zip([0, *runs], [*runs, ids.size]):
+                self._update(req, layer, int(ids[a]), blocks[a:b])
+            done += ids.size
 
 
 class SelectionOverlap:
