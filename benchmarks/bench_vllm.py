@@ -226,7 +226,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         ceiling = h2d_ceiling_gbps()
         floor = {"h2d_ceiling_gbps": ceiling,
                  "pcie_floor_ms": 1e3 * kv_bytes_per_token(layers) * sum(far_tokens) / len(far_tokens) / (ceiling * 1e9)}
-    row = {"mode": mode, "context": context, "layers": layers, "tensor_parallel_size": tp,
+    row = {"mode": mode, "tag": tag, "context": context, "layers": layers, "tensor_parallel_size": tp,
            "kv_reserved_bytes": kv_reserved + staging + summaries,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
@@ -327,13 +327,21 @@ def decode_step_median(row: dict, fraction: float = 0.5) -> float | None:
     return statistics.median(decode) if fraction == 0.5 else decode[int(fraction * (len(decode) - 1))]
 
 
+def baseline(rows: dict, row: dict) -> dict | None:
+    """A row's plain vLLM row: run the same way (compiled rows against plain@compiled) and, for a
+    tagged repeat, the plain row of the same tag where there is one (run next to it: the same
+    host's speed), else the untagged one."""
+    name = "plain@compiled" if "@compiled" in row["mode"] else "plain"
+    return rows.get(f"{name}-{row['tag']}") if row.get("tag") and f"{name}-{row['tag']}" in rows else rows.get(name)
+
+
 def table(out: str) -> None:
     rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-*.json")))}
     # each row's baseline: plain vLLM run the same way (compiled rows against plain@compiled)
     print(f"{'mode':<11} {'KV reserved GiB':>15} {'prefill s':>9} {'x plain':>7} {'decode ms':>9} "
           f"{'prefix TTFT first/repeat s':>27} {'repeat/first':>12} {'far wait s':>10} {'tokens = plain':>14}")
     for mode, r in rows.items():
-        plain = rows.get("plain@compiled" if "@compiled" in mode else "plain")
+        plain = baseline(rows, r)
         ratio = r["prefill_s"] / plain["prefill_s"] if plain else float("nan")
         same = (r["tokens"] == plain["tokens"]) if plain else None
         if plain and not same:  # the first divergent step and plain vLLM's top-2 margin there: a near-tie?
@@ -389,6 +397,27 @@ def table(out: str) -> None:
             worst = max((abs(x - y) for i in range(agree) for x, y in zip(r["top2_logprobs"][i], plain["top2_logprobs"][i])),
                         default=0.0)
             print(f"{'':<11} top-2 logprobs |diff| vs plain over the {agree} agreeing steps: {worst:.4f}")
+    repeats_summary(rows)
+
+
+def repeats_summary(rows: dict) -> None:
+    """For a row run several times (tagged repeats), the spread of its ratios to plain: one run per
+    row says little where a process's host speed varies as much as it does on the lent machine."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for r in rows.values():
+        plain = baseline(rows, r)
+        if not r.get("tag") or r["mode"].startswith("plain") or plain is None:
+            continue
+        median, plain_median = decode_step_median(r), decode_step_median(plain)
+        if median and plain_median:
+            name = r["mode"][: -len(r["tag"]) - 1]
+            groups.setdefault(name, []).append((plain["decode_ms_per_token"] / r["decode_ms_per_token"],
+                                                plain_median / median))
+    for name, ratios in groups.items():
+        if len(ratios) > 1:
+            means, medians = sorted(m for m, _ in ratios), sorted(m for _, m in ratios)
+            print(f"{name} over {len(ratios)} runs, decode tokens/s x plain: {means[0]:.2f}-{means[-1]:.2f} by the means, "
+                  f"{medians[0]:.2f}-{medians[-1]:.2f} by the median steps")
 
 
 def main() -> int:

@@ -18,6 +18,8 @@
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
+# vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
+#   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
 #   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
 # More than 8 files under $OUT come back as one results.tar.gz (PACK_OUT=0: left as they are).
@@ -61,6 +63,17 @@ for step in "${steps[@]}"; do
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
         vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+        vllm-ab)  # plain and sparse graphs alternating, REPEATS pairs (rows -r1, -r2, ...), each sparse row against
+            # the plain row next to it; STORAGE_DTYPE picks the sparse rows' CPU tier (default bf16)
+            for r in $(seq 1 "${REPEATS:-2}"); do
+                for mode in plain tierkv-sparse-graphs; do
+                    dtype=auto; [ "$mode" = plain ] || dtype=${STORAGE_DTYPE:-auto}
+                    timeout 200 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" --tag "r$r" \
+                        --storage-dtype $dtype ${VLLM_ARGS:-} > "$OUT/bench-$mode-r$r.log" 2>&1
+                done
+            done
+            rm -f "$OUT"/bench-*.log
+            python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
         vllm-compiled-quant)  # compiled vLLM: plain, then the sparse graphs over int8 and fp8 CPU tiers, REPEATS runs each
             timeout 200 python3 benchmarks/bench_vllm.py run plain /tmp/m8 "$OUT/bv" --compiled ${VLLM_ARGS:-} \
                 > "$OUT/bench-plain-compiled.log" 2>&1
