@@ -4,8 +4,9 @@ graph reads it, as the vLLM backend does)
 equal the eager path, step
 after step, while the far part grows (a new far block every block_tokens steps), for two requests
 in one graph, one of them alone (a second set of rows captured beside the first), both again (the
-kept graph replays), then a new request once both finished (every graph freed), and the host is
-never synchronized by a replay; at 16- and 64-token blocks, the summary tables
+kept graph replays), then a new request once both finished (it takes a finished request's summary
+tables and slot lists, and captures for them), and one more in its place (which replays those
+graphs, no capture), and the host is never synchronized by a replay; at 16- and 64-token blocks, the summary tables
 allocated once for the engine's longest request, and over an fp8 CPU tier (codes and scales
 dequantized inside the graph). No vLLM needed (tierkv.vllm_backend.far alone)."""
 from __future__ import annotations
@@ -117,18 +118,27 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         counts = graphed.stats()["cuda_graphs"]
         assert counts["graph_capture_errors"] == 0 and counts["graph_captures"] == 2 * LAYERS
         assert counts["graphs"] == 2 * LAYERS
-        # both requests finish (every graph freed), a new one captures and replays again
+        # both requests finish: their graphs stay, and their summary tables and slot lists pass to the
+        # next requests (max_model_len is known). "c" takes b's, last released: no kept graph serves b's
+        # buffers alone, so it captures one and replays it
         for far in (eager, graphed):
             far.finish("a")
             far.finish("b")
-        assert graphed.stats()["cuda_graphs"]["graphs"] == 0
+        assert graphed.stats()["cuda_graphs"]["graphs"] == 2 * LAYERS
         tokens = [random.randrange(1 << 16) for _ in range(BLOCKS * BS)]
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             add_request(store, far, caches, "c", tokens)
         compare_steps(eager, graphed, {"c": start}, 4)
         counts = graphed.stats()["cuda_graphs"]
-        assert counts["graph_capture_errors"] == 0 and counts["graphs"] == LAYERS and counts["graphs_enabled"]
+        assert counts["graph_capture_errors"] == 0 and counts["graphs"] == 3 * LAYERS and counts["graphs_enabled"]
         assert counts["graph_captures"] == 3 * LAYERS
+        # "c" finishes and "d" takes its buffers: c's graphs replay for "d", no capture, outputs still equal
+        tokens = [random.randrange(1 << 16) for _ in range(BLOCKS * BS)]
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.finish("c")
+            add_request(store, far, caches, "d", tokens)
+        compare_steps(eager, graphed, {"d": start + 7}, 3)
+        assert graphed.stats()["cuda_graphs"]["graph_captures"] == 3 * LAYERS
         # the kernels ran, not their PyTorch fallbacks (which give the same outputs, so only this shows it)
         from tierkv import block_io, sparse
 

@@ -70,3 +70,26 @@ def test_masked_selection_over_the_whole_table_equals_the_selection_of_the_far_b
     for num_far in (5, 23, BLOCKS):
         q = torch.randn(HEADS, DIM)
         assert torch.equal(req.select_masked(0, q, torch.tensor(num_far), 4), req.select(0, q, num_far, 4))
+
+
+def test_reset_summaries_vouch_for_no_block_until_summarized_again():
+    """A request's summaries passed to another request (`RequestSummaries.reset`): the tables keep
+    their memory and address, but no block counts as summarized until the new request's blocks are,
+    so its unsummarized blocks are all read and its top k comes from its own summaries only."""
+    from tierkv.vllm_backend.far_summaries import RequestSummaries
+
+    req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"), max_blocks=BLOCKS)
+    req.update(0, 0, torch.randn(BLOCKS, 2, KV_HEADS, T, DIM))
+    table = req.summaries.tables[0]
+    assert req.prefix[0] == BLOCKS
+    req.reset()
+    assert req.prefix[0] == 0 and req.unsummarized(0, BLOCKS).tolist() == list(range(BLOCKS))
+    assert req.summaries.tables[0] is table  # same memory: a CUDA graph reading it stays valid
+    q = torch.randn(HEADS, DIM)
+    new = torch.randn(10, 2, KV_HEADS, T, DIM)
+    req.update(0, 0, new)  # the new request's first 10 blocks; 10..19 not summarized
+    fresh = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"), max_blocks=BLOCKS)
+    fresh.update(0, 0, new)
+    selected = req.select(0, q, 20, 3).tolist()
+    assert selected == fresh.select(0, q, 20, 3).tolist()
+    assert set(range(10, 20)) <= set(selected) and len(selected) == 13

@@ -1011,23 +1011,28 @@ class _BodyGraphs:
 
 
 def computed_far(tmp_path, reqs, max_rows: int, staging_blocks: int = 64, sparse_graphs: bool = True,
-                 window: int = 2 * BS, blocks: int = 30):
+                 window: int = 2 * BS, blocks: int = 30, max_model_len: int | None = None, caches=None):
     """A sparse-policy FarKV over a CPU store whose requests `reqs` each have `blocks` computed blocks
-    per layer (saved and summarized): (store, caches, far)."""
+    per layer (saved and summarized, from vLLM pools `caches`, random when not given): (store, caches, far)."""
     config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks, sparse_tokens=4 * BS,
                                       sparse_graphs=sparse_graphs), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    caches = caches if caches is not None else {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
-    far = FarKV(store, window, max_rows=max_rows)
+    far = FarKV(store, window, max_model_len=max_model_len, max_rows=max_rows)
     for req in reqs:
-        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
-        far.add_hashes(req, 0, hashes)
-        for name in NAMES:
-            spans = [BlockSpan(req, list(range(blocks)), hashes)]
-            far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
-    store.poll(wait=True)
+        add_computed(store, far, caches, req, blocks)
     return store, caches, far
+
+
+def add_computed(store, far, caches, req: str, blocks: int) -> None:
+    """Request `req` with `blocks` computed blocks per layer in vLLM pools `caches`, saved and summarized."""
+    hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(blocks * BS)], blocks)
+    far.add_hashes(req, 0, hashes)
+    for name in NAMES:
+        spans = [BlockSpan(req, list(range(blocks)), hashes)]
+        far.summarize(store.layer_index[name], spans, store.save_layer(store.layer_index[name], caches[name], spans))
+    store.poll(wait=True)
 
 
 def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
@@ -1243,11 +1248,79 @@ def test_whole_step_graphs_run_the_window_part_and_equal_the_split_path(tmp_path
         assert not step(["a", "b"], extra_keys=window)  # a longer window than the bound: split
         position["c"] = position["a"]
         assert not step(["a", "b", "c"])  # a row past the graphs' max_rows: the step goes the split way
-        far.finish("a")  # its graphs and its sets' window inputs go
-        assert far.graphs.near_inputs == {}
+        # the window inputs are one set per row count and table shape, written every step: a finished
+        # request leaves them to the next steps; its graphs go (this engine has no max_model_len, so
+        # its buffers pass to no other request)
+        kept = far.graphs.stats()["graphs"]
+        far.finish("a")
+        assert len(far.graphs.near_inputs) == 1 and far.graphs.stats()["graphs"] < kept
     finally:
         far.close()
         store.close()
+
+
+def test_a_finished_requests_buffers_and_graphs_serve_the_next_request(tmp_path, monkeypatch):
+    """With max_model_len known, a finished request's summary tables and device slot lists pass to the
+    next request at the same addresses, so the whole graphs captured for the first replay for the
+    second with no capture. Its outputs equal those of an engine that never served the first (its
+    KV differs from the first's: a stale summary would change the selection)."""
+    fake_graphs(monkeypatch)
+    window, blocks = 2 * BS, 30
+    max_len = (blocks + 8) * BS
+    for sub in ("reused", "fresh"):
+        (tmp_path / sub).mkdir()
+    store, caches, far = computed_far(tmp_path / "reused", ("a",), max_rows=1, window=window, blocks=blocks,
+                                      max_model_len=max_len)
+    fresh_store = fresh = None
+    try:
+        assert far.reuses_buffers
+        position = (blocks - 3) * BS - 4
+
+        def decode(engine, req, steps, whole=True):
+            """Decode steps of `req` (attend_whole, or the eager path): each layer's output, per step."""
+            outs = []
+            for step in range(steps):
+                rows = engine.begin_step([(req, position + step, 1)])
+                q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(step))
+                seqused = torch.tensor([rows[0].num_computed + 1 - rows[0].num_far_blocks * BS], dtype=torch.int32)
+                table = torch.arange(8, dtype=torch.int32).unsqueeze(0)
+                for name in NAMES:
+                    layer, win = store.layer_index[name], _Window(caches[name])
+                    if whole:
+                        got = torch.full((1, HQ, D), float("nan"))
+                        assert engine.attend_whole(got, layer, q, 0.3, win, (table, seqused, int(seqused.max())))
+                    else:
+                        near = win(q, table, seqused, torch.arange(2, dtype=torch.int32), int(seqused.max()))
+                        got = merge_partials([near, engine.attend(layer, q, 0.3)])[0]
+                    outs.append(got)
+                engine.end_step()
+            return outs
+
+        from tierkv.attention import merge_partials
+
+        decode(far, "a", 3)
+        counts = far.graphs.counts
+        assert counts["graph_captures"] == LAYERS
+        tables = far.requests["a"].summaries.summaries.tables
+        slot_lists = far.requests["a"].pinned_slots_dev
+        far.finish("a")
+        for cache in caches.values():  # the next request's KV is another one
+            cache.copy_(torch.randn_like(cache))
+        add_computed(store, far, caches, "b", blocks)
+        assert far.requests["b"].summaries.summaries.tables is tables
+        got = decode(far, "b", 3)
+        assert far.requests["b"].pinned_slots_dev is slot_lists  # taken when its first blocks were pinned
+        assert counts["graph_captures"] == LAYERS and counts["whole_graph_replays"] == 6 * LAYERS  # no capture for "b"
+        fresh_store, _, fresh = computed_far(tmp_path / "fresh", ("b",), max_rows=1, window=window, blocks=blocks,
+                                             sparse_graphs=False, caches=caches)
+        want = decode(fresh, "b", 3, whole=False)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    finally:
+        for engine, engine_store in ((far, store), (fresh, fresh_store)):
+            if engine is not None:
+                engine.close()
+                engine_store.close()
 
 
 def test_a_failed_whole_graph_capture_leaves_the_split_graphs_serving(tmp_path, monkeypatch):

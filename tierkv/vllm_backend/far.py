@@ -29,6 +29,10 @@ the tiers that became far) are fetched and summarized before the selection. Spar
 fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
 never overwrite chunks streamed ahead for a prefill row of the same step.
 
+Under the sparse policy with the engine's max_model_len known, a finished request's key summaries
+and device slot lists (allocated once at that length) pass to the next request, so the CUDA graphs
+captured for the one replay for the other (`reuses_buffers`).
+
 A request's blocks stay pinned in the CPU tier from the save that wrote them (the store keeps the
 pin once the copy lands) or from the step they become far, until the request finishes, so a step
 pins only the blocks that became far since the last one.
@@ -163,6 +167,11 @@ class FarKV:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
         self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
+        # sparse with max_model_len known: a finished request's summary tables and device slot lists,
+        # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
+        # CUDA graphs captured for the one serve the other (a graph bakes addresses, not requests)
+        self.reuses_buffers = self.sparse_blocks is not None and self.max_blocks is not None
+        self._spare_slot_lists: list[list[torch.Tensor]] = []
         self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
@@ -205,7 +214,11 @@ class FarKV:
         req = self.requests.pop(req_id, None)
         if req is None:
             return
-        if self.graphs is not None:
+        if self.reuses_buffers:  # its summary tables and device slot lists serve the next request,
+            self.key_summaries.release(req)  # and so do the graphs captured for it
+            if req.pinned_slots_dev:
+                self._spare_slot_lists.append(req.pinned_slots_dev)
+        elif self.graphs is not None:
             self.graphs.forget(req_id)
         for keys in req.pinned_keys:
             self.store.unpin(keys)
@@ -221,9 +234,12 @@ class FarKV:
             req.pinned_keys = [[] for _ in range(self.store.num_layers)]
             req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
             # sized for the longest request when known: the buffer never moves, so no graph recaptures
-            size = (self.max_blocks or 0) if self.sparse_blocks is not None else 0  # read by the sparse policy only
-            req.pinned_slots_dev = [torch.empty(size, dtype=torch.int64, device=self.store.device)
-                                    for _ in range(self.store.num_layers)]
+            if self._spare_slot_lists:  # a finished request's (entries past the pinned count are unused)
+                req.pinned_slots_dev = self._spare_slot_lists.pop()
+            else:
+                size = (self.max_blocks or 0) if self.sparse_blocks is not None else 0  # read by the sparse policy only
+                req.pinned_slots_dev = [torch.empty(size, dtype=torch.int64, device=self.store.device)
+                                        for _ in range(self.store.num_layers)]
         first = req.pinned_slots[0].numel()
         if num_blocks <= first:
             return
@@ -478,7 +494,8 @@ class FarKV:
                                  if (reads := self.counts["sparse_resident_reads"] + self.counts["sparse_fetched_reads"])
                                  else None),
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
-                "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None),
+                "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
+                + self.key_summaries.spare_bytes,  # held for the next requests too
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
                 # that captured no graph (no profiler needed)
                 "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,

@@ -116,7 +116,7 @@ class GraphedRows:
             if graphs.whole_enabled and plan.covers(q.shape[0]):
                 table, seqused_k, max_k = near_tables
                 if max_k <= far.window_tokens + far.block_tokens:
-                    plan.near = graphs.near_inputs_for(tuple(r[0] for r in plan.graph_rows), table, seqused_k)
+                    plan.near = graphs.near_inputs_for(table, seqused_k)
                     plan.whole = True
             if not plan.whole:
                 return False

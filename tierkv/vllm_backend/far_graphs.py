@@ -24,7 +24,10 @@ merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step
 The far counts are inputs of the graph (the bound runs over the whole summary table, blocks past
 the count masked), so growing far parts replay the same graph; a layer captures again for a new
 set of rows (a request joins or leaves; it keeps the graphs of its last GRAPHS_PER_LAYER sets) or
-when a summary table or pinned-slot buffer is reallocated (both double, unless the engine's max_model_len sized them once). Rows it cannot serve
+when a summary table or pinned-slot buffer is reallocated (both double, unless the engine's
+max_model_len sized them once). A graph knows its rows by those buffers, not by request: with
+max_model_len known a finished request's buffers pass to the next one (`FarKV.reuses_buffers`),
+which replays its graphs; otherwise `forget` drops them. Rows it cannot serve
 go the eager way (`FarKV.attend_parts`): far blocks without a summary, rows past `max_rows` (each
 row's selection needs staging slots of its own), engines without the copy kernel, CPU. A capture
 that fails turns the graphs off for the engine's life (logged, counted); the eager path gives the
@@ -86,11 +89,13 @@ def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor
     return out, lse, ids
 
 
-def _row_key(req_id: str, req, layer: int) -> tuple:
-    """What a graph bakes in for one row: the request, and its layer's summary table and pinned-slot
-    buffer (address, size); a new buffer means a new capture."""
+def _row_key(req, layer: int) -> tuple:
+    """What a graph bakes in for one row: its request's summary table and pinned-slot buffer of the
+    layer (address, size). Not the request: another one holding the same buffers (passed on when
+    the first finished, `FarKV.reuses_buffers`) replays the same graph; a new buffer means a new
+    capture."""
     table, slots = req.summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
-    return req_id, table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel()
+    return table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel()
 
 
 @dataclass
@@ -145,7 +150,7 @@ class SparseStepGraphs:
         self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
         self.enabled = self.max_rows > 0
         self.whole_enabled = self.enabled  # graphs that run the window part too (off after a failed capture)
-        self.near_inputs: dict[tuple, NearInputs] = {}  # per set of rows (their ids, the table's columns)
+        self.near_inputs: dict[tuple, NearInputs] = {}  # per row count and table columns (written every step)
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0,
                        "whole_graph_replays": 0, "whole_capture_errors": 0}
 
@@ -163,7 +168,7 @@ class SparseStepGraphs:
     @staticmethod
     def key(layer: int, rows: list[tuple[str, object, int]], scale: float) -> tuple:
         """What a layer's graph for decoding rows (req_id, request, far blocks) bakes in."""
-        return tuple(_row_key(req_id, req, layer) for req_id, req, _ in rows), scale
+        return tuple(_row_key(req, layer) for _, req, _ in rows), scale
 
     def near_buffer(self, layer: int, key: tuple) -> torch.Tensor | None:
         """The static near output of the layer's graph for `key`, if one is kept: FlashAttention may
@@ -217,13 +222,14 @@ class SparseStepGraphs:
         self.counts["graph_rows"] += len(counts)
         return entry.out, entry.ids
 
-    def near_inputs_for(self, req_ids: tuple[str, ...], table: torch.Tensor, seqused_k: torch.Tensor) -> NearInputs:
-        """The window inputs of a set of rows' whole graphs, set to this step's table [m, C] and key
-        counts [m] (two copies, once per step for all layers)."""
-        key = (req_ids, table.shape[1], table.dtype, seqused_k.dtype)
+    def near_inputs_for(self, table: torch.Tensor, seqused_k: torch.Tensor) -> NearInputs:
+        """The window inputs of the step's whole graphs, set to its table [m, C] and key counts [m]
+        (two copies, once per step for all layers). Shared by every set of m rows: each step writes
+        them before its first replay, after the last step's replays in stream order."""
+        key = (table.shape, table.dtype, seqused_k.dtype)
         inputs = self.near_inputs.get(key)
         if inputs is None:
-            m = len(req_ids)
+            m = table.shape[0]
             inputs = self.near_inputs[key] = NearInputs(
                 torch.empty_like(table), torch.empty_like(seqused_k),
                 torch.arange(m + 1, dtype=torch.int32, device=table.device))
@@ -342,12 +348,10 @@ class SparseStepGraphs:
         return graph, ids
 
     def forget(self, req_id: str) -> None:
-        """Drop the graphs that serve a finished request, and its sets' window inputs."""
+        """Drop the graphs that serve a finished request (whose buffers no other request will hold)."""
         for kept in self.graphs.values():
             for key in [key for key, entry in kept.items() if req_id in entry.request_ids]:
                 del kept[key]
-        for key in [key for key in self.near_inputs if req_id in key[0]]:
-            del self.near_inputs[key]
 
     @property
     def packed_bytes(self) -> int:

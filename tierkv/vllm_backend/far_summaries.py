@@ -1,7 +1,7 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
-Primitives: `RequestSummaries` (`update`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
-`KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`, `summarize_missing`),
+Primitives: `RequestSummaries` (`update`, `reset`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
+`KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`, `summarize_missing`, `release`),
 `SelectionOverlap` (`note`, `value`).
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
@@ -54,6 +54,15 @@ class RequestSummaries:
             have = self.is_summarized[layer]
             gaps = np.flatnonzero(~have[end:])
             self.prefix[layer] = end + int(gaps[0]) if gaps.size else have.size
+
+    def reset(self) -> None:
+        """No block has a summary any more (for another request). The tables keep their memory and
+        addresses; their stale rows count nowhere: the selection reads a row only where `prefix` or
+        `is_summarized` vouches for it, and the masked selection only below the far count."""
+        for layer in range(len(self.prefix)):
+            self.is_summarized[layer][:] = False
+            self.is_summarized_dev[layer].fill_(False)
+        self.prefix = [0] * len(self.prefix)
 
     def select(self, layer: int, q: torch.Tensor, num_far: int, k: int) -> torch.Tensor:
         """q [num_heads, head_dim] -> int64 [m] far block indices on q's device, in block order.
@@ -110,6 +119,19 @@ class KeySummaries:
     def __init__(self, far):
         """far: the engine's FarKV (its requests, store, staging and selection size)."""
         self.far = far
+        self._spare: list[RequestSummaries] = []  # finished requests' (far.reuses_buffers), emptied
+
+    def release(self, req) -> None:
+        """A finished request's summaries go to the next request that needs some (emptied, their tables
+        kept where they are)."""
+        if req.summaries is not None:  # (the finished request object itself is dropped)
+            req.summaries.reset()
+            self._spare.append(req.summaries)
+
+    @property
+    def spare_bytes(self) -> int:
+        """GPU bytes of the summaries kept for the next requests."""
+        return sum(s.num_bytes for s in self._spare)
 
     def summarize(self, layer: int, spans, blocks: torch.Tensor) -> None:
         """Key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device, the spans' blocks
@@ -133,7 +155,9 @@ class KeySummaries:
 
     def _update(self, req, layer: int, first: int, blocks: torch.Tensor) -> None:
         """req's blocks first..first+n-1 of `layer` (blocks [n, 2, H, T, D]), its tables made at the first."""
-        if req.summaries is None:
+        if req.summaries is None and self._spare:
+            req.summaries = self._spare.pop()
+        elif req.summaries is None:
             store = self.far.store
             layout = store.layout
             req.summaries = RequestSummaries(store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
