@@ -22,6 +22,7 @@
 #   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
 #   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
+# PIN_CORES="2-5" runs the bench_vllm engines on those cores only (taskset).
 # More than 8 files under $OUT come back as one results.tar.gz (PACK_OUT=0: left as they are).
 # VLLM_ARGS="--sample-h2d 16" samples the H2D bandwidth every 16 engine steps (is PCIe contended when
 # sparse steps slow down?); CHECK_WHOLE_GRAPHS=N compares the first N whole-graph layer calls with the
@@ -36,6 +37,12 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # the GPU's PCIe and NUMA placement, for reading copy-bound rows across leases
 { nvidia-smi topo -m; lscpu | grep -i -E "numa|model name|^cpu\(s\)"; } > "$OUT/topology.txt" 2>&1 || true
 summary=()
+# PIN_CORES="2-5": the bench_vllm engines run on those cores only (taskset): does a slow engine process
+# follow the cores it runs on? (bench_vllm records the core and a host speed probe per row)
+PIN=""
+if [ -n "${PIN_CORES:-}" ]; then
+    if command -v taskset > /dev/null; then PIN="taskset -c $PIN_CORES"; else echo "PIN_CORES: no taskset here; not pinned" >&2; fi
+fi
 quiet() { grep -v "^INFO\|^WARNING\|^(EngineCore\|^DEBUG\|^\[rank" || true; }
 for step in "${steps[@]}"; do
     start=$(date +%s)
@@ -59,7 +66,7 @@ for step in "${steps[@]}"; do
             python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
         vllm-plain|vllm-tierkv|vllm-sparse|vllm-sparse-graphs|vllm-offloading|vllm-lmcache)
             mode=${step#vllm-}; case "$mode" in sparse*) mode=tierkv-$mode ;; esac
-            timeout 240 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
+            timeout 240 $PIN python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
         vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
@@ -68,18 +75,18 @@ for step in "${steps[@]}"; do
             for r in $(seq 1 "${REPEATS:-2}"); do
                 for mode in plain tierkv-sparse-graphs; do
                     dtype=auto; [ "$mode" = plain ] || dtype=${STORAGE_DTYPE:-auto}
-                    timeout 200 python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" --tag "r$r" \
+                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" --tag "r$r" \
                         --storage-dtype $dtype ${VLLM_ARGS:-} > "$OUT/bench-$mode-r$r.log" 2>&1
                 done
             done
             rm -f "$OUT"/bench-*.log
             python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
         vllm-compiled-quant)  # compiled vLLM: plain, then the sparse graphs over int8 and fp8 CPU tiers, REPEATS runs each
-            timeout 200 python3 benchmarks/bench_vllm.py run plain /tmp/m8 "$OUT/bv" --compiled ${VLLM_ARGS:-} \
+            timeout 200 $PIN python3 benchmarks/bench_vllm.py run plain /tmp/m8 "$OUT/bv" --compiled ${VLLM_ARGS:-} \
                 > "$OUT/bench-plain-compiled.log" 2>&1
             for dtype in int8 float8_e4m3fn; do
                 for r in $(seq 1 "${REPEATS:-2}"); do
-                    timeout 200 python3 benchmarks/bench_vllm.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bv" --compiled \
+                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bv" --compiled \
                         --storage-dtype $dtype --tag "r$r" ${VLLM_ARGS:-} > "$OUT/bench-$dtype-r$r.log" 2>&1
                 done
             done
