@@ -5,8 +5,11 @@ Primitives:
                                                       "device", "results"} and return it
     git_commit(repo=REPO_ROOT)                       HEAD sha, "-dirty" when tracked files changed
     describe_device()                                GPU name with torch and CUDA versions, or cpu
+    h2d_ceiling_gbps(), H2DProbe                     pinned host-to-device copy bandwidth, once or sampled
+    CpuUse, host_probe_us()                          where the host CPU went during a run, and how fast it ran
 
-Importing this module imports nothing heavy; torch is imported only by describe_device().
+Importing this module imports nothing heavy; torch is imported only where a GPU is measured
+(describe_device, H2DProbe).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +125,13 @@ class CpuUse:
     def start(self) -> None:
         self._probe_us = host_probe_us()
         self._threads, self._machine = _thread_cpu_s(), _machine_cpu_s()
-        self._wall = _monotonic()
+        self._wall = time.monotonic()
 
     def take(self) -> dict:
         """{"wall_s", "threads": {name: CPU seconds}, busiest first, "machine_busy_cores",
         "host_probe_us": [at start, now] (`host_probe_us`), "cpu": the core this thread last ran on}
         since start()."""
-        wall = _monotonic() - self._wall
+        wall = time.monotonic() - self._wall
         now = _thread_cpu_s()
         threads = {name: round(s - self._threads.get(name, 0.0), 3) for name, s in now.items()}
         threads = dict(sorted(((n, s) for n, s in threads.items() if s > 0), key=lambda item: -item[1]))
@@ -142,8 +146,6 @@ def host_probe_us(repeats: int = 5) -> float:
     """A fixed piece of Python work (20k loop iterations with a dict and a list), the median of
     `repeats` timings in us: the same machine gives the same figure, so a process whose host runs
     slow (a shared or throttled core) shows a larger one."""
-    import time
-
     timings = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -161,13 +163,18 @@ def _current_cpu() -> int | None:
         stat = Path("/proc/thread-self/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2 :].split()[36])
+    return int(_stat_fields(stat)[36])
 
 
-def _monotonic() -> float:
-    import time
+def _stat_fields(stat: str) -> list[str]:
+    """A /proc .../stat line's fields after the command name (field 3 on): the name, in parentheses,
+    may hold spaces."""
+    return stat[stat.rindex(")") + 2 :].split()
 
-    return time.monotonic()
+
+def _clock_ticks() -> int:
+    """The kernel's clock ticks per second, the unit of /proc CPU times."""
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _thread_cpu_s() -> dict[str, float]:
@@ -175,7 +182,7 @@ def _thread_cpu_s() -> dict[str, float]:
     Python thread's name where it has one, else the kernel's."""
     import threading
 
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    ticks = _clock_ticks()
     python_names = {t.native_id: t.name for t in threading.enumerate()}
     totals: dict[str, float] = {}
     try:
@@ -188,7 +195,7 @@ def _thread_cpu_s() -> dict[str, float]:
         except OSError:  # the thread ended
             continue
         name = python_names.get(int(tid)) or stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
+        fields = _stat_fields(stat)
         key = f"{name} ({tid})"
         totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return totals
@@ -200,7 +207,7 @@ def _machine_cpu_s() -> tuple[float, float] | None:
         first = Path("/proc/stat").read_text().splitlines()[0].split()
     except (OSError, IndexError):
         return None
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    ticks = _clock_ticks()
     values = [int(v) for v in first[1:]]
     idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
     return (sum(values) - idle) / ticks, idle / ticks

@@ -332,7 +332,8 @@ def baseline(rows: dict, row: dict) -> dict | None:
     tagged repeat, the plain row of the same tag where there is one (run next to it: the same
     host's speed), else the untagged one."""
     name = "plain@compiled" if "@compiled" in row["mode"] else "plain"
-    return rows.get(f"{name}-{row['tag']}") if row.get("tag") and f"{name}-{row['tag']}" in rows else rows.get(name)
+    tagged = rows.get(f"{name}-{row['tag']}") if row.get("tag") else None
+    return tagged if tagged is not None else rows.get(name)
 
 
 def table(out: str) -> None:

@@ -107,7 +107,7 @@ def block_key(block_hash: str, layer: int) -> str:
 def block_keys(block_hashes: Sequence[str], layer: int, suffix: str = "") -> list[str]:
     """`block_key(h, layer) + suffix` for each hash: one string join per block (a prefix of 100k
     tokens is 50k keys over 32 layers, built on every lookup and pin)."""
-    tail = f"/L{layer}{suffix}"
+    tail = block_key("", layer) + suffix  # block_key's format, built once
     return [h + tail for h in block_hashes]
 
 

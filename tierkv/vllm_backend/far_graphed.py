@@ -24,7 +24,6 @@ import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.vllm_backend.far_graphs import NearInputs
-from tierkv.vllm_backend.far_summaries import OVERLAP_EVERY
 
 
 def rows_of(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -88,7 +87,7 @@ class GraphedRows:
                 [(r.req_id, far.requests[r.req_id], r.num_far_blocks) for r in rows],
                 None if contiguous or not starts else to_device_no_sync(starts, far.store.device),
                 sum(r.near_blocks(far.block_tokens) for r in rows),
-                far.counts["steps"] % OVERLAP_EVERY in (0, OVERLAP_EVERY - 1))
+                far.overlap.samples(far.counts["steps"]))
         return self._plan
 
     def near_out_buffer(self, layer: int, num_tokens: int, scale: float) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 Primitives: `RequestSummaries` (`update`, `reset`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
 `KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`, `summarize_missing`, `release`),
-`SelectionOverlap` (`note`, `value`).
+`SelectionOverlap` (`samples`, `note`, `value`).
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
 filled from the copies the connector saves), and which blocks have one, on the host and on the
@@ -215,6 +215,11 @@ class SelectionOverlap:
     def __init__(self, device: torch.device):
         self._hits = torch.zeros(1, dtype=torch.int64, device=device)
         self._of = 0
+
+    @staticmethod
+    def samples(step: int) -> bool:
+        """Whether `note` reads step `step`'s selections (a sampled step, or the one before it)."""
+        return step % OVERLAP_EVERY in (0, OVERLAP_EVERY - 1)
 
     def note(self, step: int, previous: dict[int, torch.Tensor], layer: int, ids: torch.Tensor,
              row: int | None = None) -> None:

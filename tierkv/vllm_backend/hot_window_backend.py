@@ -57,27 +57,19 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             table, seqused_k, max_k = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.max_seq_len
         else:
             table, seqused_k, max_k = step.near(attn_metadata)
-        key_cache, value_cache = self._kv_views(kv_cache)
+        window = self._window(layer, *self._kv_views(kv_cache))
         q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
-        descale = (attn_metadata.query_start_loc.shape[0] - 1, self.num_kv_heads)
         has_far = step is not None and step.has_far
         layer_index = step.layer_index[layer.layer_name] if has_far else None
         if has_far and step.far.graphs is not None:  # every row a graphed decoding row: one graph, window and far
-            window = self._window(layer, key_cache, value_cache)
             check = _CHECK_WHOLE.check(window, q, table, seqused_k, attn_metadata.query_start_loc, max_k)
             if step.far.attend_whole(out, layer_index, q, self.scale, window, (table, seqused_k, max_k), check):
                 return output
         # with far blocks the near part goes to its own buffer: where the layer's CUDA graph reads it
         # when the graphs serve every row of the step, else a new one
         near = step.far.near_out_buffer(layer_index, n, self.scale) if has_far else out
-        result = fa.flash_attn_varlen_func(
-            q=q, k=key_cache, v=value_cache, out=near,
-            cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=self.scale, causal=True,
-            alibi_slopes=self.alibi_slopes, window_size=None, block_table=table, softcap=self.logits_soft_cap,
-            fa_version=self.vllm_flash_attn_version, k_descale=layer._k_scale.expand(descale),
-            v_descale=layer._v_scale.expand(descale), s_aux=self.sinks, return_softmax_lse=has_far,
-        )
+        result = window.run(q, table, seqused_k, attn_metadata.query_start_loc, attn_metadata.max_query_len, max_k,
+                            out=near, return_lse=has_far)
         if not has_far:
             return output
         near_out, near_lse = result
@@ -87,8 +79,8 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         return output
 
     def _window(self, layer, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "_WindowAttention":
-        """The layer's window part as a step graph runs it, made once (its cache views and scales stay
-        the same for the engine's life)."""
+        """The layer's window part (FlashAttention over vLLM's pool), as the forward and a step graph
+        run it, made once (its cache views and scales stay the same for the engine's life)."""
         window = getattr(self, "_window_part", None)
         if window is None or window.key_cache is not key_cache:
             window = self._window_part = _WindowAttention(self, layer, key_cache, value_cache)
@@ -115,25 +107,33 @@ class HotWindowImpl(fa.FlashAttentionImpl):
 
 
 class _WindowAttention:
-    """FlashAttention of decoding rows over their windows in vLLM's pool, as a step graph captures
-    it (`FarKV.attend_whole`): (q [m, H, D], block table [m, C], key counts [m], query offsets
-    [m + 1], an upper bound of the key counts) -> (out [m, H, D], lse [m, H]). Its cache views and
-    scales are fixed for the engine's life; `key` names them for the graphs."""
+    """A layer's FlashAttention over the rows' windows in vLLM's pool (causal, each row's blocks and
+    key count past its far blocks): `run` as the backend's forward calls it, and as a step graph
+    captures it for decoding rows (`FarKV.attend_whole`): (q [m, H, D], block table [m, C], key
+    counts [m], query offsets [m + 1], an upper bound of the key counts) -> (out [m, H, D], lse
+    [m, H]). Its cache views and scales are fixed for the engine's life; `key` names them for the
+    graphs."""
 
     def __init__(self, impl: "HotWindowImpl", layer, key_cache: torch.Tensor, value_cache: torch.Tensor):
         self.impl, self.layer, self.key_cache, self.value_cache = impl, layer, key_cache, value_cache
         self.key = (key_cache.data_ptr(), value_cache.data_ptr(), layer._k_scale.data_ptr(), layer._v_scale.data_ptr())
 
-    def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
-        impl, m = self.impl, q.shape[0]
-        descale = (m, impl.num_kv_heads)
-        out, lse = fa.flash_attn_varlen_func(
-            q=q, k=self.key_cache, v=self.value_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+    def run(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, out=None,
+            return_lse: bool = True):
+        """vLLM's flash_attn_varlen_func over the pool: out (into `out` when given), with the LSE
+        [H, tokens] when return_lse."""
+        impl = self.impl
+        descale = (cu_seqlens_q.shape[0] - 1, impl.num_kv_heads)
+        return fa.flash_attn_varlen_func(
+            q=q, k=self.key_cache, v=self.value_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
             seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=impl.scale, causal=True,
             alibi_slopes=impl.alibi_slopes, window_size=None, block_table=table, softcap=impl.logits_soft_cap,
             fa_version=impl.vllm_flash_attn_version, k_descale=self.layer._k_scale.expand(descale),
-            v_descale=self.layer._v_scale.expand(descale), s_aux=impl.sinks, return_softmax_lse=True)
-        return out, lse[:, :m].transpose(0, 1)
+            v_descale=self.layer._v_scale.expand(descale), s_aux=impl.sinks, return_softmax_lse=return_lse)
+
+    def __call__(self, q, table, seqused_k, cu_seqlens_q, max_seqlen_k):
+        out, lse = self.run(q, table, seqused_k, cu_seqlens_q, 1, max_seqlen_k)
+        return out, lse[:, : q.shape[0]].transpose(0, 1)
 
 
 class _CheckWhole:
