@@ -6,7 +6,7 @@
 #   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed);
 #   graph-tests: the GPU test of those graphs alone
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
-#   vllm-model8b (builds /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
+#   vllm-model8b (builds MODEL_DIR, default /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
 #   vllm-sparse-graphs (sparse decode rows replayed from CUDA graphs), vllm-sparse-check (its whole
 #   graphs against the split path, numerically: CHECK_WHOLE_GRAPHS layer calls, default 64),
@@ -37,6 +37,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # the GPU's PCIe and NUMA placement, for reading copy-bound rows across leases
 { nvidia-smi topo -m; lscpu | grep -i -E "numa|model name|^cpu\(s\)"; } > "$OUT/topology.txt" 2>&1 || true
 summary=()
+# MODEL_DIR: the model the vLLM steps run (vllm-model8b builds it; QK_BIAS_STD=16 gives its queries a direction
+# stable across steps, bench_vllm.build_model); BV_NAME: the folder under $OUT their rows go to
+M8="${MODEL_DIR:-/tmp/m8}"
+BV="$OUT/${BV_NAME:-bv}"
 # PIN_CORES="2-5": the bench_vllm engines run on those cores only (taskset): does a slow engine process
 # follow the cores it runs on? (bench_vllm records the core and a host speed probe per row)
 PIN=""
@@ -56,7 +60,8 @@ for step in "${steps[@]}"; do
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;
-        vllm-model8b) timeout 200 python3 benchmarks/bench_vllm.py model /tmp/m8 --layers 32 2>&1 | tail -1 ;;
+        vllm-model8b) timeout 200 python3 benchmarks/bench_vllm.py model "$M8" --layers 32 --qk-bias-std "${QK_BIAS_STD:-0}" \
+                2>&1 | tail -1 ;;
         vllm-check)
             [ -d /tmp/m ] || python3 benchmarks/vllm_check.py model /tmp/m 2>&1 | tail -1
             for mode in plain hotwindow; do
@@ -66,44 +71,44 @@ for step in "${steps[@]}"; do
             python3 benchmarks/vllm_check.py compare "$OUT/vc" hotwindow 2>&1 | tail -12 ;;
         vllm-plain|vllm-tierkv|vllm-sparse|vllm-sparse-graphs|vllm-offloading|vllm-lmcache)
             mode=${step#vllm-}; case "$mode" in sparse*) mode=tierkv-$mode ;; esac
-            timeout 240 $PIN python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" \
+            timeout 240 $PIN python3 benchmarks/bench_vllm.py run $mode "$M8" "$BV" \
                 ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} ${VLLM_ARGS:-} > "$OUT/bench-$mode.log" 2>&1
             grep "^{" "$OUT/bench-$mode.log" | cut -c1-300 ;;
-        vllm-table) python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+        vllm-table) python3 benchmarks/bench_vllm.py table "$BV" ;;
         vllm-ab)  # plain and sparse graphs alternating, REPEATS pairs (rows -r1, -r2, ...), each sparse row against
             # the plain row next to it; STORAGE_DTYPE picks the sparse rows' CPU tier (default bf16)
             for r in $(seq 1 "${REPEATS:-2}"); do
                 for mode in plain tierkv-sparse-graphs; do
                     dtype=auto; [ "$mode" = plain ] || dtype=${STORAGE_DTYPE:-auto}
-                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run $mode /tmp/m8 "$OUT/bv" --tag "r$r" \
+                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run $mode "$M8" "$BV" --tag "r$r" \
                         --storage-dtype $dtype ${VLLM_ARGS:-} > "$OUT/bench-$mode-r$r.log" 2>&1
                 done
             done
             rm -f "$OUT"/bench-*.log
-            python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+            python3 benchmarks/bench_vllm.py table "$BV" ;;
         vllm-compiled-quant)  # compiled vLLM: plain, then the sparse graphs over int8 and fp8 CPU tiers, REPEATS runs each
-            timeout 200 $PIN python3 benchmarks/bench_vllm.py run plain /tmp/m8 "$OUT/bv" --compiled ${VLLM_ARGS:-} \
+            timeout 200 $PIN python3 benchmarks/bench_vllm.py run plain "$M8" "$BV" --compiled ${VLLM_ARGS:-} \
                 > "$OUT/bench-plain-compiled.log" 2>&1
             for dtype in int8 float8_e4m3fn; do
                 for r in $(seq 1 "${REPEATS:-2}"); do
-                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bv" --compiled \
+                    timeout 200 $PIN python3 benchmarks/bench_vllm.py run tierkv-sparse-graphs "$M8" "$BV" --compiled \
                         --storage-dtype $dtype --tag "r$r" ${VLLM_ARGS:-} > "$OUT/bench-$dtype-r$r.log" 2>&1
                 done
             done
             rm -f "$OUT"/bench-*.log  # the rows' JSON comes back; the device returns few files
-            python3 benchmarks/bench_vllm.py table "$OUT/bv" ;;
+            python3 benchmarks/bench_vllm.py table "$BV" ;;
         vllm-sparse-check)  # whole step graphs against the split path, numerically (8 decode tokens, own OUT)
             CHECK_WHOLE_GRAPHS=${CHECK_WHOLE_GRAPHS:-64} timeout 150 python3 benchmarks/bench_vllm.py run \
-                tierkv-sparse-graphs /tmp/m8 "$OUT/check" --context 130880 --decode-tokens 8 --no-prefix \
+                tierkv-sparse-graphs "$M8" "$OUT/check" --context 130880 --decode-tokens 8 --no-prefix \
                 > "$OUT/check-whole.log" 2>&1
             python3 benchmarks/bench_vllm.py table "$OUT/check" | grep -i "graphs\|mode" ;;
         vllm-batch-plain|vllm-batch-sparse|vllm-batch-sparse-graphs)
             mode=${step#vllm-batch-}; [ "$mode" = plain ] || mode=tierkv-$mode
-            timeout 400 python3 benchmarks/bench_vllm_batch.py run $mode /tmp/m8 "$OUT/bb" ${BATCH_ARGS:-} \
+            timeout 400 python3 benchmarks/bench_vllm_batch.py run $mode "$M8" "$OUT/bb" ${BATCH_ARGS:-} \
                 > "$OUT/batch-$mode.log" 2>&1
             grep "^{" "$OUT/batch-$mode.log" | cut -c1-300 ;;
         vllm-batch-sparse-graphs-fp8)  # fp8 CPU tier: half the host bytes per request (FP8_REQUESTS, default 10)
-            timeout 500 python3 benchmarks/bench_vllm_batch.py run tierkv-sparse-graphs /tmp/m8 "$OUT/bb" \
+            timeout 500 python3 benchmarks/bench_vllm_batch.py run tierkv-sparse-graphs "$M8" "$OUT/bb" \
                 --storage-dtype float8_e4m3fn --requests ${FP8_REQUESTS:-10} ${BATCH_ARGS:-} > "$OUT/batch-fp8.log" 2>&1
             grep "^{" "$OUT/batch-fp8.log" | cut -c1-300 ;;
         vllm-batch-table) python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;

@@ -102,8 +102,10 @@ class SchedulerConfig:
         "far attention in one CUDA graph and replay it (CUDA, copy-kernel transfer backends; a quantized CPU tier's "
         "codes are dequantized inside the graph; elsewhere, and after a failed capture, the eager path)"))
     sparse_graph_rows: int = field(default=8, metadata=doc(
-        "sparse CUDA graphs: decoding rows one layer's graph serves, at most vLLM's max_num_seqs; each takes a "
-        "selection's worth of staging (within half of staging_bytes), rows beyond go the eager way", min_value=1))
+        "sparse CUDA graphs: decoding rows one layer's graph serves, at most vLLM's max_num_seqs; each row's request "
+        "holds a far-block cache of one selection per layer (layers x sparse_token_budget tokens of KV, within three "
+        "quarters of staging_bytes), so only selected blocks it lacks cross PCIe; rows beyond go the eager way",
+        min_value=1))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

@@ -31,3 +31,40 @@ def test_a_tagged_row_is_compared_with_the_plain_row_of_its_tag(tmp_path, capsys
     # against plain for both, r1 would read 0.40: the spread shows each against its own baseline
     assert "tierkv-sparse-graphs over 2 runs, decode tokens/s x plain: 0.80-0.80 by the means" in printed
     assert "@compiled over" not in printed  # one compiled run: no spread
+
+
+def test_the_hit_rate_line_is_the_timed_requests_own_reads(tmp_path, capsys):
+    """A sparse row's GPU hit rate: its timed request's reads of window blocks and cache-held far
+    blocks over all its reads, with the far blocks fetched at selection and the model it ran."""
+    sparse = row("tierkv-sparse-graphs", 10.0)
+    sparse["decode_reads"] = {"sparse_resident_reads": 30, "sparse_selected_reads": 40, "cache_hits": 36,
+                              "cache_misses": 4, "stalls": 3, "gpu_hit_rate": 66 / 70}
+    sparse["model_qk_bias_std"] = 16.0
+    sparse["connector"] = {"hot_window": {"selection_overlap": 0.9, "gpu_hit_rate": 0.5}}
+    for r in (row("plain", 10.0), sparse):
+        (tmp_path / f"bench-vllm-{r['mode']}.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    printed = capsys.readouterr().out
+    assert ("GPU hit rate at attention time 0.943 (blocks read from the window or a far-block cache over all; "
+            "4 of 40 selected far blocks fetched at selection, 3 stalls), selection overlap with the step before "
+            "0.900, model q/k bias std 16.0") in printed
+
+
+def test_drawn_qk_biases_leave_v_and_o_unbiased():
+    """The locality model's biases (bench_vllm model --qk-bias-std) on a small Llama: q and k drawn at
+    the asked spread, v and o zero."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.bench_vllm import draw_qk_biases
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, attention_bias=True)
+    model = LlamaForCausalLM(config)
+    draw_qk_biases(model, 8.0)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        q, k = attn.q_proj.bias, attn.k_proj.bias
+        assert 6.0 < q.std().item() < 10.0 and 5.0 < k.std().item() < 11.0  # 256 and 128 draws of N(0, 64)
+        assert not attn.v_proj.bias.any() and not attn.o_proj.bias.any()

@@ -888,10 +888,34 @@ def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, s
         store.close()
 
 
-def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
+def cpu_row_caches(far, req):
+    """Far-block caches on CPU for one request (the engine makes them only with its CUDA graphs)."""
+    from tierkv.vllm_backend.far_cache import RowCaches
+
+    row_caches = RowCaches(1, far.store.num_layers, far.sparse_blocks, far.store.layout.shape,
+                           far.store.layout.dtype, torch.device("cpu"))
+    req.cache = row_caches.take()
+    return row_caches
+
+
+def counting_inline_copies(monkeypatch, engine) -> list[int]:
+    """The blocks each `gather_h2d_inline` call of `engine` copies (pairs with a source slot), in order."""
+    copied, inline = [], engine.gather_h2d_inline
+
+    def counted(src, src_slots, dst, dst_slots):
+        copied.append(int((src_slots >= 0).sum()))
+        inline(src, src_slots, dst, dst_slots)
+
+    monkeypatch.setattr(engine, "gather_h2d_inline", counted)
+    return copied
+
+
+def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, monkeypatch):
     """What a CUDA graph captures for a decoding row (sparse_row_body: selection, the copy kernel's
-    inline copy, attention) gives the eager path's (out, lse); on CPU the graphs themselves are
-    off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the eager path alone."""
+    inline copy of the blocks its far-block cache lacks, attention) gives the eager path's (out,
+    lse), and again with nothing copied when the same selection repeats; on CPU the graphs
+    themselves are off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the
+    eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
     from tierkv.vllm_backend.far_graphs import SparseStepGraphs, sparse_row_body
 
@@ -904,15 +928,18 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
         assert not SparseStepGraphs.usable(store) and far.graphs is None and far.stats()["cuda_graphs"] is None
         (row,) = far.begin_step([("r", 42 * BS, 1)])
         k = far.sparse_blocks
-        staging = torch.zeros(k, *store.layout.shape)
+        row_caches = cpu_row_caches(far, far.requests["r"])
+        copied = counting_inline_copies(monkeypatch, store.io.engine)
         for name in NAMES:
             layer = store.layer_index[name]
             want_out, want_lse = far.attend(layer, q, 0.3)
-            out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
-                                                 staging, torch.arange(k), torch.full((k,), BS), 0.3)
-            assert set(plant) <= set(selected.tolist()) and selected.numel() == k
-            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+            for run in range(2):  # the second finds the whole selection in the cache: no copy
+                out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
+                                                     row_caches, torch.full((k,), BS), 0.3)
+                assert copied.pop() == (k if run == 0 else 0)
+                assert set(plant) <= set(selected.tolist()) and selected.numel() == k
+                torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
             # under vLLM attend_into merges the graph's far part with the row's near part in one launch
             near = (torch.randn(1, HQ, D), torch.randn(1, HQ))
             merged = torch.full((1, HQ, D), float("nan"), dtype=torch.bfloat16)
@@ -925,12 +952,14 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path):
 
 
 @pytest.mark.parametrize("storage_dtype", ["float8_e4m3fn", "int8"])
-def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype):
+def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypatch):
     """A quantized CPU tier (half the bytes per selected block): the selection still holds the planted
     blocks (summaries come from the unquantized blocks the connector saved), the output stays within
     1e-2 of dense attention over the far blocks as the tier holds them (quantized and back: the
     tier's own error is tests/storage/test_quantized_tiers.py's), and the graph body (codes and
-    scales copied into their buffers, dequantized into staging) gives the eager path's result."""
+    scales of the blocks its cache lacks copied into their buffers and dequantized into the cache, the
+    held blocks' stale codes into its sink) gives the eager path's result, the first time and when the
+    selection repeats and nothing is copied."""
     from tierkv.quant import dequantize_blocks, quantize_blocks
     from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_row_body
 
@@ -944,7 +973,8 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype):
         k = far.sparse_blocks
         packed = packed_buffers(far, torch.device("cpu"))
         assert packed[0].dtype == torch.uint8 and packed[0].shape[0] == k and packed[1].shape == (k, 2, H)
-        staging = torch.zeros(k, *store.layout.shape)
+        row_caches = cpu_row_caches(far, far.requests["r"])
+        copied = counting_inline_copies(monkeypatch, store.io.engine)
         for name in NAMES:
             layer = store.layer_index[name]
             out, lse = far.attend(layer, q, 0.3)
@@ -953,11 +983,14 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype):
             want, _ = dense(q, held, 0.3)
             err = (out.double() - want).norm() / want.norm()
             assert err < 1e-2, f"relative error {err:.2e} against dense attention over the {storage_dtype} tier's blocks"
-            g_out, g_lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
-                                                     staging, torch.arange(k), torch.full((k,), BS), 0.3, packed)
-            assert set(plant) <= set(selected.tolist())
-            torch.testing.assert_close(g_out, out, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(g_lse, lse, rtol=1e-5, atol=1e-6)
+            for run in range(2):  # codes and scales of the selection, then of nothing
+                g_out, g_lse, selected = sparse_row_body(far, far.requests["r"], layer, q,
+                                                         torch.tensor(row.num_far_blocks), row_caches,
+                                                         torch.full((k,), BS), 0.3, packed)
+                assert copied[-2:] == [k if run == 0 else 0] * 2
+                assert set(plant) <= set(selected.tolist())
+                torch.testing.assert_close(g_out, out, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(g_lse, lse, rtol=1e-5, atol=1e-6)
         far.end_step()
     finally:
         far.close()
@@ -970,17 +1003,22 @@ class _BodyGraphs:
     step's decoding rows into one graph call and merges its far parts back, on CPU."""
 
     def __init__(self, far, max_rows: int):
+        from tierkv.vllm_backend.far_cache import RowCaches
         from tierkv.vllm_backend.far_graphs import packed_buffers
 
         self.far, self.max_rows, self.calls = far, max_rows, []
         k = far.sparse_blocks
-        self.staging = torch.zeros(max_rows * k, *far.store.layout.shape)
+        self.caches = RowCaches(max_rows, far.store.num_layers, k, far.store.layout.shape, far.store.layout.dtype,
+                                torch.device("cpu"))
         self.packed = [packed_buffers(far, torch.device("cpu")) for _ in range(max_rows)]
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
         self.packed_bytes = 0
 
     def servable(self, req, num_far):
-        return req.summaries is not None and self.far.sparse_blocks < num_far <= min(req.summaries.prefix)
+        if not (req.summaries is not None and self.far.sparse_blocks < num_far <= min(req.summaries.prefix)):
+            return False
+        req.cache = req.cache or self.caches.take()
+        return req.cache is not None
 
     def key(self, layer, rows, scale):
         return layer, tuple(req_id for req_id, _, _ in rows), scale
@@ -994,8 +1032,8 @@ class _BodyGraphs:
 
         k = self.far.sparse_blocks
         self.calls.append([req_id for req_id, _, _ in rows])
-        parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], torch.tensor(n), self.staging,
-                                 torch.arange(r * k, (r + 1) * k), torch.full((k,), BS), scale, self.packed[r])
+        parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], torch.tensor(n), self.caches,
+                                 torch.full((k,), BS), scale, self.packed[r])
                  for r, (_, req, n) in enumerate(rows)]
         self.counts["graph_replays"] += 1
         self.counts["graph_rows"] += len(rows)
@@ -1059,12 +1097,14 @@ def test_one_graph_call_serves_every_decoding_row_of_a_step(tmp_path):
         assert far.graphs.calls == [["a", "b"]] * LAYERS  # rows 0 and 4 of the step, in one call; "c" eager
         # block reads at attention time, graphed and eager rows alike: each decoding row reads its
         # window (2 blocks, a third while the window straddles a block edge) from vLLM's pool and
-        # its 4 selected far blocks fetched; the prefill row "p" has no far blocks and counts nothing
-        fetched = far.counts["sparse_fetched_reads"] - before["sparse_fetched_reads"]
+        # its 4 selected far blocks (fetched: the graphed rows' caches were empty); the prefill row "p"
+        # has no far blocks and counts nothing
+        selected = far.counts["sparse_selected_reads"] - before["sparse_selected_reads"]
         resident = far.counts["sparse_resident_reads"] - before["sparse_resident_reads"]
-        assert fetched == 3 * 4 * LAYERS
+        assert selected == 3 * 4 * LAYERS
+        assert far.graphs.caches.stats()["cache_misses"] == 2 * 4 * LAYERS
         assert 3 * 2 * LAYERS <= resident <= 3 * 3 * LAYERS
-        total = far.counts["sparse_resident_reads"] + far.counts["sparse_fetched_reads"]
+        total = far.counts["sparse_resident_reads"] + far.counts["sparse_selected_reads"]
         assert far.stats()["gpu_hit_rate"] == far.counts["sparse_resident_reads"] / total
         assert far.graphs.counts["graph_rows"] == 2 * LAYERS
         assert far.stats()["decode_host_us_per_layer"] > 0  # each attend_into of this decode step timed
@@ -1120,9 +1160,10 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
     fake_graphs(monkeypatch)
     blocks = 30
     reqs = [f"r{i}" for i in range(6)]
-    store, _, graphed = computed_far(tmp_path, reqs, max_rows=2, blocks=blocks)
+    # five far-block cache sets: each of r0..r4 holds one while it runs
+    store, _, graphed = computed_far(tmp_path, reqs, max_rows=5, blocks=blocks, staging_blocks=128)
     try:
-        assert graphed.graphs is not None and graphed.graphs.max_rows == 2
+        assert graphed.graphs is not None and graphed.graphs.max_rows == 5
         position = {req: (blocks - 3) * BS - 4 for req in reqs}
 
         def step(names):

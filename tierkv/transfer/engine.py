@@ -187,9 +187,12 @@ class TransferEngine:
         device (int64 [n]); a "cpu" engine copies at once. Kernel backends only ("cupy",
         "adaptive"). Not counted in `num_bytes_moved` (a graph replays it without calling here):
         the caller counts. The caller keeps the tensors alive until the stream has run the copy.
+        A pair whose source slot is negative copies nothing (the kernel skips it and counts it in
+        `count_invalid_slots_sync`), so a fixed-size slot list can carry pairs that copy nothing.
         """
         if self.device.type == "cpu":
-            kernels.copy_slots_torch(src, src_slots, dst, dst_slots)
+            keep = src_slots >= 0
+            kernels.copy_slots_torch(src, src_slots[keep], dst, dst_slots[keep])
             return
         if self.backend not in ("cupy", "adaptive"):
             raise RuntimeError(f"gather_h2d_inline needs the copy kernel; this engine uses {self.backend!r}")

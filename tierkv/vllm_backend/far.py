@@ -40,6 +40,7 @@ pins only the blocks that became far since the last one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,9 +56,14 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.units import format_bytes
+from tierkv.vllm_backend.far_cache import CacheSet, RowCaches
 from tierkv.vllm_backend.far_graphed import GraphedRows
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs
 from tierkv.vllm_backend.far_summaries import KeySummaries, RequestSummaries, SelectionOverlap
+
+
+logger = logging.getLogger(__name__)
 
 
 def profiled(name: str):
@@ -110,6 +116,7 @@ class _Request:
     #   buffer sized for max_model_len when known, else grown by doubling (entries past the pinned count
     #   unused): its address rarely moves
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
+    cache: CacheSet | None = None                              # its far-block cache, once the graphs serve it
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
 
 
@@ -143,30 +150,43 @@ class FarKV:
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
         self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
                               if scheduler.policy == "sparse" else None)
-        # Sparse fetches get staging of their own, two regions of up to one selection per row (the
-        # graphs stage every decoding row's selection at once), at most half the staging: the streamed
-        # chunks of prefill rows in the same step sit in the main regions, copied layers ahead.
-        # With a quantized CPU tier the graphs land each row's selected codes and scales in buffers of
-        # their own before dequantizing them into staging: those come out of the staging bytes too.
+        # Eager sparse fetches get staging of their own, two regions of up to one selection, so they
+        # never overwrite the streamed chunks of prefill rows in the same step (main regions, copied
+        # layers ahead). The graphed rows' requests each hold a far-block cache set (one selection per
+        # layer, `RowCaches`) and, over a quantized CPU tier, buffers for a selection's codes and
+        # scales: as many rows as fit in three quarters of the staging with the eager regions.
         sparse_bytes = packed_bytes = graph_rows = 0
         graphed = self.sparse_blocks is not None and scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(store)
         if self.sparse_blocks is not None:
-            rows = max(1, min(max_rows, scheduler.sparse_graph_rows)) if graphed else 1
-            region = min(rows * self.sparse_blocks, max(1, staging_bytes // layout.num_bytes // 4))
+            k = self.sparse_blocks
+            region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
-            if graphed:  # the rows whose selections fit one region (none: the graphs stay off)
-                graph_rows = min(rows, region // self.sparse_blocks)
-                if store.cpu.quant_format is not None:
-                    packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
-        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes - sparse_bytes - packed_bytes,
-                                 max(2, lookahead + 1), store.device)
+            if graphed:
+                per_row = RowCaches.bytes_per_set(store.num_layers, k, layout.num_bytes)
+                per_row += k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
+                room = 3 * staging_bytes // 4 - sparse_bytes - layout.num_bytes  # one block: the caches' sink
+                wanted = max(1, min(max_rows, scheduler.sparse_graph_rows))
+                graph_rows = max(0, min(wanted, room // per_row))
+                if graph_rows < wanted:
+                    logger.warning(
+                        "tierkv hot window: scheduler.staging_bytes %s holds the far-block caches of %d of %d decoding "
+                        "rows (%s each, within three quarters of it); the other rows' selections run eagerly",
+                        format_bytes(staging_bytes), graph_rows, wanted, format_bytes(per_row))
+        self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
+                                     store.device) if graph_rows else None)
+        if self.row_caches is not None and store.cpu.quant_format is not None:
+            packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
+        cache_bytes = self.row_caches.num_bytes if self.row_caches is not None else 0
+        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0),
+                                 staging_bytes - sparse_bytes - packed_bytes - cache_bytes, max(2, lookahead + 1),
+                                 store.device)
         self.recorder = PrefetchRecorder(store.num_layers)
         self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=self.recorder)
         self.sparse_streamer = None
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = SparseStepGraphs(self, graph_rows) if graphed else None
+        self.graphs = SparseStepGraphs(self, self.row_caches) if graphed else None
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
         # CUDA graphs captured for the one serve the other (a graph bakes addresses, not requests)
@@ -180,9 +200,11 @@ class FarKV:
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
         self._sparse_rows: list[int] = []
         # sparse decode rows' block reads at attention time: resident (vLLM's pool) and selected far blocks
-        # (each fetched when selected: nothing far stays on the GPU between steps)
+        # (a graphed row's request finds some in its far-block cache, `row_caches`; the rest are fetched
+        # when selected)
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
-                       "sparse_resident_reads": 0, "sparse_fetched_reads": 0}
+                       "sparse_resident_reads": 0, "sparse_selected_reads": 0}
+        self._cache_bytes_counted = 0  # the caches' copies, added to the engine's H2D bytes so far
         self.overlap = SelectionOverlap(store.device)  # sparse: sampled reuse of a selection by the next step
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
         # per step, the host ms of begin_step and of all the step's attend_into calls (last 512 steps): where
@@ -220,6 +242,8 @@ class FarKV:
                 self._spare_slot_lists.append(req.pinned_slots_dev)
         elif self.graphs is not None:
             self.graphs.forget(req_id)
+        if req.cache is not None and self.row_caches is not None:  # emptied for the next request (graphs bake the set)
+            self.row_caches.give_back(req.cache)
         for keys in req.pinned_keys:
             self.store.unpin(keys)
         if self.store.keep_saves_pinned:
@@ -455,14 +479,27 @@ class FarKV:
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
         return parts
 
-    def _count_selections(self, num_fetched: int, num_resident: int, num_rows: int) -> None:
-        """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks
-        fetched, their windows' blocks resident."""
+    def _count_selections(self, num_selected: int, num_resident: int, num_rows: int) -> None:
+        """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks,
+        their windows' blocks resident."""
         counts = self.counts
-        counts["far_blocks_read"] += num_fetched
-        counts["sparse_fetched_reads"] += num_fetched
+        counts["far_blocks_read"] += num_selected
+        counts["sparse_selected_reads"] += num_selected
         counts["sparse_resident_reads"] += num_resident
         counts["sparse_selections"] += num_rows
+
+    def cache_stats(self) -> dict:
+        """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
+        their copies moved, which also go into the transfer engine's count from here."""
+        if self.row_caches is None:
+            return {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,
+                    "cache_copied_bytes": 0}
+        stats = self.row_caches.stats()
+        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
+        stats["cache_copied_bytes"] = copied = stats["cache_misses"] * self.store.cpu.slot_bytes
+        self.store.io.engine.num_bytes_moved["h2d"] += copied - self._cache_bytes_counted
+        self._cache_bytes_counted = copied
+        return stats
 
     def end_step(self) -> None:
         if self.rows:
@@ -479,20 +516,24 @@ class FarKV:
             return sum(getattr(s, counter) for s in streamers)
 
         prefetch = self.recorder.snapshot()
-        replays = self.graphs.counts["graph_rows"] if self.graphs is not None else 0  # each row a fetch at selection
-        return {"window_tokens": self.window_tokens, **self.counts, "requests": len(self.requests),
+        cache = self.cache_stats()
+        counts = self.counts
+        reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
+        return {"window_tokens": self.window_tokens, **counts, "requests": len(self.requests),
+                "sparse_fetched_reads": counts["sparse_selected_reads"] - cache["cache_hits"], **cache,
                 "chunks_streamed": total("num_chunks_streamed"),
-                "bytes_streamed": total("bytes_streamed") + self.graphed.num_bytes,
-                "stalls": total("num_stalls") + replays, "chunks_carried": self.streamer.num_chunks_carried,
+                "bytes_streamed": total("bytes_streamed") + cache["cache_copied_bytes"],
+                # a stall: a sparse row that waits for a fetch at selection (graphed: one that missed its cache)
+                "stalls": total("num_stalls") + cache["cache_stalled_rows"],
+                "chunks_carried": self.streamer.num_chunks_carried,
                 "chunks_discarded": self.streamer.num_chunks_discarded,
-                "staging_bytes": sum(s.pool.staging_bytes for s in streamers)
+                "staging_bytes": sum(s.pool.staging_bytes for s in streamers) + cache["cache_bytes"]
                 + (self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self.overlap.value(),
-                # GPU hit rate at attention time of sparse decode rows: resident reads over all reads
-                "gpu_hit_rate": (self.counts["sparse_resident_reads"] / reads
-                                 if (reads := self.counts["sparse_resident_reads"] + self.counts["sparse_fetched_reads"])
-                                 else None),
+                # GPU hit rate at attention time of sparse decode rows: reads of resident blocks (vLLM's pool)
+                # and of far blocks their cache held, over all reads
+                "gpu_hit_rate": (counts["sparse_resident_reads"] + cache["cache_hits"]) / reads if reads else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
                 + self.key_summaries.spare_bytes,  # held for the next requests too

@@ -13,7 +13,8 @@ layer, one of
     attend_rows    the graphed rows' far parts, merged with near parts the backend computed,
                    then `write_rows` puts them into vLLM's output beside the eager rows'
 
-and each replay counts its rows' selections and the bytes its copies moved across PCIe.
+and each replay counts its rows' selections (their far-block caches count hits and copies on the
+device).
 """
 from __future__ import annotations
 
@@ -59,7 +60,6 @@ class GraphedRows:
         self.far = far
         self._plan: GraphPlan | None = None  # the step's, from its first layer on
         self.whole_check: torch.Tensor | None = None  # attend_whole's check: largest |whole - split| so far
-        self.num_bytes = 0  # moved across PCIe by the replays' copies
 
     def reset(self) -> None:
         """A new step (or the graphs turned off): the next `plan` looks at the rows again."""
@@ -167,14 +167,11 @@ class GraphedRows:
             output.index_copy_(0, plan.index, out)
 
     def _count(self, plan: GraphPlan, layer: int, ids: torch.Tensor) -> None:
-        """One replay at `layer`: ids, its selections [m, k]."""
+        """One replay at `layer`: ids, its selections [m, k]. Which of them the far-block caches held,
+        and so the bytes the replay copied, the caches count on the device (`FarKV.stats` reads them)."""
         far = self.far
         m, k = len(plan.indices), far.sparse_blocks
         if plan.sampled:
             for n, (_, req, _) in enumerate(plan.graph_rows):
                 far.overlap.note(far.counts["steps"], req.previous, layer, ids, n)
-        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
-        fetched = m * k * far.store.cpu.slot_bytes
-        self.num_bytes += fetched
-        far.store.io.engine.num_bytes_moved["h2d"] += fetched
         far._count_selections(m * k, plan.resident_blocks, m)

@@ -14,10 +14,12 @@ merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step
 
     captured, per row:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past its far
                           count masked (one kernel, tierkv.sparse_kernels)
-                        ids = sorted top-k of the bound    slots = the layer's pinned CPU-tier slots[ids]
-                        copy kernel: CPU tier[slots] -> the row's staging slots, on the compute stream
-                          (a quantized tier: codes and scales, then dequantized into staging)
-                        (out, lse) = attention of its query over those staging slots
+                        ids = sorted top-k of the bound
+                        slots, miss = the request's far-block cache set (far_cache.RowCaches.place):
+                          where each id is held, or the slot it takes, and whether it must be copied
+                        copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
+                          on the compute stream (a quantized tier: codes and scales, then dequantized)
+                        (out, lse) = attention of its query over those cache slots
                       then, all rows: merged = LSE merge of (near_out, near_lse) and (out, lse)
                           (one launch, tierkv.attention.merge_two_into: on the host it cost 22-60 us)
 
@@ -29,7 +31,7 @@ max_model_len sized them once). A graph knows its rows by those buffers, not by 
 max_model_len known a finished request's buffers pass to the next one (`FarKV.reuses_buffers`),
 which replays its graphs; otherwise `forget` drops them. Rows it cannot serve
 go the eager way (`FarKV.attend_parts`): far blocks without a summary, rows past `max_rows` (each
-row's selection needs staging slots of its own), engines without the copy kernel, CPU. A capture
+row's request needs a cache set of its own), engines without the copy kernel, CPU. A capture
 that fails turns the graphs off for the engine's life (logged, counted); the eager path gives the
 same result. All graphs draw on one memory pool and replay on the compute stream in order, one at
 a time. A graph's scratch may lie where another graph, captured later into the same pool, keeps
@@ -49,6 +51,7 @@ import torch
 from tierkv.attention import merge_two_into, paged_partial_attention
 from tierkv.block_io import dequantize_into
 from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.vllm_backend.far_cache import RowCaches
 
 logger = logging.getLogger(__name__)
 
@@ -66,36 +69,40 @@ def packed_buffers(far, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             torch.arange(k, device=device))
 
 
-def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, staging: torch.Tensor,
-                    staging_slots: torch.Tensor, block_tokens: torch.Tensor, scale: float,
+def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
+                    block_tokens: torch.Tensor, scale: float,
                     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sparse decode row's far part of `layer`, device work only: (out [1, H, D], lse [1, H],
     ids [k]), float32. q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than
-    k); staging_slots, block_tokens: int64 [k] on the device (k = far.sparse_blocks). packed: a
-    quantized CPU tier's buffers (`packed_buffers`): the selected blocks' codes and scales are
-    copied there and dequantized into staging (half the PCIe bytes at fp8 or int8)."""
+    k); caches: the engine's far-block caches, the row's request holding a set of them (req.cache):
+    only the selected blocks it does not hold cross PCIe; block_tokens: int64 [k] on the device
+    (k = far.sparse_blocks). packed: a quantized CPU tier's buffers (`packed_buffers`): the missing
+    blocks' codes and scales are copied there and dequantized into the cache (half the PCIe bytes
+    at fp8 or int8)."""
     ids = req.summaries.select_masked(layer, q[0], num_far, far.sparse_blocks)
-    slots = req.pinned_slots_dev[layer].index_select(0, ids)
+    slots, miss = caches.place(req.cache, layer, ids)
+    src = torch.where(miss, req.pinned_slots_dev[layer].index_select(0, ids), -1)  # -1: held, not copied
     cpu, engine = far.store.cpu, far.store.io.engine
     if cpu.quant_format is None:
-        engine.gather_h2d_inline(cpu.slab, slots, staging, staging_slots)
+        engine.gather_h2d_inline(cpu.slab, src, caches.blocks, slots)
     else:
         codes, scales, order = packed
-        engine.gather_h2d_inline(cpu.slab, slots, codes, order)
-        engine.gather_h2d_inline(cpu.scales, slots, scales, order)
-        dequantize_into(codes, scales, cpu.quant_format, staging, staging_slots)
-    out, lse = paged_partial_attention(q, staging, staging_slots, ids * far.block_tokens, block_tokens, scale=scale)
+        engine.gather_h2d_inline(cpu.slab, src, codes, order)
+        engine.gather_h2d_inline(cpu.scales, src, scales, order)
+        # the held blocks' stale codes go to the sink slot
+        dequantize_into(codes, scales, cpu.quant_format, caches.blocks, torch.where(miss, slots, caches.sink))
+    out, lse = paged_partial_attention(q, caches.blocks, slots, ids * far.block_tokens, block_tokens, scale=scale)
     return out, lse, ids
 
 
 def _row_key(req, layer: int) -> tuple:
     """What a graph bakes in for one row: its request's summary table and pinned-slot buffer of the
-    layer (address, size). Not the request: another one holding the same buffers (passed on when
-    the first finished, `FarKV.reuses_buffers`) replays the same graph; a new buffer means a new
-    capture."""
+    layer (address, size) and its far-block cache set. Not the request: another one holding the
+    same buffers (passed on when the first finished, `FarKV.reuses_buffers`) replays the same graph;
+    a new buffer means a new capture."""
     table, slots = req.summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
-    return table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel()
+    return table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), req.cache.index
 
 
 @dataclass
@@ -126,28 +133,23 @@ class _Graph:
 
 
 class SparseStepGraphs:
-    def __init__(self, far, max_rows: int):
-        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine); max_rows: decoding rows
-        one layer's graph serves, as FarKV sized its sparse pool for them (each row's selection has
-        staging slots of its own in the pool's first region; 0: the graphs stay off)."""
+    def __init__(self, far, caches: RowCaches | None):
+        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine); caches: its far-block
+        caches, one set per decoding row a layer's graph serves (each row's request holds one while
+        it runs; None: the graphs stay off)."""
         self.far = far
-        streamer = far.sparse_streamer
-        self.staging = streamer.pool.staging
+        self.caches = caches
         k = far.sparse_blocks
-        region = streamer.pool.region_slots(0)
-        if max_rows * k > len(region):
-            raise ValueError(f"{max_rows} rows of {k} blocks do not fit the sparse staging region of {len(region)}")
-        self.max_rows = max_rows
-        self.staging_slots = torch.arange(region.start, region.start + self.max_rows * k,
-                                          device=self.staging.device).view(-1, k) if self.max_rows else None
-        self.block_tokens = streamer.full_blocks(far.block_tokens)[:k]
+        self.max_rows = caches.num_sets if caches is not None else 0
+        device = far.store.device
+        self.block_tokens = torch.full((k,), far.block_tokens, dtype=torch.int64, device=device)
         # quantized CPU tier: each row's codes and scales land here
-        self.packed = [packed_buffers(far, self.staging.device) for _ in range(self.max_rows)]
+        self.packed = [packed_buffers(far, device) for _ in range(self.max_rows)]
         # per layer, the graphs of the last GRAPHS_PER_LAYER sets of rows, least recently used first: a
         # batch that alternates between a few sets (a request joining, vLLM reordering) recaptures once each
         self.graphs: dict[int, OrderedDict[tuple, _Graph]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.side_stream = torch.cuda.Stream(self.staging.device)  # captures run here
+        self.side_stream = torch.cuda.Stream(device)  # captures run here
         self.enabled = self.max_rows > 0
         self.whole_enabled = self.enabled  # graphs that run the window part too (off after a failed capture)
         self.near_inputs: dict[tuple, NearInputs] = {}  # per row count and table columns (written every step)
@@ -161,9 +163,14 @@ class SparseStepGraphs:
 
     def servable(self, req, num_far: int) -> bool:
         """Whether a decoding row can be served by the graphs in every layer: all its far blocks
-        summarized in each, and more of them than a selection (host-known)."""
+        summarized in each, more of them than a selection (host-known), and a far-block cache set
+        for its request (taken here at its first graphed step; none left: it goes the eager way)."""
         summaries = req.summaries
-        return self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= min(summaries.prefix)
+        if not (self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= min(summaries.prefix)):
+            return False
+        if req.cache is None:
+            req.cache = self.caches.take()
+        return req.cache is not None
 
     @staticmethod
     def key(layer: int, rows: list[tuple[str, object, int]], scale: float) -> tuple:
@@ -265,8 +272,8 @@ class SparseStepGraphs:
         attention into `out` and gives their selections ids [m, k]."""
         def run():
             near_out, near_lse = near() if callable(near) else near
-            parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.staging,
-                                     self.staging_slots[r], self.block_tokens, scale, self.packed[r])
+            parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.caches,
+                                     self.block_tokens, scale, self.packed[r])
                      for r, req in enumerate(reqs)]
             if len(parts) == 1:  # one row: no concatenation (three copy kernels fewer in its graph)
                 far_out, far_lse, ids = parts[0]
@@ -299,8 +306,12 @@ class SparseStepGraphs:
             def near():
                 return run_window(q, inputs.table, inputs.seqused_k, inputs.cu_seqlens_q, max_seqlen_k)
 
+        # the run before the capture fills the rows' caches and counts: put both back, so that the replay
+        # right after it copies and counts the step's misses as a step without a capture would
+        saved = self.caches.snapshot()
         recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale),
                                 whole=window is not None)
+        self.caches.restore(saved)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,

@@ -1,0 +1,107 @@
+"""The GPU far-block cache of the graphed sparse decode rows: each row keeps, per layer, the blocks
+of its last selection on the GPU, and a step copies across PCIe only the selected blocks that are
+not there yet.
+
+Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `stats`), `CacheSet`.
+
+A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
+CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
+
+    blocks  [sets * L * k + 1, 2, H, T, D]   set s, layer l: slots (s*L + l)*k .. +k; the last slot is
+                                             a sink that absorbs writes nothing reads
+    held    int64 [sets, L, k]               block id in each slot, -1 when empty
+
+`place` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a slot
+holds keep it; the others take, in order, the slots whose block was not selected again, and are
+the misses the caller copies in. Far blocks are immutable once far, so a held block stays valid for
+its request; a set handed to another request is emptied first (`give_back`). Counters (hits,
+misses, rows that missed) stay on the device until `stats` reads them: a replay never waits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.units import format_bytes
+
+
+@dataclass(frozen=True)
+class CacheSet:
+    """One request's cache: `index` into the sets, its slots in `RowCaches.blocks` from `base(layer)`."""
+
+    index: int
+    num_layers: int
+    k: int
+
+    def base(self, layer: int) -> int:
+        return (self.index * self.num_layers + layer) * self.k
+
+
+class RowCaches:
+    def __init__(self, num_sets: int, num_layers: int, k: int, block_shape: tuple, dtype: torch.dtype,
+                 device: torch.device):
+        """num_sets caches of one selection (k blocks of block_shape) per layer, on `device`."""
+        self.num_sets, self.num_layers, self.k = num_sets, num_layers, k
+        self.sink = num_sets * num_layers * k
+        self.blocks = torch.empty((self.sink + 1, *block_shape), dtype=dtype, device=device)
+        self.held = torch.full((num_sets, num_layers, k), -1, dtype=torch.int64, device=device)
+        # hits, misses, rows with a miss (each a stall: fetched at selection, the output waits for it)
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self._spare = [CacheSet(s, num_layers, k) for s in reversed(range(num_sets))]
+
+    @staticmethod
+    def bytes_per_set(num_layers: int, k: int, block_bytes: int) -> int:
+        return num_layers * k * block_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    def take(self) -> CacheSet | None:
+        """An empty cache set, the last one given back first; None when every set is taken."""
+        return self._spare.pop() if self._spare else None
+
+    def give_back(self, cache: CacheSet) -> None:
+        """`cache`'s request finished: its set is emptied (in stream order, after the request's last
+        replay) and goes to the next request."""
+        self.held[cache.index].fill_(-1)
+        self._spare.append(cache)
+
+    def place(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection ids (int64 [k] on the device, distinct) of `cache`'s request at `layer`:
+        (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
+        copies into those slots). Device work only, no host wait."""
+        held = self.held[cache.index, layer]
+        same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, k]: id i is held in slot j
+        hit = same.any(1)
+        miss = ~hit
+        free = ~same.any(0)                                            # slots whose block was not selected again
+        # the r-th miss takes the r-th free slot (as many of each: ids and held blocks are distinct)
+        k = self.k
+        free_rank = torch.cumsum(free, 0) - 1
+        by_rank = torch.zeros(k + 1, dtype=torch.int64, device=ids.device)
+        by_rank.scatter_(0, torch.where(free, free_rank, k), torch.arange(k, device=ids.device))
+        miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
+        local = torch.where(hit, same.to(torch.int8).argmax(1), by_rank.index_select(0, miss_rank))
+        held.scatter_(0, local, ids)
+        self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
+        return local + cache.base(layer), miss
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the sets hold and the counters, copied (device work only)."""
+        return self.held.clone(), self.counters.clone()
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Back to a `snapshot` (the blocks a run copied in since are then not held: copied again)."""
+        self.held.copy_(saved[0])
+        self.counters.copy_(saved[1])
+
+    def stats(self) -> dict:
+        """The counters, read from the device (one sync)."""
+        hits, misses, stalled_rows = self.counters.tolist()
+        return {"cache_hits": hits, "cache_misses": misses, "cache_stalled_rows": stalled_rows,
+                "cache_sets": self.num_sets, "cache_bytes": self.num_bytes}
+
+    def __repr__(self) -> str:
+        return f"RowCaches({self.num_sets} sets of {self.num_layers} x {self.k} blocks, {format_bytes(self.num_bytes)})"
