@@ -147,6 +147,9 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         from tierkv import block_io, sparse
 
         assert sparse._KERNEL.ok, sparse._KERNEL.error
+        from tierkv.vllm_backend import far_cache
+
+        assert far_cache._KERNEL.ok, far_cache._KERNEL.error  # the caches' placement kernel
         if storage != "auto":
             assert block_io._FUSED.ok, block_io._FUSED.error
         # both paths count the same reads: the window resident, the selection; the graphed rows fetch

@@ -1,13 +1,17 @@
 """The graphed sparse rows' far-block caches (tierkv.vllm_backend.far_cache) on CPU: each selection
 finds the blocks its set holds where they are and gives the others the slots whose blocks were not
-selected again; counters and emptying a set for the next request. The same code runs inside the
-CUDA graphs (tests/gpu/test_far_graphs_gpu.py)."""
+selected again; counters and emptying a set for the next request; the Triton placement kernel
+equals the PyTorch ops (interpreter on CPU, compiled on CUDA). The same code runs inside the CUDA
+graphs (tests/gpu/test_far_graphs_gpu.py)."""
 from __future__ import annotations
 
+import os
 import random
 
+import pytest
 import torch
 
+from tests.interpreter import run_interpreter_tests
 from tierkv.vllm_backend.far_cache import RowCaches
 
 LAYERS, K = 3, 8
@@ -73,3 +77,50 @@ def test_snapshot_and_restore_undo_a_run():
     rc.restore(saved)
     slots, miss = rc.place(s, 0, torch.arange(K))
     assert not miss.any() and rc.stats()["cache_hits"] == K
+
+
+CHILD = os.environ.get("TIERKV_PLACE_CHILD") == "1"
+
+
+def _kernel_cases(device: str) -> None:
+    """The Triton placement (tierkv.cache_kernels) against RowCaches' PyTorch ops, step after step with
+    overlapping random selections (k a power of two and not): the same slots, misses, held ids and
+    counters. Fresh random draws each run."""
+    from tierkv.cache_kernels import place_selection
+
+    seed = random.SystemRandom().randrange(2**63)
+    rng = random.Random(seed)
+    for k in (32, 7, 1):
+        torch_path = RowCaches(1, 1, k, (1,), torch.float32, torch.device("cpu"))
+        s = torch_path.take()
+        held = torch.full((k,), -1, dtype=torch.int64, device=device)
+        counters = torch.zeros(3, dtype=torch.int64, device=device)
+        previous: list[int] = []
+        for step in range(12):
+            kept = rng.sample(previous, rng.randrange(len(previous) + 1)) if previous else []
+            ids = kept + rng.sample([b for b in range(4 * k + 8) if b not in kept], k - len(kept))
+            rng.shuffle(ids)
+            previous = ids
+            want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
+            slots, miss = place_selection(held, torch.tensor(ids, device=device), s.base(0), counters)
+            msg = f"seed={seed} k={k} step={step}"
+            assert slots.cpu().tolist() == want_slots.tolist(), msg
+            assert miss.cpu().tolist() == want_miss.tolist(), msg
+            assert held.cpu().tolist() == torch_path.held[0, 0].tolist(), msg
+            assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
+
+
+@pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
+def test_interp_placement_kernel_equals_the_pytorch_placement():
+    _kernel_cases("cpu")
+
+
+def test_placement_kernel_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    assert "1 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_placement_kernel_on_the_gpu_equals_the_pytorch_placement():
+    _kernel_cases("cuda")

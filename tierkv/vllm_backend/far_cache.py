@@ -13,7 +13,8 @@ CUDA graphs bake its addresses in, as they bake the request's summary tables and
 
 `place` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a slot
 holds keep it; the others take, in order, the slots whose block was not selected again, and are
-the misses the caller copies in. Far blocks are immutable once far, so a held block stays valid for
+the misses the caller copies in (on CUDA one Triton launch, `tierkv.cache_kernels`; the PyTorch
+ops elsewhere or where it cannot build). Far blocks are immutable once far, so a held block stays valid for
 its request; a set handed to another request is emptied first (`give_back`). Counters (hits,
 misses, rows that missed) stay on the device until `stats` reads them: a replay never waits.
 """
@@ -23,7 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.optional_kernel import OptionalKernel
 from tierkv.units import format_bytes
+
+_KERNEL = OptionalKernel("far-block cache placement (tierkv.cache_kernels)")
+
+
+def _place_kernel():
+    from tierkv.cache_kernels import place_selection
+
+    return place_selection
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,10 @@ class RowCaches:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
         copies into those slots). Device work only, no host wait."""
         held = self.held[cache.index, layer]
+        if ids.is_cuda:  # one Triton launch for what follows (tierkv.cache_kernels), the same placement
+            ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters), on_cuda=True)
+            if ok:
+                return placed
         same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, k]: id i is held in slot j
         hit = same.any(1)
         miss = ~hit

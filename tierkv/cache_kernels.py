@@ -1,0 +1,58 @@
+"""Triton kernel of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place`).
+
+Primitives: `place_selection`.
+
+One program per call does what the PyTorch path does in some 25 launches: compare the k selected
+ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
+whose block was not selected again, write the new held ids, and count hits, misses and whether the
+row missed. Same result as the PyTorch path, bit for bit (both place deterministically). Imported
+lazily where a CUDA selection arrives; also runs under the Triton interpreter (`TRITON_INTERPRET=1`)
+on CPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, base, k, K_PAD: tl.constexpr):
+    i = tl.arange(0, K_PAD)
+    valid = i < k
+    ids = tl.load(ids_ptr + i, mask=valid, other=-2)
+    held = tl.load(held_ptr + i, mask=valid, other=-3)
+    same = (ids[:, None] == held[None, :]) & valid[:, None] & valid[None, :]   # id i held in slot j
+    same_i = same.to(tl.int32)
+    hit = tl.max(same_i, axis=1) > 0
+    used = tl.max(same_i, axis=0) > 0
+    miss = valid & (hit == 0)
+    free = valid & (used == 0)
+    miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    # the r-th miss takes the r-th free slot
+    match = ((free_rank[None, :] == miss_rank[:, None]) & free[None, :]).to(tl.int32)
+    local = tl.where(hit, tl.argmax(same_i, axis=1), tl.argmax(match, axis=1))
+    tl.store(held_ptr + local, ids, mask=valid)
+    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid)
+    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid)
+    hits = tl.sum(hit.to(tl.int64), axis=0)
+    misses = tl.sum(miss.to(tl.int64), axis=0)
+    tl.atomic_add(counters_ptr, hits)
+    tl.atomic_add(counters_ptr + 1, misses)
+    tl.atomic_add(counters_ptr + 2, (misses > 0).to(tl.int64))
+
+
+def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
+                    counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """held int64 [k] (a cache set's layer, updated in place), ids int64 [k] distinct selected block
+    ids, base: the set's first slot for the layer, counters int64 [3] (hits, misses, rows that
+    missed; added to) -> (slots int64 [k], miss bool [k]). No host sync."""
+    k = ids.numel()
+    if held.numel() != k or held.dtype != torch.int64 or ids.dtype != torch.int64 or not held.is_contiguous():
+        raise ValueError(f"place_selection: held {held.dtype} {tuple(held.shape)}, ids {ids.dtype} {tuple(ids.shape)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    slots = torch.empty(k, dtype=torch.int64, device=ids.device)
+    miss = torch.empty(k, dtype=torch.int8, device=ids.device)
+    _place_kernel[(1,)](ids, held, slots, miss, counters, base, k, K_PAD=triton.next_power_of_2(k))
+    return slots, miss.view(torch.bool)
