@@ -56,7 +56,7 @@ for step in "${steps[@]}"; do
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
         far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows 1 4 --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
-        graph-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/sparse/test_far_cache.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
+        graph-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;

@@ -1550,3 +1550,25 @@ def test_the_backend_runs_whole_step_graphs_and_their_check_on_decode_steps(tmp_
         hot_window.set_step(None)
         far.close()
         store.close()
+
+
+def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path, monkeypatch, caplog):
+    """Each graphed row's request holds a far-block cache set (layers x k blocks) out of
+    scheduler.staging_bytes: as many rows as fit three quarters of it with the eager regions, a
+    warning naming the shortfall; the staging the engine reports stays within the config's."""
+    fake_graphs(monkeypatch)
+    k = 4  # computed_far's budget: 4 blocks
+    for staging_blocks, want_rows in ((64, 3), (128, 5)):  # (3/4 x 64 - 2k - 1) // (LAYERS x k) = 3
+        (tmp_path / str(staging_blocks)).mkdir()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tierkv.vllm_backend.far"):
+            store, _, far = computed_far(tmp_path / str(staging_blocks), (), max_rows=5, staging_blocks=staging_blocks)
+        try:
+            assert far.graphs.max_rows == want_rows and far.row_caches.num_sets == want_rows
+            assert far.row_caches.blocks.shape[0] == want_rows * LAYERS * k + 1  # and the sink
+            warned = [r.getMessage() for r in caplog.records if "far-block caches" in r.getMessage()]
+            assert (len(warned) == 1 and f"{want_rows} of 5 decoding rows" in warned[0]) if want_rows < 5 else not warned
+            assert far.stats()["staging_bytes"] <= store.config.scheduler.staging_bytes
+        finally:
+            far.close()
+            store.close()
