@@ -104,7 +104,8 @@ class SchedulerConfig:
     sparse_graph_rows: int = field(default=8, metadata=doc(
         "sparse CUDA graphs: decoding rows one layer's graph serves, at most vLLM's max_num_seqs; each row's request "
         "holds a far-block cache of one selection per layer (layers x sparse_token_budget tokens of KV, within three "
-        "quarters of staging_bytes), so only selected blocks it lacks cross PCIe; rows beyond go the eager way",
+        "quarters of staging_bytes), so only selected blocks it lacks cross PCIe; where staging cannot hold that for "
+        "every row, one selection per row copied every step (a warning says so); rows beyond go the eager way",
         min_value=1))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(

@@ -68,6 +68,21 @@ def test_a_set_given_back_is_empty_for_the_next_request():
     assert rc.place(again, 1, ids)[1].all()  # ... holding nothing of the finished request's
 
 
+def test_sets_that_keep_nothing_copy_every_block_into_slots_every_layer_shares():
+    rc = RowCaches(2, LAYERS, K, (2, 1, 4, 2), torch.float32, torch.device("cpu"), per_layer=False)
+    assert rc.blocks.shape[0] == 2 * K + 1  # one selection per set, and the sink
+    first, second = rc.take(), rc.take()
+    ids = torch.arange(K)
+    for layer in range(LAYERS):
+        for s, base in ((first, 0), (second, K)):
+            for _ in range(2):  # the same selection again: still copied (the slots were overwritten)
+                slots, miss = rc.place(s, layer, ids)
+                assert slots.tolist() == list(range(base, base + K)) and miss.all()
+    stats = rc.stats()
+    assert (stats["cache_hits"], stats["cache_misses"], stats["cache_stalled_rows"]) == (0, 4 * LAYERS * K, 4 * LAYERS)
+    assert not stats["cache_per_layer"]
+
+
 def test_snapshot_and_restore_undo_a_run():
     rc = caches(sets=1)
     s = rc.take()

@@ -1553,22 +1553,51 @@ def test_the_backend_runs_whole_step_graphs_and_their_check_on_decode_steps(tmp_
 
 
 def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path, monkeypatch, caplog):
-    """Each graphed row's request holds a far-block cache set (layers x k blocks) out of
-    scheduler.staging_bytes: as many rows as fit three quarters of it with the eager regions, a
-    warning naming the shortfall; the staging the engine reports stays within the config's."""
+    """Each graphed row's request holds a far-block cache set out of scheduler.staging_bytes, within
+    three quarters of it beside the eager regions: a selection per layer for every row when they all
+    fit; else sets that keep nothing (one selection each, every block copied each step) for as many
+    rows as fit, the rest eager, with a warning naming the staging that would keep selections.
+    Outputs equal the eager path's either way, and the engine's staging stays within the config's."""
+    from tierkv.attention import merge_partials
+
     fake_graphs(monkeypatch)
     k = 4  # computed_far's budget: 4 blocks
-    for staging_blocks, want_rows in ((64, 3), (128, 5)):  # (3/4 x 64 - 2k - 1) // (LAYERS x k) = 3
+    # (staging blocks, rows the graphs serve, kept per layer): room = 3/4 x staging - 2k - 1 blocks
+    for staging_blocks, want_rows, per_layer in ((128, 5, True), (64, 5, False), (24, 2, False)):
         (tmp_path / str(staging_blocks)).mkdir()
         caplog.clear()
         with caplog.at_level("WARNING", logger="tierkv.vllm_backend.far"):
-            store, _, far = computed_far(tmp_path / str(staging_blocks), (), max_rows=5, staging_blocks=staging_blocks)
+            store, _, far = computed_far(tmp_path / str(staging_blocks), ("a", "b"), max_rows=5,
+                                         staging_blocks=staging_blocks)
         try:
-            assert far.graphs.max_rows == want_rows and far.row_caches.num_sets == want_rows
-            assert far.row_caches.blocks.shape[0] == want_rows * LAYERS * k + 1  # and the sink
+            caches = far.row_caches
+            assert far.graphs.max_rows == want_rows and caches.num_sets == want_rows and caches.per_layer == per_layer
+            assert caches.blocks.shape[0] == want_rows * (LAYERS if per_layer else 1) * k + 1  # and the sink
             warned = [r.getMessage() for r in caplog.records if "far-block caches" in r.getMessage()]
-            assert (len(warned) == 1 and f"{want_rows} of 5 decoding rows" in warned[0]) if want_rows < 5 else not warned
+            if per_layer:
+                assert not warned
+            else:
+                assert len(warned) == 1 and f"{want_rows} rows copy every selected block" in warned[0]
+                assert (f"{5 - want_rows} run eagerly" in warned[0]) == (want_rows < 5)
             assert far.stats()["staging_bytes"] <= store.config.scheduler.staging_bytes
+            for step in range(3):  # the same queries every step: kept selections are read in place
+                far.begin_step([("a", 27 * BS + step, 1), ("b", 26 * BS + step, 1)])
+                q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(1))
+                near = (torch.randn(2, HQ, D), torch.randn(2, HQ))
+                for name in NAMES:
+                    layer = store.layer_index[name]
+                    saved, far.graphs = far.graphs, None  # the eager path
+                    want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
+                    far.graphs = saved
+                    got = torch.full_like(want, float("nan"))
+                    far.attend_into(got, layer, q, *near, 0.3)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                far.end_step()
+            stats = far.stats()
+            graphed_reads = 3 * LAYERS * k * min(2, want_rows)
+            assert stats["cache_hits"] + stats["cache_misses"] == graphed_reads
+            # kept: the first step copies, the next two find the same selections (no far block added on the way)
+            assert stats["cache_hits"] == (2 * graphed_reads // 3 if per_layer else 0)
         finally:
             far.close()
             store.close()

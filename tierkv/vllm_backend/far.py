@@ -162,18 +162,10 @@ class FarKV:
             region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
             if graphed:
-                per_row = RowCaches.bytes_per_set(store.num_layers, k, layout.num_bytes)
-                per_row += k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
-                room = 3 * staging_bytes // 4 - sparse_bytes - layout.num_bytes  # one block: the caches' sink
-                wanted = max(1, min(max_rows, scheduler.sparse_graph_rows))
-                graph_rows = max(0, min(wanted, room // per_row))
-                if graph_rows < wanted:
-                    logger.warning(
-                        "tierkv hot window: scheduler.staging_bytes %s holds the far-block caches of %d of %d decoding "
-                        "rows (%s each, within three quarters of it); the other rows' selections run eagerly",
-                        format_bytes(staging_bytes), graph_rows, wanted, format_bytes(per_row))
+                graph_rows, per_layer = self._graph_rows(max(1, min(max_rows, scheduler.sparse_graph_rows)),
+                                                         staging_bytes, sparse_bytes)
         self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
-                                     store.device) if graph_rows else None)
+                                     store.device, per_layer) if graph_rows else None)
         if self.row_caches is not None and store.cpu.quant_format is not None:
             packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
         cache_bytes = self.row_caches.num_bytes if self.row_caches is not None else 0
@@ -211,6 +203,28 @@ class FarKV:
         # a slow step's time went, ours or not
         self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
         self._begin_s = self._attend_s = 0.0
+
+    def _graph_rows(self, wanted: int, staging_bytes: int, sparse_bytes: int) -> tuple[int, bool]:
+        """(decoding rows the graphs serve, whether their far-block caches keep a selection per layer).
+        Within three quarters of the staging, beside the eager regions (sparse_bytes) and the caches'
+        sink block: every wanted row with a cache per layer, else rows whose sets keep nothing (one
+        selection each, every selected block copied every step), as many as fit; a warning says which."""
+        store, k = self.store, self.sparse_blocks
+        block_bytes = store.layout.num_bytes
+        codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0  # a quantized tier's buffers
+        room = 3 * staging_bytes // 4 - sparse_bytes - block_bytes
+        kept = RowCaches.bytes_per_set(store.num_layers, k, block_bytes) + codes
+        if room >= wanted * kept:
+            return wanted, True
+        shared = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, per_layer=False) + codes
+        rows = max(0, min(wanted, room // shared))
+        logger.warning(
+            "tierkv hot window: scheduler.staging_bytes %s cannot hold far-block caches for %d decoding rows (%s each, "
+            "within three quarters of it: raise it to %s to keep selections across steps); %d rows copy every selected "
+            "block each step%s", format_bytes(staging_bytes), wanted, format_bytes(kept),
+            format_bytes(-(-4 * (wanted * kept + sparse_bytes + block_bytes) // 3)), rows,
+            f", {wanted - rows} run eagerly" if rows < wanted else "")
+        return rows, False
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:

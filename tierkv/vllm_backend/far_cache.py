@@ -11,6 +11,12 @@ CUDA graphs bake its addresses in, as they bake the request's summary tables and
                                              a sink that absorbs writes nothing reads
     held    int64 [sets, L, k]               block id in each slot, -1 when empty
 
+Where staging cannot hold a selection per layer for every row, the sets keep nothing
+(`per_layer=False`): one selection's slots per set, which every layer of every step overwrites, so
+every selected block is copied (as before the caches existed):
+
+    blocks  [sets * k + 1, 2, H, T, D]       set s: slots s*k .. +k, for every layer
+
 `place` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a slot
 holds keep it; the others take, in order, the slots whose block was not selected again, and are
 the misses the caller copies in (on CUDA one Triton launch, `tierkv.cache_kernels`; the PyTorch
@@ -28,6 +34,7 @@ from tierkv.optional_kernel import OptionalKernel
 from tierkv.units import format_bytes
 
 _KERNEL = OptionalKernel("far-block cache placement (tierkv.cache_kernels)")
+KERNEL_MAX_K = 256  # blocks per selection the placement kernel takes
 
 
 def _place_kernel():
@@ -41,28 +48,34 @@ class CacheSet:
     """One request's cache: `index` into the sets, its slots in `RowCaches.blocks` from `base(layer)`."""
 
     index: int
-    num_layers: int
+    num_layers: int       # layers with slots of their own: all of them, or 1 when the sets keep nothing
     k: int
 
     def base(self, layer: int) -> int:
-        return (self.index * self.num_layers + layer) * self.k
+        return (self.index * self.num_layers + layer % self.num_layers) * self.k
 
 
 class RowCaches:
     def __init__(self, num_sets: int, num_layers: int, k: int, block_shape: tuple, dtype: torch.dtype,
-                 device: torch.device):
-        """num_sets caches of one selection (k blocks of block_shape) per layer, on `device`."""
-        self.num_sets, self.num_layers, self.k = num_sets, num_layers, k
-        self.sink = num_sets * num_layers * k
+                 device: torch.device, per_layer: bool = True):
+        """num_sets caches of one selection (k blocks of block_shape) per layer, on `device`;
+        per_layer=False: one selection per set, shared by the layers, nothing kept."""
+        self.num_sets, self.num_layers, self.k, self.per_layer = num_sets, num_layers, k, per_layer
+        layers_kept = num_layers if per_layer else 1
+        self.sink = num_sets * layers_kept * k
         self.blocks = torch.empty((self.sink + 1, *block_shape), dtype=dtype, device=device)
         self.held = torch.full((num_sets, num_layers, k), -1, dtype=torch.int64, device=device)
         # hits, misses, rows with a miss (each a stall: fetched at selection, the output waits for it)
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
-        self._spare = [CacheSet(s, num_layers, k) for s in reversed(range(num_sets))]
+        self._spare = [CacheSet(s, layers_kept, k) for s in reversed(range(num_sets))]
+        # per_layer=False: every id a miss, read from the set's own k slots
+        self._order = torch.arange(k, device=device)
+        self._all_missed = torch.ones(k, dtype=torch.bool, device=device)
+        self._all_missed_counts = torch.tensor([0, k, 1], dtype=torch.int64, device=device)
 
     @staticmethod
-    def bytes_per_set(num_layers: int, k: int, block_bytes: int) -> int:
-        return num_layers * k * block_bytes
+    def bytes_per_set(num_layers: int, k: int, block_bytes: int, per_layer: bool = True) -> int:
+        return (num_layers if per_layer else 1) * k * block_bytes
 
     @property
     def num_bytes(self) -> int:
@@ -82,8 +95,13 @@ class RowCaches:
         """The selection ids (int64 [k] on the device, distinct) of `cache`'s request at `layer`:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
         copies into those slots). Device work only, no host wait."""
+        if not self.per_layer:  # nothing kept: the set's slots, every id copied
+            self.counters.add_(self._all_missed_counts)
+            return self._order + cache.base(layer), self._all_missed
         held = self.held[cache.index, layer]
-        if ids.is_cuda:  # one Triton launch for what follows (tierkv.cache_kernels), the same placement
+        # one Triton launch for what follows (tierkv.cache_kernels), the same placement; its [k, k]
+        # comparison lives in one program's registers, so large selections keep the PyTorch ops
+        if ids.is_cuda and self.k <= KERNEL_MAX_K:
             ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters), on_cuda=True)
             if ok:
                 return placed
@@ -115,7 +133,8 @@ class RowCaches:
         """The counters, read from the device (one sync)."""
         hits, misses, stalled_rows = self.counters.tolist()
         return {"cache_hits": hits, "cache_misses": misses, "cache_stalled_rows": stalled_rows,
-                "cache_sets": self.num_sets, "cache_bytes": self.num_bytes}
+                "cache_sets": self.num_sets, "cache_bytes": self.num_bytes, "cache_per_layer": self.per_layer}
 
     def __repr__(self) -> str:
-        return f"RowCaches({self.num_sets} sets of {self.num_layers} x {self.k} blocks, {format_bytes(self.num_bytes)})"
+        layers = self.num_layers if self.per_layer else 1
+        return f"RowCaches({self.num_sets} sets of {layers} x {self.k} blocks, {format_bytes(self.num_bytes)})"
