@@ -252,6 +252,12 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     total_reads = reads["sparse_resident_reads"] + reads["sparse_selected_reads"]
     if total_reads:
         reads["gpu_hit_rate"] = (reads["sparse_resident_reads"] + reads["cache_hits"]) / total_reads
+    # per engine step of the timed request, tierkv's host ms: the hot window's (begin_step, attention calls) and
+    # the connector hooks' (start_load_kv, save_kv_layer, wait_for_save); each list ends at its last step
+    stats_now = tiered.stats() if tiered is not None else {}
+    step_parts = {"step_far_host_ms": (stats_now.get("hot_window") or {}).get("step_host_ms") or [],
+                  "step_connector_ms": stats_now.get("step_connector_ms") or []}
+    step_parts = {k: v[-len(step_ms):] for k, v in step_parts.items() if len(v) >= len(step_ms)}
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     summaries = tiered.summary_reserved_bytes if tiered is not None else 0
     floor = {}
@@ -268,7 +274,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": tiered.stats() if tiered is not None else None, "h2d_samples": list(h2d_samples),
-           "decode_cpu": dict(decode_cpu), "decode_reads": reads,
+           "decode_cpu": dict(decode_cpu), "decode_reads": reads, **step_parts,
            "model_qk_bias_std": json.loads((Path(model_dir) / "config.json").read_text()).get("tierkv_qk_bias_std", 0.0)}
     path = Path(out) / f"bench-vllm-{file_mode(mode)}.json"  # plain names travel back from the device
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +360,19 @@ def decode_steps(step_ms: list[float], tokens: list[int]) -> list[float]:
     return step_ms[len(step_ms) - (len(tokens) - 1):] if len(tokens) > 1 else []
 
 
+def slowest_decode_steps(row: dict, count: int = 3) -> list[tuple[int, float, list, list]]:
+    """The `count` slowest decode steps of a row that recorded its steps' tierkv host parts: (decode
+    step index, wall ms, hot window (begin_step, attention) ms, connector hook ms), slowest first."""
+    far, conn = row.get("step_far_host_ms"), row.get("step_connector_ms")
+    step_ms, tokens = row.get("step_ms", []), row.get("tokens", [])
+    if not far or not conn or len(far) != len(step_ms) or len(conn) != len(step_ms):
+        return []
+    decode = decode_steps(step_ms, tokens)
+    first = len(step_ms) - len(decode)
+    order = sorted(range(len(decode)), key=lambda i: decode[i], reverse=True)[:count]
+    return [(i, decode[i], far[first + i], conn[first + i]) for i in order]
+
+
 def decode_step_median(row: dict, fraction: float = 0.5) -> float | None:
     """The median wall ms of a row's decode steps: unlike the mean, not moved by one step that
     captures graphs or completes a block. fraction: another quantile (0.1: the fastest tenth, the
@@ -431,6 +450,11 @@ def table(out: str) -> None:
                   f"with the window part inside, {graphs['graph_captures']} captures"
                   + (f"; whole vs split graphs, largest |difference| {hot['whole_check_max_abs']:.3g}"
                      if hot.get("whole_check_max_abs") is not None else ""))
+        slow = slowest_decode_steps(r)
+        if slow:  # where the slowest decode steps' time went: tierkv's host parts, the rest vLLM's and the GPU's
+            print(f"{'':<11} slowest decode steps (index: wall ms; tierkv host ms: hot window begin/attention, "
+                  f"connector load/save/wait): " + "; ".join(
+                      f"{i}: {wall:.1f}; {'/'.join(map(str, far))}, {'/'.join(map(str, conn))}" for i, wall, far, conn in slow))
         if host_us:  # the far path's own host time per layer in decode steps: comparable across leases
             print(f"{'':<11} far path host time {host_us:.0f} us per layer call in decode steps"
                   + (f", of which the graph rows' merge {merge_us:.0f} us" if merge_us else ""))

@@ -68,3 +68,18 @@ def test_drawn_qk_biases_leave_v_and_o_unbiased():
         q, k = attn.q_proj.bias, attn.k_proj.bias
         assert 6.0 < q.std().item() < 10.0 and 5.0 < k.std().item() < 11.0  # 256 and 128 draws of N(0, 64)
         assert not attn.v_proj.bias.any() and not attn.o_proj.bias.any()
+
+
+def test_the_slowest_decode_steps_show_tierkvs_host_parts(tmp_path, capsys):
+    """A row that recorded, per engine step, the hot window's and the connector's host ms: the table
+    names its slowest decode steps with those parts (the rest of a step is vLLM's and the GPU's)."""
+    sparse = row("tierkv-sparse-graphs", 10.0, tokens=5)  # a prefill step, then 4 decode steps
+    sparse["step_ms"] = [500.0, 10.0, 45.0, 11.0, 10.0]
+    sparse["step_far_host_ms"] = [[5.0, 90.0], [0.1, 2.0], [2.5, 8.1], [0.1, 2.1], [0.1, 2.0]]
+    sparse["step_connector_ms"] = [[1.0, 9.0, 0.5], [0.2, 0.0, 0.1], [0.3, 1.2, 0.1], [0.2, 0.0, 0.1], [0.2, 0.0, 0.1]]
+    for r in (row("plain", 10.0), sparse):
+        (tmp_path / f"bench-vllm-{r['mode']}.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    printed = capsys.readouterr().out
+    assert "slowest decode steps" in printed
+    assert "1: 45.0; 2.5/8.1, 0.3/1.2/0.1; 2: 11.0; 0.1/2.1, 0.2/0.0/0.1" in printed  # decode step 1 first

@@ -156,6 +156,10 @@ def test_prefix_saved_by_one_request_is_found_across_tiers_and_loaded_bit_exactl
     assert worker.get_block_ids_with_load_errors() == set()
     stats = scheduler.stats()
     assert stats["counts"]["blocks_loaded"] == 6 and stats["counts"]["blocks_saved"] == 18
+    # per forward, the worker hooks' host ms (start_load_kv, save_kv_layer, wait_for_save): the first saved
+    # 6 blocks per layer, the second saved none (its save_kv_layer calls return at once: 0.0)
+    (load1, save1, wait1), (load2, save2, wait2) = stats["step_connector_ms"]
+    assert min(load1, save1, wait1, load2, wait2) >= 0 and save1 > 0 and save2 == 0.0
 
 
 def test_vllm_prefix_cache_hit_is_not_loaded_again(engine):

@@ -20,6 +20,7 @@ layer by layer). A block that left every tier between lookup and load is reporte
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._store: VllmKVStore | None = None
         self._far: FarKV | None = None
         self._requests: dict[str, _RequestState] = {}
+        self._hook_s = [0.0, 0.0, 0.0]  # this step's seconds in start_load_kv, save_kv_layer, wait_for_save
         if self.hot_window is not None and role == KVConnectorRole.WORKER:
             hot_window.set_window(self.hot_window)
 
@@ -126,6 +128,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:
+            self._hook_s[0] += time.perf_counter() - started
+
+    def _start_load_kv(self) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TierKVMetadata)
         self.store.poll()
@@ -149,16 +158,24 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TierKVMetadata)
         if metadata.saves:
+            started = time.perf_counter()
             layer = self.store.layer_index[layer_name]
             blocks = self.store.save_layer(layer, kv_layer, metadata.saves)
             if self._far is not None and blocks is not None:
                 self._far.summarize(layer, metadata.saves, blocks)
+            self._hook_s[1] += time.perf_counter() - started
 
     def wait_for_save(self):
+        started = time.perf_counter()
         if self._far is not None:
             self._far.end_step()
             hot_window.set_step(None)
         self.store.poll()
+        # the step's host ms in this connector's hooks (start_load_kv, save_kv_layer, wait_for_save): where a
+        # slow step's time went, ours or vLLM's (`VllmKVStore.stats`' step_connector_ms)
+        self._hook_s[2] = time.perf_counter() - started
+        self.store.step_connector_ms.append(tuple(round(1e3 * s, 3) for s in self._hook_s))
+        self._hook_s = [0.0, 0.0, 0.0]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.store.take_load_errors() if self._store is not None else set()

@@ -24,6 +24,7 @@ scheduler in another process gets a lookup-only store over the shared tiers (dis
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -87,6 +88,8 @@ class VllmKVStore:
         self.hot_window = None   # the hot window's far-block reader (far.FarKV), set by the connector
         self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
                        "lookups": 0, "lookup_hit_blocks": 0}
+        # per engine step, the worker connector's host ms in start_load_kv, save_kv_layer and wait_for_save
+        self.step_connector_ms: deque[tuple[float, float, float]] = deque(maxlen=512)
 
     # -- addresses -------------------------------------------------------------------------------
     def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
@@ -314,6 +317,8 @@ class VllmKVStore:
     # -- lifecycle -------------------------------------------------------------------------------------
     def stats(self) -> dict:
         out = {"counts": dict(self.counts)}
+        if self.step_connector_ms:
+            out["step_connector_ms"] = list(self.step_connector_ms)
         if self.chain is not None:
             out.update(self.chain.snapshot())
         if not self.lookup_only:
