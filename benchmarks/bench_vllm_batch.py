@@ -62,7 +62,7 @@ def host_bytes_per_request(layers: int, storage_dtype: str) -> int:
     return per_request // 2 + blocks * 2 * LLAMA_8B["num_key_value_heads"] * 4
 
 
-def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str) -> int:
+def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_selections: int = 1) -> int:
     """scheduler.staging_bytes for `requests` graphed rows: SPARSE_HOT_WINDOW's, or more where their
     far-block caches (one selection per layer each, bf16; a quantized tier's code buffers beside
     them) with the eager regions must fit three quarters of it (tierkv.vllm_backend.far.FarKV)."""
@@ -72,11 +72,12 @@ def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str) -> int
     k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
     block_bytes = kv_bytes_per_token(1) * block_tokens
     codes = 0 if storage_dtype in ("auto", "bfloat16") else k * (block_bytes // 2 + 2 * LLAMA_8B["num_key_value_heads"] * 4)
-    needed = requests * (layers * k * block_bytes + codes) + 2 * k * block_bytes + block_bytes
+    needed = requests * (cache_selections * layers * k * block_bytes + codes) + 2 * k * block_bytes + block_bytes
     return max(parse_bytes(SPARSE_HOT_WINDOW["scheduler"]["staging_bytes"]), -(-4 * needed // 3) + (64 << 20))
 
 
-def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto"):
+def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",
+           cache_selections: int = 1):
     common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False, enforce_eager=True,
                   skip_tokenizer_init=True, max_num_seqs=max(requests, 1))
     if mode == "plain":
@@ -93,7 +94,8 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
               # one graph per layer serves every request's decoding row, each request's far-block cache in staging
               "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs",
                             "sparse_graph_rows": requests,
-                            "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype)},
+                            "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
+                            "sparse_cache_selections": cache_selections},
               "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
                          "storage_dtype": storage_dtype}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
@@ -102,7 +104,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
-        storage_dtype: str = "auto") -> None:
+        storage_dtype: str = "auto", cache_selections: int = 1) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -114,11 +116,13 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
         requests = requests or host_requests(host_bytes_per_request(layers, storage_dtype))
         if storage_dtype != "auto":
             mode = f"{mode}@{storage_dtype}"  # its own row and file
+        if cache_selections != 1:
+            mode = f"{mode}@cache{cache_selections}"
     # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
     # 128k); 128 tokens more give the steps in which the whole batch decodes
     new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
     context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
-    llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype)
+    llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -233,6 +237,9 @@ def main() -> int:
                         help="per request; enough that the first request still decodes once the last one's prefill is "
                              f"done (default {PREFILL_STEPS_PER_REQUEST} per request + 128)")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--cache-selections", type=int, default=1,
+                        help="tierkv graphs: scheduler.sparse_cache_selections, selections each request's far-block cache "
+                             "keeps per layer (row MODE@cacheN; staging grows to hold them)")
     parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
                         help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
     args = parser.parse_args()
@@ -245,7 +252,10 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if mode == "plain" and args.storage_dtype != "auto":
         parser.error("--storage-dtype: plain vLLM has no CPU tier")
-    run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype)
+    if args.cache_selections < 1 or (mode == "plain" and args.cache_selections != 1):
+        parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
+    run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
+        args.cache_selections)
     return 0
 
 

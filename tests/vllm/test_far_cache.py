@@ -83,6 +83,39 @@ def test_sets_that_keep_nothing_copy_every_block_into_slots_every_layer_shares()
     assert not stats["cache_per_layer"]
 
 
+def test_a_cache_of_several_selections_replaces_the_least_recently_used_block():
+    """Past one selection per layer (C = 2k slots): a held id is read in place, the r-th missing id
+    takes the r-th least recently used slot the selection does not read, as an LRU model says; a
+    block selected two steps ago is still a hit."""
+    rc = RowCaches(1, LAYERS, K, (1,), torch.float32, torch.device("cpu"), selections=2)
+    assert rc.width == 2 * K and rc.blocks.shape[0] == LAYERS * 2 * K + 1
+    s = rc.take()
+    rng = random.Random(11)
+    model = {layer: {} for layer in range(LAYERS)}  # slot -> (block, last tick), per layer
+    tick = 0
+    selections = [rng.sample(range(60), K) for _ in range(2)]
+    for step in range(30):
+        ids = selections[step % 2] if step < 12 else rng.sample(range(60), K)  # alternating, then random
+        for layer in range(LAYERS):
+            slots, miss = rc.place(s, layer, torch.tensor(ids))
+            held = model[layer]
+            where = {block: slot for slot, (block, _) in held.items()}
+            read = {where[b] for b in ids if b in where}
+            unread = sorted((held.get(j, (None, -1))[1], j) for j in range(2 * K) if j not in read)
+            victims = iter(j for _, j in unread)
+            base = s.base(layer)
+            for block, slot, missed in zip(ids, slots.tolist(), miss.tolist()):
+                want = where[block] if block in where else next(victims)
+                assert (slot - base, missed) == (want, block not in where), (step, layer)
+                held[slot - base] = (block, tick)
+            tick += 1
+        if 2 <= step < 12:  # both alternating selections fit the 2k slots: nothing to copy
+            assert not miss.any()
+    rc.give_back(s)
+    again = rc.take()
+    assert rc.place(again, 0, torch.tensor(selections[0]))[1].all()  # emptied, clocks too
+
+
 def test_snapshot_and_restore_undo_a_run():
     rc = caches(sets=1)
     s = rc.take()

@@ -46,11 +46,11 @@ HQ = 4  # query heads: GQA group of 2
 
 
 def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0,
-                 sparse_graphs: bool = False, storage_dtype: str = "auto") -> str:
+                 sparse_graphs: bool = False, storage_dtype: str = "auto", cache_selections: int = 1) -> str:
     block_bytes = 2 * H * BS * D * 4
     path = tmp_path / "hot.yaml"
     sparse = ["  policy: sparse", f"  sparse_token_budget: {sparse_tokens}"] if sparse_tokens else []
-    sparse += ["  sparse_cuda_graphs: true"] if sparse_graphs else []
+    sparse += ["  sparse_cuda_graphs: true", f"  sparse_cache_selections: {cache_selections}"] if sparse_graphs else []
     path.write_text("\n".join([
         "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}", f"    storage_dtype: {storage_dtype}",
@@ -1049,11 +1049,12 @@ class _BodyGraphs:
 
 
 def computed_far(tmp_path, reqs, max_rows: int, staging_blocks: int = 64, sparse_graphs: bool = True,
-                 window: int = 2 * BS, blocks: int = 30, max_model_len: int | None = None, caches=None):
+                 window: int = 2 * BS, blocks: int = 30, max_model_len: int | None = None, caches=None,
+                 cache_selections: int = 1):
     """A sparse-policy FarKV over a CPU store whose requests `reqs` each have `blocks` computed blocks
     per layer (saved and summarized, from vLLM pools `caches`, random when not given): (store, caches, far)."""
     config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks, sparse_tokens=4 * BS,
-                                      sparse_graphs=sparse_graphs), env={})
+                                      sparse_graphs=sparse_graphs, cache_selections=cache_selections), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = caches if caches is not None else {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
@@ -1601,3 +1602,42 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
         finally:
             far.close()
             store.close()
+
+
+def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path, monkeypatch):
+    """scheduler.sparse_cache_selections: 2 keeps two selections per layer (least recently used
+    replaced): queries that alternate between two directions find both selections on the GPU after
+    two steps, where one kept selection copies every step; outputs equal the eager path's."""
+    from tierkv.attention import merge_partials
+
+    fake_graphs(monkeypatch)
+    k, steps = 4, 8
+    queries = [torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    hits = {}
+    for selections in (1, 2):
+        (tmp_path / str(selections)).mkdir()
+        store, _, far = computed_far(tmp_path / str(selections), ("a",), max_rows=1, staging_blocks=64,
+                                     cache_selections=selections)
+        try:
+            assert far.row_caches.width == selections * k and far.row_caches.per_layer
+            for step in range(steps):
+                far.begin_step([("a", 27 * BS + step, 1)])  # no far block added on the way
+                q = queries[step % 2]
+                near = (torch.randn(1, HQ, D), torch.randn(1, HQ))
+                for name in NAMES:
+                    layer = store.layer_index[name]
+                    saved, far.graphs = far.graphs, None  # the eager path
+                    want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
+                    far.graphs = saved
+                    got = torch.full_like(want, float("nan"))
+                    far.attend_into(got, layer, q, *near, 0.3)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                far.end_step()
+            stats = far.stats()
+            assert stats["cache_hits"] + stats["cache_misses"] == steps * LAYERS * k
+            hits[selections] = stats["cache_hits"]
+        finally:
+            far.close()
+            store.close()
+    # two kept selections: every block from the third step on; one: only what the two selections share
+    assert hits[2] >= (steps - 2) * LAYERS * k and hits[1] < hits[2]

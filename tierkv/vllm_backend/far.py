@@ -165,7 +165,7 @@ class FarKV:
                 graph_rows, per_layer = self._graph_rows(max(1, min(max_rows, scheduler.sparse_graph_rows)),
                                                          staging_bytes, sparse_bytes)
         self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
-                                     store.device, per_layer) if graph_rows else None)
+                                     store.device, per_layer, scheduler.sparse_cache_selections) if graph_rows else None)
         if self.row_caches is not None and store.cpu.quant_format is not None:
             packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
         cache_bytes = self.row_caches.num_bytes if self.row_caches is not None else 0
@@ -205,7 +205,8 @@ class FarKV:
         self._begin_s = self._attend_s = 0.0
 
     def _graph_rows(self, wanted: int, staging_bytes: int, sparse_bytes: int) -> tuple[int, bool]:
-        """(decoding rows the graphs serve, whether their far-block caches keep a selection per layer).
+        """(decoding rows the graphs serve, whether their far-block caches keep selections per layer:
+        `scheduler.sparse_cache_selections` of them).
         Within three quarters of the staging, beside the eager regions (sparse_bytes) and the caches'
         sink block: every wanted row with a cache per layer, else rows whose sets keep nothing (one
         selection each, every selected block copied every step), as many as fit; a warning says which."""
@@ -213,7 +214,8 @@ class FarKV:
         block_bytes = store.layout.num_bytes
         codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0  # a quantized tier's buffers
         room = 3 * staging_bytes // 4 - sparse_bytes - block_bytes
-        kept = RowCaches.bytes_per_set(store.num_layers, k, block_bytes) + codes
+        selections = store.config.scheduler.sparse_cache_selections
+        kept = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, selections=selections) + codes
         if room >= wanted * kept:
             return wanted, True
         shared = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, per_layer=False) + codes

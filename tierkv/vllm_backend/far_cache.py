@@ -7,9 +7,13 @@ Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `s
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
 CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
 
-    blocks  [sets * L * k + 1, 2, H, T, D]   set s, layer l: slots (s*L + l)*k .. +k; the last slot is
-                                             a sink that absorbs writes nothing reads
-    held    int64 [sets, L, k]               block id in each slot, -1 when empty
+    blocks  [sets * L * C + 1, 2, H, T, D]   set s, layer l: slots (s*L + l)*C .. +C (C = k, or S*k
+                                             below); the last slot is a sink that absorbs writes nothing reads
+    held    int64 [sets, L, C]               block id in each slot, -1 when empty
+
+With `scheduler.sparse_cache_selections` S > 1 each layer has C = S*k slots (`width`) and a missing
+id takes the least recently used slot the selection does not read (PyTorch ops; not run on the
+GPU yet), so a block selected again after a step or more away is still there.
 
 Where staging cannot hold a selection per layer for every row, the sets keep nothing
 (`per_layer=False`): one selection's slots per set, which every layer of every step overwrites, so
@@ -49,33 +53,39 @@ class CacheSet:
 
     index: int
     num_layers: int       # layers with slots of their own: all of them, or 1 when the sets keep nothing
-    k: int
+    width: int            # slots per layer: k, or a multiple of k (kept selections, least recently used replaced)
 
     def base(self, layer: int) -> int:
-        return (self.index * self.num_layers + layer % self.num_layers) * self.k
+        return (self.index * self.num_layers + layer % self.num_layers) * self.width
 
 
 class RowCaches:
     def __init__(self, num_sets: int, num_layers: int, k: int, block_shape: tuple, dtype: torch.dtype,
-                 device: torch.device, per_layer: bool = True):
-        """num_sets caches of one selection (k blocks of block_shape) per layer, on `device`;
-        per_layer=False: one selection per set, shared by the layers, nothing kept."""
+                 device: torch.device, per_layer: bool = True, selections: int = 1):
+        """num_sets caches of `selections` selections (k blocks of block_shape each) per layer, on
+        `device`; per_layer=False: one selection per set, shared by the layers, nothing kept."""
+        if selections < 1:
+            raise ValueError(f"selections: got {selections}; a cache keeps at least one selection per layer")
         self.num_sets, self.num_layers, self.k, self.per_layer = num_sets, num_layers, k, per_layer
         layers_kept = num_layers if per_layer else 1
-        self.sink = num_sets * layers_kept * k
+        self.width = k * selections if per_layer else k  # slots per layer
+        self.sink = num_sets * layers_kept * self.width
         self.blocks = torch.empty((self.sink + 1, *block_shape), dtype=dtype, device=device)
-        self.held = torch.full((num_sets, num_layers, k), -1, dtype=torch.int64, device=device)
+        self.held = torch.full((num_sets, num_layers, self.width), -1, dtype=torch.int64, device=device)
+        # past one selection per layer: each slot's last use (a tick of its set's clock, -1: never), oldest replaced
+        self.last_use = torch.full_like(self.held, -1) if self.width > k else None
+        self.clock = torch.zeros(num_sets, dtype=torch.int64, device=device)
         # hits, misses, rows with a miss (each a stall: fetched at selection, the output waits for it)
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
-        self._spare = [CacheSet(s, layers_kept, k) for s in reversed(range(num_sets))]
+        self._spare = [CacheSet(s, layers_kept, self.width) for s in reversed(range(num_sets))]
         # per_layer=False: every id a miss, read from the set's own k slots
         self._order = torch.arange(k, device=device)
         self._all_missed = torch.ones(k, dtype=torch.bool, device=device)
         self._all_missed_counts = torch.tensor([0, k, 1], dtype=torch.int64, device=device)
 
     @staticmethod
-    def bytes_per_set(num_layers: int, k: int, block_bytes: int, per_layer: bool = True) -> int:
-        return (num_layers if per_layer else 1) * k * block_bytes
+    def bytes_per_set(num_layers: int, k: int, block_bytes: int, per_layer: bool = True, selections: int = 1) -> int:
+        return (num_layers * selections if per_layer else 1) * k * block_bytes
 
     @property
     def num_bytes(self) -> int:
@@ -89,6 +99,8 @@ class RowCaches:
         """`cache`'s request finished: its set is emptied (in stream order, after the request's last
         replay) and goes to the next request."""
         self.held[cache.index].fill_(-1)
+        if self.last_use is not None:
+            self.last_use[cache.index].fill_(-1)
         self._spare.append(cache)
 
     def place(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +110,8 @@ class RowCaches:
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
             self.counters.add_(self._all_missed_counts)
             return self._order + cache.base(layer), self._all_missed
+        if self.last_use is not None:
+            return self._place_lru(cache, layer, ids)
         held = self.held[cache.index, layer]
         # one Triton launch for what follows (tierkv.cache_kernels), the same placement; its [k, k]
         # comparison lives in one program's registers, so large selections keep the PyTorch ops
@@ -120,21 +134,48 @@ class RowCaches:
         self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
         return local + cache.base(layer), miss
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the sets hold and the counters, copied (device work only)."""
-        return self.held.clone(), self.counters.clone()
+    def _place_lru(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`place` over C > k slots per layer: a held id is read in place; the r-th missing id takes
+        the r-th least recently used slot among those this selection does not read (at least as
+        many as the misses: C - hits >= k - hits); every slot read or filled gets the set's tick.
+        PyTorch ops only (not run on the GPU yet)."""
+        held, last_use = self.held[cache.index, layer], self.last_use[cache.index, layer]
+        same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, C]: id i is held in slot j
+        hit = same.any(1)
+        miss = ~hit
+        read = same.any(0)                                             # [C]: slots this selection reads
+        never = torch.iinfo(torch.int64).max
+        victims = torch.argsort(torch.where(read, never, last_use), stable=True)  # unread, oldest first
+        miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
+        local = torch.where(hit, same.to(torch.int8).argmax(1), victims.index_select(0, miss_rank))
+        held.scatter_(0, local, ids)
+        tick = self.clock[cache.index : cache.index + 1]
+        last_use.scatter_(0, local, tick.expand(ids.shape[0]))
+        tick.add_(1)
+        self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
+        return local + cache.base(layer), miss
 
-    def restore(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def snapshot(self) -> tuple:
+        """What the sets hold, their clocks and the counters, copied (device work only)."""
+        return (self.held.clone(), None if self.last_use is None else self.last_use.clone(), self.clock.clone(),
+                self.counters.clone())
+
+    def restore(self, saved: tuple) -> None:
         """Back to a `snapshot` (the blocks a run copied in since are then not held: copied again)."""
-        self.held.copy_(saved[0])
-        self.counters.copy_(saved[1])
+        held, last_use, clock, counters = saved
+        self.held.copy_(held)
+        if last_use is not None:
+            self.last_use.copy_(last_use)
+        self.clock.copy_(clock)
+        self.counters.copy_(counters)
 
     def stats(self) -> dict:
         """The counters, read from the device (one sync)."""
         hits, misses, stalled_rows = self.counters.tolist()
         return {"cache_hits": hits, "cache_misses": misses, "cache_stalled_rows": stalled_rows,
-                "cache_sets": self.num_sets, "cache_bytes": self.num_bytes, "cache_per_layer": self.per_layer}
+                "cache_sets": self.num_sets, "cache_bytes": self.num_bytes, "cache_per_layer": self.per_layer,
+                "cache_slots_per_layer": self.width}
 
     def __repr__(self) -> str:
         layers = self.num_layers if self.per_layer else 1
-        return f"RowCaches({self.num_sets} sets of {layers} x {self.k} blocks, {format_bytes(self.num_bytes)})"
+        return f"RowCaches({self.num_sets} sets of {layers} x {self.width} blocks, {format_bytes(self.num_bytes)})"
