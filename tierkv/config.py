@@ -110,7 +110,8 @@ class SchedulerConfig:
     sparse_cache_selections: int = field(default=1, metadata=doc(
         "sparse CUDA graphs: selections each graphed request's far-block cache keeps per layer; past 1, a block "
         "selected again after a step or more away is still on the GPU (the least recently used replaced); each "
-        "adds layers x sparse_token_budget tokens of KV to what staging_bytes must hold per row", min_value=1))
+        "adds layers x sparse_token_budget tokens of KV to what staging_bytes must hold per row; 0: keep nothing, "
+        "copy every selected block each step (one selection's staging per row)", min_value=0))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

@@ -1557,26 +1557,29 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
     """Each graphed row's request holds a far-block cache set out of scheduler.staging_bytes, within
     three quarters of it beside the eager regions: a selection per layer for every row when they all
     fit; else sets that keep nothing (one selection each, every block copied each step) for as many
-    rows as fit, the rest eager, with a warning naming the staging that would keep selections.
-    Outputs equal the eager path's either way, and the engine's staging stays within the config's."""
+    rows as fit, the rest eager, with a warning naming the staging that would keep selections; sets
+    that keep nothing when sparse_cache_selections is 0, without a warning. Outputs equal the eager
+    path's either way, and the engine's staging stays within the config's."""
     from tierkv.attention import merge_partials
 
     fake_graphs(monkeypatch)
     k = 4  # computed_far's budget: 4 blocks
-    # (staging blocks, rows the graphs serve, kept per layer): room = 3/4 x staging - 2k - 1 blocks
-    for staging_blocks, want_rows, per_layer in ((128, 5, True), (64, 5, False), (24, 2, False)):
-        (tmp_path / str(staging_blocks)).mkdir()
+    # (staging blocks, selections asked to keep, rows the graphs serve, kept per layer): room = 3/4 x staging
+    # - 2k - 1 blocks; 0 selections: keep nothing, no warning when every row fits
+    for staging_blocks, selections, want_rows, per_layer in ((128, 1, 5, True), (64, 1, 5, False), (24, 1, 2, False),
+                                                             (128, 0, 5, False)):
+        (tmp_path / f"{staging_blocks}-{selections}").mkdir()
         caplog.clear()
         with caplog.at_level("WARNING", logger="tierkv.vllm_backend.far"):
-            store, _, far = computed_far(tmp_path / str(staging_blocks), ("a", "b"), max_rows=5,
-                                         staging_blocks=staging_blocks)
+            store, _, far = computed_far(tmp_path / f"{staging_blocks}-{selections}", ("a", "b"), max_rows=5,
+                                         staging_blocks=staging_blocks, cache_selections=selections)
         try:
             caches = far.row_caches
             assert far.graphs.max_rows == want_rows and caches.num_sets == want_rows and caches.per_layer == per_layer
             assert caches.blocks.shape[0] == want_rows * (LAYERS if per_layer else 1) * k + 1  # and the sink
             warned = [r.getMessage() for r in caplog.records if "far-block caches" in r.getMessage()]
-            if per_layer:
-                assert not warned
+            if per_layer or selections == 0:
+                assert not warned and not caplog.records
             else:
                 assert len(warned) == 1 and f"{want_rows} rows copy every selected block" in warned[0]
                 assert (f"{5 - want_rows} run eagerly" in warned[0]) == (want_rows < 5)

@@ -165,7 +165,8 @@ class FarKV:
                 graph_rows, per_layer = self._graph_rows(max(1, min(max_rows, scheduler.sparse_graph_rows)),
                                                          staging_bytes, sparse_bytes)
         self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
-                                     store.device, per_layer, scheduler.sparse_cache_selections) if graph_rows else None)
+                                     store.device, per_layer, max(1, scheduler.sparse_cache_selections))
+                           if graph_rows else None)
         if self.row_caches is not None and store.cpu.quant_format is not None:
             packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
         cache_bytes = self.row_caches.num_bytes if self.row_caches is not None else 0
@@ -215,11 +216,17 @@ class FarKV:
         codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0  # a quantized tier's buffers
         room = 3 * staging_bytes // 4 - sparse_bytes - block_bytes
         selections = store.config.scheduler.sparse_cache_selections
+        shared = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, per_layer=False) + codes
+        rows = max(0, min(wanted, room // shared))
+        if selections == 0:  # asked to keep nothing
+            if rows < wanted:
+                logger.warning("tierkv hot window: scheduler.staging_bytes %s holds %d of %d decoding rows' selections "
+                               "(%s each); the others run eagerly", format_bytes(staging_bytes), rows, wanted,
+                               format_bytes(shared))
+            return rows, False
         kept = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, selections=selections) + codes
         if room >= wanted * kept:
             return wanted, True
-        shared = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, per_layer=False) + codes
-        rows = max(0, min(wanted, room // shared))
         logger.warning(
             "tierkv hot window: scheduler.staging_bytes %s cannot hold far-block caches for %d decoding rows (%s each, "
             "within three quarters of it: raise it to %s to keep selections across steps); %d rows copy every selected "
