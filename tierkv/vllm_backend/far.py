@@ -56,8 +56,7 @@ from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.units import format_bytes
-from tierkv.vllm_backend.far_cache import CacheSet, RowCaches
+from tierkv.vllm_backend.far_cache import CacheSet, RowCaches, cache_rows
 from tierkv.vllm_backend.far_graphed import GraphedRows
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs
 from tierkv.vllm_backend.far_summaries import KeySummaries, RequestSummaries, SelectionOverlap
@@ -156,14 +155,19 @@ class FarKV:
         # layer, `RowCaches`) and, over a quantized CPU tier, buffers for a selection's codes and
         # scales: as many rows as fit in three quarters of the staging with the eager regions.
         sparse_bytes = packed_bytes = graph_rows = 0
+        per_layer = True
         graphed = self.sparse_blocks is not None and scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(store)
         if self.sparse_blocks is not None:
             k = self.sparse_blocks
             region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
             sparse_bytes = 2 * region * layout.num_bytes
             if graphed:
-                graph_rows, per_layer = self._graph_rows(max(1, min(max_rows, scheduler.sparse_graph_rows)),
-                                                         staging_bytes, sparse_bytes)
+                codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
+                graph_rows, per_layer, warning = cache_rows(
+                    max(1, min(max_rows, scheduler.sparse_graph_rows)), scheduler.sparse_cache_selections,
+                    staging_bytes, sparse_bytes, store.num_layers, k, layout.num_bytes, codes)
+                if warning:
+                    logger.warning("tierkv hot window: %s", warning)
         self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
                                      store.device, per_layer, max(1, scheduler.sparse_cache_selections))
                            if graph_rows else None)
@@ -204,36 +208,6 @@ class FarKV:
         # a slow step's time went, ours or not
         self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
         self._begin_s = self._attend_s = 0.0
-
-    def _graph_rows(self, wanted: int, staging_bytes: int, sparse_bytes: int) -> tuple[int, bool]:
-        """(decoding rows the graphs serve, whether their far-block caches keep selections per layer:
-        `scheduler.sparse_cache_selections` of them).
-        Within three quarters of the staging, beside the eager regions (sparse_bytes) and the caches'
-        sink block: every wanted row with a cache per layer, else rows whose sets keep nothing (one
-        selection each, every selected block copied every step), as many as fit; a warning says which."""
-        store, k = self.store, self.sparse_blocks
-        block_bytes = store.layout.num_bytes
-        codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0  # a quantized tier's buffers
-        room = 3 * staging_bytes // 4 - sparse_bytes - block_bytes
-        selections = store.config.scheduler.sparse_cache_selections
-        shared = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, per_layer=False) + codes
-        rows = max(0, min(wanted, room // shared))
-        if selections == 0:  # asked to keep nothing
-            if rows < wanted:
-                logger.warning("tierkv hot window: scheduler.staging_bytes %s holds %d of %d decoding rows' selections "
-                               "(%s each); the others run eagerly", format_bytes(staging_bytes), rows, wanted,
-                               format_bytes(shared))
-            return rows, False
-        kept = RowCaches.bytes_per_set(store.num_layers, k, block_bytes, selections=selections) + codes
-        if room >= wanted * kept:
-            return wanted, True
-        logger.warning(
-            "tierkv hot window: scheduler.staging_bytes %s cannot hold far-block caches for %d decoding rows (%s each, "
-            "within three quarters of it: raise it to %s to keep selections across steps); %d rows copy every selected "
-            "block each step%s", format_bytes(staging_bytes), wanted, format_bytes(kept),
-            format_bytes(-(-4 * (wanted * kept + sparse_bytes + block_bytes) // 3)), rows,
-            f", {wanted - rows} run eagerly" if rows < wanted else "")
-        return rows, False
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:

@@ -2,7 +2,8 @@
 of its last selection on the GPU, and a step copies across PCIe only the selected blocks that are
 not there yet.
 
-Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `stats`), `CacheSet`.
+Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `stats`), `CacheSet`,
+`cache_rows`.
 
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
 CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
@@ -45,6 +46,31 @@ def _place_kernel():
     from tierkv.cache_kernels import place_selection
 
     return place_selection
+
+
+def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
+               block_bytes: int, codes_bytes: int) -> tuple[int, bool, str | None]:
+    """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
+    `selections` selections per layer: (rows, per_layer, a warning or None). Everything fits within
+    three quarters of `staging_bytes`, beside the eager regions (eager_bytes) and the sink block;
+    each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
+    per layer, else sets that keep nothing (one selection each, every block copied every step) for
+    as many rows as fit; 0 selections asks for the latter."""
+    room = 3 * staging_bytes // 4 - eager_bytes - block_bytes
+    shared = RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
+    rows = max(0, min(wanted, room // shared))
+    eager = f", {wanted - rows} run eagerly" if rows < wanted else ""
+    if selections == 0:  # asked to keep nothing
+        return rows, False, (f"scheduler.staging_bytes {format_bytes(staging_bytes)} holds {rows} of {wanted} decoding "
+                             f"rows' selections ({format_bytes(shared)} each){eager}" if rows < wanted else None)
+    kept = RowCaches.bytes_per_set(num_layers, k, block_bytes, selections=selections) + codes_bytes
+    if room >= wanted * kept:
+        return wanted, True, None
+    needed = -(-4 * (wanted * kept + eager_bytes + block_bytes) // 3)
+    return rows, False, (f"scheduler.staging_bytes {format_bytes(staging_bytes)} cannot hold far-block caches for "
+                         f"{wanted} decoding rows ({format_bytes(kept)} each, within three quarters of it: raise it to "
+                         f"{format_bytes(needed)} to keep selections across steps); {rows} rows copy every selected "
+                         f"block each step{eager}")
 
 
 @dataclass(frozen=True)
