@@ -1,11 +1,13 @@
 """Triton kernel of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place`).
 
-Primitives: `place_selection`.
+Primitives: `place_selection`, `place_selection_lru`.
 
 One program per call does what the PyTorch path does in some 25 launches: compare the k selected
 ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
 whose block was not selected again, write the new held ids, and count hits, misses and whether the
-row missed. Same result as the PyTorch path, bit for bit (both place deterministically). Imported
+row missed. Same result as the PyTorch path, bit for bit (both place deterministically).
+`place_selection_lru` does the same over C > k slots per layer, the misses taking the least
+recently used slots the selection does not read (`RowCaches._place_lru`). Imported
 lazily where a CUDA selection arrives; also runs under the Triton interpreter (`TRITON_INTERPRET=1`)
 on CPU tensors.
 """
@@ -55,4 +57,58 @@ def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
     slots = torch.empty(k, dtype=torch.int64, device=ids.device)
     miss = torch.empty(k, dtype=torch.int8, device=ids.device)
     _place_kernel[(1,)](ids, held, slots, miss, counters, base, k, K_PAD=triton.next_power_of_2(k))
+    return slots, miss.view(torch.bool)
+
+
+@triton.jit
+def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, miss_ptr, counters_ptr, base, k, c,
+                      K_PAD: tl.constexpr, C_PAD: tl.constexpr):
+    i = tl.arange(0, K_PAD)
+    j = tl.arange(0, C_PAD)
+    valid_i = i < k
+    valid_j = j < c
+    ids = tl.load(ids_ptr + i, mask=valid_i, other=-2)
+    held = tl.load(held_ptr + j, mask=valid_j, other=-3)
+    last_use = tl.load(last_use_ptr + j, mask=valid_j, other=0)
+    tick = tl.load(clock_ptr)
+    same = ((ids[:, None] == held[None, :]) & valid_i[:, None] & valid_j[None, :]).to(tl.int32)   # [K, C]
+    hit = tl.max(same, axis=1) > 0
+    read = tl.max(same, axis=0) > 0
+    miss = valid_i & (hit == 0)
+    unread = valid_j & (read == 0)
+    # each unread slot's rank by (last use, index): the r-th miss takes the slot of rank r
+    jj = tl.arange(0, C_PAD)
+    before = ((last_use[:, None] < last_use[None, :]) |
+              ((last_use[:, None] == last_use[None, :]) & (jj[:, None] < jj[None, :]))) & unread[:, None]
+    rank = tl.sum(before.to(tl.int32), axis=0)                                   # [C]: unread slots before j
+    miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+    match = ((rank[None, :] == miss_rank[:, None]) & unread[None, :]).to(tl.int32)   # [K, C]
+    local = tl.where(hit, tl.argmax(same, axis=1), tl.argmax(match, axis=1))
+    tl.store(held_ptr + local, ids, mask=valid_i)
+    tl.store(last_use_ptr + local, tl.zeros([K_PAD], tl.int64) + tick, mask=valid_i)
+    tl.store(clock_ptr, tick + 1)
+    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid_i)
+    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid_i)
+    hits = tl.sum(hit.to(tl.int64), axis=0)
+    misses = tl.sum(miss.to(tl.int64), axis=0)
+    tl.atomic_add(counters_ptr, hits)
+    tl.atomic_add(counters_ptr + 1, misses)
+    tl.atomic_add(counters_ptr + 2, (misses > 0).to(tl.int64))
+
+
+def place_selection_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, ids: torch.Tensor,
+                        base: int, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`place_selection` over C >= k slots: held, last_use int64 [C] (a cache set's layer, updated in
+    place), clock int64 [1] (the set's tick, advanced by one), ids int64 [k] distinct, base the
+    layer's first slot, counters int64 [3] -> (slots int64 [k], miss bool [k]). No host sync."""
+    k, c = ids.numel(), held.numel()
+    if (last_use.numel() != c or c < k or clock.numel() != 1 or not (held.is_contiguous() and last_use.is_contiguous())
+            or {held.dtype, last_use.dtype, clock.dtype, ids.dtype} != {torch.int64}):
+        raise ValueError(f"place_selection_lru: held {tuple(held.shape)}, last_use {tuple(last_use.shape)}, "
+                         f"clock {tuple(clock.shape)}, ids {ids.dtype} {tuple(ids.shape)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    slots = torch.empty(k, dtype=torch.int64, device=ids.device)
+    miss = torch.empty(k, dtype=torch.int8, device=ids.device)
+    _place_lru_kernel[(1,)](ids, held, last_use, clock, slots, miss, counters, base, k, c,
+                            K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c))
     return slots, miss.view(torch.bool)

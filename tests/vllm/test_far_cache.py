@@ -158,17 +158,63 @@ def _kernel_cases(device: str) -> None:
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 
 
+def _lru_kernel_cases(device: str) -> None:
+    """The Triton placement over several selections (place_selection_lru) against RowCaches' PyTorch
+    LRU ops, step after step with selections drawn from a few recent ones and fresh blocks: the same
+    slots, misses, held ids, last uses, clock and counters. Fresh random draws each run."""
+    from tierkv.cache_kernels import place_selection_lru
+
+    seed = random.SystemRandom().randrange(2**63)
+    rng = random.Random(seed)
+    for k, selections in ((32, 2), (7, 3), (1, 2)):
+        torch_path = RowCaches(1, 1, k, (1,), torch.float32, torch.device("cpu"), selections=selections)
+        s = torch_path.take()
+        c = k * selections
+        held = torch.full((c,), -1, dtype=torch.int64, device=device)
+        last_use = torch.full((c,), -1, dtype=torch.int64, device=device)
+        clock = torch.zeros(1, dtype=torch.int64, device=device)
+        counters = torch.zeros(3, dtype=torch.int64, device=device)
+        recent: list[list[int]] = []
+        for step in range(16):
+            pool = sorted({b for sel in recent[-3:] for b in sel})
+            kept = rng.sample(pool, rng.randrange(min(len(pool), k) + 1)) if pool else []
+            ids = kept + rng.sample([b for b in range(6 * k + 8) if b not in kept], k - len(kept))
+            rng.shuffle(ids)
+            recent.append(ids)
+            want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
+            slots, miss = place_selection_lru(held, last_use, clock, torch.tensor(ids, device=device), s.base(0),
+                                              counters)
+            msg = f"seed={seed} k={k} selections={selections} step={step}"
+            assert slots.cpu().tolist() == want_slots.tolist(), msg
+            assert miss.cpu().tolist() == want_miss.tolist(), msg
+            assert held.cpu().tolist() == torch_path.held[0, 0].tolist(), msg
+            assert last_use.cpu().tolist() == torch_path.last_use[0, 0].tolist(), msg
+            assert clock.cpu().tolist() == torch_path.clock.tolist(), msg
+            assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
+
+
 @pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
 def test_interp_placement_kernel_equals_the_pytorch_placement():
     _kernel_cases("cpu")
 
 
+@pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
+def test_interp_lru_placement_kernel_equals_the_pytorch_lru():
+    _lru_kernel_cases("cpu")
+
+
 def test_placement_kernel_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    assert "1 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
+    assert "2 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_placement_kernel_on_the_gpu_equals_the_pytorch_placement():
     _kernel_cases("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lru_placement_kernel_on_the_gpu_equals_the_pytorch_lru():
+    _lru_kernel_cases("cuda")

@@ -13,8 +13,8 @@ CUDA graphs bake its addresses in, as they bake the request's summary tables and
     held    int64 [sets, L, C]               block id in each slot, -1 when empty
 
 With `scheduler.sparse_cache_selections` S > 1 each layer has C = S*k slots (`width`) and a missing
-id takes the least recently used slot the selection does not read (PyTorch ops; not run on the
-GPU yet), so a block selected again after a step or more away is still there.
+id takes the least recently used slot the selection does not read (one Triton launch on CUDA as
+well; not run on the GPU yet), so a block selected again after a step or more away is still there.
 
 Where staging cannot hold a selection per layer for every row, the sets keep nothing
 (`per_layer=False`): one selection's slots per set, which every layer of every step overwrites, so
@@ -39,13 +39,20 @@ from tierkv.optional_kernel import OptionalKernel
 from tierkv.units import format_bytes
 
 _KERNEL = OptionalKernel("far-block cache placement (tierkv.cache_kernels)")
-KERNEL_MAX_K = 256  # blocks per selection the placement kernel takes
+_LRU_KERNEL = OptionalKernel("far-block cache placement over several selections (tierkv.cache_kernels)")
+KERNEL_MAX_K = 256  # slots per layer the placement kernels take (their comparisons live in one program's registers)
 
 
 def _place_kernel():
     from tierkv.cache_kernels import place_selection
 
     return place_selection
+
+
+def _place_lru_kernel():
+    from tierkv.cache_kernels import place_selection_lru
+
+    return place_selection_lru
 
 
 def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
@@ -139,8 +146,7 @@ class RowCaches:
         if self.last_use is not None:
             return self._place_lru(cache, layer, ids)
         held = self.held[cache.index, layer]
-        # one Triton launch for what follows (tierkv.cache_kernels), the same placement; its [k, k]
-        # comparison lives in one program's registers, so large selections keep the PyTorch ops
+        # one Triton launch for what follows (tierkv.cache_kernels), the same placement
         if ids.is_cuda and self.k <= KERNEL_MAX_K:
             ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters), on_cuda=True)
             if ok:
@@ -164,8 +170,15 @@ class RowCaches:
         """`place` over C > k slots per layer: a held id is read in place; the r-th missing id takes
         the r-th least recently used slot among those this selection does not read (at least as
         many as the misses: C - hits >= k - hits); every slot read or filled gets the set's tick.
-        PyTorch ops only (not run on the GPU yet)."""
+        On CUDA one Triton launch (`tierkv.cache_kernels.place_selection_lru`; neither it nor these
+        ops have run on the GPU yet)."""
         held, last_use = self.held[cache.index, layer], self.last_use[cache.index, layer]
+        tick = self.clock[cache.index : cache.index + 1]
+        if ids.is_cuda and self.width <= KERNEL_MAX_K:
+            ok, placed = _LRU_KERNEL.run(lambda: _place_lru_kernel()(held, last_use, tick, ids, cache.base(layer),
+                                                                     self.counters), on_cuda=True)
+            if ok:
+                return placed
         same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, C]: id i is held in slot j
         hit = same.any(1)
         miss = ~hit
@@ -175,7 +188,6 @@ class RowCaches:
         miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
         local = torch.where(hit, same.to(torch.int8).argmax(1), victims.index_select(0, miss_rank))
         held.scatter_(0, local, ids)
-        tick = self.clock[cache.index : cache.index + 1]
         last_use.scatter_(0, local, tick.expand(ids.shape[0]))
         tick.add_(1)
         self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
