@@ -33,7 +33,7 @@ HEADS, KV_HEADS, DIM, LAYERS, TOKENS = 32, 8, 128, 3, 9600
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = "auto"):
+def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = "auto", cache_selections: int = 1):
     BLOCKS = TOKENS // BS
     block_bytes = 2 * KV_HEADS * BS * DIM * 2
     config = load_config({
@@ -41,7 +41,8 @@ def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = 
         "tiers": [{"kind": "cpu", "capacity_bytes": (len(prompts) * BLOCKS * LAYERS + 64) * block_bytes,
                    "storage_dtype": storage}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 1024 * block_bytes, "policy": "sparse",
-                      "sparse_token_budget": 32 * BS, "sparse_cuda_graphs": graphs},
+                      "sparse_token_budget": 32 * BS, "sparse_cuda_graphs": graphs,
+                      "sparse_cache_selections": cache_selections},
     }, env={})
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), NAMES, "graphs", "cuda")
     store.register(caches)
@@ -62,15 +63,18 @@ def add_request(store, far, caches, req, tokens):
     store.poll(wait=True)
 
 
-def compare_steps(eager, graphed, requests: dict[str, int], steps: int, repeat_query: bool = False):
+def compare_steps(eager, graphed, requests: dict[str, int], steps: int, repeat_query: bool = False,
+                  alternate: int = 1):
     """`steps` decode steps of `requests` (id: position of its first step's token), each layer's
     far attention by graphs equal to the eager path's; after the first step (which may capture a new
     set of rows) no step waits for the GPU, the steps whose far counts grow included. repeat_query:
-    every step the same queries (so nearly the same selections: the far-block caches hold them)."""
-    fixed = torch.randn(len(requests), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    the same queries every `alternate` steps (so nearly the same selections: the far-block caches
+    hold them)."""
+    fixed = [torch.randn(len(requests), HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(alternate)]
     for step in range(steps):
         rows = [(req, first + step, 1) for req, first in requests.items()]
-        q = fixed if repeat_query else torch.randn(len(rows), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        q = fixed[step % alternate] if repeat_query else torch.randn(len(rows), HEADS, DIM, device="cuda",
+                                                                      dtype=torch.bfloat16)
         for far in (eager, graphed):
             far_rows = far.begin_step(rows)
         assert all(r.num_far_blocks > graphed.sparse_blocks for r in far_rows)  # every row graph-served
@@ -246,6 +250,35 @@ def test_whole_graphs_run_the_window_part_and_equal_the_split_path(tmp_path):
         assert graphed.stats()["whole_check_max_abs"] < 1e-2
         for key in ("sparse_resident_reads", "sparse_selected_reads"):
             assert eager.stats()[key] == graphed.stats()[key], key
+    finally:
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.close()
+            store.close()
+
+
+def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_path):
+    """scheduler.sparse_cache_selections: 2 (two selections per layer, least recently used replaced,
+    placed by the LRU kernel inside the graphs): replays equal the eager path with no host sync, and
+    queries alternating between two directions copy nothing after their first two steps but a block
+    that becomes far on the way."""
+    BS = 64
+    BLOCKS = TOKENS // BS
+    caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
+    prompts = {"a": [random.randrange(1 << 16) for _ in range(BLOCKS * BS)]}
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS, cache_selections=2)
+    try:
+        k = graphed.sparse_blocks
+        assert graphed.row_caches.width == 2 * k and graphed.row_caches.per_layer
+        steps = 10
+        compare_steps(eager, graphed, {"a": (BLOCKS - 3) * BS - 2}, steps, repeat_query=True, alternate=2)
+        g = graphed.stats()
+        assert g["cache_hits"] + g["cache_misses"] == steps * LAYERS * k
+        assert g["cache_misses"] <= LAYERS * (2 * k + 2)  # the first two steps, and a block become far
+        from tierkv.vllm_backend import far_cache
+
+        assert far_cache._LRU_KERNEL.ok, far_cache._LRU_KERNEL.error
+        assert g["cuda_graphs"]["graph_capture_errors"] == 0
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()
