@@ -11,7 +11,8 @@ from tierkv.units import parse_bytes
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml", "vllm-128k.yaml",
+                                  "vllm-128k-sparse.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name, env={})
     assert config.tiers[0].kind == "cpu"
@@ -106,3 +107,22 @@ def test_missing_or_broken_file(tmp_path):
     broken.write_text("cache: [unclosed\n")
     with pytest.raises(ConfigError, match="valid YAML"):
         load_config(broken, env={})
+
+
+def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_request():
+    """configs/vllm-128k-sparse.yaml as FarKV sizes it for Llama-3.1-8B (32 layers, 8 KV heads of
+    128, bf16): one decoding row with a far-block cache per layer, no warning, within its staging."""
+    from tierkv.vllm_backend.far_cache import cache_rows
+
+    config = load_config(CONFIGS / "vllm-128k-sparse.yaml", env={})
+    sched, block_tokens = config.scheduler, config.cache.block_tokens
+    k = sched.sparse_token_budget // block_tokens
+    block_bytes = 2 * 8 * block_tokens * 128 * 2
+    eager = 2 * k * block_bytes  # FarKV's two eager regions of one selection
+    rows, per_layer, warning = cache_rows(1, sched.sparse_cache_selections, sched.staging_bytes, eager, 32, k,
+                                          block_bytes, 0)
+    assert (rows, per_layer, warning) == (1, True, None)
+    # four requests at once do not keep selections in this staging: the warning says what would
+    rows, per_layer, warning = cache_rows(4, sched.sparse_cache_selections, sched.staging_bytes, eager, 32, k,
+                                          block_bytes, 0)
+    assert (rows, per_layer) == (4, False) and "raise it to" in warning
