@@ -140,3 +140,28 @@ def test_a_real_run_adds_up_and_matches_a_hand_count(tmp_path):
     assert f["requests.requests"] == 3 and f["requests.generated_tokens"] == 3 * NEW_TOKENS
     # prefetch quality is not invented: no predictor in exact mode
     assert f["prefetch.precision"] is None and f["prefetch.recall"] is None
+
+
+def test_the_vllm_hot_windows_sparse_reads_become_the_gpu_tier():
+    """Under vLLM no runtime reports tier "gpu": the hot window's sparse decode reads stand in for it
+    (hits: window blocks and cache-held far blocks; misses: far blocks fetched when selected), so the
+    dashboard's GPU hit rate card and chart show them; its rate per interval follows."""
+    from tierkv.metrics.snapshot import derive_rates, flatten_stats, tier_names
+
+    def stats(resident, selected, cache_hits):
+        return {"counts": {"blocks_saved": 3},
+                "hot_window": {"sparse_resident_reads": resident, "sparse_selected_reads": selected,
+                               "cache_hits": cache_hits, "gpu_hit_rate": (resident + cache_hits) / (resident + selected)}}
+
+    first, *_ = flatten_stats(stats(30, 40, 36))
+    assert (first["tier.gpu.lookups"], first["tier.gpu.hits"], first["tier.gpu.misses"]) == (70, 66, 4)
+    assert first["tier.gpu.hit_rate"] == first["hot_window.gpu_hit_rate"] == 66 / 70
+    assert tier_names(first)[0] == "gpu"
+    later, *_ = flatten_stats(stats(60, 80, 56))
+    rates = derive_rates({"t": 0.0, "figures": first}, later, {}, 1.0)
+    assert rates["tier.gpu.hit_rate_interval"] == (30 + 20) / 70  # 30 more resident reads and 20 more cache hits of 70
+    # exact mode (no sparse reads) and a runtime's own gpu tier are left as they are
+    assert not any(k.startswith("tier.gpu") for k in flatten_stats({"hot_window": {"sparse_resident_reads": 0}})[0])
+    own, *_ = flatten_stats({"tiers": [{"tier": "gpu", "hits": 1, "lookups": 2, "hit_rate": 0.5}],
+                             "hot_window": {"sparse_resident_reads": 9, "sparse_selected_reads": 9, "cache_hits": 0}})
+    assert own["tier.gpu.hit_rate"] == 0.5 and own["tier.gpu.lookups"] == 2

@@ -16,7 +16,9 @@ One line of a metrics JSONL file (every key but `request` and `prefetch_layers` 
      "prefetch_layers": {"chunks": [...], "late_chunks": [...], "wait_s": [...]}}   # when reported
 
 Tier "gpu" counts attention's block reads: a hit is a block read from the GPU hot window, a
-miss one streamed from the CPU tier. The other tiers count their own lookups (prefix reuse,
+miss one streamed from the CPU tier. Under vLLM, where the stats come from the connector's store,
+the hot window's sparse decode reads stand in for it: a hit is a block read from vLLM's pool (the
+window) or from a far-block cache, a miss a selected far block fetched when selected. The other tiers count their own lookups (prefix reuse,
 promotions). A figure that nothing has reported yet (prefetch precision and recall before a
 sparse predictor exists) is present with the value None.
 """
@@ -51,11 +53,27 @@ def flatten_stats(stats: Mapping) -> tuple[dict, dict, dict, dict | None]:
             _walk("prefetch", {k: v for k, v in value.items() if k != "layers"}, figures, info)
         else:
             _walk(key, value, figures, info)
+    _gpu_tier_from_hot_window(figures)
     for key in ALWAYS_PRESENT:
         figures.setdefault(key, None)
     if "gpu.resident_bytes" in figures and "gpu.staging_bytes" in figures:
         figures["gpu.held_bytes"] = figures["gpu.resident_bytes"] + figures["gpu.staging_bytes"]
     return figures, latency, info, layers
+
+
+def _gpu_tier_from_hot_window(figures: dict) -> None:
+    """Tier "gpu" figures from the vLLM hot window's sparse decode reads, when no runtime reported
+    that tier and some sparse row has read blocks."""
+    if any(key.startswith("tier.gpu.") for key in figures):
+        return
+    resident = figures.get("hot_window.sparse_resident_reads") or 0
+    selected = figures.get("hot_window.sparse_selected_reads") or 0
+    if not resident + selected:
+        return
+    hits = resident + (figures.get("hot_window.cache_hits") or 0)
+    lookups = resident + selected
+    figures.update({"tier.gpu.lookups": lookups, "tier.gpu.hits": hits, "tier.gpu.misses": lookups - hits,
+                    "tier.gpu.hit_rate": hits / lookups})
 
 
 def _flatten_tier(tier: Mapping, figures: dict, latency: dict) -> None:
