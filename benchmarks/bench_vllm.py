@@ -235,28 +235,32 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
         return first_at - start, per_token_ms, tokens, top2, step_ms, step_gc
 
-    def far_wait_s() -> float:  # compute's GPU-timed wait for far copies so far (hot window)
-        return tiered.stats().get("hot_window", {}).get("wait_s", 0.0) if tiered is not None else 0.0
+    def tier_stats() -> dict:  # tierkv's stats (one device sync); none for plain vLLM
+        return tiered.stats() if tiered is not None else {}
 
-    def hot_counts() -> dict:  # the hot window's read counters so far (sparse rows)
-        hot = tiered.stats().get("hot_window", {}) if tiered is not None else {}
+    def far_wait_s(stats: dict | None = None) -> float:  # compute's GPU-timed wait for far copies so far (hot window)
+        return (stats if stats is not None else tier_stats()).get("hot_window", {}).get("wait_s", 0.0)
+
+    def hot_counts(stats: dict) -> dict:  # the hot window's read counters so far (sparse rows)
+        hot = stats.get("hot_window", {})
         return {k: hot.get(k, 0) for k in ("sparse_resident_reads", "sparse_selected_reads", "cache_hits",
                                            "cache_misses", "stalls")}
 
-    wait0, reads0 = far_wait_s(), hot_counts()
+    before = tier_stats()
+    wait0, reads0 = far_wait_s(before), hot_counts(before)
     gc_timer = GcTimer()
     prefill_s, decode_ms, tokens, top2_decode, step_ms, step_gc = stepped(prompt, decode, profile_steps)
-    wait1 = far_wait_s()
+    after = tier_stats()
+    wait1 = far_wait_s(after)
     # the timed request's own block reads (its first decode step, whose caches start empty, included)
-    reads = {k: v - reads0[k] for k, v in hot_counts().items()}
+    reads = {k: v - reads0[k] for k, v in hot_counts(after).items()}
     total_reads = reads["sparse_resident_reads"] + reads["sparse_selected_reads"]
     if total_reads:
         reads["gpu_hit_rate"] = (reads["sparse_resident_reads"] + reads["cache_hits"]) / total_reads
     # per engine step of the timed request, tierkv's host ms: the hot window's (begin_step, attention calls) and
     # the connector hooks' (start_load_kv, save_kv_layer, wait_for_save); each list ends at its last step
-    stats_now = tiered.stats() if tiered is not None else {}
-    step_parts = {"step_far_host_ms": (stats_now.get("hot_window") or {}).get("step_host_ms") or [],
-                  "step_connector_ms": stats_now.get("step_connector_ms") or []}
+    step_parts = {"step_far_host_ms": (after.get("hot_window") or {}).get("step_host_ms") or [],
+                  "step_connector_ms": after.get("step_connector_ms") or []}
     step_parts = {k: v[-len(step_ms):] for k, v in step_parts.items() if len(v) >= len(step_ms)}
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     summaries = tiered.summary_reserved_bytes if tiered is not None else 0
@@ -273,7 +277,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
-           "connector": tiered.stats() if tiered is not None else None, "h2d_samples": list(h2d_samples),
+           "connector": after if tiered is not None else None, "h2d_samples": list(h2d_samples),
            "decode_cpu": dict(decode_cpu), "decode_reads": reads, **step_parts,
            "model_qk_bias_std": json.loads((Path(model_dir) / "config.json").read_text()).get("tierkv_qk_bias_std", 0.0)}
     path = Path(out) / f"bench-vllm-{file_mode(mode)}.json"  # plain names travel back from the device

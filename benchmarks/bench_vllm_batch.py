@@ -64,16 +64,17 @@ def host_bytes_per_request(layers: int, storage_dtype: str) -> int:
 
 def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_selections: int = 1) -> int:
     """scheduler.staging_bytes for `requests` graphed rows: SPARSE_HOT_WINDOW's, or more where their
-    far-block caches (one selection per layer each, bf16; a quantized tier's code buffers beside
-    them) with the eager regions must fit three quarters of it (tierkv.vllm_backend.far.FarKV)."""
+    far-block caches (`cache_selections` selections per layer each, bf16; a quantized tier's code
+    buffers beside them) with the eager regions need it (tierkv.vllm_backend.far_cache), plus 64 MiB."""
     from tierkv.units import parse_bytes
+    from tierkv.vllm_backend.far_cache import staging_for_caches
 
     block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
     k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
     block_bytes = kv_bytes_per_token(1) * block_tokens
     codes = 0 if storage_dtype in ("auto", "bfloat16") else k * (block_bytes // 2 + 2 * LLAMA_8B["num_key_value_heads"] * 4)
-    needed = requests * (cache_selections * layers * k * block_bytes + codes) + 2 * k * block_bytes + block_bytes
-    return max(parse_bytes(SPARSE_HOT_WINDOW["scheduler"]["staging_bytes"]), -(-4 * needed // 3) + (64 << 20))
+    needed = staging_for_caches(requests, cache_selections, 2 * k * block_bytes, layers, k, block_bytes, codes)
+    return max(parse_bytes(SPARSE_HOT_WINDOW["scheduler"]["staging_bytes"]), needed + (64 << 20))
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",

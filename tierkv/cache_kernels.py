@@ -19,6 +19,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _write_placement(i, valid, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr):
+    """Both kernels' outputs: each id's slot (local + base) and miss flag, and the counters (hits,
+    misses, whether the row missed)."""
+    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid)
+    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid)
+    hits = tl.sum(hit.to(tl.int64), axis=0)
+    misses = tl.sum(miss.to(tl.int64), axis=0)
+    tl.atomic_add(counters_ptr, hits)
+    tl.atomic_add(counters_ptr + 1, misses)
+    tl.atomic_add(counters_ptr + 2, (misses > 0).to(tl.int64))
+
+
+@triton.jit
 def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, base, k, K_PAD: tl.constexpr):
     i = tl.arange(0, K_PAD)
     valid = i < k
@@ -36,13 +49,7 @@ def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, base, k,
     match = ((free_rank[None, :] == miss_rank[:, None]) & free[None, :]).to(tl.int32)
     local = tl.where(hit, tl.argmax(same_i, axis=1), tl.argmax(match, axis=1))
     tl.store(held_ptr + local, ids, mask=valid)
-    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid)
-    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid)
-    hits = tl.sum(hit.to(tl.int64), axis=0)
-    misses = tl.sum(miss.to(tl.int64), axis=0)
-    tl.atomic_add(counters_ptr, hits)
-    tl.atomic_add(counters_ptr + 1, misses)
-    tl.atomic_add(counters_ptr + 2, (misses > 0).to(tl.int64))
+    _write_placement(i, valid, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
 def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
@@ -87,13 +94,7 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
     tl.store(held_ptr + local, ids, mask=valid_i)
     tl.store(last_use_ptr + local, tl.zeros([K_PAD], tl.int64) + tick, mask=valid_i)
     tl.store(clock_ptr, tick + 1)
-    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid_i)
-    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid_i)
-    hits = tl.sum(hit.to(tl.int64), axis=0)
-    misses = tl.sum(miss.to(tl.int64), axis=0)
-    tl.atomic_add(counters_ptr, hits)
-    tl.atomic_add(counters_ptr + 1, misses)
-    tl.atomic_add(counters_ptr + 2, (misses > 0).to(tl.int64))
+    _write_placement(i, valid_i, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
 def place_selection_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, ids: torch.Tensor,

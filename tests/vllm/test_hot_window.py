@@ -1553,6 +1553,25 @@ def test_the_backend_runs_whole_step_graphs_and_their_check_on_decode_steps(tmp_
         store.close()
 
 
+def decode_step_equals_eager(far, store, rows, q) -> None:
+    """One decode step of `rows` (req_id, tokens before, 1) with queries q [n, HQ, D]: each layer's
+    output through `attend_into` (the graphs, where they serve) equals the eager path's, merged with
+    random near parts."""
+    from tierkv.attention import merge_partials
+
+    far.begin_step(rows)
+    near = (torch.randn(len(rows), HQ, D), torch.randn(len(rows), HQ))
+    for name in NAMES:
+        layer = store.layer_index[name]
+        saved, far.graphs = far.graphs, None  # the eager path
+        want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
+        far.graphs = saved
+        got = torch.full_like(want, float("nan"))
+        far.attend_into(got, layer, q, *near, 0.3)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    far.end_step()
+
+
 def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path, monkeypatch, caplog):
     """Each graphed row's request holds a far-block cache set out of scheduler.staging_bytes, within
     three quarters of it beside the eager regions: a selection per layer for every row when they all
@@ -1560,8 +1579,6 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
     rows as fit, the rest eager, with a warning naming the staging that would keep selections; sets
     that keep nothing when sparse_cache_selections is 0, without a warning. Outputs equal the eager
     path's either way, and the engine's staging stays within the config's."""
-    from tierkv.attention import merge_partials
-
     fake_graphs(monkeypatch)
     k = 4  # computed_far's budget: 4 blocks
     # (staging blocks, selections asked to keep, rows the graphs serve, kept per layer): room = 3/4 x staging
@@ -1585,18 +1602,8 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
                 assert (f"{5 - want_rows} run eagerly" in warned[0]) == (want_rows < 5)
             assert far.stats()["staging_bytes"] <= store.config.scheduler.staging_bytes
             for step in range(3):  # the same queries every step: kept selections are read in place
-                far.begin_step([("a", 27 * BS + step, 1), ("b", 26 * BS + step, 1)])
-                q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(1))
-                near = (torch.randn(2, HQ, D), torch.randn(2, HQ))
-                for name in NAMES:
-                    layer = store.layer_index[name]
-                    saved, far.graphs = far.graphs, None  # the eager path
-                    want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
-                    far.graphs = saved
-                    got = torch.full_like(want, float("nan"))
-                    far.attend_into(got, layer, q, *near, 0.3)
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-                far.end_step()
+                decode_step_equals_eager(far, store, [("a", 27 * BS + step, 1), ("b", 26 * BS + step, 1)],
+                                         torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(1)))
             stats = far.stats()
             graphed_reads = 3 * LAYERS * k * min(2, want_rows)
             assert stats["cache_hits"] + stats["cache_misses"] == graphed_reads
@@ -1611,8 +1618,6 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
     """scheduler.sparse_cache_selections: 2 keeps two selections per layer (least recently used
     replaced): queries that alternate between two directions find both selections on the GPU after
     two steps, where one kept selection copies every step; outputs equal the eager path's."""
-    from tierkv.attention import merge_partials
-
     fake_graphs(monkeypatch)
     k, steps = 4, 8
     queries = [torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
@@ -1623,19 +1628,8 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
                                      cache_selections=selections)
         try:
             assert far.row_caches.width == selections * k and far.row_caches.per_layer
-            for step in range(steps):
-                far.begin_step([("a", 27 * BS + step, 1)])  # no far block added on the way
-                q = queries[step % 2]
-                near = (torch.randn(1, HQ, D), torch.randn(1, HQ))
-                for name in NAMES:
-                    layer = store.layer_index[name]
-                    saved, far.graphs = far.graphs, None  # the eager path
-                    want = merge_partials([near, far.attend(layer, q, 0.3)])[0]
-                    far.graphs = saved
-                    got = torch.full_like(want, float("nan"))
-                    far.attend_into(got, layer, q, *near, 0.3)
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-                far.end_step()
+            for step in range(steps):  # no far block added on the way
+                decode_step_equals_eager(far, store, [("a", 27 * BS + step, 1)], queries[step % 2])
             stats = far.stats()
             assert stats["cache_hits"] + stats["cache_misses"] == steps * LAYERS * k
             hits[selections] = stats["cache_hits"]

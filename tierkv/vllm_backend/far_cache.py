@@ -3,7 +3,7 @@ of its last selection on the GPU, and a step copies across PCIe only the selecte
 not there yet.
 
 Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `stats`), `CacheSet`,
-`cache_rows`.
+`cache_rows`, `staging_for_caches`.
 
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
 CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
@@ -55,6 +55,14 @@ def _place_lru_kernel():
     return place_selection_lru
 
 
+def staging_for_caches(rows: int, selections: int, eager_bytes: int, num_layers: int, k: int, block_bytes: int,
+                       codes_bytes: int) -> int:
+    """The least scheduler.staging_bytes in which `cache_rows` gives `rows` rows caches of
+    `selections` selections per layer (they, the eager regions and the sink within three quarters)."""
+    kept = RowCaches.bytes_per_set(num_layers, k, block_bytes, selections=selections) + codes_bytes
+    return -(-4 * (rows * kept + eager_bytes + block_bytes) // 3)
+
+
 def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
                block_bytes: int, codes_bytes: int) -> tuple[int, bool, str | None]:
     """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
@@ -73,7 +81,7 @@ def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: in
     kept = RowCaches.bytes_per_set(num_layers, k, block_bytes, selections=selections) + codes_bytes
     if room >= wanted * kept:
         return wanted, True, None
-    needed = -(-4 * (wanted * kept + eager_bytes + block_bytes) // 3)
+    needed = staging_for_caches(wanted, selections, eager_bytes, num_layers, k, block_bytes, codes_bytes)
     return rows, False, (f"scheduler.staging_bytes {format_bytes(staging_bytes)} cannot hold far-block caches for "
                          f"{wanted} decoding rows ({format_bytes(kept)} each, within three quarters of it: raise it to "
                          f"{format_bytes(needed)} to keep selections across steps); {rows} rows copy every selected "
@@ -143,53 +151,43 @@ class RowCaches:
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
             self.counters.add_(self._all_missed_counts)
             return self._order + cache.base(layer), self._all_missed
-        if self.last_use is not None:
-            return self._place_lru(cache, layer, ids)
         held = self.held[cache.index, layer]
-        # one Triton launch for what follows (tierkv.cache_kernels), the same placement
-        if ids.is_cuda and self.k <= KERNEL_MAX_K:
-            ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters), on_cuda=True)
-            if ok:
-                return placed
-        same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, k]: id i is held in slot j
-        hit = same.any(1)
-        miss = ~hit
-        free = ~same.any(0)                                            # slots whose block was not selected again
-        # the r-th miss takes the r-th free slot (as many of each: ids and held blocks are distinct)
-        k = self.k
-        free_rank = torch.cumsum(free, 0) - 1
-        by_rank = torch.zeros(k + 1, dtype=torch.int64, device=ids.device)
-        by_rank.scatter_(0, torch.where(free, free_rank, k), torch.arange(k, device=ids.device))
-        miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
-        local = torch.where(hit, same.to(torch.int8).argmax(1), by_rank.index_select(0, miss_rank))
-        held.scatter_(0, local, ids)
-        self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
-        return local + cache.base(layer), miss
-
-    def _place_lru(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`place` over C > k slots per layer: a held id is read in place; the r-th missing id takes
-        the r-th least recently used slot among those this selection does not read (at least as
-        many as the misses: C - hits >= k - hits); every slot read or filled gets the set's tick.
-        On CUDA one Triton launch (`tierkv.cache_kernels.place_selection_lru`; neither it nor these
-        ops have run on the GPU yet)."""
-        held, last_use = self.held[cache.index, layer], self.last_use[cache.index, layer]
-        tick = self.clock[cache.index : cache.index + 1]
-        if ids.is_cuda and self.width <= KERNEL_MAX_K:
+        if self.last_use is None:  # one Triton launch for the same placement (tierkv.cache_kernels)
+            if ids.is_cuda and self.k <= KERNEL_MAX_K:
+                ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters),
+                                         on_cuda=True)
+                if ok:
+                    return placed
+            return self._place_torch(cache, layer, ids, held)
+        last_use, tick = self.last_use[cache.index, layer], self.clock[cache.index : cache.index + 1]
+        if ids.is_cuda and self.width <= KERNEL_MAX_K:  # one Triton launch (tierkv.cache_kernels.place_selection_lru)
             ok, placed = _LRU_KERNEL.run(lambda: _place_lru_kernel()(held, last_use, tick, ids, cache.base(layer),
                                                                      self.counters), on_cuda=True)
             if ok:
                 return placed
+        return self._place_torch(cache, layer, ids, held, last_use, tick)
+
+    def _place_torch(self, cache: CacheSet, layer: int, ids: torch.Tensor, held: torch.Tensor,
+                     last_use: torch.Tensor | None = None, tick: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`place` in PyTorch ops over the layer's C slots (held int64 [C]): a held id is read in
+        place; the r-th missing id takes the r-th slot the selection does not read (at least as many
+        as the misses: C - hits >= k - hits), in slot order, or with last_use (int64 [C], C > k) least
+        recently used first, every slot read or filled then stamped with the set's tick (int64 [1],
+        advanced by one)."""
         same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, C]: id i is held in slot j
         hit = same.any(1)
         miss = ~hit
         read = same.any(0)                                             # [C]: slots this selection reads
-        never = torch.iinfo(torch.int64).max
-        victims = torch.argsort(torch.where(read, never, last_use), stable=True)  # unread, oldest first
+        order = (read.to(torch.int64) if last_use is None            # unread first, then by last use; ties by slot
+                 else torch.where(read, torch.iinfo(torch.int64).max, last_use))
+        victims = torch.argsort(order, stable=True)
         miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
         local = torch.where(hit, same.to(torch.int8).argmax(1), victims.index_select(0, miss_rank))
         held.scatter_(0, local, ids)
-        last_use.scatter_(0, local, tick.expand(ids.shape[0]))
-        tick.add_(1)
+        if last_use is not None:
+            last_use.scatter_(0, local, tick.expand(ids.shape[0]))
+            tick.add_(1)
         self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
         return local + cache.base(layer), miss
 
