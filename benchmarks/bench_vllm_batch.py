@@ -28,9 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_vllm import SPARSE_HOT_WINDOW, file_mode, kv_bytes_per_token  # noqa: E402
+from benchmarks.bench_vllm import (  # noqa: E402
+    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, file_mode, kv_bytes_per_token)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
@@ -105,7 +108,9 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
-        storage_dtype: str = "auto", cache_selections: int = 1) -> None:
+        storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None) -> None:
+    """profile_after: the step after that many full-batch steps runs under torch.profiler (its kernel
+    table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -140,18 +145,26 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     counts: dict[str, int] = {}
     all_first_at, decode_tokens, summary_bytes, steps = None, 0, 0, 0
     full_steps, full_s = 0, 0.0  # steps in which every request decoded one token (no prefill chunk)
+    profiled = None  # (step, wall s, profile text)
     while engine_.has_unfinished_requests():
+        profiler = (_start_profiler(with_stack=True)
+                    if profile_after is not None and profiled is None and full_steps == profile_after else None)
         step_start = time.perf_counter()
         outputs = engine_.step()
         step_s = time.perf_counter() - step_start
         steps += 1
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiled = (steps - 1, time.perf_counter() - step_start,
+                        _stop_profiler(profiler, Path(out) / f"trace-batch-{file_mode(mode)}.json"))
         new, grew = 0, []
         for output in outputs:
             n = len(output.outputs[0].token_ids)
             grew.append(n - counts.get(output.request_id, 0))
             new += grew[-1]
             counts[output.request_id] = n
-        if len(grew) == requests and all(g == 1 for g in grew) and all(n > 1 for n in counts.values()):
+        if (profiler is None and len(grew) == requests and all(g == 1 for g in grew)
+                and all(n > 1 for n in counts.values())):
             full_steps += 1
             full_s += step_s
         if all_first_at is not None:
@@ -174,6 +187,8 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
            "full_batch_tokens_per_s": requests * full_steps / full_s if full_s else float("nan"),
            **(selection_bound(tiered, requests, layers, storage_dtype) if tiered is not None else {}),
            "connector": tiered.stats() if tiered is not None else None}
+    if profiled is not None:
+        _write_profile(Path(out) / f"profile-batch-{file_mode(mode)}.txt", [profiled])
     path = Path(out) / f"bench-vllm-batch-{file_mode(mode)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1, default=str))
@@ -243,6 +258,8 @@ def main() -> int:
                              "keeps per layer (row MODE@cacheN; staging grows to hold them)")
     parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
                         help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
+    parser.add_argument("--profile-after", type=int, default=None,
+                        help="profile the step after this many full-batch steps (OUT/profile-batch-MODE.txt)")
     args = parser.parse_args()
     if args.what == "table":
         table(args.rest[0])
@@ -256,7 +273,7 @@ def main() -> int:
     if args.cache_selections < 1 or (mode == "plain" and args.cache_selections != 1):
         parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
     run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
-        args.cache_selections)
+        args.cache_selections, args.profile_after)
     return 0
 
 

@@ -3,7 +3,8 @@
 #   BENCH_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh [tests] [quant] [sparse] [sparse-tests] [exact]
 #   sparse: SPARSE_PREDICTOR=previous|none|query picks the predictor, SPARSE_ARGS adds bench_sparse.py flags
 #   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
-#   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed);
+#   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed; FAR_ROWS="1 4 10"
+#   sets the row counts);
 #   graph-tests: the GPU tests of those graphs and of the far-block caches alone
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds MODEL_DIR, default /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
@@ -17,7 +18,8 @@
 #   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table; vllm-batch-plain,
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
-#   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags)
+#   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags, e.g.
+#   "--profile-after 20" profiles the step after 20 full-batch steps)
 # vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
 #   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
@@ -54,7 +56,7 @@ for step in "${steps[@]}"; do
         tests)  timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests.log" | tail -30 ;;
         quant-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -15 ;;
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
-        far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows 1 4 --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
+        far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows ${FAR_ROWS:-1 4} --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
         graph-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
