@@ -249,3 +249,22 @@ def test_bad_arguments_raise_value_error(gen):
     with pytest.raises(ValueError, match="part 1"):
         reference.merge_partials([(torch.zeros(2, 3, 4), torch.zeros(2, 3)),
                                   (torch.zeros(2, 4, 4), torch.zeros(2, 4))])
+
+
+def test_rows_attention_is_each_query_over_its_own_blocks(gen):
+    """paged_rows_attention: query i over row i of the block lists, as a dense oracle gives it; a
+    mismatched block list is refused by name."""
+    q_case, other = make_case(gen, num_q=1, causal=False), make_case(gen, num_q=1, causal=False)
+    pool = torch.cat([q_case.kv_pool, other.kv_pool])  # the second query's blocks after the first's
+    shift = q_case.kv_pool.shape[0]
+    lists = [torch.stack([a, b]) for a, b in ((q_case.block_slots, other.block_slots + shift),
+                                              (q_case.block_start_pos, other.block_start_pos),
+                                              (q_case.block_num_tokens, other.block_num_tokens))]
+    q = torch.cat([q_case.q, other.q])
+    out, lse = attention.paged_rows_attention(q, pool, *lists, scale=q_case.scale)
+    for i, case in enumerate((q_case, other)):
+        want_out, want_lse = case.run()
+        torch.testing.assert_close(out[i : i + 1], want_out, msg=f"seed={gen.initial_seed()}")
+        torch.testing.assert_close(lse[i : i + 1], want_lse, msg=f"seed={gen.initial_seed()}")
+    with pytest.raises(ValueError, match="block_num_tokens must be"):
+        attention.paged_rows_attention(q, pool, lists[0], lists[1], lists[2][:, :-1], scale=1.0)

@@ -236,6 +236,36 @@ def test_interp_contiguous_matches_reference(interp, gen, poisoned_empty, explic
           reference.contiguous_partial_attention(q, kv[:, 0], kv[:, 1], **kwargs), gen)
 
 
+def make_rows(gen: torch.Generator, *, num_q: int, num_kv_heads: int, group: int, head_dim: int, block_tokens: int,
+              num_blocks: int, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """Kwargs for ``paged_rows_attention``: each query reads num_blocks slots of its own choosing
+    (drawn with repeats across queries) from a pool whose unread slots are NaN, with its own fills."""
+    num_slots = num_q * num_blocks + 3
+    pool = torch.full((num_slots, 2, num_kv_heads, block_tokens, head_dim), float("nan"), dtype=dtype)
+    slots = torch.stack([torch.randperm(num_slots - 1, generator=gen)[:num_blocks] for _ in range(num_q)])
+    fills = torch.randint(1, block_tokens + 1, (num_q, num_blocks), generator=gen)
+    for slot in slots.unique().tolist():
+        pool[slot] = torch.randn(2, num_kv_heads, block_tokens, head_dim, generator=gen).to(dtype)
+    kwargs = dict(q=torch.randn(num_q, num_kv_heads * group, head_dim, generator=gen).to(dtype), kv_pool=pool,
+                  block_slots=slots, block_start_pos=torch.randint(0, 1 << 20, (num_q, num_blocks), generator=gen),
+                  block_num_tokens=fills)
+    return dict({k: v.to(device) for k, v in kwargs.items()}, scale=head_dim**-0.5)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_q,num_splits", [(1, None), (3, 1), (5, 3)])
+def test_interp_rows_match_one_query_at_a_time(interp, gen, poisoned_empty, num_q, num_splits):
+    """Each query over its own blocks in one launch equals the reference row by row (so no query reads
+    another's blocks: the pool's other slots are NaN)."""
+    case = make_rows(gen, num_q=num_q, num_kv_heads=2, group=4, head_dim=16, block_tokens=16, num_blocks=6,
+                     dtype=torch.float32)
+    want = [reference.paged_partial_attention(case["q"][i : i + 1], case["kv_pool"], case["block_slots"][i],
+                                              case["block_start_pos"][i], case["block_num_tokens"][i],
+                                              scale=case["scale"]) for i in range(num_q)]
+    check(interp.paged_rows_attention(**case, num_splits=num_splits),
+          (torch.cat([w[0] for w in want]), torch.cat([w[1] for w in want])), gen)
+
+
 def test_interp_merge_two_into_equals_the_reference(interp, gen):
     """Two parts of mixed dtypes and strides (an lse transposed as the vLLM backend passes it), rows
     where one part saw no key, merged into a float16 output in one launch."""
@@ -282,6 +312,18 @@ def check_bf16(actual, expected, gen) -> None:
     seen = torch.isfinite(ref_lse)
     lse_err = float((lse[seen] - ref_lse[seen]).abs().max()) if seen.any() else 0.0
     assert lse_err < 2e-3, f"lse max abs err {lse_err:.3g}, seed={seed}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_rows_of_ten_decoding_requests(gen, poisoned_empty):
+    """Ten queries, each over 128 blocks of 16 tokens of its own (the sparse decode rows of a batch),
+    in one launch, against the reference row by row."""
+    case = make_rows(gen, num_q=10, **LLAMA_8B, block_tokens=16, num_blocks=128, dtype=torch.bfloat16,
+                     device="cuda")
+    got = attention.paged_rows_attention(**case)
+    want = reference.paged_rows_attention(**case)
+    check_bf16(got, want, gen)
 
 
 @pytest.mark.gpu

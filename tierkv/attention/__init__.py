@@ -2,6 +2,7 @@
 
 Primitives:
   - ``paged_partial_attention``: attend to a set of blocks of a paged KV pool.
+  - ``paged_rows_attention``: each query over blocks of its own (one launch on CUDA).
   - ``contiguous_partial_attention``: attend to plain ``[num_k, kv_heads, dim]`` K/V
     (the recent window held as tensors).
   - ``merge_partials``: flash-decoding LSE merge of ``(out, lse)`` pairs.
@@ -24,8 +25,8 @@ import torch
 
 from tierkv.attention import reference
 
-__all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention", "reference",
-           "triton_installed"]
+__all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention",
+           "paged_rows_attention", "reference", "triton_installed"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,6 +60,21 @@ def paged_partial_attention(
     return _backend(q).paged_partial_attention(
         q, kv_pool, block_slots, block_start_pos, block_num_tokens, scale=scale, q_positions=q_positions
     )
+
+
+def paged_rows_attention(
+    q: torch.Tensor,                # [num_q, num_heads, head_dim]
+    kv_pool: torch.Tensor,          # [num_slots, 2, num_kv_heads, block_tokens, head_dim]
+    block_slots: torch.Tensor,      # int [num_q, num_blocks]: query i reads the blocks of row i
+    block_start_pos: torch.Tensor,  # int [num_q, num_blocks]
+    block_num_tokens: torch.Tensor, # int [num_q, num_blocks], 1..block_tokens
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over blocks of its own, without a causal mask (the decoding rows of
+    several requests, each over its selected blocks); float32 ``(out, lse)``, as row-by-row
+    ``paged_partial_attention`` gives them."""
+    return _backend(q).paged_rows_attention(q, kv_pool, block_slots, block_start_pos, block_num_tokens, scale=scale)
 
 
 def contiguous_partial_attention(

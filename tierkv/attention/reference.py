@@ -219,6 +219,43 @@ def paged_partial_attention(
     return parts[0] if len(parts) == 1 else merge_partials(parts)
 
 
+def check_rows_args(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_slots: torch.Tensor,
+    block_start_pos: torch.Tensor,
+    block_num_tokens: torch.Tensor,
+) -> None:
+    """`check_paged_args` for block lists of one row per query ([num_q, num_blocks] each)."""
+    for name, t in (("block_slots", block_slots), ("block_start_pos", block_start_pos),
+                    ("block_num_tokens", block_num_tokens)):
+        if t.dim() != 2 or t.shape != block_slots.shape or t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must be [num_q, num_blocks] = [{q.shape[0]}, n] like block_slots "
+                             f"{tuple(block_slots.shape)}, got {tuple(t.shape)}")
+    check_paged_args(q, kv_pool, block_slots[0] if q.shape[0] else block_slots.reshape(-1),
+                     block_start_pos[0] if q.shape[0] else block_start_pos.reshape(-1),
+                     block_num_tokens[0] if q.shape[0] else block_num_tokens.reshape(-1), None)
+
+
+def paged_rows_attention(
+    q: torch.Tensor,                # [num_q, num_heads, head_dim]
+    kv_pool: torch.Tensor,          # [num_slots, 2, num_kv_heads, block_tokens, head_dim]
+    block_slots: torch.Tensor,      # int [num_q, num_blocks]: query i reads the blocks of row i
+    block_start_pos: torch.Tensor,  # int [num_q, num_blocks]
+    block_num_tokens: torch.Tensor, # int [num_q, num_blocks], 1..block_tokens
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query over blocks of its own (no causal mask): `paged_partial_attention` row by row;
+    float32 ``(out, lse)``."""
+    check_rows_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens)
+    parts = [paged_partial_attention(q[i : i + 1], kv_pool, block_slots[i], block_start_pos[i], block_num_tokens[i],
+                                     scale=scale) for i in range(q.shape[0])]
+    if not parts:
+        return empty_result(0, q.shape[1], q.shape[2], q.device)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact LSE merge of ``(out, lse)`` pairs with identical shapes.
 

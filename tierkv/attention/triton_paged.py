@@ -4,8 +4,8 @@ Imported lazily by ``tierkv.attention`` when a CUDA tensor arrives. Also runs un
 the Triton interpreter (``TRITON_INTERPRET=1`` at import) on CPU tensors.
 
 Primitives:
-  - ``paged_partial_attention`` / ``contiguous_partial_attention``: same contract
-    as ``tierkv.attention.reference``; no host sync, so graph-capturable.
+  - ``paged_partial_attention`` / ``contiguous_partial_attention`` / ``paged_rows_attention``:
+    same contract as ``tierkv.attention.reference``; no host sync, so graph-capturable.
   - ``merge_partials``: the LSE merge as one kernel.
   - ``_partial_attention_kernel``: one program per (query tile, kv head, split).
   - ``_merge_splits_kernel``: one program per (query, head) row.
@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tierkv.attention.reference import (check_contiguous_args, check_merge_two_args, check_paged_args, empty_result,
-                                        stack_parts)
+from tierkv.attention.reference import (check_contiguous_args, check_merge_two_args, check_paged_args,
+                                        check_rows_args, empty_result, stack_parts)
 
 TILE_TOKENS = 64          # keys per inner-loop step (pow2, >= 16 for tl.dot)
 CONTIG_TILE = 64          # virtual block size for contiguous K/V
@@ -57,9 +57,14 @@ def _partial_attention_kernel(
     BLOCK_M: tl.constexpr, Q_PER_TILE: tl.constexpr,
     BT: tl.constexpr, BT_PAD: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     PAGED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
-    SKIP_MASKED_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_MASKED_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_BLOCKS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
+    if ROW_BLOCKS:  # one query per program, reading its own num_blocks entries of the block lists
+        row_blocks = pid_m.to(tl.int64) * num_blocks
+        slots_ptr += row_blocks
+        starts_ptr += row_blocks
+        fills_ptr += row_blocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
@@ -203,10 +208,11 @@ class _Plan(NamedTuple):
 
 
 def _plan(num_q: int, group: int, num_kv_heads: int, block_tokens: int, num_blocks: int,
-          device: torch.device, num_splits: int | None) -> _Plan:
+          device: torch.device, num_splits: int | None, row_blocks: bool = False) -> _Plan:
     min_rows = max(16, _pow2(group))                    # tl.dot needs >= 16 rows
-    block_m = min(max(64, min_rows), max(min_rows, _pow2(num_q * group)))
-    q_per_tile = block_m // group
+    # row_blocks: each query reads blocks of its own, so a program serves one query
+    block_m = min_rows if row_blocks else min(max(64, min_rows), max(min_rows, _pow2(num_q * group)))
+    q_per_tile = 1 if row_blocks else block_m // group
     bt_pad = _pow2(block_tokens)
     blocks_per_tile = max(1, TILE_TOKENS // bt_pad)
     num_q_tiles = triton.cdiv(num_q, q_per_tile)
@@ -227,15 +233,16 @@ def _launch(
     kv_strides: tuple[int, int, int],   # (block/slot, kv head, token), in elements
     num_kv_heads: int, block_tokens: int, num_blocks: int, num_k: int,
     q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
-    scale: float, num_splits: int | None,
+    scale: float, num_splits: int | None, row_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared host side of the paged and contiguous entry points (no host sync)."""
+    """Shared host side of the paged and contiguous entry points (no host sync). row_blocks: the
+    block lists hold num_blocks entries per query, query after query."""
     num_q, num_heads, head_dim = q.shape
     if num_q == 0:
         return empty_result(0, num_heads, head_dim, q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
-    plan = _plan(num_q, group, num_kv_heads, block_tokens, num_blocks, q.device, num_splits)
+    plan = _plan(num_q, group, num_kv_heads, block_tokens, num_blocks, q.device, num_splits, row_blocks)
     num_splits = plan.grid[2]
     out_part = torch.empty(num_splits, num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_splits, num_q, num_heads, dtype=torch.float32, device=q.device)
@@ -255,7 +262,7 @@ def _launch(
         PAGED=blocks is not None, HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
         SKIP_MASKED_TILES=q_positions is not None and plan.grid[0] > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # no tf32 for float32 inputs
-        num_warps=4, num_stages=3 if _dim_pad(head_dim) * q.element_size() <= 256 else 2,
+        ROW_BLOCKS=row_blocks, num_warps=4, num_stages=3 if _dim_pad(head_dim) * q.element_size() <= 256 else 2,
     )
     if num_splits == 1:
         return out_part[0], lse_part[0]
@@ -295,6 +302,28 @@ def paged_partial_attention(
     return _launch(
         q, k, v, (block_slots, block_start_pos, block_num_tokens), (k.stride(0), k.stride(1), k.stride(2)),
         kv_pool.shape[2], kv_pool.shape[3], block_slots.shape[0], 0, q_positions, None, scale, num_splits,
+    )
+
+
+def paged_rows_attention(
+    q: torch.Tensor,                # [num_q, num_heads, head_dim]
+    kv_pool: torch.Tensor,          # [num_slots, 2, num_kv_heads, block_tokens, head_dim]
+    block_slots: torch.Tensor,      # int [num_q, num_blocks]
+    block_start_pos: torch.Tensor,  # int [num_q, num_blocks]
+    block_num_tokens: torch.Tensor, # int [num_q, num_blocks], 1..block_tokens
+    *,
+    scale: float,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.paged_rows_attention``: one launch for every query."""
+    check_rows_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens)
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("kv_pool must be contiguous in head_dim")
+    lists = tuple(t.contiguous() for t in (block_slots, block_start_pos, block_num_tokens))
+    k, v = kv_pool[:, 0], kv_pool[:, 1]
+    return _launch(
+        q, k, v, lists, (k.stride(0), k.stride(1), k.stride(2)), kv_pool.shape[2], kv_pool.shape[3],
+        block_slots.shape[1], 0, None, None, scale, num_splits, row_blocks=True,
     )
 
 
