@@ -27,7 +27,7 @@ _KERNEL = OptionalKernel("block_bounds")
 
 
 def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
-                   limit: torch.Tensor | None = None) -> torch.Tensor | None:
+                   limit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """`tierkv.sparse_kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
     None where it cannot run (the PyTorch path serves from then on, the reason in `_KERNEL.error`)."""
     if not (table.is_cuda and triton_installed()):
@@ -36,7 +36,7 @@ def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
     def launch() -> torch.Tensor:
         from tierkv.sparse_kernels import block_bounds
 
-        return block_bounds(table, q, first, stop, limit)
+        return block_bounds(table, q, first, stop, limit, out)
 
     return _KERNEL.run(launch, on_cuda=True)[1]
 
@@ -107,15 +107,18 @@ class BlockSummaries:
         ub = torch.bmm(rows.float().transpose(0, 1), split.transpose(1, 2))         # [H_kv, m, g]
         return ub.amax(dim=(0, 2))
 
-    def masked_bounds(self, layer: int, q: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    def masked_bounds(self, layer: int, q: torch.Tensor, limit: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """`upper_bounds` of every row of the layer's table, rows at or past `limit` (int64 0-d on
-        the device) -inf: float32 [rows]. Fixed shapes while the limit grows (a CUDA graph input)."""
+        the device) -inf: float32 [rows], written into `out` when given (contiguous float32 [rows]).
+        Fixed shapes while the limit grows (a CUDA graph input)."""
         table = self.tables[layer]
-        bounds = _kernel_bounds(table, q, 0, table.shape[0], limit)
+        bounds = _kernel_bounds(table, q, 0, table.shape[0], limit, out)
         if bounds is not None:
             return bounds
         scores = self.upper_bounds(layer, q, range(table.shape[0]))
-        return torch.where(torch.arange(table.shape[0], device=q.device) < limit, scores, float("-inf"))
+        scores = torch.where(torch.arange(table.shape[0], device=q.device) < limit, scores, float("-inf"))
+        return scores if out is None else out.copy_(scores)
 
 
 def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:

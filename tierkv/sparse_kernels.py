@@ -47,10 +47,11 @@ def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows,
 
 
 def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
-                 limit: torch.Tensor | None = None) -> torch.Tensor:
+                 limit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """table [capacity, num_kv_heads, 2 * head_dim] (key max | key min per block), q [num_heads,
     head_dim] -> float32 [stop - first]: the bound of blocks first..stop-1. limit: int64 0-d on the
-    device; blocks at or past it score -inf. No host sync."""
+    device; blocks at or past it score -inf. out: where to write it (contiguous float32 [stop -
+    first], such as a row of a batch's scores). No host sync."""
     capacity, num_kv_heads, width = table.shape
     num_heads, head_dim = q.shape
     if width != 2 * head_dim or num_heads % num_kv_heads or not 0 <= first <= stop <= capacity:
@@ -58,7 +59,11 @@ def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
     if table.stride(-1) != 1:
         raise ValueError("block_bounds: the table's last dimension must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty(stop - first, dtype=torch.float32, device=table.device)
+    if out is None:
+        out = torch.empty(stop - first, dtype=torch.float32, device=table.device)
+    elif out.shape != (stop - first,) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"block_bounds: out must be contiguous float32 [{stop - first}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if stop == first:
         return out
     grid = (triton.cdiv(stop - first, BLOCK_B),)

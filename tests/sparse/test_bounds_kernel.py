@@ -36,6 +36,12 @@ def _cases(device: str, dtypes) -> None:
             masked = block_bounds(table.to(device), q.to(device), 0, blocks, torch.tensor(limit).to(device)).cpu()
             assert torch.isinf(masked[limit:]).all() and (masked[limit:] < 0).all(), f"seed={seed}"
             torch.testing.assert_close(masked[:limit], want[:limit], rtol=1e-4, atol=1e-3, msg=f"seed={seed}")
+            # written into one row of a batch's scores (the graphed rows' form), its neighbours untouched
+            scores = torch.full((3, blocks), 7.0, device=device)
+            block_bounds(table.to(device), q.to(device), 0, blocks, torch.tensor(limit).to(device), out=scores[1])
+            assert torch.equal(scores[1].cpu(), masked) and (scores[0] == 7).all() and (scores[2] == 7).all()
+            with pytest.raises(ValueError, match="out must be"):
+                block_bounds(table.to(device), q.to(device), 0, blocks, out=scores[:, 0])
             k = min(4, blocks)
             assert set(torch.topk(got if (first, stop) == (0, blocks) else block_bounds(
                 table.to(device), q.to(device), 0, blocks).cpu(), k).indices.tolist()) == set(

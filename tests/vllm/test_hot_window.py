@@ -911,13 +911,13 @@ def counting_inline_copies(monkeypatch, engine) -> list[int]:
 
 
 def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, monkeypatch):
-    """What a CUDA graph captures for a decoding row (sparse_row_body: selection, the copy kernel's
+    """What a CUDA graph captures for a decoding row (sparse_rows_body: selection, the copy kernel's
     inline copy of the blocks its far-block cache lacks, attention) gives the eager path's (out,
     lse), and again with nothing copied when the same selection repeats; on CPU the graphs
     themselves are off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the
     eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
-    from tierkv.vllm_backend.far_graphs import SparseStepGraphs, sparse_row_body
+    from tierkv.vllm_backend.far_graphs import SparseStepGraphs, sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -934,10 +934,10 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
             layer = store.layer_index[name]
             want_out, want_lse = far.attend(layer, q, 0.3)
             for run in range(2):  # the second finds the whole selection in the cache: no copy
-                out, lse, selected = sparse_row_body(far, far.requests["r"], layer, q, torch.tensor(row.num_far_blocks),
-                                                     row_caches, torch.full((k,), BS), 0.3)
+                out, lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q,
+                                                      torch.tensor([row.num_far_blocks]), row_caches, 0.3)
                 assert copied.pop() == (k if run == 0 else 0)
-                assert set(plant) <= set(selected.tolist()) and selected.numel() == k
+                assert selected.shape == (1, k) and set(plant) <= set(selected[0].tolist())
                 torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
             # under vLLM attend_into merges the graph's far part with the row's near part in one launch
@@ -961,7 +961,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
     held blocks' stale codes into its sink) gives the eager path's result, the first time and when the
     selection repeats and nothing is copied."""
     from tierkv.quant import dequantize_blocks, quantize_blocks
-    from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_row_body
+    from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -973,6 +973,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
         k = far.sparse_blocks
         packed = packed_buffers(far, torch.device("cpu"))
         assert packed[0].dtype == torch.uint8 and packed[0].shape[0] == k and packed[1].shape == (k, 2, H)
+        assert packed_buffers(far, torch.device("cpu"), 3)[0].shape[0] == 3 * k
         row_caches = cpu_row_caches(far, far.requests["r"])
         copied = counting_inline_copies(monkeypatch, store.io.engine)
         for name in NAMES:
@@ -984,11 +985,10 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
             err = (out.double() - want).norm() / want.norm()
             assert err < 1e-2, f"relative error {err:.2e} against dense attention over the {storage_dtype} tier's blocks"
             for run in range(2):  # codes and scales of the selection, then of nothing
-                g_out, g_lse, selected = sparse_row_body(far, far.requests["r"], layer, q,
-                                                         torch.tensor(row.num_far_blocks), row_caches,
-                                                         torch.full((k,), BS), 0.3, packed)
+                g_out, g_lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q,
+                                                          torch.tensor([row.num_far_blocks]), row_caches, 0.3, packed)
                 assert copied[-2:] == [k if run == 0 else 0] * 2
-                assert set(plant) <= set(selected.tolist())
+                assert set(plant) <= set(selected[0].tolist())
                 torch.testing.assert_close(g_out, out, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(g_lse, lse, rtol=1e-5, atol=1e-6)
         far.end_step()
@@ -1010,7 +1010,7 @@ class _BodyGraphs:
         k = far.sparse_blocks
         self.caches = RowCaches(max_rows, far.store.num_layers, k, far.store.layout.shape, far.store.layout.dtype,
                                 torch.device("cpu"))
-        self.packed = [packed_buffers(far, torch.device("cpu")) for _ in range(max_rows)]
+        self.packed = packed_buffers(far, torch.device("cpu"), max_rows)
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
         self.packed_bytes = 0
 
@@ -1028,18 +1028,16 @@ class _BodyGraphs:
 
     def attend(self, layer, rows, q, near_out, near_lse, out_dtype, scale, key=None):
         from tierkv.attention import merge_two_into
-        from tierkv.vllm_backend.far_graphs import sparse_row_body
+        from tierkv.vllm_backend.far_graphs import sparse_rows_body
 
-        k = self.far.sparse_blocks
         self.calls.append([req_id for req_id, _, _ in rows])
-        parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], torch.tensor(n), self.caches,
-                                 torch.full((k,), BS), scale, self.packed[r])
-                 for r, (_, req, n) in enumerate(rows)]
+        far_out, far_lse, ids = sparse_rows_body(self.far, [req for _, req, _ in rows], layer, q,
+                                                 torch.tensor([n for _, _, n in rows]), self.caches, scale, self.packed)
         self.counts["graph_replays"] += 1
         self.counts["graph_rows"] += len(rows)
         out = torch.empty(near_out.shape, dtype=out_dtype)
-        merge_two_into(out, (near_out, near_lse), (torch.cat([o for o, _, _ in parts]), torch.cat([lse for _, lse, _ in parts])))
-        return out, torch.stack([i for *_, i in parts])
+        merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
+        return out, ids
 
     def forget(self, req_id):
         pass

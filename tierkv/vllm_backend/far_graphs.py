@@ -2,7 +2,7 @@
 attention of every decoding row of the step, captured once and replayed each step until the rows
 or their inputs move.
 
-Primitives: `sparse_row_body`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
+Primitives: `sparse_rows_body`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
 `near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
@@ -13,14 +13,17 @@ the graph's input when the graph serves every row of the step), one replay, and 
 merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step holds:
 
     captured, per row:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past its far
-                          count masked (one kernel, tierkv.sparse_kernels)
-                        ids = sorted top-k of the bound
-                        slots, miss = the request's far-block cache set (far_cache.RowCaches.place):
+                          count masked, into its row of one score matrix (one kernel,
+                          tierkv.sparse_kernels)
+              all rows: ids = sorted top-k of each row of the scores (one top-k, one sort)
+               per row: slots, miss = the request's far-block cache set (far_cache.RowCaches.place):
                           where each id is held, or the slot it takes, and whether it must be copied
-                        copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
-                          on the compute stream (a quantized tier: codes and scales, then dequantized)
-                        (out, lse) = attention of its query over those cache slots
-                      then, all rows: merged = LSE merge of (near_out, near_lse) and (out, lse)
+              all rows: copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
+                          on the compute stream, one launch (a quantized tier: codes and scales, then
+                          one dequantization)
+                        (out, lse) = each row's query over its cache slots (one launch,
+                          tierkv.attention.paged_rows_attention)
+                        merged = LSE merge of (near_out, near_lse) and (out, lse)
                           (one launch, tierkv.attention.merge_two_into: on the host it cost 22-60 us)
 
 The far counts are inputs of the graph (the bound runs over the whole summary table, blocks past
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.attention import merge_two_into, paged_partial_attention
+from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.vllm_backend.far_cache import RowCaches
@@ -58,10 +61,11 @@ logger = logging.getLogger(__name__)
 GRAPHS_PER_LAYER = 4  # sets of rows whose graphs a layer keeps
 
 
-def packed_buffers(far, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """With a quantized CPU tier: device buffers for one selection's codes (uint8 [k, 2, H, T, D]),
-    scales (float32 [k, 2, H]) and their order (int64 arange(k)); None for an unquantized tier."""
-    cpu, k = far.store.cpu, far.sparse_blocks
+def packed_buffers(far, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """With a quantized CPU tier: device buffers for `rows` selections' codes (uint8 [rows * k, 2, H,
+    T, D]), scales (float32 [rows * k, 2, H]) and their order (int64 arange(rows * k)); None for an
+    unquantized tier."""
+    cpu, k = far.store.cpu, far.sparse_blocks * rows
     if cpu.quant_format is None:
         return None
     return (torch.empty((k, *cpu.slab.shape[1:]), dtype=cpu.slab.dtype, device=device),
@@ -69,30 +73,53 @@ def packed_buffers(far, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             torch.arange(k, device=device))
 
 
-def sparse_row_body(far, req, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
-                    block_tokens: torch.Tensor, scale: float,
-                    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sparse decode row's far part of `layer`, device work only: (out [1, H, D], lse [1, H],
-    ids [k]), float32. q [1, H, D]; num_far: int64 0-d, its far blocks (all summarized, more than
-    k); caches: the engine's far-block caches, the row's request holding a set of them (req.cache):
-    only the selected blocks it does not hold cross PCIe; block_tokens: int64 [k] on the device
-    (k = far.sparse_blocks). packed: a quantized CPU tier's buffers (`packed_buffers`): the missing
-    blocks' codes and scales are copied there and dequantized into the cache (half the PCIe bytes
-    at fp8 or int8)."""
-    ids = req.summaries.select_masked(layer, q[0], num_far, far.sparse_blocks)
-    slots, miss = caches.place(req.cache, layer, ids)
-    src = torch.where(miss, req.pinned_slots_dev[layer].index_select(0, ids), -1)  # -1: held, not copied
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[m, ...] of m per-row tensors (no copy for one row)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
+                     scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
+    (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
+    blocks (all summarized, more than k); caches: the engine's far-block caches, each request holding
+    a set of them (req.cache): only the selected blocks a set does not hold cross PCIe. packed: a
+    quantized CPU tier's buffers for at least m selections (`packed_buffers`): the missing blocks'
+    codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
+    int8).
+
+    Per row: its key bound into a row of one score matrix, and the placement in its cache set. For
+    all rows at once: the top-k and its sort into block order, the copy of every missing block (one
+    kernel; a quantized tier's dequantization, one more) and the attention (`paged_rows_attention`)."""
+    k, m = far.sparse_blocks, len(reqs)
+    widths = [req.summaries.summaries.tables[layer].shape[0] for req in reqs]
+    scores = torch.empty((m, max(widths)), dtype=torch.float32, device=q.device)
+    if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
+        scores.fill_(float("-inf"))
+    for r, req in enumerate(reqs):
+        req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
+    # top-k unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway). In block
+    # order, as the eager selection: the attention kernel rounds its softmax weights to the KV dtype tile by
+    # tile, so another order gives results that differ from the eager path's at that rounding
+    ids = torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
+    placed = [caches.place(req.cache, layer, ids[r]) for r, req in enumerate(reqs)]
+    slots, miss = _rows([p[0] for p in placed]), _rows([p[1] for p in placed])
+    src = torch.where(miss, _rows([req.pinned_slots_dev[layer].index_select(0, ids[r]) for r, req in enumerate(reqs)]),
+                      -1)  # -1: held, not copied
     cpu, engine = far.store.cpu, far.store.io.engine
     if cpu.quant_format is None:
-        engine.gather_h2d_inline(cpu.slab, src, caches.blocks, slots)
+        engine.gather_h2d_inline(cpu.slab, src.view(-1), caches.blocks, slots.view(-1))
     else:
         codes, scales, order = packed
-        engine.gather_h2d_inline(cpu.slab, src, codes, order)
-        engine.gather_h2d_inline(cpu.scales, src, scales, order)
+        order = order[: m * k]
+        engine.gather_h2d_inline(cpu.slab, src.view(-1), codes, order)
+        engine.gather_h2d_inline(cpu.scales, src.view(-1), scales, order)
         # the held blocks' stale codes go to the sink slot
-        dequantize_into(codes, scales, cpu.quant_format, caches.blocks, torch.where(miss, slots, caches.sink))
-    out, lse = paged_partial_attention(q, caches.blocks, slots, ids * far.block_tokens, block_tokens, scale=scale)
+        dequantize_into(codes[: m * k], scales[: m * k], cpu.quant_format, caches.blocks,
+                        torch.where(miss, slots, caches.sink).view(-1))
+    fills = torch.full_like(ids, far.block_tokens)
+    out, lse = paged_rows_attention(q, caches.blocks, slots, ids * far.block_tokens, fills, scale=scale)
     return out, lse, ids
 
 
@@ -142,9 +169,8 @@ class SparseStepGraphs:
         k = far.sparse_blocks
         self.max_rows = caches.num_sets if caches is not None else 0
         device = far.store.device
-        self.block_tokens = torch.full((k,), far.block_tokens, dtype=torch.int64, device=device)
-        # quantized CPU tier: each row's codes and scales land here
-        self.packed = [packed_buffers(far, device) for _ in range(self.max_rows)]
+        # quantized CPU tier: the rows' codes and scales land here
+        self.packed = packed_buffers(far, device, self.max_rows) if self.max_rows else None
         # per layer, the graphs of the last GRAPHS_PER_LAYER sets of rows, least recently used first: a
         # batch that alternates between a few sets (a request joining, vLLM reordering) recaptures once each
         self.graphs: dict[int, OrderedDict[tuple, _Graph]] = {}
@@ -272,15 +298,8 @@ class SparseStepGraphs:
         attention into `out` and gives their selections ids [m, k]."""
         def run():
             near_out, near_lse = near() if callable(near) else near
-            parts = [sparse_row_body(self.far, req, layer, q[r : r + 1], far_counts[r], self.caches,
-                                     self.block_tokens, scale, self.packed[r])
-                     for r, req in enumerate(reqs)]
-            if len(parts) == 1:  # one row: no concatenation (three copy kernels fewer in its graph)
-                far_out, far_lse, ids = parts[0]
-                ids = ids.unsqueeze(0)
-            else:
-                far_out, far_lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-                ids = torch.stack([p[2] for p in parts])
+            far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
+                                                     self.packed)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
             return ids
 
@@ -367,7 +386,7 @@ class SparseStepGraphs:
     @property
     def packed_bytes(self) -> int:
         """GPU bytes of the quantized tier's code and scale buffers (0 for an unquantized tier)."""
-        return sum(t.numel() * t.element_size() for p in self.packed if p is not None for t in p[:2])
+        return sum(t.numel() * t.element_size() for t in self.packed[:2]) if self.packed is not None else 0
 
     def stats(self) -> dict:
         return {**self.counts, "graphs": sum(len(kept) for kept in self.graphs.values()), "graphs_enabled": self.enabled,
