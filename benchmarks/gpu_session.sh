@@ -5,7 +5,7 @@
 #   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
 #   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed; FAR_ROWS="1 4 10"
 #   sets the row counts);
-#   graph-tests: the GPU tests of those graphs and of the far-block caches alone
+#   graph-tests: the GPU tests of those graphs, of the far-block caches, the bound kernel and the rows attention
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds MODEL_DIR, default /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
@@ -58,7 +58,8 @@ for step in "${steps[@]}"; do
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
         far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows ${FAR_ROWS:-1 4} --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
-        graph-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
+        graph-tests) timeout 240 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
+            tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;

@@ -1,6 +1,7 @@
 """Triton kernel of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place`).
 
-Primitives: `place_selection`, `place_selection_lru`.
+Primitives: `place_selection`, `place_selection_lru`, and their forms for several rows in one launch,
+`place_rows`, `place_rows_lru` (one program per row, each in its own cache set).
 
 One program per call does what the PyTorch path does in some 25 launches: compare the k selected
 ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
@@ -32,7 +33,25 @@ def _write_placement(i, valid, local, hit, miss, base, slots_ptr, miss_ptr, coun
 
 
 @triton.jit
-def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, base, k, K_PAD: tl.constexpr):
+def _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride, base, k, HAS_SETS: tl.constexpr):
+    """Program r's row: its ids, slots and miss flags at row r of [m, k], and with HAS_SETS its cache
+    set's slots (set sets[r]: held and base move by set_stride per set)."""
+    r = tl.program_id(0).to(tl.int64)
+    ids_ptr += r * k
+    slots_ptr += r * k
+    miss_ptr += r * k
+    if HAS_SETS:
+        at = tl.load(sets_ptr + r) * set_stride
+        held_ptr += at
+        base += at
+    return ids_ptr, held_ptr, slots_ptr, miss_ptr, base
+
+
+@triton.jit
+def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr, set_stride, base, k,
+                  K_PAD: tl.constexpr, HAS_SETS: tl.constexpr):
+    ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
+                                                        base, k, HAS_SETS)
     i = tl.arange(0, K_PAD)
     valid = i < k
     ids = tl.load(ids_ptr + i, mask=valid, other=-2)
@@ -63,13 +82,45 @@ def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
     ids = ids if ids.is_contiguous() else ids.contiguous()
     slots = torch.empty(k, dtype=torch.int64, device=ids.device)
     miss = torch.empty(k, dtype=torch.int8, device=ids.device)
-    _place_kernel[(1,)](ids, held, slots, miss, counters, base, k, K_PAD=triton.next_power_of_2(k))
+    _place_kernel[(1,)](ids, held, slots, miss, counters, counters, 0, base, k, K_PAD=triton.next_power_of_2(k),
+                        HAS_SETS=False)
+    return slots, miss.view(torch.bool)
+
+
+def _check_rows(name: str, held: torch.Tensor, sets: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
+    if (held.dim() != 3 or not held.is_contiguous() or ids.dim() != 2 or sets.shape != (ids.shape[0],)
+            or {held.dtype, sets.dtype, ids.dtype} != {torch.int64} or not 0 <= layer < held.shape[1]):
+        raise ValueError(f"{name}: held {held.dtype} {tuple(held.shape)}, sets {sets.dtype} {tuple(sets.shape)}, "
+                         f"ids {ids.dtype} {tuple(ids.shape)}, layer {layer}")
+
+
+def place_rows(held: torch.Tensor, sets: torch.Tensor, layer: int, ids: torch.Tensor,
+               counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`place_selection` for m rows in one launch: held int64 [sets, L, k] (every set, updated in
+    place; slot j of set s and layer l is s*L*k + l*k + j), sets int64 [m] (each row's set, on the
+    device), ids int64 [m, k] (each row's distinct ids) -> (slots int64 [m, k], miss bool [m, k])."""
+    _check_rows("place_rows", held, sets, ids, layer)
+    m, k = ids.shape
+    if held.shape[2] != k:
+        raise ValueError(f"place_rows: held has {held.shape[2]} slots per layer, the selections {k} ids")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    slots = torch.empty((m, k), dtype=torch.int64, device=ids.device)
+    miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
+    at = layer * k
+    _place_kernel[(m,)](ids, held.view(-1)[at:], slots, miss, counters, sets, held.stride(0), at, k,
+                        K_PAD=triton.next_power_of_2(k), HAS_SETS=True)
     return slots, miss.view(torch.bool)
 
 
 @triton.jit
-def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, miss_ptr, counters_ptr, base, k, c,
-                      K_PAD: tl.constexpr, C_PAD: tl.constexpr):
+def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr,
+                      set_stride, base, k, c, K_PAD: tl.constexpr, C_PAD: tl.constexpr, HAS_SETS: tl.constexpr):
+    if HAS_SETS:  # last_use moves with held; the clock is the set's
+        s = tl.load(sets_ptr + tl.program_id(0).to(tl.int64))
+        last_use_ptr += s * set_stride
+        clock_ptr += s
+    ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
+                                                        base, k, HAS_SETS)
     i = tl.arange(0, K_PAD)
     j = tl.arange(0, C_PAD)
     valid_i = i < k
@@ -110,6 +161,27 @@ def place_selection_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch
     ids = ids if ids.is_contiguous() else ids.contiguous()
     slots = torch.empty(k, dtype=torch.int64, device=ids.device)
     miss = torch.empty(k, dtype=torch.int8, device=ids.device)
-    _place_lru_kernel[(1,)](ids, held, last_use, clock, slots, miss, counters, base, k, c,
-                            K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c))
+    _place_lru_kernel[(1,)](ids, held, last_use, clock, slots, miss, counters, counters, 0, base, k, c,
+                            K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c), HAS_SETS=False)
+    return slots, miss.view(torch.bool)
+
+
+def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, sets: torch.Tensor, layer: int,
+                   ids: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`place_selection_lru` for m rows in one launch: held, last_use int64 [sets, L, C] (updated in
+    place), clock int64 [sets] (each set's tick), sets int64 [m], ids int64 [m, k] -> (slots int64
+    [m, k], miss bool [m, k])."""
+    _check_rows("place_rows_lru", held, sets, ids, layer)
+    m, k = ids.shape
+    c = held.shape[2]
+    if last_use.shape != held.shape or not last_use.is_contiguous() or c < k or clock.shape != (held.shape[0],):
+        raise ValueError(f"place_rows_lru: held {tuple(held.shape)}, last_use {tuple(last_use.shape)}, "
+                         f"clock {tuple(clock.shape)}, ids {tuple(ids.shape)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    slots = torch.empty((m, k), dtype=torch.int64, device=ids.device)
+    miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
+    at = layer * c
+    _place_lru_kernel[(m,)](ids, held.view(-1)[at:], last_use.view(-1)[at:], clock, slots, miss, counters, sets,
+                            held.stride(0), at, k, c, K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c),
+                            HAS_SETS=True)
     return slots, miss.view(torch.bool)

@@ -56,6 +56,25 @@ def test_a_selection_keeps_held_blocks_in_place_and_fills_the_slots_of_the_rest(
     assert 0 < want[0] and 0 < want[1]
 
 
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_rows_placed_at_once_equal_rows_placed_one_by_one(per_layer):
+    """RowCaches.place_rows (the graphed rows' form) gives what `place` gives row by row, in the same
+    sets and counters; with sets that keep nothing, each row's own k slots, every id a miss."""
+    rng = random.Random(random.SystemRandom().randrange(2**63))
+    one, many = (RowCaches(3, LAYERS, K, (1,), torch.float32, torch.device("cpu"), per_layer=per_layer)
+                 for _ in range(2))
+    sets = [(one.take(), many.take()) for _ in range(3)]
+    for step in range(5):
+        rows, layer = rng.sample(sets, 2), rng.randrange(LAYERS)
+        ids = torch.tensor([rng.sample(range(3 * K), K) for _ in rows])
+        want = [one.place(a, layer, ids[r]) for r, (a, _) in enumerate(rows)]
+        slots, miss = many.place_rows([b for _, b in rows], torch.tensor([b.index for _, b in rows]), layer, ids)
+        assert slots.tolist() == [w[0].tolist() for w in want] and miss.tolist() == [w[1].tolist() for w in want]
+        assert torch.equal(one.held, many.held) and torch.equal(one.counters, many.counters), f"step {step}"
+    if not per_layer:
+        assert miss.all() and slots.tolist() == [list(range(b.base(0), b.base(0) + K)) for _, b in rows]
+
+
 def test_a_set_given_back_is_empty_for_the_next_request():
     rc = caches(sets=1)
     s = rc.take()
@@ -193,6 +212,53 @@ def _lru_kernel_cases(device: str) -> None:
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 
 
+def _rows_kernel_cases(device: str) -> None:
+    """The placement of several rows in one launch (place_rows, place_rows_lru: each row in a cache set
+    of its own, at one layer of several) against RowCaches' PyTorch ops row by row: the same slots and
+    misses, and every set's held ids, last uses, clocks and the counters after each step, so no row
+    touches another's set or layer. Fresh random draws each run."""
+    from tierkv.cache_kernels import place_rows, place_rows_lru
+
+    seed = random.SystemRandom().randrange(2**63)
+    rng = random.Random(seed)
+    for k, selections in ((16, 1), (5, 1), (16, 2), (3, 3)):
+        torch_path = RowCaches(4, 3, k, (1,), torch.float32, torch.device("cpu"), selections=selections)
+        sets = [torch_path.take() for _ in range(4)]
+        held = torch_path.held.clone().to(device)
+        last_use = torch_path.last_use.clone().to(device) if selections > 1 else None
+        clock = torch_path.clock.clone().to(device)
+        counters = torch.zeros(3, dtype=torch.int64, device=device)
+        previous: dict[tuple[int, int], list[int]] = {}
+        for step in range(12):
+            rows, layer = rng.sample(sets, rng.randrange(1, 4)), rng.randrange(3)
+            selections_now = []
+            for s in rows:
+                before = previous.get((s.index, layer), [])
+                kept = rng.sample(before, rng.randrange(len(before) + 1)) if before else []
+                ids = kept + rng.sample([b for b in range(5 * k + 8) if b not in kept], k - len(kept))
+                rng.shuffle(ids)
+                previous[(s.index, layer)] = ids
+                selections_now.append(ids)
+            want = [torch_path.place(s, layer, torch.tensor(ids)) for s, ids in zip(rows, selections_now)]
+            index = torch.tensor([s.index for s in rows], device=device)
+            ids = torch.tensor(selections_now, device=device)
+            slots, miss = (place_rows_lru(held, last_use, clock, index, layer, ids, counters) if selections > 1
+                           else place_rows(held, index, layer, ids, counters))
+            msg = f"seed={seed} k={k} selections={selections} step={step}"
+            assert slots.cpu().tolist() == [w[0].tolist() for w in want], msg
+            assert miss.cpu().tolist() == [w[1].tolist() for w in want], msg
+            assert torch.equal(held.cpu(), torch_path.held), msg
+            if last_use is not None:
+                assert torch.equal(last_use.cpu(), torch_path.last_use), msg
+                assert torch.equal(clock.cpu(), torch_path.clock), msg
+            assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
+
+
+@pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
+def test_interp_rows_placement_kernels_equal_the_pytorch_placement():
+    _rows_kernel_cases("cpu")
+
+
 @pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
 def test_interp_placement_kernel_equals_the_pytorch_placement():
     _kernel_cases("cpu")
@@ -205,7 +271,7 @@ def test_interp_lru_placement_kernel_equals_the_pytorch_lru():
 
 def test_placement_kernel_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    assert "2 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
+    assert "3 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
 
 
 @pytest.mark.gpu
@@ -218,3 +284,9 @@ def test_placement_kernel_on_the_gpu_equals_the_pytorch_placement():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_lru_placement_kernel_on_the_gpu_equals_the_pytorch_lru():
     _lru_kernel_cases("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_placement_kernels_on_the_gpu_equal_the_pytorch_placement():
+    _rows_kernel_cases("cuda")

@@ -2,7 +2,7 @@
 of its last selection on the GPU, and a step copies across PCIe only the selected blocks that are
 not there yet.
 
-Primitives: `RowCaches` (`take`, `give_back`, `place`, `snapshot`, `restore`, `stats`), `CacheSet`,
+Primitives: `RowCaches` (`take`, `give_back`, `place`, `place_rows`, `snapshot`, `restore`, `stats`), `CacheSet`,
 `cache_rows`, `staging_for_caches`.
 
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
@@ -40,6 +40,7 @@ from tierkv.units import format_bytes
 
 _KERNEL = OptionalKernel("far-block cache placement (tierkv.cache_kernels)")
 _LRU_KERNEL = OptionalKernel("far-block cache placement over several selections (tierkv.cache_kernels)")
+_ROWS_KERNEL = OptionalKernel("far-block cache placement of several rows (tierkv.cache_kernels)")
 KERNEL_MAX_K = 256  # slots per layer the placement kernels take (their comparisons live in one program's registers)
 
 
@@ -53,6 +54,12 @@ def _place_lru_kernel():
     from tierkv.cache_kernels import place_selection_lru
 
     return place_selection_lru
+
+
+def _place_rows_kernel(lru: bool):
+    from tierkv.cache_kernels import place_rows, place_rows_lru
+
+    return place_rows_lru if lru else place_rows
 
 
 def staging_for_caches(rows: int, selections: int, eager_bytes: int, num_layers: int, k: int, block_bytes: int,
@@ -166,6 +173,25 @@ class RowCaches:
             if ok:
                 return placed
         return self._place_torch(cache, layer, ids, held, last_use, tick)
+
+    def place_rows(self, caches: list[CacheSet], sets: torch.Tensor, layer: int,
+                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`place` for m rows at once, row r the selection ids[r] (int64 [m, k]) of the request holding
+        caches[r], whose indices `sets` holds (int64 [m] on the device; a CUDA graph bakes it): (slots
+        int64 [m, k], miss bool [m, k]). One Triton launch for every row on CUDA; row by row
+        elsewhere."""
+        m = len(caches)
+        if not self.per_layer:  # nothing kept: each set's slots, every id copied
+            self.counters.add_(self._all_missed_counts * m)
+            return self._order + (sets * self.width).unsqueeze(1), self._all_missed.expand(m, -1)
+        lru = self.last_use is not None
+        if ids.is_cuda and self.width <= KERNEL_MAX_K:
+            args = ((self.held, self.last_use, self.clock) if lru else (self.held,)) + (sets, layer, ids, self.counters)
+            ok, placed = _ROWS_KERNEL.run(lambda: _place_rows_kernel(lru)(*args), on_cuda=True)
+            if ok:
+                return placed
+        placed = [self.place(cache, layer, ids[r]) for r, cache in enumerate(caches)]
+        return torch.stack([p[0] for p in placed]), torch.stack([p[1] for p in placed])
 
     def _place_torch(self, cache: CacheSet, layer: int, ids: torch.Tensor, held: torch.Tensor,
                      last_use: torch.Tensor | None = None, tick: torch.Tensor | None = None,

@@ -80,18 +80,20 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
                      scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
     blocks (all summarized, more than k); caches: the engine's far-block caches, each request holding
     a set of them (req.cache): only the selected blocks a set does not hold cross PCIe. packed: a
     quantized CPU tier's buffers for at least m selections (`packed_buffers`): the missing blocks'
     codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
-    int8).
+    int8). sets: the requests' cache set indices, int64 [m] on the device (a graph's static input;
+    made here when not given).
 
-    Per row: its key bound into a row of one score matrix, and the placement in its cache set. For
-    all rows at once: the top-k and its sort into block order, the copy of every missing block (one
-    kernel; a quantized tier's dequantization, one more) and the attention (`paged_rows_attention`)."""
+    Per row: its key bound into a row of one score matrix, and its slot list gathered. For all rows
+    at once: the top-k and its sort into block order, the placement in the cache sets, the copy of
+    every missing block (one kernel; a quantized tier's dequantization, one more) and the attention
+    (`paged_rows_attention`)."""
     k, m = far.sparse_blocks, len(reqs)
     widths = [req.summaries.summaries.tables[layer].shape[0] for req in reqs]
     scores = torch.empty((m, max(widths)), dtype=torch.float32, device=q.device)
@@ -103,8 +105,9 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     # order, as the eager selection: the attention kernel rounds its softmax weights to the KV dtype tile by
     # tile, so another order gives results that differ from the eager path's at that rounding
     ids = torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
-    placed = [caches.place(req.cache, layer, ids[r]) for r, req in enumerate(reqs)]
-    slots, miss = _rows([p[0] for p in placed]), _rows([p[1] for p in placed])
+    if sets is None:
+        sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
+    slots, miss = caches.place_rows([req.cache for req in reqs], sets, layer, ids)
     src = torch.where(miss, _rows([req.pinned_slots_dev[layer].index_select(0, ids[r]) for r, req in enumerate(reqs)]),
                       -1)  # -1: held, not copied
     cpu, engine = far.store.cpu, far.store.io.engine
@@ -156,6 +159,7 @@ class _Graph:
     ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
     request_ids: tuple[str, ...]  # the rows' requests, in order
+    sets: torch.Tensor      # their far-block cache sets (int64 [m]), a static input
     near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
 
 
@@ -166,7 +170,6 @@ class SparseStepGraphs:
         it runs; None: the graphs stay off)."""
         self.far = far
         self.caches = caches
-        k = far.sparse_blocks
         self.max_rows = caches.num_sets if caches is not None else 0
         device = far.store.device
         # quantized CPU tier: the rows' codes and scales land here
@@ -291,7 +294,7 @@ class SparseStepGraphs:
         return self._replay(entry, q, counts)
 
     def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near, out: torch.Tensor,
-             scale: float):
+             scale: float, sets: torch.Tensor):
         """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64 [m];
         near: their near parts (out [m, H, D], lse [m, H]) as static inputs, or a callable computing
         them in the graph; static output out [m, H, D]): a callable that writes the rows' merged
@@ -299,7 +302,7 @@ class SparseStepGraphs:
         def run():
             near_out, near_lse = near() if callable(near) else near
             far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
-                                                     self.packed)
+                                                     self.packed, sets)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
             return ids
 
@@ -315,6 +318,7 @@ class SparseStepGraphs:
         q = q_rows.clone()
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
+        sets = torch.tensor([req.cache.index for _, req, _ in rows], dtype=torch.int64, device=q.device)
         near_out = near_lse = inputs = None
         if window is None:
             near_out, near_lse = (t.contiguous().clone() for t in near_parts)
@@ -328,13 +332,13 @@ class SparseStepGraphs:
         # the run before the capture fills the rows' caches and counts: put both back, so that the replay
         # right after it copies and counts the step's misses as a step without a capture would
         saved = self.caches.snapshot()
-        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale),
+        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale, sets),
                                 whole=window is not None)
         self.caches.restore(saved)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
-                      tuple(r[0] for r in rows), inputs)
+                      tuple(r[0] for r in rows), sets, inputs)
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
