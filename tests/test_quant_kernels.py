@@ -31,6 +31,14 @@ for fmt in ("int8", "float8_e4m3fn"):
                            want.view(torch.int16 if dtype == torch.float16 else torch.int32)), (fmt, dtype)
         untouched = [s for s in range(10) if s not in slots.tolist()]
         assert torch.isnan(dst[untouched]).all()
+        # a negative slot skips its block (a far-block cache's held blocks), in the kernel and the PyTorch form
+        skipping = torch.tensor([7, -1, 3, -1, 5, 2])
+        for run in (dequantize_into_slots, __import__("tierkv.block_io").block_io.dequantize_into):
+            got = torch.full_like(dst, float("nan"))
+            run(codes, scales, fmt, got, skipping)
+            assert torch.equal(got[skipping[skipping >= 0]].view(torch.int16 if dtype == torch.float16 else torch.int32),
+                               dst[skipping[skipping >= 0]].view(torch.int16 if dtype == torch.float16 else torch.int32))
+            assert torch.isnan(got[[0, 1, 4, 6, 8, 9]]).all(), run
 print("FUSED DEQUANT OK")
 """
 

@@ -80,9 +80,13 @@ def allocating_on_copy_stream(engine, direction: str):
 def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dst: torch.Tensor,
                     dst_slots: torch.Tensor) -> None:
     """dst[dst_slots[i]] = block i dequantized (codes uint8 [n, 2, H, T, D], scales float32 [n, 2, H],
-    dst_slots int64 [n] on dst's device), on the current stream without a host wait: one fused
-    kernel on CUDA, PyTorch elsewhere (or where the kernel cannot build)."""
+    dst_slots int64 [n] on dst's device; a negative slot skips its block), on the current stream
+    without a host wait: one fused kernel on CUDA, PyTorch elsewhere (or where the kernel cannot
+    build; skipped blocks then cost a host wait on CUDA)."""
     if not (dst.is_cuda and _fused_dequantize(codes, scales, fmt, dst, dst_slots)):
+        written = dst_slots >= 0
+        if not bool(written.all()):
+            codes, scales, dst_slots = codes[written], scales[written], dst_slots[written]
         dst.index_copy_(0, dst_slots, dequantize_blocks(codes, scales, fmt, dst.dtype))
 
 

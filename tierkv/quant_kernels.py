@@ -34,7 +34,8 @@ def _kernel():
             slot = tl.load(slots_ptr + i).to(tl.int64)
             scale = tl.load(scales_ptr + group)
             offs = part * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < group_elems
+            mask = offs < tl.where(slot >= 0, group_elems, 0)  # a negative slot: block i is not written
+            slot = tl.maximum(slot, 0)
             raw = tl.load(codes_ptr + group.to(tl.int64) * group_elems + offs, mask=mask, other=0)
             if IS_FP8:
                 values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -50,7 +51,8 @@ def _kernel():
 def dequantize_into_slots(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dst: torch.Tensor,
                           slots: torch.Tensor) -> None:
     """codes uint8 [n, 2, H, T, D], scales float32 [n, 2, H], dst [S, 2, H, T, D] (contiguous),
-    slots int64 [n] on dst's device: dst[slots[i]] = the dequantized block i."""
+    slots int64 [n] on dst's device: dst[slots[i]] = the dequantized block i, none where slots[i] < 0
+    (its codes are not read)."""
     n = codes.shape[0]
     if n == 0:
         return

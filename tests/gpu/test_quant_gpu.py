@@ -65,4 +65,11 @@ def test_fused_dequantization_equals_the_pytorch_form_in_bf16(fmt):
     dequantize_into_slots(codes, scales, fmt, dst, slots)
     want = torch.zeros_like(dst).index_copy_(0, slots, dequantize_blocks(codes, scales, fmt, torch.bfloat16))
     assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+    skipped = torch.where(torch.rand(300, device="cuda") < 0.5, slots, -1)  # half the blocks not written
+    again = torch.zeros_like(dst)
+    dequantize_into_slots(codes, scales, fmt, again, skipped)
+    written = torch.zeros(512, dtype=torch.bool, device="cuda")
+    written[skipped[skipped >= 0]] = True
+    assert torch.equal(again[written].view(torch.int16), want[written].view(torch.int16))
+    assert not again[~written].any()
     assert block_io._FUSED.ok, block_io._FUSED.error  # the exact-mode runs above used the kernel

@@ -89,7 +89,7 @@ def test_a_set_given_back_is_empty_for_the_next_request():
 
 def test_sets_that_keep_nothing_copy_every_block_into_slots_every_layer_shares():
     rc = RowCaches(2, LAYERS, K, (2, 1, 4, 2), torch.float32, torch.device("cpu"), per_layer=False)
-    assert rc.blocks.shape[0] == 2 * K + 1  # one selection per set, and the sink
+    assert rc.blocks.shape[0] == 2 * K  # one selection per set
     first, second = rc.take(), rc.take()
     ids = torch.arange(K)
     for layer in range(LAYERS):
@@ -107,7 +107,7 @@ def test_a_cache_of_several_selections_replaces_the_least_recently_used_block():
     takes the r-th least recently used slot the selection does not read, as an LRU model says; a
     block selected two steps ago is still a hit."""
     rc = RowCaches(1, LAYERS, K, (1,), torch.float32, torch.device("cpu"), selections=2)
-    assert rc.width == 2 * K and rc.blocks.shape[0] == LAYERS * 2 * K + 1
+    assert rc.width == 2 * K and rc.blocks.shape[0] == LAYERS * 2 * K
     s = rc.take()
     rng = random.Random(11)
     model = {layer: {} for layer in range(LAYERS)}  # slot -> (block, last tick), per layer

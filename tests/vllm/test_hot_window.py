@@ -958,7 +958,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
     1e-2 of dense attention over the far blocks as the tier holds them (quantized and back: the
     tier's own error is tests/storage/test_quantized_tiers.py's), and the graph body (codes and
     scales of the blocks its cache lacks copied into their buffers and dequantized into the cache, the
-    held blocks' stale codes into its sink) gives the eager path's result, the first time and when the
+    held blocks' stale codes skipped) gives the eager path's result, the first time and when the
     selection repeats and nothing is copied."""
     from tierkv.quant import dequantize_blocks, quantize_blocks
     from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_rows_body
@@ -1591,7 +1591,7 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
         try:
             caches = far.row_caches
             assert far.graphs.max_rows == want_rows and caches.num_sets == want_rows and caches.per_layer == per_layer
-            assert caches.blocks.shape[0] == want_rows * (LAYERS if per_layer else 1) * k + 1  # and the sink
+            assert caches.blocks.shape[0] == want_rows * (LAYERS if per_layer else 1) * k
             warned = [r.getMessage() for r in caplog.records if "far-block caches" in r.getMessage()]
             if per_layer or selections == 0:
                 assert not warned and not caplog.records

@@ -8,8 +8,8 @@ Primitives: `RowCaches` (`take`, `give_back`, `place`, `place_rows`, `snapshot`,
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
 CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
 
-    blocks  [sets * L * C + 1, 2, H, T, D]   set s, layer l: slots (s*L + l)*C .. +C (C = k, or S*k
-                                             below); the last slot is a sink that absorbs writes nothing reads
+    blocks  [sets * L * C, 2, H, T, D]       set s, layer l: slots (s*L + l)*C .. +C (C = k, or S*k
+                                             below)
     held    int64 [sets, L, C]               block id in each slot, -1 when empty
 
 With `scheduler.sparse_cache_selections` S > 1 each layer has C = S*k slots (`width`) and a missing
@@ -20,7 +20,7 @@ Where staging cannot hold a selection per layer for every row, the sets keep not
 (`per_layer=False`): one selection's slots per set, which every layer of every step overwrites, so
 every selected block is copied (as before the caches existed):
 
-    blocks  [sets * k + 1, 2, H, T, D]       set s: slots s*k .. +k, for every layer
+    blocks  [sets * k, 2, H, T, D]           set s: slots s*k .. +k, for every layer
 
 `place` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a slot
 holds keep it; the others take, in order, the slots whose block was not selected again, and are
@@ -65,20 +65,19 @@ def _place_rows_kernel(lru: bool):
 def staging_for_caches(rows: int, selections: int, eager_bytes: int, num_layers: int, k: int, block_bytes: int,
                        codes_bytes: int) -> int:
     """The least scheduler.staging_bytes in which `cache_rows` gives `rows` rows caches of
-    `selections` selections per layer (they, the eager regions and the sink within three quarters)."""
+    `selections` selections per layer (they and the eager regions within three quarters)."""
     kept = RowCaches.bytes_per_set(num_layers, k, block_bytes, selections=selections) + codes_bytes
-    return -(-4 * (rows * kept + eager_bytes + block_bytes) // 3)
+    return -(-4 * (rows * kept + eager_bytes) // 3)
 
 
 def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
                block_bytes: int, codes_bytes: int) -> tuple[int, bool, str | None]:
     """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
     `selections` selections per layer: (rows, per_layer, a warning or None). Everything fits within
-    three quarters of `staging_bytes`, beside the eager regions (eager_bytes) and the sink block;
-    each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
+    three quarters of `staging_bytes`, beside the eager regions (eager_bytes); each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
     per layer, else sets that keep nothing (one selection each, every block copied every step) for
     as many rows as fit; 0 selections asks for the latter."""
-    room = 3 * staging_bytes // 4 - eager_bytes - block_bytes
+    room = 3 * staging_bytes // 4 - eager_bytes
     shared = RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
     rows = max(0, min(wanted, room // shared))
     eager = f", {wanted - rows} run eagerly" if rows < wanted else ""
@@ -117,8 +116,7 @@ class RowCaches:
         self.num_sets, self.num_layers, self.k, self.per_layer = num_sets, num_layers, k, per_layer
         layers_kept = num_layers if per_layer else 1
         self.width = k * selections if per_layer else k  # slots per layer
-        self.sink = num_sets * layers_kept * self.width
-        self.blocks = torch.empty((self.sink + 1, *block_shape), dtype=dtype, device=device)
+        self.blocks = torch.empty((num_sets * layers_kept * self.width, *block_shape), dtype=dtype, device=device)
         self.held = torch.full((num_sets, num_layers, self.width), -1, dtype=torch.int64, device=device)
         # past one selection per layer: each slot's last use (a tick of its set's clock, -1: never), oldest replaced
         self.last_use = torch.full_like(self.held, -1) if self.width > k else None

@@ -118,9 +118,9 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
         order = order[: m * k]
         engine.gather_h2d_inline(cpu.slab, src.view(-1), codes, order)
         engine.gather_h2d_inline(cpu.scales, src.view(-1), scales, order)
-        # the held blocks' stale codes go to the sink slot
+        # the held blocks' stale codes are skipped (slot -1)
         dequantize_into(codes[: m * k], scales[: m * k], cpu.quant_format, caches.blocks,
-                        torch.where(miss, slots, caches.sink).view(-1))
+                        torch.where(miss, slots, -1).view(-1))
     fills = torch.full_like(ids, far.block_tokens)
     out, lse = paged_rows_attention(q, caches.blocks, slots, ids * far.block_tokens, fills, scale=scale)
     return out, lse, ids
