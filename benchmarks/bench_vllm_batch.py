@@ -81,8 +81,11 @@ def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",
-           cache_selections: int = 1):
-    common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False, enforce_eager=True,
+           cache_selections: int = 1, compiled: bool = False):
+    # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's backend:
+    # piecewise graphs around its attention, which replays graphs of its own)
+    common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False,
+                  enforce_eager=not compiled,
                   skip_tokenizer_init=True, max_num_seqs=max(requests, 1))
     if mode == "plain":
         from vllm import LLM
@@ -108,7 +111,8 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
-        storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None) -> None:
+        storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None,
+        compiled: bool = False) -> None:
     """profile_after: the step after that many full-batch steps runs under torch.profiler (its kernel
     table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate."""
     from vllm import SamplingParams
@@ -124,11 +128,14 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
             mode = f"{mode}@{storage_dtype}"  # its own row and file
         if cache_selections != 1:
             mode = f"{mode}@cache{cache_selections}"
+    if compiled:
+        mode = f"{mode}@compiled"  # against plain@compiled
     # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
     # 128k); 128 tokens more give the steps in which the whole batch decodes
     new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
     context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
-    llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections)
+    llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections,
+                         compiled)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -220,26 +227,26 @@ def selection_bound(tiered, requests: int, layers: int, storage_dtype: str) -> d
 
 def table(out: str) -> None:
     rows = {r["mode"]: r for r in (json.loads(p.read_text()) for p in sorted(Path(out).glob("bench-vllm-batch-*.json")))}
-    plain = rows.get("plain")
-    print(f"{'mode':<36} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'full-batch steps':>16} "
+    print(f"{'mode':<46} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'full-batch steps':>16} "
           f"{'tok/s':>7} {'x plain':>7}")
     for mode, r in rows.items():
+        plain = rows.get("plain@compiled" if mode.endswith("@compiled") else "plain")  # run the same way
         rate = r.get("full_batch_tokens_per_s", float("nan"))  # every request decoding in the step
         base = plain.get("full_batch_tokens_per_s", float("nan")) if plain else float("nan")
-        print(f"{mode:<36} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
+        print(f"{mode:<46} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
               f"{r.get('full_batch_steps', 0):>16} {rate:>7.1f} {rate / base if base else float('nan'):>7.2f}")
         if r.get("pcie_bound_tokens_per_s"):
             bound = r["pcie_bound_tokens_per_s"]
-            print(f"{'':<36} the selections' copies alone allow {bound:.0f} tokens/s "
+            print(f"{'':<46} the selections' copies alone allow {bound:.0f} tokens/s "
                   f"({bound / base if base else float('nan'):.2f}x plain): {r['selected_bytes_per_step'] / 1e9:.2f} GB "
                   f"per step at {r['h2d_ceiling_gbps']:.1f} GB/s")
         if r.get("pcie_bound_fetched_tokens_per_s"):  # rows recorded with the far-block caches
             bound = r["pcie_bound_fetched_tokens_per_s"]
-            print(f"{'':<36} {r['fetched_fraction']:.3f} of the selected blocks fetched (GPU hit rate "
+            print(f"{'':<46} {r['fetched_fraction']:.3f} of the selected blocks fetched (GPU hit rate "
                   f"{r['gpu_hit_rate']:.3f}, selection overlap {r['selection_overlap'] or 0:.3f}): the copies then "
                   f"allow {bound:.0f} tokens/s ({bound / base if base else float('nan'):.2f}x plain)")
         if not r.get("full_batch_steps"):
-            print(f"{'':<36} no step decoded every request: the first ones finished while the last prefilled; "
+            print(f"{'':<46} no step decoded every request: the first ones finished while the last prefilled; "
                   f"rerun with more than --new-tokens {r['new_tokens']}")
 
 
@@ -258,6 +265,8 @@ def main() -> int:
                              "keeps per layer (row MODE@cacheN; staging grows to hold them)")
     parser.add_argument("--storage-dtype", default="auto", choices=["auto", "float8_e4m3fn", "int8"],
                         help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled, against plain@compiled)")
     parser.add_argument("--profile-after", type=int, default=None,
                         help="profile the step after this many full-batch steps (OUT/profile-batch-MODE.txt)")
     args = parser.parse_args()
@@ -273,7 +282,7 @@ def main() -> int:
     if args.cache_selections < 1 or (mode == "plain" and args.cache_selections != 1):
         parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
     run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
-        args.cache_selections, args.profile_after)
+        args.cache_selections, args.profile_after, args.compiled)
     return 0
 
 
