@@ -41,6 +41,33 @@ def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
     return _KERNEL.run(launch, on_cuda=True)[1]
 
 
+_ROWS_KERNEL = OptionalKernel("block_bounds_rows")
+
+
+def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torch.Tensor, out: torch.Tensor,
+                       addresses: torch.Tensor | None = None) -> bool:
+    """out float32 [m, width] = each row's masked bound (`BlockSummaries.masked_bounds`) over its
+    own table (tables[r], the layer's table of row r's request; limits int64 [m]: the far counts,
+    at most each table's size; q [m, num_heads, head_dim]) in one launch
+    (`tierkv.sparse_kernels.block_bounds_rows`), -inf at and past each limit; addresses: the
+    tables' addresses, int64 [m] on the device (a CUDA graph's static input; made here when not
+    given). False, with out untouched, where the kernel cannot serve (CPU, no triton, tables of
+    different dtypes or layouts): the caller bounds row by row."""
+    like = tables[0]
+    if not (like.is_cuda and triton_installed()) or any(
+            t.dtype != like.dtype or t.shape[1:] != like.shape[1:] or not t.is_contiguous() for t in tables):
+        return False
+
+    def launch() -> None:
+        from tierkv.sparse_kernels import block_bounds_rows
+
+        at = addresses if addresses is not None else torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64,
+                                                                   device=like.device)
+        block_bounds_rows(at, like, q, limits, out)
+
+    return _ROWS_KERNEL.run(launch, on_cuda=True)[0]
+
+
 class BlockSummaries:
     """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device, grown as
     needed: each block's key max in the first head_dim values, its key min in the rest (`kmax`,

@@ -1,6 +1,6 @@
 """Triton kernel of the sparse selection's block bound (`tierkv.sparse.BlockSummaries`).
 
-Primitives: `block_bounds`.
+Primitives: `block_bounds`, `block_bounds_rows`.
 
 One launch computes, for a contiguous run of blocks of one layer's summary table, the bound
 
@@ -72,5 +72,59 @@ def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
         q.stride(0), table.stride(0), table.stride(1),
         NUM_KV_HEADS=num_kv_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK=BLOCK_B, HAS_LIMIT=limit is not None,
+    )
+    return out
+
+
+@triton.jit
+def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, width,
+                              stride_qr, stride_qh, stride_tb, stride_th, stride_or,
+                              NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)
+    table_ptr = tl.load(tables_ptr + r).to(tl.pointer_type(like_ptr.dtype.element_ty))  # row r's table
+    limit = tl.load(limits_ptr + r)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D_PAD)
+    in_dims = d < HEAD_DIM
+    read = rows < limit  # nothing at or past the row's far count is read (its table may end there)
+    mask = read[:, None] & in_dims[None, :]
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    for kv_head in tl.static_range(NUM_KV_HEADS):
+        at = table_ptr + rows[:, None].to(tl.int64) * stride_tb + kv_head * stride_th + d[None, :]
+        kmax = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        kmin = tl.load(at + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+        for g in tl.static_range(G):
+            q = tl.load(q_ptr + r * stride_qr + (kv_head * G + g) * stride_qh + d, mask=in_dims,
+                        other=0.0).to(tl.float32)
+            bound = tl.sum(kmax * tl.maximum(q, 0.0)[None, :] + kmin * tl.minimum(q, 0.0)[None, :], axis=1)
+            best = tl.maximum(best, bound)
+    best = tl.where(read, best, float("-inf"))
+    tl.store(out_ptr + r * stride_or + rows, best, mask=rows < width)
+
+
+def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tensor, limits: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """The masked bound of m rows, each over a table of its own, in one launch: addresses int64 [m]
+    on the device (row r's table [capacity_r, num_kv_heads, 2 * head_dim] starts at addresses[r];
+    every table has `like`'s dtype and row layout, contiguous), q [m, num_heads, head_dim], limits
+    int64 [m] (row r's far count, at most its capacity) -> out float32 [m, width] (written): block b
+    of row r scores its bound below limits[r], -inf from there. No host sync."""
+    m, width = out.shape
+    _, num_kv_heads, twice = like.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if (twice != 2 * head_dim or num_heads % num_kv_heads or q.shape[0] != m or addresses.shape != (m,)
+            or limits.shape != (m,) or addresses.dtype != torch.int64 or not like.is_contiguous()
+            or out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"block_bounds_rows: addresses {tuple(addresses.shape)}, like {tuple(like.shape)}, q "
+                         f"{tuple(q.shape)}, limits {tuple(limits.shape)}, out {out.dtype} {tuple(out.shape)}")
+    if m == 0 or width == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    grid = (triton.cdiv(width, BLOCK_B), m)
+    _block_bounds_rows_kernel[grid](
+        q, addresses, like, out, limits, width, q.stride(0), q.stride(1), like.stride(0), like.stride(1), out.stride(0),
+        NUM_KV_HEADS=num_kv_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK=BLOCK_B,
     )
     return out

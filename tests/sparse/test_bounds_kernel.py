@@ -42,6 +42,25 @@ def _cases(device: str, dtypes) -> None:
             assert torch.equal(scores[1].cpu(), masked) and (scores[0] == 7).all() and (scores[2] == 7).all()
             with pytest.raises(ValueError, match="out must be"):
                 block_bounds(table.to(device), q.to(device), 0, blocks, out=scores[:, 0])
+            # several rows, each over a table of its own (sizes differ), in one launch: each row as the
+            # one-table kernel masks it at its limit, -inf past it up to the widest table
+            from tierkv.sparse_kernels import block_bounds_rows
+
+            others = [BlockSummaries(1, kv_heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
+            for n, other in zip((blocks + 3, max(1, blocks // 2)), others):
+                other.update(0, 0, torch.randn(n, 2, kv_heads, 4, dim, generator=gen))
+            row_tables = [t.to(device) for t in (table, others[0].tables[0], others[1].tables[0])]
+            rows_q = torch.randn(3, kv_heads * group, dim, generator=gen).to(dtype).to(device)
+            limits = [int(torch.randint(0, t.shape[0] + 1, (1,), generator=gen)) for t in row_tables]
+            width = max(t.shape[0] for t in row_tables)
+            got_rows = torch.full((3, width), 7.0, device=device)
+            addresses = torch.tensor([t.data_ptr() for t in row_tables], dtype=torch.int64, device=device)
+            block_bounds_rows(addresses, row_tables[0], rows_q, torch.tensor(limits, device=device), got_rows)
+            for r, t in enumerate(row_tables):
+                want_row = block_bounds(t, rows_q[r], 0, t.shape[0], torch.tensor(limits[r]).to(device)).cpu()
+                got_row = got_rows[r].cpu()
+                assert torch.equal(got_row[: limits[r]], want_row[: limits[r]]), f"seed={seed} row {r}"
+                assert torch.isneginf(got_row[limits[r]:]).all(), f"seed={seed} row {r}"
             k = min(4, blocks)
             assert set(torch.topk(got if (first, stop) == (0, blocks) else block_bounds(
                 table.to(device), q.to(device), 0, blocks).cpu(), k).indices.tolist()) == set(

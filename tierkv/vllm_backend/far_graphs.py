@@ -12,12 +12,14 @@ into copies of their queries and near parts (FlashAttention writes the near outp
 the graph's input when the graph serves every row of the step), one replay, and a copy of the
 merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step holds:
 
-    captured, per row:  bound = [kmax | kmin] . [max(q,0) | min(q,0)], blocks at or past its far
-                          count masked, into its row of one score matrix (one kernel,
-                          tierkv.sparse_kernels)
-              all rows: ids = sorted top-k of each row of the scores (one top-k, one sort)
-               per row: slots, miss = the request's far-block cache set (far_cache.RowCaches.place):
-                          where each id is held, or the slot it takes, and whether it must be copied
+    captured, all rows: bound = [kmax | kmin] . [max(q,0) | min(q,0)] over each row's summary table,
+                          blocks at or past its far count masked, into one score matrix (one
+                          kernel, tierkv.sparse_kernels.block_bounds_rows)
+                        ids = sorted top-k of each row of the scores (one top-k, one sort)
+                        slots, miss = the requests' far-block cache sets (far_cache.RowCaches.
+                          place_rows, one kernel): where each id is held, or the slot it takes,
+                          and whether it must be copied
+               per row: the selected blocks' CPU-tier slots (a gather from its slot list)
               all rows: copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
                           on the compute stream, one launch (a quantized tier: codes and scales, then
                           one dequantization)
@@ -53,6 +55,7 @@ import torch
 
 from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
+from tierkv.sparse import masked_bounds_rows
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.vllm_backend.far_cache import RowCaches
 
@@ -80,27 +83,32 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
                      scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     sets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sets: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
     blocks (all summarized, more than k); caches: the engine's far-block caches, each request holding
     a set of them (req.cache): only the selected blocks a set does not hold cross PCIe. packed: a
     quantized CPU tier's buffers for at least m selections (`packed_buffers`): the missing blocks'
     codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
-    int8). sets: the requests' cache set indices, int64 [m] on the device (a graph's static input;
-    made here when not given).
+    int8). sets: the requests' cache set indices, int64 [m] on the device; tables: the addresses of
+    their summary tables of `layer`, int64 [m] on the device (both a graph's static inputs; made
+    here when not given).
 
-    Per row: its key bound into a row of one score matrix, and its slot list gathered. For all rows
-    at once: the top-k and its sort into block order, the placement in the cache sets, the copy of
-    every missing block (one kernel; a quantized tier's dequantization, one more) and the attention
-    (`paged_rows_attention`)."""
+    For all rows at once: the key bounds into one score matrix (one kernel on CUDA,
+    `tierkv.sparse.masked_bounds_rows`; row by row elsewhere), the top-k and its sort into block
+    order, the placement in the cache sets, the copy of every missing block (one kernel; a quantized
+    tier's dequantization, one more) and the attention (`paged_rows_attention`). Per row: the
+    gather of its selected blocks' CPU-tier slots."""
     k, m = far.sparse_blocks, len(reqs)
-    widths = [req.summaries.summaries.tables[layer].shape[0] for req in reqs]
+    layer_tables = [req.summaries.summaries.tables[layer] for req in reqs]
+    widths = [t.shape[0] for t in layer_tables]
     scores = torch.empty((m, max(widths)), dtype=torch.float32, device=q.device)
-    if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
-        scores.fill_(float("-inf"))
-    for r, req in enumerate(reqs):
-        req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
+    if not masked_bounds_rows(layer_tables, q, num_far, scores, tables):
+        if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
+            scores.fill_(float("-inf"))
+        for r, req in enumerate(reqs):
+            req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
     # top-k unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway). In block
     # order, as the eager selection: the attention kernel rounds its softmax weights to the KV dtype tile by
     # tile, so another order gives results that differ from the eager path's at that rounding
@@ -159,7 +167,7 @@ class _Graph:
     ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
     request_ids: tuple[str, ...]  # the rows' requests, in order
-    sets: torch.Tensor      # their far-block cache sets (int64 [m]), a static input
+    row_inputs: tuple       # their far-block cache sets and summary tables' addresses (int64 [m] each), static
     near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
 
 
@@ -294,7 +302,7 @@ class SparseStepGraphs:
         return self._replay(entry, q, counts)
 
     def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near, out: torch.Tensor,
-             scale: float, sets: torch.Tensor):
+             scale: float, sets: torch.Tensor, tables: torch.Tensor):
         """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64 [m];
         near: their near parts (out [m, H, D], lse [m, H]) as static inputs, or a callable computing
         them in the graph; static output out [m, H, D]): a callable that writes the rows' merged
@@ -302,7 +310,7 @@ class SparseStepGraphs:
         def run():
             near_out, near_lse = near() if callable(near) else near
             far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
-                                                     self.packed, sets)
+                                                     self.packed, sets, tables)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
             return ids
 
@@ -319,6 +327,8 @@ class SparseStepGraphs:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
         sets = torch.tensor([req.cache.index for _, req, _ in rows], dtype=torch.int64, device=q.device)
+        tables = torch.tensor([req.summaries.summaries.tables[layer].data_ptr() for _, req, _ in rows],
+                              dtype=torch.int64, device=q.device)  # the key holds them: fixed for the graph
         near_out = near_lse = inputs = None
         if window is None:
             near_out, near_lse = (t.contiguous().clone() for t in near_parts)
@@ -332,13 +342,13 @@ class SparseStepGraphs:
         # the run before the capture fills the rows' caches and counts: put both back, so that the replay
         # right after it copies and counts the step's misses as a step without a capture would
         saved = self.caches.snapshot()
-        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale, sets),
-                                whole=window is not None)
+        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale, sets,
+                                          tables), whole=window is not None)
         self.caches.restore(saved)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
-                      tuple(r[0] for r in rows), sets, inputs)
+                      tuple(r[0] for r in rows), (sets, tables), inputs)
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
