@@ -1,7 +1,8 @@
 """Triton kernel of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place`).
 
 Primitives: `place_selection`, `place_selection_lru`, and their forms for several rows in one launch,
-`place_rows`, `place_rows_lru` (one program per row, each in its own cache set).
+`place_rows`, `place_rows_lru` (one program per row, each in its own cache set); `copy_sources`
+(the CPU-tier slots the copy kernel reads for the rows' misses, each row from its own slot list).
 
 One program per call does what the PyTorch path does in some 25 launches: compare the k selected
 ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
@@ -185,3 +186,32 @@ def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tens
                             held.stride(0), at, k, c, K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c),
                             HAS_SETS=True)
     return slots, miss.view(torch.bool)
+
+
+@triton.jit
+def _copy_sources_kernel(lists_ptr, ids_ptr, miss_ptr, src_ptr, k, K_PAD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    slots_ptr = tl.load(lists_ptr + r).to(tl.pointer_type(tl.int64))  # row r's slot list
+    i = tl.arange(0, K_PAD)
+    valid = i < k
+    ids = tl.load(ids_ptr + r * k + i, mask=valid, other=0)
+    miss = tl.load(miss_ptr + r * k + i, mask=valid, other=0) != 0
+    src = tl.load(slots_ptr + ids, mask=valid & miss, other=-1)
+    tl.store(src_ptr + r * k + i, tl.where(miss, src, -1), mask=valid)
+
+
+def copy_sources(lists: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+    """src int64 [m, k]: src[r, j] = row r's slot list at ids[r, j] where miss[r, j], else -1 (held,
+    not copied). lists: the addresses of the rows' slot lists (int64 tensors on the device, each
+    longer than its row's ids), int64 [m] on the device; ids int64 [m, k]; miss bool [m, k]. One
+    launch. No host sync."""
+    m, k = ids.shape
+    if lists.shape != (m,) or lists.dtype != torch.int64 or ids.dtype != torch.int64 or miss.shape != ids.shape:
+        raise ValueError(f"copy_sources: lists {lists.dtype} {tuple(lists.shape)}, ids {ids.dtype} {tuple(ids.shape)}, "
+                         f"miss {tuple(miss.shape)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    miss = (miss if miss.is_contiguous() else miss.contiguous()).view(torch.int8)
+    src = torch.empty((m, k), dtype=torch.int64, device=ids.device)
+    if m:
+        _copy_sources_kernel[(m,)](lists, ids, miss, src, k, K_PAD=triton.next_power_of_2(k))
+    return src

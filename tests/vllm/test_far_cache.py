@@ -254,6 +254,29 @@ def _rows_kernel_cases(device: str) -> None:
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 
 
+def _sources_cases(device: str) -> None:
+    """copy_sources: each row's missing blocks' slots from its own slot list (lists of different
+    lengths, passed by address), -1 where held, against indexing row by row. Fresh random draws."""
+    from tierkv.cache_kernels import copy_sources
+
+    seed = random.SystemRandom().randrange(2**63)
+    gen = torch.Generator().manual_seed(seed)
+    for m, k in ((1, 8), (3, 5), (4, 16)):
+        lists = [torch.randint(0, 1 << 40, (int(torch.randint(k, 4 * k, (1,), generator=gen)),), generator=gen).to(device)
+                 for _ in range(m)]
+        ids = torch.stack([torch.randperm(t.numel(), generator=gen)[:k] for t in lists]).to(device)
+        miss = (torch.rand(m, k, generator=gen) < 0.5).to(device)
+        at = torch.tensor([t.data_ptr() for t in lists], dtype=torch.int64, device=device)
+        got = copy_sources(at, ids, miss).cpu()
+        want = torch.where(miss.cpu(), torch.stack([t.cpu()[i.cpu()] for t, i in zip(lists, ids)]), -1)
+        assert torch.equal(got, want), f"seed={seed} m={m} k={k}"
+
+
+@pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
+def test_interp_copy_sources_equal_row_by_row_indexing():
+    _sources_cases("cpu")
+
+
 @pytest.mark.skipif(not CHILD, reason="runs in the child process of test_placement_kernel_in_the_interpreter")
 def test_interp_rows_placement_kernels_equal_the_pytorch_placement():
     _rows_kernel_cases("cpu")
@@ -271,7 +294,7 @@ def test_interp_lru_placement_kernel_equals_the_pytorch_lru():
 
 def test_placement_kernel_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    assert "3 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
+    assert "4 passed" in run_interpreter_tests(__file__, "TIERKV_PLACE_CHILD", timeout=600)
 
 
 @pytest.mark.gpu
@@ -290,3 +313,9 @@ def test_lru_placement_kernel_on_the_gpu_equals_the_pytorch_lru():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rows_placement_kernels_on_the_gpu_equal_the_pytorch_placement():
     _rows_kernel_cases("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_copy_sources_on_the_gpu_equal_row_by_row_indexing():
+    _sources_cases("cuda")

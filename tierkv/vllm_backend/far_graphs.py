@@ -19,8 +19,9 @@ merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step
                         slots, miss = the requests' far-block cache sets (far_cache.RowCaches.
                           place_rows, one kernel): where each id is held, or the slot it takes,
                           and whether it must be copied
-               per row: the selected blocks' CPU-tier slots (a gather from its slot list)
-              all rows: copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
+                        the missing blocks' CPU-tier slots, each row's from its own slot list (one
+                          kernel, tierkv.cache_kernels.copy_sources)
+                        copy kernel: CPU tier[pinned slots[ids]] -> cache[slots] for the misses only,
                           on the compute stream, one launch (a quantized tier: codes and scales, then
                           one dequantization)
                         (out, lse) = each row's query over its cache slots (one launch,
@@ -55,6 +56,7 @@ import torch
 
 from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
+from tierkv.optional_kernel import OptionalKernel
 from tierkv.sparse import masked_bounds_rows
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.vllm_backend.far_cache import RowCaches
@@ -62,6 +64,7 @@ from tierkv.vllm_backend.far_cache import RowCaches
 logger = logging.getLogger(__name__)
 
 GRAPHS_PER_LAYER = 4  # sets of rows whose graphs a layer keeps
+_SOURCES = OptionalKernel("copy sources of several rows (tierkv.cache_kernels.copy_sources)")
 
 
 def packed_buffers(far, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -81,25 +84,46 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
+def _copy_sources(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
+                  lists: torch.Tensor | None) -> torch.Tensor:
+    """int64 [m, k]: the CPU-tier slot of each selected block the copy kernel fetches (row r's
+    pinned slot list of `layer` at ids[r]) where miss, -1 where its cache holds it. One launch on
+    CUDA (`tierkv.cache_kernels.copy_sources`, lists: the slot lists' addresses, made here when not
+    given); row by row elsewhere."""
+    if ids.is_cuda:
+        def launch() -> torch.Tensor:
+            from tierkv.cache_kernels import copy_sources
+
+            at = lists if lists is not None else torch.tensor(
+                [req.pinned_slots_dev[layer].data_ptr() for req in reqs], dtype=torch.int64, device=ids.device)
+            return copy_sources(at, ids, miss)
+
+        ok, src = _SOURCES.run(launch, on_cuda=True)
+        if ok:
+            return src
+    return torch.where(miss, _rows([req.pinned_slots_dev[layer].index_select(0, ids[r]) for r, req in enumerate(reqs)]),
+                       -1)
+
+
 def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
                      scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      sets: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lists: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
     blocks (all summarized, more than k); caches: the engine's far-block caches, each request holding
     a set of them (req.cache): only the selected blocks a set does not hold cross PCIe. packed: a
     quantized CPU tier's buffers for at least m selections (`packed_buffers`): the missing blocks'
     codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
-    int8). sets: the requests' cache set indices, int64 [m] on the device; tables: the addresses of
-    their summary tables of `layer`, int64 [m] on the device (both a graph's static inputs; made
-    here when not given).
+    int8). sets: the requests' cache set indices, int64 [m] on the device; tables, lists: the
+    addresses of their summary tables and pinned slot lists of `layer`, int64 [m] on the device
+    (all three a graph's static inputs; made here when not given).
 
     For all rows at once: the key bounds into one score matrix (one kernel on CUDA,
     `tierkv.sparse.masked_bounds_rows`; row by row elsewhere), the top-k and its sort into block
     order, the placement in the cache sets, the copy of every missing block (one kernel; a quantized
-    tier's dequantization, one more) and the attention (`paged_rows_attention`). Per row: the
-    gather of its selected blocks' CPU-tier slots."""
+    tier's dequantization, one more) and the attention (`paged_rows_attention`); the missing
+    blocks' CPU-tier slots, each row's from its own slot list (one kernel on CUDA)."""
     k, m = far.sparse_blocks, len(reqs)
     layer_tables = [req.summaries.summaries.tables[layer] for req in reqs]
     widths = [t.shape[0] for t in layer_tables]
@@ -116,8 +140,7 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     if sets is None:
         sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
     slots, miss = caches.place_rows([req.cache for req in reqs], sets, layer, ids)
-    src = torch.where(miss, _rows([req.pinned_slots_dev[layer].index_select(0, ids[r]) for r, req in enumerate(reqs)]),
-                      -1)  # -1: held, not copied
+    src = _copy_sources(reqs, layer, ids, miss, lists)  # -1: held, not copied
     cpu, engine = far.store.cpu, far.store.io.engine
     if cpu.quant_format is None:
         engine.gather_h2d_inline(cpu.slab, src.view(-1), caches.blocks, slots.view(-1))
@@ -167,7 +190,8 @@ class _Graph:
     ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
     far_counts: list[int]   # the values num_far holds
     request_ids: tuple[str, ...]  # the rows' requests, in order
-    row_inputs: tuple       # their far-block cache sets and summary tables' addresses (int64 [m] each), static
+    row_inputs: tuple       # their far-block cache sets, summary tables' and slot lists' addresses (int64 [m]
+                            #   each), static
     near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
 
 
@@ -302,7 +326,7 @@ class SparseStepGraphs:
         return self._replay(entry, q, counts)
 
     def body(self, layer: int, reqs: list, q: torch.Tensor, far_counts: torch.Tensor, near, out: torch.Tensor,
-             scale: float, sets: torch.Tensor, tables: torch.Tensor):
+             scale: float, row_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         """What a layer's graph runs for rows `reqs` (static inputs q [m, H, D], far_counts int64 [m];
         near: their near parts (out [m, H, D], lse [m, H]) as static inputs, or a callable computing
         them in the graph; static output out [m, H, D]): a callable that writes the rows' merged
@@ -310,7 +334,7 @@ class SparseStepGraphs:
         def run():
             near_out, near_lse = near() if callable(near) else near
             far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
-                                                     self.packed, sets, tables)
+                                                     self.packed, *row_inputs)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
             return ids
 
@@ -326,9 +350,12 @@ class SparseStepGraphs:
         q = q_rows.clone()
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        sets = torch.tensor([req.cache.index for _, req, _ in rows], dtype=torch.int64, device=q.device)
-        tables = torch.tensor([req.summaries.summaries.tables[layer].data_ptr() for _, req, _ in rows],
-                              dtype=torch.int64, device=q.device)  # the key holds them: fixed for the graph
+        # the rows' cache sets, and the addresses of their summary tables and slot lists (the key holds
+        # them: fixed for the graph's life)
+        row_inputs = tuple(torch.tensor(values, dtype=torch.int64, device=q.device) for values in (
+            [req.cache.index for _, req, _ in rows],
+            [req.summaries.summaries.tables[layer].data_ptr() for _, req, _ in rows],
+            [req.pinned_slots_dev[layer].data_ptr() for _, req, _ in rows]))
         near_out = near_lse = inputs = None
         if window is None:
             near_out, near_lse = (t.contiguous().clone() for t in near_parts)
@@ -342,13 +369,13 @@ class SparseStepGraphs:
         # the run before the capture fills the rows' caches and counts: put both back, so that the replay
         # right after it copies and counts the step's misses as a step without a capture would
         saved = self.caches.snapshot()
-        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale, sets,
-                                          tables), whole=window is not None)
+        recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale,
+                                          row_inputs), whole=window is not None)
         self.caches.restore(saved)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
-                      tuple(r[0] for r in rows), (sets, tables), inputs)
+                      tuple(r[0] for r in rows), row_inputs, inputs)
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
