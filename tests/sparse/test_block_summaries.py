@@ -62,14 +62,17 @@ def test_request_selection_with_gaps_reads_unsummarized_blocks_and_the_top_k():
 
 def test_masked_selection_over_the_whole_table_equals_the_selection_of_the_far_blocks():
     """What a CUDA graph replays (the far count a device scalar, the bound over the whole table,
-    blocks past the count masked) selects what `select` selects over the far blocks alone."""
+    blocks past the count masked, the top blocks of that row) selects what `select` selects over the
+    far blocks alone."""
+    from tierkv.vllm_backend.far_graphs import top_blocks
     from tierkv.vllm_backend.far_summaries import RequestSummaries
 
     req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     req.update(0, 0, torch.randn(BLOCKS, 2, KV_HEADS, T, DIM))
     for num_far in (5, 23, BLOCKS):
         q = torch.randn(HEADS, DIM)
-        assert torch.equal(req.select_masked(0, q, torch.tensor(num_far), 4), req.select(0, q, num_far, 4))
+        scores = req.summaries.masked_bounds(0, q, torch.tensor(num_far)).unsqueeze(0)
+        assert torch.equal(top_blocks(scores, 4)[0], req.select(0, q, num_far, 4))
 
 
 def test_reset_summaries_vouch_for_no_block_until_summarized_again():

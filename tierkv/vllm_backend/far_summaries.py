@@ -88,16 +88,6 @@ class RequestSummaries:
         known = self.is_summarized[layer][:num_far]
         return np.concatenate([np.flatnonzero(~known), np.arange(known.size, num_far)])
 
-    def select_masked(self, layer: int, q: torch.Tensor, num_far: torch.Tensor, k: int) -> torch.Tensor:
-        """`select` for a row whose far blocks all have a summary and number more than k, with the
-        far count a device scalar (int64, 0-d) and the bound taken over the whole table, blocks at
-        or past the count masked out: the shapes stay fixed while the count grows, so a CUDA graph
-        replays it until the table is reallocated. In block order, as `select`: the attention
-        kernel rounds its softmax weights to the KV dtype tile by tile, so another order gives
-        results that differ from the eager path's at that rounding."""
-        # top-k unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway)
-        return torch.sort(torch.topk(self.summaries.masked_bounds(layer, q, num_far), k, sorted=False).indices).values
-
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.summaries.tables)
