@@ -1,7 +1,7 @@
 """Sparse mode on the GPU: decode speed and GPU hit rate at 128k against all-in-GPU dense decode.
 
     python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048]
-        [--predictor previous|none|query] [--lookahead 1] [--cache-selections 4] [--out PATH]
+        [--predictor previous|none|query] [--lookahead 1] [--cache-selections 4] [--qk-bias-std 0] [--out PATH]
 
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
 all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
@@ -48,6 +48,9 @@ def main() -> int:
                         help="far-block cache slots per layer, in selections of --budget-tokens (predictor query)")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
+    parser.add_argument("--qk-bias-std", type=float, default=0.0,
+                        help="q/k projection biases N(0, std^2) in both models: queries that keep their direction, so "
+                             "consecutive selections overlap (the vLLM benchmarks' 'bias 16' model; 0: random weights)")
     parser.add_argument("--out", default="benchmarks/results/sparse-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -58,7 +61,7 @@ def main() -> int:
     from tierkv.adapters.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
 
-    model = llama_8b_shaped(num_layers=args.layers)
+    model = llama_8b_shaped(num_layers=args.layers, qk_bias_std=args.qk_bias_std)
     warm_up(model)
     ids = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
     full_kv = kv_bytes_per_token(model) * args.context
@@ -108,6 +111,7 @@ def main() -> int:
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
     row["predictor"] = args.predictor
+    row["model_qk_bias_std"] = args.qk_bias_std
     if query is not None:
         row["query_predictor"] = {"lookahead_layers": args.lookahead, "cache_slots_per_layer": query.cache.slots_per_layer,
                                   "predict_with_previous": not args.no_previous, "totals": query.totals(),

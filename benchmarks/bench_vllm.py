@@ -36,19 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import CpuUse, H2DProbe, h2d_ceiling_gbps  # noqa: E402
-from benchmarks.models import LLAMA_8B  # noqa: E402
+from benchmarks.models import LLAMA_8B, draw_qk_biases  # noqa: E402
 from tierkv.vllm_backend.far import far_blocks  # noqa: E402
-
-
-def draw_qk_biases(model, std: float) -> None:
-    """A Llama with attention_bias: q and k projection biases drawn N(0, std^2), v and o biases zero."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            attn.q_proj.bias.normal_(0.0, std)
-            attn.k_proj.bias.normal_(0.0, std)
-            attn.v_proj.bias.zero_()
-            attn.o_proj.bias.zero_()
 
 
 def build_model(path: str, layers: int, qk_bias_std: float = 0.0) -> None:
