@@ -72,16 +72,15 @@ def test_drawn_qk_biases_leave_v_and_o_unbiased():
 
 def test_the_transformers_benchmark_model_takes_the_same_biases():
     """bench_sparse.py --qk-bias-std: the 8B-shaped model of the transformers engine with q/k biases
-    at the asked spread (one layer, float32 on CPU), none without it, and a negative spread refused."""
+    at the asked spread (one layer, bf16 on CPU), and a negative spread refused."""
     import pytest
     import torch
 
     from benchmarks.models import llama_8b_shaped
 
-    attn = llama_8b_shaped(num_layers=1, device="cpu", dtype=torch.float32, qk_bias_std=16.0).model.layers[0].self_attn
-    assert 15.0 < attn.q_proj.bias.std().item() < 17.0 and 14.0 < attn.k_proj.bias.std().item() < 18.0
+    attn = llama_8b_shaped(num_layers=1, device="cpu", qk_bias_std=16.0).model.layers[0].self_attn
+    assert 15.0 < attn.q_proj.bias.float().std().item() < 17.0 and 14.0 < attn.k_proj.bias.float().std().item() < 18.0
     assert not attn.v_proj.bias.any() and not attn.o_proj.bias.any()
-    assert llama_8b_shaped(num_layers=1, device="cpu", dtype=torch.float32).model.layers[0].self_attn.q_proj.bias is None
     with pytest.raises(ValueError, match="qk_bias_std"):
         llama_8b_shaped(num_layers=1, device="cpu", qk_bias_std=-1.0)
 
