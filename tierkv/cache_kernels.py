@@ -7,7 +7,8 @@ Primitives: `place_selection`, `place_selection_lru`, and their forms for severa
 One program per call does what the PyTorch path does in some 25 launches: compare the k selected
 ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
 whose block was not selected again, write the new held ids, and count hits, misses and whether the
-row missed. Same result as the PyTorch path, bit for bit (both place deterministically).
+row missed. A negative id (a row with fewer far blocks than k selects fewer) is neither held nor
+missed; its slot is one of the set's, read with no token. Same result as the PyTorch path, bit for bit (both place deterministically).
 `place_selection_lru` does the same over C > k slots per layer, the misses taking the least
 recently used slots the selection does not read (`RowCaches._place_lru`). Imported
 lazily where a CUDA selection arrives; also runs under the Triton interpreter (`TRITON_INTERPRET=1`)
@@ -21,11 +22,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_placement(i, valid, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr):
-    """Both kernels' outputs: each id's slot (local + base) and miss flag, and the counters (hits,
-    misses, whether the row missed)."""
-    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=valid)
-    tl.store(miss_ptr + i, miss.to(tl.int8), mask=valid)
+def _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr):
+    """Both kernels' outputs: each of the k ids' slot (local + base) and miss flag, and the counters
+    (hits, misses, whether the row missed)."""
+    tl.store(slots_ptr + i, local.to(tl.int64) + base, mask=in_k)
+    tl.store(miss_ptr + i, miss.to(tl.int8), mask=in_k)
     hits = tl.sum(hit.to(tl.int64), axis=0)
     misses = tl.sum(miss.to(tl.int64), axis=0)
     tl.atomic_add(counters_ptr, hits)
@@ -54,22 +55,23 @@ def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr
     ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
                                                         base, k, HAS_SETS)
     i = tl.arange(0, K_PAD)
-    valid = i < k
-    ids = tl.load(ids_ptr + i, mask=valid, other=-2)
-    held = tl.load(held_ptr + i, mask=valid, other=-3)
-    same = (ids[:, None] == held[None, :]) & valid[:, None] & valid[None, :]   # id i held in slot j
+    in_k = i < k
+    ids = tl.load(ids_ptr + i, mask=in_k, other=-2)
+    valid = in_k & (ids >= 0)  # a negative id selects nothing: never held, placed, hit or missed
+    held = tl.load(held_ptr + i, mask=in_k, other=-3)
+    same = (ids[:, None] == held[None, :]) & valid[:, None] & in_k[None, :]   # id i held in slot j
     same_i = same.to(tl.int32)
     hit = tl.max(same_i, axis=1) > 0
     used = tl.max(same_i, axis=0) > 0
     miss = valid & (hit == 0)
-    free = valid & (used == 0)
+    free = in_k & (used == 0)
     miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
     # the r-th miss takes the r-th free slot
     match = ((free_rank[None, :] == miss_rank[:, None]) & free[None, :]).to(tl.int32)
-    local = tl.where(hit, tl.argmax(same_i, axis=1), tl.argmax(match, axis=1))
+    local = tl.where(hit, tl.argmax(same_i, axis=1), tl.where(miss, tl.argmax(match, axis=1), 0))
     tl.store(held_ptr + local, ids, mask=valid)
-    _write_placement(i, valid, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
+    _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
 def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
@@ -124,9 +126,10 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
                                                         base, k, HAS_SETS)
     i = tl.arange(0, K_PAD)
     j = tl.arange(0, C_PAD)
-    valid_i = i < k
+    in_k = i < k
     valid_j = j < c
-    ids = tl.load(ids_ptr + i, mask=valid_i, other=-2)
+    ids = tl.load(ids_ptr + i, mask=in_k, other=-2)
+    valid_i = in_k & (ids >= 0)  # a negative id selects nothing
     held = tl.load(held_ptr + j, mask=valid_j, other=-3)
     last_use = tl.load(last_use_ptr + j, mask=valid_j, other=0)
     tick = tl.load(clock_ptr)
@@ -142,11 +145,11 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
     rank = tl.sum(before.to(tl.int32), axis=0)                                   # [C]: unread slots before j
     miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     match = ((rank[None, :] == miss_rank[:, None]) & unread[None, :]).to(tl.int32)   # [K, C]
-    local = tl.where(hit, tl.argmax(same, axis=1), tl.argmax(match, axis=1))
+    local = tl.where(hit, tl.argmax(same, axis=1), tl.where(miss, tl.argmax(match, axis=1), 0))
     tl.store(held_ptr + local, ids, mask=valid_i)
     tl.store(last_use_ptr + local, tl.zeros([K_PAD], tl.int64) + tick, mask=valid_i)
     tl.store(clock_ptr, tick + 1)
-    _write_placement(i, valid_i, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
+    _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
 def place_selection_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, ids: torch.Tensor,

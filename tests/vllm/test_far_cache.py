@@ -149,6 +149,15 @@ def test_snapshot_and_restore_undo_a_run():
 CHILD = os.environ.get("TIERKV_PLACE_CHILD") == "1"
 
 
+def _blank_some(rng: random.Random, ids: list[int]) -> list[int]:
+    """ids with, one time in three, some of them replaced by -1 (no block: a row with fewer far blocks
+    than k), at random places."""
+    if rng.randrange(3):
+        return ids
+    blank = set(rng.sample(range(len(ids)), rng.randrange(1, len(ids) + 1)))
+    return [-1 if i in blank else b for i, b in enumerate(ids)]
+
+
 def _kernel_cases(device: str) -> None:
     """The Triton placement (tierkv.cache_kernels) against RowCaches' PyTorch ops, step after step with
     overlapping random selections (k a power of two and not): the same slots, misses, held ids and
@@ -164,10 +173,11 @@ def _kernel_cases(device: str) -> None:
         counters = torch.zeros(3, dtype=torch.int64, device=device)
         previous: list[int] = []
         for step in range(12):
+            previous = [b for b in previous if b >= 0]
             kept = rng.sample(previous, rng.randrange(len(previous) + 1)) if previous else []
             ids = kept + rng.sample([b for b in range(4 * k + 8) if b not in kept], k - len(kept))
             rng.shuffle(ids)
-            previous = ids
+            ids = previous = _blank_some(rng, ids)
             want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
             slots, miss = place_selection(held, torch.tensor(ids, device=device), s.base(0), counters)
             msg = f"seed={seed} k={k} step={step}"
@@ -195,10 +205,11 @@ def _lru_kernel_cases(device: str) -> None:
         counters = torch.zeros(3, dtype=torch.int64, device=device)
         recent: list[list[int]] = []
         for step in range(16):
-            pool = sorted({b for sel in recent[-3:] for b in sel})
+            pool = sorted({b for sel in recent[-3:] for b in sel if b >= 0})
             kept = rng.sample(pool, rng.randrange(min(len(pool), k) + 1)) if pool else []
             ids = kept + rng.sample([b for b in range(6 * k + 8) if b not in kept], k - len(kept))
             rng.shuffle(ids)
+            ids = _blank_some(rng, ids)
             recent.append(ids)
             want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
             slots, miss = place_selection_lru(held, last_use, clock, torch.tensor(ids, device=device), s.base(0),
@@ -233,11 +244,11 @@ def _rows_kernel_cases(device: str) -> None:
             rows, layer = rng.sample(sets, rng.randrange(1, 4)), rng.randrange(3)
             selections_now = []
             for s in rows:
-                before = previous.get((s.index, layer), [])
+                before = [b for b in previous.get((s.index, layer), []) if b >= 0]
                 kept = rng.sample(before, rng.randrange(len(before) + 1)) if before else []
                 ids = kept + rng.sample([b for b in range(5 * k + 8) if b not in kept], k - len(kept))
                 rng.shuffle(ids)
-                previous[(s.index, layer)] = ids
+                ids = previous[(s.index, layer)] = _blank_some(rng, ids)
                 selections_now.append(ids)
             want = [torch_path.place(s, layer, torch.tensor(ids)) for s, ids in zip(rows, selections_now)]
             index = torch.tensor([s.index for s in rows], device=device)
@@ -264,11 +275,13 @@ def _sources_cases(device: str) -> None:
     for m, k in ((1, 8), (3, 5), (4, 16)):
         lists = [torch.randint(0, 1 << 40, (int(torch.randint(k, 4 * k, (1,), generator=gen)),), generator=gen).to(device)
                  for _ in range(m)]
-        ids = torch.stack([torch.randperm(t.numel(), generator=gen)[:k] for t in lists]).to(device)
-        miss = (torch.rand(m, k, generator=gen) < 0.5).to(device)
+        ids = torch.stack([torch.randperm(t.numel(), generator=gen)[:k] for t in lists])
+        ids[0, -1] = -1  # no block (a row with fewer far blocks than k): never a miss
+        miss = (torch.rand(m, k, generator=gen) < 0.5) & (ids >= 0)
+        ids, miss = ids.to(device), miss.to(device)
         at = torch.tensor([t.data_ptr() for t in lists], dtype=torch.int64, device=device)
         got = copy_sources(at, ids, miss).cpu()
-        want = torch.where(miss.cpu(), torch.stack([t.cpu()[i.cpu()] for t, i in zip(lists, ids)]), -1)
+        want = torch.where(miss.cpu(), torch.stack([t.cpu()[i.cpu().clamp(min=0)] for t, i in zip(lists, ids)]), -1)
         assert torch.equal(got, want), f"seed={seed} m={m} k={k}"
 
 

@@ -951,6 +951,41 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
         store.close()
 
 
+def test_the_graph_body_reads_every_far_block_of_a_row_with_fewer_than_a_selection(tmp_path, monkeypatch):
+    """A decoding row with fewer far blocks than k (a short request beside long ones): the graph body
+    reads all of them and no other block (ids -1 for the rest, none copied or placed in its cache),
+    as the eager path does, and a row of the same batch with more far blocks selects as before. The
+    graphs serve such rows now (`servable`)."""
+    from tierkv.vllm_backend.far_graphs import sparse_rows_body
+
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42,
+                                               plant=random.sample(range(1, 38), 3), sparse_graphs=True)
+    try:
+        k = far.sparse_blocks
+        short = window + 3 * BS - 1  # tokens before the step: 3 far blocks, k = 4
+        (row,) = far.begin_step([("r", short, 1)])
+        assert row.num_far_blocks == 3 < k
+        row_caches = cpu_row_caches(far, far.requests["r"])
+        copied = counting_inline_copies(monkeypatch, store.io.engine)
+        for name in NAMES:
+            layer = store.layer_index[name]
+            want_out, want_lse = far.attend(layer, q, 0.3)
+            for run in range(2):
+                out, lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q, torch.tensor([3]),
+                                                      row_caches, 0.3)
+                assert selected.tolist() == [[0, 1, 2, -1]]
+                assert copied.pop() == (3 if run == 0 else 0)
+                torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+            assert sorted(row_caches.held[far.requests["r"].cache.index, layer].tolist()) == [-1, 0, 1, 2]
+        far.end_step()
+        assert far.graphs is None  # CPU: the eager path serves; `servable` is the graphs' own check
+    finally:
+        far.close()
+        store.close()
+
+
 @pytest.mark.parametrize("storage_dtype", ["float8_e4m3fn", "int8"])
 def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypatch):
     """A quantized CPU tier (half the bytes per selected block): the selection still holds the planted
@@ -1015,7 +1050,7 @@ class _BodyGraphs:
         self.packed_bytes = 0
 
     def servable(self, req, num_far):
-        if not (req.summaries is not None and self.far.sparse_blocks < num_far <= min(req.summaries.prefix)):
+        if not (req.summaries is not None and 0 < num_far <= min(req.summaries.prefix)):
             return False
         req.cache = req.cache or self.caches.take()
         return req.cache is not None

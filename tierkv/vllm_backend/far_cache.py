@@ -27,7 +27,9 @@ holds keep it; the others take, in order, the slots whose block was not selected
 the misses the caller copies in (on CUDA one Triton launch, `tierkv.cache_kernels`; the PyTorch
 ops elsewhere or where it cannot build). Far blocks are immutable once far, so a held block stays valid for
 its request; a set handed to another request is emptied first (`give_back`). Counters (hits,
-misses, rows that missed) stay on the device until `stats` reads them: a replay never waits.
+misses, rows that missed) stay on the device until `stats` reads them: a replay never waits. A
+negative id stands for no block (a row with fewer far blocks than k): never held, hit or missed;
+its slot is one of the set's, read with no token.
 """
 from __future__ import annotations
 
@@ -106,6 +108,14 @@ class CacheSet:
         return (self.index * self.num_layers + layer % self.num_layers) * self.width
 
 
+def _scatter_into(t: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """t[index[i]] = values[i] for the indices below len(t); an index of len(t) writes nothing (device
+    work only, no host wait)."""
+    extended = torch.cat([t, t[:1]])
+    extended.scatter_(0, index, values)
+    t.copy_(extended[:-1])
+
+
 class RowCaches:
     def __init__(self, num_sets: int, num_layers: int, k: int, block_shape: tuple, dtype: torch.dtype,
                  device: torch.device, per_layer: bool = True, selections: int = 1):
@@ -126,8 +136,7 @@ class RowCaches:
         self._spare = [CacheSet(s, layers_kept, self.width) for s in reversed(range(num_sets))]
         # per_layer=False: every id a miss, read from the set's own k slots
         self._order = torch.arange(k, device=device)
-        self._all_missed = torch.ones(k, dtype=torch.bool, device=device)
-        self._all_missed_counts = torch.tensor([0, k, 1], dtype=torch.int64, device=device)
+        self._zero = torch.zeros((), dtype=torch.int64, device=device)
 
     @staticmethod
     def bytes_per_set(num_layers: int, k: int, block_bytes: int, per_layer: bool = True, selections: int = 1) -> int:
@@ -150,12 +159,14 @@ class RowCaches:
         self._spare.append(cache)
 
     def place(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selection ids (int64 [k] on the device, distinct) of `cache`'s request at `layer`:
+        """The selection ids (int64 [k] on the device, distinct where not negative; a negative id
+        stands for no block) of `cache`'s request at `layer`:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
         copies into those slots). Device work only, no host wait."""
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
-            self.counters.add_(self._all_missed_counts)
-            return self._order + cache.base(layer), self._all_missed
+            miss = ids >= 0
+            self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any().to(torch.int64)]))
+            return self._order + cache.base(layer), miss
         held = self.held[cache.index, layer]
         if self.last_use is None:  # one Triton launch for the same placement (tierkv.cache_kernels)
             if ids.is_cuda and self.k <= KERNEL_MAX_K:
@@ -180,8 +191,9 @@ class RowCaches:
         elsewhere."""
         m = len(caches)
         if not self.per_layer:  # nothing kept: each set's slots, every id copied
-            self.counters.add_(self._all_missed_counts * m)
-            return self._order + (sets * self.width).unsqueeze(1), self._all_missed.expand(m, -1)
+            miss = ids >= 0
+            self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any(1).sum()]))
+            return self._order + (sets * self.width).unsqueeze(1), miss
         lru = self.last_use is not None
         if ids.is_cuda and self.width <= KERNEL_MAX_K:
             args = ((self.held, self.last_use, self.clock) if lru else (self.held,)) + (sets, layer, ids, self.counters)
@@ -199,18 +211,21 @@ class RowCaches:
         as the misses: C - hits >= k - hits), in slot order, or with last_use (int64 [C], C > k) least
         recently used first, every slot read or filled then stamped with the set's tick (int64 [1],
         advanced by one)."""
-        same = ids.unsqueeze(1) == held.unsqueeze(0)                   # [k, C]: id i is held in slot j
+        valid = ids >= 0                                               # a negative id selects nothing
+        same = (ids.unsqueeze(1) == held.unsqueeze(0)) & valid.unsqueeze(1)  # [k, C]: id i is held in slot j
         hit = same.any(1)
-        miss = ~hit
+        miss = valid & ~hit
         read = same.any(0)                                             # [C]: slots this selection reads
         order = (read.to(torch.int64) if last_use is None            # unread first, then by last use; ties by slot
                  else torch.where(read, torch.iinfo(torch.int64).max, last_use))
         victims = torch.argsort(order, stable=True)
         miss_rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
-        local = torch.where(hit, same.to(torch.int8).argmax(1), victims.index_select(0, miss_rank))
-        held.scatter_(0, local, ids)
+        local = torch.where(hit, same.to(torch.int8).argmax(1),
+                            torch.where(miss, victims.index_select(0, miss_rank), 0))
+        target = torch.where(valid, local, held.shape[0])  # a negative id writes nothing
+        _scatter_into(held, target, ids)
         if last_use is not None:
-            last_use.scatter_(0, local, tick.expand(ids.shape[0]))
+            _scatter_into(last_use, target, tick.expand(ids.shape[0]))
             tick.add_(1)
         self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
         return local + cache.base(layer), miss

@@ -174,4 +174,4 @@ class GraphedRows:
         if plan.sampled:
             for n, (_, req, _) in enumerate(plan.graph_rows):
                 far.overlap.note(far.counts["steps"], req.previous, layer, ids, n)
-        far._count_selections(m * k, plan.resident_blocks, m)
+        far._count_selections(sum(min(n, k) for _, _, n in plan.graph_rows), plan.resident_blocks, m)

@@ -110,6 +110,7 @@ def _copy_sources(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
         ok, src = _SOURCES.run(launch, on_cuda=True)
         if ok:
             return src
+    ids = ids.clamp(min=0)  # a negative id (no block) is never a miss
     return torch.where(miss, _rows([req.pinned_slots_dev[layer].index_select(0, ids[r]) for r, req in enumerate(reqs)]),
                        -1)
 
@@ -120,7 +121,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
                      lists: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
-    blocks (all summarized, more than k); caches: the engine's far-block caches, each request holding
+    blocks (all summarized, at least one; a row with fewer than k reads all of them, its other ids
+    -1); caches: the engine's far-block caches, each request holding
     a set of them (req.cache): only the selected blocks a set does not hold cross PCIe. packed: a
     quantized CPU tier's buffers for at least m selections (`packed_buffers`): the missing blocks'
     codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
@@ -142,7 +144,9 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
             scores.fill_(float("-inf"))
         for r, req in enumerate(reqs):
             req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
+    # a row with fewer far blocks than k selects them all, and -1 (no block) for the rest
     ids = top_blocks(scores, k)
+    ids = torch.where(ids < num_far.unsqueeze(1), ids, -1)
     if sets is None:
         sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
     slots, miss = caches.place_rows([req.cache for req in reqs], sets, layer, ids)
@@ -158,8 +162,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
         # the held blocks' stale codes are skipped (slot -1)
         dequantize_into(codes[: m * k], scales[: m * k], cpu.quant_format, caches.blocks,
                         torch.where(miss, slots, -1).view(-1))
-    fills = torch.full_like(ids, far.block_tokens)
-    out, lse = paged_rows_attention(q, caches.blocks, slots, ids * far.block_tokens, fills, scale=scale)
+    fills = torch.where(ids >= 0, far.block_tokens, 0)  # no block: no token read
+    out, lse = paged_rows_attention(q, caches.blocks, slots, ids.clamp(min=0) * far.block_tokens, fills, scale=scale)
     return out, lse, ids
 
 
@@ -230,10 +234,11 @@ class SparseStepGraphs:
 
     def servable(self, req, num_far: int) -> bool:
         """Whether a decoding row can be served by the graphs in every layer: all its far blocks
-        summarized in each, more of them than a selection (host-known), and a far-block cache set
-        for its request (taken here at its first graphed step; none left: it goes the eager way)."""
+        summarized in each (host-known; fewer than a selection are all read), and a far-block cache
+        set for its request (taken here at its first graphed step; none left: it goes the eager
+        way)."""
         summaries = req.summaries
-        if not (self.enabled and summaries is not None and self.far.sparse_blocks < num_far <= min(summaries.prefix)):
+        if not (self.enabled and summaries is not None and 0 < num_far <= min(summaries.prefix)):
             return False
         if req.cache is None:
             req.cache = self.caches.take()
