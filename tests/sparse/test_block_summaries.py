@@ -96,3 +96,22 @@ def test_reset_summaries_vouch_for_no_block_until_summarized_again():
     selected = req.select(0, q, 20, 3).tolist()
     assert selected == fresh.select(0, q, 20, 3).tolist()
     assert set(range(10, 20)) <= set(selected) and len(selected) == 13
+
+
+def test_selection_overlap_counts_only_blocks_a_row_has():
+    """SelectionOverlap: a sampled step's selected blocks that the step before selected too, over the
+    selected blocks; a graphed row with fewer far blocks than its ids (-1: no block) counts only its
+    blocks, so two rows of -1 do not overlap."""
+    from tierkv.vllm_backend.far_summaries import OVERLAP_EVERY, SelectionOverlap
+
+    overlap = SelectionOverlap(torch.device("cpu"))
+    previous: dict[int, torch.Tensor] = {}
+    before = torch.tensor([[4, 7, 9, 12], [0, 1, -1, -1]])
+    now = torch.tensor([[4, 8, 9, 13], [0, 2, -1, -1]])
+    for row, num_far in ((0, None), (1, 2)):
+        prev_row: dict[int, torch.Tensor] = {}
+        overlap.note(OVERLAP_EVERY - 1, prev_row, 0, before, row, num_far)
+        overlap.note(OVERLAP_EVERY, prev_row, 0, now, row, num_far)
+        previous.update(prev_row)
+    assert not previous  # each sampled step consumed its copy
+    assert overlap.value() == (2 + 1) / (4 + 2)

@@ -172,6 +172,6 @@ class GraphedRows:
         far = self.far
         m, k = len(plan.indices), far.sparse_blocks
         if plan.sampled:
-            for n, (_, req, _) in enumerate(plan.graph_rows):
-                far.overlap.note(far.counts["steps"], req.previous, layer, ids, n)
+            for n, (_, req, num_far) in enumerate(plan.graph_rows):
+                far.overlap.note(far.counts["steps"], req.previous, layer, ids, n, num_far)
         far._count_selections(sum(min(n, k) for _, _, n in plan.graph_rows), plan.resident_blocks, m)

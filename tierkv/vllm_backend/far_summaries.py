@@ -212,16 +212,18 @@ class SelectionOverlap:
         return step % OVERLAP_EVERY in (0, OVERLAP_EVERY - 1)
 
     def note(self, step: int, previous: dict[int, torch.Tensor], layer: int, ids: torch.Tensor,
-             row: int | None = None) -> None:
+             row: int | None = None, num_far: int | None = None) -> None:
         """Step `step`'s selection ids at `layer` (its row `row` when given: ids [m, k]) of a request
         whose sampled selections are `previous` (per layer): the step before a sample keeps a copy,
-        the sampled step compares with it."""
+        the sampled step compares with it. num_far: the row's far blocks, when fewer than its ids
+        (the rest are -1, no block, and count nowhere)."""
         if step % OVERLAP_EVERY == 0:
             before = previous.pop(layer, None)
             if before is not None:
                 selected = ids if row is None else ids[row]
-                self._hits += (selected.unsqueeze(1) == before.unsqueeze(0)).any(dim=1).sum()
-                self._of += selected.numel()
+                same = (selected.unsqueeze(1) == before.unsqueeze(0)).any(dim=1)
+                self._hits += (same & (selected >= 0)).sum()
+                self._of += selected.numel() if num_far is None else min(num_far, selected.numel())
         elif (step + 1) % OVERLAP_EVERY == 0:
             previous[layer] = (ids if row is None else ids[row]).clone()
 
