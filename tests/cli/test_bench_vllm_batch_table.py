@@ -1,0 +1,29 @@
+"""The ratios `benchmarks/bench_vllm_batch.py table` prints: each row against the plain row run the
+same way (compiled rows against plain@compiled), and the PCIe bounds of rows with far-block caches.
+No vLLM needed."""
+from __future__ import annotations
+
+import json
+
+from benchmarks.bench_vllm_batch import table
+
+
+def row(mode: str, rate: float, requests: int = 3, **extra) -> dict:
+    return {"mode": mode, "requests": requests, "gpu_kv_bytes": 60 << 30, "all_first_token_s": 30.0,
+            "full_batch_steps": 200, "full_batch_tokens_per_s": rate, "new_tokens": 224, **extra}
+
+
+def test_compiled_rows_are_compared_with_compiled_plain(tmp_path, capsys):
+    cached = dict(pcie_bound_tokens_per_s=400.0, selected_bytes_per_step=1.34e9, h2d_ceiling_gbps=55.5,
+                  pcie_bound_fetched_tokens_per_s=1100.0, fetched_fraction=0.36, gpu_hit_rate=0.82,
+                  selection_overlap=0.75)
+    rows = [row("plain", 150.0), row("plain@compiled", 175.0),
+            row("tierkv-sparse-graphs@float8_e4m3fn", 300.0, 10, **cached),
+            row("tierkv-sparse-graphs@float8_e4m3fn@compiled", 350.0, 10, **cached)]
+    for r in rows:
+        (tmp_path / f"bench-vllm-batch-{r['mode'].replace('@', '_')}.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
+    assert lines["tierkv-sparse-graphs@float8_e4m3fn"][-1] == "2.00"            # 300 / 150, eager against eager
+    assert lines["tierkv-sparse-graphs@float8_e4m3fn@compiled"][-1] == "2.00"   # 350 / 175, not 350 / 150
+    assert lines["plain@compiled"][-1] == "1.00"
