@@ -74,7 +74,6 @@ def test_the_transformers_benchmark_model_takes_the_same_biases():
     """bench_sparse.py --qk-bias-std: the 8B-shaped model of the transformers engine with q/k biases
     at the asked spread (one layer, bf16 on CPU), and a negative spread refused."""
     import pytest
-    import torch
 
     from benchmarks.models import llama_8b_shaped
 

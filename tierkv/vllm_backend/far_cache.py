@@ -189,7 +189,6 @@ class RowCaches:
         caches[r], whose indices `sets` holds (int64 [m] on the device; a CUDA graph bakes it): (slots
         int64 [m, k], miss bool [m, k]). One Triton launch for every row on CUDA; row by row
         elsewhere."""
-        m = len(caches)
         if not self.per_layer:  # nothing kept: each set's slots, every id copied
             miss = ids >= 0
             self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any(1).sum()]))
