@@ -21,6 +21,7 @@ import io
 import pstats
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,7 +131,8 @@ def main() -> int:
     results = []
     for rows, bs in [(r, b) for b in args.block_tokens for r in args.rows]:
         for graphs in (False, True) if args.graphs else (False,):
-            results.append(measure(args, rows, graphs, device, out.parent / f"far-sparse-tmp-{rows}-{int(graphs)}-{bs}", bs))
+            with tempfile.TemporaryDirectory(prefix="far-sparse-") as tmp:  # the store's disk tier, removed after
+                results.append(measure(args, rows, graphs, device, Path(tmp), bs))
             r = results[-1]
             print(f"{bs}-token blocks, rows {rows}{' graphs' if graphs else ''}{'' if r['graphs_used'] == graphs else ' (not used)'}: wall {r['wall_ms_per_layer']:.3f} ms/layer, "
                   f"GPU {r['gpu_ms_per_layer']:.3f} ms/layer, {r['selected_bytes_per_layer'] / 2**20:.0f} MiB selected "
