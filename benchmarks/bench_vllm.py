@@ -2,7 +2,9 @@
 
     python benchmarks/bench_vllm.py model DIR [--layers 32]        build an 8B-shaped random checkpoint
     python benchmarks/bench_vllm.py run MODE DIR OUT [--context N]  MODE: plain | offloading | lmcache | tierkv |
-                                                                     tierkv-sparse | tierkv-sparse-graphs
+                                                                     tierkv-sparse | tierkv-sparse-graphs |
+                                                                     tierkv-sparse-full (--compiled: the sparse step
+                                                                     inside vLLM's full decode graph)
     python benchmarks/bench_vllm.py table OUT                       the rows, from OUT/bench-vllm-*.json
 
 One engine per process (run each MODE in its own call of this script). Rows per mode: GPU memory
@@ -76,7 +78,7 @@ def kv_bytes_per_token(layers: int) -> int:
     return 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
 
 
-MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs")
+MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
 HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 # sparse: the same 2 GiB (one eighth of a 128k request's 16 GiB) now also holds the key summaries
@@ -96,7 +98,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                   enforce_eager=not compiled,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
-    if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs"):  # the hot window: 2048 tokens per request in vLLM's pool
+    if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full"):  # the hot window: 2048 tokens per request in vLLM's pool
         from tierkv import TieredLLM
 
         sparse = mode.startswith("tierkv-sparse")  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
@@ -105,7 +107,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                              "storage_dtype": storage_dtype}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
         if sparse:
-            config["scheduler"]["sparse_cuda_graphs"] = mode == "tierkv-sparse-graphs"
+            config["scheduler"]["sparse_cuda_graphs"] = mode in ("tierkv-sparse-graphs", "tierkv-sparse-full")
+            config["scheduler"]["sparse_full_graphs"] = mode == "tierkv-sparse-full"
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
         if sparse:
             hot["max_num_seqs"] = 1  # one request at a time: the budget holds one request's summaries
@@ -516,6 +519,8 @@ def main() -> int:
         mode, model_dir, out = args.rest
         if mode not in MODES:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+        if mode == "tierkv-sparse-full" and not args.compiled:
+            parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
         if args.tag and not args.tag.isalnum():
             parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
         if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:

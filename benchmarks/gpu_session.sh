@@ -21,6 +21,7 @@
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags, e.g.
 #   "--profile-after 20" profiles the step after 20 full-batch steps)
 # vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
+#   (SPARSE_MODE=tierkv-sparse-full with VLLM_ARGS=--compiled: the sparse step inside vLLM's full decode graph)
 #   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
 #   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
@@ -81,7 +82,7 @@ for step in "${steps[@]}"; do
         vllm-ab)  # plain and sparse graphs alternating, REPEATS pairs (rows -r1, -r2, ...), each sparse row against
             # the plain row next to it; STORAGE_DTYPE picks the sparse rows' CPU tier (default bf16)
             for r in $(seq 1 "${REPEATS:-2}"); do
-                for mode in plain tierkv-sparse-graphs; do
+                for mode in plain ${SPARSE_MODE:-tierkv-sparse-graphs}; do
                     dtype=auto; [ "$mode" = plain ] || dtype=${STORAGE_DTYPE:-auto}
                     timeout 200 $PIN python3 benchmarks/bench_vllm.py run $mode "$M8" "$BV" --tag "r$r" \
                         --storage-dtype $dtype ${VLLM_ARGS:-} > "$OUT/bench-$mode-r$r.log" 2>&1

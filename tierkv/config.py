@@ -112,6 +112,10 @@ class SchedulerConfig:
         "selected again after a step or more away is still on the GPU (the least recently used replaced); each "
         "adds layers x sparse_token_budget tokens of KV to what staging_bytes must hold per row; 0: keep nothing, "
         "copy every selected block each step (one selection's staging per row)", min_value=0))
+    sparse_full_graphs: bool = field(default=False, metadata=doc(
+        "sparse CUDA graphs under compiled vLLM: let vLLM capture the attention of single-token decode steps in its "
+        "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "
+        "before each step and the step's saves after it; other steps run piecewise as before. Not yet run on a GPU"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

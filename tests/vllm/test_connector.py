@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,3 +359,45 @@ def test_tensor_parallel_stats_name_each_ranks_tiers_in_the_metrics(tmp_path):
     finally:
         for r in range(2):
             release_store(f"{engine_id}/rank{r}")
+
+
+def test_a_step_whose_layer_hooks_did_not_run_is_saved_after_it(engine):
+    """A step replayed from vLLM's full decode graph runs no per-layer hook: wait_for_save saves the
+    step's blocks of every layer save_kv_layer did not (here two of three), from vLLM's pool, and a
+    later request finds the whole prefix."""
+    scheduler, worker, caches = engine()
+    prompt = torch.randint(0, 1000, (100,)).tolist()            # 6 full blocks + 4 tokens
+    first = make_request("first", prompt)
+    blocks = list(range(10, 17))
+    scheduler.update_state_after_alloc(first, KVCacheBlocks((tuple(KVCacheBlock(b) for b in blocks),)), 0)
+    meta = scheduler.build_connector_meta(schedule(first, blocks, 0))
+    worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+    worker.start_load_kv(None)
+    worker.save_kv_layer(NAMES[1], caches[NAMES[1]], None)  # only the middle layer's hook ran
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    scheduler.request_finished(first, blocks)
+    assert scheduler.stats()["counts"]["blocks_saved"] == 6 * LAYERS  # each layer once
+    second = make_request("second", prompt[:96] + [7, 8, 9, 10, 11])
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (96, False)
+
+
+def test_full_decode_graphs_are_asked_of_vllm_only_when_configured(tmp_path):
+    """scheduler.sparse_full_graphs: the connector stops forcing vLLM's piecewise mode and the
+    backend's metadata builder declares uniform single-token decode support; without it, neither."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from tierkv.vllm_backend.hot_window import full_decode_graphs
+
+    plain = write_config(tmp_path)
+    sparse = tmp_path / "sparse.yaml"
+    sparse.write_text(Path(plain).read_text().replace(
+        "scheduler:\n", "scheduler:\n  policy: sparse\n  sparse_cuda_graphs: true\n  sparse_full_graphs: true\n"))
+    for path, full in ((plain, False), (str(sparse), True)):
+        assert TierKVConnector.requires_piecewise_for_cudagraph({"config_file": path}) is not full
+        assert full_decode_graphs(vllm_config(path)) is full
+    from tierkv.vllm_backend.hot_window_backend import HotWindowMetadataBuilder
+
+    assert HotWindowMetadataBuilder.get_cudagraph_support(vllm_config(str(sparse)), None) == \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert HotWindowMetadataBuilder.get_cudagraph_support(vllm_config(plain), None) == AttentionCGSupport.NEVER

@@ -1671,3 +1671,64 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
             store.close()
     # two kept selections: every block from the third step on; one: only what the two selections share
     assert hits[2] >= (steps - 2) * LAYERS * k and hits[1] < hits[2]
+
+
+def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch):
+    """What vLLM would capture for its full decode graph (`far_full.FullDecodeRows.attend`): per-row
+    inputs written before the step (far counts, cache sets, the tables' and slot lists' addresses),
+    the window's block table shifted on the device by the far counts, the rows' far parts and the
+    merge. For a row with more far blocks than a selection, one with fewer, one with none and a padded
+    row, it gives the eager step's output, step after step as positions grow; `write` refuses a step
+    it cannot serve, and counts the read blocks of the steps it does."""
+    from types import SimpleNamespace
+
+    from tierkv.attention import merge_partials
+    from tierkv.vllm_backend.far_full import FullDecodeRows
+
+    fake_graphs(monkeypatch)
+    window, blocks = 2 * BS, 30
+    store, caches, far = computed_far(tmp_path, ("a", "b", "c"), max_rows=4, window=window, blocks=blocks,
+                                      max_model_len=blocks * BS)
+    windows = {store.layer_index[n]: _Window(caches[n]) for n in NAMES}
+    try:
+        full = FullDecodeRows(far, 4, store.layer_index)
+        k = far.sparse_blocks
+        position = {"a": (blocks - 3) * BS - 4, "b": window + 2 * BS, "c": window - 5}  # far blocks: many, 3 < k, 0
+        for step in range(BS + 2):
+            rows = far.begin_step([(req, position[req], 1) for req in ("a", "b", "c")])
+            assert [r.num_far_blocks > k for r in rows][0] and 0 < rows[1].num_far_blocks < k
+            assert rows[2].num_far_blocks == 0
+            before = far.counts["sparse_selected_reads"]
+            assert full.write(rows)
+            full.counted_step(rows)
+            assert far.counts["sparse_selected_reads"] - before == LAYERS * (k + rows[1].num_far_blocks)
+            n = 4  # vLLM pads the batch to a captured size: a fourth row with no keys, no far blocks
+            seq_lens = torch.tensor([r.num_computed + 1 for r in rows] + [0], dtype=torch.int32)
+            meta = SimpleNamespace(block_table=torch.arange(blocks, dtype=torch.int32).repeat(n, 1),
+                                   seq_lens=seq_lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32))
+            q = torch.randn(n, HQ, D)
+            shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8) for r in rows])
+            seqused = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in rows], dtype=torch.int32)
+            for layer, win in windows.items():
+                near = win(q[:3], shifted.to(torch.int32), seqused, meta.query_start_loc[:4], window + BS)
+                saved, far.graphs = far.graphs, None  # the eager path, same FarKV
+                far_parts = far.attend(layer, q[:3], 0.3)
+                far.graphs = saved
+                want = merge_partials([near, far_parts])[0]
+                got = torch.full((n, HQ, D), float("nan"))
+                full.attend(got, layer, q, 0.3, win, meta)
+                torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-6, msg=f"step {step} layer {layer}")
+            far.end_step()
+            for req in position:
+                position[req] += 1
+        # steps it cannot serve: a prefill row, more rows than buffers
+        rows = far.begin_step([("a", position["a"], 2)])
+        assert not full.write(rows)
+        far.end_step()
+        rows = far.begin_step([(req, position["a"], 1) for req in ("a", "b", "c")] + [("a2", 5, 1), ("a3", 5, 1)])
+        assert not full.write(rows)
+        far.end_step()
+        assert full.stats() == {"full_steps": BS + 2, "full_steps_refused": 2}
+    finally:
+        far.close()
+        store.close()

@@ -35,12 +35,12 @@ def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
     }
 
 
-def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_size: int,
+def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_size: int | None,
                             env: Mapping[str, str] | None = None) -> TierKVConfig:
     """Validate `kv_connector_extra_config` and load the tierkv config it names.
 
     `block_size`: vLLM's KV block size; tierkv's `cache.block_tokens` must equal it, since one
-    tierkv block is one vLLM block.
+    tierkv block is one vLLM block (None: not known yet, not checked).
     """
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
@@ -56,7 +56,7 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         raise ConfigError("kv_connector_extra_config.config_file", path, "must be an existing tierkv YAML file")
     config = load_config(path, env=env)
-    if config.cache.block_tokens != block_size:
+    if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,
                           f"must equal vLLM's block_size ({block_size}) when tierkv runs as a vLLM connector")
     return config

@@ -37,6 +37,7 @@ from tierkv.config import ConfigError
 from tierkv.vllm_backend import hot_window
 from tierkv.vllm_backend.config import config_from_kv_transfer
 from tierkv.vllm_backend.far import FarKV
+from tierkv.vllm_backend.far_full import FullDecodeRows, full_graphs_configured
 from tierkv.vllm_backend.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
 
 if TYPE_CHECKING:
@@ -83,6 +84,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                           else self.config.model.name)
         self.max_model_len = getattr(model_config, "max_model_len", None)
         self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+        # the largest batch vLLM captures or warms up a graph for (twice max_num_seqs by default): the full decode
+        # graph's row buffers cover it
+        captured = getattr(getattr(vllm_config, "compilation_config", None), "max_cudagraph_capture_size", None)
+        self.max_graph_rows = max(self.max_num_seqs, int(captured or 2 * self.max_num_seqs))
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
@@ -90,6 +95,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._far: FarKV | None = None
         self._requests: dict[str, _RequestState] = {}
         self._hook_s = [0.0, 0.0, 0.0]  # this step's seconds in start_load_kv, save_kv_layer, wait_for_save
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._full: FullDecodeRows | None = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs
+        self._saved_layers: set[int] = set()  # layers save_kv_layer saved in this step
+        self._refused_full = False  # this step was to replay a full decode graph its rows could not use
         if self.hot_window is not None and role == KVConnectorRole.WORKER:
             hot_window.set_window(self.hot_window)
 
@@ -124,17 +133,22 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             device = next(iter(kv_caches.values())).device
             self._store = shared_store(self._store_key, lambda: self._make_store(device, False))
         self.store.register(kv_caches)
+        self._kv_caches = dict(kv_caches)
         if self.hot_window is not None and self._far is None:
             self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs)
+            if full_graphs_configured(self.config):  # before vLLM captures: its capture reads the row buffers
+                self._full = FullDecodeRows(self._far, self.max_graph_rows, self.store.layer_index)
+                hot_window.set_full(self._full)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
         try:
-            self._start_load_kv()
+            self._start_load_kv(forward_context)
         finally:
             self._hook_s[0] += time.perf_counter() - started
 
-    def _start_load_kv(self) -> None:
+    def _start_load_kv(self, forward_context: Any = None) -> None:
+        self._saved_layers, self._refused_full = set(), False  # (a step without a forward calls no wait_for_save)
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TierKVMetadata)
         self.store.poll()
@@ -147,6 +161,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._far.add_hashes(req_id, start, hashes)
             rows = self._far.begin_step(hot_window.rows_in_order(hot_window.batch_order(), metadata.scheduled))
             hot_window.set_step(hot_window.HotWindowStep(self._far, rows, self.store.layer_index))
+            if self._full is not None and _replays_full_graph(forward_context):
+                if self._full.write(rows):
+                    self._full.counted_step(rows)
+                else:  # rows the graph's body cannot serve: this step runs eagerly (vLLM has no sanctioned veto)
+                    forward_context.cudagraph_runtime_mode = type(forward_context.cudagraph_runtime_mode).NONE
+                    self._refused_full = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self.store.layer_index[layer_name]
@@ -160,13 +180,29 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if metadata.saves:
             started = time.perf_counter()
             layer = self.store.layer_index[layer_name]
-            blocks = self.store.save_layer(layer, kv_layer, metadata.saves)
-            if self._far is not None and blocks is not None:
-                self._far.summarize(layer, metadata.saves, blocks)
+            self._save_layer(layer, kv_layer, metadata.saves)
             self._hook_s[1] += time.perf_counter() - started
+
+    def _save_layer(self, layer: int, kv_layer: torch.Tensor, saves) -> None:
+        blocks = self.store.save_layer(layer, kv_layer, saves)
+        if self._far is not None and blocks is not None:
+            self._far.summarize(layer, saves, blocks)
+        self._saved_layers.add(layer)
 
     def wait_for_save(self):
         started = time.perf_counter()
+        metadata = self._get_connector_metadata()
+        step = hot_window.current_step()
+        if self._refused_full and step is not None and not step.ran:
+            raise RuntimeError("tierkv hot window: a decode step was replayed from vLLM's full graph although its rows "
+                               "needed the eager path (the forward context's mode was not honoured); its far blocks "
+                               "were not read. Turn scheduler.sparse_full_graphs off")
+        if isinstance(metadata, TierKVMetadata) and metadata.saves:
+            # a full decode graph's replay runs no per-layer hook: the step's blocks are saved now, from vLLM's pool
+            # (they stay there for the window's length)
+            for name, layer in self.store.layer_index.items():
+                if layer not in self._saved_layers and name in self._kv_caches:
+                    self._save_layer(layer, self._kv_caches[name], metadata.saves)
         if self._far is not None:
             self._far.end_step()
             hot_window.set_step(None)
@@ -181,6 +217,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.store.take_load_errors() if self._store is not None else set()
 
     def shutdown(self):
+        if self._full is not None and hot_window.full_rows() is self._full:
+            hot_window.set_full(None)
+        self._full = None
         if self._far is not None:
             self._far.close()
             self._far = None
@@ -290,10 +329,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # the per-layer hooks must run outside captured graphs
+        # the per-layer hooks must run outside captured graphs, unless the sparse decode step runs inside vLLM's
+        # full decode graph: its saves happen after the step (wait_for_save), its inputs before it (start_load_kv)
+        return not full_graphs_configured(config_from_kv_transfer(extra_config, block_size=None))
 
     def stats(self) -> dict:
         return self.store.stats()
+
+
+def _replays_full_graph(forward_context: Any) -> bool:
+    """Whether vLLM is about to replay this step from its full decode graph."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
 
 
 def _tensor_parallel_rank() -> int:

@@ -191,6 +191,7 @@ class FarKV:
         self._spare_slot_lists: list[list[torch.Tensor]] = []
         self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
+        self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (far_full.FullDecodeRows)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
@@ -532,6 +533,7 @@ class FarKV:
                 # and of far blocks their cache held, over all reads
                 "gpu_hit_rate": (counts["sparse_resident_reads"] + cache["cache_hits"]) / reads if reads else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
+                "full_decode_graphs": self.full.stats() if self.full is not None else None,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
                 + self.key_summaries.spare_bytes,  # held for the next requests too
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls

@@ -199,7 +199,10 @@ class RowCaches:
             ok, placed = _ROWS_KERNEL.run(lambda: _place_rows_kernel(lru)(*args), on_cuda=True)
             if ok:
                 return placed
-        placed = [self.place(cache, layer, ids[r]) for r, cache in enumerate(caches)]
+        # a row without a set (a full decode graph's row without far blocks: all its ids negative) places nothing
+        placed = [self.place(cache, layer, ids[r]) if cache is not None
+                  else (torch.zeros_like(ids[r]), torch.zeros_like(ids[r], dtype=torch.bool))
+                  for r, cache in enumerate(caches)]
         return torch.stack([p[0] for p in placed]), torch.stack([p[1] for p in placed])
 
     def _place_torch(self, cache: CacheSet, layer: int, ids: torch.Tensor, held: torch.Tensor,

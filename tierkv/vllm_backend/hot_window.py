@@ -2,7 +2,7 @@
 tierkv's attention backend reads the rest from the tiers.
 
 Primitives: `register` (the `vllm.general_plugins` entry point), `hot_window_tokens`,
-`HotWindowStep`, `set_step` / `current_step`,
+`HotWindowStep`, `set_step` / `current_step`, `set_full` / `full_rows`, `full_decode_graphs`,
 `batch_order`.
 
     vLLM, told by the plugin                       tierkv backend, per layer and step
@@ -31,9 +31,10 @@ import torch
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.vllm_backend.config import CONNECTOR_NAME, config_from_kv_transfer
 from tierkv.vllm_backend.far import FarKV, FarRow
+from tierkv.vllm_backend.far_full import full_graphs_configured
 
 BACKEND_PATH = "tierkv.vllm_backend.hot_window_backend.HotWindowBackend"
-_STATE: dict[str, Any] = {"runner": None, "step": None, "window": None, "registered": False}
+_STATE: dict[str, Any] = {"runner": None, "step": None, "window": None, "full": None, "registered": False}
 
 
 def register() -> None:
@@ -55,18 +56,31 @@ def register() -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _window_of(extra: tuple, block_size: int) -> int:
+def _config_of(extra: tuple, block_size: int):
     """`extra`: kv_connector_extra_config's items, sorted (hashable, so each config loads once)."""
-    return config_from_kv_transfer(dict(extra), block_size=block_size).cache.window_tokens
+    return config_from_kv_transfer(dict(extra), block_size=block_size)
 
 
-def hot_window_tokens(vllm_config) -> int | None:
-    """The hot window of an engine that runs tierkv's connector, else None."""
+def _engine_config(vllm_config):
+    """The tierkv config of an engine that runs tierkv's connector, else None."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return None
     extra = tuple(sorted((transfer.kv_connector_extra_config or {}).items()))
-    return _window_of(extra, vllm_config.cache_config.block_size)
+    return _config_of(extra, vllm_config.cache_config.block_size)
+
+
+def hot_window_tokens(vllm_config) -> int | None:
+    """The hot window of an engine that runs tierkv's connector, else None."""
+    config = _engine_config(vllm_config)
+    return config.cache.window_tokens if config is not None else None
+
+
+def full_decode_graphs(vllm_config) -> bool:
+    """Whether an engine that runs tierkv's connector asks for its sparse decode step inside vLLM's
+    full decode graph (`scheduler.sparse_full_graphs`)."""
+    config = _engine_config(vllm_config)
+    return config is not None and full_graphs_configured(config)
 
 
 def _patch_kv_cache_spec() -> None:
@@ -132,6 +146,7 @@ class HotWindowStep:
     rows: list[FarRow]
     layer_index: dict[str, int]
     _tables: tuple | None = None   # (attention metadata it was built for, table, seqused_k, max_seqlen_k)
+    ran: bool = False              # the backend's forward ran in this step (not a full-graph replay)
 
     @property
     def has_far(self) -> bool:
@@ -172,6 +187,16 @@ class HotWindowStep:
 
 def set_step(step: HotWindowStep | None) -> None:
     _STATE["step"] = step
+
+
+def set_full(full) -> None:
+    """The engine's `far_full.FullDecodeRows` (None: no full decode graphs), told by the worker-side
+    connector once its FarKV exists, before vLLM captures."""
+    _STATE["full"] = full
+
+
+def full_rows():
+    return _STATE["full"]
 
 
 def set_window(window_tokens: int) -> None:

@@ -24,12 +24,18 @@ from vllm.v1.attention.backends import flash_attn as fa
 
 from tierkv.vllm_backend.far import profiled
 from tierkv.vllm_backend.far_graphed import rows_of
-from tierkv.vllm_backend.hot_window import _STATE, current_step
+from tierkv.vllm_backend.hot_window import _STATE, current_step, full_decode_graphs, full_rows
 
 
 class HotWindowMetadataBuilder(fa.FlashAttentionMetadataBuilder):
-    # the far part streams per layer under host control: never inside a captured graph
+    # the far part streams per layer under host control: never inside a captured graph, unless the engine's
+    # config asks for its sparse decode step inside vLLM's full decode graph (`far_full`)
     _cudagraph_support = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if full_decode_graphs(vllm_config)
+                else AttentionCGSupport.NEVER)
 
 
 class HotWindowImpl(fa.FlashAttentionImpl):
@@ -48,6 +54,16 @@ class HotWindowImpl(fa.FlashAttentionImpl):
                                       "this model needs a full pool (tierkv without the hot window)")
         n = attn_metadata.num_actual_tokens
         step = current_step()
+        full = full_rows()
+        if step is None and full is not None and attn_metadata.max_query_len == 1 and n <= full.max_rows:
+            # vLLM capturing (or warming up) its full decode graph: the body reads per-row buffers written
+            # before each replayed step (far_full); no connector step exists at start-up
+            window = self._window(layer, *self._kv_views(kv_cache))
+            full.attend(rows_of(output, 0, n), full.layer_index[layer.layer_name], rows_of(query, 0, n), self.scale,
+                        window, attn_metadata)
+            return output
+        if step is not None:
+            step.ran = True
         if step is None:  # a warm-up forward outside the connector: nothing may lie beyond the window
             window = _STATE.get("window")
             if window is None or attn_metadata.max_seq_len > window:
