@@ -283,3 +283,72 @@ def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_pat
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()
             store.close()
+
+
+def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
+    """scheduler.sparse_full_graphs without vLLM: each layer's `FullDecodeRows.attend` captured once
+    with no request known (as vLLM captures at start-up, every row a dummy), over static metadata of
+    four rows (a request with many far blocks, one with fewer than a selection, one with none, a
+    padded row); then per step the rows' inputs are written (`write`) and the metadata refreshed in
+    place, and the replays equal the window part plus the eager far path, while positions and far
+    counts grow, with no host sync in the replays."""
+    from types import SimpleNamespace
+
+    from tierkv.vllm_backend.far_full import FullDecodeRows
+
+    BS = 64
+    BLOCKS = TOKENS // BS
+    scale = DIM ** -0.5
+    caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
+    prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b", "c")}
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
+    windows = [TorchWindow(caches[n], scale) for n in NAMES]
+    try:
+        full = FullDecodeRows(graphed, 4, graph_store.layer_index)
+        n = 4
+        meta = SimpleNamespace(block_table=torch.arange(BLOCKS, dtype=torch.int32, device="cuda").repeat(n, 1),
+                               seq_lens=torch.zeros(n, dtype=torch.int32, device="cuda"),
+                               query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"))
+        q = torch.zeros(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.zeros(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in NAMES]
+        graphs = []
+        for layer, window in enumerate(windows):
+            full.attend(outs[layer], layer, q, scale, window, meta)  # warm-up: kernels built
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                full.attend(outs[layer], layer, q, scale, window, meta)
+            graphs.append(graph)
+        k = graphed.sparse_blocks
+        start = {"a": (BLOCKS - 3) * BS - 2, "b": 4 * BS + (k - 3) * BS, "c": 4 * BS - 9}
+        for step in range(BS + 4):
+            rows = [(req, first + step, 1) for req, first in start.items()]
+            eager.begin_step(rows)
+            far_rows = graphed.begin_step(rows)
+            assert far_rows[0].num_far_blocks > k > far_rows[1].num_far_blocks > 0 == far_rows[2].num_far_blocks
+            assert full.write(far_rows)
+            meta.seq_lens[:3] = torch.tensor([r.num_computed + 1 for r in far_rows], dtype=torch.int32)
+            q.copy_(torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16))
+            shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8) for r in far_rows]).to(
+                device="cuda", dtype=torch.int32)
+            near_len = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in far_rows], dtype=torch.int32,
+                                    device="cuda")
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for graph in graphs:
+                    graph.replay()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            cu = torch.arange(4, dtype=torch.int32, device="cuda")
+            for layer, window in enumerate(windows):
+                near = window(q[:3], shifted, near_len, cu, int(near_len.max()))
+                want = merge_partials([near, eager.attend(layer, q[:3], scale)])[0]
+                torch.testing.assert_close(outs[layer][:3], want.to(torch.bfloat16), rtol=2e-2, atol=2e-2,
+                                           msg=f"step {step} layer {layer}")
+            for far in (eager, graphed):
+                far.end_step()
+        assert full.stats()["full_steps"] == BS + 4
+    finally:
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.close()
+            store.close()

@@ -66,6 +66,7 @@ class FullDecodeRows:
         # addresses; one host mirror, one copy per step
         self.inputs = torch.zeros((2 + 2 * num_layers, max_rows), dtype=torch.int64, device=device)
         self._host = torch.zeros_like(self.inputs, device="cpu", pin_memory=device.type == "cuda")
+        self._copied = None  # the last copy's event (CUDA): the host mirror is rewritten only once it has run
         self.packed = packed_buffers(far, device, max_rows)
         self.rows: list = [self.dummy] * max_rows  # the requests behind the rows (the PyTorch fallbacks read them)
         self.counts = {"full_steps": 0, "full_steps_refused": 0}
@@ -96,6 +97,8 @@ class FullDecodeRows:
                 self.counts["full_steps_refused"] += 1
                 return False
             served.append(req)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy out of the host mirror has run
         self._blank()
         host, layers = self._host, far.store.num_layers
         self.rows = [self.dummy] * self.max_rows
@@ -109,6 +112,9 @@ class FullDecodeRows:
                 host[2 + layers + layer, r] = req.pinned_slots_dev[layer].data_ptr()
             self.rows[r] = req
         self.inputs.copy_(host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.counts["full_steps"] += 1
         return True
 
