@@ -23,24 +23,35 @@ BLOCK_B = 16  # blocks per program
 
 
 @triton.jit
-def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows,
-                         stride_qh, stride_tb, stride_th,
-                         NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # output rows; table rows first + rows
+def _bounds(q_ptr, table_ptr, table_rows, read, stride_qh, stride_tb, stride_th,
+            NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Both kernels' bound: float32 [BLOCK], the bound of q (q_ptr: its first head) over the table rows
+    `table_rows` where `read`, -inf elsewhere (nothing read there)."""
     d = tl.arange(0, D_PAD)
-    in_rows = rows < num_rows
     in_dims = d < HEAD_DIM
-    mask = in_rows[:, None] & in_dims[None, :]
+    mask = read[:, None] & in_dims[None, :]
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     for kv_head in tl.static_range(NUM_KV_HEADS):
-        at = table_ptr + (first + rows)[:, None].to(tl.int64) * stride_tb + kv_head * stride_th + d[None, :]
+        at = table_ptr + table_rows[:, None].to(tl.int64) * stride_tb + kv_head * stride_th + d[None, :]
         kmax = tl.load(at, mask=mask, other=0.0).to(tl.float32)
         kmin = tl.load(at + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_ptr + (kv_head * G + g) * stride_qh + d, mask=in_dims, other=0.0).to(tl.float32)
             bound = tl.sum(kmax * tl.maximum(q, 0.0)[None, :] + kmin * tl.minimum(q, 0.0)[None, :], axis=1)
             best = tl.maximum(best, bound)
+    return tl.where(read, best, float("-inf"))
+
+
+@triton.jit
+def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows,
+                         stride_qh, stride_tb, stride_th,
+                         NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # output rows; table rows first + rows
+    in_rows = rows < num_rows
+    best = _bounds(q_ptr, table_ptr, first + rows, in_rows, stride_qh, stride_tb, stride_th,
+                   NUM_KV_HEADS, G, HEAD_DIM, D_PAD, BLOCK)
     if HAS_LIMIT:
         best = tl.where(first + rows < tl.load(limit_ptr), best, float("-inf"))
     tl.store(out_ptr + rows, best, mask=in_rows)
@@ -83,23 +94,10 @@ def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, 
                               D_PAD: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(1).to(tl.int64)
     table_ptr = tl.load(tables_ptr + r).to(tl.pointer_type(like_ptr.dtype.element_ty))  # row r's table
-    limit = tl.load(limits_ptr + r)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, D_PAD)
-    in_dims = d < HEAD_DIM
-    read = rows < limit  # nothing at or past the row's far count is read (its table may end there)
-    mask = read[:, None] & in_dims[None, :]
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    for kv_head in tl.static_range(NUM_KV_HEADS):
-        at = table_ptr + rows[:, None].to(tl.int64) * stride_tb + kv_head * stride_th + d[None, :]
-        kmax = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        kmin = tl.load(at + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            q = tl.load(q_ptr + r * stride_qr + (kv_head * G + g) * stride_qh + d, mask=in_dims,
-                        other=0.0).to(tl.float32)
-            bound = tl.sum(kmax * tl.maximum(q, 0.0)[None, :] + kmin * tl.minimum(q, 0.0)[None, :], axis=1)
-            best = tl.maximum(best, bound)
-    best = tl.where(read, best, float("-inf"))
+    # nothing at or past the row's far count is read (its table may end there)
+    best = _bounds(q_ptr + r * stride_qr, table_ptr, rows, rows < tl.load(limits_ptr + r), stride_qh, stride_tb,
+                   stride_th, NUM_KV_HEADS, G, HEAD_DIM, D_PAD, BLOCK)
     tl.store(out_ptr + r * stride_or + rows, best, mask=rows < width)
 
 
