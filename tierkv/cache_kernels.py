@@ -1,16 +1,17 @@
-"""Triton kernel of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place`).
+"""Triton kernels of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place_rows`).
 
-Primitives: `place_selection`, `place_selection_lru`, and their forms for several rows in one launch,
-`place_rows`, `place_rows_lru` (one program per row, each in its own cache set); `copy_sources`
-(the CPU-tier slots the copy kernel reads for the rows' misses, each row from its own slot list).
+Primitives: `place_rows`, `place_rows_lru` (one program per row, each in its own cache set);
+`copy_sources` (the CPU-tier slots the copy kernel reads for the rows' misses, each row from its
+own slot list).
 
-One program per call does what the PyTorch path does in some 25 launches: compare the k selected
+One program per row does what the PyTorch path does in some 25 launches: compare the k selected
 ids with the k held ones, keep each held id where it is, give the r-th missing id the r-th slot
 whose block was not selected again, write the new held ids, and count hits, misses and whether the
 row missed. A negative id (a row with fewer far blocks than k selects fewer) is neither held nor
-missed; its slot is one of the set's, read with no token. Same result as the PyTorch path, bit for bit (both place deterministically).
-`place_selection_lru` does the same over C > k slots per layer, the misses taking the least
-recently used slots the selection does not read (`RowCaches._place_lru`). Imported
+missed; its slot is one of the set's, read with no token. Same result as the PyTorch path
+(`RowCaches.place`), bit for bit (both place deterministically). `place_rows_lru` does the same
+over C > k slots per layer, the misses taking the least recently used slots the selection does not
+read. Imported
 lazily where a CUDA selection arrives; also runs under the Triton interpreter (`TRITON_INTERPRET=1`)
 on CPU tensors.
 """
@@ -35,25 +36,22 @@ def _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, count
 
 
 @triton.jit
-def _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride, base, k, HAS_SETS: tl.constexpr):
-    """Program r's row: its ids, slots and miss flags at row r of [m, k], and with HAS_SETS its cache
-    set's slots (set sets[r]: held and base move by set_stride per set)."""
+def _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride, base, k):
+    """Program r's row: its ids, slots and miss flags at row r of [m, k], and its cache set's slots
+    (set sets[r]: held and base move by set_stride per set)."""
     r = tl.program_id(0).to(tl.int64)
     ids_ptr += r * k
     slots_ptr += r * k
     miss_ptr += r * k
-    if HAS_SETS:
-        at = tl.load(sets_ptr + r) * set_stride
-        held_ptr += at
-        base += at
-    return ids_ptr, held_ptr, slots_ptr, miss_ptr, base
+    at = tl.load(sets_ptr + r) * set_stride
+    return ids_ptr, held_ptr + at, slots_ptr, miss_ptr, base + at
 
 
 @triton.jit
 def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr, set_stride, base, k,
-                  K_PAD: tl.constexpr, HAS_SETS: tl.constexpr):
+                  K_PAD: tl.constexpr):
     ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
-                                                        base, k, HAS_SETS)
+                                                        base, k)
     i = tl.arange(0, K_PAD)
     in_k = i < k
     ids = tl.load(ids_ptr + i, mask=in_k, other=-2)
@@ -74,22 +72,6 @@ def _place_kernel(ids_ptr, held_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr
     _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
-def place_selection(held: torch.Tensor, ids: torch.Tensor, base: int,
-                    counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """held int64 [k] (a cache set's layer, updated in place), ids int64 [k] distinct selected block
-    ids, base: the set's first slot for the layer, counters int64 [3] (hits, misses, rows that
-    missed; added to) -> (slots int64 [k], miss bool [k]). No host sync."""
-    k = ids.numel()
-    if held.numel() != k or held.dtype != torch.int64 or ids.dtype != torch.int64 or not held.is_contiguous():
-        raise ValueError(f"place_selection: held {held.dtype} {tuple(held.shape)}, ids {ids.dtype} {tuple(ids.shape)}")
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    slots = torch.empty(k, dtype=torch.int64, device=ids.device)
-    miss = torch.empty(k, dtype=torch.int8, device=ids.device)
-    _place_kernel[(1,)](ids, held, slots, miss, counters, counters, 0, base, k, K_PAD=triton.next_power_of_2(k),
-                        HAS_SETS=False)
-    return slots, miss.view(torch.bool)
-
-
 def _check_rows(name: str, held: torch.Tensor, sets: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
     if (held.dim() != 3 or not held.is_contiguous() or ids.dim() != 2 or sets.shape != (ids.shape[0],)
             or {held.dtype, sets.dtype, ids.dtype} != {torch.int64} or not 0 <= layer < held.shape[1]):
@@ -99,9 +81,11 @@ def _check_rows(name: str, held: torch.Tensor, sets: torch.Tensor, ids: torch.Te
 
 def place_rows(held: torch.Tensor, sets: torch.Tensor, layer: int, ids: torch.Tensor,
                counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`place_selection` for m rows in one launch: held int64 [sets, L, k] (every set, updated in
-    place; slot j of set s and layer l is s*L*k + l*k + j), sets int64 [m] (each row's set, on the
-    device), ids int64 [m, k] (each row's distinct ids) -> (slots int64 [m, k], miss bool [m, k])."""
+    """The placement of m rows' selections in one launch: held int64 [sets, L, k] (every set, updated
+    in place; slot j of set s and layer l is s*L*k + l*k + j), sets int64 [m] (each row's set, on the
+    device), ids int64 [m, k] (each row's ids, distinct where not negative), counters int64 [3]
+    (hits, misses, rows that missed; added to) -> (slots int64 [m, k], miss bool [m, k]). No host
+    sync."""
     _check_rows("place_rows", held, sets, ids, layer)
     m, k = ids.shape
     if held.shape[2] != k:
@@ -111,19 +95,18 @@ def place_rows(held: torch.Tensor, sets: torch.Tensor, layer: int, ids: torch.Te
     miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
     at = layer * k
     _place_kernel[(m,)](ids, held.view(-1)[at:], slots, miss, counters, sets, held.stride(0), at, k,
-                        K_PAD=triton.next_power_of_2(k), HAS_SETS=True)
+                        K_PAD=triton.next_power_of_2(k))
     return slots, miss.view(torch.bool)
 
 
 @triton.jit
 def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr,
-                      set_stride, base, k, c, K_PAD: tl.constexpr, C_PAD: tl.constexpr, HAS_SETS: tl.constexpr):
-    if HAS_SETS:  # last_use moves with held; the clock is the set's
-        s = tl.load(sets_ptr + tl.program_id(0).to(tl.int64))
-        last_use_ptr += s * set_stride
-        clock_ptr += s
+                      set_stride, base, k, c, K_PAD: tl.constexpr, C_PAD: tl.constexpr):
+    s = tl.load(sets_ptr + tl.program_id(0).to(tl.int64))  # last_use moves with held; the clock is the set's
+    last_use_ptr += s * set_stride
+    clock_ptr += s
     ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
-                                                        base, k, HAS_SETS)
+                                                        base, k)
     i = tl.arange(0, K_PAD)
     j = tl.arange(0, C_PAD)
     in_k = i < k
@@ -152,29 +135,12 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
     _write_placement(i, in_k, local, hit, miss, base, slots_ptr, miss_ptr, counters_ptr)
 
 
-def place_selection_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, ids: torch.Tensor,
-                        base: int, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`place_selection` over C >= k slots: held, last_use int64 [C] (a cache set's layer, updated in
-    place), clock int64 [1] (the set's tick, advanced by one), ids int64 [k] distinct, base the
-    layer's first slot, counters int64 [3] -> (slots int64 [k], miss bool [k]). No host sync."""
-    k, c = ids.numel(), held.numel()
-    if (last_use.numel() != c or c < k or clock.numel() != 1 or not (held.is_contiguous() and last_use.is_contiguous())
-            or {held.dtype, last_use.dtype, clock.dtype, ids.dtype} != {torch.int64}):
-        raise ValueError(f"place_selection_lru: held {tuple(held.shape)}, last_use {tuple(last_use.shape)}, "
-                         f"clock {tuple(clock.shape)}, ids {ids.dtype} {tuple(ids.shape)}")
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    slots = torch.empty(k, dtype=torch.int64, device=ids.device)
-    miss = torch.empty(k, dtype=torch.int8, device=ids.device)
-    _place_lru_kernel[(1,)](ids, held, last_use, clock, slots, miss, counters, counters, 0, base, k, c,
-                            K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c), HAS_SETS=False)
-    return slots, miss.view(torch.bool)
-
-
 def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, sets: torch.Tensor, layer: int,
                    ids: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`place_selection_lru` for m rows in one launch: held, last_use int64 [sets, L, C] (updated in
-    place), clock int64 [sets] (each set's tick), sets int64 [m], ids int64 [m, k] -> (slots int64
-    [m, k], miss bool [m, k])."""
+    """`place_rows` over C >= k slots per layer: held, last_use int64 [sets, L, C] (updated in place),
+    clock int64 [sets] (each set's tick, advanced by one per row), sets int64 [m], ids int64 [m, k]
+    -> (slots int64 [m, k], miss bool [m, k]); the misses take the least recently used slots the
+    selection does not read."""
     _check_rows("place_rows_lru", held, sets, ids, layer)
     m, k = ids.shape
     c = held.shape[2]
@@ -186,8 +152,7 @@ def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tens
     miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
     at = layer * c
     _place_lru_kernel[(m,)](ids, held.view(-1)[at:], last_use.view(-1)[at:], clock, slots, miss, counters, sets,
-                            held.stride(0), at, k, c, K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c),
-                            HAS_SETS=True)
+                            held.stride(0), at, k, c, K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c))
     return slots, miss.view(torch.bool)
 
 

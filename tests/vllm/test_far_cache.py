@@ -159,17 +159,18 @@ def _blank_some(rng: random.Random, ids: list[int]) -> list[int]:
 
 
 def _kernel_cases(device: str) -> None:
-    """The Triton placement (tierkv.cache_kernels) against RowCaches' PyTorch ops, step after step with
-    overlapping random selections (k a power of two and not): the same slots, misses, held ids and
-    counters. Fresh random draws each run."""
-    from tierkv.cache_kernels import place_selection
+    """The Triton placement (tierkv.cache_kernels.place_rows, one row) against RowCaches' PyTorch ops,
+    step after step with overlapping random selections (k a power of two and not): the same slots,
+    misses, held ids and counters. Fresh random draws each run."""
+    from tierkv.cache_kernels import place_rows
 
     seed = random.SystemRandom().randrange(2**63)
     rng = random.Random(seed)
     for k in (32, 7, 1):
         torch_path = RowCaches(1, 1, k, (1,), torch.float32, torch.device("cpu"))
         s = torch_path.take()
-        held = torch.full((k,), -1, dtype=torch.int64, device=device)
+        held = torch.full((1, 1, k), -1, dtype=torch.int64, device=device)
+        one_set = torch.zeros(1, dtype=torch.int64, device=device)
         counters = torch.zeros(3, dtype=torch.int64, device=device)
         previous: list[int] = []
         for step in range(12):
@@ -179,19 +180,19 @@ def _kernel_cases(device: str) -> None:
             rng.shuffle(ids)
             ids = previous = _blank_some(rng, ids)
             want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
-            slots, miss = place_selection(held, torch.tensor(ids, device=device), s.base(0), counters)
+            slots, miss = place_rows(held, one_set, 0, torch.tensor([ids], device=device), counters)
             msg = f"seed={seed} k={k} step={step}"
-            assert slots.cpu().tolist() == want_slots.tolist(), msg
-            assert miss.cpu().tolist() == want_miss.tolist(), msg
-            assert held.cpu().tolist() == torch_path.held[0, 0].tolist(), msg
+            assert slots[0].cpu().tolist() == want_slots.tolist(), msg
+            assert miss[0].cpu().tolist() == want_miss.tolist(), msg
+            assert held[0, 0].cpu().tolist() == torch_path.held[0, 0].tolist(), msg
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 
 
 def _lru_kernel_cases(device: str) -> None:
-    """The Triton placement over several selections (place_selection_lru) against RowCaches' PyTorch
-    LRU ops, step after step with selections drawn from a few recent ones and fresh blocks: the same
-    slots, misses, held ids, last uses, clock and counters. Fresh random draws each run."""
-    from tierkv.cache_kernels import place_selection_lru
+    """The Triton placement over several selections (place_rows_lru, one row) against RowCaches'
+    PyTorch LRU ops, step after step with selections drawn from a few recent ones and fresh blocks:
+    the same slots, misses, held ids, last uses, clock and counters. Fresh random draws each run."""
+    from tierkv.cache_kernels import place_rows_lru
 
     seed = random.SystemRandom().randrange(2**63)
     rng = random.Random(seed)
@@ -199,9 +200,10 @@ def _lru_kernel_cases(device: str) -> None:
         torch_path = RowCaches(1, 1, k, (1,), torch.float32, torch.device("cpu"), selections=selections)
         s = torch_path.take()
         c = k * selections
-        held = torch.full((c,), -1, dtype=torch.int64, device=device)
-        last_use = torch.full((c,), -1, dtype=torch.int64, device=device)
+        held = torch.full((1, 1, c), -1, dtype=torch.int64, device=device)
+        last_use = torch.full((1, 1, c), -1, dtype=torch.int64, device=device)
         clock = torch.zeros(1, dtype=torch.int64, device=device)
+        one_set = torch.zeros(1, dtype=torch.int64, device=device)
         counters = torch.zeros(3, dtype=torch.int64, device=device)
         recent: list[list[int]] = []
         for step in range(16):
@@ -212,13 +214,13 @@ def _lru_kernel_cases(device: str) -> None:
             ids = _blank_some(rng, ids)
             recent.append(ids)
             want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
-            slots, miss = place_selection_lru(held, last_use, clock, torch.tensor(ids, device=device), s.base(0),
-                                              counters)
+            slots, miss = place_rows_lru(held, last_use, clock, one_set, 0, torch.tensor([ids], device=device),
+                                         counters)
             msg = f"seed={seed} k={k} selections={selections} step={step}"
-            assert slots.cpu().tolist() == want_slots.tolist(), msg
-            assert miss.cpu().tolist() == want_miss.tolist(), msg
-            assert held.cpu().tolist() == torch_path.held[0, 0].tolist(), msg
-            assert last_use.cpu().tolist() == torch_path.last_use[0, 0].tolist(), msg
+            assert slots[0].cpu().tolist() == want_slots.tolist(), msg
+            assert miss[0].cpu().tolist() == want_miss.tolist(), msg
+            assert held[0, 0].cpu().tolist() == torch_path.held[0, 0].tolist(), msg
+            assert last_use[0, 0].cpu().tolist() == torch_path.last_use[0, 0].tolist(), msg
             assert clock.cpu().tolist() == torch_path.clock.tolist(), msg
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 

@@ -14,7 +14,7 @@ CUDA graphs bake its addresses in, as they bake the request's summary tables and
 
 With `scheduler.sparse_cache_selections` S > 1 each layer has C = S*k slots (`width`) and a missing
 id takes the least recently used slot the selection does not read (one Triton launch on CUDA as
-well; not run on the GPU yet), so a block selected again after a step or more away is still there.
+well), so a block selected again after a step or more away is still there.
 
 Where staging cannot hold a selection per layer for every row, the sets keep nothing
 (`per_layer=False`): one selection's slots per set, which every layer of every step overwrites, so
@@ -22,10 +22,10 @@ every selected block is copied (as before the caches existed):
 
     blocks  [sets * k, 2, H, T, D]           set s: slots s*k .. +k, for every layer
 
-`place` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a slot
-holds keep it; the others take, in order, the slots whose block was not selected again, and are
-the misses the caller copies in (on CUDA one Triton launch, `tierkv.cache_kernels`; the PyTorch
-ops elsewhere or where it cannot build). Far blocks are immutable once far, so a held block stays valid for
+`place_rows` runs on the device with fixed shapes (a graph captures it): the selected ids [k] that a
+slot holds keep it; the others take, in order, the slots whose block was not selected again, and
+are the misses the caller copies in (on CUDA one Triton launch for every row, `tierkv.cache_kernels`;
+elsewhere, or where it cannot build, `place`'s PyTorch ops row by row). Far blocks are immutable once far, so a held block stays valid for
 its request; a set handed to another request is emptied first (`give_back`). Counters (hits,
 misses, rows that missed) stay on the device until `stats` reads them: a replay never waits. A
 negative id stands for no block (a row with fewer far blocks than k): never held, hit or missed;
@@ -40,22 +40,8 @@ import torch
 from tierkv.optional_kernel import OptionalKernel
 from tierkv.units import format_bytes
 
-_KERNEL = OptionalKernel("far-block cache placement (tierkv.cache_kernels)")
-_LRU_KERNEL = OptionalKernel("far-block cache placement over several selections (tierkv.cache_kernels)")
 _ROWS_KERNEL = OptionalKernel("far-block cache placement of several rows (tierkv.cache_kernels)")
 KERNEL_MAX_K = 256  # slots per layer the placement kernels take (their comparisons live in one program's registers)
-
-
-def _place_kernel():
-    from tierkv.cache_kernels import place_selection
-
-    return place_selection
-
-
-def _place_lru_kernel():
-    from tierkv.cache_kernels import place_selection_lru
-
-    return place_selection_lru
 
 
 def _place_rows_kernel(lru: bool):
@@ -162,25 +148,16 @@ class RowCaches:
         """The selection ids (int64 [k] on the device, distinct where not negative; a negative id
         stands for no block) of `cache`'s request at `layer`:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
-        copies into those slots). Device work only, no host wait."""
+        copies into those slots), in PyTorch ops (what `place_rows` does row by row where its kernel
+        cannot run). Device work only, no host wait."""
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
             miss = ids >= 0
             self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any().to(torch.int64)]))
             return self._order + cache.base(layer), miss
         held = self.held[cache.index, layer]
-        if self.last_use is None:  # one Triton launch for the same placement (tierkv.cache_kernels)
-            if ids.is_cuda and self.k <= KERNEL_MAX_K:
-                ok, placed = _KERNEL.run(lambda: _place_kernel()(held, ids, cache.base(layer), self.counters),
-                                         on_cuda=True)
-                if ok:
-                    return placed
+        if self.last_use is None:
             return self._place_torch(cache, layer, ids, held)
         last_use, tick = self.last_use[cache.index, layer], self.clock[cache.index : cache.index + 1]
-        if ids.is_cuda and self.width <= KERNEL_MAX_K:  # one Triton launch (tierkv.cache_kernels.place_selection_lru)
-            ok, placed = _LRU_KERNEL.run(lambda: _place_lru_kernel()(held, last_use, tick, ids, cache.base(layer),
-                                                                     self.counters), on_cuda=True)
-            if ok:
-                return placed
         return self._place_torch(cache, layer, ids, held, last_use, tick)
 
     def place_rows(self, caches: list[CacheSet], sets: torch.Tensor, layer: int,
