@@ -1,6 +1,7 @@
 """Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
 
-Primitives: `BlockSummaries` (`update`, `upper_bounds`), `select_far_blocks`, `select_far_blocks_on_device`.
+Primitives: `BlockSummaries` (`update`, `upper_bounds`, `masked_bounds`), `masked_bounds_rows`, `top_blocks`,
+`select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
@@ -146,6 +147,15 @@ class BlockSummaries:
         scores = self.upper_bounds(layer, q, range(table.shape[0]))
         scores = torch.where(torch.arange(table.shape[0], device=q.device) < limit, scores, float("-inf"))
         return scores if out is None else out.copy_(scores)
+
+
+def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [m, k]: each row's k highest-scoring blocks of scores [m, blocks], in block order. The
+    top-k is unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway).
+    Block order, as the eager selection: the attention kernel rounds its softmax weights to the KV
+    dtype tile by tile, so another order gives results that differ from the eager path's at that
+    rounding."""
+    return torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
 
 
 def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:

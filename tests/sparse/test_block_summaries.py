@@ -64,7 +64,7 @@ def test_masked_selection_over_the_whole_table_equals_the_selection_of_the_far_b
     """What a CUDA graph replays (the far count a device scalar, the bound over the whole table,
     blocks past the count masked, the top blocks of that row) selects what `select` selects over the
     far blocks alone."""
-    from tierkv.vllm_backend.far_graphs import top_blocks
+    from tierkv.sparse import top_blocks
     from tierkv.vllm_backend.far_summaries import RequestSummaries
 
     req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))

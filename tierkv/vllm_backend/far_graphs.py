@@ -2,7 +2,7 @@
 attention of every decoding row of the step, captured once and replayed each step until the rows
 or their inputs move.
 
-Primitives: `sparse_rows_body`, `top_blocks`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
+Primitives: `sparse_rows_body`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
 `near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
@@ -58,7 +58,7 @@ from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
 from tierkv.optional_kernel import OptionalKernel
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import masked_bounds_rows
+from tierkv.sparse import masked_bounds_rows, top_blocks
 from tierkv.vllm_backend.far_cache import RowCaches
 
 logger = logging.getLogger(__name__)
@@ -77,15 +77,6 @@ def packed_buffers(far, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tens
     return (torch.empty((k, *cpu.slab.shape[1:]), dtype=cpu.slab.dtype, device=device),
             torch.empty((k, *cpu.scales.shape[1:]), dtype=cpu.scales.dtype, device=device),
             torch.arange(k, device=device))
-
-
-def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [m, k]: each row's k highest-scoring blocks of scores [m, blocks], in block order. The
-    top-k is unsorted (one sort kernel fewer on CUDA: its order is replaced by block order anyway).
-    Block order, as the eager selection: the attention kernel rounds its softmax weights to the KV
-    dtype tile by tile, so another order gives results that differ from the eager path's at that
-    rounding."""
-    return torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
 
 
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:

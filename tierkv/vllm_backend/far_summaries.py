@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import BlockSummaries
+from tierkv.sparse import BlockSummaries, top_blocks
 
 OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled step and the one before it
 #   cost about 2.5 and 0.5 ms more at 32 layers: the comparison and the copy are launches per layer)
@@ -70,8 +70,7 @@ class RequestSummaries:
         if num_far <= self.prefix[layer]:
             if k >= num_far:
                 return torch.arange(num_far, device=q.device)
-            scores = self.summaries.upper_bounds(layer, q, range(num_far))
-            return torch.sort(torch.topk(scores, k, sorted=False).indices).values
+            return top_blocks(self.summaries.upper_bounds(layer, q, range(num_far)).unsqueeze(0), k)[0]
         missing = self.unsummarized(layer, num_far)
         if k >= num_far - missing.size:
             return torch.arange(num_far, device=q.device)

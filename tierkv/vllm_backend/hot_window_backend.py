@@ -62,8 +62,6 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             full.attend(rows_of(output, 0, n), full.layer_index[layer.layer_name], rows_of(query, 0, n), self.scale,
                         window, attn_metadata)
             return output
-        if step is not None:
-            step.ran = True
         if step is None:  # a warm-up forward outside the connector: nothing may lie beyond the window
             window = _STATE.get("window")
             if window is None or attn_metadata.max_seq_len > window:
@@ -72,6 +70,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
                     "without the connector's step; the far blocks are unknown")
             table, seqused_k, max_k = attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.max_seq_len
         else:
+            step.ran = True  # (not a full-graph replay)
             table, seqused_k, max_k = step.near(attn_metadata)
         window = self._window(layer, *self._kv_views(kv_cache))
         q, out = rows_of(query, 0, n), rows_of(output, 0, n)  # the step's tokens (vLLM may pad the batch)
