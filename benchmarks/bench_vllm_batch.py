@@ -3,7 +3,7 @@
     python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens N]
         [--storage-dtype float8_e4m3fn]   (tierkv: the CPU tier's storage, one byte per value: twice the requests)
     python benchmarks/bench_vllm_batch.py table OUT
-    MODE: plain | tierkv-sparse | tierkv-sparse-graphs     (DIR: the model of bench_vllm.py model)
+    MODE: plain | tierkv-sparse | tierkv-sparse-graphs | tierkv-sparse-full (--compiled)     (DIR: the model of bench_vllm.py model)
 
 Issue 4's batch target (sparse mode at least 3x all-in-GPU's aggregate tokens/s at the same GPU
 memory for KV). One engine per process. Plain vLLM gets a KV pool of exactly `--kv-gib`
@@ -36,7 +36,7 @@ from benchmarks.bench_vllm import (  # noqa: E402
     SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, file_mode, kv_bytes_per_token)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
-MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs")
+MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
 MAX_MODEL_LEN = 131072
 PREFILL_STEPS_PER_REQUEST = 32  # new tokens per request that outlast the batch's prefills (--new-tokens default)
 
@@ -99,7 +99,9 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     # max_num_seqs = requests (SPARSE_HOT_WINDOW: 64-token blocks, 256 MiB per request)
     config = {"cache": {**SPARSE_HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes},
               # one graph per layer serves every request's decoding row, each request's far-block cache in staging
-              "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode == "tierkv-sparse-graphs",
+              "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cuda_graphs": mode in ("tierkv-sparse-graphs", "tierkv-sparse-full"),
+                            # tierkv-sparse-full: the rows' sparse step inside vLLM's full decode graph
+                            "sparse_full_graphs": mode == "tierkv-sparse-full",
                             "sparse_graph_rows": requests,
                             "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
                             "sparse_cache_selections": cache_selections},
@@ -276,6 +278,8 @@ def main() -> int:
     mode, model_dir, out = args.rest
     if mode not in MODES:
         parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+    if mode == "tierkv-sparse-full" and not args.compiled:
+        parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if mode == "plain" and args.storage_dtype != "auto":
         parser.error("--storage-dtype: plain vLLM has no CPU tier")

@@ -18,7 +18,8 @@
 #   (LMCache's connector: its bundle installed and LMCACHE_* set first), vllm-table; vllm-batch-plain,
 #   vllm-batch-sparse, vllm-batch-sparse-graphs, vllm-batch-sparse-graphs-fp8, vllm-batch-table
 #   (bench_vllm_batch.py: the largest batch of 128k requests at a fixed GPU memory for KV and its decode
-#   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests; BATCH_ARGS adds flags, e.g.
+#   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests, BATCH_MODE its mode, e.g.
+#   tierkv-sparse-full with BATCH_ARGS=--compiled; BATCH_ARGS adds flags, e.g.
 #   "--profile-after 20" profiles the step after 20 full-batch steps)
 # vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
 #   (SPARSE_MODE=tierkv-sparse-full with VLLM_ARGS=--compiled: the sparse step inside vLLM's full decode graph)
@@ -112,7 +113,7 @@ for step in "${steps[@]}"; do
                 > "$OUT/batch-$mode.log" 2>&1
             grep "^{" "$OUT/batch-$mode.log" | cut -c1-300 ;;
         vllm-batch-sparse-graphs-fp8)  # fp8 CPU tier: half the host bytes per request (FP8_REQUESTS, default 10)
-            timeout 500 python3 benchmarks/bench_vllm_batch.py run tierkv-sparse-graphs "$M8" "$OUT/bb" \
+            timeout 500 python3 benchmarks/bench_vllm_batch.py run ${BATCH_MODE:-tierkv-sparse-graphs} "$M8" "$OUT/bb" \
                 --storage-dtype float8_e4m3fn --requests ${FP8_REQUESTS:-10} ${BATCH_ARGS:-} > "$OUT/batch-fp8.log" 2>&1
             grep "^{" "$OUT/batch-fp8.log" | cut -c1-300 ;;
         vllm-batch-table) python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;

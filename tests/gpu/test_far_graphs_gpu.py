@@ -153,7 +153,7 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         assert sparse._KERNEL.ok, sparse._KERNEL.error
         from tierkv.vllm_backend import far_cache
 
-        assert far_cache._KERNEL.ok, far_cache._KERNEL.error  # the caches' placement kernel
+        assert far_cache._ROWS_KERNEL.ok, far_cache._ROWS_KERNEL.error  # the caches' placement kernel
         if storage != "auto":
             assert block_io._FUSED.ok, block_io._FUSED.error
         # both paths count the same reads: the window resident, the selection; the graphed rows fetch
@@ -277,7 +277,7 @@ def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_pat
         assert g["cache_misses"] <= LAYERS * (2 * k + 2)  # the first two steps, and a block become far
         from tierkv.vllm_backend import far_cache
 
-        assert far_cache._LRU_KERNEL.ok, far_cache._LRU_KERNEL.error
+        assert far_cache._ROWS_KERNEL.ok, far_cache._ROWS_KERNEL.error  # the LRU form of the rows kernel
         assert g["cuda_graphs"]["graph_capture_errors"] == 0
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
@@ -329,8 +329,10 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
             assert full.write(far_rows)
             meta.seq_lens[:3] = torch.tensor([r.num_computed + 1 for r in far_rows], dtype=torch.int32)
             q.copy_(torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16))
-            shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8) for r in far_rows]).to(
-                device="cuda", dtype=torch.int32)
+            # the window's blocks of the reference pool (every id a block of it: columns past a row's near keys
+            # are never read, but they are gathered)
+            shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8).clamp(max=BLOCKS - 1)
+                                   for r in far_rows]).to(device="cuda", dtype=torch.int32)
             near_len = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in far_rows], dtype=torch.int32,
                                     device="cuda")
             torch.cuda.set_sync_debug_mode("error")

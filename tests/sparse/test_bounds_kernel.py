@@ -59,7 +59,10 @@ def _cases(device: str, dtypes) -> None:
             for r, t in enumerate(row_tables):
                 want_row = block_bounds(t, rows_q[r], 0, t.shape[0], torch.tensor(limits[r]).to(device)).cpu()
                 got_row = got_rows[r].cpu()
-                assert torch.equal(got_row[: limits[r]], want_row[: limits[r]]), f"seed={seed} row {r}"
+                # the same sums; compiled, the two kernels may order a row's reduction differently (the rows
+                # kernel reads its table through an address of unknown alignment)
+                torch.testing.assert_close(got_row[: limits[r]], want_row[: limits[r]], rtol=1e-5, atol=1e-4,
+                                           msg=f"seed={seed} row {r}")
                 assert torch.isneginf(got_row[limits[r]:]).all(), f"seed={seed} row {r}"
             k = min(4, blocks)
             assert set(torch.topk(got if (first, stop) == (0, blocks) else block_bounds(
