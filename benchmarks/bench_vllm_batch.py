@@ -90,8 +90,14 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     if mode == "plain":
         from vllm import LLM
 
+        from tierkv.vllm_backend.llm import full_decode_capture_sizes
+
+        # compiled, the plain batch gets a full decode graph of its own size too (vLLM's default sizes stop at
+        # 2, 4, 8, ... up to max_num_seqs: 3 or 10 rows would otherwise run piecewise); TieredLLM adds it for
+        # tierkv-sparse-full
+        graphs = {"compilation_config": {"cudagraph_capture_sizes": full_decode_capture_sizes(max(requests, 1))}}
         return LLM(model=model_dir, kv_cache_memory_bytes=kv_bytes, attention_config={"backend": "FLASH_ATTN"},
-                   **common), None
+                   **common, **(graphs if compiled else {})), None
     from tierkv import TieredLLM
 
     per_request = host_bytes_per_request(layers, storage_dtype)

@@ -1732,3 +1732,33 @@ def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch)
     finally:
         far.close()
         store.close()
+
+
+def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
+    """scheduler.sparse_full_graphs under compiled vLLM: the engine's capture sizes hold max_num_seqs
+    (vLLM keeps full decode graphs only up to it, so a full batch of a size off its default list would
+    find none and run piecewise); a compilation_config of the user's, an eager engine or the flag off
+    leave vLLM's defaults; max_num_seqs is required."""
+    from tierkv.vllm_backend.llm import VllmTieredLLM, full_decode_capture_sizes
+
+    assert full_decode_capture_sizes(10) == [1, 2, 4, 8, 10, 16]
+    assert full_decode_capture_sizes(8) == [1, 2, 4, 8, 16] and full_decode_capture_sizes(1) == [1, 2]
+    assert full_decode_capture_sizes(300)[-3:] == [480, 496, 512] and 300 in full_decode_capture_sizes(300)
+    with pytest.raises(ValueError, match="max_num_seqs: got None"):
+        full_decode_capture_sizes(None)
+    model = _checkpoint(tmp_path)
+
+    def engine_kwargs(full: bool, **kwargs):
+        llm = object.__new__(VllmTieredLLM)
+        llm.config = load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB", "window_tokens": 2048},
+                                  "scheduler": {"policy": "sparse", "sparse_cuda_graphs": True,
+                                                "sparse_full_graphs": full, "staging_bytes": "512MiB"}}, env={})
+        llm.config_file, llm.hot_window = str(tmp_path / "tierkv.yaml"), True
+        return llm._engine_kwargs(model, 131072, 0.5, False, kwargs)
+
+    args = engine_kwargs(True, max_num_seqs=10, enforce_eager=False)
+    assert args["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 10, 16]}
+    assert "compilation_config" not in engine_kwargs(False, max_num_seqs=10, enforce_eager=False)
+    assert "compilation_config" not in engine_kwargs(True, max_num_seqs=10)  # eager (TieredLLM's default)
+    own = {"cudagraph_capture_sizes": [1, 10]}
+    assert engine_kwargs(True, max_num_seqs=10, enforce_eager=False, compilation_config=own)["compilation_config"] is own

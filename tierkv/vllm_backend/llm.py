@@ -100,6 +100,11 @@ class VllmTieredLLM:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
+        full = self.config.scheduler
+        if (self.hot_window and full.policy == "sparse" and full.sparse_cuda_graphs and full.sparse_full_graphs
+                and not kwargs.get("enforce_eager") and "compilation_config" not in engine_kwargs):
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(
+                kwargs.get("max_num_seqs"))}
         return kwargs
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -197,6 +202,21 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0) -> dict
     hot_window.register()
     return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
                 max_num_batched_tokens=config.scheduler.prefill_chunk_tokens, async_scheduling=False)
+
+
+def full_decode_capture_sizes(max_num_seqs) -> list[int]:
+    """The batch sizes vLLM captures graphs for under `scheduler.sparse_full_graphs`: vLLM's default
+    sizes (1, 2, 4, multiples of 8 below 256, of 16 from 256, up to twice max_num_seqs and 512) with
+    max_num_seqs itself added. vLLM keeps a full decode graph only for the sizes up to max_num_seqs and
+    pads a batch up to the next one, so without it a batch of, say, 10 of max_num_seqs 10 found no
+    full graph (10 is not a default size, 16 is past 10) and every such step ran piecewise, the sparse
+    step outside the graph."""
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: got {max_num_seqs!r}; scheduler.sparse_full_graphs captures vLLM's full "
+                         "decode graphs up to it: pass a positive max_num_seqs")
+    largest = min(2 * max_num_seqs, 512)
+    default = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    return sorted({size for size in default if size <= largest} | {min(max_num_seqs, 512)})
 
 
 def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
