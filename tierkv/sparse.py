@@ -53,10 +53,12 @@ def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torc
     (`tierkv.sparse_kernels.block_bounds_rows`), -inf at and past each limit; addresses: the
     tables' addresses, int64 [m] on the device (a CUDA graph's static input; made here when not
     given). False, with out untouched, where the kernel cannot serve (CPU, no triton, tables of
-    different dtypes or layouts): the caller bounds row by row."""
+    different dtypes or layouts, or not 16-byte aligned: the kernel reads them in 128-bit vectors;
+    tables this module allocates always are): the caller bounds row by row."""
     like = tables[0]
     if not (like.is_cuda and triton_installed()) or any(
-            t.dtype != like.dtype or t.shape[1:] != like.shape[1:] or not t.is_contiguous() for t in tables):
+            t.dtype != like.dtype or t.shape[1:] != like.shape[1:] or not t.is_contiguous() or t.data_ptr() % 16
+            for t in tables):
         return False
 
     def launch() -> None:

@@ -94,6 +94,10 @@ def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, 
                               D_PAD: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(1).to(tl.int64)
     table_ptr = tl.load(tables_ptr + r).to(tl.pointer_type(like_ptr.dtype.element_ty))  # row r's table
+    # 16-byte aligned (the wrapper's contract): without the hint the compiler, knowing nothing of a loaded
+    # address, reads the table one element at a time (216 us per launch of 10 rows on the H200, against
+    # 125 us for ten one-table launches; the PTX of each is counted by a CPU test)
+    table_ptr = tl.multiple_of(table_ptr, 16)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # nothing at or past the row's far count is read (its table may end there)
     best = _bounds(q_ptr + r * stride_qr, table_ptr, rows, rows < tl.load(limits_ptr + r), stride_qh, stride_tb,
@@ -104,8 +108,8 @@ def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, 
 def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tensor, limits: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:
     """The masked bound of m rows, each over a table of its own, in one launch: addresses int64 [m]
-    on the device (row r's table [capacity_r, num_kv_heads, 2 * head_dim] starts at addresses[r];
-    every table has `like`'s dtype and row layout, contiguous), q [m, num_heads, head_dim], limits
+    on the device (row r's table [capacity_r, num_kv_heads, 2 * head_dim] starts at addresses[r], a
+    multiple of 16 bytes; every table has `like`'s dtype and row layout, contiguous), q [m, num_heads, head_dim], limits
     int64 [m] (row r's far count, at most its capacity) -> out float32 [m, width] (written): block b
     of row r scores its bound below limits[r], -inf from there. No host sync."""
     m, width = out.shape

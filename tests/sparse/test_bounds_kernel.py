@@ -84,3 +84,27 @@ def test_kernel_in_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_on_the_gpu_equals_the_pytorch_bound():
     _cases("cuda", (torch.float32, torch.bfloat16))
+
+
+def test_the_rows_kernel_reads_tables_in_vectors_as_the_one_table_kernel_does():
+    """Compiled for the H200 (PTX, no GPU needed): the rows kernel reads each row's table, whose address
+    it loads from memory, with the same 128-bit loads as the one-table kernel, whose table is an aligned
+    argument. Without its alignment hint it read one bf16 at a time (288 loads, no vector) and took 216 us
+    per 10-row launch on the H200, against 125 us for ten one-table launches."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    from tests.ptx import global_loads, kernel_ptx
+    from tierkv import sparse_kernels
+
+    shape = dict(NUM_KV_HEADS=8, G=4, HEAD_DIM=128, D_PAD=128, BLOCK=sparse_kernels.BLOCK_B)  # Llama 8B
+    one = global_loads(kernel_ptx(
+        sparse_kernels._block_bounds_kernel,
+        dict(q_ptr="*bf16", table_ptr="*bf16", out_ptr="*fp32", limit_ptr="*i64", first="i32", num_rows="i32",
+             stride_qh="i32", stride_tb="i32", stride_th="i32"),
+        dict(shape, HAS_LIMIT=True), unaligned=("first", "num_rows")))
+    rows = global_loads(kernel_ptx(
+        sparse_kernels._block_bounds_rows_kernel,
+        dict(q_ptr="*bf16", tables_ptr="*i64", like_ptr="*bf16", out_ptr="*fp32", limits_ptr="*i64", width="i32",
+             stride_qr="i32", stride_qh="i32", stride_tb="i32", stride_th="i32", stride_or="i32"),
+        shape, unaligned=("width",)))
+    assert one["v4"] >= 2 * shape["NUM_KV_HEADS"], one  # key max and key min of every KV head, in vectors
+    assert rows["v4"] == one["v4"] and rows["other"] <= one["other"] + 2, (rows, one)

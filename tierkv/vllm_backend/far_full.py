@@ -66,6 +66,9 @@ class FullDecodeRows:
         # addresses; one host mirror, one copy per step
         self.inputs = torch.zeros((2 + 2 * num_layers, max_rows), dtype=torch.int64, device=device)
         self._host = torch.zeros_like(self.inputs, device="cpu", pin_memory=device.type == "cuda")
+        # written through numpy: a tensor's item assignment costs microseconds, and a step writes
+        # 2 + 2 x layers values per row (640 at 10 rows of 32 layers: 11.4 ms of host time per step, profiled)
+        self._host_np = self._host.numpy()
         self._copied = None  # the last copy's event (CUDA): the host mirror is rewritten only once it has run
         self.packed = packed_buffers(far, device, max_rows)
         self.rows: list = [self.dummy] * max_rows  # the requests behind the rows (the PyTorch fallbacks read them)
@@ -74,9 +77,9 @@ class FullDecodeRows:
         far.full = self  # its stats report ours
 
     def _blank(self) -> None:
-        host = self._host
-        host.zero_()
+        host = self._host_np
         layers = self.far.store.num_layers
+        host[:2] = 0
         host[2 : 2 + layers] = self.dummy_table.data_ptr()
         host[2 + layers :] = self.dummy_list.data_ptr()
 
@@ -100,18 +103,17 @@ class FullDecodeRows:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy out of the host mirror has run
         self._blank()
-        host, layers = self._host, far.store.num_layers
+        host, layers = self._host_np, far.store.num_layers
         self.rows = [self.dummy] * self.max_rows
         for r, (row, req) in enumerate(zip(rows, served)):
             if req is None:
                 continue
             host[0, r] = row.num_far_blocks
             host[1, r] = req.cache.index
-            for layer in range(layers):
-                host[2 + layer, r] = req.summaries.summaries.tables[layer].data_ptr()
-                host[2 + layers + layer, r] = req.pinned_slots_dev[layer].data_ptr()
+            host[2 : 2 + layers, r] = [table.data_ptr() for table in req.summaries.summaries.tables]
+            host[2 + layers :, r] = [slots.data_ptr() for slots in req.pinned_slots_dev]
             self.rows[r] = req
-        self.inputs.copy_(host, non_blocking=True)
+        self.inputs.copy_(self._host, non_blocking=True)
         if self.inputs.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
