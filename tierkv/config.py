@@ -115,7 +115,8 @@ class SchedulerConfig:
     sparse_full_graphs: bool = field(default=False, metadata=doc(
         "sparse CUDA graphs under compiled vLLM: let vLLM capture the attention of single-token decode steps in its "
         "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "
-        "before each step and the step's saves after it; other steps run piecewise as before. Not yet run on a GPU"))
+        "before each step and the step's saves after it; other steps run piecewise as before. Needs compiled vLLM and "
+        "max_num_seqs (TieredLLM adds it to vLLM's capture sizes)"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "
