@@ -401,3 +401,24 @@ def test_full_decode_graphs_are_asked_of_vllm_only_when_configured(tmp_path):
     assert HotWindowMetadataBuilder.get_cudagraph_support(vllm_config(str(sparse)), None) == \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert HotWindowMetadataBuilder.get_cudagraph_support(vllm_config(plain), None) == AttentionCGSupport.NEVER
+
+
+def test_block_hashes_never_cover_a_block_whose_tokens_are_not_all_known(tmp_path):
+    """A position can run ahead of the token ids the host knows (the token of a step still being
+    sampled): extend_hashes stops at the last full block of the ids it is given, and once the
+    missing token is known it extends to the same chain as hashing all the tokens at once. A
+    partial block's hash, kept as a full block's, would name KV whose last token differs."""
+    from tierkv.blocks import BlockLayout
+    from tierkv.config import load_config
+    from tierkv.vllm_backend.store import VllmKVStore
+
+    store = VllmKVStore(load_config(write_config(tmp_path), env={}), BlockLayout(H, BS, D, torch.float32), NAMES,
+                        "model", "cpu")
+    try:
+        tokens = torch.randint(0, 1000, (3 * BS,)).tolist()
+        hashes = store.extend_hashes([], tokens[: 2 * BS - 1], 2)  # block 1's last token not known yet
+        assert len(hashes) == 1 and hashes == store.extend_hashes([], tokens[:BS], 1)
+        assert store.extend_hashes(hashes, tokens[: 2 * BS], 2) == store.extend_hashes([], tokens, 2)
+        assert len(hashes) == 2  # grown in place
+    finally:
+        store.close()

@@ -93,8 +93,12 @@ class VllmKVStore:
 
     # -- addresses -------------------------------------------------------------------------------
     def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
-        """`hashes` grown in place to the first `num_blocks` full blocks of token_ids."""
+        """`hashes` grown in place to the first `num_blocks` full blocks of token_ids, never past the
+        full blocks token_ids has: a position may run ahead of the token ids known on the host (a
+        token still being sampled), and a partial block's hash would name a block whose other
+        tokens are not yet known."""
         bs = self.layout.block_tokens
+        num_blocks = min(num_blocks, len(token_ids) // bs)
         if num_blocks > len(hashes):
             parent = hashes[-1] if hashes else None
             hashes.extend(chain_block_hashes(token_ids[len(hashes) * bs : num_blocks * bs], bs, self.fingerprint,
