@@ -91,7 +91,7 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
 
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
-           storage_dtype: str = "auto", compiled: bool = False):
+           storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
     # makes vLLM capture piecewise, its attention runs between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
@@ -105,7 +105,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
         config = {**(SPARSE_HOT_WINDOW if sparse else HOT_WINDOW),
                   "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072,
                              "storage_dtype": storage_dtype}]}
-        config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend}
+        config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend,
+                               "vllm_async_scheduling": async_scheduling}
         if sparse:
             config["scheduler"]["sparse_cuda_graphs"] = mode in ("tierkv-sparse-graphs", "tierkv-sparse-full")
             config["scheduler"]["sparse_full_graphs"] = mode == "tierkv-sparse-full"
@@ -125,14 +126,16 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
-        profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
+        async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "") -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled)
+    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling)
+    if async_scheduling:
+        mode = f"{mode}@async"  # tierkv with vLLM's async scheduling (plain vLLM has it on by default)
     if transfer_backend != "auto":
         mode = f"{mode}@{transfer_backend}"  # its own row and file
     if storage_dtype != "auto":
@@ -499,6 +502,9 @@ def main() -> int:
                         help="tierkv modes: the CPU tier's storage dtype (row MODE@DTYPE)")
     parser.add_argument("--compiled", action="store_true",
                         help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled; both engines)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="tierkv modes: scheduler.vllm_async_scheduling, vLLM's async scheduling (row MODE@async; "
+                             "plain vLLM runs with it on by default)")
     parser.add_argument("--context", type=int, default=131072 - 64)
     parser.add_argument("--decode-tokens", type=int, default=32,
                         help="decode steps measured after the first token (more amortize a first step's graph captures)")
@@ -521,6 +527,8 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         if mode == "tierkv-sparse-full" and not args.compiled:
             parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
+        if args.async_scheduling and not mode.startswith("tierkv"):
+            parser.error(f"--async-scheduling: tierkv modes only (MODE {mode} runs vLLM's own default)")
         if args.tag and not args.tag.isalnum():
             parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
         if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:
@@ -529,7 +537,7 @@ def main() -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
-            profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
+            async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
             sample_h2d=args.sample_h2d, tag=args.tag)
     else:
         table(args.rest[0])

@@ -81,7 +81,7 @@ def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",
-           cache_selections: int = 1, compiled: bool = False):
+           cache_selections: int = 1, compiled: bool = False, async_scheduling: bool = False):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's backend:
     # piecewise graphs around its attention, which replays graphs of its own)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False,
@@ -110,7 +110,8 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
                             "sparse_full_graphs": mode == "tierkv-sparse-full",
                             "sparse_graph_rows": requests,
                             "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
-                            "sparse_cache_selections": cache_selections},
+                            "sparse_cache_selections": cache_selections,
+                            "vllm_async_scheduling": async_scheduling},
               "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
                          "storage_dtype": storage_dtype}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
@@ -120,7 +121,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
         storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None,
-        compiled: bool = False) -> None:
+        compiled: bool = False, async_scheduling: bool = False) -> None:
     """profile_after: the step after that many full-batch steps runs under torch.profiler (its kernel
     table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate."""
     from vllm import SamplingParams
@@ -136,6 +137,8 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
             mode = f"{mode}@{storage_dtype}"  # its own row and file
         if cache_selections != 1:
             mode = f"{mode}@cache{cache_selections}"
+        if async_scheduling:
+            mode = f"{mode}@async"  # vLLM's async scheduling (plain vLLM has it on by default)
     if compiled:
         mode = f"{mode}@compiled"  # against plain@compiled
     # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
@@ -143,7 +146,7 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
     context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections,
-                         compiled)
+                         compiled, async_scheduling)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -275,6 +278,8 @@ def main() -> int:
                         help="tierkv modes: the CPU tier's storage dtype (quantized: half the host bytes and PCIe bytes)")
     parser.add_argument("--compiled", action="store_true",
                         help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled, against plain@compiled)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="tierkv modes: scheduler.vllm_async_scheduling, vLLM's async scheduling (row MODE@async)")
     parser.add_argument("--profile-after", type=int, default=None,
                         help="profile the step after this many full-batch steps (OUT/profile-batch-MODE.txt)")
     args = parser.parse_args()
@@ -291,8 +296,10 @@ def main() -> int:
         parser.error("--storage-dtype: plain vLLM has no CPU tier")
     if args.cache_selections < 1 or (mode == "plain" and args.cache_selections != 1):
         parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
+    if mode == "plain" and args.async_scheduling:
+        parser.error("--async-scheduling: tierkv modes only (plain vLLM runs its own default, async on)")
     run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
-        args.cache_selections, args.profile_after, args.compiled)
+        args.cache_selections, args.profile_after, args.compiled, args.async_scheduling)
     return 0
 
 

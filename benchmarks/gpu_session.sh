@@ -23,7 +23,8 @@
 #   "--profile-after 20" profiles the step after 20 full-batch steps)
 # vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
 #   (SPARSE_MODE=tierkv-sparse-full with VLLM_ARGS=--compiled: the sparse step inside vLLM's full decode graph)
-#   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above)
+#   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above; SPARSE_VLLM_ARGS
+#   adds bench_vllm flags to the sparse rows only, e.g. --async-scheduling)
 # vllm-compiled-quant: plain --compiled, then tierkv-sparse-graphs --compiled over int8 and fp8 CPU tiers, REPEATS
 #   (default 2) runs each as rows MODE-r1, MODE-r2 (bench_vllm --tag); VLLM_ARGS as above
 # PIN_CORES="2-5" runs the bench_vllm engines on those cores only (taskset).
@@ -84,9 +85,9 @@ for step in "${steps[@]}"; do
             # the plain row next to it; STORAGE_DTYPE picks the sparse rows' CPU tier (default bf16)
             for r in $(seq 1 "${REPEATS:-2}"); do
                 for mode in plain ${SPARSE_MODE:-tierkv-sparse-graphs}; do
-                    dtype=auto; [ "$mode" = plain ] || dtype=${STORAGE_DTYPE:-auto}
+                    dtype=auto; own=""; [ "$mode" = plain ] || { dtype=${STORAGE_DTYPE:-auto}; own=${SPARSE_VLLM_ARGS:-}; }
                     timeout 200 $PIN python3 benchmarks/bench_vllm.py run $mode "$M8" "$BV" --tag "r$r" \
-                        --storage-dtype $dtype ${VLLM_ARGS:-} > "$OUT/bench-$mode-r$r.log" 2>&1
+                        --storage-dtype $dtype ${VLLM_ARGS:-} $own > "$OUT/bench-$mode-r$r.log" 2>&1
                 done
             done
             rm -f "$OUT"/bench-*.log

@@ -117,6 +117,11 @@ class SchedulerConfig:
         "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "
         "before each step and the step's saves after it; other steps run piecewise as before. Needs compiled vLLM and "
         "max_num_seqs (TieredLLM adds it to vLLM's capture sizes)"))
+    vllm_async_scheduling: bool = field(default=False, metadata=doc(
+        "under vLLM's hot window: let vLLM schedule and prepare step N+1 while the GPU runs step N (its async "
+        "scheduling, on by default in plain vLLM); a block completed by a token still being sampled is saved one "
+        "step later, and vLLM's pool keeps twice the prefill chunk of in-flight tokens per request. Tested on CPU "
+        "only"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

@@ -422,6 +422,10 @@ def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
     args = hot_window_engine_args(config)
     assert args["attention_config"] == {"backend": "CUSTOM"} and args["kv_cache_memory_bytes"] == (2048 - 256) << 20
     assert args["max_num_batched_tokens"] == 8192 and args["enable_prefix_caching"] is False
+    assert args["async_scheduling"] is False  # vLLM's async scheduling only when the config asks
+    asked = load_config({"cache": {"block_tokens": BS, "gpu_budget_bytes": "2GiB", "window_tokens": 4096},
+                         "scheduler": {"staging_bytes": "256MiB", "vllm_async_scheduling": True}}, env={})
+    assert hot_window_engine_args(asked)["async_scheduling"] is True
     tight = load_config({"cache": {"gpu_budget_bytes": "256MiB"}, "scheduler": {"staging_bytes": "256MiB"}}, env={})
     with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
         hot_window_engine_args(tight)
@@ -1762,3 +1766,39 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     assert "compilation_config" not in engine_kwargs(True, max_num_seqs=10)  # eager (TieredLLM's default)
     own = {"cudagraph_capture_sizes": [1, 10]}
     assert engine_kwargs(True, max_num_seqs=10, enforce_eager=False, compilation_config=own)["compilation_config"] is own
+
+
+def test_saves_wait_for_a_block_whose_last_token_is_still_being_sampled(tmp_path):
+    """vLLM's async scheduling: step N+1 is scheduled before step N's sampled token reaches the
+    request, so the token step N+1 computes is known only on the GPU. The block it completes is not
+    saved at that step (its hash would cover a token the host does not have), but at the next, under
+    the hash synchronous scheduling gives it; positions and far counts follow the positions as before."""
+    window = 2 * BS
+    config_file = write_config(tmp_path, window=window, staging_blocks=8)
+    connector = TierKVConnector(vllm_config(config_file), KVConnectorRole.SCHEDULER, hot_kv_cache_config(window))
+    try:
+        prompt = [random.randrange(1000) for _ in range(6 * BS - 1)]  # block 5 lacks one token
+        req = make_request("r1", prompt)
+        connector.get_num_new_matched_tokens(req, 0)
+        meta1 = connector.build_connector_meta(schedule(req, list(range(7)), 0))
+        assert [len(s.block_ids) for s in meta1.saves] == [5]
+
+        def decode_step(num_computed: int):
+            cached = CachedRequestData.make_empty()
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids = ["r1"], [num_computed], [None]
+            out = schedule(req, [], 0)
+            out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
+            out.num_scheduled_tokens = {"r1": 1}
+            return connector.build_connector_meta(out)
+
+        # step 2 computes position 6 BS - 1, the token step 1 sampled, not yet on the request
+        meta2 = decode_step(6 * BS - 1)
+        assert meta2.scheduled == {"r1": (6 * BS - 1, 1)} and meta2.saves == [] and meta2.hashes == []
+        sampled = random.randrange(1000)
+        req.append_output_token_ids(sampled)  # step 1's output processed; step 2's token still in flight
+        meta3 = decode_step(6 * BS)
+        assert [s.block_ids for s in meta3.saves] == [[5]]
+        want = connector.store.extend_hashes([], prompt + [sampled], 6)[5]
+        assert meta3.saves[0].hashes == [want] and meta3.hashes == [("r1", 5, [want])]
+    finally:
+        connector.shutdown()

@@ -188,7 +188,8 @@ class VllmTieredLLM:
 def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0) -> dict:
     """vLLM engine arguments of the hot-window pool: backend CUSTOM, a KV pool of the GPU budget
     minus the staging ring and `summary_bytes` (the sparse policy's key summaries,
-    `sparse_summary_bytes`), prefill chunks of `scheduler.prefill_chunk_tokens`."""
+    `sparse_summary_bytes`), prefill chunks of `scheduler.prefill_chunk_tokens`, vLLM's async
+    scheduling as `scheduler.vllm_async_scheduling` says (off by default)."""
     from tierkv.config import ConfigError
     from tierkv.units import format_bytes
     from tierkv.vllm_backend import hot_window
@@ -201,7 +202,8 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0) -> dict
                           f"{summaries}: the rest is vLLM's hot-window pool")
     hot_window.register()
     return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
-                max_num_batched_tokens=config.scheduler.prefill_chunk_tokens, async_scheduling=False)
+                max_num_batched_tokens=config.scheduler.prefill_chunk_tokens,
+                async_scheduling=config.scheduler.vllm_async_scheduling)
 
 
 def full_decode_capture_sizes(max_num_seqs) -> list[int]:
