@@ -258,7 +258,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                   "step_connector_ms": after.get("step_connector_ms") or []}
     step_parts = {k: v[-len(step_ms):] for k, v in step_parts.items() if len(v) >= len(step_ms)}
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
-    summaries = tiered.summary_reserved_bytes if tiered is not None else 0
+    # the key summaries, and over a quantized tier the full decode graph's codes, come out of the same budget
+    summaries = tiered.summary_reserved_bytes + tiered.full_graph_reserved_bytes if tiered is not None else 0
     floor = {}
     if mode.split("@")[0] == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
         cache = tiered.config.cache

@@ -194,9 +194,11 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     end = time.perf_counter()
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     reserved = tiered.summary_reserved_bytes if tiered is not None else 0
+    full_graph = tiered.full_graph_reserved_bytes if tiered is not None else 0  # the full graph's codes (fp8 tier)
     row = {"mode": mode, "storage_dtype": storage_dtype, "requests": requests, "context": context, "new_tokens": new_tokens, "kv_gib": kv_gib,
-           "gpu_kv_bytes": pool_bytes + staging + max(reserved, summary_bytes), "vllm_pool_bytes": pool_bytes,
+           "gpu_kv_bytes": pool_bytes + staging + max(reserved, summary_bytes) + full_graph, "vllm_pool_bytes": pool_bytes,
            "tierkv_staging_bytes": staging, "summary_reserved_bytes": reserved, "summary_bytes": summary_bytes,
+           "full_graph_reserved_bytes": full_graph,
            "steps": steps,
            "all_first_token_s": all_first_at - start if all_first_at else float("nan"),
            "decode_tokens": decode_tokens,

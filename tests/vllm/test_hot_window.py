@@ -1768,6 +1768,53 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     assert engine_kwargs(True, max_num_seqs=10, enforce_eager=False, compilation_config=own)["compilation_config"] is own
 
 
+def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
+    """Over a quantized CPU tier the full decode graph keeps a selection's codes and scales for each
+    row of the largest captured batch (FullDecodeRows' packed buffers): TieredLLM reserves them inside
+    cache.gpu_budget_bytes, as it does the key summaries, at the bytes a CPU tier's block packs to;
+    none for a bf16 tier, an eager engine or the flag off; a budget they exhaust is a config error."""
+    from tierkv.blocks import BlockLayout
+    from tierkv.config import ConfigError
+    from tierkv.storage import CpuTier
+    from tierkv.vllm_backend.llm import VllmTieredLLM, full_graph_packed_bytes
+
+    model = _checkpoint(tmp_path)  # 8 KV heads of 128
+
+    def config(full: bool = True, storage: str = "float8_e4m3fn", budget: str = "8GiB"):
+        return load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": budget, "window_tokens": 2048},
+                            "tiers": [{"kind": "cpu", "capacity_bytes": "1GiB", "storage_dtype": storage}],
+                            "scheduler": {"policy": "sparse", "sparse_cuda_graphs": True, "sparse_full_graphs": full,
+                                          "sparse_token_budget": 2048, "staging_bytes": "512MiB"}}, env={})
+
+    compiled = {"max_num_seqs": 10, "enforce_eager": False}
+    tier = CpuTier("cpu", BlockLayout(8, 64, 128, torch.bfloat16), 1 << 24, pin_memory=False,
+                   quant_format="float8_e4m3fn")
+    per_block = tier.slab[0].numel() * tier.slab.element_size() + tier.scales[0].numel() * tier.scales.element_size()
+    rows, k = 16, 2048 // 64  # the largest capture size (vLLM's sizes up to twice max_num_seqs), a selection
+    assert full_graph_packed_bytes(model, config(), compiled) == rows * k * per_block
+    assert full_graph_packed_bytes(model, config(), {**compiled, "tensor_parallel_size": 2}) == rows * k * (
+        per_block // 2)  # each rank packs its 4 KV heads
+    assert full_graph_packed_bytes(model, config(), {**compiled, "compilation_config": {
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 10, 32]}}) == 32 * k * per_block
+    for other, kwargs in ((config(storage="auto"), compiled), (config(full=False), compiled),
+                          (config(), {"max_num_seqs": 10})):
+        assert full_graph_packed_bytes(model, other, kwargs) == 0
+
+    def pool(cfg, **kwargs):
+        llm = object.__new__(VllmTieredLLM)
+        llm.config, llm.config_file, llm.hot_window = cfg, str(tmp_path / "tierkv.yaml"), True
+        return llm._engine_kwargs(model, 131072, 0.5, False, kwargs)["kv_cache_memory_bytes"], llm
+
+    with_full, llm = pool(config(), **compiled)
+    without, _ = pool(config(full=False), **compiled)
+    assert llm.full_graph_reserved_bytes == rows * k * per_block and without - with_full == rows * k * per_block
+    # a budget that holds staging and the summaries but not the codes too: the codes are what tips it
+    held = 512 * 2**20 + llm.summary_reserved_bytes + rows * k * per_block
+    assert pool(config(budget=str(held + 2**20)), **compiled)[0] == 2**20
+    with pytest.raises(ConfigError, match="full decode graph's codes and scales"):
+        pool(config(budget=str(held)), **compiled)
+
+
 def test_saves_wait_for_a_block_whose_last_token_is_still_being_sampled(tmp_path):
     """vLLM's async scheduling: step N+1 is scheduled before step N's sampled token reaches the
     request, so the token step N+1 computes is known only on the GPU. The block it completes is not

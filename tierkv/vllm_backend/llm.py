@@ -19,7 +19,8 @@ holds the key summaries of `max_num_seqs` requests of `max_model_len` tokens (`m
 then required; `max_model_len` defaults to the checkpoint's max_position_embeddings and is passed
 to vLLM, so the summaries are reserved for and capped at the length vLLM runs with; their bytes
 come from the checkpoint's config.json), so vLLM's pool, the staging ring and the summaries
-together stay within `cache.gpu_budget_bytes`. Prompts are prefilled in chunks of
+together stay within `cache.gpu_budget_bytes`; with `scheduler.sparse_full_graphs` over a quantized
+CPU tier, so do the full decode graph's codes and scales (`full_graph_packed_bytes`). Prompts are prefilled in chunks of
 `scheduler.prefill_chunk_tokens`; vLLM's own prefix cache is off (the tiers hold every block).
 `hot_window=False` keeps vLLM's full pool (sized by `gpu_memory_utilization`) with the connector
 alone: repeated prefixes are then loaded back from the tiers instead of prefilled.
@@ -42,6 +43,7 @@ from tierkv.vllm_backend.config import kv_transfer_config
 
 class VllmTieredLLM:
     summary_reserved_bytes = 0  # GPU bytes of the budget kept for sparse key summaries (set by __init__)
+    full_graph_reserved_bytes = 0  # and for the full decode graph's codes and scales (quantized CPU tier)
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
                  tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
@@ -94,7 +96,9 @@ class VllmTieredLLM:
                 # the summaries are reserved for, and capped at, the same max_model_len vLLM runs with
                 max_model_len = sparse_max_model_len(model, max_model_len)
                 self.summary_reserved_bytes = sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
-            kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes))
+                self.full_graph_reserved_bytes = full_graph_packed_bytes(model, self.config, engine_kwargs)
+            kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes,
+                                                 self.full_graph_reserved_bytes))
             if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
                 require_plugin_installed()
         if max_model_len is not None:
@@ -156,7 +160,8 @@ class VllmTieredLLM:
         processes by vLLM's `collective_rpc`."""
         from tierkv.vllm_backend.store import merge_rank_stats, peek_store, worker_stats
 
-        totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes}
+        totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
+                  "full_graph_reserved_bytes": self.full_graph_reserved_bytes}
         if self.engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
             per_rank = [s for worker in self.engine.collective_rpc(worker_stats, args=(self.engine_id,)) for s in worker]
             return {**totals, **merge_rank_stats(per_rank)}
@@ -185,18 +190,22 @@ class VllmTieredLLM:
         self.close()
 
 
-def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0) -> dict:
+def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_graph_bytes: int = 0) -> dict:
     """vLLM engine arguments of the hot-window pool: backend CUSTOM, a KV pool of the GPU budget
     minus the staging ring and `summary_bytes` (the sparse policy's key summaries,
     `sparse_summary_bytes`), prefill chunks of `scheduler.prefill_chunk_tokens`, vLLM's async
-    scheduling as `scheduler.vllm_async_scheduling` says (off by default)."""
+    scheduling as `scheduler.vllm_async_scheduling` says (off by default). full_graph_bytes: what the
+    full decode graph keeps for a quantized CPU tier's codes and scales (`full_graph_packed_bytes`),
+    also out of the budget."""
     from tierkv.config import ConfigError
     from tierkv.units import format_bytes
     from tierkv.vllm_backend import hot_window
 
-    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes - summary_bytes
+    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes - summary_bytes - full_graph_bytes
     if pool <= 0:
         summaries = f" and the sparse key summaries ({format_bytes(summary_bytes)})" if summary_bytes else ""
+        if full_graph_bytes:
+            summaries += f" and the full decode graph's codes and scales ({format_bytes(full_graph_bytes)})"
         raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
                           f"must exceed scheduler.staging_bytes ({format_bytes(config.scheduler.staging_bytes)})"
                           f"{summaries}: the rest is vLLM's hot-window pool")
@@ -219,6 +228,32 @@ def full_decode_capture_sizes(max_num_seqs) -> list[int]:
     largest = min(2 * max_num_seqs, 512)
     default = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
     return sorted({size for size in default if size <= largest} | {min(max_num_seqs, 512)})
+
+
+def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
+    """GPU bytes the sparse step inside vLLM's full decode graph keeps, on each GPU, for the codes and
+    scales of a quantized CPU tier (`far_full.FullDecodeRows`: a selection of blocks for each row of the
+    largest captured batch); 0 without `scheduler.sparse_full_graphs`, under an eager engine, or over a
+    CPU tier stored in the model's dtype. The largest batch is the largest capture size: of the
+    engine's compilation_config when given, else of `full_decode_capture_sizes(max_num_seqs)`."""
+    scheduler = config.scheduler
+    if not (scheduler.policy == "sparse" and scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs
+            and not engine_kwargs.get("enforce_eager", True)):
+        return 0
+    cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
+    if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
+        return 0
+    max_num_seqs = engine_kwargs.get("max_num_seqs")
+    sizes = full_decode_capture_sizes(max_num_seqs)
+    own = engine_kwargs.get("compilation_config")
+    if isinstance(own, dict) and own.get("cudagraph_capture_sizes"):
+        sizes = list(own["cudagraph_capture_sizes"])
+    rows = max(max_num_seqs, *sizes)
+    shape = checkpoint_shape(model_dir)
+    kv_heads = max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
+    tokens = config.cache.block_tokens
+    per_block = 2 * kv_heads * tokens * shape["head_dim"] + 2 * kv_heads * 4  # one-byte codes, a float32 scale per head
+    return rows * max(1, scheduler.sparse_token_budget // tokens) * per_block
 
 
 def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
