@@ -106,12 +106,14 @@ def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, 
 
 
 def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tensor, limits: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, *, block: int = BLOCK_B, num_warps: int | None = None) -> torch.Tensor:
     """The masked bound of m rows, each over a table of its own, in one launch: addresses int64 [m]
     on the device (row r's table [capacity_r, num_kv_heads, 2 * head_dim] starts at addresses[r], a
     multiple of 16 bytes; every table has `like`'s dtype and row layout, contiguous), q [m, num_heads, head_dim], limits
     int64 [m] (row r's far count, at most its capacity) -> out float32 [m, width] (written): block b
-    of row r scores its bound below limits[r], -inf from there. No host sync."""
+    of row r scores its bound below limits[r], -inf from there. block (a power of two) and num_warps:
+    blocks per program and warps per program (Triton's default when None), the launch shape
+    `benchmarks/bench_bounds.py` compares. No host sync."""
     m, width = out.shape
     _, num_kv_heads, twice = like.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -120,13 +122,15 @@ def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tens
             or out.dtype != torch.float32 or out.stride(1) != 1):
         raise ValueError(f"block_bounds_rows: addresses {tuple(addresses.shape)}, like {tuple(like.shape)}, q "
                          f"{tuple(q.shape)}, limits {tuple(limits.shape)}, out {out.dtype} {tuple(out.shape)}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block_bounds_rows: block must be a power of two, got {block}")
     if m == 0 or width == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    grid = (triton.cdiv(width, BLOCK_B), m)
+    grid = (triton.cdiv(width, block), m)
     _block_bounds_rows_kernel[grid](
         q, addresses, like, out, limits, width, q.stride(0), q.stride(1), like.stride(0), like.stride(1), out.stride(0),
         NUM_KV_HEADS=num_kv_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK=BLOCK_B,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK=block, **({"num_warps": num_warps} if num_warps else {}),
     )
     return out

@@ -56,6 +56,14 @@ def _cases(device: str, dtypes) -> None:
             got_rows = torch.full((3, width), 7.0, device=device)
             addresses = torch.tensor([t.data_ptr() for t in row_tables], dtype=torch.int64, device=device)
             block_bounds_rows(addresses, row_tables[0], rows_q, torch.tensor(limits, device=device), got_rows)
+            # another launch shape (blocks per program, warps) gives the same bounds
+            other_shape = torch.full((3, width), 7.0, device=device)
+            block_bounds_rows(addresses, row_tables[0], rows_q, torch.tensor(limits, device=device), other_shape,
+                              block=64, num_warps=2)
+            torch.testing.assert_close(other_shape, got_rows, rtol=1e-5, atol=1e-4, msg=f"seed={seed}")
+            with pytest.raises(ValueError, match="power of two"):
+                block_bounds_rows(addresses, row_tables[0], rows_q, torch.tensor(limits, device=device), other_shape,
+                                  block=24)
             for r, t in enumerate(row_tables):
                 want_row = block_bounds(t, rows_q[r], 0, t.shape[0], torch.tensor(limits[r]).to(device)).cpu()
                 got_row = got_rows[r].cpu()
