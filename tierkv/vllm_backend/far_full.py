@@ -110,7 +110,11 @@ class FullDecodeRows:
                 continue
             host[0, r] = row.num_far_blocks
             host[1, r] = req.cache.index
-            host[2 : 2 + layers, r] = [table.data_ptr() for table in req.summaries.summaries.tables]
+            tables = [table.data_ptr() for table in req.summaries.summaries.tables]
+            if any(address % 16 for address in tables):  # the bound kernel reads them in 128-bit vectors
+                raise RuntimeError(f"tierkv hot window: request {row.req_id}'s key-summary tables are not 16-byte "
+                                   "aligned; the full decode graph's bound kernel reads them in vectors")
+            host[2 : 2 + layers, r] = tables
             host[2 + layers :, r] = [slots.data_ptr() for slots in req.pinned_slots_dev]
             self.rows[r] = req
         self.inputs.copy_(self._host, non_blocking=True)

@@ -39,6 +39,7 @@ from tierkv.config import TierKVConfig, load_config
 from tierkv.config_loader import to_dict
 from tierkv.sampling import RequestOutput, SamplingParams
 from tierkv.vllm_backend.config import kv_transfer_config
+from tierkv.vllm_backend.far_full import full_graphs_configured
 
 
 class VllmTieredLLM:
@@ -104,9 +105,8 @@ class VllmTieredLLM:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
-        full = self.config.scheduler
-        if (self.hot_window and full.policy == "sparse" and full.sparse_cuda_graphs and full.sparse_full_graphs
-                and not kwargs.get("enforce_eager") and "compilation_config" not in engine_kwargs):
+        if (self.hot_window and full_graphs_configured(self.config) and not kwargs.get("enforce_eager")
+                and "compilation_config" not in engine_kwargs):
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(
                 kwargs.get("max_num_seqs"))}
         return kwargs
@@ -236,9 +236,7 @@ def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict
     largest captured batch); 0 without `scheduler.sparse_full_graphs`, under an eager engine, or over a
     CPU tier stored in the model's dtype. The largest batch is the largest capture size: of the
     engine's compilation_config when given, else of `full_decode_capture_sizes(max_num_seqs)`."""
-    scheduler = config.scheduler
-    if not (scheduler.policy == "sparse" and scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs
-            and not engine_kwargs.get("enforce_eager", True)):
+    if not full_graphs_configured(config) or engine_kwargs.get("enforce_eager", True):
         return 0
     cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
     if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
@@ -253,7 +251,7 @@ def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict
     kv_heads = max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
     tokens = config.cache.block_tokens
     per_block = 2 * kv_heads * tokens * shape["head_dim"] + 2 * kv_heads * 4  # one-byte codes, a float32 scale per head
-    return rows * max(1, scheduler.sparse_token_budget // tokens) * per_block
+    return rows * max(1, config.scheduler.sparse_token_budget // tokens) * per_block
 
 
 def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
