@@ -73,6 +73,10 @@ class FullDecodeRows:
         self.packed = packed_buffers(far, device, max_rows)
         self.rows: list = [self.dummy] * max_rows  # the requests behind the rows (the PyTorch fallbacks read them)
         self.counts = {"full_steps": 0, "full_steps_refused": 0}
+        # the window's shifted block table and key counts: every layer reads the same ones, so the first
+        # layer of a forward makes them and the others reuse them (inside one captured forward too)
+        self._first_layer = min(layer_index.values()) if layer_index else 0
+        self._near: tuple | None = None  # (rows, near table, key counts)
         self._blank()
         far.full = self  # its stats report ours
 
@@ -139,12 +143,14 @@ class FullDecodeRows:
         same storage every step. Device work only."""
         far, n = self.far, q.shape[0]
         num_far = self.inputs[0, :n]
-        table = meta.block_table[:n]
-        cols = table.shape[1]
-        width = -(-(far.window_tokens + far.block_tokens) // far.block_tokens) + 1  # window blocks, at most
-        index = (torch.arange(width, device=q.device).unsqueeze(0) + num_far.unsqueeze(1)).clamp_(max=cols - 1)
-        near_table = torch.gather(table, 1, index.to(torch.int64))
-        seqused_k = meta.seq_lens[:n] - (num_far * far.block_tokens).to(meta.seq_lens.dtype)
+        if layer == self._first_layer or self._near is None or self._near[0] != n:
+            table = meta.block_table[:n]
+            cols = table.shape[1]
+            width = -(-(far.window_tokens + far.block_tokens) // far.block_tokens) + 1  # window blocks, at most
+            index = (torch.arange(width, device=q.device).unsqueeze(0) + num_far.unsqueeze(1)).clamp_(max=cols - 1)
+            self._near = (n, torch.gather(table, 1, index.to(torch.int64)),
+                          meta.seq_lens[:n] - (num_far * far.block_tokens).to(meta.seq_lens.dtype))
+        _, near_table, seqused_k = self._near
         near = window(q, near_table, seqused_k, meta.query_start_loc[: n + 1], far.window_tokens + far.block_tokens)
         layers = far.store.num_layers
         far_out, far_lse, _ = sparse_rows_body(
