@@ -286,8 +286,8 @@ def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_pat
 
 
 def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
-    """scheduler.sparse_full_graphs without vLLM: each layer's `FullDecodeRows.attend` captured once
-    with no request known (as vLLM captures at start-up, every row a dummy), over static metadata of
+    """scheduler.sparse_full_graphs without vLLM: every layer's `FullDecodeRows.attend` captured once in
+    one graph with no request known (as vLLM captures at start-up, every row a dummy), over static metadata of
     four rows (a request with many far blocks, one with fewer than a selection, one with none, a
     padded row); then per step the rows' inputs are written (`write`) and the metadata refreshed in
     place, and the replays equal the window part plus the eager far path, while positions and far
@@ -312,13 +312,16 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
                                query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"))
         q = torch.zeros(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
         outs = [torch.zeros(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in NAMES]
-        graphs = []
+        # as vLLM captures a full decode graph: a warm-up forward (every layer, eagerly: kernels built),
+        # then one graph over every layer's body (the first layer makes the window's shifted table and
+        # key counts, the others read them)
         for layer, window in enumerate(windows):
-            full.attend(outs[layer], layer, q, scale, window, meta)  # warm-up: kernels built
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            full.attend(outs[layer], layer, q, scale, window, meta)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for layer, window in enumerate(windows):
                 full.attend(outs[layer], layer, q, scale, window, meta)
-            graphs.append(graph)
+        graphs = [graph]
         k = graphed.sparse_blocks
         start = {"a": (BLOCKS - 3) * BS - 2, "b": 4 * BS + (k - 3) * BS, "c": 4 * BS - 9}
         for step in range(BS + 4):
