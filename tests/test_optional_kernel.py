@@ -25,6 +25,14 @@ def test_a_failing_kernel_falls_back_from_then_on_with_its_reason():
     assert not kernel.ok and kernel.error == "demo: RuntimeError: no triton here"
     assert kernel.run(works, on_cuda=False) == (False, None)  # not tried again
     assert calls == ["works", "fails"]
+    # the process's fallbacks name it (what the hot window's stats report as kernel_fallbacks)
+    from tierkv.optional_kernel import fallbacks
+
+    fine = OptionalKernel("fine")
+    assert fine.run(works, on_cuda=False) == (True, 7)
+    reasons = fallbacks()
+    assert "demo: RuntimeError: no triton here" in reasons
+    assert not any(reason.startswith("fine:") for reason in reasons)  # a working kernel adds nothing
 
 
 def test_a_failure_during_a_graph_capture_is_raised(monkeypatch):

@@ -151,6 +151,7 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         from tierkv import block_io, sparse
 
         assert sparse._KERNEL.ok, sparse._KERNEL.error
+        assert sparse._ROWS_KERNEL.ok, sparse._ROWS_KERNEL.error  # the bound of all rows in one launch
         from tierkv.vllm_backend import far_cache
 
         assert far_cache._ROWS_KERNEL.ok, far_cache._ROWS_KERNEL.error  # the caches' placement kernel

@@ -53,6 +53,7 @@ from torch.profiler import record_function
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.metrics.prefetch import PrefetchRecorder
+from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
@@ -542,7 +543,9 @@ class FarKV:
                 "step_host_ms": list(self._step_host),  # per step (begin_step, its attend_into calls), last 512
                 "whole_check_max_abs": (self.graphed.whole_check.item() if self.graphed.whole_check is not None
                                         else None),
-                "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch}
+                "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch,
+                # kernels that failed to build or launch and fell back to PyTorch (same output, slower)
+                "kernel_fallbacks": kernel_fallbacks()}
 
     def close(self) -> None:
         for req_id in list(self.requests):
