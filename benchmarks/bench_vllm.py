@@ -259,7 +259,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     step_parts = {k: v[-len(step_ms):] for k, v in step_parts.items() if len(v) >= len(step_ms)}
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     # the key summaries, and over a quantized tier the full decode graph's codes, come out of the same budget
-    summaries = tiered.summary_reserved_bytes + tiered.full_graph_reserved_bytes if tiered is not None else 0
+    summaries = tiered.summary_reserved_bytes if tiered is not None else 0
+    full_graph = tiered.full_graph_reserved_bytes if tiered is not None else 0
     floor = {}
     if mode.split("@")[0] == "tierkv":  # exact decode reads every far block each token: the PCIe floor, same run
         cache = tiered.config.cache
@@ -269,8 +270,9 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         floor = {"h2d_ceiling_gbps": ceiling,
                  "pcie_floor_ms": 1e3 * kv_bytes_per_token(layers) * sum(far_tokens) / len(far_tokens) / (ceiling * 1e9)}
     row = {"mode": mode, "tag": tag, "context": context, "layers": layers, "tensor_parallel_size": tp,
-           "kv_reserved_bytes": kv_reserved + staging + summaries,
+           "kv_reserved_bytes": kv_reserved + staging + summaries + full_graph,
            "vllm_pool_bytes": kv_reserved, "tierkv_staging_bytes": staging, "summary_reserved_bytes": summaries,
+           "full_graph_reserved_bytes": full_graph,
            "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "tokens": tokens, "top2_logprobs": top2_decode,
            **floor, "far_wait_s": wait1 - wait0, "step_ms": step_ms, "step_gc": step_gc, "prefix_ttft_first_s": float("nan"), "prefix_ttft_repeat_s": float("nan"),
            "connector": after if tiered is not None else None, "h2d_samples": list(h2d_samples),
