@@ -107,6 +107,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                              "storage_dtype": storage_dtype}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend,
                                "vllm_async_scheduling": async_scheduling}
+        if async_scheduling:  # two batches in flight: half the prefill chunk keeps the same pool
+            config["scheduler"]["prefill_chunk_tokens"] //= 2
         if sparse:
             config["scheduler"]["sparse_cuda_graphs"] = mode in ("tierkv-sparse-graphs", "tierkv-sparse-full")
             config["scheduler"]["sparse_full_graphs"] = mode == "tierkv-sparse-full"

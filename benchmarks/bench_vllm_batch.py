@@ -111,7 +111,10 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
                             "sparse_graph_rows": requests,
                             "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
                             "sparse_cache_selections": cache_selections,
-                            "vllm_async_scheduling": async_scheduling},
+                            "vllm_async_scheduling": async_scheduling,
+                            # two batches in flight under async scheduling: half the chunk, the same pool need
+                            "prefill_chunk_tokens": SPARSE_HOT_WINDOW["scheduler"]["prefill_chunk_tokens"]
+                            // (2 if async_scheduling else 1)},
               "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
                          "storage_dtype": storage_dtype}]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}

@@ -1849,3 +1849,29 @@ def test_saves_wait_for_a_block_whose_last_token_is_still_being_sampled(tmp_path
         assert meta3.saves[0].hashes == [want] and meta3.hashes == [("r1", 5, [want])]
     finally:
         connector.shutdown()
+
+
+def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(tmp_path):
+    """vLLM sizes the hot-window pool for one request's window plus the prefill tokens in flight,
+    twice that under its async scheduling; a pool below it is a config error naming the budget (not
+    vLLM's max_model_len error), and halving the prefill chunk under async keeps the sync need."""
+    from tierkv.config import ConfigError
+    from tierkv.vllm_backend.llm import check_hot_window_pool, hot_window_pool_need
+
+    model = _checkpoint(tmp_path)
+    config = load_config({"cache": {"block_tokens": 64, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
+                          "scheduler": {"prefill_chunk_tokens": 8192}}, env={})
+    page = 2 * 8 * 64 * 128 * 2  # K and V of 8 KV heads of 128 in bf16, 64-token blocks
+    sync = {"max_num_batched_tokens": 8192, "max_model_len": 131072}
+    assert hot_window_pool_need(model, config, sync) == 32 * (-(-(2047 + 8192) // 64) + 1) * page
+    both = {**sync, "async_scheduling": True}
+    assert hot_window_pool_need(model, config, both) == 32 * (-(-(2047 + 16384) // 64) + 1) * page
+    assert hot_window_pool_need(model, config, {**both, "max_num_batched_tokens": 4096}) == \
+        hot_window_pool_need(model, config, sync)
+    pool = 1476395008  # 1.375 GiB: enough for the sync need (1.26 GiB), not for the async one (2.26 GiB)
+    check_hot_window_pool(model, config, {**sync, "kv_cache_memory_bytes": pool})
+    with pytest.raises(ConfigError, match=r"cache.gpu_budget_bytes.*1.38 GiB.*async_scheduling.*halve"):
+        check_hot_window_pool(model, config, {**both, "kv_cache_memory_bytes": pool})
+    # max_model_len caps the window's tokens; fp8 KV halves each page
+    short = {**both, "max_model_len": 4096, "kv_cache_dtype": "fp8"}
+    assert hot_window_pool_need(model, config, short) == 32 * (4096 // 64 + 1) * page // 2

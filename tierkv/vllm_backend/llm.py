@@ -105,6 +105,8 @@ class VllmTieredLLM:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
+        if self.hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+            check_hot_window_pool(model, self.config, kwargs)
         if (self.hot_window and full_graphs_configured(self.config) and not kwargs.get("enforce_eager")
                 and "compilation_config" not in engine_kwargs):
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(
@@ -215,6 +217,47 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_gr
                 async_scheduling=config.scheduler.vllm_async_scheduling)
 
 
+def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
+    """Bytes vLLM's start-up check asks of the hot-window pool for one request: every layer's
+    window of `cache.window_tokens` plus the tokens in flight (max_num_batched_tokens, twice that
+    under vLLM's async scheduling, which keeps two batches in flight), capped at max_model_len, in
+    blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound)."""
+    shape = checkpoint_shape(model_dir)
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    kv_heads = max(1, shape["num_key_value_heads"] // tp)
+    tokens = config.cache.block_tokens
+    in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)
+    if engine_kwargs.get("async_scheduling"):
+        in_flight *= 2
+    max_len = engine_kwargs.get("max_model_len") or shape["max_position_embeddings"] or (1 << 62)
+    blocks = -(-min(config.cache.window_tokens - 1 + in_flight, max_len) // tokens) + 1
+    dtype = str(engine_kwargs.get("dtype", "auto"))
+    element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
+               4 if dtype in ("float32", "float", "torch.float32") else
+               shape["dtype_bytes"] if dtype == "auto" else 2)
+    return shape["num_hidden_layers"] * blocks * 2 * kv_heads * tokens * shape["head_dim"] * element
+
+
+def check_hot_window_pool(model_dir, config: TierKVConfig, engine_kwargs: dict) -> None:
+    """A config error naming the keys to change when the hot-window pool is smaller than vLLM's
+    start-up check asks (`hot_window_pool_need`); vLLM's own error would speak of max_model_len,
+    which the hot window does not keep on the GPU."""
+    from tierkv.config import ConfigError
+    from tierkv.units import format_bytes
+
+    need = hot_window_pool_need(model_dir, config, engine_kwargs)
+    pool = engine_kwargs["kv_cache_memory_bytes"]
+    if pool < need:
+        doubled = (" (twice max_num_batched_tokens in flight under scheduler.vllm_async_scheduling: halve "
+                   "scheduler.prefill_chunk_tokens to keep the pool)" if engine_kwargs.get("async_scheduling") else "")
+        raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
+                          f"leaves vLLM a hot-window pool of {format_bytes(pool)}, and its window of "
+                          f"{config.cache.window_tokens} tokens plus "
+                          f"{engine_kwargs.get('max_num_batched_tokens')} prefill tokens in flight{doubled} "
+                          f"needs {format_bytes(need)}: raise the budget, or lower cache.window_tokens or "
+                          "scheduler.prefill_chunk_tokens")
+
+
 def full_decode_capture_sizes(max_num_seqs) -> list[int]:
     """The batch sizes vLLM captures graphs for under `scheduler.sparse_full_graphs`: vLLM's default
     sizes (1, 2, 4, multiples of 8 below 256, of 16 from 256, up to twice max_num_seqs and 512) with
@@ -287,8 +330,8 @@ def sparse_max_model_len(model_dir, max_model_len: int | None, shape: dict | Non
 
 
 def checkpoint_shape(model_dir) -> dict:
-    """num_hidden_layers, num_key_value_heads, head_dim and max_position_embeddings (None when
-    absent) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
+    """num_hidden_layers, num_key_value_heads, head_dim, max_position_embeddings (None when
+    absent) and dtype_bytes (4 for float32, else 2) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
     path = os.path.join(os.fspath(model_dir), "config.json")
     try:
         with open(path) as f:
@@ -304,8 +347,10 @@ def checkpoint_shape(model_dir) -> dict:
     head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
     if not head_dim:
         raise ValueError(f"model: {path} gives neither head_dim nor hidden_size")
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "bfloat16")
     return {"num_hidden_layers": text["num_hidden_layers"], "num_key_value_heads": text.get("num_key_value_heads") or heads,
-            "head_dim": head_dim, "max_position_embeddings": text.get("max_position_embeddings")}
+            "head_dim": head_dim, "max_position_embeddings": text.get("max_position_embeddings"),
+            "dtype_bytes": 4 if dtype in ("float32", "torch.float32") else 2}
 
 
 PLUGIN_ENTRY_POINT = "tierkv.vllm_backend.hot_window:register"
