@@ -1776,7 +1776,7 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     from tierkv.blocks import BlockLayout
     from tierkv.config import ConfigError
     from tierkv.storage import CpuTier
-    from tierkv.vllm_backend.llm import VllmTieredLLM, full_graph_packed_bytes
+    from tierkv.vllm_backend.llm import VllmTieredLLM, full_graph_packed_bytes, hot_window_pool_need
 
     model = _checkpoint(tmp_path)  # 8 KV heads of 128
 
@@ -1810,7 +1810,11 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     assert llm.full_graph_reserved_bytes == rows * k * per_block and without - with_full == rows * k * per_block
     # a budget that holds staging and the summaries but not the codes too: the codes are what tips it
     held = 512 * 2**20 + llm.summary_reserved_bytes + rows * k * per_block
-    assert pool(config(budget=str(held + 2**20)), **compiled)[0] == 2**20
+    # what is left is vLLM's pool, which must hold one request's window and prefill chunk (vLLM's check)
+    need = hot_window_pool_need(model, config(), {"max_num_batched_tokens": 2048, "max_model_len": 131072})
+    assert pool(config(budget=str(held + need)), **compiled)[0] == need
+    with pytest.raises(ConfigError, match="hot-window pool of"):
+        pool(config(budget=str(held + need - 1)), **compiled)
     with pytest.raises(ConfigError, match="full decode graph's codes and scales"):
         pool(config(budget=str(held)), **compiled)
 
