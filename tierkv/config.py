@@ -120,8 +120,8 @@ class SchedulerConfig:
     vllm_async_scheduling: bool = field(default=False, metadata=doc(
         "under vLLM's hot window: let vLLM schedule and prepare step N+1 while the GPU runs step N (its async "
         "scheduling, on by default in plain vLLM); a block completed by a token still being sampled is saved one "
-        "step later, and vLLM's pool keeps twice the prefill chunk of in-flight tokens per request. Tested on CPU "
-        "only"))
+        "step later, and vLLM's pool keeps twice the prefill chunk of in-flight tokens per request (halve "
+        "prefill_chunk_tokens to keep the pool; TieredLLM checks it before vLLM starts)"))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "
