@@ -1879,3 +1879,28 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
     # max_model_len caps the window's tokens; fp8 KV halves each page
     short = {**both, "max_model_len": 4096, "kv_cache_dtype": "fp8"}
     assert hot_window_pool_need(model, config, short) == 32 * (4096 // 64 + 1) * page // 2
+
+
+def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
+    """The full decode graph's codes are reserved before vLLM starts, for the largest capture size
+    TieredLLM works out; the connector sizes them from vLLM's resolved one. After the start the two
+    are compared, and a resolved batch past the reserved rows is an error naming the remedy."""
+    from types import SimpleNamespace
+
+    from tierkv.vllm_backend.connector import graph_rows
+    from tierkv.vllm_backend.llm import check_full_graph_rows, full_graph_rows
+
+    def vllm(max_num_seqs, captured):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                               compilation_config=SimpleNamespace(max_cudagraph_capture_size=captured))
+
+    # the sizes TieredLLM passes (vLLM's defaults up to twice max_num_seqs, and max_num_seqs): 1, 2, 4, 8, 10, 16
+    assert full_graph_rows({"max_num_seqs": 10}) == 16
+    assert full_graph_rows({"max_num_seqs": 10, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 16]}}) == 16
+    assert full_graph_rows({"max_num_seqs": 10, "compilation_config": {"cudagraph_capture_sizes": [1, 4]}}) == 10
+    assert graph_rows(vllm(10, 16)) == 16 and graph_rows(vllm(10, None)) == 20 and graph_rows(vllm(10, 4)) == 10
+    check_full_graph_rows(20, vllm(10, 20))
+    check_full_graph_rows(16, vllm(10, 12))
+    check_full_graph_rows(0, vllm(10, 512))  # nothing reserved (bf16 tier, eager): nothing to cover
+    with pytest.raises(RuntimeError, match=r"reserved for 16 rows.*resolved its largest captured batch to 32"):
+        check_full_graph_rows(16, vllm(10, 32))

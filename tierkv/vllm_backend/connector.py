@@ -72,6 +72,14 @@ class _RequestState:
     pending_load: BlockSpan | None = None
 
 
+def graph_rows(vllm_config) -> int:
+    """The largest batch vLLM captures or warms up a graph for: its resolved max_cudagraph_capture_size
+    (twice max_num_seqs by default), at least max_num_seqs."""
+    max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+    captured = getattr(getattr(vllm_config, "compilation_config", None), "max_cudagraph_capture_size", None)
+    return max(max_num_seqs, int(captured or 2 * max_num_seqs))
+
+
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -84,10 +92,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                           else self.config.model.name)
         self.max_model_len = getattr(model_config, "max_model_len", None)
         self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
-        # the largest batch vLLM captures or warms up a graph for (twice max_num_seqs by default): the full decode
-        # graph's row buffers cover it
-        captured = getattr(getattr(vllm_config, "compilation_config", None), "max_cudagraph_capture_size", None)
-        self.max_graph_rows = max(self.max_num_seqs, int(captured or 2 * self.max_num_seqs))
+        self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0

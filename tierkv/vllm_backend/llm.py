@@ -45,6 +45,7 @@ from tierkv.vllm_backend.far_full import full_graphs_configured
 class VllmTieredLLM:
     summary_reserved_bytes = 0  # GPU bytes of the budget kept for sparse key summaries (set by __init__)
     full_graph_reserved_bytes = 0  # and for the full decode graph's codes and scales (quantized CPU tier)
+    full_graph_reserved_rows = 0  # the rows those codes were reserved for (the largest captured batch)
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
                  tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
@@ -62,6 +63,7 @@ class VllmTieredLLM:
         try:  # a bad argument or a failed start leaves no config file behind
             self.engine = LLM(**self._engine_kwargs(model, max_model_len, gpu_memory_utilization, enable_prefix_caching,
                                                     engine_kwargs))
+            check_full_graph_rows(self.full_graph_reserved_rows, self.engine.llm_engine.vllm_config)
         except BaseException:
             self.close()
             raise
@@ -98,6 +100,8 @@ class VllmTieredLLM:
                 max_model_len = sparse_max_model_len(model, max_model_len)
                 self.summary_reserved_bytes = sparse_summary_bytes(model, self.config, max_model_len, engine_kwargs)
                 self.full_graph_reserved_bytes = full_graph_packed_bytes(model, self.config, engine_kwargs)
+                if self.full_graph_reserved_bytes:
+                    self.full_graph_reserved_rows = full_graph_rows(engine_kwargs)
             kwargs.update(hot_window_engine_args(self.config, self.summary_reserved_bytes,
                                                  self.full_graph_reserved_bytes))
             if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
@@ -273,6 +277,35 @@ def full_decode_capture_sizes(max_num_seqs) -> list[int]:
     return sorted({size for size in default if size <= largest} | {min(max_num_seqs, 512)})
 
 
+def full_graph_rows(engine_kwargs: dict) -> int:
+    """The largest batch vLLM will capture a full decode graph for, worked out before the engine
+    exists: the largest capture size of the engine's compilation_config when given, else of
+    `full_decode_capture_sizes(max_num_seqs)`, and at least max_num_seqs (the connector sizes its
+    rows from vLLM's resolved size, `connector.graph_rows`; `check_full_graph_rows` ties the two)."""
+    max_num_seqs = engine_kwargs.get("max_num_seqs")
+    sizes = full_decode_capture_sizes(max_num_seqs)
+    own = engine_kwargs.get("compilation_config")
+    if isinstance(own, dict) and own.get("cudagraph_capture_sizes"):
+        sizes = list(own["cudagraph_capture_sizes"])
+    return max(max_num_seqs, *sizes)
+
+
+def check_full_graph_rows(reserved_rows: int, vllm_config) -> None:
+    """After vLLM starts: the rows the full decode graph's codes were reserved for in the budget
+    (`full_graph_rows`) must cover the batch the connector sizes them for (`connector.graph_rows`);
+    otherwise the GPU would hold more than cache.gpu_budget_bytes. Nothing to check when nothing
+    was reserved."""
+    if not reserved_rows:
+        return
+    from tierkv.vllm_backend.connector import graph_rows
+
+    rows = graph_rows(vllm_config)
+    if rows > reserved_rows:
+        raise RuntimeError(f"the full decode graph's codes were reserved for {reserved_rows} rows, and vLLM resolved "
+                           f"its largest captured batch to {rows}: pass compilation_config="
+                           "{'cudagraph_capture_sizes': [...]} with the sizes to capture")
+
+
 def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
     """GPU bytes the sparse step inside vLLM's full decode graph keeps, on each GPU, for the codes and
     scales of a quantized CPU tier (`far_full.FullDecodeRows`: a selection of blocks for each row of the
@@ -284,12 +317,7 @@ def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict
     cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
     if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
         return 0
-    max_num_seqs = engine_kwargs.get("max_num_seqs")
-    sizes = full_decode_capture_sizes(max_num_seqs)
-    own = engine_kwargs.get("compilation_config")
-    if isinstance(own, dict) and own.get("cudagraph_capture_sizes"):
-        sizes = list(own["cudagraph_capture_sizes"])
-    rows = max(max_num_seqs, *sizes)
+    rows = full_graph_rows(engine_kwargs)
     shape = checkpoint_shape(model_dir)
     kv_heads = max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
     tokens = config.cache.block_tokens
