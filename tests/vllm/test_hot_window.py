@@ -1879,6 +1879,12 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
     # max_model_len caps the window's tokens; fp8 KV halves each page
     short = {**both, "max_model_len": 4096, "kv_cache_dtype": "fp8"}
     assert hot_window_pool_need(model, config, short) == 32 * (4096 // 64 + 1) * page // 2
+    # a model's own smaller sliding window is what vLLM sizes those layers by; one turned off is not
+    (tmp_path / "own").mkdir(), (tmp_path / "off").mkdir()
+    own = _checkpoint(tmp_path / "own", sliding_window=1024)
+    assert hot_window_pool_need(own, config, sync) == 32 * (-(-(1023 + 8192) // 64) + 1) * page
+    off = _checkpoint(tmp_path / "off", sliding_window=1024, use_sliding_window=False)
+    assert hot_window_pool_need(off, config, sync) == hot_window_pool_need(model, config, sync)
 
 
 def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():

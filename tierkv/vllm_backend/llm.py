@@ -222,8 +222,9 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_gr
 
 
 def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
-    """Bytes vLLM's start-up check asks of the hot-window pool for one request: every layer's
-    window of `cache.window_tokens` plus the tokens in flight (max_num_batched_tokens, twice that
+    """Bytes vLLM's start-up check asks of the hot-window pool for one request, at least: every
+    layer's window of `cache.window_tokens` (the model's own sliding window when smaller) plus the
+    tokens in flight (max_num_batched_tokens, twice that
     under vLLM's async scheduling, which keeps two batches in flight), capped at max_model_len, in
     blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound)."""
     shape = checkpoint_shape(model_dir)
@@ -234,7 +235,10 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     if engine_kwargs.get("async_scheduling"):
         in_flight *= 2
     max_len = engine_kwargs.get("max_model_len") or shape["max_position_embeddings"] or (1 << 62)
-    blocks = -(-min(config.cache.window_tokens - 1 + in_flight, max_len) // tokens) + 1
+    # a model with its own sliding window keeps those layers' spec: the smaller window, so the check
+    # never asks more than vLLM does (a larger own window is left to vLLM's check)
+    window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
+    blocks = -(-min(window - 1 + in_flight, max_len) // tokens) + 1
     dtype = str(engine_kwargs.get("dtype", "auto"))
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
                4 if dtype in ("float32", "float", "torch.float32") else
@@ -359,7 +363,8 @@ def sparse_max_model_len(model_dir, max_model_len: int | None, shape: dict | Non
 
 def checkpoint_shape(model_dir) -> dict:
     """num_hidden_layers, num_key_value_heads, head_dim, max_position_embeddings (None when
-    absent) and dtype_bytes (4 for float32, else 2) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
+    absent), dtype_bytes (4 for float32, else 2) and sliding_window (the model's own, None when
+    absent or turned off) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
     path = os.path.join(os.fspath(model_dir), "config.json")
     try:
         with open(path) as f:
@@ -376,9 +381,11 @@ def checkpoint_shape(model_dir) -> dict:
     if not head_dim:
         raise ValueError(f"model: {path} gives neither head_dim nor hidden_size")
     dtype = str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+    window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
     return {"num_hidden_layers": text["num_hidden_layers"], "num_key_value_heads": text.get("num_key_value_heads") or heads,
             "head_dim": head_dim, "max_position_embeddings": text.get("max_position_embeddings"),
-            "dtype_bytes": 4 if dtype in ("float32", "torch.float32") else 2}
+            "dtype_bytes": 4 if dtype in ("float32", "torch.float32") else 2,
+            "sliding_window": window if isinstance(window, int) and window > 0 else None}
 
 
 PLUGIN_ENTRY_POINT = "tierkv.vllm_backend.hot_window:register"
