@@ -221,6 +221,18 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_gr
                 async_scheduling=config.scheduler.vllm_async_scheduling)
 
 
+def rank_kv_heads(shape: dict, engine_kwargs: dict) -> int:
+    """KV heads of the checkpoint `shape` on each GPU: split over the engine's tensor_parallel_size."""
+    return max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
+
+
+def engine_dtype_bytes(engine_kwargs: dict, auto_bytes: int = 2) -> int:
+    """Bytes per element of the engine's dtype: 4 for float32, 2 for any other named dtype,
+    `auto_bytes` when the engine takes the checkpoint's ('auto' or not given)."""
+    dtype = str(engine_kwargs.get("dtype", "auto"))
+    return auto_bytes if dtype == "auto" else 4 if dtype in ("float32", "float", "torch.float32") else 2
+
+
 def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
     """Bytes vLLM's start-up check asks of the hot-window pool for one request, at least: every
     layer's window of `cache.window_tokens` (the model's own sliding window when smaller) plus the
@@ -228,8 +240,6 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     under vLLM's async scheduling, which keeps two batches in flight), capped at max_model_len, in
     blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound)."""
     shape = checkpoint_shape(model_dir)
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
-    kv_heads = max(1, shape["num_key_value_heads"] // tp)
     tokens = config.cache.block_tokens
     in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)
     if engine_kwargs.get("async_scheduling"):
@@ -239,11 +249,10 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     # never asks more than vLLM does (a larger own window is left to vLLM's check)
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
     blocks = -(-min(window - 1 + in_flight, max_len) // tokens) + 1
-    dtype = str(engine_kwargs.get("dtype", "auto"))
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
-               4 if dtype in ("float32", "float", "torch.float32") else
-               shape["dtype_bytes"] if dtype == "auto" else 2)
-    return shape["num_hidden_layers"] * blocks * 2 * kv_heads * tokens * shape["head_dim"] * element
+               engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"]))
+    return (shape["num_hidden_layers"] * blocks * 2 * rank_kv_heads(shape, engine_kwargs) * tokens
+            * shape["head_dim"] * element)
 
 
 def check_hot_window_pool(model_dir, config: TierKVConfig, engine_kwargs: dict) -> None:
@@ -323,7 +332,7 @@ def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict
         return 0
     rows = full_graph_rows(engine_kwargs)
     shape = checkpoint_shape(model_dir)
-    kv_heads = max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
+    kv_heads = rank_kv_heads(shape, engine_kwargs)
     tokens = config.cache.block_tokens
     per_block = 2 * kv_heads * tokens * shape["head_dim"] + 2 * kv_heads * 4  # one-byte codes, a float32 scale per head
     return rows * max(1, config.scheduler.sparse_token_budget // tokens) * per_block
@@ -343,10 +352,9 @@ def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | N
                          "positive max_num_seqs (requests at once)")
     shape = checkpoint_shape(model_dir)
     max_len = sparse_max_model_len(model_dir, max_model_len, shape)
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
-    dtype_bytes = 4 if str(engine_kwargs.get("dtype", "auto")) in ("float32", "float", "torch.float32") else 2
     per_request = summary_bytes_per_request(max_len, config.cache.block_tokens, shape["num_hidden_layers"],
-                                            max(1, shape["num_key_value_heads"] // tp), shape["head_dim"], dtype_bytes)
+                                            rank_kv_heads(shape, engine_kwargs), shape["head_dim"],
+                                            engine_dtype_bytes(engine_kwargs))
     return max_num_seqs * per_request
 
 
