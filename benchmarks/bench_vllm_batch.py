@@ -81,7 +81,7 @@ def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",
-           cache_selections: int = 1, compiled: bool = False, async_scheduling: bool = False):
+           cache_selections: int = 1, compiled: bool = False, async_scheduling: bool = False, prefetch_margin: int = 0):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's backend:
     # piecewise graphs around its attention, which replays graphs of its own)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False,
@@ -111,6 +111,8 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
                             "sparse_graph_rows": requests,
                             "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
                             "sparse_cache_selections": cache_selections,
+                            # the blocks ranked below each selection, fetched for the next step on a side stream
+                            "sparse_prefetch_margin": prefetch_margin,
                             "vllm_async_scheduling": async_scheduling,
                             # two batches in flight under async scheduling: half the chunk, the same pool need
                             "prefill_chunk_tokens": SPARSE_HOT_WINDOW["scheduler"]["prefill_chunk_tokens"]
@@ -124,7 +126,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
         storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None,
-        compiled: bool = False, async_scheduling: bool = False) -> None:
+        compiled: bool = False, async_scheduling: bool = False, prefetch_margin: int = 0) -> None:
     """profile_after: the step after that many full-batch steps runs under torch.profiler (its kernel
     table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate."""
     from vllm import SamplingParams
@@ -140,6 +142,8 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
             mode = f"{mode}@{storage_dtype}"  # its own row and file
         if cache_selections != 1:
             mode = f"{mode}@cache{cache_selections}"
+        if prefetch_margin:
+            mode = f"{mode}@margin{prefetch_margin}"
         if async_scheduling:
             mode = f"{mode}@async"  # vLLM's async scheduling (plain vLLM has it on by default)
     if compiled:
@@ -149,7 +153,7 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
     context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections,
-                         compiled, async_scheduling)
+                         compiled, async_scheduling, prefetch_margin)
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -285,6 +289,10 @@ def main() -> int:
                         help="vLLM compiled with CUDA graphs, not eager (row MODE@compiled, against plain@compiled)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="tierkv modes: scheduler.vllm_async_scheduling, vLLM's async scheduling (row MODE@async)")
+    parser.add_argument("--prefetch-margin", type=int, default=0,
+                        help="tierkv-sparse-full: scheduler.sparse_prefetch_margin, blocks per layer ranked below each "
+                             "selection fetched for the next step on a side stream (row MODE@marginN; needs "
+                             "--cache-selections 2 or more)")
     parser.add_argument("--profile-after", type=int, default=None,
                         help="profile the step after this many full-batch steps (OUT/profile-batch-MODE.txt)")
     args = parser.parse_args()
@@ -303,8 +311,11 @@ def main() -> int:
         parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
     if mode == "plain" and args.async_scheduling:
         parser.error("--async-scheduling: tierkv modes only (plain vLLM runs its own default, async on)")
+    if args.prefetch_margin and (mode != "tierkv-sparse-full" or args.cache_selections < 2):
+        parser.error(f"--prefetch-margin {args.prefetch_margin}: MODE tierkv-sparse-full with --cache-selections 2 "
+                     "or more")
     run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
-        args.cache_selections, args.profile_after, args.compiled, args.async_scheduling)
+        args.cache_selections, args.profile_after, args.compiled, args.async_scheduling, args.prefetch_margin)
     return 0
 
 

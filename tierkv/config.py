@@ -112,6 +112,12 @@ class SchedulerConfig:
         "selected again after a step or more away is still on the GPU (the least recently used replaced); each "
         "adds layers x sparse_token_budget tokens of KV to what staging_bytes must hold per row; 0: keep nothing, "
         "copy every selected block each step (one selection's staging per row)", min_value=0))
+    sparse_prefetch_margin: int = field(default=0, metadata=doc(
+        "sparse step inside vLLM's full decode graph: far blocks per layer and row ranked just below the selection "
+        "(the next k..k+m of the same bounds), copied into the request's far-block cache on a side stream while the "
+        "next layers compute, so the next step finds them there; needs sparse_cache_selections x the selection's "
+        "blocks >= the selection's blocks + the margin (2 selections: a margin up to one selection); 0: off",
+        min_value=0))
     sparse_full_graphs: bool = field(default=False, metadata=doc(
         "sparse CUDA graphs under compiled vLLM: let vLLM capture the attention of single-token decode steps in its "
         "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "

@@ -36,6 +36,7 @@ def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str,
     try:
         config = build_section(TierKVConfig, data, "")
         _check_tier_order(config)
+        _check_prefetch_margin(config)
     except ConfigError as err:
         origin = origins.get(err.key)
         if origin is None:
@@ -191,6 +192,20 @@ def _check_tier_order(config: TierKVConfig) -> None:
         raise ConfigError("tiers", kinds, "the first tier must be kind 'cpu' (the pinned slab GPU copies use)")
     if kinds.count("cpu") > 1:
         raise ConfigError("tiers", kinds, "at most one 'cpu' tier")
+
+
+def _check_prefetch_margin(config: TierKVConfig) -> None:
+    scheduler = config.scheduler
+    if scheduler.sparse_prefetch_margin and not (scheduler.policy == "sparse" and scheduler.sparse_cuda_graphs
+                                                 and scheduler.sparse_full_graphs):
+        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
+                          "the next-step prefetch runs inside vLLM's full decode graph only: set scheduler.policy "
+                          "'sparse', sparse_cuda_graphs and sparse_full_graphs true, or the margin to 0")
+    if scheduler.sparse_prefetch_margin and scheduler.sparse_cache_selections < 2:
+        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
+                          f"the prefetched blocks need cache slots beside the selection's: "
+                          f"scheduler.sparse_cache_selections is {scheduler.sparse_cache_selections}, set it to 2 "
+                          "or more")
 
 
 def _check_writable_dir(value: str, keypath: str) -> None:

@@ -33,7 +33,8 @@ HEADS, KV_HEADS, DIM, LAYERS, TOKENS = 32, 8, 128, 3, 9600
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = "auto", cache_selections: int = 1):
+def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = "auto", cache_selections: int = 1,
+               margin: int = 0):
     BLOCKS = TOKENS // BS
     block_bytes = 2 * KV_HEADS * BS * DIM * 2
     config = load_config({
@@ -42,7 +43,8 @@ def sparse_far(tmp_path, caches, prompts, graphs: bool, BS: int, storage: str = 
                    "storage_dtype": storage}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 1024 * block_bytes, "policy": "sparse",
                       "sparse_token_budget": 32 * BS, "sparse_cuda_graphs": graphs,
-                      "sparse_cache_selections": cache_selections},
+                      "sparse_cache_selections": cache_selections,
+                      **({"sparse_full_graphs": True, "sparse_prefetch_margin": margin} if margin else {})},
     }, env={})
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), NAMES, "graphs", "cuda")
     store.register(caches)
@@ -293,18 +295,46 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
     padded row); then per step the rows' inputs are written (`write`) and the metadata refreshed in
     place, and the replays equal the window part plus the eager far path, while positions and far
     counts grow, with no host sync in the replays."""
+    stats = full_body_steps(tmp_path, margin=0, storage="auto", drift=False)
+    assert "prefetch_copied" not in stats["full_decode_graphs"]
+
+
+@pytest.mark.parametrize("storage", ["auto", "float8_e4m3fn"])
+def test_the_next_step_prefetch_runs_on_a_side_stream_inside_the_captured_body(tmp_path, storage):
+    """scheduler.sparse_prefetch_margin inside the captured full decode body: each layer forks the copy
+    of the blocks ranked below its selection to a side stream, the last layer joins it, and the
+    replays still equal the eager step (bf16 and fp8 CPU tiers, no host sync). Queries drifting from
+    one direction to another: the prefetch turns most of the next steps' misses into hits, against
+    the same steps without it."""
+    k = 32
+    off = full_body_steps(tmp_path / "off", margin=0, storage=storage, drift=True)
+    on = full_body_steps(tmp_path / "on", margin=k, storage=storage, drift=True)
+    prefetch = on["full_decode_graphs"]
+    assert prefetch["prefetch_copied"] > 0
+    assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
+    assert on["cache_misses"] < off["cache_misses"], (on["cache_misses"], off["cache_misses"])
+
+
+def full_body_steps(tmp_path, margin: int, storage: str, drift: bool) -> dict:
+    """The captured full decode body over 4 rows, BS + 4 steps, each replay checked against the eager
+    step; margin: scheduler.sparse_prefetch_margin (caches of two selections when set); drift: the
+    queries move from one direction to another in small steps (else fresh each step). The graphed
+    far path's stats."""
     from types import SimpleNamespace
 
     from tierkv.vllm_backend.far_full import FullDecodeRows
 
     BS = 64
     BLOCKS = TOKENS // BS
+    steps = BS + 4
     scale = DIM ** -0.5
     caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
     prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "b", "c")}
-    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
-    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS, storage=storage)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS, storage=storage,
+                                      cache_selections=2 if margin else 1, margin=margin)
     windows = [TorchWindow(caches[n], scale) for n in NAMES]
+    ends = torch.randn(2, 4, HEADS, DIM, device="cuda")
     try:
         full = FullDecodeRows(graphed, 4, graph_store.layer_index)
         n = 4
@@ -322,17 +352,19 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
         with torch.cuda.graph(graph):
             for layer, window in enumerate(windows):
                 full.attend(outs[layer], layer, q, scale, window, meta)
-        graphs = [graph]
         k = graphed.sparse_blocks
         start = {"a": (BLOCKS - 3) * BS - 2, "b": 4 * BS + (k - 3) * BS, "c": 4 * BS - 9}
-        for step in range(BS + 4):
+        for step in range(steps):
             rows = [(req, first + step, 1) for req, first in start.items()]
             eager.begin_step(rows)
             far_rows = graphed.begin_step(rows)
             assert far_rows[0].num_far_blocks > k > far_rows[1].num_far_blocks > 0 == far_rows[2].num_far_blocks
             assert full.write(far_rows)
             meta.seq_lens[:3] = torch.tensor([r.num_computed + 1 for r in far_rows], dtype=torch.int32)
-            q.copy_(torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16))
+            if drift:
+                q.copy_(ends[0] + (ends[1] - ends[0]) * step / (steps - 1))
+            else:
+                q.copy_(torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16))
             # the window's blocks of the reference pool (every id a block of it: columns past a row's near keys
             # are never read, but they are gathered)
             shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8).clamp(max=BLOCKS - 1)
@@ -341,8 +373,7 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
                                     device="cuda")
             torch.cuda.set_sync_debug_mode("error")
             try:
-                for graph in graphs:
-                    graph.replay()
+                graph.replay()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             cu = torch.arange(4, dtype=torch.int32, device="cuda")
@@ -353,7 +384,8 @@ def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
                                            msg=f"step {step} layer {layer}")
             for far in (eager, graphed):
                 far.end_step()
-        assert full.stats()["full_steps"] == BS + 4
+        assert full.stats()["full_steps"] == steps
+        return graphed.stats()
     finally:
         for far, store in ((eager, eager_store), (graphed, graph_store)):
             far.close()

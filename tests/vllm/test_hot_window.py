@@ -46,7 +46,8 @@ HQ = 4  # query heads: GQA group of 2
 
 
 def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0,
-                 sparse_graphs: bool = False, storage_dtype: str = "auto", cache_selections: int = 1) -> str:
+                 sparse_graphs: bool = False, storage_dtype: str = "auto", cache_selections: int = 1,
+                 scheduler_lines: tuple[str, ...] = ()) -> str:
     block_bytes = 2 * H * BS * D * 4
     path = tmp_path / "hot.yaml"
     sparse = ["  policy: sparse", f"  sparse_token_budget: {sparse_tokens}"] if sparse_tokens else []
@@ -56,6 +57,7 @@ def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int 
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}", f"    storage_dtype: {storage_dtype}",
         "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
         "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}", *sparse,
+        *(f"  {line}" for line in scheduler_lines),
     ]) + "\n")
     return str(path)
 
@@ -1087,11 +1089,12 @@ class _BodyGraphs:
 
 def computed_far(tmp_path, reqs, max_rows: int, staging_blocks: int = 64, sparse_graphs: bool = True,
                  window: int = 2 * BS, blocks: int = 30, max_model_len: int | None = None, caches=None,
-                 cache_selections: int = 1):
+                 cache_selections: int = 1, scheduler_lines: tuple[str, ...] = ()):
     """A sparse-policy FarKV over a CPU store whose requests `reqs` each have `blocks` computed blocks
     per layer (saved and summarized, from vLLM pools `caches`, random when not given): (store, caches, far)."""
     config = load_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks, sparse_tokens=4 * BS,
-                                      sparse_graphs=sparse_graphs, cache_selections=cache_selections), env={})
+                                      sparse_graphs=sparse_graphs, cache_selections=cache_selections,
+                                      scheduler_lines=scheduler_lines), env={})
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     caches = caches if caches is not None else {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     store.register(caches)
@@ -1780,11 +1783,13 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
 
     model = _checkpoint(tmp_path)  # 8 KV heads of 128
 
-    def config(full: bool = True, storage: str = "float8_e4m3fn", budget: str = "8GiB"):
+    def config(full: bool = True, storage: str = "float8_e4m3fn", budget: str = "8GiB", margin: int = 0):
+        prefetch = {"sparse_prefetch_margin": margin, "sparse_cache_selections": 2} if margin else {}
         return load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": budget, "window_tokens": 2048},
                             "tiers": [{"kind": "cpu", "capacity_bytes": "1GiB", "storage_dtype": storage}],
                             "scheduler": {"policy": "sparse", "sparse_cuda_graphs": True, "sparse_full_graphs": full,
-                                          "sparse_token_budget": 2048, "staging_bytes": "512MiB"}}, env={})
+                                          "sparse_token_budget": 2048, "staging_bytes": "512MiB", **prefetch}},
+                           env={})
 
     compiled = {"max_num_seqs": 10, "enforce_eager": False}
     tier = CpuTier("cpu", BlockLayout(8, 64, 128, torch.bfloat16), 1 << 24, pin_memory=False,
@@ -1799,6 +1804,10 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     for other, kwargs in ((config(storage="auto"), compiled), (config(full=False), compiled),
                           (config(), {"max_num_seqs": 10})):
         assert full_graph_packed_bytes(model, other, kwargs) == 0
+    # the next-step prefetch: its margin's codes and scales, and per layer its int64 sources and targets
+    lists = rows * 8 * 32 * 2 * 8  # the checkpoint's 32 layers
+    assert full_graph_packed_bytes(model, config(margin=8), compiled) == rows * (k + 8) * per_block + lists
+    assert full_graph_packed_bytes(model, config(storage="auto", margin=8), compiled) == lists
 
     def pool(cfg, **kwargs):
         llm = object.__new__(VllmTieredLLM)

@@ -495,7 +495,10 @@ class FarKV:
                     "cache_copied_bytes": 0}
         stats = self.row_caches.stats()
         # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
-        stats["cache_copied_bytes"] = copied = stats["cache_misses"] * self.store.cpu.slot_bytes
+        # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
+        prefetched = (self.full.prefetch.stats()["prefetch_copied"]
+                      if self.full is not None and self.full.prefetch is not None else 0)
+        stats["cache_copied_bytes"] = copied = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
         self.store.io.engine.num_bytes_moved["h2d"] += copied - self._cache_bytes_counted
         self._cache_bytes_counted = copied
         return stats

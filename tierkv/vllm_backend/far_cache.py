@@ -144,47 +144,51 @@ class RowCaches:
             self.last_use[cache.index].fill_(-1)
         self._spare.append(cache)
 
-    def place(self, cache: CacheSet, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def place(self, cache: CacheSet, layer: int, ids: torch.Tensor,
+              counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection ids (int64 [k] on the device, distinct where not negative; a negative id
         stands for no block) of `cache`'s request at `layer`:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
         copies into those slots), in PyTorch ops (what `place_rows` does row by row where its kernel
-        cannot run). Device work only, no host wait."""
+        cannot run). counters: where the hits, misses and rows that missed are added (default the
+        caches' own). Device work only, no host wait."""
+        counters = self.counters if counters is None else counters
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
             miss = ids >= 0
-            self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any().to(torch.int64)]))
+            counters.add_(torch.stack([self._zero, miss.sum(), miss.any().to(torch.int64)]))
             return self._order + cache.base(layer), miss
         held = self.held[cache.index, layer]
         if self.last_use is None:
-            return self._place_torch(cache, layer, ids, held)
+            return self._place_torch(cache, layer, ids, held, counters=counters)
         last_use, tick = self.last_use[cache.index, layer], self.clock[cache.index : cache.index + 1]
-        return self._place_torch(cache, layer, ids, held, last_use, tick)
+        return self._place_torch(cache, layer, ids, held, last_use, tick, counters)
 
-    def place_rows(self, caches: list[CacheSet], sets: torch.Tensor, layer: int,
-                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`place` for m rows at once, row r the selection ids[r] (int64 [m, k]) of the request holding
-        caches[r], whose indices `sets` holds (int64 [m] on the device; a CUDA graph bakes it): (slots
-        int64 [m, k], miss bool [m, k]). One Triton launch for every row on CUDA; row by row
-        elsewhere."""
+    def place_rows(self, caches: list[CacheSet], sets: torch.Tensor, layer: int, ids: torch.Tensor,
+                   counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`place` for m rows at once, row r the ids[r] (int64 [m, j], j at most the slots per layer) of
+        the request holding caches[r], whose indices `sets` holds (int64 [m] on the device; a CUDA graph
+        bakes it): (slots int64 [m, j], miss bool [m, j]). One Triton launch for every row on CUDA; row
+        by row elsewhere. counters: as `place`."""
+        counters = self.counters if counters is None else counters
         if not self.per_layer:  # nothing kept: each set's slots, every id copied
             miss = ids >= 0
-            self.counters.add_(torch.stack([self._zero, miss.sum(), miss.any(1).sum()]))
-            return self._order + (sets * self.width).unsqueeze(1), miss
+            counters.add_(torch.stack([self._zero, miss.sum(), miss.any(1).sum()]))
+            return self._order[: ids.shape[1]] + (sets * self.width).unsqueeze(1), miss
         lru = self.last_use is not None
         if ids.is_cuda and self.width <= KERNEL_MAX_K:
-            args = ((self.held, self.last_use, self.clock) if lru else (self.held,)) + (sets, layer, ids, self.counters)
+            args = ((self.held, self.last_use, self.clock) if lru else (self.held,)) + (sets, layer, ids, counters)
             ok, placed = _ROWS_KERNEL.run(lambda: _place_rows_kernel(lru)(*args), on_cuda=True)
             if ok:
                 return placed
         # a row without a set (a full decode graph's row without far blocks: all its ids negative) places nothing
-        placed = [self.place(cache, layer, ids[r]) if cache is not None
+        placed = [self.place(cache, layer, ids[r], counters) if cache is not None
                   else (torch.zeros_like(ids[r]), torch.zeros_like(ids[r], dtype=torch.bool))
                   for r, cache in enumerate(caches)]
         return torch.stack([p[0] for p in placed]), torch.stack([p[1] for p in placed])
 
     def _place_torch(self, cache: CacheSet, layer: int, ids: torch.Tensor, held: torch.Tensor,
                      last_use: torch.Tensor | None = None, tick: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`place` in PyTorch ops over the layer's C slots (held int64 [C]): a held id is read in
         place; the r-th missing id takes the r-th slot the selection does not read (at least as many
         as the misses: C - hits >= k - hits), in slot order, or with last_use (int64 [C], C > k) least
@@ -206,7 +210,8 @@ class RowCaches:
         if last_use is not None:
             _scatter_into(last_use, target, tick.expand(ids.shape[0]))
             tick.add_(1)
-        self.counters.add_(torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
+        (self.counters if counters is None else counters).add_(
+            torch.stack([hit.sum(), miss.sum(), miss.any().to(torch.int64)]))
         return local + cache.base(layer), miss
 
     def snapshot(self) -> tuple:

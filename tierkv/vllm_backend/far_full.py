@@ -12,6 +12,8 @@ the step (`write`, from the connector's `start_load_kv`), and vLLM's own persist
     buffers (written each step)     far count per row (0: none, or a padded row), cache set, and per
                                     layer the addresses of the row's key-summary table and slot list
                                     (a row without far blocks reads a dummy's, masked to nothing)
+    next-step prefetch (optional)   the blocks ranked below each layer's selection, copied into the
+                                    rows' caches on a side stream (`far_prefetch.MarginPrefetch`)
     vLLM's metadata (in place)      block table, key counts, query offsets
 
     captured, per layer (`attend`): the window's block table shifted past each row's far blocks
@@ -35,6 +37,7 @@ import torch
 from tierkv.attention import merge_two_into
 from tierkv.sparse import BlockSummaries
 from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_rows_body
+from tierkv.vllm_backend.far_prefetch import MarginPrefetch
 
 
 def full_graphs_configured(config) -> bool:
@@ -71,11 +74,16 @@ class FullDecodeRows:
         self._host_np = self._host.numpy()
         self._copied = None  # the last copy's event (CUDA): the host mirror is rewritten only once it has run
         self.packed = packed_buffers(far, device, max_rows)
+        # scheduler.sparse_prefetch_margin: each layer also fetches the blocks ranked below its selection
+        # for the next step, on a side stream the forward's last layer joins
+        margin = far.store.config.scheduler.sparse_prefetch_margin
+        self.prefetch = MarginPrefetch(far, far.row_caches, margin, max_rows) if margin else None
         self.rows: list = [self.dummy] * max_rows  # the requests behind the rows (the PyTorch fallbacks read them)
         self.counts = {"full_steps": 0, "full_steps_refused": 0}
         # the window's shifted block table and key counts: every layer reads the same ones, so the first
         # layer of a forward makes them and the others reuse them (inside one captured forward too)
         self._first_layer = min(layer_index.values()) if layer_index else 0
+        self._last_layer = max(layer_index.values()) if layer_index else num_layers - 1
         self._near: tuple | None = None  # (rows, near table, key counts)
         self._blank()
         far.full = self  # its stats report ours
@@ -155,8 +163,12 @@ class FullDecodeRows:
         layers = far.store.num_layers
         far_out, far_lse, _ = sparse_rows_body(
             far, self.rows[:n], layer, q, num_far, far.row_caches, scale, self.packed,
-            sets=self.inputs[1, :n], tables=self.inputs[2 + layer, :n], lists=self.inputs[2 + layers + layer, :n])
+            sets=self.inputs[1, :n], tables=self.inputs[2 + layer, :n], lists=self.inputs[2 + layers + layer, :n],
+            prefetch=self.prefetch)
         merge_two_into(output, near, (far_out, far_lse))
+        if self.prefetch is not None and layer == self._last_layer:
+            self.prefetch.join()
 
     def stats(self) -> dict:
-        return dict(self.counts)
+        """Steps served and refused, and the next-step prefetch's counters (one device sync)."""
+        return {**self.counts, **(self.prefetch.stats() if self.prefetch is not None else {})}

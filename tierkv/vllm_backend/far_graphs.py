@@ -84,7 +84,7 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
-def _copy_sources(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
+def copy_sources_of(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
                   lists: torch.Tensor | None) -> torch.Tensor:
     """int64 [m, k]: the CPU-tier slot of each selected block the copy kernel fetches (row r's
     pinned slot list of `layer` at ids[r]) where miss, -1 where its cache holds it. One launch on
@@ -109,7 +109,8 @@ def _copy_sources(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
 def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
                      scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      sets: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-                     lists: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lists: torch.Tensor | None = None, prefetch=None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
     blocks (all summarized, at least one; a row with fewer than k reads all of them, its other ids
@@ -119,7 +120,9 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     codes and scales are copied there and dequantized into the caches (half the PCIe bytes at fp8 or
     int8). sets: the requests' cache set indices, int64 [m] on the device; tables, lists: the
     addresses of their summary tables and pinned slot lists of `layer`, int64 [m] on the device
-    (all three a graph's static inputs; made here when not given).
+    (all three a graph's static inputs; made here when not given). prefetch: the full decode graph's
+    `far_prefetch.MarginPrefetch`, which places and copies the blocks ranked just below the selection
+    once the attention is enqueued.
 
     For all rows at once: the key bounds into one score matrix (one kernel on CUDA,
     `tierkv.sparse.masked_bounds_rows`; row by row elsewhere), the top-k and its sort into block
@@ -141,7 +144,7 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     if sets is None:
         sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
     slots, miss = caches.place_rows([req.cache for req in reqs], sets, layer, ids)
-    src = _copy_sources(reqs, layer, ids, miss, lists)  # -1: held, not copied
+    src = copy_sources_of(reqs, layer, ids, miss, lists)  # -1: held, not copied
     cpu, engine = far.store.cpu, far.store.io.engine
     if cpu.quant_format is None:
         engine.gather_h2d_inline(cpu.slab, src.view(-1), caches.blocks, slots.view(-1))
@@ -155,6 +158,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
                         torch.where(miss, slots, -1).view(-1))
     fills = torch.where(ids >= 0, far.block_tokens, 0)  # no block: no token read
     out, lse = paged_rows_attention(q, caches.blocks, slots, ids.clamp(min=0) * far.block_tokens, fills, scale=scale)
+    if prefetch is not None:
+        prefetch.after_selection(reqs, layer, scores, num_far, sets, lists)
     return out, lse, ids
 
 

@@ -320,22 +320,25 @@ def check_full_graph_rows(reserved_rows: int, vllm_config) -> None:
 
 
 def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
-    """GPU bytes the sparse step inside vLLM's full decode graph keeps, on each GPU, for the codes and
-    scales of a quantized CPU tier (`far_full.FullDecodeRows`: a selection of blocks for each row of the
-    largest captured batch); 0 without `scheduler.sparse_full_graphs`, under an eager engine, or over a
-    CPU tier stored in the model's dtype. The largest batch is the largest capture size: of the
-    engine's compilation_config when given, else of `full_decode_capture_sizes(max_num_seqs)`."""
+    """GPU bytes the sparse step inside vLLM's full decode graph keeps on each GPU beside the caches:
+    over a quantized CPU tier, the codes and scales of a selection for each row of the largest
+    captured batch (`far_full.FullDecodeRows`), and of the next-step prefetch's margin
+    (`far_prefetch.MarginPrefetch`, with its per-layer slot lists over any tier); 0 without
+    `scheduler.sparse_full_graphs` or under an eager engine. The largest batch is the largest
+    capture size: of the engine's compilation_config when given, else of
+    `full_decode_capture_sizes(max_num_seqs)`."""
     if not full_graphs_configured(config) or engine_kwargs.get("enforce_eager", True):
-        return 0
-    cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
-    if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
         return 0
     rows = full_graph_rows(engine_kwargs)
     shape = checkpoint_shape(model_dir)
+    tokens, margin = config.cache.block_tokens, config.scheduler.sparse_prefetch_margin
+    lists = rows * margin * shape["num_hidden_layers"] * 2 * 8  # int64 sources and targets per layer
+    cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
+    if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
+        return lists
     kv_heads = rank_kv_heads(shape, engine_kwargs)
-    tokens = config.cache.block_tokens
     per_block = 2 * kv_heads * tokens * shape["head_dim"] + 2 * kv_heads * 4  # one-byte codes, a float32 scale per head
-    return rows * max(1, config.scheduler.sparse_token_budget // tokens) * per_block
+    return lists + rows * (max(1, config.scheduler.sparse_token_budget // tokens) + margin) * per_block
 
 
 def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
