@@ -67,11 +67,12 @@ class GraphedRows:
 
     def plan(self) -> GraphPlan | None:
         """The step's decoding rows the graphs serve (at most their max_rows, all of them in every
-        layer), worked out at the step's first layer and kept for its others; None with streamed
-        chunks in the step or without graphs."""
+        layer), worked out at the step's first layer and kept for its others; None without graphs.
+        Rows that stream far chunks in the same step (prefill chunks) go the eager way beside them:
+        the chunks live in the streamer's staging, the graphs' blocks in the far-block caches."""
         far = self.far
         graphs = far.graphs
-        if graphs is None or far._pieces:
+        if graphs is None:
             return None
         if self._plan is None:
             indices = []
