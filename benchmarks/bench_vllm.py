@@ -90,8 +90,20 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
                                    "sparse_token_budget": 2048}}
 
 
+def margin_staging_bytes(layers: int) -> int:
+    """scheduler.staging_bytes for one request's far-block cache of two selections per layer (what
+    `--prefetch-margin` needs, tierkv.vllm_backend.far_cache) with the eager regions, plus 64 MiB."""
+    from tierkv.vllm_backend.far_cache import staging_for_caches
+
+    block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
+    k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
+    block_bytes = kv_bytes_per_token(1) * block_tokens
+    return staging_for_caches(1, 2, 2 * k * block_bytes, layers, k, block_bytes, 0) + (64 << 20)
+
+
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
-           storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False):
+           storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False,
+           prefetch_margin: int = 0):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
     # makes vLLM capture piecewise, its attention runs between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
@@ -112,6 +124,12 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
         if sparse:
             config["scheduler"]["sparse_cuda_graphs"] = mode in ("tierkv-sparse-graphs", "tierkv-sparse-full")
             config["scheduler"]["sparse_full_graphs"] = mode == "tierkv-sparse-full"
+        if prefetch_margin:
+            # caches of two selections (256 MiB more staging at 32 layers) inside the same 2 GiB: vLLM's pool
+            # shrinks to 1 GiB, which holds the window and two 2048-token chunks in flight (async) or one of 4096
+            config["scheduler"].update(sparse_cache_selections=2, sparse_prefetch_margin=prefetch_margin,
+                                       staging_bytes=margin_staging_bytes(layers),
+                                       prefill_chunk_tokens=2048 if async_scheduling else 4096)
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
         if sparse:
             hot["max_num_seqs"] = 1  # one request at a time: the budget holds one request's summaries
@@ -129,13 +147,16 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
-        sample_h2d: int = 0, tag: str = "") -> None:
+        sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling)
+    llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling,
+                         prefetch_margin)
+    if prefetch_margin:
+        mode = f"{mode}@margin{prefetch_margin}"  # the next-step prefetch, caches of two selections
     if async_scheduling:
         mode = f"{mode}@async"  # tierkv with vLLM's async scheduling (plain vLLM has it on by default)
     if transfer_backend != "auto":
@@ -520,6 +541,10 @@ def main() -> int:
     parser.add_argument("--profile-prefix", action="store_true",
                         help="the first repeat of the prefix runs profiled, its first step under torch.profiler and "
                              "cProfile (what the first repeat after start pays once); the repeat rows are then warm")
+    parser.add_argument("--prefetch-margin", type=int, default=0,
+                        help="tierkv-sparse-full: scheduler.sparse_prefetch_margin, blocks per layer ranked below each "
+                             "selection fetched for the next step on a side stream, with caches of two selections "
+                             "(row MODE@marginN; the same 2 GiB: smaller prefill chunks)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
                         help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
@@ -534,6 +559,8 @@ def main() -> int:
             parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
         if args.async_scheduling and not mode.startswith("tierkv"):
             parser.error(f"--async-scheduling: tierkv modes only (MODE {mode} runs vLLM's own default)")
+        if args.prefetch_margin and mode != "tierkv-sparse-full":
+            parser.error(f"--prefetch-margin {args.prefetch_margin}: MODE tierkv-sparse-full only")
         if args.tag and not args.tag.isalnum():
             parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
         if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:
@@ -543,7 +570,7 @@ def main() -> int:
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
-            sample_h2d=args.sample_h2d, tag=args.tag)
+            sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin)
     else:
         table(args.rest[0])
     return 0
