@@ -288,6 +288,45 @@ def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_pat
             store.close()
 
 
+def test_decoding_rows_beside_a_streaming_prefill_chunk_replay_their_graphs(tmp_path):
+    """Two decoding rows and, between them, a prefill chunk of 16 tokens whose far KV streams in full
+    (c9e0b27: such steps used to send every decoding row the eager way): the graphs serve both
+    decoding rows beside the streamed chunks, every layer's output equals an engine without graphs,
+    and with the same queries the later steps find the selections in the far-block caches."""
+    BS = 64
+    BLOCKS = TOKENS // BS
+    scale = DIM ** -0.5
+    caches = {n: torch.randn(BLOCKS, KV_HEADS, BS, 2 * DIM, device="cuda", dtype=torch.bfloat16) for n in NAMES}
+    prompts = {r: [random.randrange(1 << 16) for _ in range(BLOCKS * BS)] for r in ("a", "p", "b")}
+    eager_store, eager = sparse_far(tmp_path / "eager", caches, prompts, graphs=False, BS=BS)
+    graph_store, graphed = sparse_far(tmp_path / "graphs", caches, prompts, graphs=True, BS=BS)
+    try:
+        k, steps = graphed.sparse_blocks, 3
+        q = torch.randn(1 + 16 + 1, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        for step in range(steps):
+            rows = [("a", (BLOCKS - 3) * BS - 2 + step, 1), ("p", 40 * BS, 16), ("b", (BLOCKS - 5) * BS + step, 1)]
+            for far in (eager, graphed):
+                far_rows = far.begin_step(rows)
+            assert far_rows[1].num_far_blocks > 0 and graphed._pieces  # the prefill chunk streams far KV
+            for layer in range(LAYERS):
+                near = (torch.randn(q.shape[0], HEADS, DIM, device="cuda"), torch.randn(q.shape[0], HEADS, device="cuda"))
+                want = merge_partials([near, eager.attend(layer, q, scale)])[0]
+                got = torch.full_like(want, float("nan"))
+                graphed.attend_into(got, layer, q, near[0], near[1], scale)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {step} layer {layer}")
+            for far in (eager, graphed):
+                far.end_step()
+        g = graphed.stats()
+        assert g["cuda_graphs"]["graph_rows"] == steps * 2 * LAYERS and g["cuda_graphs"]["graph_capture_errors"] == 0
+        assert g["cache_hits"] + g["cache_misses"] == steps * 2 * k * LAYERS
+        assert g["cache_hits"] >= (steps - 1) * 2 * (k - 1) * LAYERS  # at most a block become far is new
+        assert g["chunks_streamed"] > 0
+    finally:
+        for far, store in ((eager, eager_store), (graphed, graph_store)):
+            far.close()
+            store.close()
+
+
 def test_a_captured_full_decode_body_replays_the_eager_step(tmp_path):
     """scheduler.sparse_full_graphs without vLLM: every layer's `FullDecodeRows.attend` captured once in
     one graph with no request known (as vLLM captures at start-up, every row a dummy), over static metadata of
