@@ -72,10 +72,15 @@ class _RequestState:
     pending_load: BlockSpan | None = None
 
 
+def max_num_seqs_of(vllm_config) -> int:
+    """vLLM's max_num_seqs (1 when its config does not say)."""
+    return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+
+
 def graph_rows(vllm_config) -> int:
     """The largest batch vLLM captures or warms up a graph for: its resolved max_cudagraph_capture_size
     (twice max_num_seqs by default), at least max_num_seqs."""
-    max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+    max_num_seqs = max_num_seqs_of(vllm_config)
     captured = getattr(getattr(vllm_config, "compilation_config", None), "max_cudagraph_capture_size", None)
     return max(max_num_seqs, int(captured or 2 * max_num_seqs))
 
@@ -91,7 +96,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
                                                           else self.config.model.name)
         self.max_model_len = getattr(model_config, "max_model_len", None)
-        self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+        self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)

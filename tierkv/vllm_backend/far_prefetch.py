@@ -73,11 +73,6 @@ class MarginPrefetch:
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
         self._forked = False
 
-    @property
-    def num_bytes(self) -> int:
-        buffers = [self.sources, self.targets] + ([self.codes, self.scales] if self.codes is not None else [])
-        return sum(t.numel() * t.element_size() for t in buffers)
-
     def after_selection(self, reqs: list, layer: int, scores: torch.Tensor, num_far: torch.Tensor,
                         sets: torch.Tensor, lists: torch.Tensor | None) -> None:
         """After the layer's selection from scores [m, blocks] (float32, blocks past num_far [m] masked):
