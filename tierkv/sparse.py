@@ -1,7 +1,7 @@
 """Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
 
-Primitives: `BlockSummaries` (`update`, `upper_bounds`, `masked_bounds`), `masked_bounds_rows`, `top_blocks`,
-`select_far_blocks`, `select_far_blocks_on_device`.
+Primitives: `key_bounds`, `BlockSummaries` (`update`, `put`, `upper_bounds`, `masked_bounds`), `masked_bounds_rows`,
+`top_blocks`, `select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
@@ -71,20 +71,30 @@ def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torc
     return _ROWS_KERNEL.run(launch, on_cuda=True)[0]
 
 
+def key_bounds(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [..., 2, num_kv_heads, block_tokens, head_dim] (K, V) -> [..., num_kv_heads, 2 * head_dim]:
+    each block's elementwise key max, then its key min."""
+    keys = blocks.select(-4, 0)                                             # [..., H_kv, T, D]
+    return torch.cat([keys.amax(dim=-2), keys.amin(dim=-2)], dim=-1)
+
+
 class BlockSummaries:
-    """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device, grown as
-    needed: each block's key max in the first head_dim values, its key min in the rest (`kmax`,
-    `kmin`: per-layer views of those halves). With `max_blocks` (the blocks of the longest
-    request) a table is allocated at that size once, at its first update, and never grows: its
-    memory is `max_blocks * bytes_per_block_per_layer()` per layer, and it never moves (a CUDA
-    graph reading it stays valid)."""
+    """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device: each block's
+    key max in the first head_dim values, its key min in the rest (`kmax`, `kmin`: per-layer views
+    of those halves). The layers' tables are views of one tensor [num_layers, capacity, ...],
+    grown together as needed, so the blocks of every layer are written in one copy (`put` with
+    layer None). With `max_blocks` (the blocks of the longest request) the tensor is allocated
+    at that size once, at the first update, and never grows: its memory is
+    `num_layers * max_blocks * bytes_per_block_per_layer()`, and it never moves (a CUDA graph
+    reading a table stays valid)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  max_blocks: int | None = None):
         self._shape = (num_kv_heads, head_dim)
         self.max_blocks = max_blocks
         self._dtype, self._device = dtype, device
-        self.tables = [torch.empty((0, num_kv_heads, 2 * head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self._all = torch.empty((num_layers, 0, num_kv_heads, 2 * head_dim), dtype=dtype, device=device)
+        self.tables = list(self._all.unbind(0))
 
     @property
     def kmax(self) -> list[torch.Tensor]:
@@ -94,27 +104,40 @@ class BlockSummaries:
     def kmin(self) -> list[torch.Tensor]:
         return [t[..., self._shape[1] :] for t in self.tables]
 
+    @property
+    def capacity(self) -> int:
+        """Blocks each layer's table holds now."""
+        return self._all.shape[1]
+
     def bytes_per_block_per_layer(self) -> int:
         return 2 * self._shape[0] * self._shape[1] * self._dtype.itemsize
 
     def update(self, layer: int, first_block: int, blocks: torch.Tensor) -> None:
         """blocks: [n, 2, num_kv_heads, block_tokens, head_dim] full blocks first_block..first_block+n-1."""
-        if blocks.shape[0] == 0:
-            return
-        keys = blocks[:, 0]                                   # [n, H_kv, T, D]
-        bounds = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1)  # [n, H_kv, 2D]
-        end = first_block + blocks.shape[0]
-        self._grow(layer, end)
-        self.tables[layer][first_block:end] = bounds.to(self._device, self._dtype)
+        if blocks.shape[0]:
+            self.put(layer, first_block, key_bounds(blocks))
 
-    def _grow(self, layer: int, num_blocks: int) -> None:
-        have = self.tables[layer].shape[0]
+    def put(self, layer: int | None, first_block: int, bounds: torch.Tensor) -> None:
+        """Summaries (`key_bounds`) of blocks first_block.. of `layer`, bounds [n, H_kv, 2D]; of
+        every layer when layer is None, bounds [num_layers, n, H_kv, 2D] (one copy)."""
+        n = bounds.shape[-3]
+        if n == 0:
+            return
+        end = first_block + n
+        self._grow(end)
+        target = self._all if layer is None else self.tables[layer]
+        target[..., first_block:end, :, :] = bounds.to(self._device, self._dtype)
+
+    def _grow(self, num_blocks: int) -> None:
+        have = self.capacity
         if num_blocks <= have:
             return
         capacity = max(num_blocks, 2 * have, 64) if self.max_blocks is None else max(num_blocks, self.max_blocks)
-        grown = torch.zeros((capacity, *self.tables[layer].shape[1:]), dtype=self._dtype, device=self._device)
-        grown[:have] = self.tables[layer]
-        self.tables[layer] = grown
+        grown = torch.zeros((self._all.shape[0], capacity, *self._all.shape[2:]), dtype=self._dtype,
+                            device=self._device)
+        grown[:, :have] = self._all
+        self._all = grown
+        self.tables = list(grown.unbind(0))
 
     def upper_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor | range) -> torch.Tensor:
         """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [m]: max over heads of ub[b, h].

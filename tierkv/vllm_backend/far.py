@@ -223,9 +223,10 @@ class FarKV:
         req.index.update((h, start + i) for i, h in enumerate(hashes))
         req.hashes.extend(hashes)
 
-    def summarize(self, layer: int, spans: Sequence, blocks: torch.Tensor) -> None:
+    def summarize(self, layer: int | None, spans: Sequence, blocks: torch.Tensor) -> None:
         """Sparse policy: key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device,
-        the spans' blocks in order), kept per request and block index for the selection."""
+        the spans' blocks in order; of every layer when layer is None, [num_layers, n, 2, H, T, D]),
+        kept per request and block index for the selection."""
         if self.sparse_blocks is not None:
             self.key_summaries.summarize(layer, spans, blocks)
 

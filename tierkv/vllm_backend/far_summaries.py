@@ -1,8 +1,8 @@
 """Key summaries of one request's blocks under the hot window's sparse policy, and the selection.
 
-Primitives: `RequestSummaries` (`update`, `reset`, `select`, `unsummarized`, `num_bytes`), `summary_bytes_per_request`,
-`KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`, `summarize_missing`, `release`),
-`SelectionOverlap` (`samples`, `note`, `value`).
+Primitives: `RequestSummaries` (`update`, `put`, `reset`, `select`, `unsummarized`, `num_bytes`),
+`summary_bytes_per_request`, `KeySummaries` (`summarize`, `select`, `is_selectable`, `summarize_staged`,
+`summarize_missing`, `release`), `SelectionOverlap` (`samples`, `note`, `value`).
 
 Per layer the device holds each block's elementwise key min and max (`tierkv.sparse.BlockSummaries`,
 filled from the copies the connector saves), and which blocks have one, on the host and on the
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import BlockSummaries, top_blocks
+from tierkv.sparse import BlockSummaries, key_bounds, top_blocks
 
 OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled step and the one before it
 #   cost about 2.5 and 0.5 ms more at 32 layers: the comparison and the copy are launches per layer)
@@ -33,35 +33,49 @@ class RequestSummaries:
         """max_blocks: the blocks of the longest request (tables never grow past it)."""
         self.device = device
         self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device, max_blocks)
-        self.is_summarized = [np.zeros(0, dtype=bool) for _ in range(num_layers)]                 # host, per layer
-        self.is_summarized_dev = [torch.zeros(0, dtype=torch.bool, device=device) for _ in range(num_layers)]
+        # which blocks have a summary, per layer and block: rows of one host array and of one device
+        # tensor (so every layer's flags are set in one fill), as long as the tables' capacity
+        self._flags = np.zeros((num_layers, 0), dtype=bool)
+        self._flags_dev = torch.zeros((num_layers, 0), dtype=torch.bool, device=device)
+        self.is_summarized, self.is_summarized_dev = list(self._flags), list(self._flags_dev.unbind(0))
         self.prefix = [0] * num_layers  # per layer: blocks [0, prefix) all have a summary (host-known)
 
     def update(self, layer: int, first: int, blocks: torch.Tensor) -> None:
         """blocks [n, 2, H, T, D] on the device: the request's blocks first..first+n-1 of `layer`."""
-        self.summaries.update(layer, first, blocks)
-        end = first + blocks.shape[0]
-        have = self.is_summarized[layer]
-        if end > have.size:
-            capacity = self.summaries.tables[layer].shape[0]
-            self.is_summarized[layer] = np.concatenate([have, np.zeros(capacity - have.size, dtype=bool)])
-            grown = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-            grown[: have.size] = self.is_summarized_dev[layer]
-            self.is_summarized_dev[layer] = grown
-        self.is_summarized[layer][first:end] = True
-        self.is_summarized_dev[layer][first:end].fill_(True)
-        if first <= self.prefix[layer] < end:
-            have = self.is_summarized[layer]
-            gaps = np.flatnonzero(~have[end:])
-            self.prefix[layer] = end + int(gaps[0]) if gaps.size else have.size
+        if blocks.shape[0]:
+            self.put(layer, first, key_bounds(blocks))
+
+    def put(self, layer: int | None, first: int, bounds: torch.Tensor) -> None:
+        """The summaries (`tierkv.sparse.key_bounds`) of the request's blocks first.. of `layer`,
+        bounds [n, H, 2D]; of every layer when layer is None, bounds [num_layers, n, H, 2D]: one
+        copy and one fill on the device whatever the number of layers."""
+        self.summaries.put(layer, first, bounds)
+        end = first + bounds.shape[-3]
+        if self._flags.shape[1] < self.summaries.capacity:
+            self._grow_flags(self.summaries.capacity)
+        flags = self._flags if layer is None else self._flags[layer : layer + 1]
+        flags[:, first:end] = True
+        (self._flags_dev if layer is None else self.is_summarized_dev[layer])[..., first:end].fill_(True)
+        for at in range(len(self.prefix)) if layer is None else (layer,):
+            if first <= self.prefix[at] < end:
+                gaps = np.flatnonzero(~self._flags[at, end:])
+                self.prefix[at] = end + int(gaps[0]) if gaps.size else self._flags.shape[1]
+
+    def _grow_flags(self, capacity: int) -> None:
+        have = self._flags.shape[1]
+        flags = np.zeros((self._flags.shape[0], capacity), dtype=bool)
+        flags[:, :have] = self._flags
+        flags_dev = torch.zeros((self._flags.shape[0], capacity), dtype=torch.bool, device=self.device)
+        flags_dev[:, :have] = self._flags_dev
+        self._flags, self._flags_dev = flags, flags_dev
+        self.is_summarized, self.is_summarized_dev = list(flags), list(flags_dev.unbind(0))
 
     def reset(self) -> None:
         """No block has a summary any more (for another request). The tables keep their memory and
         addresses; their stale rows count nowhere: the selection reads a row only where `prefix` or
         `is_summarized` vouches for it, and the masked selection only below the far count."""
-        for layer in range(len(self.prefix)):
-            self.is_summarized[layer][:] = False
-            self.is_summarized_dev[layer].fill_(False)
+        self._flags[:] = False
+        self._flags_dev.fill_(False)
         self.prefix = [0] * len(self.prefix)
 
     def select(self, layer: int, q: torch.Tensor, num_far: int, k: int) -> torch.Tensor:
@@ -122,9 +136,14 @@ class KeySummaries:
         """GPU bytes of the summaries kept for the next requests."""
         return sum(s.num_bytes for s in self._spare)
 
-    def summarize(self, layer: int, spans, blocks: torch.Tensor) -> None:
-        """Key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device, the spans' blocks
-        in order: `BlockSpan`s with req_id, block_ids, hashes), kept per request and block index."""
+    def summarize(self, layer: int | None, spans, blocks: torch.Tensor) -> None:
+        """Key min/max of blocks just saved, kept per request and block index: `blocks` [n, 2, H, T, D]
+        on the device, the spans' blocks in order (`BlockSpan`s with req_id, block_ids, hashes), of
+        `layer`; of every layer when layer is None, blocks [num_layers, n, 2, H, T, D]. The bounds of
+        all the blocks are computed at once, then each run of a request's consecutive blocks is
+        written in one copy: a block-completing step of many requests and layers costs a few device
+        calls per request, not per request and layer."""
+        bounds = key_bounds(blocks)
         offset = 0
         for span in spans:
             req = self.far.requests.get(span.req_id)
@@ -138,12 +157,12 @@ class KeySummaries:
                 j = i + 1
                 while j < n and indices[j] == indices[j - 1] + 1:
                     j += 1
-                self._update(req, layer, indices[i], blocks[offset + i : offset + j])
+                self._summaries_of(req).put(layer, indices[i], bounds[..., offset + i : offset + j, :, :])
                 i = j
             offset += n
 
-    def _update(self, req, layer: int, first: int, blocks: torch.Tensor) -> None:
-        """req's blocks first..first+n-1 of `layer` (blocks [n, 2, H, T, D]), its tables made at the first."""
+    def _summaries_of(self, req) -> RequestSummaries:
+        """req's summaries, made (or taken from a finished request's) at its first update."""
         if req.summaries is None and self._spare:
             req.summaries = self._spare.pop()
         elif req.summaries is None:
@@ -151,7 +170,11 @@ class KeySummaries:
             layout = store.layout
             req.summaries = RequestSummaries(store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                                              store.device, self.far.max_blocks)
-        req.summaries.update(layer, first, blocks)
+        return req.summaries
+
+    def _update(self, req, layer: int, first: int, blocks: torch.Tensor) -> None:
+        """req's blocks first..first+n-1 of `layer` (blocks [n, 2, H, T, D])."""
+        self._summaries_of(req).update(layer, first, blocks)
 
     def select(self, req, layer: int, q: torch.Tensor, num_far: int) -> torch.Tensor:
         """Far blocks a decoding row attends (`RequestSummaries.select`): int64 [m] on the device."""

@@ -1,6 +1,6 @@
 """vLLM's paged KV cache seen as tierkv blocks: layer order, block layouts, spans of blocks.
 
-Primitives: `layer_order`, `PagedLayout` (`kind`, `read`, `write`), `BlockSpan`.
+Primitives: `layer_order`, `PagedLayout` (`kind`, `read`, `read_layers`, `write`), `BlockSpan`.
 
     vLLM paged cache of one layer (FlashAttention, logical view):  [num_blocks, H, T, 2 * D]
     tierkv block:                                                  [2, H, T, D]   (K, V)
@@ -61,6 +61,15 @@ class PagedLayout:
         if kind == "2BTHD":
             return kv.index_select(1, block_ids).permute(1, 0, 3, 2, 4).contiguous()
         return kv.index_select(0, block_ids).transpose(2, 3).contiguous()
+
+    def read_layers(self, kvs: Sequence[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks block_ids of several layers' caches (of one layout) as a new contiguous
+        [len(kvs), n, 2, H, T, D]: one gather per layer, one reordering for all."""
+        kind = self.kind(kvs[0])
+        if kind == "BHT2D":
+            x = torch.stack([kv.index_select(0, block_ids) for kv in kvs])  # [L, n, H, T, 2D]
+            return x.unflatten(-1, (2, self.layout.head_dim)).permute(0, 1, 4, 2, 3, 5).contiguous()
+        return torch.stack([self.read(kv, block_ids) for kv in kvs])
 
     def write(self, kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """kv[block_ids] = blocks ([n, 2, H, T, D]) in the cache's own layout."""

@@ -160,28 +160,41 @@ class VllmKVStore:
     def save_layer(self, layer: int, kv: torch.Tensor, spans: Sequence[BlockSpan]) -> torch.Tensor | None:
         """Copy this step's full blocks of `layer` out of vLLM's cache and start their D2H.
         Returns the private copy [n, 2, H, T, D] (the spans' blocks in order), None if none."""
+        blocks = self.save_layers([layer], [kv], spans)
+        return None if blocks is None else blocks[0]
+
+    def save_layers(self, layers: Sequence[int], kvs: Sequence[torch.Tensor],
+                    spans: Sequence[BlockSpan]) -> torch.Tensor | None:
+        """`save_layer` for several layers at once (a full decode graph's replay saves every layer
+        after the forward): one read per layer, then one quantization, one slot reservation and
+        one D2H for all of them, so the host's calls do not grow with the layers. Returns the
+        private copy [len(layers), n, 2, H, T, D], None if the spans hold no block."""
         block_ids = [b for s in spans for b in s.block_ids]
-        if not block_ids:
+        if not block_ids or not layers:
             return None
         hashes = [h for s in spans for h in s.hashes]
-        keys = self.keys(hashes, layer)
-        ids = to_device_no_sync(block_ids, kv.device)
-        blocks = self.paged.read(kv, ids)                                    # private copy, compute stream
+        keys = [key for layer in layers for key in self.keys(hashes, layer)]   # layer-major, as the blocks
+        ids = to_device_no_sync(block_ids, kvs[0].device)
+        if len(kvs) == 1:
+            blocks = self.paged.read(kvs[0], ids).unsqueeze(0)                # private copy, compute stream
+        else:
+            blocks = self.paged.read_layers(kvs, ids)
+        flat = blocks.flatten(0, 1)
         with self._lock:
             slots, evicted = self.cpu.prepare_put(keys)
             self.chain.spill(0, evicted)
             ok = [i for i, s in enumerate(slots) if s is not None]
             refused = [i for i, s in enumerate(slots) if s is None]
             if ok:
-                chosen = blocks if len(ok) == len(keys) else blocks[torch.tensor(ok, device=blocks.device)]
+                chosen = flat if len(ok) == len(keys) else flat[torch.tensor(ok, device=flat.device)]
                 handle = self.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
                 self._pending_saves.append((handle, [keys[i] for i in ok], len(ok) * self.layout.num_bytes,
                                             [slots[i] for i in ok]))
                 self.counts["blocks_saved"] += len(ok)
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             self.counts["save_fallbacks"] += len(refused)
-            index = torch.tensor(refused, device=blocks.device)
-            self.chain.put_many([keys[i] for i in refused], list(blocks.index_select(0, index).cpu()), start=1)
+            index = torch.tensor(refused, device=flat.device)
+            self.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
         self._bound_inflight_saves()
         return blocks
 
