@@ -7,6 +7,8 @@
 #   sets the row counts);
 #   graph-tests: the GPU tests of those graphs, of the far-block caches, the bound kernel and the rows attention;
 #   bounds: the key bound kernel alone, per launch shape (bench_bounds.py: 1 and 10 rows of 2048 blocks)
+#   save-step: the host time of the step that completes blocks (bench_save_step.py: 10 requests x 32 layers saved
+#   layer by layer against all at once; SAVE_DTYPE the CPU tier's storage dtype, default float8_e4m3fn)
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds MODEL_DIR, default /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
@@ -61,6 +63,8 @@ for step in "${steps[@]}"; do
         quant-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -15 ;;
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
         far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows ${FAR_ROWS:-1 4} --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
+        save-step) timeout 120 python3 benchmarks/bench_save_step.py --storage-dtype ${SAVE_DTYPE:-float8_e4m3fn} \
+            --out "$OUT/save-step-h200.json" 2>&1 | tail -4 ;;
         bounds) timeout 120 python3 benchmarks/bench_bounds.py --rows 1 10 --out "$OUT/bounds-h200.json" 2>&1 | tail -32 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
         graph-tests) timeout 240 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
