@@ -10,7 +10,7 @@ step's blocks of every layer from vLLM's pool and summarizes them. Two ways side
 run, on the 8B model's KV shape (8 KV heads, head_dim 128, bf16, 16-token blocks):
 
   per layer   `VllmKVStore.save_layer` + `FarKV.summarize(layer, ...)` once per layer;
-  all layers  `VllmKVStore.save_layers` + `FarKV.summarize(None, ...)` once (what the connector does).
+  all layers  `VllmKVStore.save_layers` + `FarKV.summarize(range(layers), ...)` once (what the connector does).
 
 Per way: host ms per save (the calls return without waiting for the device, as in the engine; the
 copies are waited for between saves, outside the timing), and the torch calls of one save (profiled).
@@ -64,7 +64,7 @@ def build(requests: int, layers: int, saves: int, storage_dtype: str, device: to
 def one_save(store, far, caches, names, spans, at_once: bool) -> None:
     if at_once:
         layers = [store.layer_index[n] for n in names]
-        far.summarize(None, spans, store.save_layers(layers, [caches[n] for n in names], spans))
+        far.summarize(range(len(layers)), spans, store.save_layers(layers, [caches[n] for n in names], spans))
     else:
         for name in names:
             layer = store.layer_index[name]

@@ -78,12 +78,18 @@ def key_bounds(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([keys.amax(dim=-2), keys.amin(dim=-2)], dim=-1)
 
 
+def _layer_slice(layers: range) -> slice:
+    if layers.step != 1 or not len(layers):
+        raise ValueError(f"layers: consecutive layers expected, got {layers}")
+    return slice(layers.start, layers.stop)
+
+
 class BlockSummaries:
     """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device: each block's
     key max in the first head_dim values, its key min in the rest (`kmax`, `kmin`: per-layer views
     of those halves). The layers' tables are views of one tensor [num_layers, capacity, ...],
-    grown together as needed, so the blocks of every layer are written in one copy (`put` with
-    layer None). With `max_blocks` (the blocks of the longest request) the tensor is allocated
+    grown together as needed, so the blocks of consecutive layers are written in one copy (`put`
+    with a range of layers). With `max_blocks` (the blocks of the longest request) the tensor is allocated
     at that size once, at the first update, and never grows: its memory is
     `num_layers * max_blocks * bytes_per_block_per_layer()`, and it never moves (a CUDA graph
     reading a table stays valid)."""
@@ -117,15 +123,15 @@ class BlockSummaries:
         if blocks.shape[0]:
             self.put(layer, first_block, key_bounds(blocks))
 
-    def put(self, layer: int | None, first_block: int, bounds: torch.Tensor) -> None:
-        """Summaries (`key_bounds`) of blocks first_block.. of `layer`, bounds [n, H_kv, 2D]; of
-        every layer when layer is None, bounds [num_layers, n, H_kv, 2D] (one copy)."""
+    def put(self, layers: int | range, first_block: int, bounds: torch.Tensor) -> None:
+        """Summaries (`key_bounds`) of blocks first_block.. of layer `layers`, bounds [n, H_kv, 2D];
+        of consecutive layers `layers` (a range), bounds [len(layers), n, H_kv, 2D], in one copy."""
         n = bounds.shape[-3]
         if n == 0:
             return
         end = first_block + n
         self._grow(end)
-        target = self._all if layer is None else self.tables[layer]
+        target = self.tables[layers] if isinstance(layers, int) else self._all[_layer_slice(layers)]
         target[..., first_block:end, :, :] = bounds.to(self._device, self._dtype)
 
     def _grow(self, num_blocks: int) -> None:

@@ -51,7 +51,7 @@ def _spans(store, far):
 
 @pytest.mark.parametrize("storage_dtype", ["auto", "float8_e4m3fn", "int8"])
 def test_every_layer_saved_at_once_equals_the_saves_layer_by_layer(tmp_path, storage_dtype):
-    """store.save_layers over every layer, then far.summarize(None, ...) over its [layers, n, ...]
+    """store.save_layers over every layer, then far.summarize(range(layers), ...) over its [layers, n, ...]
     copy, leaves the same blocks in the CPU tier (quantized per block alike) and the same key
     summaries, flags and summarized prefixes as save_layer and summarize one layer at a time."""
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
@@ -72,7 +72,7 @@ def test_every_layer_saved_at_once_equals_the_saves_layer_by_layer(tmp_path, sto
             per_layer.append(blocks)
         layers = [store_all.layer_index[n] for n in NAMES]
         at_once = store_all.save_layers(layers, [caches[n] for n in NAMES], spans)
-        far_all.summarize(None, spans, at_once)
+        far_all.summarize(range(LAYERS), spans, at_once)
         assert at_once.shape == (LAYERS, 10, 2, H, BS, D)
         torch.testing.assert_close(at_once, torch.stack(per_layer), rtol=0, atol=0)
         store_one.poll(wait=True)
@@ -100,10 +100,16 @@ def test_every_layer_saved_at_once_equals_the_saves_layer_by_layer(tmp_path, sto
             store.close()
 
 
-def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("run_layers", [None, 2])
+def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path, monkeypatch, run_layers):
     """No per-layer hook ran (a full decode graph's replay): wait_for_save saves the step's blocks of
     every layer in one D2H and summarizes them with one bound computation for all layers and
-    requests, and the summaries equal the blocks' key min/max."""
+    requests, and the summaries equal the blocks' key min/max. With SAVE_RUN_BYTES holding two
+    layers' blocks, in runs of two layers and one."""
+    import tierkv.vllm_backend.connector as connector
+
+    if run_layers is not None:
+        monkeypatch.setattr(connector, "SAVE_RUN_BYTES", run_layers * 6 * 2 * H * BS * D * 4)
     config_file = write_config(tmp_path, window=2 * BS, staging_blocks=6, sparse_tokens=2 * BS)
     engine = vllm_config(config_file)
     kv_config = hot_kv_cache_config(2 * BS)
@@ -129,7 +135,10 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()  # no hook ran
-        assert scatters == [LAYERS * 6] and bounds == [(LAYERS, 6, 2, H, BS, D)]
+        if run_layers is None:
+            assert scatters == [LAYERS * 6] and bounds == [(LAYERS, 6, 2, H, BS, D)]
+        else:
+            assert LAYERS == 3 and scatters == [2 * 6, 6] and bounds == [(2, 6, 2, H, BS, D), (1, 6, 2, H, BS, D)]
         assert worker.store.counts["blocks_saved"] == LAYERS * 6
         summaries = worker._far.requests["s"].summaries
         for name in NAMES:

@@ -40,6 +40,8 @@ from tierkv.vllm_backend.far import FarKV
 from tierkv.vllm_backend.far_full import FullDecodeRows, full_graphs_configured
 from tierkv.vllm_backend.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
 
+SAVE_RUN_BYTES = 32 << 20  # the most blocks (in the engine's dtype) that wait_for_save reads out at once
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -200,22 +202,28 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._saved_layers.add(layer)
 
     def _save_unsaved_layers(self, saves) -> None:
-        """The layers this step's hooks did not save, all at once: one read per layer, one D2H and one
-        summary update per request for all (per layer and request, 10 requests of 32 layers took
-        60-100 ms of host time on the step that completes their blocks)."""
+        """The layers this step's hooks did not save, in runs of consecutive layers: one read per layer,
+        one D2H and one summary update per request for the run (per layer and request, 10 requests
+        of 32 layers took 60-100 ms of host time on the step that completes their blocks). A run's
+        blocks stay within SAVE_RUN_BYTES, so the copies made for it stay small."""
         todo = sorted((layer, name) for name, layer in self.store.layer_index.items()
                       if layer not in self._saved_layers and name in self._kv_caches)
-        if not todo:
+        num_blocks = sum(len(span.block_ids) for span in saves)
+        if not todo or not num_blocks:
             return
-        layers = [layer for layer, _ in todo]
-        blocks = self.store.save_layers(layers, [self._kv_caches[name] for _, name in todo], saves)
-        if self._far is not None and blocks is not None:
-            if layers == list(range(self.store.num_layers)):
-                self._far.summarize(None, saves, blocks)
-            else:
-                for layer, layer_blocks in zip(layers, blocks):
-                    self._far.summarize(layer, saves, layer_blocks)
-        self._saved_layers.update(layers)
+        per_run = max(1, SAVE_RUN_BYTES // (num_blocks * self.store.layout.num_bytes))
+        start = 0
+        while start < len(todo):
+            stop = start + 1
+            while stop < len(todo) and stop - start < per_run and todo[stop][0] == todo[stop - 1][0] + 1:
+                stop += 1
+            run = todo[start:stop]
+            layers = range(run[0][0], run[-1][0] + 1)
+            blocks = self.store.save_layers(list(layers), [self._kv_caches[name] for _, name in run], saves)
+            if self._far is not None and blocks is not None:
+                self._far.summarize(layers, saves, blocks)
+            self._saved_layers.update(layers)
+            start = stop
 
     def wait_for_save(self):
         started = time.perf_counter()

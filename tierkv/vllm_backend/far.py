@@ -223,12 +223,12 @@ class FarKV:
         req.index.update((h, start + i) for i, h in enumerate(hashes))
         req.hashes.extend(hashes)
 
-    def summarize(self, layer: int | None, spans: Sequence, blocks: torch.Tensor) -> None:
+    def summarize(self, layers: int | range, spans: Sequence, blocks: torch.Tensor) -> None:
         """Sparse policy: key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device,
-        the spans' blocks in order; of every layer when layer is None, [num_layers, n, 2, H, T, D]),
-        kept per request and block index for the selection."""
+        the spans' blocks in order, of layer `layers`; of consecutive layers `layers` (a range),
+        [len(layers), n, 2, H, T, D]), kept per request and block index for the selection."""
         if self.sparse_blocks is not None:
-            self.key_summaries.summarize(layer, spans, blocks)
+            self.key_summaries.summarize(layers, spans, blocks)
 
     def finish(self, req_id: str) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became

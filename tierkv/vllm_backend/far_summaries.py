@@ -45,18 +45,18 @@ class RequestSummaries:
         if blocks.shape[0]:
             self.put(layer, first, key_bounds(blocks))
 
-    def put(self, layer: int | None, first: int, bounds: torch.Tensor) -> None:
-        """The summaries (`tierkv.sparse.key_bounds`) of the request's blocks first.. of `layer`,
-        bounds [n, H, 2D]; of every layer when layer is None, bounds [num_layers, n, H, 2D]: one
-        copy and one fill on the device whatever the number of layers."""
-        self.summaries.put(layer, first, bounds)
+    def put(self, layers: int | range, first: int, bounds: torch.Tensor) -> None:
+        """The summaries (`tierkv.sparse.key_bounds`) of the request's blocks first.. of layer `layers`,
+        bounds [n, H, 2D]; of consecutive layers `layers` (a range), bounds [len(layers), n, H, 2D]:
+        one copy and one fill on the device whatever the number of layers."""
+        self.summaries.put(layers, first, bounds)
         end = first + bounds.shape[-3]
         if self._flags.shape[1] < self.summaries.capacity:
             self._grow_flags(self.summaries.capacity)
-        flags = self._flags if layer is None else self._flags[layer : layer + 1]
-        flags[:, first:end] = True
-        (self._flags_dev if layer is None else self.is_summarized_dev[layer])[..., first:end].fill_(True)
-        for at in range(len(self.prefix)) if layer is None else (layer,):
+        rows = range(layers, layers + 1) if isinstance(layers, int) else layers
+        self._flags[rows.start : rows.stop, first:end] = True
+        self._flags_dev[rows.start : rows.stop, first:end].fill_(True)
+        for at in rows:
             if first <= self.prefix[at] < end:
                 gaps = np.flatnonzero(~self._flags[at, end:])
                 self.prefix[at] = end + int(gaps[0]) if gaps.size else self._flags.shape[1]
@@ -136,13 +136,13 @@ class KeySummaries:
         """GPU bytes of the summaries kept for the next requests."""
         return sum(s.num_bytes for s in self._spare)
 
-    def summarize(self, layer: int | None, spans, blocks: torch.Tensor) -> None:
+    def summarize(self, layers: int | range, spans, blocks: torch.Tensor) -> None:
         """Key min/max of blocks just saved, kept per request and block index: `blocks` [n, 2, H, T, D]
         on the device, the spans' blocks in order (`BlockSpan`s with req_id, block_ids, hashes), of
-        `layer`; of every layer when layer is None, blocks [num_layers, n, 2, H, T, D]. The bounds of
-        all the blocks are computed at once, then each run of a request's consecutive blocks is
-        written in one copy: a block-completing step of many requests and layers costs a few device
-        calls per request, not per request and layer."""
+        layer `layers`; of consecutive layers `layers` (a range), blocks [len(layers), n, 2, H, T, D].
+        The bounds of all the blocks are computed at once, then each run of a request's consecutive
+        blocks is written in one copy: a block-completing step of many requests and layers costs a
+        few device calls per request, not per request and layer."""
         bounds = key_bounds(blocks)
         offset = 0
         for span in spans:
@@ -157,7 +157,7 @@ class KeySummaries:
                 j = i + 1
                 while j < n and indices[j] == indices[j - 1] + 1:
                     j += 1
-                self._summaries_of(req).put(layer, indices[i], bounds[..., offset + i : offset + j, :, :])
+                self._summaries_of(req).put(layers, indices[i], bounds[..., offset + i : offset + j, :, :])
                 i = j
             offset += n
 
