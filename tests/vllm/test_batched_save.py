@@ -152,3 +152,33 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
         worker.shutdown()
         scheduler.shutdown()
 
+
+
+def test_blocks_the_cpu_tier_cannot_take_go_to_the_disk_tier_unchanged(tmp_path):
+    """A CPU tier of 4 blocks, 2 of them pinned by a reader: of the 6 blocks a save of 3 layers
+    brings, the 2 the tier can take land there and the 4 others on the disk tier, each block under
+    its own layer's key and equal to vLLM's copy."""
+    config = load_config(write_config(tmp_path, window=2 * BS, staging_blocks=6, cpu_blocks=4), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    try:
+        held = store.extend_hashes([], list(range(2 * BS)), 2)
+        store.save_layer(0, caches[NAMES[0]], [BlockSpan("held", [0, 1], held)])
+        store.poll(wait=True)
+        assert store.pin_for_reader(store.keys(held, 0)) is not None  # a reader holds them
+        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(2 * BS)], 2)
+        spans = [BlockSpan("new", [5, 9], hashes)]
+        blocks = store.save_layers(list(range(LAYERS)), [caches[n] for n in NAMES], spans)
+        store.poll(wait=True)
+        assert store.counts["save_fallbacks"] == 2 * LAYERS - 2 and store.counts["blocks_saved"] == 2 + 2
+        for layer, name in enumerate(NAMES):
+            keys = store.keys(hashes, layer)
+            got = store.chain.get_many(keys, promote=False)
+            want = store.paged.read(caches[name], torch.tensor([5, 9]))
+            torch.testing.assert_close(torch.stack(got), want, rtol=0, atol=0)
+            torch.testing.assert_close(blocks[layer], want, rtol=0, atol=0)
+        on_disk = [store.chain.locate_many(store.keys(hashes, layer)) for layer in range(LAYERS)]
+        assert sum(1 for tiers in on_disk for tier in tiers if tier == 1) == 2 * LAYERS - 2
+    finally:
+        store.close()
