@@ -408,6 +408,27 @@ def decode_step_median(row: dict, fraction: float = 0.5) -> float | None:
     return statistics.median(decode) if fraction == 0.5 else decode[int(fraction * (len(decode) - 1))]
 
 
+def connector_lines(connector: dict | None) -> list[str]:
+    """What a row's connector stats say of the next-step prefetch (its precision and recall) and of the
+    host time of wait_for_save: its median over the recorded steps, and the median of its slowest
+    sixteenth (the steps that save the blocks the batch completes)."""
+    connector = connector or {}
+    lines = []
+    full = ((connector.get("hot_window") or {}).get("full_decode_graphs")) or {}
+    if full.get("prefetch_used") is not None:
+        precision, recall = full.get("prefetch_precision"), full.get("prefetch_recall")
+        lines.append(f"next-step prefetch (margin {full['prefetch_margin']}): {full['prefetch_copied']} blocks copied, "
+                     f"{full['prefetch_used']} of them read by a later selection (precision "
+                     f"{precision if precision is None else round(precision, 3)}, recall "
+                     f"{recall if recall is None else round(recall, 3)})")
+    waits = sorted(step[2] for step in connector.get("step_connector_ms") or [])
+    if waits:
+        slowest = waits[-max(1, len(waits) // 16):]
+        lines.append(f"wait_for_save host ms: median {waits[len(waits) // 2]:.2f}, slowest sixteenth of the "
+                     f"{len(waits)} recorded steps {slowest[len(slowest) // 2]:.1f} (median), {waits[-1]:.1f} (max)")
+    return lines
+
+
 def baseline(rows: dict, row: dict) -> dict | None:
     """A row's plain vLLM row: run the same way (compiled rows against plain@compiled) and, for a
     tagged repeat, the plain row of the same tag where there is one (run next to it: the same
@@ -459,6 +480,8 @@ def table(out: str) -> None:
                   f"{hot.get('sparse_fetched_reads', 0)} selected far blocks each fetched when selected, "
                   f"{hot.get('stalls', 0)} stalls), selection overlap with the step before "
                   f"{hot.get('selection_overlap') or 0:.3f}")
+        for line in connector_lines(r.get("connector")):
+            print(f"{'':<11} {line}")
         samples = [gbps for _, gbps in r.get("h2d_samples") or []]
         if samples:
             print(f"{'':<11} H2D probe during the run: {min(samples):.1f} / {statistics.median(samples):.1f} / "

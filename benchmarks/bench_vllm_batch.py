@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vllm import (  # noqa: E402
-    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, file_mode, kv_bytes_per_token)
+    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, connector_lines, file_mode, kv_bytes_per_token)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
@@ -266,6 +266,8 @@ def table(out: str) -> None:
             print(f"{'':<46} {r['fetched_fraction']:.3f} of the selected blocks fetched (GPU hit rate "
                   f"{r['gpu_hit_rate']:.3f}, selection overlap {r['selection_overlap'] or 0:.3f}): the copies then "
                   f"allow {bound:.0f} tokens/s ({bound / base if base else float('nan'):.2f}x plain)")
+        for line in connector_lines(r.get("connector")):
+            print(f"{'':<46} {line}")
         if not r.get("full_batch_steps"):
             print(f"{'':<46} no step decoded every request: the first ones finished while the last prefilled; "
                   f"rerun with more than --new-tokens {r['new_tokens']}")

@@ -101,9 +101,11 @@ def place_rows(held: torch.Tensor, sets: torch.Tensor, layer: int, ids: torch.Te
 
 @triton.jit
 def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, miss_ptr, counters_ptr, sets_ptr,
-                      set_stride, base, k, c, K_PAD: tl.constexpr, C_PAD: tl.constexpr):
+                      fresh_ptr, used_ptr, set_stride, base, k, c, K_PAD: tl.constexpr, C_PAD: tl.constexpr,
+                      TRACK: tl.constexpr, PREFETCH: tl.constexpr):
     s = tl.load(sets_ptr + tl.program_id(0).to(tl.int64))  # last_use moves with held; the clock is the set's
     last_use_ptr += s * set_stride
+    fresh_ptr += s * set_stride
     clock_ptr += s
     ids_ptr, held_ptr, slots_ptr, miss_ptr, base = _row(ids_ptr, held_ptr, slots_ptr, miss_ptr, sets_ptr, set_stride,
                                                         base, k)
@@ -129,6 +131,13 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
     miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     match = ((rank[None, :] == miss_rank[:, None]) & unread[None, :]).to(tl.int32)   # [K, C]
     local = tl.where(hit, tl.argmax(same, axis=1), tl.where(miss, tl.argmax(match, axis=1), 0))
+    if TRACK:  # which slots hold a prefetched block no selection has read yet
+        fresh = tl.load(fresh_ptr + j, mask=valid_j, other=0)
+        if PREFETCH:  # the blocks this placement copies in are fresh; held ones keep their mark
+            tl.store(fresh_ptr + local, tl.zeros([K_PAD], tl.int8) + 1, mask=miss)
+        else:  # a selection reads its slots: a fresh one was a prefetch used; none stays fresh
+            tl.atomic_add(used_ptr, tl.sum((read & (fresh != 0)).to(tl.int64), axis=0))
+            tl.store(fresh_ptr + local, tl.zeros([K_PAD], tl.int8), mask=valid_i)
     tl.store(held_ptr + local, ids, mask=valid_i)
     tl.store(last_use_ptr + local, tl.zeros([K_PAD], tl.int64) + tick, mask=valid_i)
     tl.store(clock_ptr, tick + 1)
@@ -136,23 +145,34 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
 
 
 def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tensor, sets: torch.Tensor, layer: int,
-                   ids: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   ids: torch.Tensor, counters: torch.Tensor, fresh: torch.Tensor | None = None,
+                   used: torch.Tensor | None = None, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`place_rows` over C >= k slots per layer: held, last_use int64 [sets, L, C] (updated in place),
     clock int64 [sets] (each set's tick, advanced by one per row), sets int64 [m], ids int64 [m, k]
     -> (slots int64 [m, k], miss bool [m, k]); the misses take the least recently used slots the
-    selection does not read."""
+    selection does not read. fresh int8 [sets, L, C] and used int64 [1], when given, track the
+    prefetch: a placement with `prefetch` marks the slots it fills fresh; any other (a selection)
+    adds the fresh slots it reads to `used` and leaves none of its slots fresh."""
     _check_rows("place_rows_lru", held, sets, ids, layer)
     m, k = ids.shape
     c = held.shape[2]
     if last_use.shape != held.shape or not last_use.is_contiguous() or c < k or clock.shape != (held.shape[0],):
         raise ValueError(f"place_rows_lru: held {tuple(held.shape)}, last_use {tuple(last_use.shape)}, "
                          f"clock {tuple(clock.shape)}, ids {tuple(ids.shape)}")
+    track = fresh is not None
+    if track and (fresh.shape != held.shape or fresh.dtype != torch.int8 or not fresh.is_contiguous()
+                  or used is None or used.shape != (1,) or used.dtype != torch.int64):
+        raise ValueError(f"place_rows_lru: fresh {fresh.dtype} {tuple(fresh.shape)} (int8 like held "
+                         f"{tuple(held.shape)}), used {None if used is None else tuple(used.shape)} (int64 [1])")
     ids = ids if ids.is_contiguous() else ids.contiguous()
     slots = torch.empty((m, k), dtype=torch.int64, device=ids.device)
     miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
     at = layer * c
+    fresh_at = fresh.view(-1)[at:] if track else miss  # (not read without TRACK)
     _place_lru_kernel[(m,)](ids, held.view(-1)[at:], last_use.view(-1)[at:], clock, slots, miss, counters, sets,
-                            held.stride(0), at, k, c, K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c))
+                            fresh_at, used if track else counters, held.stride(0), at, k, c,
+                            K_PAD=triton.next_power_of_2(k), C_PAD=triton.next_power_of_2(c), TRACK=track,
+                            PREFETCH=prefetch)
     return slots, miss.view(torch.bool)
 
 

@@ -350,6 +350,7 @@ def test_the_next_step_prefetch_runs_on_a_side_stream_inside_the_captured_body(t
     on = full_body_steps(tmp_path / "on", margin=k, storage=storage, drift=True)
     prefetch = on["full_decode_graphs"]
     assert prefetch["prefetch_copied"] > 0
+    assert 0 < prefetch["prefetch_used"] <= min(prefetch["prefetch_copied"], on["cache_hits"])  # the kernel's marks
     assert on["cache_hits"] + on["cache_misses"] == off["cache_hits"] + off["cache_misses"]
     assert on["cache_misses"] < off["cache_misses"], (on["cache_misses"], off["cache_misses"])
 

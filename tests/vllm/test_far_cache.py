@@ -135,6 +135,36 @@ def test_a_cache_of_several_selections_replaces_the_least_recently_used_block():
     assert rc.place(again, 0, torch.tensor(selections[0]))[1].all()  # emptied, clocks too
 
 
+def test_a_prefetched_block_counts_as_used_once_a_selection_reads_it_before_it_is_replaced():
+    """A placement marked as a prefetch fills slots as a selection does but counts nothing used; a
+    later selection that reads a block the prefetch copied in counts it once (`prefetch_used`), a
+    block the prefetch found already held counts nothing, and a prefetched block replaced before
+    any selection read it never counts. Checked against a model of the slots, per step."""
+    rc = RowCaches(1, 1, K, (1,), torch.float32, torch.device("cpu"), selections=3)
+    s = rc.take()
+    rng = random.Random(5)
+    fresh_blocks: set[int] = set()   # the model: blocks the prefetch copied in that no selection read yet
+    held_blocks: set[int] = set()
+    used = 0
+    for step in range(40):
+        prefetch = step % 2 == 1
+        ids = rng.sample(range(3 * K), K)
+        slots, miss = rc.place(s, 0, torch.tensor(ids), prefetch=prefetch)
+        held_now = set(rc.held[0, 0].tolist())
+        if prefetch:
+            fresh_blocks |= {b for b, m in zip(ids, miss.tolist()) if m}
+        else:
+            used += len(fresh_blocks & set(ids) & held_blocks)
+            fresh_blocks -= set(ids)
+        fresh_blocks &= held_now  # replaced: gone, never read
+        held_blocks = held_now
+        assert int(rc.prefetch_used) == used, step
+        assert {b for b, f in zip(rc.held[0, 0].tolist(), rc.fresh[0, 0].tolist()) if f} == fresh_blocks, step
+    assert used > 0
+    rc.give_back(s)
+    assert not rc.fresh.any()
+
+
 def test_snapshot_and_restore_undo_a_run():
     rc = caches(sets=1)
     s = rc.take()
@@ -205,6 +235,8 @@ def _lru_kernel_cases(device: str) -> None:
         clock = torch.zeros(1, dtype=torch.int64, device=device)
         one_set = torch.zeros(1, dtype=torch.int64, device=device)
         counters = torch.zeros(3, dtype=torch.int64, device=device)
+        fresh = torch.zeros((1, 1, c), dtype=torch.int8, device=device)
+        used = torch.zeros(1, dtype=torch.int64, device=device)
         recent: list[list[int]] = []
         for step in range(16):
             pool = sorted({b for sel in recent[-3:] for b in sel if b >= 0})
@@ -213,9 +245,10 @@ def _lru_kernel_cases(device: str) -> None:
             rng.shuffle(ids)
             ids = _blank_some(rng, ids)
             recent.append(ids)
-            want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids))
+            prefetch = rng.random() < 0.4  # a next-step prefetch's placement, else a selection's
+            want_slots, want_miss = torch_path.place(s, 0, torch.tensor(ids), prefetch=prefetch)
             slots, miss = place_rows_lru(held, last_use, clock, one_set, 0, torch.tensor([ids], device=device),
-                                         counters)
+                                         counters, fresh=fresh, used=used, prefetch=prefetch)
             msg = f"seed={seed} k={k} selections={selections} step={step}"
             assert slots[0].cpu().tolist() == want_slots.tolist(), msg
             assert miss[0].cpu().tolist() == want_miss.tolist(), msg
@@ -223,6 +256,8 @@ def _lru_kernel_cases(device: str) -> None:
             assert last_use[0, 0].cpu().tolist() == torch_path.last_use[0, 0].tolist(), msg
             assert clock.cpu().tolist() == torch_path.clock.tolist(), msg
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
+            assert torch.equal(fresh.cpu(), torch_path.fresh), msg
+            assert used.cpu().tolist() == torch_path.prefetch_used.tolist(), msg
 
 
 def _rows_kernel_cases(device: str) -> None:
@@ -241,6 +276,8 @@ def _rows_kernel_cases(device: str) -> None:
         last_use = torch_path.last_use.clone().to(device) if selections > 1 else None
         clock = torch_path.clock.clone().to(device)
         counters = torch.zeros(3, dtype=torch.int64, device=device)
+        fresh = torch_path.fresh.clone().to(device) if selections > 1 else None
+        used = torch.zeros(1, dtype=torch.int64, device=device)
         previous: dict[tuple[int, int], list[int]] = {}
         for step in range(12):
             rows, layer = rng.sample(sets, rng.randrange(1, 4)), rng.randrange(3)
@@ -252,10 +289,13 @@ def _rows_kernel_cases(device: str) -> None:
                 rng.shuffle(ids)
                 ids = previous[(s.index, layer)] = _blank_some(rng, ids)
                 selections_now.append(ids)
-            want = [torch_path.place(s, layer, torch.tensor(ids)) for s, ids in zip(rows, selections_now)]
+            prefetch = selections > 1 and rng.random() < 0.4  # a next-step prefetch's placement
+            want = [torch_path.place(s, layer, torch.tensor(ids), prefetch=prefetch)
+                    for s, ids in zip(rows, selections_now)]
             index = torch.tensor([s.index for s in rows], device=device)
             ids = torch.tensor(selections_now, device=device)
-            slots, miss = (place_rows_lru(held, last_use, clock, index, layer, ids, counters) if selections > 1
+            slots, miss = (place_rows_lru(held, last_use, clock, index, layer, ids, counters, fresh=fresh, used=used,
+                                          prefetch=prefetch) if selections > 1
                            else place_rows(held, index, layer, ids, counters))
             msg = f"seed={seed} k={k} selections={selections} step={step}"
             assert slots.cpu().tolist() == [w[0].tolist() for w in want], msg
@@ -264,6 +304,8 @@ def _rows_kernel_cases(device: str) -> None:
             if last_use is not None:
                 assert torch.equal(last_use.cpu(), torch_path.last_use), msg
                 assert torch.equal(clock.cpu(), torch_path.clock), msg
+                assert torch.equal(fresh.cpu(), torch_path.fresh), msg
+                assert used.cpu().tolist() == torch_path.prefetch_used.tolist(), msg
             assert counters.cpu().tolist() == torch_path.counters.tolist(), msg
 
 

@@ -65,8 +65,9 @@ def test_the_next_step_prefetch_keeps_the_output_and_turns_next_steps_misses_int
     """A query drifting from one direction to another changes its selection a little each step. With
     the prefetch each layer's blocks ranked just below its selection are copied into the cache, so the
     next step finds most of what it adds: more hits and fewer misses (stalls) than without, every step's
-    output equal to the eager path's, every prefetched block counted once (held or copied), and its
-    copies counted in the bytes that crossed PCIe."""
+    output equal to the eager path's, every prefetched block counted once (held or copied), its
+    copies counted in the bytes that crossed PCIe, and the copied blocks a later selection read
+    counted as used (the prefetch's precision and recall)."""
     torch.manual_seed(7)
     fake_graphs(monkeypatch)
     steps = 16
@@ -88,6 +89,11 @@ def test_the_next_step_prefetch_keeps_the_output_and_turns_next_steps_misses_int
     block_bytes = 2 * 2 * BS * D * 4  # H = 2 KV heads, float32
     assert on["cache_copied_bytes"] == (on["cache_misses"] + prefetch["prefetch_copied"]) * block_bytes
     assert "prefetch_copied" not in off["full_decode_graphs"]
+    # of the blocks the margin copied in, those a later selection read: each such read is a hit
+    used = prefetch["prefetch_used"]
+    assert 0 < used <= min(prefetch["prefetch_copied"], on["cache_hits"])
+    assert prefetch["prefetch_precision"] == used / prefetch["prefetch_copied"]
+    assert prefetch["prefetch_recall"] == used / (used + on["cache_misses"])
 
 
 def test_a_prefetch_margin_that_does_not_fit_is_a_config_error(tmp_path, monkeypatch):

@@ -116,6 +116,10 @@ class RowCaches:
         self.held = torch.full((num_sets, num_layers, self.width), -1, dtype=torch.int64, device=device)
         # past one selection per layer: each slot's last use (a tick of its set's clock, -1: never), oldest replaced
         self.last_use = torch.full_like(self.held, -1) if self.width > k else None
+        # there too (the next-step prefetch needs spare slots): whether a slot holds a prefetched block no
+        # selection has read yet, and how many prefetched blocks a selection read (on the device)
+        self.fresh = torch.zeros_like(self.held, dtype=torch.int8) if self.last_use is not None else None
+        self.prefetch_used = torch.zeros(1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(num_sets, dtype=torch.int64, device=device)
         # hits, misses, rows with a miss (each a stall: fetched at selection, the output waits for it)
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
@@ -142,16 +146,20 @@ class RowCaches:
         self.held[cache.index].fill_(-1)
         if self.last_use is not None:
             self.last_use[cache.index].fill_(-1)
+            self.fresh[cache.index].fill_(0)
         self._spare.append(cache)
 
-    def place(self, cache: CacheSet, layer: int, ids: torch.Tensor,
-              counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def place(self, cache: CacheSet, layer: int, ids: torch.Tensor, counters: torch.Tensor | None = None,
+              prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection ids (int64 [k] on the device, distinct where not negative; a negative id
         stands for no block) of `cache`'s request at `layer`:
         (slots int64 [k], the slot of `blocks` each id is read from; miss bool [k], the ids the caller
         copies into those slots), in PyTorch ops (what `place_rows` does row by row where its kernel
         cannot run). counters: where the hits, misses and rows that missed are added (default the
-        caches' own). Device work only, no host wait."""
+        caches' own). prefetch: the ids are a prediction (the next-step prefetch), not a selection:
+        the slots it fills are marked fresh, and a later selection that reads a fresh slot counts a
+        prefetched block used (`prefetch_used`; caches of several selections only). Device work
+        only, no host wait."""
         counters = self.counters if counters is None else counters
         if not self.per_layer:  # nothing kept: the set's slots, every id copied
             miss = ids >= 0
@@ -161,14 +169,15 @@ class RowCaches:
         if self.last_use is None:
             return self._place_torch(cache, layer, ids, held, counters=counters)
         last_use, tick = self.last_use[cache.index, layer], self.clock[cache.index : cache.index + 1]
-        return self._place_torch(cache, layer, ids, held, last_use, tick, counters)
+        return self._place_torch(cache, layer, ids, held, last_use, tick, counters, self.fresh[cache.index, layer],
+                                 prefetch)
 
     def place_rows(self, caches: list[CacheSet], sets: torch.Tensor, layer: int, ids: torch.Tensor,
-                   counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   counters: torch.Tensor | None = None, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`place` for m rows at once, row r the ids[r] (int64 [m, j], j at most the slots per layer) of
         the request holding caches[r], whose indices `sets` holds (int64 [m] on the device; a CUDA graph
         bakes it): (slots int64 [m, j], miss bool [m, j]). One Triton launch for every row on CUDA; row
-        by row elsewhere. counters: as `place`."""
+        by row elsewhere. counters, prefetch: as `place`."""
         counters = self.counters if counters is None else counters
         if not self.per_layer:  # nothing kept: each set's slots, every id copied
             miss = ids >= 0
@@ -177,23 +186,25 @@ class RowCaches:
         lru = self.last_use is not None
         if ids.is_cuda and self.width <= KERNEL_MAX_K:
             args = ((self.held, self.last_use, self.clock) if lru else (self.held,)) + (sets, layer, ids, counters)
-            ok, placed = _ROWS_KERNEL.run(lambda: _place_rows_kernel(lru)(*args), on_cuda=True)
+            more = {"fresh": self.fresh, "used": self.prefetch_used, "prefetch": prefetch} if lru else {}
+            ok, placed = _ROWS_KERNEL.run(lambda: _place_rows_kernel(lru)(*args, **more), on_cuda=True)
             if ok:
                 return placed
         # a row without a set (a full decode graph's row without far blocks: all its ids negative) places nothing
-        placed = [self.place(cache, layer, ids[r], counters) if cache is not None
+        placed = [self.place(cache, layer, ids[r], counters, prefetch) if cache is not None
                   else (torch.zeros_like(ids[r]), torch.zeros_like(ids[r], dtype=torch.bool))
                   for r, cache in enumerate(caches)]
         return torch.stack([p[0] for p in placed]), torch.stack([p[1] for p in placed])
 
     def _place_torch(self, cache: CacheSet, layer: int, ids: torch.Tensor, held: torch.Tensor,
                      last_use: torch.Tensor | None = None, tick: torch.Tensor | None = None,
-                     counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     counters: torch.Tensor | None = None, fresh: torch.Tensor | None = None,
+                     prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`place` in PyTorch ops over the layer's C slots (held int64 [C]): a held id is read in
         place; the r-th missing id takes the r-th slot the selection does not read (at least as many
         as the misses: C - hits >= k - hits), in slot order, or with last_use (int64 [C], C > k) least
         recently used first, every slot read or filled then stamped with the set's tick (int64 [1],
-        advanced by one)."""
+        advanced by one); fresh (int8 [C], with last_use) marked as `place`'s prefetch says."""
         valid = ids >= 0                                               # a negative id selects nothing
         same = (ids.unsqueeze(1) == held.unsqueeze(0)) & valid.unsqueeze(1)  # [k, C]: id i is held in slot j
         hit = same.any(1)
@@ -206,6 +217,11 @@ class RowCaches:
         local = torch.where(hit, same.to(torch.int8).argmax(1),
                             torch.where(miss, victims.index_select(0, miss_rank), 0))
         target = torch.where(valid, local, held.shape[0])  # a negative id writes nothing
+        if fresh is not None and prefetch:  # the blocks it copies in are fresh; held ones keep their mark
+            _scatter_into(fresh, torch.where(miss, local, held.shape[0]), torch.ones_like(fresh[: ids.shape[0]]))
+        elif fresh is not None:  # a selection: the fresh slots it reads were prefetches used; none stays fresh
+            self.prefetch_used.add_((read & (fresh != 0)).sum())
+            _scatter_into(fresh, target, torch.zeros_like(fresh[: ids.shape[0]]))
         _scatter_into(held, target, ids)
         if last_use is not None:
             _scatter_into(last_use, target, tick.expand(ids.shape[0]))
@@ -216,17 +232,20 @@ class RowCaches:
 
     def snapshot(self) -> tuple:
         """What the sets hold, their clocks and the counters, copied (device work only)."""
-        return (self.held.clone(), None if self.last_use is None else self.last_use.clone(), self.clock.clone(),
-                self.counters.clone())
+        lru = self.last_use is not None
+        return (self.held.clone(), self.last_use.clone() if lru else None, self.clock.clone(), self.counters.clone(),
+                self.fresh.clone() if lru else None, self.prefetch_used.clone())
 
     def restore(self, saved: tuple) -> None:
         """Back to a `snapshot` (the blocks a run copied in since are then not held: copied again)."""
-        held, last_use, clock, counters = saved
+        held, last_use, clock, counters, fresh, used = saved
         self.held.copy_(held)
         if last_use is not None:
             self.last_use.copy_(last_use)
+            self.fresh.copy_(fresh)
         self.clock.copy_(clock)
         self.counters.copy_(counters)
+        self.prefetch_used.copy_(used)
 
     def stats(self) -> dict:
         """The counters, read from the device (one sync)."""

@@ -20,7 +20,8 @@ before), per row:
 
 A block the next step selects and the margin fetched is a hit there; a selected block neither
 held nor fetched is still fetched at selection (a stall), so the output never depends on the
-prediction. The placement and the copy sources run on the compute stream (the sets' clocks are
+prediction. The caches mark the slots the margin fills until a selection reads them, which gives
+the prefetch's precision and recall (`stats`). The placement and the copy sources run on the compute stream (the sets' clocks are
 shared by the layers); what the side stream reads is in buffers of its own per layer, so the next
 layers' work never overwrites it. Without CUDA the copy runs at once.
 """
@@ -85,7 +86,8 @@ class MarginPrefetch:
             return
         ranked = torch.topk(scores, width, dim=1, sorted=True).indices[:, k:]
         ids = torch.where(ranked < num_far.unsqueeze(1), ranked, -1)
-        slots, miss = self.caches.place_rows([req.cache for req in reqs], sets, layer, ids, self.counters)
+        slots, miss = self.caches.place_rows([req.cache for req in reqs], sets, layer, ids, self.counters,
+                                             prefetch=True)
         count = n * (width - k)
         sources, targets = self.sources[layer, :count], self.targets[layer, :count]
         sources.copy_(copy_sources_of(reqs, layer, ids, miss, lists).view(-1))
@@ -117,7 +119,14 @@ class MarginPrefetch:
             self._forked = False
 
     def stats(self) -> dict:
-        """The counters, read from the device (one sync)."""
+        """The counters, read from the device (one sync). Of the blocks the margin copied in, those a
+        later selection read before they were replaced (`prefetch_used`): precision = used / copied;
+        recall = used / (used + the selections' misses), the part of what the selections would
+        otherwise have fetched that the prefetch brought in time."""
         held, copied, rows = self.counters.tolist()
+        used = int(self.caches.prefetch_used.item())
+        misses = int(self.caches.counters[1].item())
         return {"prefetch_margin": self.margin, "prefetch_held": held, "prefetch_copied": copied,
-                "prefetch_rows_copied": rows}
+                "prefetch_rows_copied": rows, "prefetch_used": used,
+                "prefetch_precision": used / copied if copied else None,
+                "prefetch_recall": used / (used + misses) if used + misses else None}
