@@ -408,6 +408,12 @@ def decode_step_median(row: dict, fraction: float = 0.5) -> float | None:
     return statistics.median(decode) if fraction == 0.5 else decode[int(fraction * (len(decode) - 1))]
 
 
+def overlap_text(overlap: float | None) -> str:
+    """The sampled selection overlap; None when no step was sampled (the full decode graph's steps are
+    not: they read no selection on the host)."""
+    return "not sampled" if overlap is None else f"{overlap:.3f}"
+
+
 def connector_lines(connector: dict | None) -> list[str]:
     """What a row's connector stats say of the next-step prefetch (its precision and recall) and of the
     host time of wait_for_save: its median over the recorded steps, and the median of its slowest
@@ -474,12 +480,12 @@ def table(out: str) -> None:
                   f"or a far-block cache over all; {reads['sparse_selected_reads'] - reads['cache_hits']} of "
                   f"{reads['sparse_selected_reads']} selected "
                   f"far blocks fetched at selection, {reads['stalls']} stalls), selection overlap with the step before "
-                  f"{hot.get('selection_overlap') or 0:.3f}, model q/k bias std {r.get('model_qk_bias_std', 0.0)}")
+                  f"{overlap_text(hot.get('selection_overlap'))}, model q/k bias std {r.get('model_qk_bias_std', 0.0)}")
         elif hot.get("gpu_hit_rate") is not None:  # rows recorded before decode_reads: the whole run's
             print(f"{'':<11} GPU hit rate at attention time {hot['gpu_hit_rate']:.3f} (window blocks resident; "
                   f"{hot.get('sparse_fetched_reads', 0)} selected far blocks each fetched when selected, "
                   f"{hot.get('stalls', 0)} stalls), selection overlap with the step before "
-                  f"{hot.get('selection_overlap') or 0:.3f}")
+                  f"{overlap_text(hot.get('selection_overlap'))}")
         for line in connector_lines(r.get("connector")):
             print(f"{'':<11} {line}")
         samples = [gbps for _, gbps in r.get("h2d_samples") or []]

@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vllm import (  # noqa: E402
-    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, connector_lines, file_mode, kv_bytes_per_token)
+    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, connector_lines, file_mode, kv_bytes_per_token,
+    overlap_text)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
@@ -264,7 +265,7 @@ def table(out: str) -> None:
         if r.get("pcie_bound_fetched_tokens_per_s"):  # rows recorded with the far-block caches
             bound = r["pcie_bound_fetched_tokens_per_s"]
             print(f"{'':<46} {r['fetched_fraction']:.3f} of the selected blocks fetched (GPU hit rate "
-                  f"{r['gpu_hit_rate']:.3f}, selection overlap {r['selection_overlap'] or 0:.3f}): the copies then "
+                  f"{r['gpu_hit_rate']:.3f}, selection overlap {overlap_text(r['selection_overlap'])}): the copies then "
                   f"allow {bound:.0f} tokens/s ({bound / base if base else float('nan'):.2f}x plain)")
         for line in connector_lines(r.get("connector")):
             print(f"{'':<46} {line}")
