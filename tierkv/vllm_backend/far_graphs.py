@@ -138,8 +138,10 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
             scores.fill_(float("-inf"))
         for r, req in enumerate(reqs):
             req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
-    # a row with fewer far blocks than k selects them all, and -1 (no block) for the rest
-    ids = top_blocks(scores, k)
+    # a row with fewer far blocks than k selects them all, and -1 (no block) for the rest; with the
+    # prefetch one ranking gives the selection and the blocks ranked below it
+    ranked = prefetch.rank(scores) if prefetch is not None else None
+    ids = top_blocks(scores, k) if ranked is None else torch.sort(ranked[:, :k], dim=1).values
     ids = torch.where(ids < num_far.unsqueeze(1), ids, -1)
     if sets is None:
         sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
@@ -158,8 +160,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
                         torch.where(miss, slots, -1).view(-1))
     fills = torch.where(ids >= 0, far.block_tokens, 0)  # no block: no token read
     out, lse = paged_rows_attention(q, caches.blocks, slots, ids.clamp(min=0) * far.block_tokens, fills, scale=scale)
-    if prefetch is not None:
-        prefetch.after_selection(reqs, layer, scores, num_far, sets, lists)
+    if ranked is not None:
+        prefetch.after_selection(reqs, layer, ranked, num_far, sets, lists)
     return out, lse, ids
 
 

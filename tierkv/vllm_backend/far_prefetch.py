@@ -2,7 +2,7 @@
 ranked just below its selection, on a side stream, so the next step finds them in the request's
 far-block cache.
 
-Primitives: `MarginPrefetch` (`after_selection`, `join`, `stats`), `check_margin`.
+Primitives: `MarginPrefetch` (`rank`, `after_selection`, `join`, `stats`), `check_margin`.
 
 Consecutive decode steps select mostly the same blocks; what a step adds is mostly what the step
 before ranked just below its top-k (the bound of q . k moves a little between steps). With
@@ -74,18 +74,23 @@ class MarginPrefetch:
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
         self._forked = False
 
-    def after_selection(self, reqs: list, layer: int, scores: torch.Tensor, num_far: torch.Tensor,
+    def rank(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """The k + margin highest-scoring blocks of each row of scores [m, blocks] (float32, blocks past
+        a row's far count masked), highest first: int64 [m, min(k + margin, blocks)]. Its first k are
+        the selection (the same blocks as `tierkv.sparse.top_blocks`, in score order), the rest the
+        margin: one top-k for both. None when no block lies below the selection."""
+        width = min(self.far.sparse_blocks + self.margin, scores.shape[1])
+        return torch.topk(scores, width, dim=1, sorted=True).indices if width > self.far.sparse_blocks else None
+
+    def after_selection(self, reqs: list, layer: int, ranked: torch.Tensor, num_far: torch.Tensor,
                         sets: torch.Tensor, lists: torch.Tensor | None) -> None:
-        """After the layer's selection from scores [m, blocks] (float32, blocks past num_far [m] masked):
-        place and copy each row's margin blocks (device work only; the copy on the side stream)."""
+        """After the layer's selection, the first k of `ranked` (`rank`'s): place and copy each row's
+        margin blocks, the rest of it (device work only; the copy on the side stream)."""
         from tierkv.vllm_backend.far_graphs import copy_sources_of
 
-        k, n = self.far.sparse_blocks, scores.shape[0]
-        width = min(k + self.margin, scores.shape[1])
-        if width <= k:
-            return
-        ranked = torch.topk(scores, width, dim=1, sorted=True).indices[:, k:]
-        ids = torch.where(ranked < num_far.unsqueeze(1), ranked, -1)
+        k, n = self.far.sparse_blocks, ranked.shape[0]
+        width = ranked.shape[1]
+        ids = torch.where(ranked[:, k:] < num_far.unsqueeze(1), ranked[:, k:], -1)
         slots, miss = self.caches.place_rows([req.cache for req in reqs], sets, layer, ids, self.counters,
                                              prefetch=True)
         count = n * (width - k)
