@@ -12,7 +12,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml", "vllm-128k.yaml",
-                                  "vllm-128k-sparse.yaml"])
+                                  "vllm-128k-sparse.yaml", "vllm-128k-sparse-fast.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name, env={})
     assert config.tiers[0].kind == "cpu"
