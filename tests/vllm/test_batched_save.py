@@ -74,6 +74,8 @@ def test_every_layer_saved_at_once_equals_the_saves_layer_by_layer(tmp_path, sto
         at_once = store_all.save_layers(layers, [caches[n] for n in NAMES], spans)
         far_all.summarize(range(LAYERS), spans, at_once)
         assert at_once.shape == (LAYERS, 10, 2, H, BS, D)
+        with pytest.raises(ValueError, match="3 layers but 2 KV caches"):
+            store_all.save_layers(layers, [caches[n] for n in NAMES[:2]], spans)
         torch.testing.assert_close(at_once, torch.stack(per_layer), rtol=0, atol=0)
         store_one.poll(wait=True)
         store_all.poll(wait=True)

@@ -169,6 +169,8 @@ class VllmKVStore:
         after the forward): one read per layer, then one quantization, one slot reservation and
         one D2H for all of them, so the host's calls do not grow with the layers. Returns the
         private copy [len(layers), n, 2, H, T, D], None if the spans hold no block."""
+        if len(kvs) != len(layers):
+            raise ValueError(f"save_layers: {len(layers)} layers but {len(kvs)} KV caches; one cache per layer")
         block_ids = [b for s in spans for b in s.block_ids]
         if not block_ids or not layers:
             return None
