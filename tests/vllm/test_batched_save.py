@@ -6,23 +6,19 @@ GPU machine). What lands in the tiers and in the summaries equals the per-layer 
 from __future__ import annotations
 
 import random
-import weakref
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.vllm_backend import hot_window  # noqa: E402
-from tierkv.vllm_backend.connector import TierKVConnector  # noqa: E402
 from tierkv.vllm_backend.far import FarKV  # noqa: E402
 from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
-from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
-from tests.vllm.test_hot_window import _Runner, hot_kv_cache_config, write_config  # noqa: E402
+from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
+from tests.vllm.test_hot_window import assert_six_blocks_summarized, sparse_connectors, step_one_request  # noqa: E402
+from tests.vllm.test_hot_window import write_config  # noqa: E402
 
 
 def _store_and_far(path, storage_dtype: str, caches):
@@ -112,14 +108,7 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
 
     if run_layers is not None:
         monkeypatch.setattr(connector, "SAVE_RUN_BYTES", run_layers * 6 * 2 * H * BS * D * 4)
-    config_file = write_config(tmp_path, window=2 * BS, staging_blocks=6, sparse_tokens=2 * BS)
-    engine = vllm_config(config_file)
-    kv_config = hot_kv_cache_config(2 * BS)
-    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
-    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    worker.register_kv_caches(caches)
-    runner = _Runner(["s"])
+    worker, scheduler, caches = sparse_connectors(tmp_path)
     scatters, bounds = [], []
     scatter = worker.store.io.scatter
     monkeypatch.setattr(worker.store.io, "scatter", lambda blocks, slots: scatters.append(len(slots)) or
@@ -130,30 +119,16 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
     monkeypatch.setattr(far_summaries, "key_bounds", lambda blocks: bounds.append(tuple(blocks.shape)) or
                         key_bounds(blocks))
     try:
-        req = make_request("s", [random.randrange(1000) for _ in range(6 * BS + 1)])
-        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        meta = scheduler.build_connector_meta(schedule(req, list(range(7)), 0))
-        hot_window._STATE["runner"] = weakref.ref(runner)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        worker.wait_for_save()  # no hook ran
+        step_one_request(worker, scheduler, caches, hooks=False)
         if run_layers is None:
             assert scatters == [LAYERS * 6] and bounds == [(LAYERS, 6, 2, H, BS, D)]
         else:
             assert LAYERS == 3 and scatters == [2 * 6, 6] and bounds == [(2, 6, 2, H, BS, D), (1, 6, 2, H, BS, D)]
         assert worker.store.counts["blocks_saved"] == LAYERS * 6
-        summaries = worker._far.requests["s"].summaries
-        for name in NAMES:
-            layer = worker.store.layer_index[name]
-            keys = worker.store.paged.read(caches[name], torch.arange(6))[:, 0]
-            torch.testing.assert_close(summaries.summaries.kmin[layer][:6], keys.amin(dim=2))
-            torch.testing.assert_close(summaries.summaries.kmax[layer][:6], keys.amax(dim=2))
-            assert summaries.prefix[layer] == 6 and summaries.is_summarized_dev[layer][:6].all()
+        assert_six_blocks_summarized(worker, caches)
     finally:
-        hot_window._STATE["runner"] = None
         worker.shutdown()
         scheduler.shutdown()
-
 
 
 def test_blocks_the_cpu_tier_cannot_take_go_to_the_disk_tier_unchanged(tmp_path):

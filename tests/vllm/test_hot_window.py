@@ -778,9 +778,9 @@ def test_a_prefill_streaming_unsummarized_far_blocks_summarizes_them(tmp_path):
         store.close()
 
 
-def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_path):
-    import weakref
-
+def sparse_connectors(tmp_path):
+    """A worker and a scheduler connector under the sparse policy (a 2-block window), and the worker's
+    vLLM pools: (worker, scheduler, caches). Shut both down after."""
     window = 2 * BS
     config_file = write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=2 * BS)
     engine = vllm_config(config_file)
@@ -789,27 +789,48 @@ def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_pa
     scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     worker.register_kv_caches(caches)
+    return worker, scheduler, caches
+
+
+def step_one_request(worker, scheduler, caches, hooks: bool) -> None:
+    """Request "s" (6 full blocks and a token) through one step whose 6 blocks are saved: by the
+    per-layer hooks, or (hooks False: a full decode graph's replay runs none) by wait_for_save."""
+    import weakref
+
     runner = _Runner(["s"])
+    req = make_request("s", [random.randrange(1000) for _ in range(6 * BS + 1)])
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = scheduler.build_connector_meta(schedule(req, list(range(7)), 0))
+    hot_window._STATE["runner"] = weakref.ref(runner)
     try:
-        req = make_request("s", [random.randrange(1000) for _ in range(6 * BS + 1)])
-        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        meta = scheduler.build_connector_meta(schedule(req, list(range(7)), 0))
-        hot_window._STATE["runner"] = weakref.ref(runner)
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
-        for name in NAMES:
+        for name in NAMES if hooks else ():
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name, caches[name], None)
         worker.wait_for_save()
-        summaries = worker._far.requests["s"].summaries
-        for name in NAMES:
-            layer = worker.store.layer_index[name]
-            keys = worker.store.paged.read(caches[name], torch.arange(6))[:, 0]
-            torch.testing.assert_close(summaries.summaries.kmin[layer][:6], keys.amin(dim=2))
-            torch.testing.assert_close(summaries.summaries.kmax[layer][:6], keys.amax(dim=2))
-            assert summaries.is_summarized[layer][:6].all() and summaries.is_summarized_dev[layer][:6].all()
     finally:
         hot_window._STATE["runner"] = None
+
+
+def assert_six_blocks_summarized(worker, caches) -> None:
+    """Request "s"'s blocks 0..5 of every layer have summaries equal to their keys' min and max."""
+    summaries = worker._far.requests["s"].summaries
+    for name in NAMES:
+        layer = worker.store.layer_index[name]
+        keys = worker.store.paged.read(caches[name], torch.arange(6))[:, 0]
+        torch.testing.assert_close(summaries.summaries.kmin[layer][:6], keys.amin(dim=2))
+        torch.testing.assert_close(summaries.summaries.kmax[layer][:6], keys.amax(dim=2))
+        assert summaries.prefix[layer] == 6
+        assert summaries.is_summarized[layer][:6].all() and summaries.is_summarized_dev[layer][:6].all()
+
+
+def test_connector_summarizes_the_blocks_it_saves_under_the_sparse_policy(tmp_path):
+    worker, scheduler, caches = sparse_connectors(tmp_path)
+    try:
+        step_one_request(worker, scheduler, caches, hooks=True)
+        assert_six_blocks_summarized(worker, caches)
+    finally:
         worker.shutdown()
         scheduler.shutdown()
 
