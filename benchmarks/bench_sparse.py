@@ -12,6 +12,11 @@ recall, and greedy-token agreement (sparse attention reads a subset, so tokens m
 count is reported, not asserted). With `--predictor query` the staging memory holds a far-block
 cache of `--cache-selections` selections per layer (LRU, kept across steps) plus a miss area,
 and the next `--lookahead` layers are predicted from each layer's input hidden state.
+
+This is the transformers engine. Under vLLM, the serving engine, the same targets are measured
+against plain vLLM in the same device call: by `bench_vllm.py` at batch 1 (`vllm-ab` in
+gpu_session.sh), and by `bench_vllm_batch.py` for the largest batch at 60 GiB of GPU KV
+(`benchmarks/RESULTS.md`).
 """
 from __future__ import annotations
 
