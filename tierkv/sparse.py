@@ -87,9 +87,9 @@ def _layer_slice(layers: range) -> slice:
 class BlockSummaries:
     """Per layer one table [capacity_blocks, num_kv_heads, 2 * head_dim] on the device: each block's
     key max in the first head_dim values, its key min in the rest (`kmax`, `kmin`: per-layer views
-    of those halves). The layers' tables are views of one tensor [num_layers, capacity, ...],
-    grown together as needed, so the blocks of consecutive layers are written in one copy (`put`
-    with a range of layers). With `max_blocks` (the blocks of the longest request) the tensor is allocated
+    of those halves). The layers' tables are views of one tensor [num_layers, capacity, ...], grown
+    together as needed, so the blocks of consecutive layers are written in one copy (`put` with a
+    range of layers). With `max_blocks` (the blocks of the longest request) the tensor is allocated
     at that size once, at the first update, and never grows: its memory is
     `num_layers * max_blocks * bytes_per_block_per_layer()`, and it never moves (a CUDA graph
     reading a table stays valid)."""
