@@ -21,9 +21,12 @@ before), per row:
 A block the next step selects and the margin fetched is a hit there; a selected block neither
 held nor fetched is still fetched at selection (a stall), so the output never depends on the
 prediction. The caches mark the slots the margin fills until a selection reads them, which gives
-the prefetch's precision and recall (`stats`). The placement and the copy sources run on the compute stream (the sets' clocks are
-shared by the layers); what the side stream reads is in buffers of its own per layer, so the next
-layers' work never overwrites it. Without CUDA the copy runs at once.
+the prefetch's precision and recall (`stats`).
+
+The ranking is one top-k of width k + m (`rank`): its first k are the selection. The placement and
+the copy sources run on the compute stream (the sets' clocks are shared by the layers); what the
+side stream reads is in buffers of its own per layer, so the next layers' work never overwrites it.
+Without CUDA the copy runs at once.
 """
 from __future__ import annotations
 
