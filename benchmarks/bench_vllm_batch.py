@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vllm import (  # noqa: E402
-    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, connector_lines, file_mode, kv_bytes_per_token,
-    overlap_text)
+    SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, baseline, connector_lines, file_mode,
+    kv_bytes_per_token, overlap_text)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
@@ -128,9 +128,10 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
 
 def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None, new_tokens: int | None, layers: int,
         storage_dtype: str = "auto", cache_selections: int = 1, profile_after: int | None = None,
-        compiled: bool = False, async_scheduling: bool = False, prefetch_margin: int = 0) -> None:
+        compiled: bool = False, async_scheduling: bool = False, prefetch_margin: int = 0, tag: str = "") -> None:
     """profile_after: the step after that many full-batch steps runs under torch.profiler (its kernel
-    table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate."""
+    table and its host calls go to OUT/profile-batch-MODE.txt) and counts in no rate. tag: a repeat's
+    name (row MODE-TAG, compared with the plain row of the same tag)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -150,6 +151,8 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
             mode = f"{mode}@async"  # vLLM's async scheduling (plain vLLM has it on by default)
     if compiled:
         mode = f"{mode}@compiled"  # against plain@compiled
+    if tag:
+        mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
     # 128k); 128 tokens more give the steps in which the whole batch decodes
     new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
@@ -204,7 +207,7 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
     staging = tiered.config.scheduler.staging_bytes if tiered is not None else 0
     reserved = tiered.summary_reserved_bytes if tiered is not None else 0
     full_graph = tiered.full_graph_reserved_bytes if tiered is not None else 0  # the full graph's codes (fp8 tier)
-    row = {"mode": mode, "storage_dtype": storage_dtype, "requests": requests, "context": context, "new_tokens": new_tokens, "kv_gib": kv_gib,
+    row = {"mode": mode, "tag": tag, "storage_dtype": storage_dtype, "requests": requests, "context": context, "new_tokens": new_tokens, "kv_gib": kv_gib,
            "gpu_kv_bytes": pool_bytes + staging + max(reserved, summary_bytes) + full_graph, "vllm_pool_bytes": pool_bytes,
            "tierkv_staging_bytes": staging, "summary_reserved_bytes": reserved, "summary_bytes": summary_bytes,
            "full_graph_reserved_bytes": full_graph,
@@ -252,7 +255,7 @@ def table(out: str) -> None:
     print(f"{'mode':<46} {'requests':>8} {'GPU KV GiB':>10} {'first tokens s':>14} {'full-batch steps':>16} "
           f"{'tok/s':>7} {'x plain':>7}")
     for mode, r in rows.items():
-        plain = rows.get("plain@compiled" if mode.endswith("@compiled") else "plain")  # run the same way
+        plain = baseline(rows, r)  # run the same way, the same tag's where there is one
         rate = r.get("full_batch_tokens_per_s", float("nan"))  # every request decoding in the step
         base = plain.get("full_batch_tokens_per_s", float("nan")) if plain else float("nan")
         print(f"{mode:<46} {r['requests']:>8} {r['gpu_kv_bytes'] / 2**30:>10.2f} {r['all_first_token_s']:>14.2f} "
@@ -299,6 +302,7 @@ def main() -> int:
                              "--cache-selections 2 or more)")
     parser.add_argument("--profile-after", type=int, default=None,
                         help="profile the step after this many full-batch steps (OUT/profile-batch-MODE.txt)")
+    parser.add_argument("--tag", default="", help="a repeat's name: row MODE-TAG, against plain's row of the same tag")
     args = parser.parse_args()
     if args.what == "table":
         table(args.rest[0])
@@ -315,11 +319,14 @@ def main() -> int:
         parser.error(f"--cache-selections {args.cache_selections}: at least 1, and tierkv modes only")
     if mode == "plain" and args.async_scheduling:
         parser.error("--async-scheduling: tierkv modes only (plain vLLM runs its own default, async on)")
+    if args.tag and not args.tag.isalnum():
+        parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
     if args.prefetch_margin and (mode != "tierkv-sparse-full" or args.cache_selections < 2):
         parser.error(f"--prefetch-margin {args.prefetch_margin}: MODE tierkv-sparse-full with --cache-selections 2 "
                      "or more")
     run(mode, model_dir, out, args.kv_gib, args.requests, args.new_tokens, args.layers, args.storage_dtype,
-        args.cache_selections, args.profile_after, args.compiled, args.async_scheduling, args.prefetch_margin)
+        args.cache_selections, args.profile_after, args.compiled, args.async_scheduling, args.prefetch_margin,
+        args.tag)
     return 0
 
 

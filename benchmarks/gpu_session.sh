@@ -24,6 +24,9 @@
 #   tokens/s; the fp8 step stores the CPU tier in float8, FP8_REQUESTS requests, BATCH_MODE its mode, e.g.
 #   tierkv-sparse-full with BATCH_ARGS=--compiled; BATCH_ARGS adds flags, e.g.
 #   "--profile-after 20" profiles the step after 20 full-batch steps)
+# vllm-batch-ab: the batch's plain (compiled) and BATCH_MODE rows alternating, REPEATS pairs (-r1, -r2, ...), each
+#   against the plain row of its pair; BATCH_ARGS as above (default --compiled); REPEAT_FROM=2 REPEATS=2 runs pair
+#   r2 alone (a pair takes about 270 s: two fit no device call beside vLLM's install)
 # vllm-ab: plain and tierkv-sparse-graphs alternating, REPEATS pairs, each sparse row against its neighbour
 #   (SPARSE_MODE=tierkv-sparse-full with VLLM_ARGS=--compiled: the sparse step inside vLLM's full decode graph)
 #   (STORAGE_DTYPE=int8 or float8_e4m3fn for the sparse rows' CPU tier; VLLM_ARGS as above; SPARSE_VLLM_ARGS
@@ -123,6 +126,17 @@ for step in "${steps[@]}"; do
             timeout 500 python3 benchmarks/bench_vllm_batch.py run ${BATCH_MODE:-tierkv-sparse-graphs} "$M8" "$OUT/bb" \
                 --storage-dtype float8_e4m3fn --requests ${FP8_REQUESTS:-10} ${BATCH_ARGS:-} > "$OUT/batch-fp8.log" 2>&1
             grep "^{" "$OUT/batch-fp8.log" | cut -c1-300 ;;
+        vllm-batch-ab)  # REPEATS pairs (rows -r1, -r2, ...): plain, then BATCH_MODE over an fp8 CPU tier with
+            # BATCH_ARGS, each against the plain row of its pair (the same host's speed)
+            for r in $(seq "${REPEAT_FROM:-1}" "${REPEATS:-2}"); do
+                timeout 200 python3 benchmarks/bench_vllm_batch.py run plain "$M8" "$OUT/bb" --compiled --tag "r$r" \
+                    > "$OUT/batch-plain-r$r.log" 2>&1
+                timeout 500 python3 benchmarks/bench_vllm_batch.py run ${BATCH_MODE:-tierkv-sparse-full} "$M8" "$OUT/bb" \
+                    --storage-dtype float8_e4m3fn --requests ${FP8_REQUESTS:-10} --tag "r$r" ${BATCH_ARGS:---compiled} \
+                    > "$OUT/batch-fp8-r$r.log" 2>&1
+            done
+            rm -f "$OUT"/batch-*-r*.log
+            python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;
         vllm-batch-table) python3 benchmarks/bench_vllm_batch.py table "$OUT/bb" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
