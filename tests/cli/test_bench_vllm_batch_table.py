@@ -27,3 +27,24 @@ def test_compiled_rows_are_compared_with_compiled_plain(tmp_path, capsys):
     assert lines["tierkv-sparse-graphs@float8_e4m3fn"][-1] == "2.00"            # 300 / 150, eager against eager
     assert lines["tierkv-sparse-graphs@float8_e4m3fn@compiled"][-1] == "2.00"   # 350 / 175, not 350 / 150
     assert lines["plain@compiled"][-1] == "1.00"
+
+
+def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, capsys):
+    """Rows of `gpu_session.sh vllm-batch-ab` (MODE-rN, tag rN): each tierkv repeat against the plain
+    row run next to it; the prefetch's precision and the slowest waits of wait_for_save are printed."""
+    connector = {"hot_window": {"full_decode_graphs": {"prefetch_margin": 8, "prefetch_copied": 200,
+                                                       "prefetch_used": 150, "prefetch_precision": 0.75,
+                                                       "prefetch_recall": 0.6}},
+                 "step_connector_ms": [[0.5, 0.0, 0.02]] * 30 + [[0.5, 0.0, 60.0]] * 2}
+    rows = [row("plain@compiled-r1", 170.0, tag="r1"), row("plain@compiled-r2", 180.0, tag="r2"),
+            row("tierkv-sparse-full@compiled-r1", 510.0, 10, tag="r1", connector=connector),
+            row("tierkv-sparse-full@compiled-r2", 540.0, 10, tag="r2")]
+    for r in rows:
+        (tmp_path / f"bench-vllm-batch-{r['mode'].replace('@', '_')}.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    assert lines["tierkv-sparse-full@compiled-r1"][-1] == "3.00"   # 510 / 170, its own pair's plain
+    assert lines["tierkv-sparse-full@compiled-r2"][-1] == "3.00"   # 540 / 180
+    assert "150 of them read by a later selection (precision 0.75, recall 0.6)" in out
+    assert "wait_for_save host ms: median 0.02, slowest sixteenth of the 32 recorded steps 60.0" in out
