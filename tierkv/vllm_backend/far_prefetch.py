@@ -131,9 +131,8 @@ class MarginPrefetch:
         later selection read before they were replaced (`prefetch_used`): precision = used / copied;
         recall = used / (used + the selections' misses), the part of what the selections would
         otherwise have fetched that the prefetch brought in time."""
-        held, copied, rows = self.counters.tolist()
-        used = int(self.caches.prefetch_used.item())
-        misses = int(self.caches.counters[1].item())
+        held, copied, rows, used, misses = torch.cat(
+            [self.counters, self.caches.prefetch_used, self.caches.counters[1:2]]).tolist()
         return {"prefetch_margin": self.margin, "prefetch_held": held, "prefetch_copied": copied,
                 "prefetch_rows_copied": rows, "prefetch_used": used,
                 "prefetch_precision": used / copied if copied else None,
