@@ -46,7 +46,7 @@ def build(requests: int, layers: int, saves: int, storage_dtype: str, device: to
                    "storage_dtype": storage_dtype},
                   {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 256 * block_bytes, "policy": "sparse",
-                      "sparse_token_budget": 2048},
+                      "sparse_token_budget": 2048, "sparse_cuda_graphs": False},  # the save needs no decode graphs
     }, env={})
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     store = VllmKVStore(config, BlockLayout(KV_HEADS, BS, DIM, torch.bfloat16), names, "bench-save", device)
