@@ -132,10 +132,10 @@ def _place_lru_kernel(ids_ptr, held_ptr, last_use_ptr, clock_ptr, slots_ptr, mis
     match = ((rank[None, :] == miss_rank[:, None]) & unread[None, :]).to(tl.int32)   # [K, C]
     local = tl.where(hit, tl.argmax(same, axis=1), tl.where(miss, tl.argmax(match, axis=1), 0))
     if TRACK:  # which slots hold a prefetched block no selection has read yet
-        fresh = tl.load(fresh_ptr + j, mask=valid_j, other=0)
         if PREFETCH:  # the blocks this placement copies in are fresh; held ones keep their mark
             tl.store(fresh_ptr + local, tl.zeros([K_PAD], tl.int8) + 1, mask=miss)
         else:  # a selection reads its slots: a fresh one was a prefetch used; none stays fresh
+            fresh = tl.load(fresh_ptr + j, mask=valid_j, other=0)
             tl.atomic_add(used_ptr, tl.sum((read & (fresh != 0)).to(tl.int64), axis=0))
             tl.store(fresh_ptr + local, tl.zeros([K_PAD], tl.int8), mask=valid_i)
     tl.store(held_ptr + local, ids, mask=valid_i)

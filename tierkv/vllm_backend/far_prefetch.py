@@ -91,12 +91,12 @@ class MarginPrefetch:
         margin blocks, the rest of it (device work only; the copy on the side stream)."""
         from tierkv.vllm_backend.far_graphs import copy_sources_of
 
-        k, n = self.far.sparse_blocks, ranked.shape[0]
-        width = ranked.shape[1]
-        ids = torch.where(ranked[:, k:] < num_far.unsqueeze(1), ranked[:, k:], -1)
+        k = self.far.sparse_blocks
+        margin = ranked[:, k:]
+        ids = torch.where(margin < num_far.unsqueeze(1), margin, -1)
         slots, miss = self.caches.place_rows([req.cache for req in reqs], sets, layer, ids, self.counters,
                                              prefetch=True)
-        count = n * (width - k)
+        count = margin.numel()
         sources, targets = self.sources[layer, :count], self.targets[layer, :count]
         sources.copy_(copy_sources_of(reqs, layer, ids, miss, lists).view(-1))
         targets.copy_(torch.where(miss, slots, -1).view(-1))
