@@ -2,7 +2,7 @@
 request's new block of every layer to the CPU tier and summarizing its keys.
 
     python benchmarks/bench_save_step.py [--requests 10] [--layers 32] [--repeats 20] [--storage-dtype auto]
-        [--out PATH]
+        [--gpu-busy-ms 0] [--out PATH]
 
 In a batch of decoding requests every 16th engine step completes a block per request. A step replayed
 from vLLM's full decode graph runs no per-layer hook, so the connector's `wait_for_save` saves that
@@ -14,6 +14,12 @@ run, on the 8B model's KV shape (8 KV heads, head_dim 128, bf16, 16-token blocks
 
 Per way: host ms per save (the calls return without waiting for the device, as in the engine; the
 copies are waited for between saves, outside the timing), and the torch calls of one save (profiled).
+
+In the engine the save is called while the GPU still runs the step (and, under async scheduling, the
+step after it), so a call that waits for the device costs that much host time; with the device idle
+the same call looks fast. `--gpu-busy-ms N` (CUDA) queues N ms of device work before each timed save
+and counts the saves after which that work had already finished (`waited_for_device`): any such save
+waited for the device somewhere inside.
 """
 from __future__ import annotations
 
@@ -71,6 +77,17 @@ def one_save(store, far, caches, names, spans, at_once: bool) -> None:
             far.summarize(layer, spans, store.save_layer(layer, caches[name], spans))
 
 
+def sleep_cycles_per_ms() -> float:
+    """The GPU's `torch.cuda._sleep` cycles per millisecond, timed by CUDA events."""
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
 def measure(args, at_once: bool, device: torch.device, tmp: Path) -> dict:
     from tierkv.vllm_backend.store import BlockSpan
 
@@ -95,16 +112,21 @@ def measure(args, at_once: bool, device: torch.device, tmp: Path) -> dict:
         torch_calls = sum(1 for e in prof.events() if e.name.startswith("aten::") and
                           (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
         wait()
-        host = []
+        busy = int(args.gpu_busy_ms * sleep_cycles_per_ms()) if args.gpu_busy_ms and device.type == "cuda" else 0
+        host, waited = [], 0
         for i in range(2, saves):
+            if busy:
+                torch.cuda._sleep(busy)  # the step the engine's GPU is still running
             start = time.perf_counter()
             one_save(store, far, caches, names, spans(i), at_once)
             host.append(1e3 * (time.perf_counter() - start))
+            waited += bool(busy) and torch.cuda.current_stream(device).query()
             wait()
         host.sort()
         return {"way": "all layers" if at_once else "per layer", "host_ms_median": host[len(host) // 2],
                 "host_ms_min": host[0], "host_ms": host, "torch_calls": torch_calls,
-                "blocks_saved": store.counts["blocks_saved"]}
+                "blocks_saved": store.counts["blocks_saved"], "gpu_busy_ms": args.gpu_busy_ms if busy else 0,
+                "waited_for_device": waited if busy else None}
     finally:
         far.close()
         store.close()
@@ -116,24 +138,32 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--storage-dtype", default="auto", help="the CPU tier's storage_dtype (auto, int8, float8_e4m3fn)")
+    parser.add_argument("--gpu-busy-ms", type=float, default=0.0,
+                        help="CUDA: device work queued before each timed save; counts the saves that waited for it")
     parser.add_argument("--out", default="benchmarks/results/save-step.json")
     args = parser.parse_args()
     for name in ("requests", "layers", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: must be at least 1")
+    if args.gpu_busy_ms < 0:
+        parser.error("--gpu-busy-ms: must be at least 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for at_once in (False, True):
         with tempfile.TemporaryDirectory(prefix="save-step-") as tmp:  # the store's disk tier, removed after
             rows.append(measure(args, at_once, device, Path(tmp)))
     write_results(args.out, {"requests": args.requests, "layers": args.layers, "storage_dtype": args.storage_dtype,
-                             "rows": rows})
+                             "gpu_busy_ms": rows[0]["gpu_busy_ms"], "rows": rows})
     base = rows[0]["host_ms_median"]
-    print(f"{args.requests} requests x {args.layers} layers, one new block each, CPU tier {args.storage_dtype}, on {device}")
-    print(f"{'way':>10} {'host ms (median)':>17} {'min':>8} {'torch calls':>12} {'x per layer':>12}")
+    busy = rows[0]["gpu_busy_ms"]
+    print(f"{args.requests} requests x {args.layers} layers, one new block each, CPU tier {args.storage_dtype}, on {device}"
+          + (f", {busy:g} ms of device work queued before each save" if busy else ", the device idle before each save"))
+    print(f"{'way':>10} {'host ms (median)':>17} {'min':>8} {'torch calls':>12} {'x per layer':>12}"
+          + (f" {'waited for device':>18}" if busy else ""))
     for r in rows:
         print(f"{r['way']:>10} {r['host_ms_median']:>17.2f} {r['host_ms_min']:>8.2f} {r['torch_calls']:>12} "
-              f"{r['host_ms_median'] / base:>12.2f}")
+              f"{r['host_ms_median'] / base:>12.2f}"
+              + (f" {r['waited_for_device']:>10} of {len(r['host_ms']):<4}" if busy else ""))
     return 0
 
 

@@ -5,10 +5,12 @@
 #   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
 #   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed; FAR_ROWS="1 4 10"
 #   sets the row counts);
-#   graph-tests: the GPU tests of those graphs, of the far-block caches, the bound kernel and the rows attention;
+#   graph-tests: the GPU tests of those graphs, of the far-block caches, the bound kernel, the rows attention and
+#   the block-completing step's save (it must not wait for the device);
 #   bounds: the key bound kernel alone, per launch shape (bench_bounds.py: 1 and 10 rows of 2048 blocks)
 #   save-step: the host time of the step that completes blocks (bench_save_step.py: 10 requests x 32 layers saved
-#   layer by layer against all at once; SAVE_DTYPE the CPU tier's storage dtype, default float8_e4m3fn)
+#   layer by layer against all at once, 200 ms of device work queued before each save, as in the engine: a save
+#   that waits for the device shows it; SAVE_DTYPE the CPU tier's storage dtype, default float8_e4m3fn)
 # vLLM steps, after the bundle's second staged call has sourced .vb/on-device.sh (../shared/device/vllm):
 #   vllm-model8b (builds MODEL_DIR, default /tmp/m8; needs no vLLM, so it fits the first staged call), vllm-check
 #   (8-layer model: plain vs hot window, tokens and logprobs), vllm-plain, vllm-tierkv, vllm-sparse,
@@ -66,12 +68,12 @@ for step in "${steps[@]}"; do
         quant-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -15 ;;
         quant)  timeout 240 python3 benchmarks/bench_quant.py --out "$OUT/quant-h200.json" 2>&1 | tee "$OUT/quant.log" ;;
         far-sparse) timeout 200 python3 benchmarks/bench_far_sparse.py --far-tokens 126976 --layers 4 --rows ${FAR_ROWS:-1 4} --graphs --out "$OUT/far-sparse-h200.json" 2>&1 | tail -8 ;;
-        save-step) timeout 120 python3 benchmarks/bench_save_step.py --storage-dtype ${SAVE_DTYPE:-float8_e4m3fn} \
+        save-step) timeout 120 python3 benchmarks/bench_save_step.py --storage-dtype ${SAVE_DTYPE:-float8_e4m3fn} --gpu-busy-ms 200 \
             --out "$OUT/save-step-h200.json" 2>&1 | tail -4 ;;
         bounds) timeout 120 python3 benchmarks/bench_bounds.py --rows 1 10 --out "$OUT/bounds-h200.json" 2>&1 | tail -32 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
         graph-tests) timeout 240 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
-            tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
+            tests/gpu/test_save_gpu.py tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;
