@@ -432,6 +432,11 @@ def connector_lines(connector: dict | None) -> list[str]:
         slowest = waits[-max(1, len(waits) // 16):]
         lines.append(f"wait_for_save host ms: median {waits[len(waits) // 2]:.2f}, slowest sixteenth of the "
                      f"{len(waits)} recorded steps {slowest[len(slowest) // 2]:.1f} (median), {waits[-1]:.1f} (max)")
+    saves = connector.get("save_step_ms") or []
+    if saves:  # the steps whose wait_for_save saved blocks: its parts, each the median over those steps
+        parts = [sorted(step[i] for step in saves)[len(saves) // 2] for i in range(4)]
+        lines.append(f"the {len(saves)} steps that saved blocks, host ms (medians): reads {parts[0]:.1f}, tier "
+                     f"(quantization, slots, D2H) {parts[1]:.1f}, key summaries {parts[2]:.1f}, poll {parts[3]:.1f}")
     return lines
 
 

@@ -35,7 +35,8 @@ def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, 
     connector = {"hot_window": {"full_decode_graphs": {"prefetch_margin": 8, "prefetch_copied": 200,
                                                        "prefetch_used": 150, "prefetch_precision": 0.75,
                                                        "prefetch_recall": 0.6}},
-                 "step_connector_ms": [[0.5, 0.0, 0.02]] * 30 + [[0.5, 0.0, 60.0]] * 2}
+                 "step_connector_ms": [[0.5, 0.0, 0.02]] * 30 + [[0.5, 0.0, 60.0]] * 2,
+                 "save_step_ms": [[1.0, 2.0, 0.5, 0.1], [1.2, 30.0, 0.7, 0.1], [1.1, 20.0, 0.6, 0.2]]}
     rows = [row("plain@compiled-r1", 170.0, tag="r1"), row("plain@compiled-r2", 180.0, tag="r2"),
             row("tierkv-sparse-full@compiled-r1", 510.0, 10, tag="r1", connector=connector),
             row("tierkv-sparse-full@compiled-r2", 540.0, 10, tag="r2")]
@@ -48,3 +49,5 @@ def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, 
     assert lines["tierkv-sparse-full@compiled-r2"][-1] == "3.00"   # 540 / 180
     assert "150 of them read by a later selection (precision 0.75, recall 0.6)" in out
     assert "wait_for_save host ms: median 0.02, slowest sixteenth of the 32 recorded steps 60.0" in out
+    assert ("the 3 steps that saved blocks, host ms (medians): reads 1.1, tier (quantization, slots, D2H) 20.0, "
+            "key summaries 0.6, poll 0.1") in out

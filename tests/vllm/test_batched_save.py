@@ -126,6 +126,11 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
             assert LAYERS == 3 and scatters == [2 * 6, 6] and bounds == [(2, 6, 2, H, BS, D), (1, 6, 2, H, BS, D)]
         assert worker.store.counts["blocks_saved"] == LAYERS * 6
         assert_six_blocks_summarized(worker, caches)
+        # the step's wait_for_save recorded where its host time went: reads, tier, summaries, poll (ms); all
+        # within the hook's own time
+        (parts,) = worker.store.stats()["save_step_ms"]
+        assert len(parts) == 4 and all(p >= 0 for p in parts) and parts[0] > 0 and parts[1] > 0 and parts[2] > 0
+        assert sum(parts) <= worker.store.step_connector_ms[-1][2] + 0.01
     finally:
         worker.shutdown()
         scheduler.shutdown()

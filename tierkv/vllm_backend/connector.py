@@ -201,18 +201,20 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._far.summarize(layer, saves, blocks)
         self._saved_layers.add(layer)
 
-    def _save_unsaved_layers(self, saves) -> None:
+    def _save_unsaved_layers(self, saves) -> float | None:
         """The layers this step's hooks did not save, in runs of consecutive layers: one read per layer,
         one D2H and one summary update per request for the run (per layer and request, 10 requests
         of 32 layers took 60-100 ms of host time on the step that completes their blocks). A run's
-        blocks stay within SAVE_RUN_BYTES, so the copies made for it stay small."""
+        blocks stay within SAVE_RUN_BYTES, so the copies made for it stay small. Returns the key
+        summaries' host seconds, None if nothing was saved."""
         todo = sorted((layer, name) for name, layer in self.store.layer_index.items()
                       if layer not in self._saved_layers and name in self._kv_caches)
         num_blocks = sum(len(span.block_ids) for span in saves)
         if not todo or not num_blocks:
-            return
+            return None
         per_run = max(1, SAVE_RUN_BYTES // (num_blocks * self.store.layout.num_bytes))
-        start = 0
+        start, summarize_s = 0, 0.0
+        self.store.save_host_s = [0.0, 0.0]
         while start < len(todo):
             stop = start + 1
             while stop < len(todo) and stop - start < per_run and todo[stop][0] == todo[stop - 1][0] + 1:
@@ -221,9 +223,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             layers = range(run[0][0], run[-1][0] + 1)
             blocks = self.store.save_layers(list(layers), [self._kv_caches[name] for _, name in run], saves)
             if self._far is not None and blocks is not None:
+                summarized = time.perf_counter()
                 self._far.summarize(layers, saves, blocks)
+                summarize_s += time.perf_counter() - summarized
             self._saved_layers.update(layers)
             start = stop
+        return summarize_s
 
     def wait_for_save(self):
         started = time.perf_counter()
@@ -233,14 +238,19 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("tierkv hot window: a decode step was replayed from vLLM's full graph although its rows "
                                "needed the eager path (the forward context's mode was not honoured); its far blocks "
                                "were not read. Turn scheduler.sparse_full_graphs off")
+        summarize_s = None
         if isinstance(metadata, TierKVMetadata) and metadata.saves:
             # a full decode graph's replay runs no per-layer hook: the step's blocks are saved now, from vLLM's pool
             # (they stay there for the window's length), every layer in one save
-            self._save_unsaved_layers(metadata.saves)
+            summarize_s = self._save_unsaved_layers(metadata.saves)
         if self._far is not None:
             self._far.end_step()
             hot_window.set_step(None)
+        polled = time.perf_counter()
         self.store.poll()
+        if summarize_s is not None:  # where the block-completing step's host time goes
+            self.store.save_step_ms.append(tuple(round(1e3 * s, 3) for s in (
+                *self.store.save_host_s, summarize_s, time.perf_counter() - polled)))
         # the step's host ms in this connector's hooks (start_load_kv, save_kv_layer, wait_for_save): where a
         # slow step's time went, ours or vLLM's (`VllmKVStore.stats`' step_connector_ms)
         self._hook_s[2] = time.perf_counter() - started

@@ -24,6 +24,7 @@ scheduler in another process gets a lookup-only store over the shared tiers (dis
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Sequence
 
@@ -90,6 +91,10 @@ class VllmKVStore:
                        "lookups": 0, "lookup_hit_blocks": 0}
         # per engine step, the worker connector's host ms in start_load_kv, save_kv_layer and wait_for_save
         self.step_connector_ms: deque[tuple[float, float, float]] = deque(maxlen=512)
+        # per step that saved blocks after a full graph's replay, the host ms of wait_for_save's parts: the
+        # reads from vLLM's pool, the tier (quantization, slots, D2H), the key summaries, the poll
+        self.save_step_ms: deque[tuple[float, float, float, float]] = deque(maxlen=128)
+        self.save_host_s = [0.0, 0.0]  # save_layers' host seconds since the caller last took them: reads, tier
 
     # -- addresses -------------------------------------------------------------------------------
     def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
@@ -176,12 +181,15 @@ class VllmKVStore:
             return None
         hashes = [h for s in spans for h in s.hashes]
         keys = [key for layer in layers for key in self.keys(hashes, layer)]   # layer-major, as the blocks
+        started = time.perf_counter()
         ids = to_device_no_sync(block_ids, kvs[0].device)
         if len(kvs) == 1:
             blocks = self.paged.read(kvs[0], ids).unsqueeze(0)                # private copy, compute stream
         else:
             blocks = self.paged.read_layers(kvs, ids)
         flat = blocks.flatten(0, 1)
+        read = time.perf_counter()
+        self.save_host_s[0] += read - started
         with self._lock:
             slots, evicted = self.cpu.prepare_put(keys)
             self.chain.spill(0, evicted)
@@ -198,6 +206,7 @@ class VllmKVStore:
             index = torch.tensor(refused, device=flat.device)
             self.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
         self._bound_inflight_saves()
+        self.save_host_s[1] += time.perf_counter() - read
         return blocks
 
     def _bound_inflight_saves(self) -> None:
@@ -338,6 +347,8 @@ class VllmKVStore:
         out = {"counts": dict(self.counts)}
         if self.step_connector_ms:
             out["step_connector_ms"] = list(self.step_connector_ms)
+        if self.save_step_ms:
+            out["save_step_ms"] = list(self.save_step_ms)
         if self.chain is not None:
             out.update(self.chain.snapshot())
         if not self.lookup_only:
