@@ -488,17 +488,16 @@ class FarKV:
         counts["sparse_resident_reads"] += num_resident
         counts["sparse_selections"] += num_rows
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self, prefetched: int = 0) -> dict:
         """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
-        their copies moved, which also go into the transfer engine's count from here."""
+        their copies moved, which also go into the transfer engine's count from here. prefetched: the
+        blocks the next-step prefetch copied into the caches (its `prefetch_copied`)."""
         if self.row_caches is None:
             return {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,
                     "cache_copied_bytes": 0}
         stats = self.row_caches.stats()
-        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes)
+        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes);
         # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
-        prefetched = (self.full.prefetch.stats()["prefetch_copied"]
-                      if self.full is not None and self.full.prefetch is not None else 0)
         stats["cache_copied_bytes"] = copied = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
         self.store.io.engine.num_bytes_moved["h2d"] += copied - self._cache_bytes_counted
         self._cache_bytes_counted = copied
@@ -519,7 +518,8 @@ class FarKV:
             return sum(getattr(s, counter) for s in streamers)
 
         prefetch = self.recorder.snapshot()
-        cache = self.cache_stats()
+        full = self.full.stats() if self.full is not None else None  # one read of the prefetch's counters
+        cache = self.cache_stats((full or {}).get("prefetch_copied", 0))
         counts = self.counts
         reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
         return {"window_tokens": self.window_tokens, **counts, "requests": len(self.requests),
@@ -538,7 +538,7 @@ class FarKV:
                 # and of far blocks their cache held, over all reads
                 "gpu_hit_rate": (counts["sparse_resident_reads"] + cache["cache_hits"]) / reads if reads else None,
                 "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
-                "full_decode_graphs": self.full.stats() if self.full is not None else None,
+                "full_decode_graphs": full,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
                 + self.key_summaries.spare_bytes,  # held for the next requests too
                 # the far path's own host time per layer call in decode steps, median of the last 4096 calls
