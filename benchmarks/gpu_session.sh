@@ -6,7 +6,8 @@
 #   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed; FAR_ROWS="1 4 10"
 #   sets the row counts);
 #   graph-tests: the GPU tests of those graphs, of the far-block caches, the bound kernel, the rows attention and
-#   the block-completing step's save (it must not wait for the device);
+#   the block-completing step's save (it must not wait for the device), and the planted needles at the 8B shape
+#   (the far path eager and graphed, the transformers engine);
 #   bounds: the key bound kernel alone, per launch shape (bench_bounds.py: 1 and 10 rows of 2048 blocks)
 #   save-step: the host time of the step that completes blocks (bench_save_step.py: 10 requests x 32 layers saved
 #   layer by layer against all at once, 200 ms of device work queued before each save, as in the engine: a save
@@ -72,8 +73,8 @@ for step in "${steps[@]}"; do
             --out "$OUT/save-step-h200.json" 2>&1 | tail -4 ;;
         bounds) timeout 120 python3 benchmarks/bench_bounds.py --rows 1 10 --out "$OUT/bounds-h200.json" 2>&1 | tail -32 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
-        graph-tests) timeout 240 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
-            tests/gpu/test_save_gpu.py tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
+        graph-tests) timeout 330 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
+            tests/gpu/test_save_gpu.py tests/gpu/test_planted_needle_gpu.py tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;
         sweep)  timeout 200 python3 benchmarks/sweep_transfer.py ${SWEEP_ARGS:-} --out "$OUT/sweep-transfer${SWEEP_ARGS:+-contended}-h200.json" 2>&1 | tee "$OUT/sweep-transfer.log" ;;

@@ -11,6 +11,7 @@ import torch
 
 from tests.models import build, reference_greedy
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.sparse.test_planted_needle_far import planted_case as planted_case_of
 from tierkv.adapters.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import load_config
@@ -20,40 +21,33 @@ HEADS, KV_HEADS, DIM, T = 8, 2, 64, 64
 CONTEXT = 128 * 1024
 
 
-def runtime_with(budget_tokens: int, predictor: str = "none") -> KVRuntime:
-    block_bytes = 2 * KV_HEADS * T * DIM * 4
+def runtime_with(budget_tokens: int, predictor: str = "none", kv_heads: int = KV_HEADS, dim: int = DIM,
+                 dtype=torch.float32, device="cpu") -> KVRuntime:
+    block_bytes = 2 * kv_heads * T * dim * torch.empty(0, dtype=dtype).element_size()
     config = load_config({
         "cache": {"block_tokens": T, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": T, "window_tokens": 4 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (CONTEXT // T + 16) * block_bytes}],
         "scheduler": {"policy": "sparse", "sparse_token_budget": budget_tokens, "lookahead_layers": 1,
                       "staging_bytes": 2 * 32 * block_bytes, "predictor": predictor},
     }, env={})
-    return KVRuntime(config, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
-                     device="cpu", model_id="needle")
+    return KVRuntime(config, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+                     device=device, model_id="needle")
 
 
 def planted_case(num_needles: int = 8):
-    # The query heads of one KV group share a direction, as the needle keys of that group do.
-    group_base = torch.randn(KV_HEADS, 1, DIM).expand(KV_HEADS, HEADS // KV_HEADS, DIM)
-    q = (group_base + 0.3 * torch.randn(KV_HEADS, HEADS // KV_HEADS, DIM)).reshape(1, HEADS, DIM)
-    keys = torch.randn(CONTEXT + 1, KV_HEADS, DIM)
-    values = torch.randn(CONTEXT + 1, KV_HEADS, DIM)
-    far_blocks = torch.randperm(CONTEXT // T - 16)[:num_needles] + 4  # away from sinks and window
-    direction = q[0].view(KV_HEADS, HEADS // KV_HEADS, DIM).mean(1)
-    direction = direction / direction.norm(dim=-1, keepdim=True)
-    for b in far_blocks.tolist():
-        token = b * T + int(torch.randint(0, T, ()))
-        keys[token] = 6.0 * direction * DIM**0.5 + 0.1 * torch.randn(KV_HEADS, DIM)
-    return q, keys, values, sorted(far_blocks.tolist())
+    return planted_case_of(HEADS, KV_HEADS, DIM, T, CONTEXT, num_needles)
 
 
-def sparse_decode(budget_tokens: int, q, keys, values):
-    runtime = runtime_with(budget_tokens)
+def sparse_decode(budget_tokens: int, q, keys, values, dtype=torch.float32):
+    """The transformers engine's decode step over the context (keys, values on the runtime's device):
+    output, the far blocks selected, the scheduler's stats."""
+    runtime = runtime_with(budget_tokens, kv_heads=keys.shape[1], dim=keys.shape[2], dtype=dtype,
+                           device=keys.device)
     try:
         seq = runtime.new_sequence()
         for start in range(0, CONTEXT, 16384):
-            seq.append(0, keys[start : start + 16384], values[start : start + 16384])
-        seq.append(0, keys[CONTEXT:], values[CONTEXT:])
+            seq.append(0, keys[start : start + 16384].to(dtype), values[start : start + 16384].to(dtype))
+        seq.append(0, keys[CONTEXT:].to(dtype), values[CONTEXT:].to(dtype))
         selected = []
         original = seq._selected_chunks
 
@@ -63,31 +57,39 @@ def sparse_decode(budget_tokens: int, q, keys, values):
                 yield chunk
 
         seq._selected_chunks = record
-        out = seq.attend(0, q, DIM**-0.5)
+        out = seq.attend(0, q.to(dtype), q.shape[-1] ** -0.5)
         seq.finish()
         return out, selected, runtime.stats()["scheduler"]
     finally:
         runtime.close()
 
 
-def test_planted_needles_are_retrieved_and_output_matches_dense():
+def check_planted_needles(heads=HEADS, kv_heads=KV_HEADS, dim=DIM, dtype=torch.float32, device="cpu", draws=3):
+    """Over `draws` fresh cases on `device`: recall of the planted blocks at least 99%, the output
+    within 1e-2 of dense attention over all tokens (the same dtype-rounded KV), sinks + window + one
+    far block off by more than 0.3."""
     recalled, planted_total = 0, 0
-    for _ in range(3):
-        q, keys, values, needles = planted_case()
-        dense, _ = reference.contiguous_partial_attention(q, keys, values, scale=DIM**-0.5)
-        out, selected, sched = sparse_decode(2048, q, keys, values)
+    for _ in range(draws):
+        q, keys, values, needles = planted_case_of(heads, kv_heads, dim, T, CONTEXT, device=device)
+        q, keys, values = q.to(dtype).float(), keys.to(dtype).float(), values.to(dtype).float()
+        dense, _ = reference.contiguous_partial_attention(q, keys, values, scale=dim**-0.5)
+        out, selected, sched = sparse_decode(2048, q, keys, values, dtype)
         recalled += len(set(needles) & set(selected))
         planted_total += len(needles)
-        error = ((out - dense).norm() / dense.norm()).item()
+        error = ((out.float() - dense).norm() / dense.norm()).item()
         print(f"needles {needles} missed {sorted(set(needles) - set(selected))} error {error:.2e}")
         assert error <= 1e-2, f"relative error {error:.2e} at a 2048-token budget"
         assert len(selected) == 2048 // T
         assert sched["stalls"] >= 1  # no predictor yet: selected blocks are fetched at once
-        streaming, _, _ = sparse_decode(T, q, keys, values)  # one far block: close to sinks + window only
-        lost = ((streaming - dense).norm() / dense.norm()).item()
+        streaming, _, _ = sparse_decode(T, q, keys, values, dtype)  # one far block: close to sinks + window only
+        lost = ((streaming.float() - dense).norm() / dense.norm()).item()
         print(f"needle recall so far {recalled}/{planted_total}; sparse error {error:.2e}; sinks+window+1 block error {lost:.2e}")
         assert lost > 0.3, "without retrieval the needles are lost"
     assert recalled / planted_total >= 0.99
+
+
+def test_planted_needles_are_retrieved_and_output_matches_dense():
+    check_planted_needles()
 
 
 def test_budget_covering_the_context_equals_exact_mode():

@@ -1,0 +1,34 @@
+"""GPU: planted needles in a 128k context, at the Llama-3.1-8B attention shape (32 query heads, 8 KV
+heads, head_dim 128) in bf16, fresh random draws each run. Recall of the planted blocks at least 99%,
+output within 1e-2 of dense attention over all 128k tokens (the same bf16 KV, float32 math) at a
+2048-token budget, and the window alone far off:
+
+- the vLLM backend's far path (`FarKV`), eagerly and replayed from its CUDA graphs;
+- the transformers engine (`SequenceKV`).
+
+The CPU suite runs the same checks through the PyTorch reference paths
+(tests/sparse/test_planted_needle_far.py, tests/sparse/test_planted_needle.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+
+from tests.sparse import test_planted_needle as transformers_engine  # noqa: E402
+from tests.sparse.test_planted_needle_far import check_planted_needles  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_planted_needles_in_the_far_path_on_cuda(tmp_path, graphs):
+    worst = check_planted_needles(tmp_path, HEADS, KV_HEADS, DIM, 64, torch.bfloat16, "cuda", graphs=graphs)
+    print(f"far path, graphs {graphs}: largest relative error {worst:.2e}")
+
+
+def test_planted_needles_in_the_transformers_engine_on_cuda():
+    transformers_engine.check_planted_needles(HEADS, KV_HEADS, DIM, torch.bfloat16, "cuda")
