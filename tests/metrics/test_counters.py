@@ -165,3 +165,27 @@ def test_the_vllm_hot_windows_sparse_reads_become_the_gpu_tier():
     own, *_ = flatten_stats({"tiers": [{"tier": "gpu", "hits": 1, "lookups": 2, "hit_rate": 0.5}],
                              "hot_window": {"sparse_resident_reads": 9, "sparse_selected_reads": 9, "cache_hits": 0}})
     assert own["tier.gpu.hit_rate"] == 0.5 and own["tier.gpu.lookups"] == 2
+
+
+def test_the_vllm_hot_windows_stalls_and_next_step_prefetch_reach_the_dashboard():
+    """Under vLLM the dashboard's stall chart and prefetch precision / recall cards read the hot
+    window's stalls and the full decode graph's next-step prefetch; a runtime's own figures win, and
+    without the prefetch they stay None (not invented)."""
+    from tierkv.metrics.snapshot import derive_rates, flatten_stats
+
+    def stats(stalls, precision=None, recall=None):
+        full = {"steps": 10} if precision is None else {"prefetch_copied": 50, "prefetch_used": 20,
+                                                          "prefetch_precision": precision, "prefetch_recall": recall}
+        return {"hot_window": {"stalls": stalls, "prefetch": {"precision": None, "recall": None},
+                               "full_decode_graphs": full}}
+
+    first, *_ = flatten_stats(stats(4, 0.4, 0.3))
+    assert first["scheduler.stalls"] == 4
+    assert (first["prefetch.precision"], first["prefetch.recall"]) == (0.4, 0.3)
+    later, *_ = flatten_stats(stats(10, 0.5, 0.25))
+    assert derive_rates({"t": 0.0, "figures": first}, later, {}, 1.0)["scheduler.stalls_interval"] == 6
+    off, *_ = flatten_stats(stats(4))
+    assert off["prefetch.precision"] is None and off["prefetch.recall"] is None and off["scheduler.stalls"] == 4
+    own, *_ = flatten_stats({**stats(4, 0.4, 0.3), "scheduler": {"stalls": 1},
+                             "prefetch": {"precision": 0.9, "recall": 0.8}})
+    assert own["scheduler.stalls"] == 1 and (own["prefetch.precision"], own["prefetch.recall"]) == (0.9, 0.8)

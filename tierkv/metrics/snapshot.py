@@ -18,7 +18,9 @@ One line of a metrics JSONL file (every key but `request` and `prefetch_layers` 
 Tier "gpu" counts attention's block reads: a hit is a block read from the GPU hot window, a
 miss one streamed from the CPU tier. Under vLLM, where the stats come from the connector's store,
 the hot window's sparse decode reads stand in for it: a hit is a block read from vLLM's pool (the
-window) or from a far-block cache, a miss a selected far block fetched when selected. The other tiers count their own lookups (prefix reuse,
+window) or from a far-block cache, a miss a selected far block fetched when selected; the hot
+window's stalls stand in for the scheduler's, and the full decode graph's next-step prefetch gives
+the prefetch precision and recall. The other tiers count their own lookups (prefix reuse,
 promotions). A figure that nothing has reported yet (prefetch precision and recall before a
 sparse predictor exists) is present with the value None.
 """
@@ -54,6 +56,7 @@ def flatten_stats(stats: Mapping) -> tuple[dict, dict, dict, dict | None]:
         else:
             _walk(key, value, figures, info)
     _gpu_tier_from_hot_window(figures)
+    _sparse_figures_from_hot_window(figures)
     for key in ALWAYS_PRESENT:
         figures.setdefault(key, None)
     if "gpu.resident_bytes" in figures and "gpu.staging_bytes" in figures:
@@ -74,6 +77,19 @@ def _gpu_tier_from_hot_window(figures: dict) -> None:
     lookups = resident + selected
     figures.update({"tier.gpu.lookups": lookups, "tier.gpu.hits": hits, "tier.gpu.misses": lookups - hits,
                     "tier.gpu.hit_rate": hits / lookups})
+
+
+def _sparse_figures_from_hot_window(figures: dict) -> None:
+    """Under vLLM, where no runtime reports them: the dashboard's stalls from the hot window's (sparse
+    rows that waited for a fetch at selection, and chunks streamed late), and its prefetch precision
+    and recall from the next-step prefetch of the full decode graph (`sparse_prefetch_margin`)."""
+    if "scheduler.stalls" not in figures and figures.get("hot_window.stalls") is not None:
+        figures["scheduler.stalls"] = figures["hot_window.stalls"]
+    if figures.get("prefetch.precision") is None and figures.get("prefetch.recall") is None:
+        for key in ("precision", "recall"):
+            value = figures.get(f"hot_window.full_decode_graphs.prefetch_{key}")
+            if value is not None:
+                figures[f"prefetch.{key}"] = value
 
 
 def _flatten_tier(tier: Mapping, figures: dict, latency: dict) -> None:
