@@ -435,8 +435,10 @@ def connector_lines(connector: dict | None) -> list[str]:
     saves = connector.get("save_step_ms") or []
     if saves:  # the steps whose wait_for_save saved blocks: its parts, each the median over those steps
         parts = [sorted(step[i] for step in saves)[len(saves) // 2] for i in range(4)]
+        rest = sorted(step[4] - sum(step[:4]) for step in saves)[len(saves) // 2]  # the hook's other work
         lines.append(f"the {len(saves)} steps that saved blocks, host ms (medians): reads {parts[0]:.1f}, tier "
-                     f"(quantization, slots, D2H) {parts[1]:.1f}, key summaries {parts[2]:.1f}, poll {parts[3]:.1f}")
+                     f"(quantization, slots, D2H) {parts[1]:.1f}, key summaries {parts[2]:.1f}, poll {parts[3]:.1f}, "
+                     f"the rest of wait_for_save {rest:.1f}")
     return lines
 
 

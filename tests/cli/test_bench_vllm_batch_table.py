@@ -36,7 +36,7 @@ def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, 
                                                        "prefetch_used": 150, "prefetch_precision": 0.75,
                                                        "prefetch_recall": 0.6}},
                  "step_connector_ms": [[0.5, 0.0, 0.02]] * 30 + [[0.5, 0.0, 60.0]] * 2,
-                 "save_step_ms": [[1.0, 2.0, 0.5, 0.1], [1.2, 30.0, 0.7, 0.1], [1.1, 20.0, 0.6, 0.2]]}
+                 "save_step_ms": [[1.0, 2.0, 0.5, 0.1, 4.0], [1.2, 30.0, 0.7, 0.1, 33.0], [1.1, 20.0, 0.6, 0.2, 30.1]]}
     rows = [row("plain@compiled-r1", 170.0, tag="r1"), row("plain@compiled-r2", 180.0, tag="r2"),
             row("tierkv-sparse-full@compiled-r1", 510.0, 10, tag="r1", connector=connector),
             row("tierkv-sparse-full@compiled-r2", 540.0, 10, tag="r2")]
@@ -50,4 +50,4 @@ def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, 
     assert "150 of them read by a later selection (precision 0.75, recall 0.6)" in out
     assert "wait_for_save host ms: median 0.02, slowest sixteenth of the 32 recorded steps 60.0" in out
     assert ("the 3 steps that saved blocks, host ms (medians): reads 1.1, tier (quantization, slots, D2H) 20.0, "
-            "key summaries 0.6, poll 0.1") in out
+            "key summaries 0.6, poll 0.1, the rest of wait_for_save 1.0") in out

@@ -250,7 +250,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         if summarize_s is not None:  # where the block-completing step's host time goes
             self.store.save_step_ms.append(tuple(round(1e3 * s, 3) for s in (
-                *self.store.save_host_s, summarize_s, time.perf_counter() - polled)))
+                *self.store.save_host_s, summarize_s, time.perf_counter() - polled, time.perf_counter() - started)))
         # the step's host ms in this connector's hooks (start_load_kv, save_kv_layer, wait_for_save): where a
         # slow step's time went, ours or vLLM's (`VllmKVStore.stats`' step_connector_ms)
         self._hook_s[2] = time.perf_counter() - started

@@ -92,8 +92,8 @@ class VllmKVStore:
         # per engine step, the worker connector's host ms in start_load_kv, save_kv_layer and wait_for_save
         self.step_connector_ms: deque[tuple[float, float, float]] = deque(maxlen=512)
         # per step that saved blocks after a full graph's replay, the host ms of wait_for_save's parts: the
-        # reads from vLLM's pool, the tier (quantization, slots, D2H), the key summaries, the poll
-        self.save_step_ms: deque[tuple[float, float, float, float]] = deque(maxlen=128)
+        # reads from vLLM's pool, the tier (quantization, slots, D2H), the key summaries, the poll, and the whole hook
+        self.save_step_ms: deque[tuple[float, float, float, float, float]] = deque(maxlen=128)
         self.save_host_s = [0.0, 0.0]  # save_layers' host seconds since the caller last took them: reads, tier
 
     # -- addresses -------------------------------------------------------------------------------
