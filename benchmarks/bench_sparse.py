@@ -1,7 +1,7 @@
 """Sparse mode on the GPU: decode speed and GPU hit rate at 128k against all-in-GPU dense decode.
 
     python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048]
-        [--predictor previous|none|query] [--lookahead 1] [--cache-selections 4] [--qk-bias-std 0] [--out PATH]
+        [--predictor previous|none|query|cache] [--lookahead 1] [--cache-selections 4] [--qk-bias-std 0] [--out PATH]
 
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
 all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
@@ -44,13 +44,15 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget-tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--predictor", choices=["previous", "none", "query"], default="previous",
+    parser.add_argument("--predictor", choices=["previous", "none", "query", "cache"], default="previous",
                         help="previous: prefetch each layer's last selection; none: fetch the selection at once, "
                              "the slot list staying on the device (no host sync per layer); query: predict the "
-                             "next layers' selection from the hidden state into an LRU far-block cache")
+                             "next layers' selection from the hidden state into an LRU far-block cache; cache: "
+                             "the vLLM backend's far-block caches and sparse step, one CUDA graph per layer")
     parser.add_argument("--lookahead", type=int, default=1, help="layers predicted ahead (predictor query)")
     parser.add_argument("--cache-selections", type=int, default=4,
-                        help="far-block cache slots per layer, in selections of --budget-tokens (predictor query)")
+                        help="far-block cache slots per layer, in selections of --budget-tokens (predictors query "
+                             "and cache)")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -78,6 +80,8 @@ def main() -> int:
     block_bytes = full_kv // args.context // args.layers * block_tokens
     if args.predictor == "query":  # [ layer 0: C | ... | layer L-1: C | miss area: k ], C = selections x k
         staging = (args.layers * args.cache_selections + 1) * budget_blocks * block_bytes
+    elif args.predictor == "cache":  # [ layer 0: C | ... | layer L-1: C ]
+        staging = args.layers * args.cache_selections * budget_blocks * block_bytes
     else:
         staging = (args.layers + 1) * budget_blocks * block_bytes
     summaries = 2 * 8 * 128 * 2 * (args.context // block_tokens) * args.layers
@@ -87,7 +91,8 @@ def main() -> int:
         "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
         "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
                       "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
-                      "predict_with_previous": not args.no_previous},
+                      "predict_with_previous": not args.no_previous,
+                      "sparse_cache_selections": args.cache_selections},
     }, env={})
     runtime = runtime_for_model(model, config)
     try:
@@ -95,27 +100,32 @@ def main() -> int:
         row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=cache.seq.token_ids.append)
         prefetcher, query = cache.seq.prefetcher, cache.seq.query
         read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
+        cached = runtime.cached_sparse.stats() if runtime.cached_sparse is not None else None
         stats = runtime.stats()
         cache.finish()
     finally:
         runtime.close()
         model.set_attn_implementation("sdpa")
     steps = args.new_tokens
-    hits, misses = (prefetcher.num_hits, prefetcher.num_misses) if prefetcher else (0, 0)
+    hits, misses = ((prefetcher.num_hits, prefetcher.num_misses) if prefetcher
+                    else (cached["cache_hits"], cached["cache_misses"]) if cached else (0, 0))
     first_step_misses = budget_blocks * args.layers  # nothing to prefetch before the first decode step
     row.update({
         "gpu_kv_bytes": runtime.pool.resident_bytes + runtime.pool.staging_bytes + summaries,
         "budget_bytes": full_kv // 8,
         "decode_tokens_per_s_ratio": base["decode_ms_per_token"] / row["decode_ms_per_token"],
         # with a predictor: its hits over its lookups after step 1; without: attention's resident reads
-        "gpu_hit_rate_after_first_step": (hits / max(1, hits + misses - first_step_misses) if prefetcher
+        "gpu_hit_rate_after_first_step": (hits / max(1, hits + misses - first_step_misses) if prefetcher or cached
                                           else query_hit_rate(query.step_totals[1:]) if query
                                           else read_stats["gpu_hit_rate"]),
-        "stalls_per_step": stats["scheduler"]["stalls"] / steps,
+        # predictor cache: a layer whose selection missed its cache waited for the copy (one stall)
+        "stalls_per_step": (stats["scheduler"]["stalls"] + (cached["cache_stalled_rows"] if cached else 0)) / steps,
         "prefetch": stats["prefetch"],
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
     row["predictor"] = args.predictor
+    if cached is not None:
+        row["cached_predictor"] = cached
     row["model_qk_bias_std"] = args.qk_bias_std
     if query is not None:
         row["query_predictor"] = {"lookahead_layers": args.lookahead, "cache_slots_per_layer": query.cache.slots_per_layer,

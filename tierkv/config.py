@@ -93,8 +93,10 @@ class SchedulerConfig:
     predictor: str = field(default="previous", metadata=doc(
         "sparse prefetch: 'previous' copies each layer's last selection ahead, 'none' fetches on demand, "
         "'query' predicts the next lookahead_layers layers' selection from the current hidden state and keeps "
-        "fetched far blocks in an LRU cache in the staging memory",
-        choices=("previous", "none", "query")))
+        "fetched far blocks in an LRU cache in the staging memory, 'cache' (transformers engine) keeps each layer's "
+        "last sparse_cache_selections selections in the staging memory and copies only the selected blocks it lacks, "
+        "the selection, copies and far attention of a layer in one CUDA graph where sparse_cuda_graphs allows",
+        choices=("previous", "none", "query", "cache")))
     predict_with_previous: bool = field(default=True, metadata=doc(
         "predictor 'query': also prefetch each layer's previous-step selection"))
     sparse_cuda_graphs: bool = field(default=True, metadata=doc(

@@ -52,6 +52,7 @@ class KVRuntime:
         self.active: SequenceKV | None = None
         # predictor `query`: (layer, hidden [hidden_size], position) -> q [num_heads, head_dim]; set by the adapter
         self.query_projector = None
+        self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse_cached)
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None
         self._budget_applied = threading.Event()

@@ -60,6 +60,7 @@ class SequenceKV:
         self._is_sparse_step = False
         self.prefetcher = None
         self.query: QueryLookahead | None = None  # predictor `query`: hidden-state lookahead + far-block cache
+        self.cached = None  # predictor `cache`: the runtime's far-block caches and sparse step (tierkv.sparse_cached)
         scheduler = runtime.config.scheduler
         if sparse and scheduler.predictor == "previous":
             prefetcher = SparsePrefetcher(runtime, scheduler.sparse_token_budget // layout.block_tokens)
@@ -68,6 +69,10 @@ class SequenceKV:
         elif sparse and scheduler.predictor == "query":
             self.query = QueryLookahead(runtime, scheduler.sparse_token_budget // layout.block_tokens,
                                         scheduler.lookahead_layers, scheduler.predict_with_previous)
+        elif sparse and scheduler.predictor == "cache":
+            from tierkv.sparse_cached import CachedSparse
+
+            self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -112,9 +117,13 @@ class SequenceKV:
                 self.prefetcher.begin_step(self, self._last_d2h)
             if self.query is not None:
                 self.query.begin_step(step.streamed_blocks)
+            if self.cached is not None:
+                self.cached.begin_step(self, step.streamed_blocks)
             return
         if self.query is not None:
             self.query.invalidate()  # the streamer's regions overwrite the far-block cache's slots
+        if self.cached is not None:
+            self.cached.invalidate()  # so do they the caches of predictor `cache`
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
@@ -196,7 +205,9 @@ class SequenceKV:
         if step.resident_blocks:
             acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
                                       step.resident_num_tokens, scale, use_flash)
-        chunks = self._selected_chunks(layer, q) if self._is_sparse_step else rt.streamer.chunks_for_layer(layer)
+        cached = self._is_sparse_step and self.cached is not None  # the far part comes after the near part
+        chunks = (() if cached else self._selected_chunks(layer, q) if self._is_sparse_step
+                  else rt.streamer.chunks_for_layer(layer))
         for chunk in chunks:
             part = self._attend_blocks(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
                                        scale, use_flash)
@@ -208,8 +219,8 @@ class SequenceKV:
         else:
             part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
                                                 k_positions=step.fresh_positions)
-        out, _ = part if acc is None else merge_partials([acc, part])
-        return out
+        near = part if acc is None else merge_partials([acc, part])
+        return self.cached.attend(layer, q, near, scale) if cached else near[0]
 
     def _selected_chunks(self, layer: int, q: torch.Tensor):
         """Sparse decode: the top-k far blocks for this query.
@@ -268,6 +279,9 @@ class SequenceKV:
         """GPU hit rate at attention time: resident block reads over all block reads (far-block cache
         hits count as resident, its misses as streamed). Waits for the device's counters."""
         resident, streamed = self.num_resident_reads, self.num_streamed_reads
+        if self.cached is not None:  # the caches' hits read the GPU, their misses were copied in
+            caches = self.cached.caches.stats()
+            resident, streamed = resident + caches["cache_hits"], streamed + caches["cache_misses"]
         if self.query is not None:
             self.query.flush(block=True)
             totals = self.query.totals()

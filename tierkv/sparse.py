@@ -115,6 +115,19 @@ class BlockSummaries:
         """Blocks each layer's table holds now."""
         return self._all.shape[1]
 
+    def reserve(self, num_blocks: int) -> None:
+        """Tables of at least `num_blocks` rows (grown, zero-filled past the written rows, as `put` grows them)."""
+        self._grow(num_blocks)
+
+    def from_block(self, first: int) -> "BlockSummaries":
+        """The same summaries from block `first` on, as views (no copy): block `first` is row 0 of each
+        table. Valid until the tables grow (`put` past the capacity)."""
+        view = object.__new__(BlockSummaries)
+        view._shape, view.max_blocks, view._dtype, view._device = self._shape, None, self._dtype, self._device
+        view._all = self._all[:, first:]
+        view.tables = list(view._all.unbind(0))
+        return view
+
     def bytes_per_block_per_layer(self) -> int:
         return 2 * self._shape[0] * self._shape[1] * self._dtype.itemsize
 

@@ -32,3 +32,25 @@ def test_planted_needles_in_the_far_path_on_cuda(tmp_path, graphs):
 
 def test_planted_needles_in_the_transformers_engine_on_cuda():
     transformers_engine.check_planted_needles(HEADS, KV_HEADS, DIM, torch.bfloat16, "cuda")
+
+
+def test_the_cached_predictor_replays_its_graphs_and_equals_none_on_cuda():
+    """Predictor `cache` in the transformers engine on CUDA: the far part of each decode step replayed
+    from one CUDA graph per layer (captured at the first step), outputs equal predictor `none`'s, the
+    repeated selection read from the caches, and within 1e-2 of dense attention."""
+    from tests.sparse.test_cached_predictor import decode_steps
+    from tests.sparse.test_planted_needle import CONTEXT, T
+    from tests.sparse.test_planted_needle_far import planted_case
+
+    q, keys, values, _ = planted_case(HEADS, KV_HEADS, DIM, T, CONTEXT, device="cuda")
+    keys, values = keys[:CONTEXT], values[:CONTEXT]
+    none = decode_steps("none", q, keys, values, 3, dtype=torch.bfloat16)
+    cached = decode_steps("cache", q, keys, values, 3, dtype=torch.bfloat16)
+    k = 2048 // T
+    for (out_none, *_), (out, _, _, dense, *_) in zip(none, cached):
+        torch.testing.assert_close(out, out_none, rtol=2e-2, atol=2e-3)
+        assert ((out - dense).norm() / dense.norm()).item() <= 1e-2
+    assert [c[4] for c in cached] == [(0, k), (k, k), (2 * k, k)]
+    graphs = cached[-1][5]
+    assert graphs is not None and graphs["graph_capture_errors"] == 0, graphs
+    assert graphs["graph_captures"] == 1 and graphs["graph_replays"] == 3, graphs

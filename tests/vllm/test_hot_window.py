@@ -1472,7 +1472,7 @@ def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
     """Sparse rows read the far blocks' CPU-tier slots from a device buffer that doubles when full
     (so a CUDA graph's baked-in address rarely moves): after the far part grows step by step, its
     first entries equal the host's pinned slots."""
-    from tierkv.vllm_backend.far import _append_at
+    from tierkv.vllm_backend.far import append_at
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=60)
@@ -1491,11 +1491,11 @@ def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
     finally:
         far.close()
         store.close()
-    buffer = _append_at(torch.empty(0, dtype=torch.int64), 0, torch.arange(300))
+    buffer = append_at(torch.empty(0, dtype=torch.int64), 0, torch.arange(300))
     assert buffer.numel() == 300
-    grown = _append_at(buffer, 300, torch.arange(300, 310))
+    grown = append_at(buffer, 300, torch.arange(300, 310))
     assert grown.numel() == 600 and torch.equal(grown[:310], torch.arange(310))
-    assert _append_at(grown, 310, torch.arange(5)).data_ptr() == grown.data_ptr()  # room left: in place
+    assert append_at(grown, 310, torch.arange(5)).data_ptr() == grown.data_ptr()  # room left: in place
 
 
 def test_profiler_ranges_are_entered_only_while_a_profiler_runs():

@@ -78,7 +78,7 @@ def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
     return max(0, (num_computed - window_tokens + 1) // block_tokens)
 
 
-def _append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
+def append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
     """buffer[start : start + n] = values (n = values.numel()), in a new buffer of twice the size when
     it is too small; returns the buffer."""
     end = start + values.numel()
@@ -287,7 +287,7 @@ class FarKV:
             new = torch.tensor(slots, dtype=torch.int64)
             req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
             if self.sparse_blocks is not None:
-                req.pinned_slots_dev[layer] = _append_at(req.pinned_slots_dev[layer], first,
+                req.pinned_slots_dev[layer] = append_at(req.pinned_slots_dev[layer], first,
                                                          to_device_no_sync(new, self.store.device))
         self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
 

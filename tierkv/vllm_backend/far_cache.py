@@ -104,15 +104,25 @@ def _scatter_into(t: torch.Tensor, index: torch.Tensor, values: torch.Tensor) ->
 
 class RowCaches:
     def __init__(self, num_sets: int, num_layers: int, k: int, block_shape: tuple, dtype: torch.dtype,
-                 device: torch.device, per_layer: bool = True, selections: int = 1):
+                 device: torch.device, per_layer: bool = True, selections: int = 1,
+                 storage: torch.Tensor | None = None):
         """num_sets caches of `selections` selections (k blocks of block_shape each) per layer, on
-        `device`; per_layer=False: one selection per set, shared by the layers, nothing kept."""
+        `device`; per_layer=False: one selection per set, shared by the layers, nothing kept.
+        storage: blocks [n, *block_shape] of `dtype` on `device` whose first slots hold the caches
+        (memory the caller accounts for, such as staging), instead of memory of their own."""
         if selections < 1:
             raise ValueError(f"selections: got {selections}; a cache keeps at least one selection per layer")
         self.num_sets, self.num_layers, self.k, self.per_layer = num_sets, num_layers, k, per_layer
         layers_kept = num_layers if per_layer else 1
         self.width = k * selections if per_layer else k  # slots per layer
-        self.blocks = torch.empty((num_sets * layers_kept * self.width, *block_shape), dtype=dtype, device=device)
+        slots = num_sets * layers_kept * self.width
+        if storage is None:
+            self.blocks = torch.empty((slots, *block_shape), dtype=dtype, device=device)
+        elif storage.shape[0] < slots or tuple(storage.shape[1:]) != tuple(block_shape) or storage.dtype != dtype:
+            raise ValueError(f"storage: {tuple(storage.shape)} {storage.dtype} cannot hold {slots} blocks of "
+                             f"{tuple(block_shape)} {dtype}")
+        else:
+            self.blocks = storage[:slots]
         self.held = torch.full((num_sets, num_layers, self.width), -1, dtype=torch.int64, device=device)
         # past one selection per layer: each slot's last use (a tick of its set's clock, -1: never), oldest replaced
         self.last_use = torch.full_like(self.held, -1) if self.width > k else None

@@ -1,0 +1,117 @@
+"""Predictor `cache` in the transformers engine (`tierkv.sparse_cached`): the vLLM backend's far-block
+caches and sparse step for one sequence. Its outputs equal predictor `none`'s (the same selection,
+exact attention over it), a repeated selection is read from the caches without a copy, a step that
+streams through the staging memory empties them, a new sequence starts empty, and staging too small
+for the caches is a ConfigError naming scheduler.staging_bytes. On CPU the sparse step runs eagerly
+(its PyTorch paths); tests/gpu/test_planted_needle_gpu.py runs it on CUDA, graphs included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.models import build, reference_greedy
+from tests.sparse.test_planted_needle import CONTEXT, T, planted_case, runtime_with
+from tierkv.adapters.hf import runtime_for_model
+from tierkv.attention import reference
+from tierkv.config import ConfigError, load_config
+
+
+def decode_steps(predictor: str, q, keys, values, steps: int, prefill_between: bool = False, dtype=torch.float32):
+    """`steps` decode steps of one sequence over the planted context, each with the query q: per step the
+    output, the block reads from the GPU and streamed so far (`read_stats`), the dense output over the
+    tokens so far, and (predictor cache) the caches' hits and misses so far."""
+    kv_heads, dim, device = keys.shape[1], keys.shape[2], keys.device
+    runtime = runtime_with(2048, predictor=predictor, kv_heads=kv_heads, dim=dim, dtype=dtype, device=device)
+    keys, values, q = keys.to(dtype).float(), values.to(dtype).float(), q.to(dtype)
+    results = []
+    try:
+        seq = runtime.new_sequence()
+        for start in range(0, CONTEXT, 16384):
+            seq.append(0, keys[start : start + 16384].to(dtype), values[start : start + 16384].to(dtype))
+        for step in range(steps):
+            if prefill_between and step == 1:  # a two-token step streams the far blocks through staging
+                extra_k, extra_v = (torch.randn(2, kv_heads, dim, device=device).to(dtype) for _ in range(2))
+                seq.append(0, extra_k, extra_v)
+                seq.attend(0, torch.cat([q, q]), dim**-0.5)
+                keys, values = torch.cat([keys, extra_k.float()]), torch.cat([values, extra_v.float()])
+            new_k, new_v = (torch.randn(1, kv_heads, dim, device=device).to(dtype) for _ in range(2))
+            keys, values = torch.cat([keys, new_k.float()]), torch.cat([values, new_v.float()])
+            seq.append(0, new_k, new_v)
+            out = seq.attend(0, q, dim**-0.5)
+            dense, _ = reference.contiguous_partial_attention(q.float(), keys, values, scale=dim**-0.5)
+            stats = seq.read_stats()
+            cached = runtime.cached_sparse.stats() if predictor == "cache" else {}
+            results.append((out, stats["resident_block_reads"], stats["streamed_block_reads"], dense,
+                            (cached.get("cache_hits"), cached.get("cache_misses")), cached.get("cuda_graphs")))
+        seq.finish()
+        return results
+    finally:
+        runtime.close()
+
+
+def test_cached_outputs_equal_none_and_a_repeated_selection_is_not_copied_again():
+    q, keys, values, _ = planted_case()
+    keys, values = keys[:CONTEXT], values[:CONTEXT]
+    none = decode_steps("none", q, keys, values, 3)
+    cached = decode_steps("cache", q, keys, values, 3)
+    k = 2048 // T
+    for (out_none, *_), (out, _, _, dense, *_) in zip(none, cached):
+        torch.testing.assert_close(out, out_none, rtol=1e-5, atol=1e-6)
+        assert ((out - dense).norm() / dense.norm()).item() <= 1e-2
+    # every step selects the same k far blocks: the first copies them, the next two read them in place
+    assert [c[4] for c in cached] == [(0, k), (k, k), (2 * k, k)]
+    assert cached[2][2] == cached[0][2]  # nothing more streamed
+    assert cached[2][1] - cached[0][1] == none[2][1] - none[0][1] + 2 * k  # the hits count as GPU reads
+    assert none[2][2] - none[0][2] == 2 * k  # predictor none copies each selection again
+
+
+def test_a_step_through_staging_empties_the_caches_and_outputs_stay_exact():
+    q, keys, values, _ = planted_case()
+    keys, values = keys[:CONTEXT], values[:CONTEXT]
+    cached = decode_steps("cache", q, keys, values, 2, prefill_between=True)
+    none = decode_steps("none", q, keys, values, 2, prefill_between=True)
+    for (out, *_), (out_none, *_rest) in zip(cached, none):
+        torch.testing.assert_close(out, out_none, rtol=1e-5, atol=1e-6)
+    k = 2048 // T
+    # after the streamed step the selection is copied again, though it is the same: k more misses
+    assert [c[4] for c in cached] == [(0, k), (0, 2 * k)]
+
+
+def test_greedy_tokens_with_the_cache_equal_none_and_a_full_budget_equals_exact():
+    model, reference_model = build("llama", num_heads=8, num_kv_heads=2)
+    ids = torch.randint(0, 512, (211,)).tolist()
+    outputs = {}
+    # 256 tokens cover the 219 of the prompt and its tokens: every far block selected (caches of a selection
+    # per layer: 2 x 64 blocks of staging)
+    for predictor, budget in (("none", 32), ("cache", 32), ("cache", 256)):
+        settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
+        settings["scheduler"].update(policy="sparse", sparse_token_budget=budget, predictor=predictor,
+                                     staging_bytes=128 * 2 * 2 * 4 * 16 * 4)
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"cached-{predictor}")
+        try:
+            outputs[predictor, budget] = tiered_greedy(model, runtime, ids, 8, 64)
+            # a second sequence on the same runtime: the caches start empty, the tokens are the same
+            assert tiered_greedy(model, runtime, ids, 8, 64)[0] == outputs[predictor, budget][0]
+        finally:
+            runtime.close()
+    assert outputs["cache", 32][0] == outputs["none", 32][0]
+    for got, want in zip(outputs["cache", 32][1], outputs["none", 32][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    expected, ref_logits = reference_greedy(reference_model, ids, 8)
+    assert outputs["cache", 256][0] == expected
+    for got, want in zip(outputs["cache", 256][1], ref_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_staging_too_small_for_the_caches_is_a_config_error():
+    settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
+    settings["scheduler"].update(policy="sparse", sparse_token_budget=64, predictor="cache",
+                                 sparse_cache_selections=2, staging_bytes=32 * 2 * 2 * 4 * 16 * 4)
+    model, _ = build("llama", num_heads=8, num_kv_heads=2)
+    runtime = runtime_for_model(model, load_config(settings, env={}), model_id="cached-small")
+    try:
+        with pytest.raises(ConfigError, match="scheduler.staging_bytes.*predictor 'cache' keeps 2 selection"):
+            runtime.new_sequence()
+    finally:
+        runtime.close()

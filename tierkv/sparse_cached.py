@@ -1,0 +1,171 @@
+"""Sparse decode with predictor `cache` in the transformers engine: the vLLM backend's far-block
+caches and sparse step, for the one sequence of a `SequenceKV`.
+
+Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`).
+
+Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
+in a far-block cache laid over the staging memory (`vllm_backend.far_cache.RowCaches`), so a step
+copies across PCIe only the selected blocks the cache lacks. Per layer the far part is the vLLM
+backend's `sparse_rows_body`, then merged with the near part (resident blocks and this step's
+tokens, which the sequence attends as always):
+
+    bound = the far blocks' key summaries against q (one kernel on CUDA), top-k in block order
+    slots, miss = placement in the layer's cache (one kernel on CUDA, least recently used replaced)
+    copy kernel: CPU tier -> cache slots for the misses only (on the compute stream)
+    (out, lse) over the selected blocks; merged with the near part's
+
+On CUDA with a copy-kernel transfer backend and `scheduler.sparse_cuda_graphs`, that work is one CUDA
+graph per layer (`vllm_backend.far_graphs.SparseStepGraphs`), captured at the first decode step and
+replayed: a few host calls per layer instead of some thirty launches. Elsewhere, and after a failed
+capture, the same work runs eagerly. Nothing is predicted: a selected block the cache lacks is
+fetched at selection and counted as a miss (a row with one is a stall), so the output never depends
+on what the cache holds; it equals predictor `none`'s.
+
+The far blocks of the transformers engine follow its front blocks (sinks and the resident far
+cache): far block i is block `first + i` of the sequence, its summary row `first + i` of each layer's
+table (`BlockSummaries.from_block`), its CPU-tier slot in a device list per layer kept here. A
+change of `first` (a new GPU budget) or a step that streamed through the staging memory empties
+the caches. The runtime keeps one `CachedSparse` for its sequences, one at a time (`of`): the caches
+and graphs stay allocated, emptied for each new sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tierkv.attention import merge_partials
+from tierkv.config import ConfigError
+from tierkv.scheduler import to_device_no_sync
+from tierkv.units import format_bytes
+from tierkv.vllm_backend.far import append_at
+from tierkv.vllm_backend.far_cache import RowCaches
+from tierkv.vllm_backend.far_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
+
+
+@dataclass
+class _Store:
+    """What the vLLM backend's sparse step reads of its store: the CPU tier, its block I/O, the device."""
+
+    cpu: object
+    io: object
+    device: torch.device
+
+
+@dataclass
+class _Far:
+    """What the vLLM backend's sparse step reads of its far part."""
+
+    store: _Store
+    sparse_blocks: int
+    block_tokens: int
+
+
+@dataclass
+class _Summaries:
+    """A row's summaries as the sparse step reads them: the tables from the first far block on, and
+    how many blocks of each layer have a summary (all of the sequence's full blocks)."""
+
+    summaries: object
+    prefix: list[int]
+
+
+@dataclass
+class _Row:
+    """The sequence as one decoding row of the vLLM backend's sparse step."""
+
+    cache: object
+    summaries: _Summaries | None = None
+    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)
+
+
+class CachedSparse:
+    def __init__(self, rt, blocks_per_step: int):
+        scheduler, layout = rt.config.scheduler, rt.layout
+        self.rt = rt
+        self.k = blocks_per_step
+        selections = max(1, scheduler.sparse_cache_selections)
+        slots = rt.num_layers * selections * blocks_per_step
+        staging = rt.pool.staging
+        if staging.shape[0] < slots:
+            raise ConfigError(
+                "scheduler.staging_bytes", staging.shape[0] * layout.num_bytes,
+                f"predictor 'cache' keeps {selections} selection(s) of {blocks_per_step} blocks per layer on the GPU: "
+                f"{rt.num_layers} x {selections} x {blocks_per_step} blocks of {format_bytes(layout.num_bytes)}, "
+                f"at least {format_bytes(slots * layout.num_bytes)} (or lower scheduler.sparse_cache_selections)")
+        self.caches = RowCaches(1, rt.num_layers, blocks_per_step, layout.shape, layout.dtype, staging.device,
+                                selections=selections, storage=staging)
+        self.row = _Row(self.caches.take())
+        self.far = _Far(_Store(rt.cpu, rt.io, staging.device), blocks_per_step, layout.block_tokens)
+        graphs = (scheduler.sparse_cuda_graphs and staging.is_cuda
+                  and rt.io.engine.backend in ("cupy", "adaptive"))
+        self.graphs = SparseStepGraphs(self.far, self.caches) if graphs else None
+        self.packed = (self.graphs.packed if self.graphs is not None
+                       else packed_buffers(self.far, staging.device))
+        self._slots = [torch.empty(0, dtype=torch.int64, device=staging.device) for _ in range(rt.num_layers)]
+        self._filled = [0] * rt.num_layers    # entries of each layer's slot list written
+        self._first = None                    # the first far block the caches and slot lists start at
+        self._num_far = 0
+        self._num_far_dev = torch.zeros(1, dtype=torch.int64, device=staging.device)
+
+    @classmethod
+    def of(cls, rt, blocks_per_step: int) -> "CachedSparse":
+        """The runtime's, emptied for a new sequence (made at the first one)."""
+        cached = rt.cached_sparse
+        if cached is None or cached.k != blocks_per_step:
+            cached = rt.cached_sparse = cls(rt, blocks_per_step)
+        cached.invalidate()
+        cached._first, cached._filled, cached._num_far = None, [0] * rt.num_layers, 0
+        cached.caches.counters.zero_()  # the sequence's hits and misses (`SequenceKV.read_stats`)
+        return cached
+
+    # -- per step -------------------------------------------------------------------------------
+    def begin_step(self, seq, candidates: range) -> None:
+        """A sparse decode step over far blocks `candidates` (host work, and copies of new slot-list
+        entries). The compute stream waits (on the device) for write-backs still in flight, so no
+        copy reads a CPU-tier slot before its bytes have landed."""
+        if candidates.start != self._first:  # a new GPU budget moved the front blocks
+            self.invalidate()
+            self._first = candidates.start
+            self._filled = [0] * len(self._filled)
+        first, num_far = candidates.start, len(candidates)
+        for layer, slots in enumerate(seq.cpu_slots):
+            have = self._filled[layer]
+            if have < num_far:
+                new = to_device_no_sync(slots[first + have : first + num_far], self._slots[layer].device)
+                self._slots[layer] = append_at(self._slots[layer], have, new)
+                self._filled[layer] = num_far
+        summarized = [len(slots) - first for slots in seq.cpu_slots]  # every full block written has a summary
+        seq.summaries.reserve(first + self.k)  # the bounds' width: at least one selection past `first`
+        self.row.summaries = _Summaries(seq.summaries.from_block(first), summarized)
+        self.row.pinned_slots_dev = self._slots
+        if num_far != self._num_far:
+            self._num_far_dev.fill_(num_far)
+            self._num_far = num_far
+        for _, handle in seq._pending_d2h:
+            handle.wait_on_current_stream()
+
+    def invalidate(self) -> None:
+        """The caches hold nothing any more (a step streamed through the staging memory they lie in)."""
+        self.caches.give_back(self.row.cache)
+        self.row.cache = self.caches.take()
+
+    def attend(self, layer: int, q: torch.Tensor, near: tuple[torch.Tensor, torch.Tensor],
+               scale: float) -> torch.Tensor:
+        """q [1, num_heads, head_dim] of this step's token, near: its near part (out, lse) -> the
+        attention over near and selected far blocks, float32 [1, num_heads, head_dim]."""
+        near_out, near_lse = near
+        if self._num_far == 0:
+            return near_out
+        if self.graphs is not None and self.graphs.enabled and self._num_far <= self.row.summaries.prefix[0]:
+            rows = [("sequence", self.row, self._num_far)]
+            replayed = self.graphs.attend(layer, rows, q, near_out, near_lse, torch.float32, scale)
+            if replayed is not None:
+                return replayed[0].clone()  # the graph's static output: the next replay rewrites it
+        out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
+                                       self.packed)
+        return merge_partials([near, (out, lse)])[0]
+
+    def stats(self) -> dict:
+        """The caches' counters (one device read) and the graphs' (None without them)."""
+        return {**self.caches.stats(), "cuda_graphs": self.graphs.stats() if self.graphs is not None else None}
