@@ -124,7 +124,7 @@ class CachedSparse:
         """A sparse decode step over far blocks `candidates` (host work, and copies of new slot-list
         entries). The compute stream waits (on the device) for write-backs still in flight, so no
         copy reads a CPU-tier slot before its bytes have landed."""
-        if candidates.start != self._first:  # a new GPU budget moved the front blocks
+        if candidates.start != self._first:  # the sequence's first step, or a new GPU budget moved the front blocks
             self.invalidate()
             self._first = candidates.start
             self._filled = [0] * len(self._filled)
