@@ -42,6 +42,12 @@ class KVRuntime:
         if scheduler.policy == "sparse" and scheduler.predictor == "query":  # refuse a too small staging now
             cache_slots_per_layer(num_layers, self.pool.staging.shape[0],
                                   scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)
+        if scheduler.policy == "sparse" and scheduler.predictor == "cache":  # the same for its caches
+            from tierkv.sparse_cached import check_staging
+
+            check_staging(num_layers, self.pool.staging.shape[0],
+                          scheduler.sparse_token_budget // config.cache.block_tokens,
+                          max(1, scheduler.sparse_cache_selections), self.layout.num_bytes)
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = configured_engine(self.device, config.scheduler.transfer_backend)

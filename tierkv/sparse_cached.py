@@ -1,7 +1,7 @@
 """Sparse decode with predictor `cache` in the transformers engine: the vLLM backend's far-block
 caches and sparse step, for the one sequence of a `SequenceKV`.
 
-Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`).
+Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`), `check_staging`.
 
 Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
 in a far-block cache laid over the staging memory (`vllm_backend.far_cache.RowCaches`), so a step
@@ -79,20 +79,27 @@ class _Row:
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)
 
 
+def check_staging(num_layers: int, staging_blocks: int, blocks_per_step: int, selections: int,
+                  block_bytes: int) -> None:
+    """ConfigError naming scheduler.staging_bytes when it cannot hold the caches of predictor `cache`:
+    layers x selections x blocks_per_step blocks."""
+    slots = num_layers * selections * blocks_per_step
+    if staging_blocks < slots:
+        raise ConfigError(
+            "scheduler.staging_bytes", staging_blocks * block_bytes,
+            f"predictor 'cache' keeps {selections} selection(s) of {blocks_per_step} blocks per layer on the GPU: "
+            f"{num_layers} x {selections} x {blocks_per_step} blocks of {format_bytes(block_bytes)}, "
+            f"at least {format_bytes(slots * block_bytes)} (or lower scheduler.sparse_cache_selections)")
+
+
 class CachedSparse:
     def __init__(self, rt, blocks_per_step: int):
         scheduler, layout = rt.config.scheduler, rt.layout
         self.rt = rt
         self.k = blocks_per_step
         selections = max(1, scheduler.sparse_cache_selections)
-        slots = rt.num_layers * selections * blocks_per_step
         staging = rt.pool.staging
-        if staging.shape[0] < slots:
-            raise ConfigError(
-                "scheduler.staging_bytes", staging.shape[0] * layout.num_bytes,
-                f"predictor 'cache' keeps {selections} selection(s) of {blocks_per_step} blocks per layer on the GPU: "
-                f"{rt.num_layers} x {selections} x {blocks_per_step} blocks of {format_bytes(layout.num_bytes)}, "
-                f"at least {format_bytes(slots * layout.num_bytes)} (or lower scheduler.sparse_cache_selections)")
+        check_staging(rt.num_layers, staging.shape[0], blocks_per_step, selections, layout.num_bytes)
         self.caches = RowCaches(1, rt.num_layers, blocks_per_step, layout.shape, layout.dtype, staging.device,
                                 selections=selections, storage=staging)
         self.row = _Row(self.caches.take())
