@@ -1,6 +1,8 @@
 """The CPU tier's slot-level two-phase API used by the GPU transfer engine."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -180,3 +182,30 @@ def test_slab_locked_bytes_follows_the_route_the_slab_takes(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(__spec__=SimpleNamespace(name="cupy")))
     assert slab_locked_bytes(81 << 30) == 81 << 30  # 47 GiB of rounding: pinned exactly
     assert slab_locked_bytes(120 << 30) == 128 << 30  # 8 GiB of rounding: PyTorch's allocator
+
+
+def test_a_tier_full_of_pinned_blocks_refuses_puts_without_walking_its_keys():
+    """Every visible block pinned (the far blocks of running requests) and the pending writes pinned too:
+    a put is refused at once, and the LRU order is left as it was (no walk moved a key); once a block is
+    released, it is the one evicted."""
+    tier = CpuTier("cpu", LAYOUT, 6 * LAYOUT.num_bytes)
+    keys = [f"far{i}" for i in range(4)]
+    tier.put_many(keys, [torch.zeros(LAYOUT.shape)] * 4)
+    tier.acquire(keys)
+    tier.prepare_put(["p0", "p1"])  # the last two slots, pending and pinned
+    moves = []
+
+    class Index(OrderedDict):  # the tier's LRU index, counting the keys a walk moves
+        def move_to_end(self, key, last=True):
+            moves.append(key)
+            super().move_to_end(key, last)
+
+    tier._slot_of = Index(tier._slot_of)
+    result = tier.put("more", torch.zeros(LAYOUT.shape))
+    assert not result.ok and "all 6 slots are pinned" in result.error
+    assert moves == []
+    tier.complete_put(["p0", "p1"])  # now visible and unpinned: the oldest of them goes first
+    assert [k for k, _ in tier.put("more", torch.zeros(LAYOUT.shape)).evicted] == ["p0"]
+    tier.release(["far2"])
+    tier.acquire(["p1", "more"])
+    assert [k for k, _ in tier.put("again", torch.zeros(LAYOUT.shape)).evicted] == ["far2"]

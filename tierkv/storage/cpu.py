@@ -361,8 +361,11 @@ class CpuTier(StorageTier):
 
         Pinned blocks met on the way are in use, so they move to the recent end: a long-pinned
         run at the old end (the far blocks of a long request) is stepped over once, not on every
-        eviction."""
+        eviction. When every visible block is pinned (each pinned key is visible or pending), there is
+        nothing to find: no walk, so a full tier of running requests' blocks refuses puts at once."""
         slot_of, pins = self._slot_of, self._pins
+        if len(pins) - len(self._pending) >= len(slot_of):
+            return None
         for _ in range(len(slot_of)):
             key = next(iter(slot_of))
             if pins[key] <= 0:
