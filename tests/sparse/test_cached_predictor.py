@@ -117,3 +117,47 @@ def test_staging_too_small_for_the_caches_is_a_config_error():
     model, _ = build("llama", num_heads=8, num_kv_heads=2)
     with pytest.raises(ConfigError, match="scheduler.staging_bytes.*predictor 'cache' keeps 2 selection"):
         runtime_for_model(model, load_config(settings, env={}), model_id="cached-small")  # refused at the start
+
+
+@torch.no_grad()
+def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output():
+    """A new GPU budget between decode steps moves the first far block (more or fewer resident front
+    blocks): the caches start over, and tokens and logits stay those of predictor `none` under the same
+    budget changes."""
+    from tierkv.adapters.hf import TieredCache, forward_kwargs
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2)
+    block_bytes = 2 * 2 * 4 * 16 * 4
+    ids = torch.randint(0, 512, (181,)).tolist()
+    budgets = [40, 5, 12, 5, 30, 6]  # resident slots per layer before each decode step
+    runs, fronts = {}, set()
+    for predictor in ("none", "cache"):
+        settings = {
+            "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * block_bytes, "sink_tokens": 4, "window_tokens": 8},
+            "tiers": [{"kind": "cpu", "capacity_bytes": "16MiB"}],
+            "scheduler": {"lookahead_layers": 1, "staging_bytes": 16 * block_bytes, "prefill_chunk_tokens": 64,
+                          "policy": "sparse", "sparse_token_budget": 16, "predictor": predictor},
+        }
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"elastic-{predictor}")
+        try:
+            cache = TieredCache(runtime, ids)
+            kwargs = forward_kwargs(model, cache)
+            logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
+            tokens, all_logits = [], [logits]
+            for slots in budgets:
+                token = int(torch.argmax(logits))
+                tokens.append(token)
+                runtime.set_gpu_budget(2 * slots * block_bytes)
+                cache.seq.token_ids.append(token)
+                logits = model(torch.tensor([[token]]), **kwargs).logits[0, -1]
+                all_logits.append(logits)
+                assert runtime.residency.slots_per_layer == slots
+                fronts.add(runtime.residency.num_front_blocks)
+            cache.finish()
+            runs[predictor] = tokens, all_logits
+        finally:
+            runtime.close()
+    assert len(fronts) >= 3  # the first far block moved between steps
+    assert runs["cache"][0] == runs["none"][0]
+    for got, want in zip(runs["cache"][1], runs["none"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
