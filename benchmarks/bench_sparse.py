@@ -92,7 +92,7 @@ def main() -> int:
         "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
                       "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
                       "predict_with_previous": not args.no_previous,
-                      "sparse_cache_selections": args.cache_selections},
+                      **({"sparse_cache_selections": args.cache_selections} if args.predictor == "cache" else {})},
     }, env={})
     runtime = runtime_for_model(model, config)
     try:
