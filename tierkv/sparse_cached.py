@@ -63,11 +63,10 @@ class _Far:
 
 @dataclass
 class _Summaries:
-    """A row's summaries as the sparse step reads them: the tables from the first far block on, and
-    how many blocks of each layer have a summary (all of the sequence's full blocks)."""
+    """A row's summaries as the sparse step reads them: the tables from the first far block on (every
+    full block the sequence wrote has a summary)."""
 
     summaries: object
-    prefix: list[int]
 
 
 @dataclass
@@ -95,7 +94,6 @@ def check_staging(num_layers: int, staging_blocks: int, blocks_per_step: int, se
 class CachedSparse:
     def __init__(self, rt, blocks_per_step: int):
         scheduler, layout = rt.config.scheduler, rt.layout
-        self.rt = rt
         self.k = blocks_per_step
         selections = max(1, scheduler.sparse_cache_selections)
         staging = rt.pool.staging
@@ -104,8 +102,7 @@ class CachedSparse:
                                 selections=selections, storage=staging)
         self.row = _Row(self.caches.take())
         self.far = _Far(_Store(rt.cpu, rt.io, staging.device), blocks_per_step, layout.block_tokens)
-        graphs = (scheduler.sparse_cuda_graphs and staging.is_cuda
-                  and rt.io.engine.backend in ("cupy", "adaptive"))
+        graphs = scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(self.far.store)
         self.graphs = SparseStepGraphs(self.far, self.caches) if graphs else None
         self.packed = (self.graphs.packed if self.graphs is not None
                        else packed_buffers(self.far, staging.device))
@@ -142,9 +139,8 @@ class CachedSparse:
                 new = to_device_no_sync(slots[first + have : first + num_far], self._slots[layer].device)
                 self._slots[layer] = append_at(self._slots[layer], have, new)
                 self._filled[layer] = num_far
-        summarized = [len(slots) - first for slots in seq.cpu_slots]  # every full block written has a summary
         seq.summaries.reserve(first + self.k)  # the bounds' width: at least one selection past `first`
-        self.row.summaries = _Summaries(seq.summaries.from_block(first), summarized)
+        self.row.summaries = _Summaries(seq.summaries.from_block(first))
         self.row.pinned_slots_dev = self._slots
         if num_far != self._num_far:
             self._num_far_dev.fill_(num_far)
@@ -164,7 +160,7 @@ class CachedSparse:
         near_out, near_lse = near
         if self._num_far == 0:
             return near_out
-        if self.graphs is not None and self.graphs.enabled and self._num_far <= self.row.summaries.prefix[0]:
+        if self.graphs is not None and self.graphs.enabled:
             rows = [("sequence", self.row, self._num_far)]
             replayed = self.graphs.attend(layer, rows, q, near_out, near_lse, torch.float32, scale)
             if replayed is not None:

@@ -288,7 +288,7 @@ class FarKV:
             req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
             if self.sparse_blocks is not None:
                 req.pinned_slots_dev[layer] = append_at(req.pinned_slots_dev[layer], first,
-                                                         to_device_no_sync(new, self.store.device))
+                                                        to_device_no_sync(new, self.store.device))
         self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
 
     # -- steps ------------------------------------------------------------------------------------
