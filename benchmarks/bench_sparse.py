@@ -1,7 +1,8 @@
 """Sparse mode on the GPU: decode speed and GPU hit rate at 128k against all-in-GPU dense decode.
 
     python benchmarks/bench_sparse.py [--context 131072] [--new-tokens 32] [--budget-tokens 2048]
-        [--predictor previous|none|query|cache] [--lookahead 1] [--cache-selections 4] [--qk-bias-std 0] [--out PATH]
+        [--predictor previous|none|query|cache] [--lookahead 1] [--cache-selections 4] [--prefetch-margin 0]
+        [--qk-bias-std 0] [--out PATH]
 
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
 all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
@@ -11,7 +12,10 @@ blocks after the first decode step (target >= 95%), stalls per step, prefetch pr
 recall, and greedy-token agreement (sparse attention reads a subset, so tokens may differ; the
 count is reported, not asserted). With `--predictor query` the staging memory holds a far-block
 cache of `--cache-selections` selections per layer (LRU, kept across steps) plus a miss area,
-and the next `--lookahead` layers are predicted from each layer's input hidden state.
+and the next `--lookahead` layers are predicted from each layer's input hidden state. With
+`--predictor cache` the staging memory holds `--cache-selections` selections per layer, and
+`--prefetch-margin` m copies in, per layer and step, the m blocks ranked just below the selection for
+the next step (the GPU hit rate per decode step is reported too).
 
 This is the transformers engine. Under vLLM, the serving engine, the same targets are measured
 against plain vLLM in the same device call: by `bench_vllm.py` at batch 1 (`vllm-ab` in
@@ -53,6 +57,9 @@ def main() -> int:
     parser.add_argument("--cache-selections", type=int, default=4,
                         help="far-block cache slots per layer, in selections of --budget-tokens (predictors query "
                              "and cache)")
+    parser.add_argument("--prefetch-margin", type=int, default=0,
+                        help="predictor cache: blocks ranked just below each layer's selection, copied in for the next "
+                             "step (scheduler.sparse_prefetch_margin; at most (cache selections - 1) x the selection)")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -92,12 +99,21 @@ def main() -> int:
         "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
                       "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
                       "predict_with_previous": not args.no_previous,
-                      **({"sparse_cache_selections": args.cache_selections} if args.predictor == "cache" else {})},
+                      **({"sparse_cache_selections": args.cache_selections,
+                          "sparse_prefetch_margin": args.prefetch_margin} if args.predictor == "cache" else {})},
     }, env={})
     runtime = runtime_for_model(model, config)
     try:
         cache = TieredCache(runtime, ids)
-        row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=cache.seq.token_ids.append)
+        # predictor cache: the caches' hits and misses so far, before each decode step (outside its timing)
+        counts = []
+
+        def on_token(token: int) -> None:
+            cache.seq.token_ids.append(token)
+            if runtime.cached_sparse is not None:
+                counts.append(runtime.cached_sparse.caches.counters[:2].tolist())
+
+        row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=on_token)
         prefetcher, query = cache.seq.prefetcher, cache.seq.query
         read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
         cached = runtime.cached_sparse.stats() if runtime.cached_sparse is not None else None
@@ -118,14 +134,18 @@ def main() -> int:
         "gpu_hit_rate_after_first_step": (hits / max(1, hits + misses - first_step_misses) if prefetcher or cached
                                           else query_hit_rate(query.step_totals[1:]) if query
                                           else read_stats["gpu_hit_rate"]),
-        # predictor cache: a layer whose selection missed its cache waited for the copy (one stall)
-        "stalls_per_step": (stats["scheduler"]["stalls"] + (cached["cache_stalled_rows"] if cached else 0)) / steps,
+        # predictor cache: a layer whose selection missed its cache waited for the copy (one stall, counted there)
+        "stalls_per_step": stats["scheduler"]["stalls"] / steps,
         "prefetch": stats["prefetch"],
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
     row["predictor"] = args.predictor
     if cached is not None:
         row["cached_predictor"] = cached
+        counts.append([cached["cache_hits"], cached["cache_misses"]])
+        # per decode step: its selections' hits over its lookups (step 1 finds the caches empty)
+        row["gpu_hit_rate_per_step"] = [(h1 - h0) / max(1, (h1 - h0) + (m1 - m0))
+                                        for (h0, m0), (h1, m1) in zip(counts, counts[1:])]
     row["model_qk_bias_std"] = args.qk_bias_std
     if query is not None:
         row["query_predictor"] = {"lookahead_layers": args.lookahead, "cache_slots_per_layer": query.cache.slots_per_layer,
@@ -138,6 +158,10 @@ def main() -> int:
     print(f"GPU hit rate after the first step {row['gpu_hit_rate_after_first_step']:.3f} (target 0.95), "
           f"stalls per step {row['stalls_per_step']:.1f}, GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
           f"vs {full_kv / 2**30:.2f} GiB, tokens agreeing {row['tokens_agreeing_with_all_in_gpu']}/{steps}")
+    if row.get("gpu_hit_rate_per_step"):
+        late = row["gpu_hit_rate_per_step"][len(row["gpu_hit_rate_per_step"]) // 2:]
+        print(f"GPU hit rate per step, second half of the steps: min {min(late):.3f}, mean {sum(late) / len(late):.3f}; "
+              f"prefetch precision {stats['prefetch']['precision']}, recall {stats['prefetch']['recall']}")
     return 0
 
 

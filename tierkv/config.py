@@ -115,10 +115,12 @@ class SchedulerConfig:
         "adds layers x sparse_token_budget tokens of KV to what staging_bytes must hold per row; 0: keep nothing, "
         "copy every selected block each step (one selection's staging per row)", min_value=0))
     sparse_prefetch_margin: int = field(default=0, metadata=doc(
-        "sparse step inside vLLM's full decode graph: far blocks per layer and row ranked just below the selection "
-        "(the next k..k+m of the same bounds), copied into the request's far-block cache on a side stream while the "
-        "next layers compute, so the next step finds them there; needs sparse_cache_selections x the selection's "
-        "blocks >= the selection's blocks + the margin (2 selections: a margin up to one selection); 0: off",
+        "sparse step inside vLLM's full decode graph, or the transformers engine's predictor 'cache': far blocks per "
+        "layer and row ranked just below the selection (the next k..k+m of the same bounds), copied into the "
+        "far-block cache on a side stream (under vLLM while the next layers compute; in the transformers engine "
+        "beside the layer's attention), so the next step finds them there; needs sparse_cache_selections x the "
+        "selection's blocks >= the selection's blocks + the margin (2 selections: a margin up to one selection); "
+        "0: off",
         min_value=0))
     sparse_full_graphs: bool = field(default=False, metadata=doc(
         "sparse CUDA graphs under compiled vLLM: let vLLM capture the attention of single-token decode steps in its "

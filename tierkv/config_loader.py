@@ -196,11 +196,13 @@ def _check_tier_order(config: TierKVConfig) -> None:
 
 def _check_prefetch_margin(config: TierKVConfig) -> None:
     scheduler = config.scheduler
-    if scheduler.sparse_prefetch_margin and not (scheduler.policy == "sparse" and scheduler.sparse_cuda_graphs
-                                                 and scheduler.sparse_full_graphs):
+    under_vllm = scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs
+    if scheduler.sparse_prefetch_margin and not (scheduler.policy == "sparse"
+                                                 and (under_vllm or scheduler.predictor == "cache")):
         raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
-                          "the next-step prefetch runs inside vLLM's full decode graph only: set scheduler.policy "
-                          "'sparse', sparse_cuda_graphs and sparse_full_graphs true, or the margin to 0")
+                          "the next-step prefetch runs inside vLLM's full decode graph (scheduler.policy 'sparse', "
+                          "sparse_cuda_graphs and sparse_full_graphs true) or with the transformers engine's "
+                          "predictor 'cache' (scheduler.policy 'sparse'); set one of those, or the margin to 0")
     if scheduler.sparse_prefetch_margin and scheduler.sparse_cache_selections < 2:
         raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
                           f"the prefetched blocks need cache slots beside the selection's: "

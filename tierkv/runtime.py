@@ -42,12 +42,13 @@ class KVRuntime:
         if scheduler.policy == "sparse" and scheduler.predictor == "query":  # refuse a too small staging now
             cache_slots_per_layer(num_layers, self.pool.staging.shape[0],
                                   scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)
-        if scheduler.policy == "sparse" and scheduler.predictor == "cache":  # the same for its caches
+        if scheduler.policy == "sparse" and scheduler.predictor == "cache":  # the same for its caches and margin
             from tierkv.sparse_cached import check_staging
+            from tierkv.vllm_backend.far_prefetch import check_margin
 
-            check_staging(num_layers, self.pool.staging.shape[0],
-                          scheduler.sparse_token_budget // config.cache.block_tokens,
-                          max(1, scheduler.sparse_cache_selections), self.layout.num_bytes)
+            k, selections = scheduler.sparse_token_budget // config.cache.block_tokens, max(1, scheduler.sparse_cache_selections)
+            check_staging(num_layers, self.pool.staging.shape[0], k, selections, self.layout.num_bytes)
+            check_margin(scheduler.sparse_prefetch_margin, k, selections * k, per_layer=True)
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
@@ -123,6 +124,13 @@ class KVRuntime:
     def stats(self) -> dict:
         """Running totals: tiers, transfers, stalls, GPU bytes."""
         streamer = self.streamer
+        # predictor 'cache': a layer whose selection missed its far-block cache waited for the copy (a stall),
+        # and a prefetch margin has its own precision and recall
+        cached = self.cached_sparse.totals() if self.cached_sparse is not None else {}
+        prefetch = self.prefetch_metrics.snapshot()
+        if cached.get("prefetch_copied") is not None:
+            prefetch.update(precision=cached["prefetch_precision"], recall=cached["prefetch_recall"],
+                            prefetched_blocks=cached["prefetch_copied"], used_blocks=cached["prefetch_used"])
         return {
             "gpu": {
                 "resident_bytes": self.pool.resident_bytes,
@@ -143,11 +151,11 @@ class KVRuntime:
                 "chunks_carried": streamer.num_chunks_carried,
                 "chunks_discarded": streamer.num_chunks_discarded,
                 "bytes_discarded": streamer.bytes_discarded,
-                "stalls": streamer.num_stalls,
+                "stalls": streamer.num_stalls + cached.get("cache_stalled_rows", 0),
             },
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
                        "kv_dtype": dtype_name(self.layout.dtype)},
-            "prefetch": self.prefetch_metrics.snapshot(),
+            "prefetch": prefetch,
             **self.chain.snapshot(),
         }
 

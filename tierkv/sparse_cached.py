@@ -1,7 +1,7 @@
 """Sparse decode with predictor `cache` in the transformers engine: the vLLM backend's far-block
 caches and sparse step, for the one sequence of a `SequenceKV`.
 
-Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`), `check_staging`.
+Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`, `totals`), `check_staging`.
 
 Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
 in a far-block cache laid over the staging memory (`vllm_backend.far_cache.RowCaches`), so a step
@@ -17,9 +17,15 @@ tokens, which the sequence attends as always):
 On CUDA with a copy-kernel transfer backend and `scheduler.sparse_cuda_graphs`, that work is one CUDA
 graph per layer (`vllm_backend.far_graphs.SparseStepGraphs`), captured at the first decode step and
 replayed: a few host calls per layer instead of some thirty launches. Elsewhere, and after a failed
-capture, the same work runs eagerly. Nothing is predicted: a selected block the cache lacks is
-fetched at selection and counted as a miss (a row with one is a stall), so the output never depends
-on what the cache holds; it equals predictor `none`'s.
+capture, the same work runs eagerly. A selected block the cache lacks is fetched at selection and
+counted as a miss (a layer with one is a stall), so the output never depends on what the cache holds;
+it equals predictor `none`'s.
+
+With `scheduler.sparse_prefetch_margin` m the step also predicts: the blocks ranked k..k+m-1 by the
+same bounds (what the next step's selection mostly adds, as the query drifts) are placed in the
+layer's cache and copied in on a side stream beside the layer's attention, joined at the layer's end
+(inside its graph: a graph must join what it forks) - the vLLM backend's `MarginPrefetch`. Its
+precision and recall are in `stats()["prefetch"]`.
 
 The far blocks of the transformers engine follow its front blocks (sinks and the resident far
 cache): far block i is block `first + i` of the sequence, its summary row `first + i` of each layer's
@@ -41,15 +47,18 @@ from tierkv.units import format_bytes
 from tierkv.vllm_backend.far import append_at
 from tierkv.vllm_backend.far_cache import RowCaches
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
+from tierkv.vllm_backend.far_prefetch import MarginPrefetch
 
 
 @dataclass
 class _Store:
-    """What the vLLM backend's sparse step reads of its store: the CPU tier, its block I/O, the device."""
+    """What the vLLM backend's sparse step and next-step prefetch read of its store: the CPU tier, its
+    block I/O, the device, the layer count."""
 
     cpu: object
     io: object
     device: torch.device
+    num_layers: int
 
 
 @dataclass
@@ -101,9 +110,14 @@ class CachedSparse:
         self.caches = RowCaches(1, rt.num_layers, blocks_per_step, layout.shape, layout.dtype, staging.device,
                                 selections=selections, storage=staging)
         self.row = _Row(self.caches.take())
-        self.far = _Far(_Store(rt.cpu, rt.io, staging.device), blocks_per_step, layout.block_tokens)
+        self.far = _Far(_Store(rt.cpu, rt.io, staging.device, rt.num_layers), blocks_per_step, layout.block_tokens)
+        # scheduler.sparse_prefetch_margin: each layer also copies in the blocks ranked just below its selection
+        margin = scheduler.sparse_prefetch_margin
+        self.prefetch = MarginPrefetch(self.far, self.caches, margin, max_rows=1) if margin else None
         graphs = scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(self.far.store)
         self.graphs = SparseStepGraphs(self.far, self.caches) if graphs else None
+        if self.graphs is not None:
+            self.graphs.prefetch = self.prefetch
         self.packed = (self.graphs.packed if self.graphs is not None
                        else packed_buffers(self.far, staging.device))
         self._slots = [torch.empty(0, dtype=torch.int64, device=staging.device) for _ in range(rt.num_layers)]
@@ -111,6 +125,7 @@ class CachedSparse:
         self._first = None                    # the first far block the caches and slot lists start at
         self._num_far = 0
         self._num_far_dev = torch.zeros(1, dtype=torch.int64, device=staging.device)
+        self._past: dict[str, int] = {}  # the counts of the runtime's earlier sequences (`totals`)
 
     @classmethod
     def of(cls, rt, blocks_per_step: int) -> "CachedSparse":
@@ -120,7 +135,11 @@ class CachedSparse:
             cached = rt.cached_sparse = cls(rt, blocks_per_step)
         cached.invalidate()
         cached._first, cached._filled, cached._num_far = None, [0] * rt.num_layers, 0
+        cached._past = cached._totals_of(cached._counts())
         cached.caches.counters.zero_()  # the sequence's hits and misses (`SequenceKV.read_stats`)
+        cached.caches.prefetch_used.zero_()
+        if cached.prefetch is not None:
+            cached.prefetch.counters.zero_()
         return cached
 
     # -- per step -------------------------------------------------------------------------------
@@ -166,9 +185,37 @@ class CachedSparse:
             if replayed is not None:
                 return replayed[0].clone()  # the graph's static output: the next replay rewrites it
         out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
-                                       self.packed)
+                                       self.packed, prefetch=self.prefetch)
+        if self.prefetch is not None:
+            self.prefetch.join()  # as in the graphs: nothing forked outlives the layer
         return merge_partials([near, (out, lse)])[0]
 
+    def _counts(self) -> dict[str, int]:
+        """The current sequence's hits, misses, stalled layers and prefetched blocks (one device read)."""
+        stats = self.caches.stats()
+        counts = {key: stats[key] for key in ("cache_hits", "cache_misses", "cache_stalled_rows")}
+        if self.prefetch is not None:
+            prefetch = self.prefetch.stats()
+            counts.update(prefetch_copied=prefetch["prefetch_copied"], prefetch_used=prefetch["prefetch_used"])
+        return counts
+
+    def _totals_of(self, counts: dict[str, int]) -> dict[str, int]:
+        return {key: self._past.get(key, 0) + value for key, value in counts.items()}
+
+    def totals(self) -> dict:
+        """Every sequence's counts on the runtime so far (the runtime's stats): hits, misses, stalled
+        layers (a selection that missed waited for its copy) and, with a margin, the prefetch's copied
+        and used blocks, precision (used / copied) and recall (used / (used + misses))."""
+        totals = self._totals_of(self._counts())
+        if self.prefetch is not None:
+            used, copied = totals["prefetch_used"], totals["prefetch_copied"]
+            totals["prefetch_precision"] = used / copied if copied else None
+            needed = used + totals["cache_misses"]
+            totals["prefetch_recall"] = used / needed if needed else None
+        return totals
+
     def stats(self) -> dict:
-        """The caches' counters (one device read) and the graphs' (None without them)."""
-        return {**self.caches.stats(), "cuda_graphs": self.graphs.stats() if self.graphs is not None else None}
+        """The caches' counters (one device read), the next-step prefetch's (its precision and recall;
+        None without a margin) and the graphs' (None without them)."""
+        return {**self.caches.stats(), "prefetch": self.prefetch.stats() if self.prefetch is not None else None,
+                "cuda_graphs": self.graphs.stats() if self.graphs is not None else None}

@@ -54,3 +54,18 @@ def test_the_cached_predictor_replays_its_graphs_and_equals_none_on_cuda():
     graphs = cached[-1][5]
     assert graphs is not None and graphs["graph_capture_errors"] == 0, graphs
     assert graphs["graph_captures"] == 1 and graphs["graph_replays"] == 3, graphs
+
+
+def test_the_cached_predictors_prefetch_margin_runs_inside_its_graphs_on_cuda():
+    """Predictor `cache` with a prefetch margin on CUDA: each layer's graph forks the margin's copy and
+    joins it; the second step finds the blocks the first ranked below its selection (the CPU test's
+    counts), and the output stays predictor `none`'s."""
+    from tests.sparse.test_cached_predictor import margin_case
+
+    steps, stats, cached = margin_case(4, device="cuda")
+    graphs = cached["cuda_graphs"]
+    assert graphs is not None and graphs["graph_capture_errors"] == 0, graphs
+    assert graphs["graph_captures"] == 1 and graphs["graph_replays"] == 2, graphs
+    assert [counts for _, counts in steps] == [[0, 4], [4, 4]]
+    assert (cached["prefetch"]["prefetch_copied"], cached["prefetch"]["prefetch_used"]) == (8, 4)
+    assert stats["scheduler"]["stalls"] == 1

@@ -15,6 +15,7 @@ from tests.sparse.test_planted_needle import CONTEXT, T, planted_case, runtime_w
 from tierkv.adapters.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
+from tierkv.runtime import KVRuntime
 
 
 def decode_steps(predictor: str, q, keys, values, steps: int, prefill_between: bool = False, dtype=torch.float32):
@@ -87,21 +88,25 @@ def test_greedy_tokens_with_the_cache_equal_none_and_a_full_budget_equals_exact(
     outputs = {}
     # 256 tokens cover the 219 of the prompt and its tokens: every far block selected (caches of a selection
     # per layer: 2 x 64 blocks of staging)
-    for predictor, budget in (("none", 32), ("cache", 32), ("cache", 256)):
+    # "cache+margin": caches of two selections and a prefetch margin of 4 blocks
+    margin = {"sparse_cache_selections": 2, "sparse_prefetch_margin": 4}
+    for name, budget, extra in (("none", 32, {}), ("cache", 32, {}), ("cache+margin", 32, margin), ("cache", 256, {})):
+        predictor = name.split("+")[0]
         settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
         settings["tiers"][0]["storage_dtype"] = storage
         settings["scheduler"].update(policy="sparse", sparse_token_budget=budget, predictor=predictor,
-                                     staging_bytes=128 * 2 * 2 * 4 * 16 * 4)
-        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"cached-{predictor}")
+                                     staging_bytes=128 * 2 * 2 * 4 * 16 * 4, **extra)
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"cached-{name}")
         try:
-            outputs[predictor, budget] = tiered_greedy(model, runtime, ids, 8, 64)
+            outputs[name, budget] = tiered_greedy(model, runtime, ids, 8, 64)
             # a second sequence on the same runtime: the caches start empty, the tokens are the same
-            assert tiered_greedy(model, runtime, ids, 8, 64)[0] == outputs[predictor, budget][0]
+            assert tiered_greedy(model, runtime, ids, 8, 64)[0] == outputs[name, budget][0]
         finally:
             runtime.close()
-    assert outputs["cache", 32][0] == outputs["none", 32][0]
-    for got, want in zip(outputs["cache", 32][1], outputs["none", 32][1]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for run in (("cache", 32), ("cache+margin", 32)):
+        assert outputs[run][0] == outputs["none", 32][0]
+        for got, want in zip(outputs[run][1], outputs["none", 32][1]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if storage != "auto":  # the quantized tier's rounding: no comparison with DynamicCache
         return
     expected, ref_logits = reference_greedy(reference_model, ids, 8)
@@ -161,3 +166,79 @@ def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output
     assert runs["cache"][0] == runs["none"][0]
     for got, want in zip(runs["cache"][1], runs["none"][1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def margin_case(margin: int, device: str = "cpu"):
+    """Two decode steps of one layer over 64 blocks of 4 tokens, k = 4 far blocks per step, caches of two
+    selections, prefetch margin `margin`. Blocks 20-23 (A) have keys 3 e1 - e2, blocks 40-43 (B) 2 e1 + 3 e2,
+    the rest small noise: the first query (along e1) selects A and ranks B just below it; the second
+    (along e2) selects B and ranks A last. Per step: the output, predictor none's, the caches' hits and
+    misses so far; then the runtime's stats and the caches'. On CUDA the graphs capture the prefetch."""
+    kv_heads, dim, tokens = 2, 16, 256
+    keys = 0.1 * torch.randn(tokens, kv_heads, dim, device=device)
+    e1, e2 = torch.eye(dim, device=device)[0], torch.eye(dim, device=device)[1]
+    keys[20 * 4 : 24 * 4] = 3 * e1 - e2
+    keys[40 * 4 : 44 * 4] = 2 * e1 + 3 * e2
+    values = torch.randn(tokens, kv_heads, dim, device=device)
+    queries = [4.0 * e1.expand(1, 8, dim).clone(), 4.0 * e2.expand(1, 8, dim).clone()]
+    decode_kv = [(torch.randn(1, kv_heads, dim, device=device), torch.randn(1, kv_heads, dim, device=device))
+                 for _ in queries]
+    block_bytes = 2 * kv_heads * 4 * dim * 4
+    runs = {}
+    for predictor in ("none", "cache"):
+        config = load_config({
+            "cache": {"block_tokens": 4, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": 4, "window_tokens": 16},
+            "tiers": [{"kind": "cpu", "capacity_bytes": 80 * block_bytes}],
+            "scheduler": {"policy": "sparse", "sparse_token_budget": 16, "lookahead_layers": 1, "predictor": predictor,
+                          "staging_bytes": 8 * block_bytes,
+                          **({"sparse_cache_selections": 2, "sparse_prefetch_margin": margin}
+                             if predictor == "cache" else {})},
+        }, env={})
+        runtime = KVRuntime(config, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
+                            device=device, model_id=f"margin-{predictor}")
+        try:
+            seq = runtime.new_sequence()
+            seq.append(0, keys, values)
+            steps = []
+            for q, (k_new, v_new) in zip(queries, decode_kv):
+                seq.append(0, k_new, v_new)
+                out = seq.attend(0, q, dim**-0.5)
+                counts = runtime.cached_sparse.caches.counters[:2].tolist() if predictor == "cache" else None
+                steps.append((out, counts))
+            runs[predictor] = steps, runtime.stats(), (runtime.cached_sparse.stats() if predictor == "cache" else None)
+            seq.finish()
+        finally:
+            runtime.close()
+    for (out, _), (out_none, _) in zip(runs["cache"][0], runs["none"][0]):
+        torch.testing.assert_close(out, out_none, rtol=1e-4, atol=1e-5)  # the prediction never changes the output
+    return runs["cache"]
+
+
+def test_a_prefetch_margin_brings_the_next_selection_and_counts_precision_and_recall():
+    """With a margin of 4 the first step copies in B beside its selection A; the second step selects B and
+    finds it on the GPU (4 hits, no miss, no stall). Without the margin the second step misses all 4."""
+    steps, stats, cached = margin_case(4)
+    assert [counts for _, counts in steps] == [[0, 4], [4, 4]]
+    prefetch = cached["prefetch"]
+    # step 1 copies B (4), step 2 the four noise blocks ranked below B (A is ranked last); B was used
+    assert (prefetch["prefetch_copied"], prefetch["prefetch_used"]) == (8, 4)
+    assert stats["prefetch"]["precision"] == 4 / 8 and stats["prefetch"]["recall"] == 4 / (4 + 4)
+    assert stats["scheduler"]["stalls"] == 1  # only the first step's layer waited for copies
+    steps, stats, cached = margin_case(0)
+    assert [counts for _, counts in steps] == [[0, 4], [0, 8]]
+    assert cached["prefetch"] is None and stats["prefetch"]["precision"] is None
+    assert stats["scheduler"]["stalls"] == 2
+
+
+def test_a_prefetch_margin_that_does_not_fit_the_caches_is_a_config_error():
+    """k = 4 blocks and two selections hold 8 slots per layer: a margin of 5 would replace blocks the step
+    reads (refused when the runtime starts); a margin with predictor none has nothing to fill."""
+    settings = tiny_config(4, 1, 64, num_layers=2, kv_heads=2, head_dim=16)
+    settings["scheduler"].update(policy="sparse", sparse_token_budget=16, predictor="cache", sparse_cache_selections=2,
+                                 sparse_prefetch_margin=5, staging_bytes=64 * 2 * 2 * 4 * 16 * 4)
+    model, _ = build("llama", num_heads=8, num_kv_heads=2)
+    with pytest.raises(ConfigError, match="sparse_prefetch_margin.*raise scheduler.sparse_cache_selections to 3"):
+        runtime_for_model(model, load_config(settings, env={}), model_id="margin-too-wide")
+    settings["scheduler"].update(predictor="none", sparse_prefetch_margin=2)
+    with pytest.raises(ConfigError, match="sparse_prefetch_margin.*predictor 'cache'"):
+        load_config(settings, env={})

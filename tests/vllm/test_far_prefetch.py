@@ -124,3 +124,18 @@ def test_a_prefetch_margin_that_does_not_fit_is_a_config_error(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="keep nothing across steps"):
         check_margin(2, 4, 4, per_layer=False)
     check_margin(0, 4, 4, per_layer=False)  # no margin: nothing to fit
+
+
+def test_a_margin_for_the_transformers_engine_is_refused_under_vllm(tmp_path):
+    """The loader lets predictor 'cache' (the transformers engine's) carry a margin; vLLM's connector,
+    whose margin runs only inside its full decode graph, refuses it without that graph."""
+    from tierkv.vllm_backend.config import config_from_kv_transfer
+
+    path = write_config(tmp_path, window=2 * BS, staging_blocks=64, sparse_tokens=4 * BS, sparse_graphs=True,
+                        cache_selections=2, scheduler_lines=("predictor: cache", "sparse_prefetch_margin: 2"))
+    assert load_config(path, env={}).scheduler.sparse_prefetch_margin == 2
+    with pytest.raises(ConfigError, match="sparse_prefetch_margin.*under vLLM.*sparse_full_graphs true"):
+        config_from_kv_transfer({"config_file": path}, block_size=BS, env={})
+    text = open(path).read() + "  sparse_full_graphs: true\n"
+    open(path, "w").write(text)
+    assert config_from_kv_transfer({"config_file": path}, block_size=BS, env={}).scheduler.sparse_full_graphs

@@ -59,4 +59,10 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,
                           f"must equal vLLM's block_size ({block_size}) when tierkv runs as a vLLM connector")
+    scheduler = config.scheduler
+    if scheduler.sparse_prefetch_margin and not (scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs):
+        # the loader lets predictor 'cache' (the transformers engine's) carry a margin; under vLLM it would do nothing
+        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
+                          "under vLLM the next-step prefetch runs inside its full decode graph: set "
+                          "scheduler.sparse_cuda_graphs and sparse_full_graphs true, or the margin to 0")
     return config

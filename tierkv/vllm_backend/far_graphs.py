@@ -222,6 +222,9 @@ class SparseStepGraphs:
         self.enabled = self.max_rows > 0
         self.whole_enabled = self.enabled  # graphs that run the window part too (off after a failed capture)
         self.near_inputs: dict[tuple, NearInputs] = {}  # per row count and table columns (written every step)
+        # the next-step prefetch inside each layer's graph (`far_prefetch.MarginPrefetch`, the transformers
+        # engine's predictor 'cache' sets it): forked beside the layer's attention, joined at its end
+        self.prefetch = None
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0,
                        "whole_graph_replays": 0, "whole_capture_errors": 0}
 
@@ -343,8 +346,10 @@ class SparseStepGraphs:
         def run():
             near_out, near_lse = near() if callable(near) else near
             far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
-                                                     self.packed, *row_inputs)
+                                                     self.packed, *row_inputs, prefetch=self.prefetch)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
+            if self.prefetch is not None:
+                self.prefetch.join()  # a graph ends with every stream it forked joined
             return ids
 
         return run
@@ -378,9 +383,12 @@ class SparseStepGraphs:
         # the run before the capture fills the rows' caches and counts: put both back, so that the replay
         # right after it copies and counts the step's misses as a step without a capture would
         saved = self.caches.snapshot()
+        counted = self.prefetch.counters.clone() if self.prefetch is not None else None
         recorded = self._record(self.body(layer, [req for _, req, _ in rows], q, far_counts, near, out, scale,
                                           row_inputs), whole=window is not None)
         self.caches.restore(saved)
+        if counted is not None:
+            self.prefetch.counters.copy_(counted)
         if recorded is None:
             return None
         return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
