@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("--prefetch-margin", type=int, default=0,
                         help="predictor cache: blocks ranked just below each layer's selection, copied in for the next "
                              "step (scheduler.sparse_prefetch_margin; at most (cache selections - 1) x the selection)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile tierkv's last two decode steps (torch.profiler): the ops by device and host time "
+                             "into --out with .txt for .json, their top rows printed")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -107,13 +110,28 @@ def main() -> int:
         cache = TieredCache(runtime, ids)
         # predictor cache: the caches' hits and misses so far, before each decode step (outside its timing)
         counts = []
+        profiler = None
+        if args.profile:  # before each decode step a profiler step: the last two steps recorded
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                               schedule=schedule(wait=max(0, args.new_tokens - 3), warmup=1, active=2, repeat=1))
+            profiler.start()
 
         def on_token(token: int) -> None:
             cache.seq.token_ids.append(token)
             if runtime.cached_sparse is not None:
                 counts.append(runtime.cached_sparse.caches.counters[:2].tolist())
+            if profiler is not None:
+                profiler.step()
 
         row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=on_token)
+        if profiler is not None:
+            profiler.stop()
+            averages = profiler.key_averages()
+            tables = [averages.table(sort_by=key, row_limit=25) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+            Path(args.out).with_suffix(".txt").write_text("\n\n".join(tables))
+            print(averages.table(sort_by="self_cuda_time_total", row_limit=12))
         prefetcher, query = cache.seq.prefetcher, cache.seq.query
         read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
         cached = runtime.cached_sparse.stats() if runtime.cached_sparse is not None else None
