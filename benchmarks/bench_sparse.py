@@ -43,7 +43,7 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 @torch.no_grad()
 def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> dict[str, dict]:
-    """runs: (name, cache, prefill chunk, on_token or None). Prefill every run's cache with `ids`, then
+    """runs: (name, cache, prefill chunk, on_token or None, attention implementation). Prefill every run's cache with `ids`, then
     decode `num_new` greedy tokens, one step of each run in turn (the order swapped every step), each
     step timed alone: a host or GPU that slows down for a while slows both runs' steps alike. Per run:
     prefill_s, decode_ms_per_token (the median step after the first), per-step ms, tokens, top-2 margins."""
@@ -52,16 +52,23 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     state = {}
-    for name, cache, chunk, on_token in runs:
+
+    def attention(name: str) -> None:  # the run's attention function, set outside the timings
+        if model.config._attn_implementation != state[name]["attn"]:
+            model.set_attn_implementation(state[name]["attn"])
+
+    for name, cache, chunk, on_token, attn in runs:
+        state[name] = {"attn": attn}
+        attention(name)
         kwargs = forward_kwargs(model, cache)
         sync()
         start = time.perf_counter()
         for pos in range(0, len(ids), chunk):
             logits = model(torch.tensor([ids[pos : pos + chunk]], device=device), logits_to_keep=1, **kwargs).logits[0, -1]
         sync()
-        state[name] = {"kwargs": kwargs, "logits": logits, "on_token": on_token, "prefill_s": time.perf_counter() - start,
-                       "tokens": [], "top2_margins": [], "step_ms": []}
-    order = [name for name, *_ in runs]
+        state[name].update(kwargs=kwargs, logits=logits, on_token=on_token, prefill_s=time.perf_counter() - start,
+                           tokens=[], top2_margins=[], step_ms=[])
+    order = [run[0] for run in runs]
     for step in range(num_new):
         for name in (order if step % 2 == 0 else order[::-1]):
             run = state[name]
@@ -71,6 +78,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             run["tokens"].append(token)
             if run["on_token"] is not None:
                 run["on_token"](token)
+            attention(name)
             start = time.perf_counter()
             run["logits"] = model(torch.tensor([[token]], device=device), logits_to_keep=1,
                                   **run["kwargs"]).logits[0, -1]
@@ -126,7 +134,7 @@ def main() -> int:
         return 2
     from transformers import DynamicCache
 
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.adapters.hf import ATTN_NAME, TieredCache, runtime_for_model
     from tierkv.config import load_config
 
     model = llama_8b_shaped(num_layers=args.layers, qk_bias_std=args.qk_bias_std)
@@ -183,8 +191,8 @@ def main() -> int:
         if sequential:
             row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=on_token)
         else:  # the dense cache stays on the GPU beside tierkv's: the two runs' steps alternate
-            rows = decode_in_turns(model, [("all_in_gpu", dense_cache, args.context, None),
-                                           ("tierkv_sparse", cache, 32768, on_token)], ids, args.new_tokens)
+            rows = decode_in_turns(model, [("all_in_gpu", dense_cache, args.context, None, "sdpa"),
+                                           ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME)], ids, args.new_tokens)
             base, row = rows["all_in_gpu"], rows["tierkv_sparse"]
             dense_cache = None
         if profiler is not None:
