@@ -46,7 +46,8 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
     """runs: (name, cache, prefill chunk, on_token or None, attention implementation). Prefill every run's cache with `ids`, then
     decode `num_new` greedy tokens, one step of each run in turn (the order swapped every step), each
     step timed alone: a host or GPU that slows down for a while slows both runs' steps alike. Per run:
-    prefill_s, decode_ms_per_token (the median step after the first), per-step ms, tokens, top-2 margins."""
+    prefill_s, decode_ms_per_token (the median step after the first), per-step ms, tokens, top-2 margins,
+    and the prefill's last logits (float32, on the device; `prefill_logits`, not for the JSON)."""
     from tierkv.adapters.hf import forward_kwargs
 
     device = model.device
@@ -67,7 +68,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             logits = model(torch.tensor([ids[pos : pos + chunk]], device=device), logits_to_keep=1, **kwargs).logits[0, -1]
         sync()
         state[name].update(kwargs=kwargs, logits=logits, on_token=on_token, prefill_s=time.perf_counter() - start,
-                           tokens=[], top2_margins=[], step_ms=[])
+                           tokens=[], top2_margins=[], step_ms=[], prefill_logits=logits.float().clone())
     order = [run[0] for run in runs]
     for step in range(num_new):
         for name in (order if step % 2 == 0 else order[::-1]):
@@ -88,8 +89,17 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
     for name, run in state.items():
         later = run["step_ms"][1:] or run["step_ms"]
         rows[name] = {"prefill_s": run["prefill_s"], "decode_ms_per_token": statistics.median(later),
-                      "step_ms": run["step_ms"], "tokens": run["tokens"], "top2_margins": run["top2_margins"]}
+                      "step_ms": run["step_ms"], "tokens": run["tokens"], "top2_margins": run["top2_margins"],
+                      "prefill_logits": run["prefill_logits"]}
     return rows
+
+
+def logits_gap(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How far one prefill's last logits lie from another's: largest absolute difference, relative L2
+    difference, and whether their greedy tokens agree."""
+    return {"max_abs_diff": float((logits - reference).abs().max()),
+            "relative_l2": float((logits - reference).norm() / reference.norm()),
+            "same_greedy_token": bool(int(torch.argmax(logits)) == int(torch.argmax(reference)))}
 
 
 def query_hit_rate(steps: list[dict]) -> float | None:
@@ -122,6 +132,9 @@ def main() -> int:
     parser.add_argument("--sequential", action="store_true",
                         help="decode all-in-GPU's tokens first, then tierkv's (default: their steps in turn, so that "
                              "host or GPU slowdowns fall on both alike; --profile implies it)")
+    parser.add_argument("--prefill-control", action="store_true",
+                        help="steps in turn: a third run, all-in-GPU prefilled in tierkv's 32768-token chunks, to show how "
+                             "far the prefill's rounding alone moves the logits and tokens on this random model")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -142,6 +155,7 @@ def main() -> int:
     ids = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
     full_kv = kv_bytes_per_token(model) * args.context
     sequential = args.sequential or args.profile
+    control = None  # --prefill-control: all-in-GPU prefilled in tierkv's chunks
     dense_cache = DynamicCache(config=model.config)
     if sequential:
         base = run_request(model, dense_cache, ids, args.new_tokens, chunk=args.context)
@@ -191,9 +205,13 @@ def main() -> int:
         if sequential:
             row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=on_token)
         else:  # the dense cache stays on the GPU beside tierkv's: the two runs' steps alternate
-            rows = decode_in_turns(model, [("all_in_gpu", dense_cache, args.context, None, "sdpa"),
-                                           ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME)], ids, args.new_tokens)
+            runs = [("all_in_gpu", dense_cache, args.context, None, "sdpa"),
+                    ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME)]
+            if args.prefill_control:
+                runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa"))
+            rows = decode_in_turns(model, runs, ids, args.new_tokens)
             base, row = rows["all_in_gpu"], rows["tierkv_sparse"]
+            control = rows.get("all_in_gpu_chunked")
             dense_cache = None
         if profiler is not None:
             profiler.stop()
@@ -230,6 +248,12 @@ def main() -> int:
         "prefetch": stats["prefetch"],
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
+    if not sequential:  # the prefills' last logits against all-in-GPU's (its chunking alone: the control's)
+        reference = base.pop("prefill_logits")
+        row["prefill_logits_vs_all_in_gpu"] = logits_gap(row.pop("prefill_logits"), reference)
+        if control is not None:
+            control["prefill_logits_vs_all_in_gpu"] = logits_gap(control.pop("prefill_logits"), reference)
+            control["tokens_agreeing_with_all_in_gpu"] = sum(a == b for a, b in zip(control["tokens"], base["tokens"]))
     row["predictor"] = args.predictor
     if cached is not None:
         row["cached_predictor"] = cached
@@ -242,7 +266,8 @@ def main() -> int:
         row["query_predictor"] = {"lookahead_layers": args.lookahead, "cache_slots_per_layer": query.cache.slots_per_layer,
                                   "predict_with_previous": not args.no_previous, "totals": query.totals(),
                                   "per_step": query.step_totals, "per_layer": query.layer_totals}
-    results = {"context": args.context, "full_kv_bytes": full_kv, "all_in_gpu": base, "tierkv_sparse": row}
+    results = {"context": args.context, "full_kv_bytes": full_kv, "all_in_gpu": base, "tierkv_sparse": row,
+               **({"all_in_gpu_chunked": control} if control is not None else {})}
     write_results(args.out, results)
     print(f"decode ms/token: all-in-GPU {base['decode_ms_per_token']:.1f}, tierkv sparse {row['decode_ms_per_token']:.1f} "
           f"(tokens/s ratio {row['decode_tokens_per_s_ratio']:.2f}, target 0.90"
@@ -250,6 +275,14 @@ def main() -> int:
     print(f"GPU hit rate after the first step {row['gpu_hit_rate_after_first_step']:.3f} (target 0.95), "
           f"stalls per step {row['stalls_per_step']:.1f}, GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
           f"vs {full_kv / 2**30:.2f} GiB, tokens agreeing {row['tokens_agreeing_with_all_in_gpu']}/{steps}")
+    if "prefill_logits_vs_all_in_gpu" in row:
+        gap = row["prefill_logits_vs_all_in_gpu"]
+        print(f"prefill logits vs all-in-GPU: tierkv max |diff| {gap['max_abs_diff']:.3f}, relative "
+              f"{gap['relative_l2']:.2e}, same first token {gap['same_greedy_token']}"
+              + (f"; all-in-GPU in 32768-token chunks max |diff| {control['prefill_logits_vs_all_in_gpu']['max_abs_diff']:.3f}, "
+                 f"relative {control['prefill_logits_vs_all_in_gpu']['relative_l2']:.2e}, same first token "
+                 f"{control['prefill_logits_vs_all_in_gpu']['same_greedy_token']}, tokens agreeing "
+                 f"{control['tokens_agreeing_with_all_in_gpu']}/{steps}" if control is not None else ""))
     if row.get("gpu_hit_rate_per_step"):
         late = row["gpu_hit_rate_per_step"][len(row["gpu_hit_rate_per_step"]) // 2:]
         print(f"GPU hit rate per step, second half of the steps: min {min(late):.3f}, mean {sum(late) / len(late):.3f}; "
