@@ -6,10 +6,13 @@
 
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
 all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
-the full KV (resident slots + staging + block summaries). Both prefill, then their decode steps
-alternate (both caches on the GPU at once), so a host that slows down for a while, as the shared
-GPU machine's does, slows both alike; the ratio is given by the medians and step by step
-(`--sequential`: one request after the other, as before). Reports decode ms per token and the
+the full KV (resident slots + staging + block summaries). A second all-in-GPU baseline is a
+preallocated StaticCache (DynamicCache copies every layer's K/V into a larger tensor each step, which
+at 128k costs the caching allocator cudaMalloc/cudaFree calls; `--no-static-baseline` leaves it out).
+All prefill, then their decode steps take turns (every cache on the GPU at once), so a host that
+slows down for a while, as the shared GPU machine's does, slows every run alike; ratios are given by
+the medians and step by step, and each run's allocator calls during decode are counted
+(`--sequential`: one request after the other, DynamicCache only). Reports decode ms per token and the
 ratio (target: tierkv at least 0.9x all-in-GPU tokens/s), the GPU hit rate of the selected far
 blocks after the first decode step (target >= 95%), stalls per step, prefetch precision and
 recall, and greedy-token agreement (sparse attention reads a subset, so tokens may differ; the
@@ -43,16 +46,24 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 @torch.no_grad()
 def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> dict[str, dict]:
-    """runs: (name, cache, prefill chunk, on_token or None, attention implementation). Prefill every run's cache with `ids`, then
-    decode `num_new` greedy tokens, one step of each run in turn (the order swapped every step), each
-    step timed alone: a host or GPU that slows down for a while slows both runs' steps alike. Per run:
-    prefill_s, decode_ms_per_token (the median step after the first), per-step ms, tokens, top-2 margins,
-    and the prefill's last logits (float32, on the device; `prefill_logits`, not for the JSON)."""
+    """runs: (name, cache, prefill chunk, on_token or None, attention implementation). Prefill every
+    run's cache with `ids`, then decode `num_new` greedy tokens, one step of each run in turn (round
+    robin: each run's step always follows the same other run's), each step timed alone: a host or GPU
+    that slows down for a while slows every run's steps alike. Per run: prefill_s, decode_ms_per_token
+    (the median step after the first), per-step ms, tokens, top-2 margins, on CUDA what its decode
+    steps asked of the caching allocator (`allocator`: cudaMalloc and cudaFree calls, retries after a
+    failed allocation, which free the cache and synchronize), and the prefill's last logits (float32,
+    on the device; `prefill_logits`, not for the JSON)."""
     from tierkv.adapters.hf import forward_kwargs
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     state = {}
+    counted = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+    def allocator() -> list[int]:
+        stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+        return [stats.get(key, 0) for key in counted]
 
     def attention(name: str) -> None:  # the run's attention function, set outside the timings
         if model.config._attn_implementation != state[name]["attn"]:
@@ -68,10 +79,10 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             logits = model(torch.tensor([ids[pos : pos + chunk]], device=device), logits_to_keep=1, **kwargs).logits[0, -1]
         sync()
         state[name].update(kwargs=kwargs, logits=logits, on_token=on_token, prefill_s=time.perf_counter() - start,
-                           tokens=[], top2_margins=[], step_ms=[], prefill_logits=logits.float().clone())
-    order = [run[0] for run in runs]
+                           tokens=[], top2_margins=[], step_ms=[], prefill_logits=logits.float().clone(),
+                           allocator=[0] * len(counted))
     for step in range(num_new):
-        for name in (order if step % 2 == 0 else order[::-1]):
+        for name, *_ in runs:
             run = state[name]
             top2 = torch.topk(run["logits"].float(), 2).values
             run["top2_margins"].append(float(top2[0] - top2[1]))  # a small margin is a near-tie
@@ -80,16 +91,19 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             if run["on_token"] is not None:
                 run["on_token"](token)
             attention(name)
+            before = allocator()
             start = time.perf_counter()
             run["logits"] = model(torch.tensor([[token]], device=device), logits_to_keep=1,
                                   **run["kwargs"]).logits[0, -1]
             sync()
             run["step_ms"].append(1e3 * (time.perf_counter() - start))
+            run["allocator"] = [total + after - b for total, after, b in zip(run["allocator"], allocator(), before)]
     rows = {}
     for name, run in state.items():
         later = run["step_ms"][1:] or run["step_ms"]
         rows[name] = {"prefill_s": run["prefill_s"], "decode_ms_per_token": statistics.median(later),
                       "step_ms": run["step_ms"], "tokens": run["tokens"], "top2_margins": run["top2_margins"],
+                      "allocator": dict(zip(("device_mallocs", "device_frees", "alloc_retries"), run["allocator"])),
                       "prefill_logits": run["prefill_logits"]}
     return rows
 
@@ -132,6 +146,9 @@ def main() -> int:
     parser.add_argument("--sequential", action="store_true",
                         help="decode all-in-GPU's tokens first, then tierkv's (default: their steps in turn, so that "
                              "host or GPU slowdowns fall on both alike; --profile implies it)")
+    parser.add_argument("--no-static-baseline", action="store_true",
+                        help="steps in turn: leave out the second all-in-GPU baseline, a preallocated StaticCache "
+                             "(DynamicCache grows every layer's K/V by a copy each step; a StaticCache writes in place)")
     parser.add_argument("--prefill-control", action="store_true",
                         help="steps in turn: a third run, all-in-GPU prefilled in tierkv's 32768-token chunks, to show how "
                              "far the prefill's rounding alone moves the logits and tokens on this random model")
@@ -145,7 +162,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_sparse.py needs CUDA: run it on the GPU machine", file=sys.stderr)
         return 2
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     from tierkv.adapters.hf import ATTN_NAME, TieredCache, runtime_for_model
     from tierkv.config import load_config
@@ -155,7 +172,7 @@ def main() -> int:
     ids = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
     full_kv = kv_bytes_per_token(model) * args.context
     sequential = args.sequential or args.profile
-    control = None  # --prefill-control: all-in-GPU prefilled in tierkv's chunks
+    control = static = None  # --prefill-control: all-in-GPU prefilled in tierkv's chunks; the StaticCache baseline
     dense_cache = DynamicCache(config=model.config)
     if sequential:
         base = run_request(model, dense_cache, ids, args.new_tokens, chunk=args.context)
@@ -207,11 +224,14 @@ def main() -> int:
         else:  # the dense cache stays on the GPU beside tierkv's: the two runs' steps alternate
             runs = [("all_in_gpu", dense_cache, args.context, None, "sdpa"),
                     ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME)]
+            if not args.no_static_baseline:  # prefilled in chunks: its mask spans the whole preallocated length
+                static_cache = StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens)
+                runs.insert(1, ("all_in_gpu_static", static_cache, 32768, None, "sdpa"))
             if args.prefill_control:
                 runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa"))
             rows = decode_in_turns(model, runs, ids, args.new_tokens)
             base, row = rows["all_in_gpu"], rows["tierkv_sparse"]
-            control = rows.get("all_in_gpu_chunked")
+            control, static = rows.get("all_in_gpu_chunked"), rows.get("all_in_gpu_static")
             dense_cache = None
         if profiler is not None:
             profiler.stop()
@@ -251,9 +271,14 @@ def main() -> int:
     if not sequential:  # the prefills' last logits against all-in-GPU's (its chunking alone: the control's)
         reference = base.pop("prefill_logits")
         row["prefill_logits_vs_all_in_gpu"] = logits_gap(row.pop("prefill_logits"), reference)
-        if control is not None:
-            control["prefill_logits_vs_all_in_gpu"] = logits_gap(control.pop("prefill_logits"), reference)
-            control["tokens_agreeing_with_all_in_gpu"] = sum(a == b for a, b in zip(control["tokens"], base["tokens"]))
+        for other in (control, static):
+            if other is not None:
+                other["prefill_logits_vs_all_in_gpu"] = logits_gap(other.pop("prefill_logits"), reference)
+                other["tokens_agreeing_with_all_in_gpu"] = sum(a == b for a, b in zip(other["tokens"], base["tokens"]))
+        if static is not None:  # tierkv against the preallocated baseline too
+            row["decode_tokens_per_s_ratio_vs_static"] = static["decode_ms_per_token"] / row["decode_ms_per_token"]
+            row["decode_tokens_per_s_ratio_vs_static_paired"] = statistics.median(
+                d / t for d, t in zip(static["step_ms"][1:], row["step_ms"][1:]))
     row["predictor"] = args.predictor
     if cached is not None:
         row["cached_predictor"] = cached
@@ -267,6 +292,7 @@ def main() -> int:
                                   "predict_with_previous": not args.no_previous, "totals": query.totals(),
                                   "per_step": query.step_totals, "per_layer": query.layer_totals}
     results = {"context": args.context, "full_kv_bytes": full_kv, "all_in_gpu": base, "tierkv_sparse": row,
+               **({"all_in_gpu_static": static} if static is not None else {}),
                **({"all_in_gpu_chunked": control} if control is not None else {})}
     write_results(args.out, results)
     print(f"decode ms/token: all-in-GPU {base['decode_ms_per_token']:.1f}, tierkv sparse {row['decode_ms_per_token']:.1f} "
@@ -275,6 +301,15 @@ def main() -> int:
     print(f"GPU hit rate after the first step {row['gpu_hit_rate_after_first_step']:.3f} (target 0.95), "
           f"stalls per step {row['stalls_per_step']:.1f}, GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
           f"vs {full_kv / 2**30:.2f} GiB, tokens agreeing {row['tokens_agreeing_with_all_in_gpu']}/{steps}")
+    if static is not None:
+        print(f"against a preallocated StaticCache: all-in-GPU {static['decode_ms_per_token']:.1f} ms/token, tokens/s "
+              f"ratio {row['decode_tokens_per_s_ratio_vs_static']:.2f} (step by step "
+              f"{row['decode_tokens_per_s_ratio_vs_static_paired']:.2f})")
+    allocator = {name: r["allocator"] for name, r in (("all_in_gpu", base), ("tierkv", row), ("static", static),
+                                                      ("chunked", control)) if r is not None and "allocator" in r}
+    if allocator:
+        print("caching allocator during decode (cudaMalloc, cudaFree, retries): " + ", ".join(
+            f"{name} {a['device_mallocs']}/{a['device_frees']}/{a['alloc_retries']}" for name, a in allocator.items()))
     if "prefill_logits_vs_all_in_gpu" in row:
         gap = row["prefill_logits_vs_all_in_gpu"]
         print(f"prefill logits vs all-in-GPU: tierkv max |diff| {gap['max_abs_diff']:.3f}, relative "
