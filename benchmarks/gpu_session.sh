@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call: every GPU test, then the GPU benchmarks, each bounded in time, full output under $OUT.
 #   BENCH_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh [tests] [quant] [sparse] [sparse-tests] [exact]
-#   sparse: SPARSE_PREDICTOR=previous|none|query picks the predictor, SPARSE_ARGS adds bench_sparse.py flags
+#   sparse: SPARSE_PREDICTOR=previous|none|query|cache picks the predictor, SPARSE_ARGS adds bench_sparse.py flags
+#   sparse-runs: bench_sparse.py once per entry of SPARSE_RUNS (predictor:cache selections:prefetch margin, default
+#   "cache:3:32 cache:4:32 none:1:0"), each on the bias-16 model (SPARSE_BIAS, default 16), its decode steps in turn
+#   with DynamicCache's and a preallocated StaticCache's; SPARSE_ARGS adds flags to every run
 #   exact: TRANSFER_BACKENDS="auto memcpy_batch" adds rows per transfer backend; sweep: SWEEP_ARGS=--contended
 #   far-sparse: the hot window's sparse far path alone, eager and with CUDA graphs (no vLLM needed; FAR_ROWS="1 4 10"
 #   sets the row counts);
@@ -73,6 +76,15 @@ for step in "${steps[@]}"; do
             --out "$OUT/save-step-h200.json" 2>&1 | tail -4 ;;
         bounds) timeout 120 python3 benchmarks/bench_bounds.py --rows 1 10 --out "$OUT/bounds-h200.json" 2>&1 | tail -32 ;;
         sparse) timeout 240 python3 benchmarks/bench_sparse.py --predictor ${SPARSE_PREDICTOR:-previous} ${SPARSE_ARGS:-} --out "$OUT/sparse-${SPARSE_PREDICTOR:-previous}-h200.json" 2>&1 | tee "$OUT/sparse-${SPARSE_PREDICTOR:-previous}.log" ;;
+        sparse-runs)
+            for entry in ${SPARSE_RUNS:-cache:3:32 cache:4:32 none:1:0}; do
+                IFS=: read -r predictor selections margin <<< "$entry"
+                extra=""; [ "$predictor" = cache ] && extra="--cache-selections $selections --prefetch-margin $margin"
+                name="sparse-$predictor-s$selections-m$margin"
+                timeout 150 python3 benchmarks/bench_sparse.py --predictor "$predictor" --qk-bias-std "${SPARSE_BIAS:-16}" \
+                    $extra ${SPARSE_ARGS:-} --out "$OUT/$name-h200.json" > "$OUT/$name.log" 2>&1
+                echo "== $entry"; tail -6 "$OUT/$name.log"
+            done ;;
         graph-tests) timeout 330 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
             tests/gpu/test_save_gpu.py tests/gpu/test_planted_needle_gpu.py tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
