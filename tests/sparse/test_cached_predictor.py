@@ -168,12 +168,13 @@ def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def margin_case(margin: int, device: str = "cpu"):
+def margin_case(margin: int, device: str = "cpu", sequences: int = 1):
     """Two decode steps of one layer over 64 blocks of 4 tokens, k = 4 far blocks per step, caches of two
     selections, prefetch margin `margin`. Blocks 20-23 (A) have keys 3 e1 - e2, blocks 40-43 (B) 2 e1 + 3 e2,
     the rest small noise: the first query (along e1) selects A and ranks B just below it; the second
     (along e2) selects B and ranks A last. Per step: the output, predictor none's, the caches' hits and
-    misses so far; then the runtime's stats and the caches'. On CUDA the graphs capture the prefetch."""
+    misses so far (of the last of `sequences` such sequences on one runtime); then the runtime's stats
+    and the caches'. On CUDA the graphs capture the prefetch."""
     kv_heads, dim, tokens = 2, 16, 256
     keys = 0.1 * torch.randn(tokens, kv_heads, dim, device=device)
     e1, e2 = torch.eye(dim, device=device)[0], torch.eye(dim, device=device)[1]
@@ -197,16 +198,17 @@ def margin_case(margin: int, device: str = "cpu"):
         runtime = KVRuntime(config, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
                             device=device, model_id=f"margin-{predictor}")
         try:
-            seq = runtime.new_sequence()
-            seq.append(0, keys, values)
-            steps = []
-            for q, (k_new, v_new) in zip(queries, decode_kv):
-                seq.append(0, k_new, v_new)
-                out = seq.attend(0, q, dim**-0.5)
-                counts = runtime.cached_sparse.caches.counters[:2].tolist() if predictor == "cache" else None
-                steps.append((out, counts))
+            for _ in range(sequences):
+                seq = runtime.new_sequence()
+                seq.append(0, keys, values)
+                steps = []
+                for q, (k_new, v_new) in zip(queries, decode_kv):
+                    seq.append(0, k_new, v_new)
+                    out = seq.attend(0, q, dim**-0.5)
+                    counts = runtime.cached_sparse.caches.counters[:2].tolist() if predictor == "cache" else None
+                    steps.append((out, counts))
+                seq.finish()
             runs[predictor] = steps, runtime.stats(), (runtime.cached_sparse.stats() if predictor == "cache" else None)
-            seq.finish()
         finally:
             runtime.close()
     for (out, _), (out_none, _) in zip(runs["cache"][0], runs["none"][0]):
@@ -228,6 +230,17 @@ def test_a_prefetch_margin_brings_the_next_selection_and_counts_precision_and_re
     assert [counts for _, counts in steps] == [[0, 4], [0, 8]]
     assert cached["prefetch"] is None and stats["prefetch"]["precision"] is None
     assert stats["scheduler"]["stalls"] == 2
+
+
+def test_the_runtime_stats_count_every_sequence_and_the_cache_stats_the_last():
+    """Three sequences on one runtime: each starts with empty caches (the same counts as the first), while
+    the runtime's stalls and prefetch counts are the totals of all three."""
+    steps, stats, cached = margin_case(4, sequences=3)
+    assert [counts for _, counts in steps] == [[0, 4], [4, 4]]
+    assert (cached["prefetch"]["prefetch_copied"], cached["prefetch"]["prefetch_used"]) == (8, 4)
+    assert stats["scheduler"]["stalls"] == 3
+    assert (stats["prefetch"]["prefetched_blocks"], stats["prefetch"]["used_blocks"]) == (24, 12)
+    assert stats["prefetch"]["precision"] == 12 / 24 and stats["prefetch"]["recall"] == 12 / (12 + 12)
 
 
 def test_a_prefetch_margin_that_does_not_fit_the_caches_is_a_config_error():
