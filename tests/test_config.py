@@ -12,11 +12,36 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml", "vllm-128k.yaml",
-                                  "vllm-128k-sparse.yaml", "vllm-128k-sparse-fast.yaml"])
+                                  "vllm-128k-sparse.yaml", "vllm-128k-sparse-fast.yaml", "long-128k-sparse.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name, env={})
     assert config.tiers[0].kind == "cpu"
     assert config.cache.gpu_budget_bytes > 0
+
+
+def test_the_sparse_transformers_config_fits_two_gib_for_the_8b_shape():
+    """configs/long-128k-sparse.yaml (bench_sparse.py's settings with predictor 'cache'): the resident
+    blocks hold sinks and window, staging holds the caches of 4 selections and the margin fits beside a
+    selection, and with the key summaries of a 128k request the GPU memory for KV is 2 GiB."""
+    import torch
+
+    from tierkv.blocks import BlockLayout
+    from tierkv.sparse_cached import check_staging
+    from tierkv.storage.gpu import plan_residency
+    from tierkv.vllm_backend.far_prefetch import check_margin
+
+    config = load_config(CONFIGS / "long-128k-sparse.yaml", env={})
+    cache, sched, model = config.cache, config.scheduler, config.model
+    assert (sched.policy, sched.predictor) == ("sparse", "cache")
+    layout = BlockLayout(model.num_kv_heads, cache.block_tokens, model.head_dim, torch.bfloat16)
+    plan = plan_residency(layout, model.num_layers, cache.gpu_budget_bytes, cache.sink_tokens, cache.window_tokens)
+    assert plan.num_front_blocks >= 1  # the sink block, and the rest a resident far-block cache
+    k = sched.sparse_token_budget // cache.block_tokens
+    check_staging(model.num_layers, sched.staging_bytes // layout.num_bytes, k, sched.sparse_cache_selections,
+                  layout.num_bytes)
+    check_margin(sched.sparse_prefetch_margin, k, sched.sparse_cache_selections * k, per_layer=True)
+    summaries = 2 * model.num_kv_heads * model.head_dim * 2 * (131072 // cache.block_tokens) * model.num_layers
+    assert cache.gpu_budget_bytes + sched.staging_bytes + summaries == 2 * 2**30
 
 
 def test_units_and_env_overrides():
