@@ -265,6 +265,8 @@ def main() -> int:
                                           else read_stats["gpu_hit_rate"]),
         # predictor cache: a layer whose selection missed its cache waited for the copy (one stall, counted there)
         "stalls_per_step": stats["scheduler"]["stalls"] / steps,
+        # predictor cache: the bytes its caches' misses and prefetch brought across PCIe, per decode step
+        "far_bytes_copied_per_step": stats["scheduler"]["far_cache_copied_bytes"] / steps,
         "prefetch": stats["prefetch"],
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
@@ -299,7 +301,9 @@ def main() -> int:
           f"(tokens/s ratio {row['decode_tokens_per_s_ratio']:.2f}, target 0.90"
           + (f"; step by step {row['decode_tokens_per_s_ratio_paired']:.2f}, steps in turn)" if not sequential else ")"))
     print(f"GPU hit rate after the first step {row['gpu_hit_rate_after_first_step']:.3f} (target 0.95), "
-          f"stalls per step {row['stalls_per_step']:.1f}, GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
+          f"stalls per step {row['stalls_per_step']:.1f}"
+          + (f", {row['far_bytes_copied_per_step'] / 2**20:.1f} MiB copied per step" if cached else "")
+          + f", GPU KV {row['gpu_kv_bytes'] / 2**30:.2f} GiB "
           f"vs {full_kv / 2**30:.2f} GiB, tokens agreeing {row['tokens_agreeing_with_all_in_gpu']}/{steps}")
     if static is not None:
         print(f"against a preallocated StaticCache: all-in-GPU {static['decode_ms_per_token']:.1f} ms/token, tokens/s "

@@ -60,6 +60,7 @@ class KVRuntime:
         # predictor `query`: (layer, hidden [hidden_size], position) -> q [num_heads, head_dim]; set by the adapter
         self.query_projector = None
         self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse_cached)
+        self._cache_bytes_counted = 0  # of its copies, the bytes already in the transfer engine's count
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None
         self._budget_applied = threading.Event()
@@ -127,6 +128,9 @@ class KVRuntime:
         # predictor 'cache': a layer whose selection missed its far-block cache waited for the copy (a stall),
         # and a prefetch margin has its own precision and recall
         cached = self.cached_sparse.totals() if self.cached_sparse is not None else {}
+        if cached:  # its copies into the caches join the transfer engine's count
+            self.engine.num_bytes_moved["h2d"] += cached["cache_copied_bytes"] - self._cache_bytes_counted
+            self._cache_bytes_counted = cached["cache_copied_bytes"]
         prefetch = self.prefetch_metrics.snapshot()
         if cached.get("prefetch_copied") is not None:
             prefetch.update(precision=cached["prefetch_precision"], recall=cached["prefetch_recall"],
@@ -152,6 +156,7 @@ class KVRuntime:
                 "chunks_discarded": streamer.num_chunks_discarded,
                 "bytes_discarded": streamer.bytes_discarded,
                 "stalls": streamer.num_stalls + cached.get("cache_stalled_rows", 0),
+                "far_cache_copied_bytes": cached.get("cache_copied_bytes", 0),
             },
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
                        "kv_dtype": dtype_name(self.layout.dtype)},

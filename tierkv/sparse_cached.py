@@ -204,9 +204,14 @@ class CachedSparse:
 
     def totals(self) -> dict:
         """Every sequence's counts on the runtime so far (the runtime's stats): hits, misses, stalled
-        layers (a selection that missed waited for its copy) and, with a margin, the prefetch's copied
-        and used blocks, precision (used / copied) and recall (used / (used + misses))."""
+        layers (a selection that missed waited for its copy), the bytes copied into the caches and,
+        with a margin, the prefetch's copied and used blocks, precision (used / copied) and recall
+        (used / (used + misses))."""
         totals = self._totals_of(self._counts())
+        # what crossed PCIe into the caches: the misses and the margin's copies, each a block, or a quantized
+        # tier's codes and scales (its slot_bytes); the copy kernels do not count them (a graph replays them)
+        totals["cache_copied_bytes"] = ((totals["cache_misses"] + totals.get("prefetch_copied", 0))
+                                        * self.far.store.cpu.slot_bytes)
         if self.prefetch is not None:
             used, copied = totals["prefetch_used"], totals["prefetch_copied"]
             totals["prefetch_precision"] = used / copied if copied else None

@@ -226,10 +226,15 @@ def test_a_prefetch_margin_brings_the_next_selection_and_counts_precision_and_re
     assert (prefetch["prefetch_copied"], prefetch["prefetch_used"]) == (8, 4)
     assert stats["prefetch"]["precision"] == 4 / 8 and stats["prefetch"]["recall"] == 4 / (4 + 4)
     assert stats["scheduler"]["stalls"] == 1  # only the first step's layer waited for copies
+    block_bytes = 2 * 2 * 4 * 16 * 4
+    # what crossed PCIe into the caches: step 1's 4 misses and the margin's 8 blocks, in the engine's count too
+    assert stats["scheduler"]["far_cache_copied_bytes"] == 12 * block_bytes
+    assert stats["transfer"]["h2d_bytes"] >= 12 * block_bytes
     steps, stats, cached = margin_case(0)
     assert [counts for _, counts in steps] == [[0, 4], [0, 8]]
     assert cached["prefetch"] is None and stats["prefetch"]["precision"] is None
     assert stats["scheduler"]["stalls"] == 2
+    assert stats["scheduler"]["far_cache_copied_bytes"] == 8 * block_bytes
 
 
 def test_the_runtime_stats_count_every_sequence_and_the_cache_stats_the_last():
@@ -241,6 +246,7 @@ def test_the_runtime_stats_count_every_sequence_and_the_cache_stats_the_last():
     assert stats["scheduler"]["stalls"] == 3
     assert (stats["prefetch"]["prefetched_blocks"], stats["prefetch"]["used_blocks"]) == (24, 12)
     assert stats["prefetch"]["precision"] == 12 / 24 and stats["prefetch"]["recall"] == 12 / (12 + 12)
+    assert stats["scheduler"]["far_cache_copied_bytes"] == 3 * 12 * (2 * 2 * 4 * 16 * 4)
 
 
 def test_a_prefetch_margin_that_does_not_fit_the_caches_is_a_config_error():
