@@ -106,3 +106,39 @@ def test_sampling_with_a_seed_is_reproducible(tmp_path):
         (a,) = llm.generate([prompt], params)
         (b,) = llm.generate([prompt], params)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+
+
+def sparse_llm(tmp_path, model, predictor: str, budget_tokens: int, **scheduler):
+    config = load_config({
+        "model": {"name": "test-llama"},
+        "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * BLOCK_BYTES, "sink_tokens": 4, "window_tokens": 8},
+        "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * BLOCK_BYTES},
+                  {"kind": "disk", "path": str(tmp_path / f"disk-{predictor}-{budget_tokens}"), "capacity_bytes": "64MiB"}],
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 2 * (budget_tokens // 4) * BLOCK_BYTES,
+                      "prefill_chunk_tokens": 64, "policy": "sparse", "sparse_token_budget": budget_tokens,
+                      "predictor": predictor, **scheduler},
+    }, env={})
+    return TieredLLM(model, config, show_progress=False)
+
+
+def test_sparse_predictor_cache_with_a_prefetch_margin_through_tiered_llm(tmp_path):
+    """TieredLLM with predictor 'cache', caches of two selections and a margin: a budget over the
+    longest request equals exact decoding (DynamicCache's tokens); a small one gives predictor none's
+    tokens, and the stats carry its stalls, the margin's precision and the bytes it copied."""
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (37, 301, 130)]
+    margin = {"sparse_cache_selections": 2, "sparse_prefetch_margin": 4}
+    model, reference = build("llama", num_heads=8, num_kv_heads=2)
+    llm = sparse_llm(tmp_path, model, "cache", 320, **margin)
+    with llm:
+        outputs = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_greedy(reference, prompt, 6)[0]
+    tokens = {}
+    for predictor, extra in (("none", {}), ("cache", margin)):
+        llm = sparse_llm(tmp_path, model, predictor, 32, **extra)
+        with llm:
+            tokens[predictor] = [out.token_ids for out in llm.generate(prompts, SamplingParams(max_new_tokens=6))]
+            stats = llm.stats()
+    assert tokens["cache"] == tokens["none"]
+    assert stats["scheduler"]["stalls"] > 0 and stats["scheduler"]["far_cache_copied_bytes"] > 0
+    assert stats["prefetch"]["precision"] is not None
