@@ -46,7 +46,8 @@ class KVRuntime:
             from tierkv.sparse_cached import check_staging
             from tierkv.vllm_backend.far_prefetch import check_margin
 
-            k, selections = scheduler.sparse_token_budget // config.cache.block_tokens, max(1, scheduler.sparse_cache_selections)
+            k = scheduler.sparse_token_budget // config.cache.block_tokens
+            selections = max(1, scheduler.sparse_cache_selections)
             check_staging(num_layers, self.pool.staging.shape[0], k, selections, self.layout.num_bytes)
             check_margin(scheduler.sparse_prefetch_margin, k, selections * k, per_layer=True)
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")

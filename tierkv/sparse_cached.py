@@ -47,7 +47,7 @@ from tierkv.units import format_bytes
 from tierkv.vllm_backend.far import append_at
 from tierkv.vllm_backend.far_cache import RowCaches
 from tierkv.vllm_backend.far_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
-from tierkv.vllm_backend.far_prefetch import MarginPrefetch
+from tierkv.vllm_backend.far_prefetch import MarginPrefetch, precision_recall
 
 
 @dataclass
@@ -191,13 +191,14 @@ class CachedSparse:
         return merge_partials([near, (out, lse)])[0]
 
     def _counts(self) -> dict[str, int]:
-        """The current sequence's hits, misses, stalled layers and prefetched blocks (one device read)."""
-        stats = self.caches.stats()
-        counts = {key: stats[key] for key in ("cache_hits", "cache_misses", "cache_stalled_rows")}
-        if self.prefetch is not None:
-            prefetch = self.prefetch.stats()
-            counts.update(prefetch_copied=prefetch["prefetch_copied"], prefetch_used=prefetch["prefetch_used"])
-        return counts
+        """The current sequence's hits, misses, stalled layers and, with a margin, the blocks it
+        copied and those a selection used (one device read)."""
+        caches = self.caches
+        if self.prefetch is None:
+            return dict(zip(("cache_hits", "cache_misses", "cache_stalled_rows"), caches.counters.tolist()))
+        values = torch.cat([caches.counters, self.prefetch.counters[1:2], caches.prefetch_used]).tolist()
+        return dict(zip(("cache_hits", "cache_misses", "cache_stalled_rows", "prefetch_copied", "prefetch_used"),
+                        values))
 
     def _totals_of(self, counts: dict[str, int]) -> dict[str, int]:
         return {key: self._past.get(key, 0) + value for key, value in counts.items()}
@@ -213,10 +214,8 @@ class CachedSparse:
         totals["cache_copied_bytes"] = ((totals["cache_misses"] + totals.get("prefetch_copied", 0))
                                         * self.far.store.cpu.slot_bytes)
         if self.prefetch is not None:
-            used, copied = totals["prefetch_used"], totals["prefetch_copied"]
-            totals["prefetch_precision"] = used / copied if copied else None
-            needed = used + totals["cache_misses"]
-            totals["prefetch_recall"] = used / needed if needed else None
+            totals["prefetch_precision"], totals["prefetch_recall"] = precision_recall(
+                totals["prefetch_used"], totals["prefetch_copied"], totals["cache_misses"])
         return totals
 
     def stats(self) -> dict:

@@ -2,7 +2,8 @@
 ranked just below its selection, on a side stream, so the next step finds them in the request's
 far-block cache.
 
-Primitives: `MarginPrefetch` (`rank`, `after_selection`, `join`, `stats`), `check_margin`.
+Primitives: `MarginPrefetch` (`rank`, `after_selection`, `join`, `stats`), `check_margin`,
+`precision_recall`.
 
 Consecutive decode steps select mostly the same blocks; what a step adds is mostly what the step
 before ranked just below its top-k (the bound of q . k moves a little between steps). With
@@ -52,6 +53,13 @@ def check_margin(margin: int, k: int, slots_per_layer: int, per_layer: bool) -> 
         raise ConfigError(key, margin, f"a cache set holds {slots_per_layer} blocks per layer, and a selection of {k} "
                           f"blocks plus the margin needs {k + margin}; raise scheduler.sparse_cache_selections to "
                           f"{-(-(k + margin) // k)} or lower the margin to {slots_per_layer - k}")
+
+
+def precision_recall(used: int, copied: int, misses: int) -> tuple[float | None, float | None]:
+    """The prefetch's precision, used / copied, and recall, used / (used + the selections' misses):
+    the part of what the selections would otherwise have fetched that it brought in time (None where
+    nothing was counted)."""
+    return (used / copied if copied else None), (used / (used + misses) if used + misses else None)
 
 
 class MarginPrefetch:
@@ -133,7 +141,7 @@ class MarginPrefetch:
         otherwise have fetched that the prefetch brought in time."""
         held, copied, rows, used, misses = torch.cat(
             [self.counters, self.caches.prefetch_used, self.caches.counters[1:2]]).tolist()
+        precision, recall = precision_recall(used, copied, misses)
         return {"prefetch_margin": self.margin, "prefetch_held": held, "prefetch_copied": copied,
                 "prefetch_rows_copied": rows, "prefetch_used": used,
-                "prefetch_precision": used / copied if copied else None,
-                "prefetch_recall": used / (used + misses) if used + misses else None}
+                "prefetch_precision": precision, "prefetch_recall": recall}
