@@ -46,7 +46,8 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 @torch.no_grad()
 def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> dict[str, dict]:
-    """runs: (name, cache, prefill chunk, on_token or None, attention implementation). Prefill every
+    """runs: (name, cache, prefill chunk, on_token or None, attention implementation, whether its decode
+    steps go through a `tierkv.decode_graph.DecodeStep`: replayed from a CUDA graph). Prefill every
     run's cache with `ids`, then decode `num_new` greedy tokens, one step of each run in turn (round
     robin: each run's step always follows the same other run's), each step timed alone: a host or GPU
     that slows down for a while slows every run's steps alike. Per run: prefill_s, decode_ms_per_token
@@ -55,6 +56,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
     failed allocation, which free the cache and synchronize), and the prefill's last logits (float32,
     on the device; `prefill_logits`, not for the JSON)."""
     from tierkv.adapters.hf import forward_kwargs
+    from tierkv.decode_graph import DecodeStep
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -69,7 +71,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
         if model.config._attn_implementation != state[name]["attn"]:
             model.set_attn_implementation(state[name]["attn"])
 
-    for name, cache, chunk, on_token, attn in runs:
+    for name, cache, chunk, on_token, attn, graphed in runs:
         state[name] = {"attn": attn}
         attention(name)
         kwargs = forward_kwargs(model, cache)
@@ -79,6 +81,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             logits = model(torch.tensor([ids[pos : pos + chunk]], device=device), logits_to_keep=1, **kwargs).logits[0, -1]
         sync()
         state[name].update(kwargs=kwargs, logits=logits, on_token=on_token, prefill_s=time.perf_counter() - start,
+                           decode=DecodeStep(model, cache) if graphed else None,
                            tokens=[], top2_margins=[], step_ms=[], prefill_logits=logits.float().clone(),
                            allocator=[0] * len(counted))
     for step in range(num_new):
@@ -93,8 +96,8 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             attention(name)
             before = allocator()
             start = time.perf_counter()
-            run["logits"] = model(torch.tensor([[token]], device=device), logits_to_keep=1,
-                                  **run["kwargs"]).logits[0, -1]
+            run["logits"] = (run["decode"](token) if run["decode"] is not None else
+                             model(torch.tensor([[token]], device=device), logits_to_keep=1, **run["kwargs"]).logits[0, -1])
             sync()
             run["step_ms"].append(1e3 * (time.perf_counter() - start))
             run["allocator"] = [total + after - b for total, after, b in zip(run["allocator"], allocator(), before)]
@@ -152,6 +155,9 @@ def main() -> int:
     parser.add_argument("--prefill-control", action="store_true",
                         help="steps in turn: a third run, all-in-GPU prefilled in tierkv's 32768-token chunks, to show how "
                              "far the prefill's rounding alone moves the logits and tokens on this random model")
+    parser.add_argument("--no-decode-graph", action="store_true",
+                        help="steps in turn: run tierkv's decode steps eagerly through the model, not replayed from one "
+                             "CUDA graph per step (tierkv.decode_graph; predictor cache only; --sequential never uses it)")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -222,13 +228,13 @@ def main() -> int:
         if sequential:
             row = run_request(model, cache, ids, args.new_tokens, chunk=32768, on_token=on_token)
         else:  # the dense cache stays on the GPU beside tierkv's: the two runs' steps alternate
-            runs = [("all_in_gpu", dense_cache, args.context, None, "sdpa"),
-                    ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME)]
+            runs = [("all_in_gpu", dense_cache, args.context, None, "sdpa", False),
+                    ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME, not args.no_decode_graph)]
             if not args.no_static_baseline:  # prefilled in chunks: its mask spans the whole preallocated length
                 static_cache = StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens)
-                runs.insert(1, ("all_in_gpu_static", static_cache, 32768, None, "sdpa"))
+                runs.insert(1, ("all_in_gpu_static", static_cache, 32768, None, "sdpa", False))
             if args.prefill_control:
-                runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa"))
+                runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa", False))
             rows = decode_in_turns(model, runs, ids, args.new_tokens)
             base, row = rows["all_in_gpu"], rows["tierkv_sparse"]
             control, static = rows.get("all_in_gpu_chunked"), rows.get("all_in_gpu_static")
@@ -268,6 +274,7 @@ def main() -> int:
         # predictor cache: the bytes its caches' misses and prefetch brought across PCIe, per decode step
         "far_bytes_copied_per_step": stats["scheduler"]["far_cache_copied_bytes"] / steps,
         "prefetch": stats["prefetch"],
+        "decode_graph": stats["decode_graph"],  # steps replayed from a CUDA graph, eager steps, captures
         "tokens_agreeing_with_all_in_gpu": sum(a == b for a, b in zip(row["tokens"], base["tokens"])),
     })
     if not sequential:  # the prefills' last logits against all-in-GPU's (its chunking alone: the control's)

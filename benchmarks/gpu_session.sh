@@ -85,7 +85,7 @@ for step in "${steps[@]}"; do
                     $extra ${SPARSE_ARGS:-} --out "$OUT/$name-h200.json" > "$OUT/$name.log" 2>&1
                 echo "== $entry"; tail -6 "$OUT/$name.log"
             done ;;
-        graph-tests) timeout 330 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/vllm/test_far_cache.py \
+        graph-tests) timeout 330 python3 -m pytest -m gpu tests/gpu/test_far_graphs_gpu.py tests/gpu/test_decode_graph_gpu.py tests/vllm/test_far_cache.py \
             tests/gpu/test_save_gpu.py tests/gpu/test_planted_needle_gpu.py tests/sparse/test_bounds_kernel.py tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15 ;;
         sparse-tests) timeout 200 python3 -m pytest -m gpu tests/gpu/test_sparse_query_gpu.py -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu-tests-sparse.log" | tail -15 ;;
         exact)  timeout 300 python3 benchmarks/bench_exact.py --contexts 131072 --new-tokens 6 --no-offloaded --prefill-chunks ${PREFILL_CHUNKS:-32768} --transfer-backends ${TRANSFER_BACKENDS:-auto} --out "$OUT/exact-128k-h200.json" 2>&1 | tee "$OUT/exact.log" ;;

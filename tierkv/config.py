@@ -122,6 +122,10 @@ class SchedulerConfig:
         "selection's blocks >= the selection's blocks + the margin (2 selections: a margin up to one selection); "
         "0: off",
         min_value=0))
+    decode_cuda_graph: bool = field(default=True, metadata=doc(
+        "transformers engine, sparse policy with predictor 'cache', on CUDA with a copy-kernel transfer backend: "
+        "replay a one-token decode step (the model's forward and tierkv's attention) from one CUDA graph, captured "
+        "per sequence; steps that complete a block, and all steps after a failed capture, run eagerly"))
     sparse_full_graphs: bool = field(default=False, metadata=doc(
         "sparse CUDA graphs under compiled vLLM: let vLLM capture the attention of single-token decode steps in its "
         "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "

@@ -172,6 +172,9 @@ class TieredLLM:
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = set(sampling.stop_token_ids if sampling.stop_token_ids is not None else self._eos_ids())
         generated: list[int] = []
+        from tierkv.decode_graph import DecodeStep
+
+        step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
         start = time.perf_counter()
         while True:
             token = sample_next(logits, sampling, generator)
@@ -181,8 +184,7 @@ class TieredLLM:
             if len(generated) >= sampling.max_new_tokens:
                 return generated, "length", _elapsed(start, device)
             cache.seq.token_ids.append(token)
-            piece = torch.tensor([[token]], device=device)
-            logits = self.model(input_ids=piece, logits_to_keep=1, **self._cache_kwargs(cache)).logits[0, -1]
+            logits = step(token)
 
     # -- input checks ------------------------------------------------------------------------------
     def _prompt_ids(self, index: int, prompt) -> list[int]:

@@ -61,6 +61,10 @@ class KVRuntime:
         # predictor `query`: (layer, hidden [hidden_size], position) -> q [num_heads, head_dim]; set by the adapter
         self.query_projector = None
         self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse_cached)
+        # decode steps run by the graphed forward and of those replayed from a CUDA graph, steps run eagerly,
+        # graphs captured, captures failed (tierkv.decode_graph)
+        self.decode_graph_counts = {"graph_steps": 0, "replays": 0, "eager_steps": 0, "captures": 0,
+                                    "capture_errors": 0}
         self._cache_bytes_counted = 0  # of its copies, the bytes already in the transfer engine's count
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None
@@ -162,6 +166,7 @@ class KVRuntime:
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
                        "kv_dtype": dtype_name(self.layout.dtype)},
             "prefetch": prefetch,
+            "decode_graph": dict(self.decode_graph_counts),
             **self.chain.snapshot(),
         }
 

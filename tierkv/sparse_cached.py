@@ -190,6 +190,35 @@ class CachedSparse:
             self.prefetch.join()  # as in the graphs: nothing forked outlives the layer
         return merge_partials([near, (out, lse)])[0]
 
+    # -- inside a decode step's CUDA graph (tierkv.decode_graph) ---------------------------------------
+    def graph_key(self) -> tuple:
+        """What a decode step's graph bakes in of the far part: the caches' set, whether there are far
+        blocks, the summary tables (address, rows) and the slot lists (addresses, sizes)."""
+        tables = self.row.summaries.summaries.tables if self.row.summaries is not None else []
+        return (self.row.cache.index, self._num_far > 0, tuple((t.data_ptr(), t.shape[0]) for t in tables[:1]),
+                tuple((slots.data_ptr(), slots.numel()) for slots in self._slots))
+
+    def graph_row_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer, the sparse step's static inputs for this sequence's one row: its cache set, the
+        address of its summary table and of its slot list (int64 [1] each, on the device)."""
+        tables = self.row.summaries.summaries.tables
+        values = torch.tensor([[self.row.cache.index] * len(tables), [t.data_ptr() for t in tables],
+                               [slots.data_ptr() for slots in self._slots]], dtype=torch.int64)
+        values = to_device_no_sync(values.view(-1), self._num_far_dev.device).view(3, -1)
+        return [(values[0, i : i + 1], values[1, i : i + 1], values[2, i : i + 1]) for i in range(len(tables))]
+
+    def attend_graphed(self, layer: int, q: torch.Tensor, near: tuple[torch.Tensor, torch.Tensor], scale: float,
+                       row_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`attend` as a decode step's graph runs it: the sparse step's body itself (a graph cannot
+        replay another inside its capture), its row inputs static (`graph_row_inputs`)."""
+        if self._num_far == 0:
+            return near[0]
+        out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
+                                       self.packed, *row_inputs, prefetch=self.prefetch)
+        if self.prefetch is not None:
+            self.prefetch.join()  # a graph ends with every stream it forked joined
+        return merge_partials([near, (out, lse)])[0]
+
     def _counts(self) -> dict[str, int]:
         """The current sequence's hits, misses, stalled layers and, with a margin, the blocks it
         copied and those a selection used (one device read)."""

@@ -21,14 +21,16 @@ def test_runs_in_turns_decode_what_each_would_alone_with_their_own_attention():
                                                    env={}))
     try:
         cache = TieredCache(runtime, ids)
-        runs = [("dynamic", DynamicCache(config=model.config), 150, None, "sdpa"),
-                ("static", StaticCache(config=model.config, max_cache_len=160), 64, None, "sdpa"),
-                ("tierkv", cache, 64, cache.seq.token_ids.append, ATTN_NAME)]
+        # the tierkv run's steps through a DecodeStep, as bench_sparse's are (on CPU it runs them eagerly)
+        runs = [("dynamic", DynamicCache(config=model.config), 150, None, "sdpa", False),
+                ("static", StaticCache(config=model.config, max_cache_len=160), 64, None, "sdpa", False),
+                ("tierkv", cache, 64, cache.seq.token_ids.append, ATTN_NAME, True)]
         rows = decode_in_turns(model, runs, ids, 5)
         cache.finish()
+        assert runtime.stats()["decode_graph"]["eager_steps"] == 5
     finally:
         runtime.close()
-    alone = decode_in_turns(model, [("dynamic", DynamicCache(config=model.config), 150, None, "sdpa")], ids, 5)
+    alone = decode_in_turns(model, [("dynamic", DynamicCache(config=model.config), 150, None, "sdpa", False)], ids, 5)
     assert rows["dynamic"]["tokens"] == rows["static"]["tokens"] == rows["tierkv"]["tokens"] == alone["dynamic"]["tokens"]
     for name in ("static", "tierkv"):
         gap = logits_gap(rows[name]["prefill_logits"], rows["dynamic"]["prefill_logits"])

@@ -1,8 +1,8 @@
 """The lookahead scheduler: host-side plans per step, copies enqueued ahead of compute.
 
-Primitives: `plan_step` / `StepPlan` (CPU only), `LookaheadStreamer` (enqueues copies).
+Primitives: `plan_step` / `StepPlan` / `step_blocks` (CPU only), `LookaheadStreamer` (enqueues copies).
 """
 from tierkv.scheduler.lookahead import LookaheadStreamer, StagedChunk
-from tierkv.scheduler.plan import StepPlan, plan_step, to_device_no_sync
+from tierkv.scheduler.plan import StepPlan, plan_step, step_blocks, to_device_no_sync
 
-__all__ = ["LookaheadStreamer", "StagedChunk", "StepPlan", "plan_step", "to_device_no_sync"]
+__all__ = ["LookaheadStreamer", "StagedChunk", "StepPlan", "plan_step", "step_blocks", "to_device_no_sync"]

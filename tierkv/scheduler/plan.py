@@ -1,6 +1,6 @@
 """Host-side bookkeeping for one forward step of one sequence: which blocks attention reads.
 
-Primitives: `StepPlan`, `plan_step`, `to_device_no_sync`.
+Primitives: `StepPlan`, `plan_step`, `step_blocks`, `to_device_no_sync`.
 
 A step appends `num_new_tokens` tokens at positions [t0, t0 + n). Attention reads three parts:
 
@@ -53,14 +53,22 @@ class StepPlan:
         return self.fresh_positions.numel()
 
 
+def step_blocks(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int) -> tuple[list[int], range]:
+    """The old full blocks a step of `num_new_tokens` tokens at t0 reads from GPU slots (sinks and far
+    cache, then the window), and those it streams from the CPU tier (host only)."""
+    first_block = t0 // block_tokens
+    num_blocks_after = -(-(t0 + num_new_tokens) // block_tokens)
+    resident = list(range(min(first_block, residency.num_front_blocks)))
+    window_start = max(residency.num_front_blocks, num_blocks_after - residency.num_window_blocks)
+    resident += list(range(window_start, first_block))
+    return resident, range(residency.num_front_blocks, min(first_block, window_start))
+
+
 def plan_step(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int, device: torch.device) -> StepPlan:
     first_block = t0 // block_tokens
     t1 = t0 + num_new_tokens
     num_blocks_after = -(-t1 // block_tokens)
-    resident = list(range(min(first_block, residency.num_front_blocks)))
-    window_start = max(residency.num_front_blocks, num_blocks_after - residency.num_window_blocks)
-    resident += list(range(window_start, first_block))
-    streamed = range(residency.num_front_blocks, min(first_block, window_start))
+    resident, streamed = step_blocks(residency, block_tokens, t0, num_new_tokens)
     fresh_resident = [b for b in range(first_block, num_blocks_after) if residency.is_resident(b, num_blocks_after)]
     return StepPlan(
         t0=t0,
