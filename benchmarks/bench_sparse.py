@@ -45,7 +45,7 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 
 @torch.no_grad()
-def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> dict[str, dict]:
+def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int, gpu_time: bool = False) -> dict[str, dict]:
     """runs: (name, cache, prefill chunk, on_token or None, attention implementation, whether its decode
     steps go through a `tierkv.decode_graph.DecodeStep`: replayed from a CUDA graph). Prefill every
     run's cache with `ids`, then decode `num_new` greedy tokens, one step of each run in turn (round
@@ -54,7 +54,9 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
     (the median step after the first), per-step ms, tokens, top-2 margins, on CUDA what its decode
     steps asked of the caching allocator (`allocator`: cudaMalloc and cudaFree calls, retries after a
     failed allocation, which free the cache and synchronize), and the prefill's last logits (float32,
-    on the device; `prefill_logits`, not for the JSON)."""
+    on the device; `prefill_logits`, not for the JSON). gpu_time: after the timed steps, one more step
+    of each run under the profiler, its kernels' device time summed (`gpu_busy_ms`: the step's GPU
+    work, whatever the host adds)."""
     from tierkv.adapters.hf import forward_kwargs
     from tierkv.decode_graph import DecodeStep
 
@@ -101,14 +103,29 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int) -> d
             sync()
             run["step_ms"].append(1e3 * (time.perf_counter() - start))
             run["allocator"] = [total + after - b for total, after, b in zip(run["allocator"], allocator(), before)]
+    for name, *_ in runs if gpu_time else ():
+        attention(name)
+        state[name]["gpu_busy_ms"] = step_gpu_ms(lambda run=state[name]: (
+            run["decode"](int(torch.argmax(run["logits"]))) if run["decode"] is not None else
+            model(torch.argmax(run["logits"]).view(1, 1), logits_to_keep=1, **run["kwargs"])))
     rows = {}
     for name, run in state.items():
         later = run["step_ms"][1:] or run["step_ms"]
         rows[name] = {"prefill_s": run["prefill_s"], "decode_ms_per_token": statistics.median(later),
                       "step_ms": run["step_ms"], "tokens": run["tokens"], "top2_margins": run["top2_margins"],
                       "allocator": dict(zip(("device_mallocs", "device_frees", "alloc_retries"), run["allocator"])),
-                      "prefill_logits": run["prefill_logits"]}
+                      "prefill_logits": run["prefill_logits"], "gpu_busy_ms": run.get("gpu_busy_ms")}
     return rows
+
+
+def step_gpu_ms(step) -> float:
+    """The device time of the kernels `step()` runs (torch.profiler, CUDA activity), summed, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e3
 
 
 def logits_gap(logits: torch.Tensor, reference: torch.Tensor) -> dict:
@@ -155,6 +172,9 @@ def main() -> int:
     parser.add_argument("--prefill-control", action="store_true",
                         help="steps in turn: a third run, all-in-GPU prefilled in tierkv's 32768-token chunks, to show how "
                              "far the prefill's rounding alone moves the logits and tokens on this random model")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="steps in turn: one more step of each run after the timed ones, under the profiler: its "
+                             "kernels' device time (how much of a step is GPU work)")
     parser.add_argument("--no-decode-graph", action="store_true",
                         help="steps in turn: run tierkv's decode steps eagerly through the model, not replayed from one "
                              "CUDA graph per step (tierkv.decode_graph; predictor cache only; --sequential never uses it)")
@@ -235,7 +255,7 @@ def main() -> int:
                 runs.insert(1, ("all_in_gpu_static", static_cache, 32768, None, "sdpa", False))
             if args.prefill_control:
                 runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa", False))
-            rows = decode_in_turns(model, runs, ids, args.new_tokens)
+            rows = decode_in_turns(model, runs, ids, args.new_tokens, gpu_time=args.gpu_time)
             base, row = rows["all_in_gpu"], rows["tierkv_sparse"]
             control, static = rows.get("all_in_gpu_chunked"), rows.get("all_in_gpu_static")
             dense_cache = None
@@ -316,6 +336,16 @@ def main() -> int:
         print(f"against a preallocated StaticCache: all-in-GPU {static['decode_ms_per_token']:.1f} ms/token, tokens/s "
               f"ratio {row['decode_tokens_per_s_ratio_vs_static']:.2f} (step by step "
               f"{row['decode_tokens_per_s_ratio_vs_static_paired']:.2f})")
+    busy = {name: r.get("gpu_busy_ms") for name, r in (("all_in_gpu", base), ("static", static), ("tierkv", row))
+            if r is not None and r.get("gpu_busy_ms") is not None}
+    if busy:
+        print("GPU work of one step (profiled, kernels' device time): "
+              + ", ".join(f"{name} {ms:.1f} ms" for name, ms in busy.items()))
+    if row.get("decode_graph", {}).get("graph_steps"):
+        graph = row["decode_graph"]
+        print(f"tierkv decode steps: {graph['replays']} replayed from a CUDA graph, {graph['eager_steps']} eager, "
+              f"{graph['captures']} captures ({graph['capture_s']:.2f} s), mean step after the first "
+              f"{statistics.mean(row['step_ms'][1:]):.1f} ms")
     allocator = {name: r["allocator"] for name, r in (("all_in_gpu", base), ("tierkv", row), ("static", static),
                                                       ("chunked", control)) if r is not None and "allocator" in r}
     if allocator:

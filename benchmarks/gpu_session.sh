@@ -81,7 +81,7 @@ for step in "${steps[@]}"; do
                 IFS=: read -r predictor selections margin <<< "$entry"
                 extra=""; [ "$predictor" = cache ] && extra="--cache-selections $selections --prefetch-margin $margin"
                 name="sparse-$predictor-s$selections-m$margin"
-                timeout 150 python3 benchmarks/bench_sparse.py --predictor "$predictor" --qk-bias-std "${SPARSE_BIAS:-16}" \
+                timeout 200 python3 benchmarks/bench_sparse.py --predictor "$predictor" --qk-bias-std "${SPARSE_BIAS:-16}" \
                     $extra ${SPARSE_ARGS:-} --out "$OUT/$name-h200.json" > "$OUT/$name.log" 2>&1
                 echo "== $entry"; tail -6 "$OUT/$name.log"
             done ;;

@@ -69,10 +69,12 @@ def test_graphed_forward_equals_the_plain_step(arch, margin):
     for got, want in zip(g_logits, logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # 211 prompt tokens, 14 steps: those at t0 = 211, 215, 219, 223 complete a block (eager), 10 run graphed
-    assert counts == {"graph_steps": 10, "replays": 0, "eager_steps": 4, "captures": 0, "capture_errors": 0}
+    assert counts == {"graph_steps": 10, "replays": 0, "eager_steps": 4, "captures": 0, "capture_errors": 0,
+                      "capture_s": 0.0}
     assert g_stats["scheduler"]["stalls"] == stats["scheduler"]["stalls"] > 0
     assert g_stats["scheduler"]["far_cache_copied_bytes"] == stats["scheduler"]["far_cache_copied_bytes"] > 0
-    assert g_stats["prefetch"] == stats["prefetch"]
+    counted = ("precision", "recall", "prefetched_blocks", "used_blocks")  # not the streamer's timings
+    assert [g_stats["prefetch"].get(key) for key in counted] == [stats["prefetch"].get(key) for key in counted]
     assert reads["resident_block_reads"] > 0 and reads["gpu_hit_rate"] is not None
 
 
@@ -86,6 +88,6 @@ def test_a_decode_step_on_cpu_by_default_and_under_the_exact_policy_runs_eagerly
             expected, _ = tiered_greedy(model, runtime, ids, 5, 64)
             assert tokens == expected
             assert runtime.stats()["decode_graph"] == {"graph_steps": 0, "replays": 0, "eager_steps": 5,
-                                                       "captures": 0, "capture_errors": 0}
+                                                       "captures": 0, "capture_errors": 0, "capture_s": 0.0}
         finally:
             runtime.close()

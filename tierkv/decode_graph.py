@@ -29,6 +29,7 @@ memory pool per `DecodeStep`; the logits are copied out right after each replay.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -167,6 +168,7 @@ class DecodeStep:
         entry.inputs.write(step, token, layout.num_kv_heads, layout.block_tokens)
         current, side = torch.cuda.current_stream(), self.side_stream
         side.wait_stream(current)
+        start = time.perf_counter()
         try:
             with torch.cuda.stream(side):
                 self._forward(entry.inputs)  # kernels built, workspaces set
@@ -187,6 +189,7 @@ class DecodeStep:
             cached.caches.restore(saved)
             if counted is not None:
                 cached.prefetch.counters.copy_(counted)
+            self.counts["capture_s"] += time.perf_counter() - start
         entry.graph, entry.logits = graph, logits
         self.counts["captures"] += 1
         return True

@@ -62,9 +62,9 @@ class KVRuntime:
         self.query_projector = None
         self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse_cached)
         # decode steps run by the graphed forward and of those replayed from a CUDA graph, steps run eagerly,
-        # graphs captured, captures failed (tierkv.decode_graph)
+        # graphs captured, captures failed, host seconds spent capturing (tierkv.decode_graph)
         self.decode_graph_counts = {"graph_steps": 0, "replays": 0, "eager_steps": 0, "captures": 0,
-                                    "capture_errors": 0}
+                                    "capture_errors": 0, "capture_s": 0.0}
         self._cache_bytes_counted = 0  # of its copies, the bytes already in the transfer engine's count
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object] | None = None

@@ -81,7 +81,8 @@ def test_replayed_decode_steps_equal_the_eager_ones(arch, margin):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for section, key in (("scheduler", "stalls"), ("scheduler", "far_cache_copied_bytes")):
         assert r_stats[section][key] == stats[section][key] > 0, (section, key)
-    assert r_stats["prefetch"] == stats["prefetch"]
+    counted = ("precision", "recall", "prefetched_blocks", "used_blocks")  # not the streamer's timings
+    assert [r_stats["prefetch"].get(key) for key in counted] == [stats["prefetch"].get(key) for key in counted]
 
 
 @torch.no_grad()
