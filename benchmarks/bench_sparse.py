@@ -251,7 +251,7 @@ def main() -> int:
             runs = [("all_in_gpu", dense_cache, args.context, None, "sdpa", False),
                     ("tierkv_sparse", cache, 32768, on_token, ATTN_NAME, not args.no_decode_graph)]
             if not args.no_static_baseline:  # prefilled in chunks: its mask spans the whole preallocated length
-                static_cache = StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens)
+                static_cache = StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens + 1)  # + --gpu-time's step
                 runs.insert(1, ("all_in_gpu_static", static_cache, 32768, None, "sdpa", False))
             if args.prefill_control:
                 runs.append(("all_in_gpu_chunked", DynamicCache(config=model.config), 32768, None, "sdpa", False))

@@ -57,7 +57,7 @@ def replayed_greedy(model, runtime, ids: list[int], num_new: int):
     return tokens, all_logits
 
 
-@pytest.mark.parametrize("arch,margin", [("llama", 0), ("qwen2", 0), ("llama", 8)])
+@pytest.mark.parametrize("arch,margin", [("llama", 0), ("qwen2", 0), ("llama", 4)])
 def test_replayed_decode_steps_equal_the_eager_ones(arch, margin):
     model, _ = build(arch, num_heads=8, num_kv_heads=2, head_dim=DIM, seed=5)
     model = model.cuda()
