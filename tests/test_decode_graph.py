@@ -91,3 +91,23 @@ def test_a_decode_step_on_cpu_by_default_and_under_the_exact_policy_runs_eagerly
                                                        "captures": 0, "capture_errors": 0, "capture_s": 0.0}
         finally:
             runtime.close()
+
+
+def test_no_gc_turns_the_collector_off_for_a_capture_and_back_on_after_an_error():
+    import gc
+
+    from tierkv.vllm_backend.far_graphs import no_gc
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with no_gc():
+            assert not gc.isenabled()
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()

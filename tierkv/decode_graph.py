@@ -37,6 +37,7 @@ import torch
 
 from tierkv.scheduler import to_device_no_sync
 from tierkv.sequence import GraphStep
+from tierkv.vllm_backend.far_graphs import no_gc
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +174,12 @@ class DecodeStep:
             with torch.cuda.stream(side):
                 self._forward(entry.inputs)  # kernels built, workspaces set
                 graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    logits = self._forward(entry.inputs)
-                finally:
-                    graph.capture_end()
+                with no_gc():
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        logits = self._forward(entry.inputs)
+                    finally:
+                        graph.capture_end()
             current.wait_stream(side)
         except Exception:
             current.wait_stream(side)

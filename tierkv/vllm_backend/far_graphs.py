@@ -3,7 +3,7 @@ attention of every decoding row of the step, captured once and replayed each ste
 or their inputs move.
 
 Primitives: `sparse_rows_body`, `packed_buffers`, `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
-`near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`).
+`near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`), `no_gc`.
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
@@ -48,6 +48,8 @@ whose graphs were all freed cannot take another capture; the next capture opens 
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -65,6 +67,19 @@ logger = logging.getLogger(__name__)
 
 GRAPHS_PER_LAYER = 4  # sets of rows whose graphs a layer keeps
 _SOURCES = OptionalKernel("copy sources of several rows (tierkv.cache_kernels.copy_sources)")
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic garbage collector off for a CUDA graph capture: collected objects that free CUDA
+    memory or events (a pinned buffer, a stream) on the capturing thread would invalidate the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def packed_buffers(far, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -410,11 +425,12 @@ class SparseStepGraphs:
                 # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
                 # allocator's cache on entry: captures recur as the batch changes
                 graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    ids.copy_(body())
-                finally:
-                    graph.capture_end()
+                with no_gc():
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        ids.copy_(body())
+                    finally:
+                        graph.capture_end()
             current.wait_stream(side)
         except Exception:  # nothing was returned from here: the caller's fallback gives the same result
             current.wait_stream(side)
