@@ -47,14 +47,18 @@ def stepped_greedy(model, runtime, ids: list[int], num_new: int, capture: bool |
     return tokens, all_logits, read_stats
 
 
-@pytest.mark.parametrize("arch,margin", [("llama", 0), ("qwen2", 0), ("mistral", 0), ("llama", 4)])
-def test_graphed_forward_equals_the_plain_step(arch, margin):
+@pytest.mark.parametrize("arch,margin,storage", [("llama", 0, "auto"), ("qwen2", 0, "auto"), ("mistral", 0, "auto"),
+                                                  ("llama", 4, "auto"), ("llama", 0, "int8")])
+def test_graphed_forward_equals_the_plain_step(arch, margin, storage):
+    """int8: a quantized CPU tier, whose misses' codes and scales are copied and dequantized."""
     model, _ = build(arch, num_heads=8, num_kv_heads=2, seed=3)
     ids = torch.randint(0, 512, (211,)).tolist()
     extra = {"sparse_cache_selections": 2, "sparse_prefetch_margin": margin} if margin else {}
+    settings = sparse_settings(**extra)
+    settings["tiers"][0]["storage_dtype"] = storage
     results = {}
     for name in ("plain", "graphed"):
-        runtime = runtime_for_model(model, load_config(sparse_settings(**extra), env={}), model_id=f"graph-{arch}")
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"graph-{arch}")
         try:
             if name == "plain":
                 tokens, logits = tiered_greedy(model, runtime, ids, 14, 64)
@@ -76,6 +80,46 @@ def test_graphed_forward_equals_the_plain_step(arch, margin):
     counted = ("precision", "recall", "prefetched_blocks", "used_blocks")  # not the streamer's timings
     assert [g_stats["prefetch"].get(key) for key in counted] == [stats["prefetch"].get(key) for key in counted]
     assert reads["resident_block_reads"] > 0 and reads["gpu_hit_rate"] is not None
+
+
+@torch.no_grad()
+def test_gpu_budget_changes_between_graphed_steps_give_the_plain_steps_output():
+    """A new GPU budget before a step is applied by the graphed step's host side: the resident blocks and
+    the first far block move, and tokens and logits stay those of plain steps under the same changes."""
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, seed=6)
+    block_bytes = 2 * 2 * BLOCK_TOKENS * 16 * 4
+    ids = torch.randint(0, 512, (181,)).tolist()
+    budgets = [40, 5, 12, 12, 5, 30, 6, 6]  # resident slots per layer before each decode step
+    runs, fronts = {}, set()
+    for name in ("plain", "graphed"):
+        settings = sparse_settings(budget=16)
+        settings["cache"].update(gpu_budget_bytes=2 * 6 * block_bytes, sink_tokens=BLOCK_TOKENS, window_tokens=8)
+        runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"elastic-graph-{name}")
+        try:
+            cache = TieredCache(runtime, ids)
+            kwargs = forward_kwargs(model, cache)
+            logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
+            step = DecodeStep(model, cache, capture=False)
+            tokens, all_logits = [], [logits]
+            for slots in budgets:
+                token = int(torch.argmax(logits))
+                tokens.append(token)
+                runtime.set_gpu_budget(2 * slots * block_bytes)
+                cache.seq.token_ids.append(token)
+                logits = (step(token) if name == "graphed" else
+                          model(torch.tensor([[token]]), **kwargs).logits[0, -1])
+                all_logits.append(logits)
+                assert runtime.residency.slots_per_layer == slots
+                fronts.add(runtime.residency.num_front_blocks)
+            cache.finish()
+            runs[name] = tokens, all_logits, dict(runtime.decode_graph_counts)
+        finally:
+            runtime.close()
+    assert len(fronts) >= 3  # the first far block moved between steps
+    assert runs["graphed"][2]["graph_steps"] >= 5, runs["graphed"][2]  # 181 + 8 tokens: at most 2 complete a block
+    assert runs["graphed"][0] == runs["plain"][0]
+    for got, want in zip(runs["graphed"][1], runs["plain"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_decode_step_on_cpu_by_default_and_under_the_exact_policy_runs_eagerly():

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.scheduler import to_device_no_sync
-from tierkv.sequence import GraphStep
+from tierkv.graph_step import GraphStep
 from tierkv.vllm_backend.far_graphs import no_gc
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,12 @@ class DecodeStep:
         """Decode `token` (already appended to the sequence's token ids by the caller, if it keeps
         them): the logits after it, [vocab], a tensor of their own."""
         seq = self.cache.seq
-        step = seq.begin_graph_step() if self.enabled else None
+        step = GraphStep.begin(seq) if self.enabled else None
         if step is None:
             return self._eager(token)
         entry = self._entry(step, token)
         if entry is None:  # the capture failed: this step and the rest run eagerly
-            seq.end_graph_step(done=False)
+            step.end(done=False)
             return self._eager(token)
         step.inputs = entry.inputs
         layout = self.rt.layout
@@ -122,7 +122,7 @@ class DecodeStep:
             entry.graph.replay()
             logits = entry.logits
             self.counts["replays"] += 1
-        seq.end_graph_step()
+        step.end()
         return logits[0, -1].clone()
 
     def _eager(self, token: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ Per layer and step (one `append` then one `attend`, layer after layer):
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
-from tierkv.scheduler import StepPlan, plan_step, step_blocks, to_device_no_sync
+from tierkv.scheduler import StepPlan, plan_step, to_device_no_sync
 from tierkv.sparse import BlockSummaries, select_far_blocks, select_far_blocks_on_device
 from tierkv.sparse_prefetch import SparsePrefetcher
 from tierkv.sparse_query import QueryLookahead
@@ -34,30 +33,6 @@ if TYPE_CHECKING:
 
 class CapacityError(ValueError):
     """A request's KV does not fit the tier it must live in."""
-
-
-@dataclass
-class GraphStep:
-    """The host values of a one-token decode step that changes only device values (`tierkv.decode_graph`):
-    the new token at position t0 lands at `offset` of the partial block, which lies in GPU slot
-    `partial_slot`; attention reads the resident blocks' slots plus the partial block's (`block_slots`,
-    their first positions `block_starts`, their token counts `block_fills`); the far part has `num_far`
-    blocks. `inputs`: the device tensors the step's forward reads (set by its `DecodeStep`)."""
-
-    t0: int
-    offset: int
-    partial_slot: int
-    block_slots: list[int]
-    block_starts: list[int]
-    block_fills: list[int]
-    num_far: int
-    inputs: object = None
-
-    def kv_rows(self, num_kv_heads: int, block_tokens: int) -> list[int]:
-        """Where the new token's K then V rows go, head after head, in a layer's resident slots viewed
-        as [slots * 2 * num_kv_heads * block_tokens, head_dim]."""
-        base = self.partial_slot * 2 * num_kv_heads
-        return [(base + i) * block_tokens + self.offset for i in range(2 * num_kv_heads)]
 
 
 class SequenceKV:
@@ -98,7 +73,7 @@ class SequenceKV:
             from tierkv.sparse_cached import CachedSparse
 
             self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
-        self._graph_step: GraphStep | None = None  # a decode step run for a CUDA graph (`begin_graph_step`)
+        self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.graph_step.GraphStep`)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -112,7 +87,7 @@ class SequenceKV:
         if self.is_finished:
             raise RuntimeError(f"sequence {self.seq_id} is finished")
         if self._graph_step is not None:
-            self._append_graphed(layer, k_new, v_new)
+            self._graph_step.append(layer, k_new, v_new)
             return
         rt = self.rt
         n = k_new.shape[0]
@@ -228,7 +203,7 @@ class SequenceKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [n, num_heads, head_dim] for the tokens of this step -> float32 [n, num_heads, head_dim]."""
         if self._graph_step is not None:
-            return self._attend_graphed(layer, q, scale)
+            return self._graph_step.attend(layer, q, scale)
         rt = self.rt
         step = self._step
         use_flash = can_use_flash(q)  # prefill chunks on CUDA: old keys all precede the queries
@@ -299,54 +274,6 @@ class SequenceKV:
             return flash_partial_attention(q, k, v, scale=scale, causal=False)
         return paged_partial_attention(q, pool, slots, start_pos, num_tokens, scale=scale,
                                        q_positions=self._step.q_positions)
-
-    # -- decode steps a CUDA graph replays (tierkv.decode_graph) ---------------------------------------
-    def begin_graph_step(self) -> GraphStep | None:
-        """The host side of a one-token decode step whose forward only reads device values, so that a
-        CUDA graph can replay it: a pending GPU budget applied, write-backs completed, the far part's
-        step begun (predictor 'cache'). None when the step must run eagerly: another policy or
-        predictor, an empty sequence, a step that completes a block (it is saved to the CPU tier), a
-        partial block that is not resident. Until `end_graph_step`, `append` and `attend` run the
-        graphed forms."""
-        rt, T = self.rt, self.rt.layout.block_tokens
-        t0 = self.num_tokens[0]
-        if self.cached is None or self.is_finished or t0 == 0 or (t0 + 1) % T == 0:
-            return None
-        self._complete_finished_d2h()
-        rt.apply_pending_budget(self)
-        first, residency = t0 // T, rt.residency
-        if not residency.is_resident(first, first + 1):
-            return None
-        resident, streamed = step_blocks(residency, T, t0, 1)
-        rt.streamer.clear()
-        self.cached.begin_step(self, streamed)
-        self._graph_step = GraphStep(
-            t0=t0, offset=t0 - first * T, partial_slot=residency.slot_of(first),
-            block_slots=[residency.slot_of(b) for b in resident] + [residency.slot_of(first)],
-            block_starts=[b * T for b in resident] + [first * T],
-            block_fills=[T] * len(resident) + [t0 - first * T + 1], num_far=len(streamed))
-        return self._graph_step
-
-    def end_graph_step(self, done: bool = True) -> None:
-        """After the graphed step's forward (done) or instead of it (not done: the step runs eagerly)."""
-        step, self._graph_step = self._graph_step, None
-        if done:
-            self.num_tokens = [n + 1 for n in self.num_tokens]
-            self.num_resident_reads += (len(step.block_slots) - 1) * self.rt.num_layers
-
-    def _append_graphed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """k_new, v_new [1, H, D] straight into the partial block's GPU slot, at rows read from the
-        device (`GraphStep.kv_rows`)."""
-        rows = self.rt.pool.resident[layer].view(-1, k_new.shape[-1])
-        rows.index_copy_(0, self._graph_step.inputs.kv_rows, torch.cat([k_new[0], v_new[0]]))
-
-    def _attend_graphed(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [1, H, D] over the resident blocks and the partial block (one paged attention, block lists
-        and fills from the device), then the far part; float32 [1, H, D]."""
-        inputs = self._graph_step.inputs
-        near = paged_partial_attention(q, self.rt.pool.resident[layer], inputs.block_slots, inputs.block_starts,
-                                       inputs.block_fills, scale=scale)
-        return self.cached.attend_graphed(layer, q, near, scale, inputs.row_inputs[layer])
 
     def observe_layer_input(self, layer: int, hidden: torch.Tensor, position: object) -> None:
         """Layer `layer`'s input hidden state ([hidden_size], one decode token) and its position as
