@@ -142,7 +142,34 @@ def query_hit_rate(steps: list[dict]) -> float | None:
     return sum(s["hits"] for s in steps) / needed if needed else None
 
 
-def main() -> int:
+BLOCK_TOKENS = 64
+
+
+def sparse_settings(args: argparse.Namespace, full_kv: int) -> tuple[dict, int]:
+    """tierkv's config for the run (one eighth of the full KV on the GPU: resident slots + staging + the
+    key summaries), and the summaries' bytes."""
+    budget_blocks = args.budget_tokens // BLOCK_TOKENS
+    block_bytes = full_kv // args.context // args.layers * BLOCK_TOKENS
+    if args.predictor == "query":  # [ layer 0: C | ... | layer L-1: C | miss area: k ], C = selections x k
+        staging = (args.layers * args.cache_selections + 1) * budget_blocks * block_bytes
+    elif args.predictor == "cache":  # [ layer 0: C | ... | layer L-1: C ]
+        staging = args.layers * args.cache_selections * budget_blocks * block_bytes
+    else:
+        staging = (args.layers + 1) * budget_blocks * block_bytes
+    summaries = 2 * 8 * 128 * 2 * (args.context // BLOCK_TOKENS) * args.layers
+    return {
+        "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": full_kv // 8 - staging - summaries,
+                  "sink_tokens": 64, "window_tokens": 1024},
+        "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
+        "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
+                      "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
+                      "predict_with_previous": not args.no_previous,
+                      **({"sparse_cache_selections": args.cache_selections,
+                          "sparse_prefetch_margin": args.prefetch_margin} if args.predictor == "cache" else {})},
+    }, summaries
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -184,7 +211,11 @@ def main() -> int:
                         help="q/k projection biases N(0, std^2) in both models: queries that keep their direction, so "
                              "consecutive selections overlap (the vLLM benchmarks' 'bias 16' model; 0: random weights)")
     parser.add_argument("--out", default="benchmarks/results/sparse-h200.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if not torch.cuda.is_available():
         print("bench_sparse.py needs CUDA: run it on the GPU machine", file=sys.stderr)
         return 2
@@ -205,26 +236,9 @@ def main() -> int:
         dense_cache = None
         torch.cuda.empty_cache()
 
-    block_tokens = 64
-    budget_blocks = args.budget_tokens // block_tokens
-    block_bytes = full_kv // args.context // args.layers * block_tokens
-    if args.predictor == "query":  # [ layer 0: C | ... | layer L-1: C | miss area: k ], C = selections x k
-        staging = (args.layers * args.cache_selections + 1) * budget_blocks * block_bytes
-    elif args.predictor == "cache":  # [ layer 0: C | ... | layer L-1: C ]
-        staging = args.layers * args.cache_selections * budget_blocks * block_bytes
-    else:
-        staging = (args.layers + 1) * budget_blocks * block_bytes
-    summaries = 2 * 8 * 128 * 2 * (args.context // block_tokens) * args.layers
-    config = load_config({
-        "cache": {"block_tokens": block_tokens, "gpu_budget_bytes": full_kv // 8 - staging - summaries,
-                  "sink_tokens": 64, "window_tokens": 1024},
-        "tiers": [{"kind": "cpu", "capacity_bytes": int(full_kv * 1.1)}],
-        "scheduler": {"policy": "sparse", "predictor": args.predictor, "sparse_token_budget": args.budget_tokens,
-                      "staging_bytes": staging, "prefill_chunk_tokens": 32768, "lookahead_layers": args.lookahead,
-                      "predict_with_previous": not args.no_previous,
-                      **({"sparse_cache_selections": args.cache_selections,
-                          "sparse_prefetch_margin": args.prefetch_margin} if args.predictor == "cache" else {})},
-    }, env={})
+    settings, summaries = sparse_settings(args, full_kv)
+    budget_blocks = args.budget_tokens // BLOCK_TOKENS
+    config = load_config(settings, env={})
     runtime = runtime_for_model(model, config)
     try:
         cache = TieredCache(runtime, ids)
@@ -324,6 +338,15 @@ def main() -> int:
                **({"all_in_gpu_static": static} if static is not None else {}),
                **({"all_in_gpu_chunked": control} if control is not None else {})}
     write_results(args.out, results)
+    print_summary(results, args.new_tokens, stats, sequential)
+    return 0
+
+
+def print_summary(results: dict, steps: int, stats: dict, sequential: bool) -> None:
+    """The run's figures against the targets, a line each."""
+    base, row, full_kv = results["all_in_gpu"], results["tierkv_sparse"], results["full_kv_bytes"]
+    static, control = results.get("all_in_gpu_static"), results.get("all_in_gpu_chunked")
+    cached = row.get("cached_predictor")
     print(f"decode ms/token: all-in-GPU {base['decode_ms_per_token']:.1f}, tierkv sparse {row['decode_ms_per_token']:.1f} "
           f"(tokens/s ratio {row['decode_tokens_per_s_ratio']:.2f}, target 0.90"
           + (f"; step by step {row['decode_tokens_per_s_ratio_paired']:.2f}, steps in turn)" if not sequential else ")"))
@@ -363,7 +386,6 @@ def main() -> int:
         late = row["gpu_hit_rate_per_step"][len(row["gpu_hit_rate_per_step"]) // 2:]
         print(f"GPU hit rate per step, second half of the steps: min {min(late):.3f}, mean {sum(late) / len(late):.3f}; "
               f"prefetch precision {stats['prefetch']['precision']}, recall {stats['prefetch']['recall']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.scheduler import to_device_no_sync
 from tierkv.graph_step import GraphStep
+from tierkv.scheduler import to_device_no_sync
 from tierkv.vllm_backend.far_graphs import no_gc
 
 logger = logging.getLogger(__name__)

@@ -31,12 +31,18 @@ def settings(margin: int) -> dict:
     return config
 
 
-@torch.no_grad()
-def replayed_greedy(model, runtime, ids: list[int], num_new: int):
+def prefilled(model, runtime, ids: list[int]):
+    """A TieredCache of `ids` on CUDA, its forward kwargs and the prompt's last logits."""
     cache = TieredCache(runtime, ids)
     kwargs = forward_kwargs(model, cache)
     for pos in range(0, len(ids), 256):
         logits = model(torch.tensor([ids[pos : pos + 256]], device="cuda"), **kwargs).logits[0, -1]
+    return cache, kwargs, logits
+
+
+@torch.no_grad()
+def replayed_greedy(model, runtime, ids: list[int], num_new: int):
+    cache, _, logits = prefilled(model, runtime, ids)
     step = DecodeStep(model, cache)
     assert step.capture, "the decode graph needs CUDA and a copy-kernel transfer backend (cupy)"
     tokens, all_logits, previous_replayed = [], [logits], False
@@ -88,10 +94,7 @@ def test_replayed_decode_steps_equal_the_eager_ones(arch, margin):
 @torch.no_grad()
 def eager_greedy(model, runtime, ids: list[int], num_new: int):
     """tiered_greedy on CUDA: the plain step, model(...) each token."""
-    cache = TieredCache(runtime, ids)
-    kwargs = forward_kwargs(model, cache)
-    for pos in range(0, len(ids), 256):
-        logits = model(torch.tensor([ids[pos : pos + 256]], device="cuda"), **kwargs).logits[0, -1]
+    cache, kwargs, logits = prefilled(model, runtime, ids)
     tokens, all_logits = [], [logits]
     for _ in range(num_new):
         token = int(torch.argmax(logits))
