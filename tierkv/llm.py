@@ -168,12 +168,12 @@ class TieredLLM:
         return logits
 
     def _decode(self, cache, logits: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], str, float]:
+        from tierkv.decode_graph import DecodeStep
+
         device = self.runtime.device
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = set(sampling.stop_token_ids if sampling.stop_token_ids is not None else self._eos_ids())
         generated: list[int] = []
-        from tierkv.decode_graph import DecodeStep
-
         step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
         start = time.perf_counter()
         while True:
