@@ -12,6 +12,7 @@ import torch
 
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build
+from tests.sparse.test_cached_predictor import decode_under_budgets
 from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model
 from tierkv.config import load_config
 from tierkv.decode_graph import DecodeStep
@@ -96,22 +97,9 @@ def test_gpu_budget_changes_between_graphed_steps_give_the_plain_steps_output():
         settings["cache"].update(gpu_budget_bytes=2 * 6 * block_bytes, sink_tokens=BLOCK_TOKENS, window_tokens=8)
         runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"elastic-graph-{name}")
         try:
-            cache = TieredCache(runtime, ids)
-            kwargs = forward_kwargs(model, cache)
-            logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
-            step = DecodeStep(model, cache, capture=False)
-            tokens, all_logits = [], [logits]
-            for slots in budgets:
-                token = int(torch.argmax(logits))
-                tokens.append(token)
-                runtime.set_gpu_budget(2 * slots * block_bytes)
-                cache.seq.token_ids.append(token)
-                logits = (step(token) if name == "graphed" else
-                          model(torch.tensor([[token]]), **kwargs).logits[0, -1])
-                all_logits.append(logits)
-                assert runtime.residency.slots_per_layer == slots
-                fronts.add(runtime.residency.num_front_blocks)
-            cache.finish()
+            graphed = (lambda model, cache: DecodeStep(model, cache, capture=False)) if name == "graphed" else None
+            tokens, all_logits = decode_under_budgets(model, runtime, ids, [2 * slots * block_bytes for slots in budgets],
+                                                      fronts, step=graphed)
             runs[name] = tokens, all_logits, dict(runtime.decode_graph_counts)
         finally:
             runtime.close()

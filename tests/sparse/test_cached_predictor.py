@@ -125,12 +125,35 @@ def test_staging_too_small_for_the_caches_is_a_config_error():
 
 
 @torch.no_grad()
+@torch.no_grad()
+def decode_under_budgets(model, runtime, ids: list[int], budgets: list[int], fronts: set, step=None):
+    """Greedy tokens and logits of `ids`, a new GPU budget (bytes) set before each decode step; each
+    step's first far block (resident front blocks) added to `fronts`. step: a callable token -> logits
+    made from the cache (`tierkv.decode_graph.DecodeStep`), else the plain model call."""
+    from tierkv.adapters.hf import TieredCache, forward_kwargs
+
+    cache = TieredCache(runtime, ids)
+    kwargs = forward_kwargs(model, cache)
+    logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
+    decode = step(model, cache) if step is not None else None
+    tokens, all_logits = [], [logits]
+    for budget in budgets:
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        runtime.set_gpu_budget(budget)
+        cache.seq.token_ids.append(token)
+        logits = decode(token) if decode is not None else model(torch.tensor([[token]]), **kwargs).logits[0, -1]
+        all_logits.append(logits)
+        assert runtime.config.cache.gpu_budget_bytes == budget
+        fronts.add(runtime.residency.num_front_blocks)
+    cache.finish()
+    return tokens, all_logits
+
+
 def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output():
     """A new GPU budget between decode steps moves the first far block (more or fewer resident front
     blocks): the caches start over, and tokens and logits stay those of predictor `none` under the same
     budget changes."""
-    from tierkv.adapters.hf import TieredCache, forward_kwargs
-
     model, _ = build("llama", num_heads=8, num_kv_heads=2)
     block_bytes = 2 * 2 * 4 * 16 * 4
     ids = torch.randint(0, 512, (181,)).tolist()
@@ -145,21 +168,8 @@ def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output
         }
         runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"elastic-{predictor}")
         try:
-            cache = TieredCache(runtime, ids)
-            kwargs = forward_kwargs(model, cache)
-            logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
-            tokens, all_logits = [], [logits]
-            for slots in budgets:
-                token = int(torch.argmax(logits))
-                tokens.append(token)
-                runtime.set_gpu_budget(2 * slots * block_bytes)
-                cache.seq.token_ids.append(token)
-                logits = model(torch.tensor([[token]]), **kwargs).logits[0, -1]
-                all_logits.append(logits)
-                assert runtime.residency.slots_per_layer == slots
-                fronts.add(runtime.residency.num_front_blocks)
-            cache.finish()
-            runs[predictor] = tokens, all_logits
+            runs[predictor] = decode_under_budgets(model, runtime, ids, [2 * slots * block_bytes for slots in budgets],
+                                                   fronts)
         finally:
             runtime.close()
     assert len(fronts) >= 3  # the first far block moved between steps
