@@ -7,8 +7,8 @@
 Same Llama-3.1-8B-shaped model (random bf16 weights) and prompt for both paths, in one run:
 all-in-GPU DynamicCache (sdpa) and tierkv sparse mode with a GPU KV budget of one eighth of
 the full KV (resident slots + staging + block summaries). A second all-in-GPU baseline is a
-preallocated StaticCache (DynamicCache copies every layer's K/V into a larger tensor each step, which
-at 128k costs the caching allocator cudaMalloc/cudaFree calls; `--no-static-baseline` leaves it out).
+preallocated StaticCache (DynamicCache copies every layer's K/V into a larger tensor each step; a
+StaticCache is written in place; `--no-static-baseline` leaves it out).
 All prefill, then their decode steps take turns (every cache on the GPU at once), so a host that
 slows down for a while, as the shared GPU machine's does, slows every run alike; ratios are given by
 the medians and step by step, and each run's allocator calls during decode are counted

@@ -11,7 +11,7 @@ device values from the step before (`tierkv.decode_graph` replays it). Per layer
              row of (kv, head) = ((partial_slot * 2 + kv) * H + head) * T + offset
     attend:  q over [resident blocks | partial block] (one paged attention; block slots, first
              positions and token counts read from the device), then predictor 'cache''s far part
-             and the merge (`CachedSparse.attend_graphed`)
+             and the merge (`CachedSparse.attend_far`)
 
 `SequenceKV.append` and `attend` hand their work here while a `GraphStep` is begun on the
 sequence; `end` does the host bookkeeping of the step (token counts, resident reads) once, whether
@@ -92,4 +92,4 @@ class GraphStep:
         inputs, seq = self.inputs, self.seq
         near = paged_partial_attention(q, seq.rt.pool.resident[layer], inputs.block_slots, inputs.block_starts,
                                        inputs.block_fills, scale=scale)
-        return seq.cached.attend_graphed(layer, q, near, scale, inputs.row_inputs[layer])
+        return seq.cached.attend_far(layer, q, near, scale, inputs.row_inputs[layer])

@@ -1,7 +1,8 @@
 """Sparse decode with predictor `cache` in the transformers engine: the vLLM backend's far-block
 caches and sparse step, for the one sequence of a `SequenceKV`.
 
-Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `stats`, `totals`), `check_staging`.
+Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `attend_far`, `graph_key`,
+`graph_row_inputs`, `stats`, `totals`), `check_staging`.
 
 Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
 in a far-block cache laid over the staging memory (`vllm_backend.far_cache.RowCaches`), so a step
@@ -184,8 +185,17 @@ class CachedSparse:
             replayed = self.graphs.attend(layer, rows, q, near_out, near_lse, torch.float32, scale)
             if replayed is not None:
                 return replayed[0].clone()  # the graph's static output: the next replay rewrites it
+        return self.attend_far(layer, q, near, scale)
+
+    def attend_far(self, layer: int, q: torch.Tensor, near: tuple[torch.Tensor, torch.Tensor], scale: float,
+                   row_inputs: tuple = ()) -> torch.Tensor:
+        """`attend` by the sparse step's body itself: eagerly, or inside a decode step's CUDA graph (which
+        cannot replay the per-layer graphs within its capture), there with static row inputs
+        (`graph_row_inputs`)."""
+        if self._num_far == 0:
+            return near[0]
         out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
-                                       self.packed, prefetch=self.prefetch)
+                                       self.packed, *row_inputs, prefetch=self.prefetch)
         if self.prefetch is not None:
             self.prefetch.join()  # as in the graphs: nothing forked outlives the layer
         return merge_partials([near, (out, lse)])[0]
@@ -206,18 +216,6 @@ class CachedSparse:
                                [slots.data_ptr() for slots in self._slots]], dtype=torch.int64)
         values = to_device_no_sync(values.view(-1), self._num_far_dev.device).view(3, -1)
         return [(values[0, i : i + 1], values[1, i : i + 1], values[2, i : i + 1]) for i in range(len(tables))]
-
-    def attend_graphed(self, layer: int, q: torch.Tensor, near: tuple[torch.Tensor, torch.Tensor], scale: float,
-                       row_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`attend` as a decode step's graph runs it: the sparse step's body itself (a graph cannot
-        replay another inside its capture), its row inputs static (`graph_row_inputs`)."""
-        if self._num_far == 0:
-            return near[0]
-        out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
-                                       self.packed, *row_inputs, prefetch=self.prefetch)
-        if self.prefetch is not None:
-            self.prefetch.join()  # a graph ends with every stream it forked joined
-        return merge_partials([near, (out, lse)])[0]
 
     def _counts(self) -> dict[str, int]:
         """The current sequence's hits, misses, stalled layers and, with a margin, the blocks it
