@@ -13,6 +13,10 @@ layer (the attention call receives that same tensor, in every transformers 5 rel
 GPU-resident, streamed and fresh blocks (see `tierkv.sequence`). The mask function returns
 None: causality comes from token positions. One sequence per cache (batch size 1).
 
+Without a TieredCache (a plain `model.generate()` after `runtime_for_model`), both functions
+fall back to transformers' sdpa attention and mask, so the model works as before;
+`restore_attention(model)` puts the model's own attention implementation back.
+
 With `scheduler.predictor: query`, a forward pre-hook on every decoder layer hands the layer's
 input hidden state of a decode token to the sequence, and `QueryProjector` turns it into
 another layer's query (that layer's input norm, q projection, q norm if any, and rotary
@@ -25,7 +29,8 @@ import inspect
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
@@ -93,8 +98,12 @@ def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs) -> tuple[torch.Tensor, None]:
     """query: [1, num_heads, n, head_dim] -> ([1, n, num_heads, head_dim], None)."""
     layer = getattr(key, _LAYER_ATTR, None)
-    if layer is None:
-        raise RuntimeError("the 'tierkv' attention needs a TieredCache passed as past_key_values")
+    if layer is None:  # no TieredCache in this forward: the model's cache and stock attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if attention_mask is not None:
+        raise ValueError("TieredCache holds one unpadded sequence; got an attention mask with padding "
+                         "(run padded batches one request at a time, as TieredLLM.generate does)")
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("tierkv attention does not implement sliding-window layers yet")
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
@@ -110,14 +119,25 @@ def forward_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
     return {name: cache, "use_cache": True}
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
+def _mask_for_padding_only(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """No mask for unpadded input (tierkv takes causality from positions; sdpa from is_causal);
+    sdpa's mask where the 2-D attention mask pads, for the stock-attention fallback."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def register() -> None:
     """Register the "tierkv" attention and mask functions with transformers (idempotent)."""
     AttentionInterface.register(ATTN_NAME, tiered_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    AttentionMaskInterface.register(ATTN_NAME, _mask_for_padding_only)
+
+
+def restore_attention(model: PreTrainedModel) -> None:
+    """Undo `runtime_for_model`'s switch: the attention implementation the model had before."""
+    previous = getattr(model, "_tierkv_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
 
 
 def model_kv_shape(model: PreTrainedModel) -> dict:
@@ -199,6 +219,8 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     if config.model.kv_dtype not in ("auto", dtype_name(param.dtype)):
         raise ValueError(f"config key 'model.kv_dtype': got {config.model.kv_dtype!r}; the model runs in {dtype_name(param.dtype)}")
     register()
+    if model.config._attn_implementation != ATTN_NAME:
+        model._tierkv_previous_attn = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
                         model_id=model_id or config.model.name, **shape)
