@@ -172,14 +172,14 @@ class TieredLLM:
 
         device = self.runtime.device
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        stop_ids = set(sampling.stop_token_ids if sampling.stop_token_ids is not None else self._eos_ids())
+        stop_ids = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(self._eos_ids()))
         generated: list[int] = []
         step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
         start = time.perf_counter()
         while True:
             token = sample_next(logits, sampling, generator)
             generated.append(token)
-            if token in stop_ids and not sampling.ignore_eos:
+            if token in stop_ids:
                 return generated, "stop", _elapsed(start, device)
             if len(generated) >= sampling.max_new_tokens:
                 return generated, "length", _elapsed(start, device)
@@ -225,6 +225,7 @@ def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: d
         sampling = SamplingParams(**sampling_kwargs)
     elif sampling_kwargs:
         raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
+    sampling = SamplingParams.coerce(sampling)
     return sampling, [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
 
 

@@ -1,12 +1,34 @@
-"""Sampling settings and request results shared by every backend.
+"""Sampling settings and request results shared by every backend, in vLLM's conventions.
 
-Primitives: `SamplingParams`, `RequestOutput`, `sample_next`.
+Primitives: `SamplingParams` (also spelt with vLLM's `max_tokens`; `SamplingParams.coerce` takes
+vLLM's own `SamplingParams`), `RequestOutput` and `CompletionOutput` (vLLM's shape:
+`out.outputs[0].text`, plus tierkv's `stats`), `sample_next`.
+
+Stops follow vLLM: a request stops at the model's EOS ids (unless `ignore_eos`) and at any of
+`stop_token_ids`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import InitVar, dataclass, field
 
 import torch
+
+# vLLM settings tierkv does not implement, with the value that means "off" in vLLM
+_VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                     "min_p": 0.0, "min_tokens": 0, "stop": [], "logprobs": None, "prompt_logprobs": None}
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: got {value!r}; must be an integer >= {minimum}")
+
+
+def _check_number(name: str, value, low: float, high: float, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name}: got {value!r}; must be a finite number in {bracket}{low}, {high}]")
 
 
 @dataclass
@@ -16,27 +38,83 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop_token_ids: list[int] | None = None  # None = the model's EOS ids
+    stop_token_ids: list[int] | None = None  # stops besides the model's EOS ids
     ignore_eos: bool = False
+    max_tokens: InitVar[int | None] = None   # vLLM's name for max_new_tokens
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: got {self.max_new_tokens}; must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: got {self.temperature}; must be >= 0 (0 = greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k: got {self.top_k}; must be >= 1 or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: got {self.top_p}; must be in (0, 1] or None")
+    def __post_init__(self, max_tokens: int | None) -> None:
+        if max_tokens is not None:
+            if self.max_new_tokens not in (64, max_tokens):
+                raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={self.max_new_tokens!r}: give one")
+            self.max_new_tokens = max_tokens
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_number("temperature", self.temperature, 0.0, 1e6, low_open=False)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, 1)
+        if self.top_p is not None:
+            _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise ValueError(f"stop_token_ids: got {self.stop_token_ids!r}; must be a list of token ids")
+            self.stop_token_ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t
+                                   for t in self.stop_token_ids]
+            for token in self.stop_token_ids:
+                _check_int("stop_token_ids[]", token, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: got {self.ignore_eos!r}; must be true or false")
+
+    @classmethod
+    def coerce(cls, params) -> "SamplingParams":
+        """tierkv's SamplingParams as is; vLLM's `SamplingParams` translated (settings tierkv does not
+        implement, such as n > 1 or penalties, are refused by name)."""
+        if isinstance(params, cls):
+            return params
+        if not hasattr(params, "max_tokens") or not hasattr(params, "temperature"):
+            raise TypeError(f"sampling: got {type(params).__name__}; expected tierkv.sampling.SamplingParams "
+                            "or vllm.SamplingParams")
+        for name, off in _VLLM_UNSUPPORTED.items():
+            value = getattr(params, name, off)
+            if value != off and not (off == [] and not value):
+                raise ValueError(f"sampling.{name}: got {value!r}; tierkv supports only {off!r}")
+        if params.max_tokens is None:
+            raise ValueError("sampling.max_tokens: got None; give the number of tokens to generate")
+        top_k = getattr(params, "top_k", None)
+        top_p = getattr(params, "top_p", None)
+        return cls(max_new_tokens=params.max_tokens, temperature=params.temperature,
+                   top_k=top_k if top_k and top_k > 0 else None, top_p=top_p if top_p not in (None, 1.0) else None,
+                   seed=params.seed, stop_token_ids=list(params.stop_token_ids or []) or None,
+                   ignore_eos=bool(params.ignore_eos))
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request, as vLLM's `CompletionOutput`."""
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str                 # "length" or "stop"
+    cumulative_logprob: float | None = None
+    logprobs: None = None
 
 
 @dataclass
 class RequestOutput:
+    """One request's result: vLLM's shape (`outputs[0].text`, `prompt_token_ids`, `finished`) with
+    tierkv's per-request `stats`; `text`, `token_ids` and `finish_reason` are the first completion's."""
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str                 # "length" or "stop"
     stats: dict = field(default_factory=dict)
+    request_id: str = ""
+    prompt: str | None = None
+    finished: bool = True
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -155,7 +155,7 @@ class VllmTieredLLM:
             self.metrics.record_request({k: v for k, v in stats.items() if not k.startswith("top2")})
             results.append(RequestOutput(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(completion.token_ids),
                                          text=completion.text, finish_reason=completion.finish_reason or "length",
-                                         stats=stats))
+                                         stats=stats, request_id=str(out.request_id), prompt=out.prompt))
         self._totals["wall_s"] += wall_s
         return results
 

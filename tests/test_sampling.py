@@ -1,0 +1,65 @@
+"""vLLM's conventions: `max_tokens`, vLLM's own SamplingParams, `out.outputs[0].text`, stops."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.test_llm import make_llm
+from tierkv.sampling import RequestOutput, SamplingParams
+
+
+def test_max_tokens_is_vllms_spelling_of_max_new_tokens():
+    assert SamplingParams(max_tokens=7).max_new_tokens == 7
+    with pytest.raises(ValueError, match="max_tokens=7 and max_new_tokens=3"):
+        SamplingParams(max_tokens=7, max_new_tokens=3)
+
+
+def test_vllm_sampling_params_are_translated_or_refused_by_name():
+    vllm = pytest.importorskip("vllm")
+    ours = SamplingParams.coerce(vllm.SamplingParams(max_tokens=9, temperature=0.5, top_k=20, top_p=0.9, seed=4,
+                                                     stop_token_ids=[3], ignore_eos=True))
+    assert ours == SamplingParams(max_new_tokens=9, temperature=0.5, top_k=20, top_p=0.9, seed=4,
+                                  stop_token_ids=[3], ignore_eos=True)
+    plain = SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, temperature=0))
+    assert (plain.top_k, plain.top_p, plain.stop_token_ids) == (None, None, None)
+    with pytest.raises(ValueError, match="sampling.n: got 2"):
+        SamplingParams.coerce(vllm.SamplingParams(n=2))
+    with pytest.raises(ValueError, match="sampling.repetition_penalty"):
+        SamplingParams.coerce(vllm.SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(TypeError, match="expected tierkv.sampling.SamplingParams or vllm.SamplingParams"):
+        SamplingParams.coerce({"max_tokens": 3})
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids"]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True),
+                       st.text(max_size=4), st.lists(st.integers(-3, 3), max_size=3)))
+def test_any_setting_is_accepted_or_refused_with_its_name(name, value):
+    try:
+        params = SamplingParams(**{name: value})
+    except ValueError as error:
+        assert str(error).startswith(name), error
+        return
+    # accepted: a value the sampler can use
+    assert params.max_new_tokens >= 1 and math.isfinite(params.temperature) and params.temperature >= 0
+    assert params.top_k is None or params.top_k >= 1
+    assert params.top_p is None or 0 < params.top_p <= 1
+    assert params.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in params.stop_token_ids)
+    assert isinstance(params.ignore_eos, bool)
+
+
+def test_outputs_have_vllms_shape_and_stops_follow_vllm(tmp_path):
+    llm, _ = make_llm(tmp_path)
+    prompt = torch.randint(0, 512, (30,)).tolist()
+    with llm:
+        (free,) = llm.generate([prompt], max_tokens=6)
+        assert isinstance(free, RequestOutput) and free.finished
+        assert free.outputs[0].token_ids == free.token_ids and free.outputs[0].finish_reason == "length"
+        # a stop token besides EOS ends the request at its first occurrence, token included
+        stop = free.token_ids[2]
+        (stopped,) = llm.generate([prompt], max_tokens=6, stop_token_ids=[stop])
+        first = free.token_ids.index(stop)
+        assert stopped.token_ids == free.token_ids[:first + 1] and stopped.outputs[0].finish_reason == "stop"
