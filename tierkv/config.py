@@ -62,6 +62,9 @@ class DiskTierConfig:
     path: str = field(default="/var/tmp/tierkv", metadata=doc("directory for block files", check="writable_dir"))
     capacity_bytes: int = field(default=64 * 1024**3, metadata=doc("bytes on disk", min_value=1))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+    write_through: bool = field(default=True, metadata=doc(
+        "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
+        "so later processes reuse prefixes; false = only blocks the tiers above evict reach this tier"))
 
 
 @dataclass
@@ -76,6 +79,9 @@ class RedisTierConfig:
     timeout_s: float = field(default=0.5, metadata=doc("socket timeout; slower counts as down", min_value=1e-3))
     retry_interval_s: float = field(default=2.0, metadata=doc("wait before retrying a down server", min_value=0.0))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+    write_through: bool = field(default=True, metadata=doc(
+        "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
+        "so other processes and hosts reuse prefixes; false = only blocks the tiers above evict reach Redis"))
 
 
 TierConfig = Union[CpuTierConfig, DiskTierConfig, RedisTierConfig]

@@ -195,6 +195,7 @@ class SequenceKV:
                 handle.synchronize()
             if handle.is_done():
                 self.rt.cpu.complete_put(keys, keep_pinned=True)
+                self.rt.chain.write_through([k for k in keys if not k.startswith("anon-")])
             else:
                 still.append((keys, handle))
         self._pending_d2h = still

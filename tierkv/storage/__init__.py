@@ -69,4 +69,4 @@ def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_me
         for tier in tiers:
             tier.close()
         raise
-    return TierChain(tiers)
+    return TierChain(tiers, write_through=[getattr(c, "write_through", False) for c in tier_configs])

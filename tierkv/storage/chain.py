@@ -1,6 +1,7 @@
 """The tier chain: where each block lives, lookups across tiers, promotion and spilling.
 
-Primitives: `TierChain` (put_many, get_many, locate_many, remove_many, flush, close, snapshot).
+Primitives: `TierChain` (put_many, get_many, locate_many, remove_many, write_through, flush,
+close, snapshot).
 
     put ──> tier 0 (cpu) ──evicted──> tier 1 (disk) ──evicted──> tier 2 (redis) ──> dropped
     get <── tier 0 <──promote── tier 1 <──promote── tier 2
@@ -10,6 +11,11 @@ is promoted into tier 0. Blocks pushed out of a tier spill into the next one on 
 thread pool, off the caller's path; while a spill is in flight its blocks are still served
 from memory, so nothing is missed between tiers. A spill that a tier refuses (full, down)
 goes to the tier after it; only a block no tier accepts is dropped, and that is counted.
+
+Write-through: tiers marked `write_through` (persistent ones: disk, Redis) also receive every
+content-addressed block as soon as it lands in tier 0, on the same background pool, so a later
+process finds the prefix there even when tier 0 never evicted it. `flush` and `close` wait for
+those writes.
 """
 from __future__ import annotations
 
@@ -23,10 +29,17 @@ from tierkv.storage.base import PutResult, StorageTier
 
 
 class TierChain:
-    def __init__(self, tiers: Sequence[StorageTier], *, num_spill_workers: int = 2):
+    def __init__(self, tiers: Sequence[StorageTier], *, num_spill_workers: int = 2,
+                 write_through: Sequence[bool] | None = None):
         if not tiers:
             raise ValueError("a tier chain needs at least one tier")
         self.tiers = list(tiers)
+        flags = list(write_through) if write_through is not None else [False] * len(self.tiers)
+        if len(flags) != len(self.tiers):
+            raise ValueError(f"write_through: {len(flags)} flags for {len(self.tiers)} tiers")
+        self.write_through_tiers = [i for i, flag in enumerate(flags) if flag and i > 0]
+        self.num_written_through = 0
+        self.num_write_through_failed = 0
         if hasattr(self.tiers[-1], "return_evicted"):  # nothing below the last tier: do not read evictions back
             self.tiers[-1].return_evicted = False
         self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
@@ -94,6 +107,39 @@ class TierChain:
                 for key, block in evicted:
                     if self._in_flight.get(key) is block:
                         del self._in_flight[key]
+
+    def write_through(self, keys: Sequence[str]) -> None:
+        """Copy these tier-0 blocks to every write-through tier that lacks them, in the background."""
+        if not self.write_through_tiers or not keys:
+            return
+        with self._lock:
+            future = self._executor.submit(self._write_through_now, list(keys))
+            self._futures.add(future)
+        future.add_done_callback(self._forget_future)
+
+    def _write_through_now(self, keys: list[str]) -> None:
+        try:
+            first = self.tiers[0]
+            found = first.peek_many(keys) if hasattr(first, "peek_many") else first.get_many(keys)
+            present = [(k, b) for k, b in zip(keys, found) if b is not None]
+            for index in self.write_through_tiers:
+                tier = self.tiers[index]
+                if not present or not tier.is_healthy:
+                    continue
+                held = tier.contains_many([k for k, _ in present])
+                todo = [(k, b) for (k, b), is_held in zip(present, held) if not is_held]
+                if not todo:
+                    continue
+                results = tier.put_many([k for k, _ in todo], [b for _, b in todo])
+                for result in results:
+                    self.spill(index, result.evicted)
+                with self._lock:
+                    self.num_written_through += sum(r.ok for r in results)
+                    self.num_write_through_failed += sum(not r.ok for r in results)
+        except Exception as exc:  # counted and kept, as a spill's
+            with self._lock:
+                self.spill_errors.append(f"write-through {type(exc).__name__}: {exc}")
+                self.num_write_through_failed += len(keys)
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
@@ -208,5 +254,7 @@ class TierChain:
             chain = {
                 "spilled": self.num_spilled, "dropped": self.num_dropped, "promoted": self.num_promoted,
                 "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors[-10:]),
+                "written_through": self.num_written_through,
+                "write_through_failed": self.num_write_through_failed,
             }
         return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}

@@ -205,6 +205,15 @@ class CpuTier(StorageTier):
         self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return [None if slot is None else next(rows) for slot in slots]
 
+    def peek_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """As get_many, for the tier's own copies to other tiers: no lookup counted, LRU order kept."""
+        with self._lock:
+            slots = [self._slot_of.get(key) for key in keys]
+            hit_slots = [slot for slot in slots if slot is not None]
+            if hit_slots:
+                rows = iter(self.read_slots(hit_slots).unbind(0))
+        return [None if slot is None else next(rows) for slot in slots]
+
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
         """Store blocks in key order under one lock, as a loop of put() would; all are checked first."""
         if len(keys) != len(blocks):

@@ -327,6 +327,7 @@ class VllmKVStore:
                     handle.synchronize()
                 if wait or handle.is_done():
                     self.cpu.complete_put(keys, keep_pinned=self.keep_saves_pinned)
+                    self.chain.write_through(keys)
                     if self.keep_saves_pinned:
                         self.saved_pins.update(zip(keys, slots))
                 else:
