@@ -44,6 +44,8 @@ import errno
 import itertools
 import logging
 import os
+import stat
+import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -54,10 +56,11 @@ import torch
 
 from tierkv.blocks import dtype_name
 from tierkv.blocks import BlockLayout
+from tierkv.storage import disk_files as files
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.disk_buffers import ReadBufferPool
-from tierkv.storage.disk_reads import BatchReader, Entry
+from tierkv.storage.disk_reads import SEGMENT_GONE, SEGMENT_REPLACED, BatchReader, Entry
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class DiskTier(StorageTier):
         self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
         self._index: OrderedDict[str, Entry] = OrderedDict()  # oldest first
         self._num_live: dict[int, int] = {}  # segment id -> records not yet dropped
+        self._identities: dict[int, files.FileIdentity] = {}  # segment id -> (device, inode) we wrote or scanned
         self._append_lock = threading.Lock()  # the active segment: its fd, size and rollover
         self._active_id: int | None = None
         self._active_fd: int | None = None
@@ -121,7 +125,7 @@ class DiskTier(StorageTier):
         self._modes = seg.ReadModes()
         self._buffers = ReadBufferPool(read_buffer_bytes)
         self._pool: ThreadPoolExecutor | None = None
-        self._reader = BatchReader(layout, self._segment_path, self._buffers, self._modes, self._spread, self._checker)
+        self._reader = BatchReader(layout, self._open_segment, self._buffers, self._modes, self._spread, self._checker)
         self._closed = False
         self._open_directory()
         self._rebuild_index()
@@ -223,15 +227,21 @@ class DiskTier(StorageTier):
         """Write records for these blocks at the end of the active segment, then index them."""
         with self._append_lock:
             self._check_open()
-            start = None
-            try:
-                fd, start = self._active_segment()
-                headers = self._write_records(fd, start, keys, payloads)
-                if self.fsync:
-                    os.fdatasync(fd)
-            except OSError as exc:
-                self._cut_back(start)
-                return [self._put_failed(key, exc) for key in keys]
+            for _ in range(2):  # a segment lost during the write: once more in a new one
+                start = None
+                try:
+                    fd, start = self._active_segment()
+                    headers = self._write_records(fd, start, keys, payloads)
+                    if self.fsync:
+                        os.fdatasync(fd)
+                except OSError as exc:
+                    self._cut_back(start)
+                    return [self._put_failed(key, exc) for key in keys]
+                if not self._roll_over_if_lost():
+                    break
+            else:
+                lost = OSError(errno.ENOENT, "the segment file was deleted or replaced while being written, twice")
+                return [self._put_failed(key, lost) for key in keys]
             entries, offset = [], start
             for header in headers:
                 entries.append(Entry(self._active_id, offset, header))
@@ -301,7 +311,9 @@ class DiskTier(StorageTier):
         return dropped, victims
 
     def _active_segment(self) -> tuple[int, int]:
-        """(fd, size) of the segment that takes appends, begun anew past segment_bytes. Caller holds _append_lock."""
+        """(fd, size) of the segment that takes appends, begun anew past segment_bytes or when its
+        file was deleted or replaced. Caller holds _append_lock."""
+        self._roll_over_if_lost()
         if self._active_fd is not None and self._active_size < self.segment_bytes:
             self._active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where the next records go
             return self._active_fd, self._active_size
@@ -315,20 +327,63 @@ class DiskTier(StorageTier):
                     del self._num_live[old]
             if is_dead:
                 self._unlink(self._segment_path(old))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         while self._active_fd is None:  # another tier on this path may have taken the id: try the next
             segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
             try:
-                self._active_fd = os.open(self._segment_path(segment_id), flags, 0o644)
+                self._active_fd = files.create_segment(self._segment_path(segment_id))
             except FileExistsError:
                 continue
+            except FileNotFoundError:  # the directory was deleted (a tmp cleaner): make it again, checked
+                logger.warning("%s: directory %s is gone; creating it again", self.name, self.path)
+                self._open_directory()
+                self._active_fd = files.create_segment(self._segment_path(segment_id))
         self._active_size = 0
         with self._lock:
             self._active_id = segment_id
             self._num_live[segment_id] = 0
+            self._identities[segment_id] = files.file_identity(self._active_fd)
         if self.fsync:
             _sync_directory(str(self.path))
         return self._active_fd, 0
+
+    def _roll_over_if_lost(self) -> bool:
+        """Whether the active segment's file was deleted or replaced; if so, forget it and its blocks
+        (the next append begins a new segment). Caller holds _append_lock."""
+        if self._active_fd is None:
+            return False
+        path = self._segment_path(self._active_id)
+        try:
+            is_unlinked = os.fstat(self._active_fd).st_nlink == 0
+            at_path = files.path_identity(path)
+        except OSError as exc:
+            self._io_error("stat", path, exc)
+            return False
+        if is_unlinked or at_path is None:
+            self._forget_segment(self._active_id, "segment_deleted")
+        elif at_path != self._identities.get(self._active_id):
+            self._forget_segment(self._active_id, "segment_replaced")
+        else:
+            return False
+        return True
+
+    def _forget_segment(self, segment_id: int, reason: str) -> None:
+        """Drop every index entry into a segment whose file is lost, counted as lost_blocks for
+        `reason`; close it if it takes appends. Caller holds _append_lock. The file at its path
+        (another's) is left alone."""
+        with self._lock:
+            if segment_id not in self._num_live:
+                return  # forgotten already
+            lost = [key for key, entry in self._index.items() if entry.segment_id == segment_id]
+            for key in lost:
+                del self._index[key]
+            del self._num_live[segment_id]
+            self._identities.pop(segment_id, None)
+            if self._active_id == segment_id:
+                os.close(self._active_fd)
+                self._active_id, self._active_fd = None, None
+        logger.warning("%s: segment %s was %s while in use: %d blocks lost", self.name,
+                       self._segment_path(segment_id), reason.split("_")[1], len(lost))  # fmt: skip
+        self.counters.add_for_reason("lost_blocks", reason, len(lost))
 
     def _cut_back(self, size: int | None) -> None:
         """Remove what a failed append left after `size`; if that fails too, begin a new segment next time."""
@@ -359,18 +414,25 @@ class DiskTier(StorageTier):
 
     def _forget_failed(self, keys: list[str], entries: list[Entry], failures: list[str | None]) -> None:
         """Drop failed blocks that are still the indexed ones: corrupt (counted) or deleted behind our back."""
-        dropped = []
+        dropped, lost = [], {}
         with self._lock:
             for key, entry, failure in zip(keys, entries, failures):
                 if failure is None or self._index.get(key) is not entry:
                     continue  # fine, or replaced or removed while we read: a plain miss
+                if failure in (SEGMENT_GONE, SEGMENT_REPLACED):
+                    lost[entry.segment_id] = "segment_deleted" if failure == SEGMENT_GONE else "segment_replaced"
+                    continue
                 if failure.startswith(("open failed", "read failed")):
                     self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
                     continue
                 logger.warning("%s: dropping block %s (segment %x): %s", self.name, key, entry.segment_id, failure)
-                self.counters.add(**({"errors": 1} if failure == "gone" else {"corrupt_blocks": 1}))
+                self.counters.add(corrupt_blocks=1)
                 dropped.append(self._index.pop(key))
         self._drop_records(dropped)
+        if lost:
+            with self._append_lock:
+                for segment_id, reason in lost.items():
+                    self._forget_segment(segment_id, reason)
 
     # -- dropping records ------------------------------------------------------------------
     def _drop_records(self, entries: list[Entry]) -> None:
@@ -378,6 +440,7 @@ class DiskTier(StorageTier):
         if not entries:
             return
         with self._append_lock, self._lock:  # an emptied active segment is retired too: unlinked, not punched
+            entries = [e for e in entries if e.segment_id in self._num_live]  # not of a segment lost meanwhile
             for entry in entries:
                 self._num_live[entry.segment_id] -= 1
             dead = {e.segment_id for e in entries if self._num_live[e.segment_id] == 0}
@@ -386,6 +449,7 @@ class DiskTier(StorageTier):
                 self._active_id, self._active_fd = None, None
             for segment_id in dead:
                 del self._num_live[segment_id]
+                self._identities.pop(segment_id, None)
         for segment_id in dead:
             self._unlink(self._segment_path(segment_id))
         by_segment = itertools.groupby(sorted((e for e in entries if e.segment_id not in dead), key=_position),
@@ -396,9 +460,9 @@ class DiskTier(StorageTier):
     def _punch_all(self, segment_id: int, entries: list[Entry]) -> None:
         path = self._segment_path(segment_id)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
+            fd = self._open_segment(segment_id, os.O_WRONLY)
+        except (FileNotFoundError, files.SegmentReplaced):
+            return  # a read will find the segment lost
         except OSError as exc:
             return self._io_error("open", path, exc)
         try:
@@ -416,13 +480,24 @@ class DiskTier(StorageTier):
 
     # -- start-up --------------------------------------------------------------------------
     def _open_directory(self) -> None:
-        probe = os.path.join(self.path, f"probe.{os.getpid()}.tmp")
+        """Create or check the directory (disk_files: 0700, this user's) and that files can be made in it."""
         try:
-            os.makedirs(self.path, exist_ok=True)
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            files.open_private_directory(str(self.path))
+        except TierError as exc:
+            raise type(exc)(f"{self.name}: {exc}") from exc.__cause__
+        try:
+            fd, probe = tempfile.mkstemp(prefix="probe.", suffix=".tmp", dir=self.path)  # O_EXCL | O_NOFOLLOW
+            os.close(fd)
             os.unlink(probe)
         except OSError as exc:
             raise TierError(f"{self.name}: cannot store blocks under {str(self.path)!r}: {exc}") from exc
+
+    def _open_segment(self, segment_id: int, flags: int) -> int:
+        """The segment's file opened with `flags`, never through a symlink; FileNotFoundError when
+        it is gone, files.SegmentReplaced when another file took its name."""
+        with self._lock:
+            identity = self._identities.get(segment_id)
+        return files.open_checked_segment(self._segment_path(segment_id), flags, identity)
 
     def _rebuild_index(self) -> None:
         """Index the records in the segments, oldest first; drop torn tails, superseded and foreign records."""
@@ -449,31 +524,73 @@ class DiskTier(StorageTier):
             self._unlink(self._segment_path(segment_id))
 
     def _scan_into_index(self, segment_id: int) -> list[Entry]:
-        path, dropped = self._segment_path(segment_id), []
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        """Index a segment's whole records; returns those superseded or of another layout (to punch).
+
+        Every record dropped here is logged and counted in scan_dropped_records by reason:
+        header_damaged (data between records that is no header), torn_tail (data after the last
+        whole record, cut off), superseded (a later record of the key exists), other_layout."""
+        path = self._segment_path(segment_id)
+        fd = self._open_scanned_segment(path)
+        if fd is None:
+            return []
+        damaged: list[tuple[int, int]] = []
         try:
             size = os.fstat(fd).st_size
-            records, end, is_partly_unreadable = seg.scan_segment(fd, size)
+            records, end, is_partly_unreadable = seg.scan_segment(fd, size, damaged)
             if end < size:
-                if _holds_data(fd, end, size):
-                    logger.warning("%s: %s: dropping %d bytes after the last whole record (a torn write, or removed "
-                                   "records whose headers were zeroed)", self.name, path, size - end)
-                else:  # nothing but the holes punched over removed records
-                    logger.debug("%s: %s: trimming %d bytes of punched holes", self.name, path, size - end)
-                os.ftruncate(fd, end)
+                self._cut_tail(fd, path, end, size)
+            self._identities[segment_id] = files.file_identity(fd)
         finally:
             os.close(fd)
+        for start, stop in (region for region in damaged if region[1] <= end):
+            logger.warning("%s: %s: dropping a record whose header is damaged (%d bytes at offset %d)",
+                           self.name, path, stop - start, start)  # fmt: skip
+            self.counters.add_for_reason("scan_dropped_records", "header_damaged")
         # records this process cannot verify count as one live record: the segment is never deleted here
         self._num_live[segment_id] = len(records) + int(is_partly_unreadable)
+        dropped = []
         for offset, h in records:
             entry = Entry(segment_id, offset, h)
             is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
             old = self._index.pop(h.key, None) if is_ours else entry
             if old is not None:
+                reason = "superseded" if is_ours else "other_layout"
+                logger.debug("%s: %s: dropping a record of %s (%s)", self.name, path, h.key, reason)
+                self.counters.add_for_reason("scan_dropped_records", reason)
                 dropped.append(old)
             if is_ours:
                 self._index[h.key] = entry
         return dropped
+
+    def _open_scanned_segment(self, path: str) -> int | None:
+        """The segment file for the scan (read-write, made 0600), or None, logged and counted as an
+        error, when it is a symlink, not a regular file or not this user's: it is left as it is."""
+        try:
+            fd = files.open_segment(path, os.O_RDWR)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EISDIR, errno.ENXIO):
+                raise
+            self._io_error("open", path, exc)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            self._io_error("scan", path, OSError(errno.EPERM, f"not a regular file of uid {os.geteuid()}, skipped "
+                                                              f"(owner uid {st.st_uid}, {stat.filemode(st.st_mode)})"))
+            return None
+        if stat.S_IMODE(st.st_mode) != files.FILE_MODE:
+            os.fchmod(fd, files.FILE_MODE)  # an earlier version made segments 0644
+        return fd
+
+    def _cut_tail(self, fd: int, path: str, end: int, size: int) -> None:
+        """Cut what follows the last whole record: a torn or damaged tail (counted), or punched holes."""
+        if _holds_data(fd, end, size):
+            logger.warning("%s: %s: dropping %d bytes after the last whole record (a torn write, a damaged "
+                           "record, or removed records whose headers were zeroed)", self.name, path, size - end)
+            self.counters.add_for_reason("scan_dropped_records", "torn_tail")
+        else:  # nothing but the holes punched over removed records
+            logger.debug("%s: %s: trimming %d bytes of punched holes", self.name, path, size - end)
+        os.ftruncate(fd, end)
 
     # -- helpers ---------------------------------------------------------------------------
     def _segment_path(self, segment_id: int) -> str:
