@@ -234,7 +234,7 @@ class DiskTier(StorageTier):
                     headers = self._write_records(fd, start, keys, payloads)
                     if self.fsync:
                         os.fdatasync(fd)
-                except OSError as exc:
+                except (OSError, TierError) as exc:  # TierError: the directory, made again, is unsafe
                     self._cut_back(start)
                     return [self._put_failed(key, exc) for key in keys]
                 if not self._roll_over_if_lost():
@@ -327,16 +327,15 @@ class DiskTier(StorageTier):
                     del self._num_live[old]
             if is_dead:
                 self._unlink(self._segment_path(old))
+        if files.directory_identity(str(self.path)) != self._directory_identity:  # deleted (a tmp cleaner) or swapped
+            logger.warning("%s: directory %s was deleted or replaced; making or checking it again", self.name, self.path)
+            self._open_directory()
         while self._active_fd is None:  # another tier on this path may have taken the id: try the next
             segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
             try:
                 self._active_fd = files.create_segment(self._segment_path(segment_id))
             except FileExistsError:
                 continue
-            except FileNotFoundError:  # the directory was deleted (a tmp cleaner): make it again, checked
-                logger.warning("%s: directory %s is gone; creating it again", self.name, self.path)
-                self._open_directory()
-                self._active_fd = files.create_segment(self._segment_path(segment_id))
         self._active_size = 0
         with self._lock:
             self._active_id = segment_id
@@ -358,10 +357,10 @@ class DiskTier(StorageTier):
         except OSError as exc:
             self._io_error("stat", path, exc)
             return False
-        if is_unlinked or at_path is None:
-            self._forget_segment(self._active_id, "segment_deleted")
-        elif at_path != self._identities.get(self._active_id):
+        if at_path is not None and at_path != self._identities.get(self._active_id):
             self._forget_segment(self._active_id, "segment_replaced")
+        elif is_unlinked or at_path is None:
+            self._forget_segment(self._active_id, "segment_deleted")
         else:
             return False
         return True
@@ -395,9 +394,12 @@ class DiskTier(StorageTier):
             self._io_error("truncate", self._segment_path(self._active_id), exc)
             self._active_size = self.segment_bytes  # what follows `size` is garbage: the next scan drops it
 
-    def _put_failed(self, key: str, exc: OSError) -> PutResult:
-        code = errno.errorcode.get(exc.errno or 0, "OSError")
-        error = f"{self.name}: put {key} under {self.path} failed: {code}: {exc.strerror or exc}"
+    def _put_failed(self, key: str, exc: OSError | TierError) -> PutResult:
+        if isinstance(exc, OSError):
+            code = errno.errorcode.get(exc.errno or 0, "OSError")
+            error = f"{self.name}: put {key} under {self.path} failed: {code}: {exc.strerror or exc}"
+        else:
+            error = f"{self.name}: put {key} failed: {exc}"
         logger.warning("%s", error)
         self.counters.add(put_failures=1, errors=1)
         return PutResult(False, error)
@@ -482,7 +484,7 @@ class DiskTier(StorageTier):
     def _open_directory(self) -> None:
         """Create or check the directory (disk_files: 0700, this user's) and that files can be made in it."""
         try:
-            files.open_private_directory(str(self.path))
+            self._directory_identity = files.open_private_directory(str(self.path))
         except TierError as exc:
             raise type(exc)(f"{self.name}: {exc}") from exc.__cause__
         try:

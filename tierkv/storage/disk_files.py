@@ -1,7 +1,7 @@
 """The disk tier's files: a private directory, files only this user can read, opened without following links.
 
 Primitives: `open_private_directory`, `create_segment`, `open_segment`, `open_checked_segment`, `file_identity`,
-`path_identity`, `SegmentReplaced`,
+`path_identity`, `directory_identity`, `SegmentReplaced`,
 `write_private_file`, `read_private_file`, `UnsafeDirectory`, `DIR_MODE`, `FILE_MODE`.
 
 The blocks are KV cache: whoever reads them reads the prompts. So, whatever the umask:
@@ -37,9 +37,10 @@ class SegmentReplaced(OSError):
     """The file at a segment's path is not the segment this tier wrote or scanned."""
 
 
-def open_private_directory(path: str) -> None:
-    """Create `path` (mode 0700) or check the one there; raises UnsafeDirectory naming the path,
-    its owner and mode and what to do, or TierError when it cannot be made."""
+def open_private_directory(path: str) -> FileIdentity:
+    """Create `path` (mode 0700) or check the one there; returns its (device, inode). Raises
+    UnsafeDirectory naming the path, its owner and mode and what to do, or TierError when it
+    cannot be made."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
@@ -63,6 +64,7 @@ def open_private_directory(path: str) -> None:
             raise UnsafeDirectory(_refusal(path, st, f"{where} is writable by group or others"))
         if stat.S_IMODE(st.st_mode) != DIR_MODE:
             os.fchmod(fd, DIR_MODE)  # ours and only readable by others: tighten
+        return st.st_dev, st.st_ino
     except OSError as exc:
         raise TierError(f"cannot store blocks under {path!r}: {exc}") from exc
     finally:
@@ -123,6 +125,15 @@ def path_identity(path: str) -> FileIdentity | None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def directory_identity(path: str) -> FileIdentity | None:
+    """(device, inode) of the directory `path` names now (through a symlink); None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
         return None
     return st.st_dev, st.st_ino
 
