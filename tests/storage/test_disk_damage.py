@@ -288,3 +288,26 @@ def apply_damage(path: Path, kind: str, where: float, length: int, byte: int) ->
         chunk = data[source : source + length]
         data[at : at + len(chunk)] = chunk
     path.write_bytes(bytes(data))
+
+
+def test_dropped_and_lost_counts_reach_stats_and_prometheus_by_reason(layout, tmp_path):
+    from prometheus_client import generate_latest
+
+    from tierkv.metrics.prometheus import TierKVCollector, new_registry
+    from tierkv.metrics.snapshot import flatten_stats
+
+    path, offsets = three_records(layout, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[offsets[1] + 10] ^= 0x40
+    path.write_bytes(bytes(data))
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        os.unlink(path)
+        assert tier.get(key_of(0)) is None  # its segment is gone: 0 and 2 are lost
+        figures, latency, info, layers = flatten_stats({"tiers": [tier.counters.snapshot()]})
+    assert figures["tier.disk.scan_dropped_records"] == 1
+    assert figures["tier.disk.scan_dropped_records_by_reason.header_damaged"] == 1
+    assert figures["tier.disk.lost_blocks_by_reason.segment_deleted"] == 2
+    text = generate_latest(new_registry(TierKVCollector(lambda: (figures, latency, info, layers)))).decode()
+    assert 'tierkv_tier_scan_dropped_records_total{tier="disk"} 1.0' in text
+    assert 'tierkv_tier_scan_dropped_records_by_reason_total{reason="header_damaged",tier="disk"} 1.0' in text
+    assert 'tierkv_tier_lost_blocks_by_reason_total{reason="segment_deleted",tier="disk"} 2.0' in text
