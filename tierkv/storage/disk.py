@@ -29,6 +29,13 @@ filesystem cannot punch holes the header is zeroed instead, and the space return
 whole segment dies. A put of bytes the tier holds under that key (same checksum, the usual case
 for content-addressed keys) writes nothing and only refreshes the block's LRU position.
 
+Trust and loss (disk_files, disk_scan). The directory must be this user's and not writable by
+group or others (else TierError); it is 0700, files 0600, created O_EXCL and opened O_NOFOLLOW.
+Every record the start-up scan drops is logged and counted (scan_dropped_records, by reason). A
+segment deleted or replaced while the tier runs (a tmp cleaner) is forgotten with its blocks
+(lost_blocks, by reason), found before each append and on reads; appends go to a new segment,
+in a directory made again (and checked) if it is gone.
+
 Index: key -> (segment, offset, sizes, payload checksum), LRU-ordered, rebuilt on start from
 the segment headers in write order (a later record of a key wins) and then reordered by
 lru.order when the last run closed cleanly (else write order stands). Capacity, used_bytes and
@@ -44,7 +51,6 @@ import errno
 import itertools
 import logging
 import os
-import stat
 import tempfile
 import threading
 from collections import OrderedDict
@@ -57,6 +63,7 @@ import torch
 from tierkv.blocks import dtype_name
 from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_files as files
+from tierkv.storage import disk_scan
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.disk_buffers import ReadBufferPool
@@ -70,7 +77,6 @@ _SPREAD_MIN_BYTES = 1 << 20  # smaller batches stay on the caller's thread
 _CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
 _MAX_IO_THREADS = 4
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
-_OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
 
 
 class DiskTier(StorageTier):
@@ -505,8 +511,8 @@ class DiskTier(StorageTier):
         """Index the records in the segments, oldest first; drop torn tails, superseded and foreign records."""
         dropped: list[Entry] = []
         try:
-            _remove_old_format(self.path)
-            ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if _is_segment_stem(p.stem))
+            disk_scan.remove_old_format(self.path, _ORDER_FILE)
+            ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if disk_scan.is_segment_stem(p.stem))
             for segment_id in ids:
                 dropped += self._scan_into_index(segment_id)
         except (OSError, ValueError) as exc:
@@ -516,7 +522,7 @@ class DiskTier(StorageTier):
         for key in reversed(seg.load_order(order_path)):  # the last clean close's order; newer records stay newest
             if key in self._index:
                 self._index.move_to_end(key, last=False)
-        _unlink_quietly(order_path)
+        disk_scan.unlink_quietly(order_path)
         while len(self._index) > self.max_blocks:  # capacity shrank since the last run
             dropped.append(self._index.popitem(last=False)[1])
             self.counters.add(evictions=1)
@@ -526,32 +532,17 @@ class DiskTier(StorageTier):
             self._unlink(self._segment_path(segment_id))
 
     def _scan_into_index(self, segment_id: int) -> list[Entry]:
-        """Index a segment's whole records; returns those superseded or of another layout (to punch).
-
-        Every record dropped here is logged and counted in scan_dropped_records by reason:
-        header_damaged (data between records that is no header), torn_tail (data after the last
-        whole record, cut off), superseded (a later record of the key exists), other_layout."""
+        """Index a segment's whole records (disk_scan counts and logs what it drops); returns those
+        superseded or of another layout, to punch, counted as scan_dropped_records too."""
         path = self._segment_path(segment_id)
-        fd = self._open_scanned_segment(path)
-        if fd is None:
+        found = disk_scan.scan_segment_file(path, self.name, self.counters)
+        if found is None:
             return []
-        damaged: list[tuple[int, int]] = []
-        try:
-            size = os.fstat(fd).st_size
-            records, end, is_partly_unreadable = seg.scan_segment(fd, size, damaged)
-            if end < size:
-                self._cut_tail(fd, path, end, size)
-            self._identities[segment_id] = files.file_identity(fd)
-        finally:
-            os.close(fd)
-        for start, stop in (region for region in damaged if region[1] <= end):
-            logger.warning("%s: %s: dropping a record whose header is damaged (%d bytes at offset %d)",
-                           self.name, path, stop - start, start)  # fmt: skip
-            self.counters.add_for_reason("scan_dropped_records", "header_damaged")
+        self._identities[segment_id] = found.identity
         # records this process cannot verify count as one live record: the segment is never deleted here
-        self._num_live[segment_id] = len(records) + int(is_partly_unreadable)
+        self._num_live[segment_id] = len(found.records) + int(found.is_partly_unreadable)
         dropped = []
-        for offset, h in records:
+        for offset, h in found.records:
             entry = Entry(segment_id, offset, h)
             is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
             old = self._index.pop(h.key, None) if is_ours else entry
@@ -563,36 +554,6 @@ class DiskTier(StorageTier):
             if is_ours:
                 self._index[h.key] = entry
         return dropped
-
-    def _open_scanned_segment(self, path: str) -> int | None:
-        """The segment file for the scan (read-write, made 0600), or None, logged and counted as an
-        error, when it is a symlink, not a regular file or not this user's: it is left as it is."""
-        try:
-            fd = files.open_segment(path, os.O_RDWR)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EISDIR, errno.ENXIO):
-                raise
-            self._io_error("open", path, exc)
-            return None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            os.close(fd)
-            self._io_error("scan", path, OSError(errno.EPERM, f"not a regular file of uid {os.geteuid()}, skipped "
-                                                              f"(owner uid {st.st_uid}, {stat.filemode(st.st_mode)})"))
-            return None
-        if stat.S_IMODE(st.st_mode) != files.FILE_MODE:
-            os.fchmod(fd, files.FILE_MODE)  # an earlier version made segments 0644
-        return fd
-
-    def _cut_tail(self, fd: int, path: str, end: int, size: int) -> None:
-        """Cut what follows the last whole record: a torn or damaged tail (counted), or punched holes."""
-        if _holds_data(fd, end, size):
-            logger.warning("%s: %s: dropping %d bytes after the last whole record (a torn write, a damaged "
-                           "record, or removed records whose headers were zeroed)", self.name, path, size - end)
-            self.counters.add_for_reason("scan_dropped_records", "torn_tail")
-        else:  # nothing but the holes punched over removed records
-            logger.debug("%s: %s: trimming %d bytes of punched holes", self.name, path, size - end)
-        os.ftruncate(fd, end)
 
     # -- helpers ---------------------------------------------------------------------------
     def _segment_path(self, segment_id: int) -> str:
@@ -658,21 +619,6 @@ def _bytes_of(block: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _holds_data(fd: int, start: int, end: int) -> bool:
-    """Whether bytes [start, end) of the file hold data, not only holes (True where the
-    filesystem cannot tell)."""
-    try:
-        return os.lseek(fd, start, os.SEEK_DATA) < end
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # no data at or after start
-            return False
-        return True
-
-
-def _is_segment_stem(stem: str) -> bool:
-    return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
-
-
 def _position(entry: Entry) -> tuple[int, int]:
     return entry.segment_id, entry.offset
 
@@ -683,25 +629,3 @@ def _sync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_old_format(root: Path) -> None:
-    """Delete block files of the one-file-per-block format (in two-hex-digit subdirectories)."""
-    for entry in os.scandir(root):
-        if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
-            for sub in os.scandir(entry.path):
-                if sub.name.endswith(_OLD_FORMAT_SUFFIXES) and sub.is_file(follow_symlinks=False):
-                    _unlink_quietly(sub.path)
-            try:
-                os.rmdir(entry.path)
-            except OSError:
-                pass
-        elif entry.name.endswith(_OLD_FORMAT_SUFFIXES) or entry.name.startswith((f"{_ORDER_FILE}.", "probe.")):
-            _unlink_quietly(entry.path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
