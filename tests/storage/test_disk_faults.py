@@ -250,7 +250,7 @@ def small_filesystem(tmp_path):
     """A 1 MiB tmpfs, or None where mounting is not permitted."""
     mount_point = tmp_path / "tmpfs"
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount_point)], capture_output=True)
     if done.returncode != 0:
         yield None
         return

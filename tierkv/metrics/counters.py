@@ -33,7 +33,9 @@ class LatencyHistogram:
 _COUNTER_NAMES = (
     "lookups", "hits", "misses", "puts", "put_failures", "removes",
     "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors",
+    "scan_dropped_records", "lost_blocks",
 )
+_BY_REASON = ("scan_dropped_records", "lost_blocks")  # counters also kept per reason: "<name>_by_reason"
 
 
 class TierCounters:
@@ -44,6 +46,7 @@ class TierCounters:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(_COUNTER_NAMES, 0)
         self._latency = {"get": LatencyHistogram(), "put": LatencyHistogram()}
+        self._reasons: dict[str, dict[str, int]] = {name: {} for name in _BY_REASON}
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -51,6 +54,18 @@ class TierCounters:
                 if name not in self._values:
                     raise KeyError(f"unknown counter {name!r}; known: {_COUNTER_NAMES}")
                 self._values[name] += delta
+
+    def add_for_reason(self, name: str, reason: str, delta: int = 1) -> None:
+        """Add to counter `name` (one of _BY_REASON) and to its count for `reason`."""
+        if name not in self._reasons:
+            raise KeyError(f"counter {name!r} has no reasons; those that do: {_BY_REASON}")
+        with self._lock:
+            self._values[name] += delta
+            self._reasons[name][reason] = self._reasons[name].get(reason, 0) + delta
+
+    def by_reason(self, name: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._reasons[name])
 
     def record_lookups(self, num_hits: int, num_misses: int, bytes_read: int) -> None:
         self.add(lookups=num_hits + num_misses, hits=num_hits, misses=num_misses, bytes_read=bytes_read)
@@ -79,6 +94,7 @@ class TierCounters:
         with self._lock:
             snap = dict(self._values)
             snap["latency"] = {op: h.snapshot() for op, h in self._latency.items()}
+            snap.update({f"{name}_by_reason": dict(reasons) for name, reasons in self._reasons.items()})
         snap["tier"] = self.tier_name
         snap["hit_rate"] = snap["hits"] / snap["lookups"] if snap["lookups"] else None
         return snap

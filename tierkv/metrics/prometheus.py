@@ -3,7 +3,8 @@
 Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `dashboard` extra).
 
     tierkv_tier_lookups_total{tier="cpu"}        hits, misses, puts, put_failures, removes, evictions,
-    tierkv_tier_read_bytes_total{tier="disk"}    corrupt_blocks, errors, written_bytes alike
+    tierkv_tier_read_bytes_total{tier="disk"}    corrupt_blocks, errors, written_bytes, scan_dropped_records,
+                                                 lost_blocks alike; the last two also _by_reason{tier,reason}
     tierkv_tier_hit_ratio{tier="gpu"}            tier "gpu": attention block reads from the hot window
     tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
@@ -21,7 +22,9 @@ TIER_COUNTERS = {  # figure -> metric name (before _total)
     "lookups": "lookups", "hits": "hits", "misses": "misses", "puts": "puts", "put_failures": "put_failures",
     "removes": "removes", "evictions": "evictions", "corrupt_blocks": "corrupt_blocks", "errors": "errors",
     "bytes_read": "read_bytes", "bytes_written": "written_bytes",
+    "scan_dropped_records": "scan_dropped_records", "lost_blocks": "lost_blocks",
 }
+TIER_REASON_COUNTERS = ("scan_dropped_records", "lost_blocks")  # also per reason: {tier, reason}
 COUNTERS = {  # figure -> (metric name before _total, help)
     "scheduler.chunks_streamed": ("tierkv_scheduler_chunks_streamed", "chunks of far blocks streamed to the GPU"),
     "scheduler.bytes_streamed": ("tierkv_scheduler_streamed_bytes", "bytes streamed to the GPU staging ring"),
@@ -101,6 +104,14 @@ def _tier_families(figures: dict, latency: dict) -> Iterator:
         for tier in tiers:
             if figures.get(f"tier.{tier}.{field}") is not None:
                 family.add_metric([tier], figures[f"tier.{tier}.{field}"])
+        yield family
+    for field in TIER_REASON_COUNTERS:
+        family = CounterMetricFamily(f"tierkv_tier_{field}_by_reason", f"tier {field.replace('_', ' ')} by reason",
+                                     labels=["tier", "reason"])
+        for key, value in sorted(figures.items()):
+            parts = key.split(".")
+            if len(parts) == 4 and parts[0] == "tier" and parts[2] == f"{field}_by_reason" and value is not None:
+                family.add_metric([parts[1], parts[3]], value)
         yield family
     ratio = GaugeMetricFamily("tierkv_tier_hit_ratio", "hits / lookups since start", labels=["tier"])
     healthy = GaugeMetricFamily("tierkv_tier_healthy", "1 while the tier serves", labels=["tier"])

@@ -98,6 +98,8 @@ def _flatten_tier(tier: Mapping, figures: dict, latency: dict) -> None:
         if key == "latency":
             for op, histogram in value.items():
                 latency[f"{name}.{op}"] = dict(histogram)
+        elif isinstance(value, Mapping):  # e.g. scan_dropped_records_by_reason: one figure per reason
+            _walk(f"tier.{name}.{key}", value, figures, {})
         elif key != "tier":
             _put(f"tier.{name}.{key}", value, figures, {})
 

@@ -29,6 +29,13 @@ filesystem cannot punch holes the header is zeroed instead, and the space return
 whole segment dies. A put of bytes the tier holds under that key (same checksum, the usual case
 for content-addressed keys) writes nothing and only refreshes the block's LRU position.
 
+Trust and loss (disk_files, disk_scan). The directory must be this user's and not writable by
+group or others (else TierError); it is 0700, files 0600, created O_EXCL and opened O_NOFOLLOW.
+Every record the start-up scan drops is logged and counted (scan_dropped_records, by reason). A
+segment deleted or replaced while the tier runs (a tmp cleaner) is forgotten with its blocks
+(lost_blocks, by reason), found before each append and on reads; appends go to a new segment,
+in a directory made again (and checked) if it is gone.
+
 Index: key -> (segment, offset, sizes, payload checksum), LRU-ordered, rebuilt on start from
 the segment headers in write order (a later record of a key wins) and then reordered by
 lru.order when the last run closed cleanly (else write order stands). Capacity, used_bytes and
@@ -44,6 +51,7 @@ import errno
 import itertools
 import logging
 import os
+import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -54,10 +62,12 @@ import torch
 
 from tierkv.blocks import dtype_name
 from tierkv.blocks import BlockLayout
+from tierkv.storage import disk_files as files
+from tierkv.storage import disk_scan
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.disk_buffers import ReadBufferPool
-from tierkv.storage.disk_reads import BatchReader, Entry
+from tierkv.storage.disk_reads import SEGMENT_GONE, SEGMENT_REPLACED, BatchReader, Entry
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +77,6 @@ _SPREAD_MIN_BYTES = 1 << 20  # smaller batches stay on the caller's thread
 _CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
 _MAX_IO_THREADS = 4
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
-_OLD_FORMAT_SUFFIXES = (".blk", ".tierkv-tmp")  # the one-file-per-block format, removed on start
 
 
 class DiskTier(StorageTier):
@@ -113,6 +122,7 @@ class DiskTier(StorageTier):
         self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
         self._index: OrderedDict[str, Entry] = OrderedDict()  # oldest first
         self._num_live: dict[int, int] = {}  # segment id -> records not yet dropped
+        self._identities: dict[int, files.FileIdentity] = {}  # segment id -> (device, inode) we wrote or scanned
         self._append_lock = threading.Lock()  # the active segment: its fd, size and rollover
         self._active_id: int | None = None
         self._active_fd: int | None = None
@@ -121,7 +131,7 @@ class DiskTier(StorageTier):
         self._modes = seg.ReadModes()
         self._buffers = ReadBufferPool(read_buffer_bytes)
         self._pool: ThreadPoolExecutor | None = None
-        self._reader = BatchReader(layout, self._segment_path, self._buffers, self._modes, self._spread, self._checker)
+        self._reader = BatchReader(layout, self._open_segment, self._buffers, self._modes, self._spread, self._checker)
         self._closed = False
         self._open_directory()
         self._rebuild_index()
@@ -223,15 +233,21 @@ class DiskTier(StorageTier):
         """Write records for these blocks at the end of the active segment, then index them."""
         with self._append_lock:
             self._check_open()
-            start = None
-            try:
-                fd, start = self._active_segment()
-                headers = self._write_records(fd, start, keys, payloads)
-                if self.fsync:
-                    os.fdatasync(fd)
-            except OSError as exc:
-                self._cut_back(start)
-                return [self._put_failed(key, exc) for key in keys]
+            for _ in range(2):  # a segment lost during the write: once more in a new one
+                start = None
+                try:
+                    fd, start = self._active_segment()
+                    headers = self._write_records(fd, start, keys, payloads)
+                    if self.fsync:
+                        os.fdatasync(fd)
+                except (OSError, TierError) as exc:  # TierError: the directory, made again, is unsafe
+                    self._cut_back(start)
+                    return [self._put_failed(key, exc) for key in keys]
+                if not self._roll_over_if_lost():
+                    break
+            else:
+                lost = OSError(errno.ENOENT, "the segment file was deleted or replaced while being written, twice")
+                return [self._put_failed(key, lost) for key in keys]
             entries, offset = [], start
             for header in headers:
                 entries.append(Entry(self._active_id, offset, header))
@@ -301,7 +317,9 @@ class DiskTier(StorageTier):
         return dropped, victims
 
     def _active_segment(self) -> tuple[int, int]:
-        """(fd, size) of the segment that takes appends, begun anew past segment_bytes. Caller holds _append_lock."""
+        """(fd, size) of the segment that takes appends, begun anew past segment_bytes or when its
+        file was deleted or replaced. Caller holds _append_lock."""
+        self._roll_over_if_lost()
         if self._active_fd is not None and self._active_size < self.segment_bytes:
             self._active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where the next records go
             return self._active_fd, self._active_size
@@ -315,20 +333,62 @@ class DiskTier(StorageTier):
                     del self._num_live[old]
             if is_dead:
                 self._unlink(self._segment_path(old))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if files.directory_identity(str(self.path)) != self._directory_identity:  # deleted (a tmp cleaner) or swapped
+            logger.warning("%s: directory %s was deleted or replaced; making or checking it again", self.name, self.path)
+            self._open_directory()
         while self._active_fd is None:  # another tier on this path may have taken the id: try the next
             segment_id, self._next_segment_id = self._next_segment_id, self._next_segment_id + 1
             try:
-                self._active_fd = os.open(self._segment_path(segment_id), flags, 0o644)
+                self._active_fd = files.create_segment(self._segment_path(segment_id))
             except FileExistsError:
                 continue
         self._active_size = 0
         with self._lock:
             self._active_id = segment_id
             self._num_live[segment_id] = 0
+            self._identities[segment_id] = files.file_identity(self._active_fd)
         if self.fsync:
             _sync_directory(str(self.path))
         return self._active_fd, 0
+
+    def _roll_over_if_lost(self) -> bool:
+        """Whether the active segment's file was deleted or replaced; if so, forget it and its blocks
+        (the next append begins a new segment). Caller holds _append_lock."""
+        if self._active_fd is None:
+            return False
+        path = self._segment_path(self._active_id)
+        try:
+            is_unlinked = os.fstat(self._active_fd).st_nlink == 0
+            at_path = files.path_identity(path)
+        except OSError as exc:
+            self._io_error("stat", path, exc)
+            return False
+        if at_path is not None and at_path != self._identities.get(self._active_id):
+            self._forget_segment(self._active_id, "segment_replaced")
+        elif is_unlinked or at_path is None:
+            self._forget_segment(self._active_id, "segment_deleted")
+        else:
+            return False
+        return True
+
+    def _forget_segment(self, segment_id: int, reason: str) -> None:
+        """Drop every index entry into a segment whose file is lost, counted as lost_blocks for
+        `reason`; close it if it takes appends. Caller holds _append_lock. The file at its path
+        (another's) is left alone."""
+        with self._lock:
+            if segment_id not in self._num_live:
+                return  # forgotten already
+            lost = [key for key, entry in self._index.items() if entry.segment_id == segment_id]
+            for key in lost:
+                del self._index[key]
+            del self._num_live[segment_id]
+            self._identities.pop(segment_id, None)
+            if self._active_id == segment_id:
+                os.close(self._active_fd)
+                self._active_id, self._active_fd = None, None
+        logger.warning("%s: segment %s was %s while in use: %d blocks lost", self.name,
+                       self._segment_path(segment_id), reason.split("_")[1], len(lost))  # fmt: skip
+        self.counters.add_for_reason("lost_blocks", reason, len(lost))
 
     def _cut_back(self, size: int | None) -> None:
         """Remove what a failed append left after `size`; if that fails too, begin a new segment next time."""
@@ -340,9 +400,12 @@ class DiskTier(StorageTier):
             self._io_error("truncate", self._segment_path(self._active_id), exc)
             self._active_size = self.segment_bytes  # what follows `size` is garbage: the next scan drops it
 
-    def _put_failed(self, key: str, exc: OSError) -> PutResult:
-        code = errno.errorcode.get(exc.errno or 0, "OSError")
-        error = f"{self.name}: put {key} under {self.path} failed: {code}: {exc.strerror or exc}"
+    def _put_failed(self, key: str, exc: OSError | TierError) -> PutResult:
+        if isinstance(exc, OSError):
+            code = errno.errorcode.get(exc.errno or 0, "OSError")
+            error = f"{self.name}: put {key} under {self.path} failed: {code}: {exc.strerror or exc}"
+        else:
+            error = f"{self.name}: put {key} failed: {exc}"
         logger.warning("%s", error)
         self.counters.add(put_failures=1, errors=1)
         return PutResult(False, error)
@@ -359,18 +422,25 @@ class DiskTier(StorageTier):
 
     def _forget_failed(self, keys: list[str], entries: list[Entry], failures: list[str | None]) -> None:
         """Drop failed blocks that are still the indexed ones: corrupt (counted) or deleted behind our back."""
-        dropped = []
+        dropped, lost = [], {}
         with self._lock:
             for key, entry, failure in zip(keys, entries, failures):
                 if failure is None or self._index.get(key) is not entry:
                     continue  # fine, or replaced or removed while we read: a plain miss
+                if failure in (SEGMENT_GONE, SEGMENT_REPLACED):
+                    lost[entry.segment_id] = "segment_deleted" if failure == SEGMENT_GONE else "segment_replaced"
+                    continue
                 if failure.startswith(("open failed", "read failed")):
                     self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
                     continue
                 logger.warning("%s: dropping block %s (segment %x): %s", self.name, key, entry.segment_id, failure)
-                self.counters.add(**({"errors": 1} if failure == "gone" else {"corrupt_blocks": 1}))
+                self.counters.add(corrupt_blocks=1)
                 dropped.append(self._index.pop(key))
         self._drop_records(dropped)
+        if lost:
+            with self._append_lock:
+                for segment_id, reason in lost.items():
+                    self._forget_segment(segment_id, reason)
 
     # -- dropping records ------------------------------------------------------------------
     def _drop_records(self, entries: list[Entry]) -> None:
@@ -378,6 +448,7 @@ class DiskTier(StorageTier):
         if not entries:
             return
         with self._append_lock, self._lock:  # an emptied active segment is retired too: unlinked, not punched
+            entries = [e for e in entries if e.segment_id in self._num_live]  # not of a segment lost meanwhile
             for entry in entries:
                 self._num_live[entry.segment_id] -= 1
             dead = {e.segment_id for e in entries if self._num_live[e.segment_id] == 0}
@@ -386,6 +457,7 @@ class DiskTier(StorageTier):
                 self._active_id, self._active_fd = None, None
             for segment_id in dead:
                 del self._num_live[segment_id]
+                self._identities.pop(segment_id, None)
         for segment_id in dead:
             self._unlink(self._segment_path(segment_id))
         by_segment = itertools.groupby(sorted((e for e in entries if e.segment_id not in dead), key=_position),
@@ -396,9 +468,9 @@ class DiskTier(StorageTier):
     def _punch_all(self, segment_id: int, entries: list[Entry]) -> None:
         path = self._segment_path(segment_id)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
+            fd = self._open_segment(segment_id, os.O_WRONLY)
+        except (FileNotFoundError, files.SegmentReplaced):
+            return  # a read will find the segment lost
         except OSError as exc:
             return self._io_error("open", path, exc)
         try:
@@ -416,20 +488,31 @@ class DiskTier(StorageTier):
 
     # -- start-up --------------------------------------------------------------------------
     def _open_directory(self) -> None:
-        probe = os.path.join(self.path, f"probe.{os.getpid()}.tmp")
+        """Create or check the directory (disk_files: 0700, this user's) and that files can be made in it."""
         try:
-            os.makedirs(self.path, exist_ok=True)
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            self._directory_identity = files.open_private_directory(str(self.path))
+        except TierError as exc:
+            raise type(exc)(f"{self.name}: {exc}") from exc.__cause__
+        try:
+            fd, probe = tempfile.mkstemp(prefix="probe.", suffix=".tmp", dir=self.path)  # O_EXCL | O_NOFOLLOW
+            os.close(fd)
             os.unlink(probe)
         except OSError as exc:
             raise TierError(f"{self.name}: cannot store blocks under {str(self.path)!r}: {exc}") from exc
+
+    def _open_segment(self, segment_id: int, flags: int) -> int:
+        """The segment's file opened with `flags`, never through a symlink; FileNotFoundError when
+        it is gone, files.SegmentReplaced when another file took its name."""
+        with self._lock:
+            identity = self._identities.get(segment_id)
+        return files.open_checked_segment(self._segment_path(segment_id), flags, identity)
 
     def _rebuild_index(self) -> None:
         """Index the records in the segments, oldest first; drop torn tails, superseded and foreign records."""
         dropped: list[Entry] = []
         try:
-            _remove_old_format(self.path)
-            ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if _is_segment_stem(p.stem))
+            disk_scan.remove_old_format(self.path, _ORDER_FILE)
+            ids = sorted(int(p.stem, 16) for p in self.path.glob(f"*{_SEGMENT_SUFFIX}") if disk_scan.is_segment_stem(p.stem))
             for segment_id in ids:
                 dropped += self._scan_into_index(segment_id)
         except (OSError, ValueError) as exc:
@@ -439,7 +522,7 @@ class DiskTier(StorageTier):
         for key in reversed(seg.load_order(order_path)):  # the last clean close's order; newer records stay newest
             if key in self._index:
                 self._index.move_to_end(key, last=False)
-        _unlink_quietly(order_path)
+        disk_scan.unlink_quietly(order_path)
         while len(self._index) > self.max_blocks:  # capacity shrank since the last run
             dropped.append(self._index.popitem(last=False)[1])
             self.counters.add(evictions=1)
@@ -449,27 +532,24 @@ class DiskTier(StorageTier):
             self._unlink(self._segment_path(segment_id))
 
     def _scan_into_index(self, segment_id: int) -> list[Entry]:
-        path, dropped = self._segment_path(segment_id), []
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            records, end, is_partly_unreadable = seg.scan_segment(fd, size)
-            if end < size:
-                if _holds_data(fd, end, size):
-                    logger.warning("%s: %s: dropping %d bytes after the last whole record (a torn write, or removed "
-                                   "records whose headers were zeroed)", self.name, path, size - end)
-                else:  # nothing but the holes punched over removed records
-                    logger.debug("%s: %s: trimming %d bytes of punched holes", self.name, path, size - end)
-                os.ftruncate(fd, end)
-        finally:
-            os.close(fd)
+        """Index a segment's whole records (disk_scan counts and logs what it drops); returns those
+        superseded or of another layout, to punch, counted as scan_dropped_records too."""
+        path = self._segment_path(segment_id)
+        found = disk_scan.scan_segment_file(path, self.name, self.counters)
+        if found is None:
+            return []
+        self._identities[segment_id] = found.identity
         # records this process cannot verify count as one live record: the segment is never deleted here
-        self._num_live[segment_id] = len(records) + int(is_partly_unreadable)
-        for offset, h in records:
+        self._num_live[segment_id] = len(found.records) + int(found.is_partly_unreadable)
+        dropped = []
+        for offset, h in found.records:
             entry = Entry(segment_id, offset, h)
             is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
             old = self._index.pop(h.key, None) if is_ours else entry
             if old is not None:
+                reason = "superseded" if is_ours else "other_layout"
+                logger.debug("%s: %s: dropping a record of %s (%s)", self.name, path, h.key, reason)
+                self.counters.add_for_reason("scan_dropped_records", reason)
                 dropped.append(old)
             if is_ours:
                 self._index[h.key] = entry
@@ -539,21 +619,6 @@ def _bytes_of(block: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _holds_data(fd: int, start: int, end: int) -> bool:
-    """Whether bytes [start, end) of the file hold data, not only holes (True where the
-    filesystem cannot tell)."""
-    try:
-        return os.lseek(fd, start, os.SEEK_DATA) < end
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # no data at or after start
-            return False
-        return True
-
-
-def _is_segment_stem(stem: str) -> bool:
-    return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
-
-
 def _position(entry: Entry) -> tuple[int, int]:
     return entry.segment_id, entry.offset
 
@@ -564,25 +629,3 @@ def _sync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_old_format(root: Path) -> None:
-    """Delete block files of the one-file-per-block format (in two-hex-digit subdirectories)."""
-    for entry in os.scandir(root):
-        if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
-            for sub in os.scandir(entry.path):
-                if sub.name.endswith(_OLD_FORMAT_SUFFIXES) and sub.is_file(follow_symlinks=False):
-                    _unlink_quietly(sub.path)
-            try:
-                os.rmdir(entry.path)
-            except OSError:
-                pass
-        elif entry.name.endswith(_OLD_FORMAT_SUFFIXES) or entry.name.startswith((f"{_ORDER_FILE}.", "probe.")):
-            _unlink_quietly(entry.path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

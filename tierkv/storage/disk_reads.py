@@ -39,6 +39,9 @@ from tierkv.blocks import BlockLayout, dtype_name
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.codec import CorruptBlock
 from tierkv.storage.disk_buffers import ReadBufferPool
+from tierkv.storage.disk_files import SegmentReplaced
+
+SEGMENT_GONE, SEGMENT_REPLACED = "segment deleted", "segment replaced"  # a read's failure: the whole segment is lost
 
 _CHUNK_BYTES = 1 << 20  # copied from the page cache, then checked, at a time: stays in the CPU cache
 _MAX_PIECE_BYTES = 16 << 20  # read from the device at a time
@@ -66,17 +69,18 @@ class Entry:
 class BatchReader:
     """Reads batches of one layout's records into fresh read buffers and checks every block.
 
-    segment_path: the file of a segment id. spread: runs a function over contiguous parts of a list,
+    open_segment: opens a segment id's file with extra flags (disk_files.open_checked_segment's
+    errors: FileNotFoundError, SegmentReplaced, other OSError). spread: runs a function over contiguous parts of a list,
     on the I/O threads when the list is large, results concatenated. checker: the executor that
     checks device pieces behind the reads, or None to check them on the calling thread.
     """
 
     def __init__(
-        self, layout: BlockLayout, segment_path: Callable[[int], str], buffers: ReadBufferPool,
+        self, layout: BlockLayout, open_segment: Callable[[int, int], int], buffers: ReadBufferPool,
         modes: seg.ReadModes, spread: Spread, checker: Callable[[], Executor | None],
     ):  # fmt: skip
         self.layout = layout
-        self._segment_path, self._buffers, self._modes = segment_path, buffers, modes
+        self._open_segment, self._buffers, self._modes = open_segment, buffers, modes
         self._spread, self._checker = spread, checker
         self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
 
@@ -87,7 +91,7 @@ class BatchReader:
             return [], []
         batch = _Batch(keys, entries, self.layout, self._buffers)
         results: list[tuple[int, str | None]] = []  # (slot, failure)
-        with _OpenSegments(self._segment_path, self._modes) as files:
+        with _OpenSegments(self._open_segment, self._modes) as files:
             cached, uncached_runs = [], []  # slots, [first, end) ranges of slots
             for first, end in batch.runs(range(len(keys))):
                 fd = files.fd(batch.entries[first].segment_id)
@@ -273,8 +277,8 @@ class _Batch:
 class _OpenSegments:
     """The segment files of one read, each opened once on the calling thread and closed on exit."""
 
-    def __init__(self, segment_path: Callable[[int], str], modes: seg.ReadModes):
-        self._segment_path, self._modes = segment_path, modes
+    def __init__(self, open_segment: Callable[[int, int], int], modes: seg.ReadModes):
+        self._open_segment, self._modes = open_segment, modes
         self._fds: dict[int, int | str] = {}  # segment id -> fd, or why it could not be opened
         self._direct_fds: dict[int, int | None] = {}
 
@@ -287,12 +291,17 @@ class _OpenSegments:
                 os.close(fd)
 
     def fd(self, segment_id: int) -> int | str:
-        """A buffered fd of the segment, or why it cannot be read ("gone", "open failed: ...")."""
+        """A buffered fd of the segment, or why it cannot be read: SEGMENT_GONE, SEGMENT_REPLACED
+        (another file, or a symlink, took its name), "open failed: ..."."""
         if segment_id not in self._fds:
             try:
-                self._fds[segment_id] = os.open(self._segment_path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+                self._fds[segment_id] = self._open_segment(segment_id, os.O_RDONLY)
+            except FileNotFoundError:
+                self._fds[segment_id] = SEGMENT_GONE
+            except SegmentReplaced:
+                self._fds[segment_id] = SEGMENT_REPLACED
             except OSError as exc:
-                self._fds[segment_id] = "gone" if exc.errno == errno.ENOENT else f"open failed: {exc}"
+                self._fds[segment_id] = SEGMENT_REPLACED if exc.errno == errno.ELOOP else f"open failed: {exc}"
         return self._fds[segment_id]
 
     def direct_fd(self, segment_id: int) -> int | None:
@@ -301,8 +310,7 @@ class _OpenSegments:
             return None
         if segment_id not in self._direct_fds:
             try:
-                flags = os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
-                self._direct_fds[segment_id] = os.open(self._segment_path(segment_id), flags)
+                self._direct_fds[segment_id] = self._open_segment(segment_id, os.O_RDONLY | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # this filesystem has no O_DIRECT
                     self._modes.is_direct_ok = False

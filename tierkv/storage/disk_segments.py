@@ -51,6 +51,7 @@ except ImportError:  # same values, slower
     from zlib import crc32
 
 from tierkv.storage.codec import CorruptBlock
+from tierkv.storage.disk_files import read_private_file, write_private_file
 
 ALIGN = 4096
 MAGIC = b"TKVS"
@@ -166,15 +167,19 @@ def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
                         record_num_bytes, header_end, stored_checksum, kind)  # fmt: skip
 
 
-def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], int, bool]:
+def scan_segment(
+    fd: int, size: int, damaged: list[tuple[int, int]] | None = None
+) -> tuple[list[tuple[int, RecordHeader]], int, bool]:
     """([(offset, header)] of the whole records in a segment, the end of the last one, whether the
     scan stopped at a record this process cannot verify (then the end is the file's: nothing is cut)).
 
     Holes (removed records) are skipped with SEEK_DATA, other bytes that are not a header one
     ALIGN step at a time. A record running past the end of the file is a torn tail: the scan
-    stops before it. Payloads are not read here; reads check them.
+    stops before it. Payloads are not read here; reads check them. `damaged`, when given, gets
+    the [start, end) of each run of data that is neither a header nor a hole and lies before a
+    whole record (a record whose header was damaged; what follows the last record is the tail).
     """
-    records, offset, valid_end = [], 0, 0
+    records, offset, valid_end, bad_start = [], 0, 0, None
     while offset < size:
         head = os.pread(fd, ALIGN, offset)
         try:
@@ -182,7 +187,11 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
         except UnverifiableRecord:  # keep the rest of the file as it is: its records are misses here
             return records, size, True
         except CorruptBlock:
-            if len(head) == ALIGN and head.count(0) == ALIGN:  # a hole: jump to the next data
+            is_hole = len(head) == ALIGN and head.count(0) == ALIGN
+            if is_hole and bad_start is not None and damaged is not None:
+                damaged.append((bad_start, offset))
+            bad_start = None if is_hole else offset if bad_start is None else bad_start
+            if is_hole:  # a hole: jump to the next data
                 try:
                     offset = max(offset + ALIGN, os.lseek(fd, offset + ALIGN, os.SEEK_DATA) // ALIGN * ALIGN)
                 except OSError:  # ENXIO: only holes up to the end
@@ -192,6 +201,9 @@ def scan_segment(fd: int, size: int) -> tuple[list[tuple[int, RecordHeader]], in
             continue
         if offset + header.record_num_bytes > size:
             break
+        if bad_start is not None and damaged is not None:
+            damaged.append((bad_start, offset))
+        bad_start = None
         records.append((offset, header))
         offset = valid_end = offset + header.record_num_bytes
     return records, valid_end, False
@@ -338,17 +350,13 @@ def save_order(path: str, keys: list[str]) -> None:
         key_bytes = key.encode()
         parts += [struct.pack("<H", len(key_bytes)), key_bytes]
     body = b"".join(parts)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(body + _CRC.pack(crc32(body)))
-    os.replace(tmp, path)
+    write_private_file(path, body + _CRC.pack(crc32(body)))  # a fresh 0600 file, renamed: no symlink is followed
 
 
 def load_order(path: str) -> list[str]:
     """The keys `save_order` wrote, or [] when the file is missing or damaged (it is only a hint)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_private_file(path)
     except OSError:
         return []
     if len(data) < 12 or data[:4] != _ORDER_MAGIC or crc32(data[:-4]) != _CRC.unpack_from(data, len(data) - 4)[0]:
