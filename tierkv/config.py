@@ -59,7 +59,7 @@ class DiskTierConfig:
     """Checksummed block files on a local (NVMe) path."""
 
     kind: str = field(default="disk", metadata=doc("tier kind", choices=("disk",)))
-    path: str = field(default="/var/tmp/tierkv", metadata=doc("directory for block files", check="writable_dir"))
+    path: str = field(default="~/.cache/tierkv/blocks", metadata=doc("directory for block files (made 0700; refused if another user owns it or others can write it)", check="writable_dir"))
     capacity_bytes: int = field(default=64 * 1024**3, metadata=doc("bytes on disk", min_value=1))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
     write_through: bool = field(default=True, metadata=doc(

@@ -111,7 +111,7 @@ class DiskTier(StorageTier):
         if segment_bytes is not None and segment_bytes < 1:
             raise ValueError(f"{name}: segment_bytes={segment_bytes!r}; must be >= 1 or None")
         super().__init__(name, layout, capacity_bytes)
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.return_evicted = return_evicted
         self.fsync = fsync
         self.max_blocks = capacity_bytes // layout.num_bytes
