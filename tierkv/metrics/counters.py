@@ -32,7 +32,7 @@ class LatencyHistogram:
 
 _COUNTER_NAMES = (
     "lookups", "hits", "misses", "puts", "put_failures", "removes",
-    "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors",
+    "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors", "auth_failures",
 )
 
 
