@@ -21,7 +21,7 @@ from tierkv.storage.sealed import SealedTier
 if TYPE_CHECKING:
     from tierkv.config import StorageConfig, TierConfig
 
-__all__ = ["CpuTier", "PutResult", "QuantizedTier", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
+__all__ = ["CpuTier", "PutResult", "QuantizedTier", "SealedTier", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
 
 
 def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) -> str | None:

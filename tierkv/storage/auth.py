@@ -127,6 +127,8 @@ class BlockSealer:
         aad = self._layout_bytes + bytes(view[:HEADER_BYTES])
         n = self.layout.num_bytes
         if mode == MODE_AEAD:
+            if any(view[PAYLOAD_OFFSET + n + 16 :]):  # the unused half of the tag field: not covered by GCM
+                raise AuthFailure(f"block {key}: authentication failed (bytes after the tag altered)")
             plain = torch.empty(KEY_FIELD_BYTES + n, dtype=torch.uint8)
             self._decrypt(key, nonce, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16], aad, memoryview(plain.numpy()))
             stored_key, payload = bytes(plain[:key_len].numpy()), plain[KEY_FIELD_BYTES:]
