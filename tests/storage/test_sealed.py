@@ -266,3 +266,20 @@ def test_sealer_refuses_keys_that_do_not_fit_and_wrong_sizes():
         sealer.seal("x" * 177, random_block())
     with pytest.raises(AuthFailure):
         sealer.open("k", torch.zeros(sealer.num_bytes - 2, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_quantized_tiers_are_sealed_too(tmp_path, fmt):
+    config = load_config({"storage": {"secret": SECRET_A.decode()},
+                          "tiers": [{"kind": "cpu"}, {"kind": "disk", "path": str(tmp_path), "storage_dtype": fmt}]},
+                         env={})
+    chain = build_tiers(config.tiers, LAYOUT, storage=config.storage)
+    tier = chain.tiers[1]
+    assert isinstance(tier.inner, SealedTier)
+    block = torch.randn(LAYOUT.shape).to(LAYOUT.dtype)
+    assert tier.put("k/L0", block).ok
+    assert (tier.get("k/L0").float() - block.float()).abs().max() < 0.2 * block.float().abs().max()
+    tier.inner.inner.put(tier.inner.sealer.name("k/L0"), torch.zeros(tier.inner.sealer.sealed_layout.shape,
+                                                                      dtype=torch.uint8))
+    assert tier.get("k/L0") is None and tier.counters["auth_failures"] == 1
+    chain.close()
