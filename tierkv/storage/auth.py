@@ -92,12 +92,15 @@ class BlockSealer:
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"block key of {len(key_bytes)} bytes; sealed blocks hold keys up to {MAX_KEY_BYTES}")
         n = self.layout.num_bytes
-        out = torch.zeros(self.num_bytes, dtype=torch.uint8)
+        out = torch.empty(self.num_bytes, dtype=torch.uint8)  # memoryview copies: one thread, no torch fill
         view = memoryview(out.numpy())
         nonce = os.urandom(12)
+        view[:PAYLOAD_OFFSET] = bytes(PAYLOAD_OFFSET)
+        view[PAYLOAD_OFFSET + n :] = bytes(TAG_BYTES)
         view[:_HEAD.size] = _HEAD.pack(MAGIC, FORMAT_VERSION, self.mode, len(key_bytes), nonce)
         aad = self._layout_bytes + bytes(view[:HEADER_BYTES])
-        out[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n] = block.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+        view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n] = memoryview(
+            block.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
         if self.mode == MODE_AEAD:
             view[HEADER_BYTES : HEADER_BYTES + len(key_bytes)] = key_bytes
             body = view[HEADER_BYTES : PAYLOAD_OFFSET + n]
@@ -129,7 +132,7 @@ class BlockSealer:
         if mode == MODE_AEAD:
             if any(view[PAYLOAD_OFFSET + n + 16 :]):  # the unused half of the tag field: not covered by GCM
                 raise AuthFailure(f"block {key}: authentication failed (bytes after the tag altered)")
-            plain = torch.empty(KEY_FIELD_BYTES + n, dtype=torch.uint8)
+            plain = torch.empty(KEY_FIELD_BYTES + n, dtype=torch.uint8)  # every byte written by decrypt_into
             self._decrypt(key, nonce, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16], aad, memoryview(plain.numpy()))
             stored_key, payload = bytes(plain[:key_len].numpy()), plain[KEY_FIELD_BYTES:]
         else:
