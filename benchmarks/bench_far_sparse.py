@@ -45,7 +45,7 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
     config = load_config({
         "cache": {"block_tokens": BS, "window_tokens": 8 * BS},
         "tiers": [{"kind": "cpu", "capacity_bytes": (rows * blocks * layers + 64) * block_bytes},
-                  {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes}],
+                  {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes, "trusted": True}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 4096 * block_bytes, "policy": "sparse",
                       "sparse_token_budget": budget_tokens, "sparse_cuda_graphs": graphs},
     }, env={})

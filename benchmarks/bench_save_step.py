@@ -50,7 +50,7 @@ def build(requests: int, layers: int, saves: int, storage_dtype: str, device: to
         "cache": {"block_tokens": BS, "window_tokens": 8 * BS},
         "tiers": [{"kind": "cpu", "capacity_bytes": (requests * blocks * layers + 64) * block_bytes,
                    "storage_dtype": storage_dtype},
-                  {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes}],
+                  {"kind": "disk", "path": str(tmp / "disk"), "capacity_bytes": 64 * block_bytes, "trusted": True}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 256 * block_bytes, "policy": "sparse",
                       "sparse_token_budget": 2048, "sparse_cuda_graphs": False},  # the save needs no decode graphs
     }, env={})

@@ -69,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
     parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per put_many/get_many")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--tiers", nargs="+", choices=["cpu", "disk", "redis"], default=["cpu", "disk", "redis"])
+    parser.add_argument("--tiers", nargs="+", choices=["cpu", "disk", "redis", "auth"],
+                        default=["cpu", "disk", "redis", "auth"])
     parser.add_argument("--redis-url", default=None, help="use this server (default: start one)")
     parser.add_argument("--disk-path", type=Path, default=Path("/var/tmp"), help="parent of the temp dir")
     parser.add_argument("--no-drop-caches", action="store_true", help="never drop the page cache")
@@ -383,6 +384,55 @@ def bench_redis(keys, blocks, data: torch.Tensor, args, url: str) -> list[dict]:
     ]
 
 
+def bench_auth(keys: list[str], blocks: list[torch.Tensor], args) -> list[dict]:
+    """What sealing costs a shared tier's value, against the plain codec in the same run (no I/O).
+
+    encode: plain = codec.encode_block_bytes(key, block); mac / mac+encrypt = BlockSealer.seal
+    (HMAC-SHA256, or AES-256-GCM) then the codec, as SealedTier puts through Redis.
+    decode: plain = codec.decode_block_into; sealed = the codec into the sealed row, then open.
+    """
+    from tierkv.storage.auth import BlockSealer
+    from tierkv.storage.codec import decode_block_into, encode_block_bytes
+
+    num_bytes = len(blocks) * LAYOUT.num_bytes
+    plain_values = [encode_block_bytes(k, b) for k, b in zip(keys, blocks)]
+    out = LAYOUT.empty(1)[0]
+
+    def plain_encode() -> None:
+        for k, b in zip(keys, blocks):
+            encode_block_bytes(k, b)
+
+    def plain_decode() -> None:
+        for k, v in zip(keys, plain_values):
+            decode_block_into(k, v, out)
+
+    rows = []
+    for mode, encrypt in (("mac", False), ("mac+encrypt", True)):
+        sealer = BlockSealer(b"bench-secret-0123456789abcdef", LAYOUT, encrypt=encrypt)
+        names = [sealer.name(k) for k in keys]
+        sealed_values = [encode_block_bytes(n, sealer.seal(k, b)) for n, k, b in zip(names, keys, blocks)]
+        row = sealer.sealed_layout.empty(1)[0]
+
+        def sealed_encode() -> None:
+            for n, k, b in zip(names, keys, blocks):
+                encode_block_bytes(n, sealer.seal(k, b))
+
+        def sealed_decode() -> None:
+            for n, k, v in zip(names, keys, sealed_values):
+                decode_block_into(n, v, row)
+                sealer.open(k, row)
+
+        for op, sealed_pass, plain_pass in (("encode", sealed_encode, plain_encode),
+                                            ("decode", sealed_decode, plain_decode)):
+            rows.append(make_row("auth", f"{op} {mode}", num_bytes, side_by_side(sealed_pass, plain_pass, args.reps),
+                                 f"plain codec {op} of the same blocks", mode=mode))
+        start = time.perf_counter()
+        for k in keys * 64:
+            sealer.name(k)
+        rows[-1]["name_us_per_key"] = (time.perf_counter() - start) / (64 * len(keys)) * 1e6
+    return rows
+
+
 def _has_hiredis() -> bool:
     try:
         import hiredis  # noqa: F401
@@ -410,6 +460,8 @@ def run_tiers(args, workdir: Path) -> tuple[list[dict], dict[str, str]]:
                 rows += bench_cpu(keys, blocks, data, args)
             elif name == "disk":
                 rows += bench_disk(keys, blocks, data, args, workdir)
+            elif name == "auth":
+                rows += bench_auth(keys, blocks, args)
             elif args.redis_url is not None:
                 rows += bench_redis(keys, blocks, data, args, args.redis_url)
             else:

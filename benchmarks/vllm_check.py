@@ -68,7 +68,7 @@ def hot_window_config(out: str) -> dict:
     return {
         "cache": {"block_tokens": 16, "window_tokens": HOT_WINDOW_TOKENS, "gpu_budget_bytes": 512 << 20},
         "tiers": [{"kind": "cpu", "capacity_bytes": kv_per_token() * 200_000},
-                  {"kind": "disk", "path": os.path.join(out, "disk"), "capacity_bytes": kv_per_token() * 400_000}],
+                  {"kind": "disk", "path": os.path.join(out, "disk"), "capacity_bytes": kv_per_token() * 400_000, "trusted": True}],
         "scheduler": {"lookahead_layers": 2, "staging_bytes": 128 << 20, "prefill_chunk_tokens": 2048},
     }
 
@@ -78,7 +78,7 @@ def tierkv_config(out: str) -> dict:
     return {
         "cache": {"block_tokens": 16},
         "tiers": [{"kind": "cpu", "capacity_bytes": kv_per_token * PROMPT_TOKENS // 2},
-                  {"kind": "disk", "path": os.path.join(out, "disk"), "capacity_bytes": kv_per_token * 200_000}],
+                  {"kind": "disk", "path": os.path.join(out, "disk"), "capacity_bytes": kv_per_token * 200_000, "trusted": True}],
         "scheduler": {"lookahead_layers": 2, "staging_bytes": 256 << 20},
     }
 

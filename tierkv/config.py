@@ -62,9 +62,16 @@ class DiskTierConfig:
     path: str = field(default="~/.cache/tierkv/blocks", metadata=doc("directory for block files (made 0700; refused if another user owns it or others can write it)", check="writable_dir"))
     capacity_bytes: int = field(default=64 * 1024**3, metadata=doc("bytes on disk", min_value=1))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+<<<<<<< HEAD
     write_through: bool = field(default=True, metadata=doc(
         "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
         "so later processes reuse prefixes; false = only blocks the tiers above evict reach this tier"))
+=======
+    trusted: bool = field(default=False, metadata=doc(
+        "store blocks without authentication (no secret needed): only where nobody else can write to the tier"))
+    encrypt: bool = field(default=False, metadata=doc(
+        "encrypt blocks at rest (AES-256-GCM keyed by storage.secret) besides authenticating them"))
+>>>>>>> auth
 
 
 @dataclass
@@ -79,9 +86,28 @@ class RedisTierConfig:
     timeout_s: float = field(default=0.5, metadata=doc("socket timeout; slower counts as down", min_value=1e-3))
     retry_interval_s: float = field(default=2.0, metadata=doc("wait before retrying a down server", min_value=0.0))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
+<<<<<<< HEAD
     write_through: bool = field(default=True, metadata=doc(
         "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
         "so other processes and hosts reuse prefixes; false = only blocks the tiers above evict reach Redis"))
+=======
+    trusted: bool = field(default=False, metadata=doc(
+        "store blocks without authentication (no secret needed): only where nobody else can write to the tier"))
+    encrypt: bool = field(default=False, metadata=doc(
+        "encrypt blocks at rest (AES-256-GCM keyed by storage.secret) besides authenticating them"))
+
+
+@dataclass
+class StorageConfig:
+    """The deployment's secret: authenticates (and names) blocks in the disk and Redis tiers."""
+
+    secret: str | None = field(default=None, metadata=doc(
+        "the secret itself (at least 16 characters); prefer secret_file or TIERKV_STORAGE__SECRET", check="secret"))
+    secret_file: str | None = field(default=None, metadata=doc(
+        "file holding the secret (~ expanded; must not be readable by group or others)", check="non_empty"))
+    create_secret_file: bool = field(default=False, metadata=doc(
+        "create secret_file with a random secret (mode 0600) if it does not exist: for one user on one host"))
+>>>>>>> auth
 
 
 TierConfig = Union[CpuTierConfig, DiskTierConfig, RedisTierConfig]
@@ -171,6 +197,7 @@ class TierKVConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata=doc("KV shape of the model"))
     cache: CacheConfig = field(default_factory=CacheConfig, metadata=doc("GPU hot window"))
     tiers: list[TierConfig] = field(default_factory=_default_tiers, metadata=doc("tiers below the GPU, in order"))
+    storage: StorageConfig = field(default_factory=StorageConfig, metadata=doc("secret of the disk and Redis tiers"))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=doc("prefetch scheduler"))
     metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata=doc("metrics"))
 

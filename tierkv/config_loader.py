@@ -247,4 +247,10 @@ def _check_non_empty(value: str, keypath: str) -> None:
         raise ConfigError(keypath, value, "expected a non-empty string")
 
 
-_CHECKS = {"writable_dir": _check_writable_dir, "redis_url": _check_redis_url, "non_empty": _check_non_empty}
+def _check_secret(value: str, keypath: str) -> None:
+    if len(value) < 16:  # the value itself is never echoed back
+        raise ConfigError(keypath, "<hidden>", f"expected at least 16 characters, got {len(value)}")
+
+
+_CHECKS = {"writable_dir": _check_writable_dir, "redis_url": _check_redis_url, "non_empty": _check_non_empty,
+           "secret": _check_secret}

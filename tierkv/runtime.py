@@ -50,7 +50,8 @@ class KVRuntime:
             selections = max(1, scheduler.sparse_cache_selections)
             check_staging(num_layers, self.pool.staging.shape[0], k, selections, self.layout.num_bytes)
             check_margin(scheduler.sparse_prefetch_margin, k, selections * k, per_layer=True)
-        self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda")
+        self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda",
+                                 storage=config.storage)
         self.cpu: CpuTier = self.chain.tiers[0]
         self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
         self.prefetch_metrics = PrefetchRecorder(num_layers)  # the streamer reports every chunk here

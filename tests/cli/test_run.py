@@ -17,7 +17,7 @@ model: {{name: cli-run-test}}
 cache: {{block_tokens: 16, gpu_budget_bytes: 384KiB, sink_tokens: 16, window_tokens: 32}}
 tiers:
   - {{kind: cpu, capacity_bytes: 4MiB}}
-  - {{kind: disk, path: {tmp_path / 'disk'}, capacity_bytes: 16MiB}}
+  - {{kind: disk, path: {tmp_path / 'disk'}, capacity_bytes: 16MiB, trusted: true}}
 scheduler: {{lookahead_layers: 1, staging_bytes: 128KiB, prefill_chunk_tokens: 64}}
 """)
     return str(path)

@@ -51,7 +51,7 @@ def test_a_tier_counts_a_scripted_sequence_of_puts_and_gets(tmp_path):
 
 def test_a_chain_spills_and_promotes_and_every_tier_adds_up(tmp_path):
     chain = build_tiers([CpuTierConfig(capacity_bytes=4 * LAYOUT.num_bytes),
-                         DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=64 * LAYOUT.num_bytes)], LAYOUT)
+                         DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=64 * LAYOUT.num_bytes, trusted=True)], LAYOUT)
     try:
         keys = [f"k{i}" for i in range(10)]
         chain.put_many(keys, [block(i) for i in range(10)])

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from tierkv.blocks import BlockLayout
-from tierkv.storage import CpuTier, StorageTier
+from tierkv.storage import CpuTier, SealedTier, StorageTier
+from tierkv.storage.auth import BlockSealer
 from tierkv.storage.disk import DiskTier
 from tierkv.storage.redis_tier import RedisTier
 
-TIER_KINDS = ["cpu", "disk", pytest.param("redis", marks=pytest.mark.redis)]
+TIER_KINDS = ["cpu", "disk", pytest.param("redis", marks=pytest.mark.redis), "sealed-disk", "encrypted-disk",
+              pytest.param("sealed-redis", marks=pytest.mark.redis)]
+SECRET = b"contract-test-secret-0123456789"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -31,6 +34,10 @@ def make_tier(request, tmp_path):
 
     def make(kind: str, layout: BlockLayout, capacity_blocks: int) -> StorageTier:
         capacity = capacity_blocks * layout.num_bytes
+        if kind.startswith(("sealed-", "encrypted-")):  # the inner tier holds the sealed form of each block
+            sealer = BlockSealer(SECRET, layout, encrypt=kind.startswith("encrypted-"))
+            inner = make(kind.split("-")[1], sealer.sealed_layout, capacity_blocks)
+            return SealedTier(inner, layout, sealer)
         if kind == "cpu":
             tier = CpuTier("cpu", layout, capacity)
         elif kind == "disk":

@@ -17,7 +17,7 @@ def quantized_lower_tier(kind: str, fmt: str, layout: BlockLayout, capacity_bloc
     """A disk or Redis tier built from config with storage_dtype `fmt`, as a user gets it."""
     from tierkv.storage import build_tier
 
-    section = {"kind": kind, "storage_dtype": fmt, "capacity_bytes": capacity_blocks * layout.num_bytes}
+    section = {"kind": kind, "storage_dtype": fmt, "capacity_bytes": capacity_blocks * layout.num_bytes, "trusted": True}
     if kind == "disk":
         section["path"] = str(tmp_path / "disk")
     else:
@@ -80,7 +80,7 @@ def test_chain_spills_into_a_quantized_disk_and_promotes_back(fmt, tmp_path):
     layout = BlockLayout(2, 16, 32, torch.bfloat16)
     config = load_config({"tiers": [
         {"kind": "cpu", "capacity_bytes": 4 * layout.num_bytes, "storage_dtype": fmt},
-        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": 64 * layout.num_bytes, "storage_dtype": fmt},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": 64 * layout.num_bytes, "storage_dtype": fmt, "trusted": True},
     ]}, env={})
     chain = build_tiers(config.tiers, layout, pin_memory=False)
     try:

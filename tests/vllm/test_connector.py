@@ -40,7 +40,7 @@ def write_config(tmp_path, cpu_blocks: int = 1000, disk: bool = True) -> str:
     block_bytes = 2 * H * BS * D * 4
     lines = ["cache:", f"  block_tokens: {BS}", "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}"]
     if disk:
-        lines += ["  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}"]
+        lines += ["  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}", "    trusted: true"]
     lines += ["scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {64 * block_bytes}"]
     path = tmp_path / "tierkv.yaml"
     path.write_text("\n".join(lines) + "\n")

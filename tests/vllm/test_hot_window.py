@@ -55,7 +55,7 @@ def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int 
     path.write_text("\n".join([
         "cache:", f"  block_tokens: {BS}", f"  window_tokens: {window}",
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}", f"    storage_dtype: {storage_dtype}",
-        "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
+        "  - kind: disk", f"    path: {tmp_path / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}", "    trusted: true",
         "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {staging_blocks * block_bytes}", *sparse,
         *(f"  {line}" for line in scheduler_lines),
     ]) + "\n")

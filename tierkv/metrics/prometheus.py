@@ -3,8 +3,9 @@
 Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `dashboard` extra).
 
     tierkv_tier_lookups_total{tier="cpu"}        hits, misses, puts, put_failures, removes, evictions,
-    tierkv_tier_read_bytes_total{tier="disk"}    corrupt_blocks, errors, written_bytes, scan_dropped_records,
-                                                 lost_blocks alike; the last two also _by_reason{tier,reason}
+    tierkv_tier_read_bytes_total{tier="disk"}    corrupt_blocks, errors, auth_failures, written_bytes,
+                                                 scan_dropped_records, lost_blocks alike; the last two
+                                                 also _by_reason{tier,reason}
     tierkv_tier_hit_ratio{tier="gpu"}            tier "gpu": attention block reads from the hot window
     tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
@@ -21,7 +22,7 @@ from typing import Callable, Iterator
 TIER_COUNTERS = {  # figure -> metric name (before _total)
     "lookups": "lookups", "hits": "hits", "misses": "misses", "puts": "puts", "put_failures": "put_failures",
     "removes": "removes", "evictions": "evictions", "corrupt_blocks": "corrupt_blocks", "errors": "errors",
-    "bytes_read": "read_bytes", "bytes_written": "written_bytes",
+    "auth_failures": "auth_failures", "bytes_read": "read_bytes", "bytes_written": "written_bytes",
     "scan_dropped_records": "scan_dropped_records", "lost_blocks": "lost_blocks",
 }
 TIER_REASON_COUNTERS = ("scan_dropped_records", "lost_blocks")  # also per reason: {tier, reason}

@@ -1,6 +1,7 @@
 """Storage tiers below the GPU and the chain that orders them.
 
-Primitives: `StorageTier`, `PutResult`, `TierError`, `CpuTier`, `QuantizedTier`, `TierChain`, `build_tiers`.
+Primitives: `StorageTier`, `PutResult`, `TierError`, `CpuTier`, `QuantizedTier`, `SealedTier`, `TierChain`,
+`build_tiers`.
 Disk and Redis tiers are imported on first use, so `import tierkv` never imports redis.
 """
 from __future__ import annotations
@@ -8,17 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
-from tierkv.config import ConfigError
+from tierkv.config import ConfigError, StorageConfig
 from tierkv.quant import QUANT_FORMATS, packed_layout
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain
 from tierkv.storage.cpu import CpuTier
+from tierkv.storage.auth import sealer_for_tier
 from tierkv.storage.quantized import QuantizedTier
+from tierkv.storage.sealed import SealedTier
 
 if TYPE_CHECKING:
-    from tierkv.config import TierConfig
+    from tierkv.config import StorageConfig, TierConfig
 
-__all__ = ["CpuTier", "PutResult", "QuantizedTier", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
+__all__ = ["CpuTier", "PutResult", "QuantizedTier", "SealedTier", "StorageTier", "TierChain", "TierError", "build_tier", "build_tiers"]
 
 
 def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) -> str | None:
@@ -36,13 +39,27 @@ def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) ->
     return None
 
 
-def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None) -> StorageTier:
-    """One tier from its config section, named after its kind."""
+def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None,
+               storage: "StorageConfig | None" = None) -> StorageTier:
+    """One tier from its config section, named after its kind.
+
+    Disk and Redis tiers are sealed (`SealedTier`) with the secret of `storage` (None: no
+    secret) unless the tier is marked trusted; without a secret that raises ConfigError.
+    """
     quant_format = _quant_format(index, tier_config, layout)
     name = tier_config.kind
     if tier_config.kind == "cpu":  # quantizes its slab itself (codes and scales move over PCIe as they are)
         return CpuTier(name, layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
     stored = layout if quant_format is None else packed_layout(layout, quant_format)
+    sealer = sealer_for_tier(index, tier_config, storage or StorageConfig(), stored)
+    tier = _build_store(index, tier_config, stored if sealer is None else sealer.sealed_layout)
+    if sealer is not None:
+        tier = SealedTier(tier, stored, sealer)
+    return tier if quant_format is None else QuantizedTier(tier, layout, quant_format)
+
+
+def _build_store(index: int, tier_config: "TierConfig", stored: BlockLayout) -> StorageTier:
+    name = tier_config.kind
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 
@@ -56,15 +73,16 @@ def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pi
         )
     else:
         raise ValueError(f"tiers[{index}].kind: unknown tier kind {tier_config.kind!r}")
-    return tier if quant_format is None else QuantizedTier(tier, layout, quant_format)
+    return tier
 
 
-def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_memory: bool | None = None) -> TierChain:
-    """The tier chain, in config order."""
+def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_memory: bool | None = None,
+                storage: "StorageConfig | None" = None) -> TierChain:
+    """The tier chain, in config order; `storage`: the deployment's secret (see `build_tier`)."""
     tiers = []
     try:
         for index, tier_config in enumerate(tier_configs):
-            tiers.append(build_tier(index, tier_config, layout, pin_memory=pin_memory))
+            tiers.append(build_tier(index, tier_config, layout, pin_memory=pin_memory, storage=storage))
     except Exception:
         for tier in tiers:
             tier.close()

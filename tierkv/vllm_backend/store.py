@@ -64,7 +64,8 @@ class VllmKVStore:
         self.device = torch.device(device)
         self.lookup_only = lookup_only
         tiers = [t for t in config.tiers if t.kind != "cpu"] if lookup_only else config.tiers
-        self.chain = build_tiers(tiers, layout, pin_memory=self.device.type == "cuda") if tiers else None
+        self.chain = (build_tiers(tiers, layout, pin_memory=self.device.type == "cuda", storage=config.storage)
+                      if tiers else None)
         self.paged = PagedLayout(layout)
         self.lookahead = max(1, config.scheduler.lookahead_layers)
         self.max_inflight_save_bytes = config.scheduler.staging_bytes

@@ -1,0 +1,226 @@
+"""Authenticated blocks for tiers others can write to (Redis) or that outlive the process (disk).
+
+Primitives: `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `sealer_for_tier`,
+`SECRET_ENV`, `SECRET_FILE_ENV`.
+
+Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
+
+    name(key)   = hex(HMAC(k_names, key))            the tier's key: unguessable without the secret
+    sealed block, S = 288 + N bytes (N = the block's bytes), stored as a flat uint8 block:
+
+    offset  size  field
+    0       4     magic b"TKVS"
+    4       1     format version (1)
+    5       1     mode: 1 = HMAC-SHA256, 2 = AES-256-GCM over key field and payload
+    6       2     key length (<= 176 bytes)
+    8       12    nonce (random per seal)
+    20      44    zeros
+    64      192   key field: the block's key, zero padded, encrypted (mode 1: AES-GCM of its own, tag inside)
+    256     N     payload: the block's bytes (mode 2: encrypted)
+    256+N   32    mode 1: HMAC over (layout, bytes [0, 256+N)); mode 2: GCM tag (16 bytes) + 16 zeros
+
+The layout (shape, dtype) is authenticated too. `open` checks the tag, then that the stored key is
+the key asked for, so a genuine block replayed under another name, a truncated or altered one,
+or one sealed with another secret raises `AuthFailure`. The stored key is encrypted in both modes
+so the values do not name the prompts they came from; the payload is plain in mode 1.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+import struct
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierkv.blocks import BlockLayout, dtype_name
+from tierkv.config import ConfigError
+
+if TYPE_CHECKING:
+    from tierkv.config import StorageConfig, TierConfig
+
+SECRET_ENV = "TIERKV_STORAGE__SECRET"
+SECRET_FILE_ENV = "TIERKV_STORAGE__SECRET_FILE"
+MAGIC = b"TKVS"
+FORMAT_VERSION = 1
+MODE_MAC, MODE_AEAD = 1, 2
+MAX_KEY_BYTES = 176
+HEADER_BYTES, KEY_FIELD_BYTES, TAG_BYTES = 64, 192, 32
+PAYLOAD_OFFSET = HEADER_BYTES + KEY_FIELD_BYTES
+_HEAD = struct.Struct("<4sBBH12s")
+_MIN_SECRET_BYTES = 16
+
+
+class AuthFailure(ValueError):
+    """Stored bytes are not a block this deployment sealed under this key."""
+
+
+def _subkey(secret: bytes, label: str) -> bytes:
+    return hmac.digest(secret, b"tierkv/" + label.encode(), "sha256")
+
+
+class BlockSealer:
+    """Seals and opens blocks of one layout with keys derived from `secret`; thread-safe."""
+
+    def __init__(self, secret: bytes, layout: BlockLayout, *, encrypt: bool):
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        if len(secret) < _MIN_SECRET_BYTES:
+            raise ValueError(f"secret: {len(secret)} bytes; at least {_MIN_SECRET_BYTES} needed")
+        self.layout = layout
+        self.encrypt = encrypt
+        self.mode = MODE_AEAD if encrypt else MODE_MAC
+        self._names_key = _subkey(secret, "names/v1")
+        self._mac_key = _subkey(secret, "mac/v1")
+        self._aead = AESGCM(_subkey(secret, "aead/v1"))
+        self._layout_bytes = f"{tuple(layout.shape)}/{dtype_name(layout.dtype)}".encode()
+        self.num_bytes = PAYLOAD_OFFSET + layout.num_bytes + TAG_BYTES
+        # what the inner tier stores: flat bytes, as [2, 1, 1, S / 2] uint8 (S is even: num_bytes is)
+        self.sealed_layout = BlockLayout(1, 1, self.num_bytes // 2, torch.uint8)
+
+    def name(self, key: str) -> str:
+        """The tier's key for `key`: a keyed hash, so nobody without the secret can compute or probe it."""
+        return hmac.digest(self._names_key, key.encode(), "sha256").hex()
+
+    def seal(self, key: str, block: torch.Tensor) -> torch.Tensor:
+        """block (layout shape and dtype, CPU) -> sealed bytes shaped as `sealed_layout`."""
+        key_bytes = key.encode()
+        if len(key_bytes) > MAX_KEY_BYTES:
+            raise ValueError(f"block key of {len(key_bytes)} bytes; sealed blocks hold keys up to {MAX_KEY_BYTES}")
+        n = self.layout.num_bytes
+        out = torch.empty(self.num_bytes, dtype=torch.uint8)  # memoryview copies: one thread, no torch fill
+        view = memoryview(out.numpy())
+        nonce = os.urandom(12)
+        view[:PAYLOAD_OFFSET] = bytes(PAYLOAD_OFFSET)
+        view[PAYLOAD_OFFSET + n :] = bytes(TAG_BYTES)
+        view[:_HEAD.size] = _HEAD.pack(MAGIC, FORMAT_VERSION, self.mode, len(key_bytes), nonce)
+        aad = self._layout_bytes + bytes(view[:HEADER_BYTES])
+        view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n] = memoryview(
+            block.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+        if self.mode == MODE_AEAD:
+            view[HEADER_BYTES : HEADER_BYTES + len(key_bytes)] = key_bytes
+            body = view[HEADER_BYTES : PAYLOAD_OFFSET + n]
+            self._aead.encrypt_into(nonce, body, aad, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16])  # in place
+        else:
+            padded = key_bytes.ljust(KEY_FIELD_BYTES - 16, b"\0")
+            self._aead.encrypt_into(nonce, padded, aad, view[HEADER_BYTES:PAYLOAD_OFFSET])
+            mac = hmac.new(self._mac_key, self._layout_bytes, "sha256")
+            mac.update(view[: PAYLOAD_OFFSET + n])
+            view[PAYLOAD_OFFSET + n :] = mac.digest()
+        return out.view(self.sealed_layout.shape)
+
+    def open(self, key: str | None, sealed: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Verify sealed bytes (any shape of `num_bytes` uint8, CPU) -> (stored key, block).
+
+        key: the key it must have been sealed under; None accepts any (the stored key is returned,
+        authenticated). The block is a fresh tensor or a view into `sealed`. Raises AuthFailure.
+        """
+        flat = sealed.reshape(-1)
+        if flat.dtype != torch.uint8 or flat.numel() != self.num_bytes:
+            raise AuthFailure(f"block {key}: {flat.numel()} {flat.dtype} values, a sealed block is {self.num_bytes} uint8")
+        view = memoryview(flat.numpy())
+        magic, version, mode, key_len, nonce = _HEAD.unpack_from(view, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or mode != self.mode or key_len > MAX_KEY_BYTES:
+            raise AuthFailure(f"block {key}: not a sealed block of this format and mode "
+                              f"(magic {magic!r}, version {version}, mode {mode}, expected mode {self.mode})")
+        aad = self._layout_bytes + bytes(view[:HEADER_BYTES])
+        n = self.layout.num_bytes
+        if mode == MODE_AEAD:
+            if any(view[PAYLOAD_OFFSET + n + 16 :]):  # the unused half of the tag field: not covered by GCM
+                raise AuthFailure(f"block {key}: authentication failed (bytes after the tag altered)")
+            plain = torch.empty(KEY_FIELD_BYTES + n, dtype=torch.uint8)  # every byte written by decrypt_into
+            self._decrypt(key, nonce, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16], aad, memoryview(plain.numpy()))
+            stored_key, payload = bytes(plain[:key_len].numpy()), plain[KEY_FIELD_BYTES:]
+        else:
+            mac = hmac.new(self._mac_key, self._layout_bytes, "sha256")
+            mac.update(view[: PAYLOAD_OFFSET + n])
+            if not hmac.compare_digest(mac.digest(), view[PAYLOAD_OFFSET + n :]):
+                raise AuthFailure(f"block {key}: authentication failed (forged, altered, or another secret)")
+            field = bytearray(KEY_FIELD_BYTES - 16)
+            self._decrypt(key, nonce, view[HEADER_BYTES:PAYLOAD_OFFSET], aad, memoryview(field))
+            stored_key, payload = bytes(field[:key_len]), flat[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n]
+        found = stored_key.decode(errors="replace")
+        if key is not None and found != key:
+            raise AuthFailure(f"block {key}: a genuine block of another key ({found[:80]!r}) stored under its name")
+        return found, _as_block(payload, self.layout)
+
+    def _decrypt(self, key: str | None, nonce: bytes, data: memoryview, aad: bytes, out: memoryview) -> None:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            self._aead.decrypt_into(nonce, data, aad, out)
+        except InvalidTag:
+            raise AuthFailure(f"block {key}: authentication failed (forged, altered, or another secret)") from None
+
+
+def _as_block(payload: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """payload: flat uint8 [layout.num_bytes] -> [2, H, T, D] in the layout's dtype (a view when aligned)."""
+    if payload.storage_offset() % layout.dtype.itemsize:
+        payload = payload.clone()
+    return payload.view(layout.dtype).reshape(layout.shape)
+
+
+# -- the secret ------------------------------------------------------------------------------------
+def load_secret(storage: "StorageConfig") -> bytes | None:
+    """The deployment's secret from storage.secret, else storage.secret_file; None when neither is set."""
+    if storage.secret is not None:
+        return storage.secret.encode()
+    if storage.secret_file is None:
+        return None
+    path = Path(storage.secret_file).expanduser()
+    if not path.exists() and storage.create_secret_file:
+        _create_secret_file(path)
+    try:
+        info = path.stat()
+        data = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror}); "
+                          "set storage.create_secret_file: true to create one") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError("storage.secret_file", str(path),
+                          f"must not be accessible by group or others (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+    if len(data) < _MIN_SECRET_BYTES:
+        raise ConfigError("storage.secret_file", str(path), f"expected at least {_MIN_SECRET_BYTES} bytes of secret, "
+                          f"found {len(data)}")
+    return data
+
+
+def _create_secret_file(path: Path) -> None:
+    """A random 256-bit secret (hex) in a new file of mode 0600, linked into place whole, so a
+    concurrent creator never reads a partial file; the first one linked wins."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".secret-")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex() + "\n")
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError("storage.secret_file", str(path), f"could not create it ({exc.strerror}); name a "
+                          f"writable path, or set {SECRET_ENV}") from None
+
+
+def sealer_for_tier(index: int, tier_config: "TierConfig", storage: "StorageConfig",
+                    layout: BlockLayout) -> BlockSealer | None:
+    """The sealer of a disk or Redis tier; None for a trusted one. Raises ConfigError without a secret."""
+    if tier_config.trusted:
+        if tier_config.encrypt:
+            raise ConfigError(f"tiers[{index}].encrypt", True, "needs an untrusted tier (trusted: false) and a secret")
+        return None
+    secret = load_secret(storage)
+    if secret is None:
+        raise ConfigError(
+            "storage.secret_file", None,
+            f"the {tier_config.kind} tier tiers[{index}] keeps blocks others can write or a later process reads: "
+            f"set storage.secret_file (or the {SECRET_FILE_ENV} / {SECRET_ENV} environment variable) to the "
+            f"deployment's secret, or mark the tier 'trusted: true' if nobody else can write to it",
+        )
+    return BlockSealer(secret, layout, encrypt=tier_config.encrypt)

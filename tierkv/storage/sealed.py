@@ -1,0 +1,140 @@
+"""A disk or Redis tier whose blocks are authenticated (and optionally encrypted) with the deployment's secret.
+
+Primitives: `SealedTier`.
+
+    put:  key, block --name(key), seal--> inner tier (flat uint8 blocks of the sealed layout)
+    get:  inner tier --open (MAC, key binding)--> block, or a miss
+
+The inner tier is an ordinary DiskTier or RedisTier built with `BlockSealer.sealed_layout`; it
+only ever sees keyed names, so nobody without the secret can compute, probe (EXISTS / GET) or
+overwrite a given prompt's blocks there. A stored value that fails `open` is a miss, counted
+as `auth_failures` (its hit in the inner tier's figures becomes a miss), logged at most once per
+`log_interval_s` per tier, and deleted; it is never returned. The counters are the inner tier's.
+Blocks the inner tier evicts are opened before they travel down the chain (their stored key is
+authenticated); ones that fail are dropped and counted the same way.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from tierkv.blocks import BlockLayout
+from tierkv.storage.auth import AuthFailure, BlockSealer
+from tierkv.storage.base import PutResult, StorageTier
+
+logger = logging.getLogger(__name__)
+
+
+class SealedTier(StorageTier):
+    def __init__(self, inner: StorageTier, layout: BlockLayout, sealer: BlockSealer, *, log_interval_s: float = 10.0):
+        if sealer.layout != layout or inner.layout != sealer.sealed_layout:
+            raise ValueError(f"{inner.name}: inner layout {inner.layout} is not the sealed form of {layout}")
+        super().__init__(inner.name, layout, inner.capacity_bytes)
+        self.inner = inner
+        self.kind = inner.kind
+        self.sealer = sealer
+        self.counters = inner.counters
+        self.log_interval_s = log_interval_s
+        self._unlogged_failures = 0
+        self._last_log_s: float | None = None
+
+    # -- reads ------------------------------------------------------------------------------------
+    def get(self, key: str) -> torch.Tensor | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        names = self._names(keys)
+        found = self.inner.get_many(names)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        failed: list[str] = []
+        for i, sealed in enumerate(found):
+            if sealed is None:
+                continue
+            try:
+                out[i] = self.sealer.open(keys[i], sealed)[1]
+            except AuthFailure as exc:
+                failed.append(names[i])
+                self._note_failure(exc)
+        if failed:  # the inner tier counted them as hits
+            self.counters.add(hits=-len(failed), misses=len(failed), auth_failures=len(failed),
+                              bytes_read=-len(failed) * self.inner.layout.num_bytes)
+            self.inner.remove_many(failed)
+        return out
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.contains_many(self._names(keys))
+
+    # -- writes -----------------------------------------------------------------------------------
+    def put(self, key: str, block: torch.Tensor) -> PutResult:
+        return self.put_many([key], [block])[0]
+
+    def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
+        if len(keys) != len(blocks):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
+        for key, block in zip(keys, blocks):
+            self._check_block(key, block)
+        sealed = [self.sealer.seal(k, b) for k, b in zip(keys, blocks)]
+        return [self._opened_evictions(r) for r in self.inner.put_many(self._names(keys), sealed)]
+
+    def remove(self, key: str) -> bool:
+        return self.remove_many([key])[0]
+
+    def remove_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.remove_many(self._names(keys))
+
+    # -- the rest of the contract -------------------------------------------------------------------
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.inner.is_healthy
+
+    @property
+    def return_evicted(self) -> bool:
+        return getattr(self.inner, "return_evicted", False)
+
+    @return_evicted.setter
+    def return_evicted(self, value: bool) -> None:
+        if hasattr(self.inner, "return_evicted"):
+            self.inner.return_evicted = value
+
+    def __repr__(self) -> str:
+        mode = "encrypted" if self.sealer.encrypt else "authenticated"
+        return f"SealedTier({mode}, {self.inner!r})"
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _names(self, keys: Sequence[str]) -> list[str]:
+        return [self.sealer.name(k) for k in keys]
+
+    def _opened_evictions(self, result: PutResult) -> PutResult:
+        evicted = []
+        for _, sealed in result.evicted:
+            try:
+                evicted.append(self.sealer.open(None, sealed))
+            except AuthFailure as exc:
+                self.counters.add(auth_failures=1)
+                self._note_failure(exc)
+        result.evicted = evicted
+        return result
+
+    def _note_failure(self, exc: AuthFailure) -> None:
+        """Log the first failure, then at most one line per log_interval_s with the count since."""
+        now = time.monotonic()
+        with self._lock:
+            self._unlogged_failures += 1
+            if self._last_log_s is not None and now - self._last_log_s < self.log_interval_s:
+                return
+            count, self._unlogged_failures, self._last_log_s = self._unlogged_failures, 0, now
+        logger.warning("%s: %d stored block(s) failed authentication and were dropped as misses; latest: %s",
+                       self.name, count, exc)
