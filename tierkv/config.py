@@ -62,16 +62,13 @@ class DiskTierConfig:
     path: str = field(default="~/.cache/tierkv/blocks", metadata=doc("directory for block files (made 0700; refused if another user owns it or others can write it)", check="writable_dir"))
     capacity_bytes: int = field(default=64 * 1024**3, metadata=doc("bytes on disk", min_value=1))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
-<<<<<<< HEAD
     write_through: bool = field(default=True, metadata=doc(
         "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
         "so later processes reuse prefixes; false = only blocks the tiers above evict reach this tier"))
-=======
     trusted: bool = field(default=False, metadata=doc(
         "store blocks without authentication (no secret needed): only where nobody else can write to the tier"))
     encrypt: bool = field(default=False, metadata=doc(
         "encrypt blocks at rest (AES-256-GCM keyed by storage.secret) besides authenticating them"))
->>>>>>> auth
 
 
 @dataclass
@@ -86,11 +83,9 @@ class RedisTierConfig:
     timeout_s: float = field(default=0.5, metadata=doc("socket timeout; slower counts as down", min_value=1e-3))
     retry_interval_s: float = field(default=2.0, metadata=doc("wait before retrying a down server", min_value=0.0))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
-<<<<<<< HEAD
     write_through: bool = field(default=True, metadata=doc(
         "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "
         "so other processes and hosts reuse prefixes; false = only blocks the tiers above evict reach Redis"))
-=======
     trusted: bool = field(default=False, metadata=doc(
         "store blocks without authentication (no secret needed): only where nobody else can write to the tier"))
     encrypt: bool = field(default=False, metadata=doc(
@@ -107,7 +102,6 @@ class StorageConfig:
         "file holding the secret (~ expanded; must not be readable by group or others)", check="non_empty"))
     create_secret_file: bool = field(default=False, metadata=doc(
         "create secret_file with a random secret (mode 0600) if it does not exist: for one user on one host"))
->>>>>>> auth
 
 
 TierConfig = Union[CpuTierConfig, DiskTierConfig, RedisTierConfig]

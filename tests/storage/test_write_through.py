@@ -19,6 +19,7 @@ BLOCK_BYTES = 2 * 2 * 4 * 16 * 4
 def config_for(tmp_path, *, write_through: bool = True, cpu_blocks: int = 4096):
     return load_config({
         "model": {"name": "write-through-llama"},
+        "storage": {"secret": "write-through-test-secret-0123"},  # a sealed disk tier, as shipped
         "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * BLOCK_BYTES, "sink_tokens": 4, "window_tokens": 8},
         "tiers": [{"kind": "cpu", "capacity_bytes": cpu_blocks * BLOCK_BYTES},
                   {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": "64MiB",

@@ -32,12 +32,8 @@ class LatencyHistogram:
 
 _COUNTER_NAMES = (
     "lookups", "hits", "misses", "puts", "put_failures", "removes",
-<<<<<<< HEAD
-    "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors",
-    "scan_dropped_records", "lost_blocks",
-=======
     "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors", "auth_failures",
->>>>>>> auth
+    "scan_dropped_records", "lost_blocks",
 )
 _BY_REASON = ("scan_dropped_records", "lost_blocks")  # counters also kept per reason: "<name>_by_reason"
 
