@@ -104,12 +104,12 @@ def _prompt(model_and_expected):
     PROMPT[:] = [model_and_expected[1]]
 
 
-@pytest.mark.parametrize("wait", [True, False])
-@pytest.mark.parametrize("name,fail_slots,new_slots,error", [
-    ("_allocate", {40}, 40, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 PiB")),  # grow
-    ("_allocate", {5}, 5, RuntimeError("allocator failed")),                                         # shrink
-    ("_refill", {40}, 40, RuntimeError("gather failed")),                                           # grow, halfway
-    ("_refill", {5}, 5, RuntimeError("gather failed")),                        # shrink, halfway: old pool rebuilt
+@pytest.mark.parametrize("name,fail_slots,new_slots,error,wait", [
+    ("_allocate", {40}, 40, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 PiB"), True),  # grow
+    ("_allocate", {40}, 40, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 PiB"), False),
+    ("_allocate", {5}, 5, RuntimeError("allocator failed"), False),                                     # shrink
+    ("_refill", {40}, 40, RuntimeError("gather failed"), True),                                       # grow, halfway
+    ("_refill", {5}, 5, RuntimeError("gather failed"), False),              # shrink, halfway: old pool rebuilt
 ])
 def test_a_change_that_fails_during_decode_is_refused_and_the_request_keeps_its_tokens(
         monkeypatch, llm, model_and_expected, wait, name, fail_slots, new_slots, error):

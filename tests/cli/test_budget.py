@@ -8,17 +8,20 @@ from tests.metrics.workload import make_llm
 from tierkv.cli import main
 
 
+TOKEN = "a-test-token-of-some-length"
+
+
 def test_budget_command_resizes_a_running_tiered_llm(tmp_path, capsys):
-    llm = make_llm(tmp_path, prometheus_port=free_port())
+    llm = make_llm(tmp_path, prometheus_port=free_port(), control_token=TOKEN)
     with llm:
         before = llm.runtime.residency.slots_per_layer
         new_budget = llm.config.cache.gpu_budget_bytes * 2
-        assert main(["budget", "--endpoint", llm.metrics.url, str(new_budget)]) == 0
+        assert main(["budget", "--token", TOKEN, "--endpoint", llm.metrics.url, str(new_budget)]) == 0
         assert llm.runtime.residency.slots_per_layer == 2 * before
         assert llm.stats()["gpu"]["budget_bytes"] == new_budget
         assert "GPU KV budget set to" in capsys.readouterr().out
         # a budget too small for sinks + window: refused by the process, exit 2, nothing changes
-        assert main(["budget", "--endpoint", llm.metrics.url, "1"]) == 2
+        assert main(["budget", "--token", TOKEN, "--endpoint", llm.metrics.url, "1"]) == 2
         assert "sinks + window" in capsys.readouterr().err
         assert llm.runtime.residency.slots_per_layer == 2 * before
 
