@@ -154,8 +154,9 @@ class MetricsConfig:
     snapshot_interval_s: float = field(default=1.0, metadata=doc("seconds between JSONL snapshots", min_value=1e-3))
     history_bytes: int = field(default=8 * 1024**2, metadata=doc(
         "memory for the snapshot lines kept in the process (what /api/snapshots and the live dashboard serve), "
-        "held as compact JSON: a line is 5-25 KB, so 8 MiB keeps about 300-1,600 lines (5-25 minutes at one "
-        "line a second); the process pays this much and little more; the JSONL file keeps every line",
+        "held as compact JSON (the process pays this bound plus ~100 bytes per line); a line is ~4 KB for a "
+        "2-layer model and grows with layers and tiers (a loaded 32-layer runtime: ~20 KB), so 8 MiB keeps the "
+        "last ~400-2,000 lines (7-30 minutes at one a second); the JSONL file keeps every line",
         min_value=1))
     host: str = field(default="127.0.0.1", metadata=doc(
         "address the metrics endpoint listens on; requests must name it in their Host header (loopback also "

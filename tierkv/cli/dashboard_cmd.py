@@ -26,10 +26,17 @@ def add_parser(commands) -> None:
     p.set_defaults(handler=run_dashboard)
 
 
+def dashboard_server(source, host: str, port: int):
+    """The live dashboard of `source` on host:port, behind the Host and Origin checks (a RunningServer)."""
+    from tierkv.dashboard import dashboard_app, serve
+    from tierkv.dashboard.guard import guarded
+
+    return serve(guarded(dashboard_app(source), host), host, port)
+
+
 def run_dashboard(args) -> int:
     from tierkv.cli import UsageError
-    from tierkv.dashboard import dashboard_app, serve, static_page
-    from tierkv.dashboard.guard import guarded
+    from tierkv.dashboard import static_page
     from tierkv.metrics.sources import SourceError, open_source
 
     if not 0 <= args.port <= 65535:
@@ -46,7 +53,7 @@ def run_dashboard(args) -> int:
         print(f"tierkv dashboard: wrote {args.html} ({len(lines)} snapshots from {source.description})", file=sys.stderr)
         return 0
     try:
-        server = serve(guarded(dashboard_app(source), args.host), args.host, args.port)
+        server = dashboard_server(source, args.host, args.port)
     except OSError as exc:
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     stop = threading.Event()
