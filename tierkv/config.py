@@ -178,6 +178,21 @@ class MetricsConfig:
     prometheus_port: int | None = field(default=None, metadata=doc("serve /metrics on this port", min_value=1, max_value=65535))
     jsonl_path: str | None = field(default=None, metadata=doc("append snapshots to this file"))
     snapshot_interval_s: float = field(default=1.0, metadata=doc("seconds between JSONL snapshots", min_value=1e-3))
+    history_bytes: int = field(default=8 * 1024**2, metadata=doc(
+        "memory for the snapshot lines kept in the process (what /api/snapshots and the live dashboard serve), "
+        "held as compact JSON (the process pays this bound plus ~100 bytes per line); a line is ~4 KB for a "
+        "2-layer model and grows with layers and tiers (a loaded 32-layer runtime: ~20 KB), so 8 MiB keeps the "
+        "last ~400-2,000 lines (7-30 minutes at one a second); the JSONL file keeps every line",
+        min_value=1))
+    host: str = field(default="127.0.0.1", metadata=doc(
+        "address the metrics endpoint listens on; requests must name it in their Host header (loopback also "
+        "accepts localhost; 0.0.0.0 or :: listen everywhere and accept IP addresses): keep loopback unless "
+        "the endpoint must be reached from other hosts", check="non_empty"))
+    control_enabled: bool = field(default=False, metadata=doc(
+        "serve POST /api/gpu_budget (`tierkv budget`) on the metrics endpoint; needs control_token or the "
+        "TIERKV_CONTROL_TOKEN environment variable (docs/security.md)"))
+    control_token: str | None = field(default=None, metadata=doc(
+        "bearer token of the control endpoint, at least 16 characters; None: TIERKV_CONTROL_TOKEN", check="non_empty"))
 
 
 def _default_tiers() -> list:

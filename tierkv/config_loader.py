@@ -20,6 +20,7 @@ from tierkv.units import ALLOWED_UNITS, parse_bytes
 
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
+ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
 
 
 def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str, str] | None = None) -> TierKVConfig:
@@ -66,7 +67,7 @@ def _apply_env(data: dict, env: Mapping[str, str]) -> dict[str, str]:
     """Write TIERKV_A__B=v into data['a']['b']; returns {dotted key: variable name}."""
     origins = {}
     for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+        if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, ENV_CONTROL_TOKEN):
             continue
         parts = var[len(ENV_PREFIX) :].lower().split("__")
         value = _parse_env_value(env[var])

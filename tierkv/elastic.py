@@ -12,7 +12,8 @@ and any other process, sees the memory free:
     new pool  <- CPU tier   the resident full blocks (one batched gather), then the partial block
 
 It runs between forward steps (a running sequence applies a pending resize when its next
-step starts), so no attention ever reads a pool being replaced.
+step starts), so no attention ever reads a pool being replaced. A resize that fails (the
+allocation, the refill) leaves the old pool working: see `resize_hot_window`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierkv.budget_change import HotWindowLost
 from tierkv.storage.gpu import ResidencyPlan
 
 if TYPE_CHECKING:
@@ -31,12 +33,16 @@ def resize_hot_window(rt: "KVRuntime", residency: ResidencyPlan, seq: "SequenceK
     """Swap in a resident pool shaped by `residency`; returns the bytes freed (negative: taken).
 
     A shrink frees the old pool before allocating the new one, so it never needs old + new
-    bytes at once (the card may be full); a grow allocates first, so running out of memory
-    leaves the old pool in place. Only the partial last block lives on the GPU alone;
-    it is kept aside in a small temporary while the pools change.
+    bytes at once (the card may be full); a grow builds the new pool first, so the old one
+    stays in place until the new one is full. Only the partial last block lives on the GPU
+    alone; it is kept aside in a small temporary while the pools change.
+
+    On any failure (allocation, refill) the old residency is back in force and the exception
+    propagates: a grow never touched the old pool; a shrink rebuilds it from the CPU tier and
+    the temporary. When that rebuild fails too, raises HotWindowLost (the sequence cannot go on).
     """
     old_residency = rt.residency
-    old_bytes = rt.pool.resident.numel() * rt.pool.resident.element_size()
+    old_bytes = rt.pool.resident_bytes
     num_tokens = seq.seq_length if seq is not None else 0
     num_blocks = -(-num_tokens // rt.layout.block_tokens)
     partial = None
@@ -45,20 +51,43 @@ def resize_hot_window(rt: "KVRuntime", residency: ResidencyPlan, seq: "SequenceK
         if num_tokens % rt.layout.block_tokens:
             partial = rt.pool.resident[:, old_residency.slot_of(num_blocks - 1)].clone()  # [L, 2, H, T, D]
     new_bytes = rt.num_layers * residency.slots_per_layer * rt.layout.num_bytes
-    if new_bytes > old_bytes:  # growing: allocate first, so a failure leaves the old pool in place
-        new_pool = _allocate(rt, residency)
-        rt.pool.resident = None
+    if new_bytes > old_bytes:  # growing: build first, so a failure leaves the old pool in place
+        try:
+            new_pool = _build(rt, residency, seq, num_blocks, partial)
+        except Exception:
+            _release_cached(rt)
+            raise
     else:                      # shrinking: free first, so old + new never need to fit together
         rt.pool.resident = None
         _release_cached(rt)
-        new_pool = _allocate(rt, residency)
-    if num_tokens:
-        _refill(rt, seq, new_pool, residency, num_blocks, partial)
+        try:
+            new_pool = _build(rt, residency, seq, num_blocks, partial)
+        except Exception as exc:
+            _rebuild_old(rt, old_residency, seq, num_blocks, partial, exc)
+            raise
     rt.pool.resident = new_pool
     rt.pool.residency = residency
     rt.residency = residency
     _release_cached(rt)
     return old_bytes - new_bytes
+
+
+def _build(rt, residency: ResidencyPlan, seq, num_blocks: int, partial) -> torch.Tensor:
+    """A pool shaped by `residency`, filled for `seq` (its first `num_blocks` blocks)."""
+    pool = _allocate(rt, residency)
+    if num_blocks:
+        _refill(rt, seq, pool, residency, num_blocks, partial)
+    return pool
+
+
+def _rebuild_old(rt, old_residency: ResidencyPlan, seq, num_blocks: int, partial, cause: Exception) -> None:
+    """After a failed shrink: the old pool again, from the CPU tier and the partial block's temporary."""
+    _release_cached(rt)
+    try:
+        rt.pool.resident = _build(rt, old_residency, seq, num_blocks, partial)
+    except Exception as again:
+        raise HotWindowLost(f"resizing the GPU hot window failed ({type(cause).__name__}: {cause}) and so did "
+                            f"rebuilding the old pool ({type(again).__name__}: {again})") from again
 
 
 def _allocate(rt, residency: ResidencyPlan) -> torch.Tensor:

@@ -76,16 +76,15 @@ class TieredLLM:
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
         """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; outputs do not change.
 
-        Shrinking returns the memory to the driver. With `wait`, blocks until it took effect
-        (a running request applies it at its next forward step).
+        Shrinking returns the memory to the driver. A change that cannot be applied is refused and
+        the running request goes on at the old budget: a bad value, sinks + window that do not fit
+        or a pool larger than the device raise here (ValueError, BudgetRefused); a failed allocation
+        when the change is applied raises BudgetRefused with `wait`, and is logged and counted in
+        `stats()["gpu"]["budget_refusals"]` either way. With `wait`, blocks until the change took
+        effect (a running request applies it at its next forward step).
         """
-        from tierkv.units import parse_bytes
-
-        num_bytes = parse_bytes(budget)
-        if num_bytes <= 0:
-            raise ValueError(f"budget: got {budget!r}; must be positive")
-        self.runtime.set_gpu_budget(num_bytes)
-        if wait and not self.runtime.wait_for_budget(timeout_s):
+        change = self.runtime.set_gpu_budget(budget)
+        if wait and not change.wait(timeout_s):
             raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s")
 
     def reload_config(self, config: TierKVConfig | str | os.PathLike | dict) -> list[str]:

@@ -6,6 +6,7 @@ One sequence runs at a time per runtime: it owns the GPU hot window while it run
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.block_io import BlockIO
+from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, check_fits_device, parse_budget
 from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
@@ -24,6 +26,7 @@ from tierkv.storage.gpu import GpuBlockPool, plan_residency
 from tierkv.transfer import configured_engine
 from tierkv.units import format_bytes
 
+logger = logging.getLogger(__name__)
 
 class KVRuntime:
     def __init__(self, config: TierKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -68,33 +71,50 @@ class KVRuntime:
                                     "capture_errors": 0, "capture_s": 0.0}
         self._cache_bytes_counted = 0  # of its copies, the bytes already in the transfer engine's count
         self._budget_lock = threading.RLock()
-        self._pending_budget: tuple[int, object] | None = None
-        self._budget_applied = threading.Event()
-        self._budget_applied.set()
+        self._pending_budget: tuple[int, object, list[BudgetChange]] | None = None
+        self._last_budget_change: BudgetChange | None = None
         self.gpu_bytes_returned = 0
         self.num_budget_changes = 0
+        self.num_budget_refusals = 0  # changes refused, at once or when applied (old budget kept)
+        self.last_budget_refusal: str | None = None
 
-    def set_gpu_budget(self, budget_bytes: int) -> None:
-        """Resize the GPU hot window to `budget_bytes` (all layers).
+    def set_gpu_budget(self, budget: int | str) -> BudgetChange:
+        """Resize the GPU hot window to `budget` bytes (all layers; an int or a size such as "1GiB").
 
-        With no sequence running it happens now; with one running, when its next forward step
-        starts (call `wait_for_budget` to block until then). Raises ConfigError, changing
-        nothing, when sinks + window do not fit the new budget.
+        Refused at once, changing nothing, with ValueError (not a positive size; sinks + window do
+        not fit: ConfigError) or BudgetRefused (the pool cannot fit the device). Otherwise applied
+        now when no sequence runs, else when its next forward step starts. The returned change
+        resolves when it is applied or refused: a refusal there (the allocation failed) leaves the
+        old pool working, is logged and counted (`stats()["gpu"]["budget_refusals"]`), and
+        `change.wait()` raises it.
         """
         cache = self.config.cache
-        residency = plan_residency(self.layout, self.num_layers, budget_bytes, cache.sink_tokens, cache.window_tokens)
         with self._budget_lock:
-            self._pending_budget = (budget_bytes, residency)
-            self._budget_applied.clear()
+            try:
+                budget_bytes = parse_budget(budget)
+                residency = plan_residency(self.layout, self.num_layers, budget_bytes, cache.sink_tokens,
+                                           cache.window_tokens)
+                check_fits_device(self.device, self.num_layers * residency.slots_per_layer * self.layout.num_bytes,
+                                  self.pool.resident_bytes)
+            except (ValueError, BudgetRefused) as exc:
+                self._record_refusal(exc)
+                raise
+            change = BudgetChange(budget_bytes)
+            replaced = self._pending_budget[2] if self._pending_budget is not None else []
+            self._pending_budget = (budget_bytes, residency, replaced + [change])
+            self._last_budget_change = change
             if self.active is None or self.active.is_finished:  # idle: nothing can start meanwhile
                 self._apply_locked(None)
+        return change
 
     def wait_for_budget(self, timeout_s: float | None = None) -> bool:
-        """Block until the last `set_gpu_budget` has taken effect; False on timeout."""
-        return self._budget_applied.wait(timeout_s)
+        """Block until the last `set_gpu_budget` was applied or refused; False on timeout."""
+        change = self._last_budget_change
+        return True if change is None else change._done.wait(timeout_s)
 
     def apply_pending_budget(self, seq: SequenceKV | None) -> None:
-        """Called between forward steps: swap in a pending hot-window size, if any."""
+        """Called between forward steps: swap in a pending hot-window size, if any. A resize that
+        fails is refused (the old pool stays, the sequence goes on) unless the old pool is lost."""
         with self._budget_lock:
             self._apply_locked(seq)
 
@@ -102,12 +122,32 @@ class KVRuntime:
         pending, self._pending_budget = self._pending_budget, None
         if pending is None:
             return
-        budget_bytes, residency = pending
-        freed = resize_hot_window(self, residency, seq)
+        budget_bytes, residency, changes = pending
+        try:
+            freed = resize_hot_window(self, residency, seq)
+        except HotWindowLost as exc:  # the sequence ends; the next one rebuilds the pool at the old budget
+            self._record_refusal(exc)
+            for change in changes:
+                change.resolve(exc)
+            self._pending_budget = (self.config.cache.gpu_budget_bytes, self.residency, [])
+            raise
+        except Exception as exc:  # the old pool is back in force: refuse the change, the sequence goes on
+            refused = BudgetRefused(budget_bytes, f"{type(exc).__name__}: {exc}; the GPU budget stays "
+                                                  f"{format_bytes(self.config.cache.gpu_budget_bytes)}")
+            self._record_refusal(refused)
+            for change in changes:
+                change.resolve(refused)
+            return
         self.config.cache.gpu_budget_bytes = budget_bytes
         self.gpu_bytes_returned += max(freed, 0)
         self.num_budget_changes += 1
-        self._budget_applied.set()
+        for change in changes:
+            change.resolve()
+
+    def _record_refusal(self, exc: BaseException) -> None:
+        self.num_budget_refusals += 1
+        self.last_budget_refusal = str(exc)
+        logger.warning("tierkv: GPU budget change refused: %s", exc)
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise CapacityError, before any work, when `num_tokens` of KV cannot live in the CPU tier."""
@@ -130,6 +170,10 @@ class KVRuntime:
 
     def stats(self) -> dict:
         """Running totals: tiers, transfers, stalls, GPU bytes."""
+        with self._budget_lock:  # not while a resize swaps the pool
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict:
         streamer = self.streamer
         # predictor 'cache': a layer whose selection missed its far-block cache waited for the copy (a stall),
         # and a prefetch margin has its own precision and recall
@@ -149,6 +193,8 @@ class KVRuntime:
                 "resident_blocks_per_layer": self.residency.slots_per_layer,
                 "returned_bytes": self.gpu_bytes_returned,
                 "budget_changes": self.num_budget_changes,
+                "budget_refusals": self.num_budget_refusals,
+                "last_budget_refusal": self.last_budget_refusal,
             },
             "transfer": {
                 "h2d_bytes": self.engine.num_bytes_moved["h2d"],

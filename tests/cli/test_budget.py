@@ -8,17 +8,20 @@ from tests.metrics.workload import make_llm
 from tierkv.cli import main
 
 
+TOKEN = "a-test-token-of-some-length"
+
+
 def test_budget_command_resizes_a_running_tiered_llm(tmp_path, capsys):
-    llm = make_llm(tmp_path, prometheus_port=free_port())
+    llm = make_llm(tmp_path, prometheus_port=free_port(), control_token=TOKEN)
     with llm:
         before = llm.runtime.residency.slots_per_layer
         new_budget = llm.config.cache.gpu_budget_bytes * 2
-        assert main(["budget", "--endpoint", llm.metrics.url, str(new_budget)]) == 0
+        assert main(["budget", "--token", TOKEN, "--endpoint", llm.metrics.url, str(new_budget)]) == 0
         assert llm.runtime.residency.slots_per_layer == 2 * before
         assert llm.stats()["gpu"]["budget_bytes"] == new_budget
         assert "GPU KV budget set to" in capsys.readouterr().out
         # a budget too small for sinks + window: refused by the process, exit 2, nothing changes
-        assert main(["budget", "--endpoint", llm.metrics.url, "1"]) == 2
+        assert main(["budget", "--token", TOKEN, "--endpoint", llm.metrics.url, "1"]) == 2
         assert "sinks + window" in capsys.readouterr().err
         assert llm.runtime.residency.slots_per_layer == 2 * before
 
@@ -55,3 +58,41 @@ def test_config_reload_applies_the_budget_and_refuses_other_keys(tmp_path):
             llm.reload_config({"model": {"name": config.model.name}, "cache": {**vars(config.cache), "block_tokens": 8},
                                "tiers": [vars(t) for t in config.tiers], "scheduler": vars(config.scheduler),
                                "metrics": vars(config.metrics)})
+
+
+def test_budget_command_sends_the_token_from_the_flag_or_the_environment(tmp_path, capsys, monkeypatch):
+    llm = make_llm(tmp_path, prometheus_port=free_port(), control_token=TOKEN)
+    with llm:
+        budget = llm.config.cache.gpu_budget_bytes
+        monkeypatch.delenv("TIERKV_CONTROL_TOKEN", raising=False)
+        assert main(["budget", "--endpoint", llm.metrics.url, str(budget * 2)]) == 2
+        assert "needs its token" in capsys.readouterr().err
+        assert main(["budget", "--token", "wrong-token-of-some-length", "--endpoint", llm.metrics.url, "1MiB"]) == 2
+        assert llm.config.cache.gpu_budget_bytes == budget
+        monkeypatch.setenv("TIERKV_CONTROL_TOKEN", TOKEN)
+        no_scheme = llm.metrics.url[len("http://"):]
+        assert main(["budget", "--endpoint", no_scheme, str(budget * 2)]) == 0
+        assert "assuming http://" in capsys.readouterr().err
+        assert llm.config.cache.gpu_budget_bytes == budget * 2
+
+
+@pytest.mark.parametrize("status,body", [("200 OK", b"<html>hello</html>"), ("404 Not Found", b"<html>no</html>"),
+                                         ("200 OK", b"[1, 2]")])
+def test_budget_command_says_when_the_url_is_not_a_tierkv_endpoint(status, body, capsys):
+    from tierkv.dashboard.app import serve
+
+    def app(environ, start_response):
+        start_response(status, [("Content-Type", "text/html"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    server = serve(app, "127.0.0.1", 0)
+    try:
+        assert main(["budget", "--token", TOKEN, "--endpoint", server.url, "1GiB"]) == 1
+    finally:
+        server.close()
+    assert "not a tierkv endpoint" in capsys.readouterr().err
+
+
+def test_budget_command_refuses_an_endpoint_that_is_not_http(capsys):
+    assert main(["budget", "--endpoint", "ftp://127.0.0.1:9", "1GiB"]) == 2
+    assert "expected http://host:port" in capsys.readouterr().err

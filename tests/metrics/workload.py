@@ -24,7 +24,8 @@ NEW_TOKENS = 4
 
 
 def make_config(tmp_path: Path, *, cpu_blocks: int = 120, jsonl_path: Path | None = None,
-                prometheus_port: int | None = None, snapshot_interval_s: float = 3600.0):
+                prometheus_port: int | None = None, snapshot_interval_s: float = 3600.0,
+                control_token: str | None = None):
     return load_config({
         "model": {"name": "metrics-test-llama"},
         "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": NUM_LAYERS * 6 * BLOCK_BYTES,
@@ -33,7 +34,8 @@ def make_config(tmp_path: Path, *, cpu_blocks: int = 120, jsonl_path: Path | Non
                   {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": "64MiB", "trusted": True}],
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * BLOCK_BYTES, "prefill_chunk_tokens": 64},
         "metrics": {"jsonl_path": None if jsonl_path is None else str(jsonl_path),
-                    "prometheus_port": prometheus_port, "snapshot_interval_s": snapshot_interval_s},
+                    "prometheus_port": prometheus_port, "snapshot_interval_s": snapshot_interval_s,
+                    "control_enabled": control_token is not None, "control_token": control_token},
     }, env={})
 
 

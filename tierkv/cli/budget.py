@@ -1,15 +1,21 @@
 """`tierkv budget`: resize a running TieredLLM's GPU KV budget through its metrics endpoint.
 
-    tierkv budget --endpoint http://127.0.0.1:9400 1GiB
+    TIERKV_CONTROL_TOKEN=... tierkv budget --endpoint http://127.0.0.1:9400 1GiB
 
-The process must serve metrics (`metrics.prometheus_port`); the change takes effect between
-forward steps, and the command returns once it has (outputs do not change).
+The process must serve metrics (`metrics.prometheus_port`) with the control on
+(`metrics.control_enabled` and a token); the token comes from --token or TIERKV_CONTROL_TOKEN.
+The change takes effect between forward steps, and the command returns once it has (outputs do
+not change). A URL without a scheme is taken as http:// (a note says so).
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 import urllib.error
 import urllib.request
+
+TOKEN_ENV = "TIERKV_CONTROL_TOKEN"
 
 
 def add_parser(commands) -> None:
@@ -17,32 +23,57 @@ def add_parser(commands) -> None:
                             description=__doc__.splitlines()[0])
     p.add_argument("--endpoint", metavar="URL", required=True, help="a TieredLLM's metrics server, http://host:port")
     p.add_argument("size", help="the new GPU KV budget: bytes or a size such as 1GiB")
+    p.add_argument("--token", help=f"the control endpoint's bearer token (default: ${TOKEN_ENV})")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the change (default 120)")
     p.set_defaults(handler=run_budget)
 
 
-def run_budget(args) -> int:
+def endpoint_url(endpoint: str) -> str:
+    """The endpoint with a scheme: http:// is assumed (and said on stderr) when it has none."""
     from tierkv.cli import UsageError
-    from tierkv.units import parse_bytes
+
+    if "://" not in endpoint:
+        print(f"tierkv budget: {endpoint!r} has no scheme; assuming http://{endpoint}", file=sys.stderr)
+        endpoint = f"http://{endpoint}"
+    if not endpoint.startswith(("http://", "https://")):
+        raise UsageError(f"--endpoint: got {endpoint!r}; expected http://host:port of a TieredLLM's metrics server")
+    return endpoint.rstrip("/")
+
+
+def _reply(raw: bytes, url: str) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RuntimeError(f"not a tierkv endpoint: {url} (its reply is not JSON: {exc})") from None
+    if not isinstance(body, dict):
+        raise RuntimeError(f"not a tierkv endpoint: {url} (its reply is not a JSON object)")
+    return body
+
+
+def run_budget(args) -> int:
+    from tierkv.budget_change import parse_budget
+    from tierkv.cli import UsageError
 
     try:
-        num_bytes = parse_bytes(args.size)
+        num_bytes = parse_budget(args.size)
     except ValueError as exc:
         raise UsageError(f"size: {exc}") from None
-    if num_bytes <= 0:
-        raise UsageError(f"size: got {args.size!r}; must be positive")
-    request = urllib.request.Request(
-        f"{args.endpoint.rstrip('/')}/api/gpu_budget", data=json.dumps({"budget": num_bytes}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )
+    url = f"{endpoint_url(args.endpoint)}/api/gpu_budget"
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=json.dumps({"budget": num_bytes}).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            json.loads(response.read())
+            _reply(response.read(), url)
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
-        if exc.code == 400:
+        detail = _reply(exc.read(), url).get("error", exc.reason)
+        if exc.code == 401:
+            raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})") from None
+        if exc.code in (400, 409):
             raise UsageError(f"the endpoint refused {args.size}: {detail}") from None
-        raise RuntimeError(f"{args.endpoint}: HTTP {exc.code}: {detail}") from None
+        raise RuntimeError(f"{url}: HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise RuntimeError(f"cannot reach {args.endpoint}: {getattr(exc, 'reason', exc)}") from None
     print(f"GPU KV budget set to {args.size} ({num_bytes} bytes)")

@@ -4,7 +4,8 @@
     tierkv dashboard --endpoint http://127.0.0.1:9400   a running TieredLLM, through this server
     tierkv dashboard --jsonl run.jsonl --html run.html  write a self-contained report and exit
 
-The server binds 127.0.0.1 unless --host says otherwise (it has no authentication).
+The server binds 127.0.0.1 unless --host says otherwise (it has no authentication: it only reads).
+Requests must name --host (or, on loopback, localhost) in their Host header, which stops DNS rebinding.
 """
 from __future__ import annotations
 
@@ -25,9 +26,17 @@ def add_parser(commands) -> None:
     p.set_defaults(handler=run_dashboard)
 
 
+def dashboard_server(source, host: str, port: int):
+    """The live dashboard of `source` on host:port, behind the Host and Origin checks (a RunningServer)."""
+    from tierkv.dashboard import dashboard_app, serve
+    from tierkv.dashboard.guard import guarded
+
+    return serve(guarded(dashboard_app(source), host), host, port)
+
+
 def run_dashboard(args) -> int:
     from tierkv.cli import UsageError
-    from tierkv.dashboard import dashboard_app, serve, static_page
+    from tierkv.dashboard import static_page
     from tierkv.metrics.sources import SourceError, open_source
 
     if not 0 <= args.port <= 65535:
@@ -44,7 +53,7 @@ def run_dashboard(args) -> int:
         print(f"tierkv dashboard: wrote {args.html} ({len(lines)} snapshots from {source.description})", file=sys.stderr)
         return 0
     try:
-        server = serve(dashboard_app(source), args.host, args.port)
+        server = dashboard_server(source, args.host, args.port)
     except OSError as exc:
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     stop = threading.Event()

@@ -16,15 +16,15 @@ from typing import Callable, Iterable
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from tierkv.dashboard.page import STATIC_DIR, STATIC_FILES, live_page
+from tierkv.dashboard.page import STATIC_DIR, STATIC_FILES, live_page, live_page_csp
 from tierkv.metrics.sources import SourceError
 
 WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 
 
-def respond(start_response, status: str, body: bytes, content_type: str) -> list[bytes]:
+def respond(start_response, status: str, body: bytes, content_type: str, extra_headers=()) -> list[bytes]:
     start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))),
-                            ("Cache-Control", "no-store")])
+                            ("Cache-Control", "no-store"), *extra_headers])
     return [body]
 
 
@@ -33,14 +33,17 @@ def json_response(start_response, status: str, value: object) -> list[bytes]:
 
 
 def dashboard_app(source, *, poll_ms: int = 1000) -> WsgiApp:
-    """`source` has `lines_since(n) -> (lines, next)` and `description` (tierkv.metrics.sources)."""
+    """`source` has `lines_since(n) -> (lines, next)` and `description` (tierkv.metrics.sources).
+    Serve it behind `tierkv.dashboard.guard.guarded` (Host and Origin checks, security headers)."""
+    page_html, page_csp = live_page(poll_ms=poll_ms).encode(), live_page_csp(poll_ms=poll_ms)
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "/")
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             return respond(start_response, "405 Method Not Allowed", b"GET only\n", "text/plain")
         if path in ("/", "/index.html"):
-            return respond(start_response, "200 OK", live_page(poll_ms=poll_ms).encode(), "text/html; charset=utf-8")
+            return respond(start_response, "200 OK", page_html, "text/html; charset=utf-8",
+                           [("Content-Security-Policy", page_csp)])
         if path.startswith("/static/") and path[len("/static/"):] in STATIC_FILES:
             file_name, content_type = STATIC_FILES[path[len("/static/"):]]
             return respond(start_response, "200 OK", (STATIC_DIR / file_name).read_bytes(), content_type)

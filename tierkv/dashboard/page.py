@@ -1,6 +1,6 @@
 """The dashboard page: served (the browser polls for snapshots) or written as one static file.
 
-Primitives: `live_page`, `static_page`, `write_report`, `STATIC_DIR`, `STATIC_FILES`.
+Primitives: `live_page`, `live_page_csp`, `static_page`, `write_report`, `STATIC_DIR`, `STATIC_FILES`.
 
     static/index.html     the page; <!--TIERKV_HEAD--> and <!--TIERKV_SCRIPTS--> are filled here
     static/dashboard.js   reads snapshot lines, draws the charts and tables
@@ -8,6 +8,8 @@ Primitives: `live_page`, `static_page`, `write_report`, `STATIC_DIR`, `STATIC_FI
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from pathlib import Path
 
@@ -34,6 +36,15 @@ def _config_script(config: dict) -> str:
 def _script_json(value: object) -> str:
     """JSON that is safe inside a script element: no "<" at all (it only occurs inside strings)."""
     return json.dumps(value, default=str).replace("<", "\\u003c")
+
+
+def live_page_csp(*, poll_ms: int = 1000) -> str:
+    """The Content-Security-Policy of `live_page`: its one inline script allowed by its hash, nothing else inline."""
+    from tierkv.dashboard.guard import DEFAULT_CSP
+
+    inline = _config_script({"mode": "live", "poll_ms": poll_ms})[len("<script>"):-len("</script>")]
+    digest = base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()
+    return DEFAULT_CSP.replace("script-src 'self'", f"script-src 'self' 'sha256-{digest}'")
 
 
 def live_page(*, poll_ms: int = 1000) -> str:

@@ -10,6 +10,7 @@ Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `d
     tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
     tierkv_gpu_kv_{resident,staging,held,budget}_bytes    tierkv_chain_{spilled,promoted,dropped}_blocks_total
+    tierkv_gpu_budget_{changes,refusals}_total
     tierkv_requests_total, tierkv_{prompt,prefix,generated}_tokens_total, tierkv_{prefill,decode}_seconds_total
     tierkv_prefetch_{precision,recall}, tierkv_scheduler_stall_seconds_total: only once reported
 
@@ -40,6 +41,8 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "requests.generated_tokens": ("tierkv_generated_tokens", "generated tokens"),
     "requests.prefill_s": ("tierkv_prefill_seconds", "time in prefill"),
     "requests.decode_s": ("tierkv_decode_seconds", "time in decode"),
+    "gpu.budget_changes": ("tierkv_gpu_budget_changes", "GPU budget changes applied"),
+    "gpu.budget_refusals": ("tierkv_gpu_budget_refusals", "GPU budget changes refused (the old budget kept)"),
 }
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),

@@ -8,7 +8,8 @@ Primitives: `MetricsRecorder` (`measure`, `snapshot`, `record_request`, `lines_s
     recorder.record_request(out.stats)      # a line after each request, with its figures
     recorder.close()                        # a last line, then the file is closed
 
-The line format is in `tierkv.metrics.snapshot`. GPU block reads (tier "gpu") come from the
+The line format is in `tierkv.metrics.snapshot`; the lines kept in memory are bounded in bytes
+(`tierkv.metrics.history`, metrics.history_bytes). GPU block reads (tier "gpu") come from the
 sequences themselves: `live_reads` returns (sequence id, its read_stats()) for the running
 sequence; a sequence's last figures are folded into the totals when the next one starts.
 """
@@ -19,10 +20,11 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping
 
+from tierkv.metrics.history import DEFAULT_HISTORY_BYTES, History
 from tierkv.metrics.snapshot import SCHEMA, derive_rates, flatten_stats
 
 logger = logging.getLogger(__name__)
@@ -42,14 +44,17 @@ def runtime_reads(runtime) -> LiveReads:
 
 class MetricsRecorder:
     def __init__(self, source: Callable[[], Mapping], *, jsonl_path: str | Path | None = None,
-                 history: int = 3600, live_reads: LiveReads | None = None, clock: Callable[[], float] = time.time):
+                 history_bytes: int = DEFAULT_HISTORY_BYTES, history: int | None = None,
+                 live_reads: LiveReads | None = None, clock: Callable[[], float] = time.time):
+        """Keeps the latest lines, as compact JSON, within `history_bytes` (the newest line always)
+        and, when given, `history` lines."""
         self._source = source
         self._live_reads = live_reads
         self._clock = clock
         self.run_id = uuid.uuid4().hex[:12]
         self.jsonl_path = Path(jsonl_path) if jsonl_path is not None else None
         self._lock = threading.RLock()
-        self._lines: deque[dict] = deque(maxlen=history)
+        self._history = History(history_bytes, history)
         self._seq = 0
         self._previous: dict | None = None
         self._start_t = clock()
@@ -109,9 +114,10 @@ class MetricsRecorder:
                 line["prefetch_layers"] = layers
             self._seq += 1
             self._previous = line
-            self._lines.append(line)
+            encoded = json.dumps(line, default=str)
+            self._history.append(line["seq"], encoded.encode())
             if self._file is not None:
-                self._file.write(json.dumps(line, default=str) + "\n")
+                self._file.write(encoded + "\n")
                 self._file.flush()
             return line
 
@@ -125,12 +131,18 @@ class MetricsRecorder:
     def lines_since(self, seq: int) -> tuple[list[dict], int]:
         """Lines numbered >= seq still in memory, and the number to ask from next time."""
         with self._lock:
-            return [line for line in self._lines if line["seq"] >= seq], self._seq
+            return self._history.since(seq), self._seq
 
     @property
     def latest(self) -> dict | None:
         with self._lock:
-            return self._lines[-1] if self._lines else None
+            return self._history.latest()
+
+    @property
+    def history_bytes(self) -> int:
+        """Bytes the kept lines take (their compact JSON)."""
+        with self._lock:
+            return self._history.num_bytes
 
     # -- sampling thread -----------------------------------------------------------------------
     def start(self, interval_s: float) -> None:

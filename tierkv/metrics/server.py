@@ -1,24 +1,26 @@
 """The metrics endpoint of a running process: Prometheus text, JSON snapshots and the live page.
 
-Primitives: `metrics_app(recorder)`, `start_metrics_server(recorder, port, host)`.
+Primitives: `metrics_app(recorder, control, host)`, `start_metrics_server(recorder, port, host, control)`.
 
     GET /metrics                   Prometheus exposition (prometheus_client), read at scrape time
     GET /api/snapshots?since=N     the recorder's snapshot lines, as JSON (what the dashboard polls)
     GET /                          the dashboard page, live
-    POST /api/gpu_budget           {"budget": "1GiB"}: resize the GPU KV budget (when a control is given)
+    POST /api/gpu_budget           {"budget": "1GiB"}: resize the GPU KV budget; only with a control
+                                   (metrics.control_enabled and a bearer token: tierkv.metrics.control)
 
-Binds 127.0.0.1 unless told otherwise: expose it with care (it has no authentication).
+Binds `metrics.host` (127.0.0.1 by default). Every request passes the Host and Origin checks and
+every response carries the security headers of tierkv.dashboard.guard. See docs/security.md.
 """
 from __future__ import annotations
 
-import json
-
-from tierkv.dashboard.app import RunningServer, dashboard_app, serve
+from tierkv.dashboard.app import RunningServer, dashboard_app, json_response, serve
+from tierkv.dashboard.guard import guarded
 from tierkv.metrics.prometheus import TierKVCollector, new_registry
 from tierkv.metrics.sources import RecorderSource
 
 
-def metrics_app(recorder, set_gpu_budget=None):
+def metrics_app(recorder, control=None, host: str = "127.0.0.1"):
+    """The WSGI app; `control` (a BudgetControl) serves POST /api/gpu_budget, else it is off (404)."""
     try:
         from prometheus_client import make_wsgi_app
     except ImportError:
@@ -29,35 +31,19 @@ def metrics_app(recorder, set_gpu_budget=None):
     page = dashboard_app(RecorderSource(recorder))
 
     def app(environ, start_response):
-        if environ.get("PATH_INFO", "/") == "/metrics":
+        path = environ.get("PATH_INFO", "/")
+        if path == "/metrics":
             return prometheus(environ, start_response)
-        if environ.get("PATH_INFO") == "/api/gpu_budget" and set_gpu_budget is not None:
-            return _budget(environ, start_response, set_gpu_budget)
+        if path == "/api/gpu_budget":
+            if control is None:
+                return json_response(start_response, "404 Not Found", {
+                    "error": "the control endpoint is off (metrics.control_enabled, with metrics.control_token)"})
+            return control.handle(environ, start_response)
         return page(environ, start_response)
 
-    return app
+    return guarded(app, host)
 
 
-def start_metrics_server(recorder, port: int, host: str = "127.0.0.1", set_gpu_budget=None) -> RunningServer:
+def start_metrics_server(recorder, port: int, host: str = "127.0.0.1", control=None) -> RunningServer:
     """Serve `recorder`'s figures on host:port (0: a free port) until `close()`."""
-    return serve(metrics_app(recorder, set_gpu_budget), host, port)
-
-
-def _budget(environ, start_response, set_gpu_budget):
-    """POST {"budget": "1GiB" | bytes} -> 200 {"budget": ...} once applied; 400 naming what is wrong."""
-    def reply(status: str, body: dict):
-        data = json.dumps(body).encode()
-        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-        return [data]
-
-    if environ.get("REQUEST_METHOD") != "POST":
-        return reply("405 Method Not Allowed", {"error": "POST {\"budget\": \"1GiB\"} to resize the GPU KV budget"})
-    try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
-        budget = json.loads(environ["wsgi.input"].read(length) or b"{}").get("budget")
-        if budget is None:
-            raise ValueError("the body must be JSON with a 'budget' (bytes or a size such as '1GiB')")
-        set_gpu_budget(budget)
-    except (ValueError, TypeError, AttributeError) as exc:
-        return reply("400 Bad Request", {"error": str(exc)})
-    return reply("200 OK", {"budget": budget})
+    return serve(metrics_app(recorder, control, host), host, port)

@@ -4,7 +4,8 @@ Primitives: `MetricsService` (`from_config`, `record_request`, `close`, `url`).
 
     metrics.enabled            false: nothing is recorded (the tiers keep their counters anyway)
     metrics.jsonl_path         append a snapshot line every snapshot_interval_s and after each request
-    metrics.prometheus_port    serve /metrics, /api/snapshots and the live dashboard on 127.0.0.1
+    metrics.prometheus_port    serve /metrics, /api/snapshots and the live dashboard on metrics.host
+    metrics.control_enabled    also serve POST /api/gpu_budget, behind a bearer token (tierkv.metrics.control)
     (neither)                  a line per request, kept in memory only (`service.recorder.lines_since`)
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from tierkv.config import MetricsConfig
+from tierkv.metrics.control import BudgetControl
 from tierkv.metrics.recorder import LiveReads, MetricsRecorder
 
 
@@ -22,11 +24,15 @@ class MetricsService:
 
     @classmethod
     def from_config(cls, config: MetricsConfig, source: Callable[[], Mapping], *,
-                    live_reads: LiveReads | None = None, host: str = "127.0.0.1",
+                    live_reads: LiveReads | None = None, host: str | None = None,
                     set_gpu_budget: Callable | None = None) -> "MetricsService":
+        """`set_gpu_budget` is served only when `config.control_enabled` (ConfigError without a token)."""
         if not config.enabled:
             return cls(None)
-        recorder = MetricsRecorder(source, jsonl_path=config.jsonl_path, live_reads=live_reads)
+        host = config.host if host is None else host
+        control = BudgetControl.from_config(config, set_gpu_budget) if config.prometheus_port is not None else None
+        recorder = MetricsRecorder(source, jsonl_path=config.jsonl_path, live_reads=live_reads,
+                                   history_bytes=config.history_bytes)
         server = None
         try:
             recorder.snapshot("start")
@@ -34,7 +40,7 @@ class MetricsService:
                 from tierkv.metrics.server import start_metrics_server
 
                 try:
-                    server = start_metrics_server(recorder, config.prometheus_port, host, set_gpu_budget)
+                    server = start_metrics_server(recorder, config.prometheus_port, host, control)
                 except OSError as exc:
                     raise OSError(exc.errno, f"metrics.prometheus_port: cannot listen on {host}:{config.prometheus_port}"
                                              f" ({exc.strerror})") from None

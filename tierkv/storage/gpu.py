@@ -85,7 +85,8 @@ class GpuBlockPool:
 
     @property
     def resident_bytes(self) -> int:
-        return self.resident.numel() * self.resident.element_size()
+        """0 while no resident pool exists (a failed resize lost it; the next sequence rebuilds it)."""
+        return 0 if self.resident is None else self.resident.numel() * self.resident.element_size()
 
     @property
     def staging_bytes(self) -> int:
