@@ -201,7 +201,8 @@ def run_case(shape: Shape, variant: Variant, prompt_len: int, num_decode: int, s
     return choices // LAYERS
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s.block_tokens}-sinks{s.sink_tokens}-window{s.window_tokens}"
+                                                     f"-farcache{s.far_cache_blocks}")
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_every_prompt_length_and_a_decode_across_the_front_region(shape: Shape, variant: Variant):
     """Prompts of every length up to one block past the front region, and at the block boundaries up to
