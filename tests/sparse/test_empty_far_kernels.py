@@ -65,8 +65,8 @@ def test_bounds_of_an_empty_far_set_launch_nothing(recorded):
     for first in (0, 3, 5):
         assert block_bounds(table, q, first, first).shape == (0,)
     out = torch.empty((0, 5))
-    block_bounds_rows(torch.zeros(0, dtype=torch.int64), table, torch.randn(0, 4, 16), torch.zeros(0, dtype=torch.int64),
-                      out)
+    none = torch.zeros(0, dtype=torch.int64)
+    block_bounds_rows(none, table, torch.randn(0, 4, 16), none, out)
     block_bounds_rows(torch.zeros(2, dtype=torch.int64), table, torch.randn(2, 4, 16),
                       torch.zeros(2, dtype=torch.int64), torch.empty((2, 0)))
     with pytest.raises(ValueError, match="blocks 3..2"):  # a backward range is refused, not launched

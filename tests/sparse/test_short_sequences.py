@@ -120,7 +120,8 @@ def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
                   "sink_tokens": shape.sink_tokens, "window_tokens": shape.window_tokens},
         "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block_bytes, "storage_dtype": variant.storage_dtype}],
         "scheduler": {"policy": "sparse", "predictor": variant.predictor, "lookahead_layers": 1,
-                      "sparse_token_budget": variant.budget_blocks * T, "staging_bytes": variant.staging_blocks * block_bytes,
+                      "sparse_token_budget": variant.budget_blocks * T,
+                      "staging_bytes": variant.staging_blocks * block_bytes,
                       "predict_with_previous": variant.predict_with_previous,
                       "sparse_cache_selections": variant.selections, "sparse_prefetch_margin": variant.margin,
                       "prefill_chunk_tokens": 64},
@@ -201,8 +202,12 @@ def run_case(shape: Shape, variant: Variant, prompt_len: int, num_decode: int, s
     return choices // LAYERS
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s.block_tokens}-sinks{s.sink_tokens}-window{s.window_tokens}"
-                                                     f"-farcache{s.far_cache_blocks}")
+def shape_id(shape: Shape) -> str:
+    return (f"T{shape.block_tokens}-sinks{shape.sink_tokens}-window{shape.window_tokens}"
+            f"-farcache{shape.far_cache_blocks}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_every_prompt_length_and_a_decode_across_the_front_region(shape: Shape, variant: Variant):
     """Prompts of every length up to one block past the front region, and at the block boundaries up to
