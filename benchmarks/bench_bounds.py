@@ -42,7 +42,7 @@ def timed_us(launch, iters: int) -> float:
 def run(rows_list: list[int], blocks: int, iters: int) -> dict:
     import torch
 
-    from tierkv.sparse_kernels import BLOCK_B, block_bounds, block_bounds_rows
+    from tierkv.sparse.kernels import BLOCK_B, block_bounds, block_bounds_rows
 
     device = torch.device("cuda")
     results = {"kv_heads": KV_HEADS, "query_heads": KV_HEADS * GROUP, "head_dim": DIM, "blocks": blocks,

@@ -26,7 +26,7 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 @torch.no_grad()
 def run_request(model, cache, ids: list[int], num_new: int, chunk: int, on_token=None) -> dict:
-    from tierkv.adapters.hf import forward_kwargs
+    from tierkv.integrations.hf import forward_kwargs
 
     kwargs = forward_kwargs(model, cache)
     torch.cuda.synchronize()
@@ -57,7 +57,7 @@ def warm_up(model) -> None:
     """Run both paths once on a short prompt: kernel compilation and library set-up stay out of the numbers."""
     from transformers import DynamicCache
 
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.integrations.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
 
     ids = torch.randint(0, model.config.vocab_size, (8192,)).tolist()
@@ -131,7 +131,7 @@ def run_tierkv(model, ids, context, num_new, ceiling_gbps, full_kv, chunk, jsonl
     """One tierkv exact-mode request with prefill chunks of `chunk` tokens; its row.
 
     `jsonl`: also record the metrics snapshots of the run there (what `tierkv dashboard` reads)."""
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.integrations.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
     from tierkv.metrics import MetricsService, runtime_reads
 

@@ -1,4 +1,4 @@
-"""The hot window's sparse decode path alone (tierkv.vllm_backend.far, no vLLM): host and GPU time per layer.
+"""The hot window's sparse decode path alone (tierkv.integrations.vllm.far_rows, no vLLM): host and GPU time per layer.
 
     python benchmarks/bench_far_sparse.py [--far-tokens 65536] [--layers 4] [--rows 1 4] [--steps 20]
         [--budget-tokens 2048] [--block-tokens 16 [64]] [--graphs] [--out PATH]
@@ -37,8 +37,8 @@ def build(far_tokens: int, layers: int, rows: int, budget_tokens: int, device: t
           graphs: bool = False, BS: int = 16):
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
-    from tierkv.vllm_backend.far import FarKV
-    from tierkv.vllm_backend.store import BlockSpan, VllmKVStore
+    from tierkv.integrations.vllm.far_rows import FarKV
+    from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore
 
     blocks = far_tokens // BS + 8  # the window's blocks past the far ones
     block_bytes = 2 * KV_HEADS * BS * DIM * 2

@@ -31,7 +31,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_quant.py needs CUDA: run it on the GPU machine", file=sys.stderr)
         return 2
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.integrations.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
 
     model = llama_8b_shaped(num_layers=args.layers)

@@ -41,8 +41,8 @@ KV_HEADS, DIM, BS = 8, 128, 16
 def build(requests: int, layers: int, saves: int, storage_dtype: str, device: torch.device, tmp: Path):
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
-    from tierkv.vllm_backend.far import FarKV
-    from tierkv.vllm_backend.store import VllmKVStore
+    from tierkv.integrations.vllm.far_rows import FarKV
+    from tierkv.integrations.vllm.store import VllmKVStore
 
     blocks = saves + 2  # per request: one new block per save, in a pool of this many
     block_bytes = 2 * KV_HEADS * BS * DIM * 2
@@ -89,7 +89,7 @@ def sleep_cycles_per_ms() -> float:
 
 
 def measure(args, at_once: bool, device: torch.device, tmp: Path) -> dict:
-    from tierkv.vllm_backend.store import BlockSpan
+    from tierkv.integrations.vllm.store import BlockSpan
 
     tmp.mkdir(parents=True, exist_ok=True)
     saves = args.repeats + 2  # a warm-up save and a profiled one

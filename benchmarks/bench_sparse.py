@@ -57,7 +57,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int, gpu_
     on the device; `prefill_logits`, not for the JSON). gpu_time: after the timed steps, one more step
     of each run under the profiler, its kernels' device time summed (`gpu_busy_ms`: the step's GPU
     work, whatever the host adds)."""
-    from tierkv.adapters.hf import forward_kwargs
+    from tierkv.integrations.hf import forward_kwargs
     from tierkv.decode_graph import DecodeStep
 
     device = model.device
@@ -221,7 +221,7 @@ def main() -> int:
         return 2
     from transformers import DynamicCache, StaticCache
 
-    from tierkv.adapters.hf import ATTN_NAME, TieredCache, runtime_for_model
+    from tierkv.integrations.hf import ATTN_NAME, TieredCache, runtime_for_model
     from tierkv.config import load_config
 
     model = llama_8b_shaped(num_layers=args.layers, qk_bias_std=args.qk_bias_std)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import CpuUse, H2DProbe, h2d_ceiling_gbps  # noqa: E402
 from benchmarks.models import LLAMA_8B, draw_qk_biases  # noqa: E402
-from tierkv.vllm_backend.far import far_blocks  # noqa: E402
+from tierkv.integrations.vllm.far_rows import far_blocks  # noqa: E402
 
 
 def build_model(path: str, layers: int, qk_bias_std: float = 0.0) -> None:
@@ -92,8 +92,8 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
 
 def margin_staging_bytes(layers: int) -> int:
     """scheduler.staging_bytes for one request's far-block cache of two selections per layer (what
-    `--prefetch-margin` needs, tierkv.vllm_backend.far_cache) with the eager regions, plus 64 MiB."""
-    from tierkv.vllm_backend.far_cache import staging_for_caches
+    `--prefetch-margin` needs, tierkv.sparse.row_caches) with the eager regions, plus 64 MiB."""
+    from tierkv.sparse.row_caches import staging_for_caches
 
     block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
     k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens

@@ -69,9 +69,9 @@ def host_bytes_per_request(layers: int, storage_dtype: str) -> int:
 def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_selections: int = 1) -> int:
     """scheduler.staging_bytes for `requests` graphed rows: SPARSE_HOT_WINDOW's, or more where their
     far-block caches (`cache_selections` selections per layer each, bf16; a quantized tier's code
-    buffers beside them) with the eager regions need it (tierkv.vllm_backend.far_cache), plus 64 MiB."""
+    buffers beside them) with the eager regions need it (tierkv.sparse.row_caches), plus 64 MiB."""
     from tierkv.units import parse_bytes
-    from tierkv.vllm_backend.far_cache import staging_for_caches
+    from tierkv.sparse.row_caches import staging_for_caches
 
     block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
     k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
@@ -91,7 +91,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     if mode == "plain":
         from vllm import LLM
 
-        from tierkv.vllm_backend.llm import full_decode_capture_sizes
+        from tierkv.integrations.vllm.llm import full_decode_capture_sizes
 
         # compiled, the plain batch gets a full decode graph of its own size too (vLLM's default sizes stop at
         # 2, 4, 8, ... up to max_num_seqs: 3 or 10 rows would otherwise run piecewise); TieredLLM adds it for

@@ -21,7 +21,7 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 
 @torch.no_grad()
 def two_chunks(model, cache, ids, chunk, profile: bool):
-    from tierkv.adapters.hf import forward_kwargs
+    from tierkv.integrations.hf import forward_kwargs
 
     kwargs = forward_kwargs(model, cache)
     model(torch.tensor([ids[:chunk]], device="cuda"), logits_to_keep=1, **kwargs)
@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
     from transformers import DynamicCache
 
-    from tierkv.adapters.hf import TieredCache, runtime_for_model
+    from tierkv.integrations.hf import TieredCache, runtime_for_model
     from tierkv.config import load_config
 
     model = llama_8b_shaped(num_layers=args.layers)

@@ -38,7 +38,7 @@ def reference_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int]
     """Greedy tokens and per-step last-position logits with transformers' DynamicCache."""
     from transformers import DynamicCache
 
-    from tierkv.adapters.hf import forward_kwargs
+    from tierkv.integrations.hf import forward_kwargs
 
     kwargs = forward_kwargs(reference, DynamicCache(config=reference.config))
     logits = reference(torch.tensor([ids]), **kwargs).logits[0, -1]

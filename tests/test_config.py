@@ -26,9 +26,9 @@ def test_the_sparse_transformers_config_fits_two_gib_for_the_8b_shape():
     import torch
 
     from tierkv.blocks import BlockLayout
-    from tierkv.sparse_cached import check_staging
+    from tierkv.sparse.predict_cache import check_staging
     from tierkv.storage.gpu import plan_residency
-    from tierkv.vllm_backend.far_prefetch import check_margin
+    from tierkv.sparse.prefetch_margin import check_margin
 
     config = load_config(CONFIGS / "long-128k-sparse.yaml", env={})
     cache, sched, model = config.cache, config.scheduler, config.model
@@ -137,7 +137,7 @@ def test_missing_or_broken_file(tmp_path):
 def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_request():
     """configs/vllm-128k-sparse.yaml as FarKV sizes it for Llama-3.1-8B (32 layers, 8 KV heads of
     128, bf16): one decoding row with a far-block cache per layer, no warning, within its staging."""
-    from tierkv.vllm_backend.far_cache import cache_rows
+    from tierkv.sparse.row_caches import cache_rows
 
     config = load_config(CONFIGS / "vllm-128k-sparse.yaml", env={})
     sched, block_tokens = config.scheduler, config.cache.block_tokens

@@ -13,7 +13,7 @@ import torch
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build
 from tests.sparse.test_cached_predictor import decode_under_budgets
-from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model
+from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
 from tierkv.config import load_config
 from tierkv.decode_graph import DecodeStep
 
@@ -128,7 +128,7 @@ def test_a_decode_step_on_cpu_by_default_and_under_the_exact_policy_runs_eagerly
 def test_no_gc_turns_the_collector_off_for_a_capture_and_back_on_after_an_error():
     import gc
 
-    from tierkv.vllm_backend.far_graphs import no_gc
+    from tierkv.sparse.step_graphs import no_gc
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="capture failed"):

@@ -7,7 +7,7 @@ import torch
 
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build, reference_greedy
-from tierkv.adapters.hf import runtime_for_model
+from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.blocks import BlockLayout
 from tierkv.config import ConfigError, load_config

@@ -1,4 +1,4 @@
-"""Triton kernels of the far-block caches' placement (`tierkv.vllm_backend.far_cache.RowCaches.place_rows`).
+"""Triton kernels of the far-block caches' placement (`tierkv.sparse.row_caches.RowCaches.place_rows`).
 
 Primitives: `place_rows`, `place_rows_lru` (one program per row, each in its own cache set);
 `copy_sources` (the CPU-tier slots the copy kernel reads for the rows' misses, each row from its

@@ -37,7 +37,7 @@ import torch
 
 from tierkv.graph_step import GraphStep
 from tierkv.scheduler import to_device_no_sync
-from tierkv.vllm_backend.far_graphs import no_gc
+from tierkv.sparse.step_graphs import no_gc
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DecodeStep:
         capture: record and replay CUDA graphs (default: on CUDA with a copy-kernel transfer backend,
         scheduler.decode_cuda_graph true, predictor 'cache'); False runs the graphed forward eagerly
         (what the CPU tests check against the plain step)."""
-        from tierkv.adapters.hf import forward_kwargs
+        from tierkv.integrations.hf import forward_kwargs
 
         self.model, self.cache = model, cache
         self.kwargs = forward_kwargs(model, cache)

@@ -6,7 +6,7 @@ Primitives: `TieredLLM` (`generate`, `stats`, `close`).
     out = llm.generate(["...a 100k-token document..."], SamplingParams(max_new_tokens=128))
     out[0].text, out[0].stats, llm.stats()
 
-backend="vllm" returns a `tierkv.vllm_backend.llm.VllmTieredLLM` with the same methods.
+backend="vllm" returns a `tierkv.integrations.vllm.llm.VllmTieredLLM` with the same methods.
 
 Requests of a batch run one after another (each owns the GPU hot window while it runs). A
 request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
@@ -32,8 +32,8 @@ BACKENDS = ("transformers", "vllm")
 
 class TieredLLM:
     def __new__(cls, model=None, config=None, backend: str = "transformers", **kwargs):
-        if backend == "vllm":  # the same API over a vLLM engine (tierkv.vllm_backend.llm)
-            from tierkv.vllm_backend.llm import VllmTieredLLM
+        if backend == "vllm":  # the same API over a vLLM engine (tierkv.integrations.vllm.llm)
+            from tierkv.integrations.vllm.llm import VllmTieredLLM
 
             return VllmTieredLLM(model, config, **kwargs)
         return super().__new__(cls)
@@ -45,7 +45,7 @@ class TieredLLM:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.config = config if isinstance(config, TierKVConfig) else load_config(config)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
-        from tierkv.adapters.hf import forward_kwargs, runtime_for_model
+        from tierkv.integrations.hf import forward_kwargs, runtime_for_model
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
         self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
@@ -121,7 +121,7 @@ class TieredLLM:
     # -- one request -----------------------------------------------------------------------------
     @torch.no_grad()
     def _run_one(self, ids: list[int], sampling: SamplingParams) -> RequestOutput:
-        from tierkv.adapters.hf import TieredCache
+        from tierkv.integrations.hf import TieredCache
 
         rt = self.runtime
         before = rt.stats()

@@ -19,7 +19,7 @@ from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.scheduler import LookaheadStreamer
 from tierkv.sequence import CapacityError, SequenceKV
-from tierkv.sparse_cache import cache_slots_per_layer
+from tierkv.sparse.block_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers
 from tierkv.storage.cpu import CpuTier
 from tierkv.storage.gpu import GpuBlockPool, plan_residency
@@ -46,8 +46,8 @@ class KVRuntime:
             cache_slots_per_layer(num_layers, self.pool.staging.shape[0],
                                   scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)
         if scheduler.policy == "sparse" and scheduler.predictor == "cache":  # the same for its caches and margin
-            from tierkv.sparse_cached import check_staging
-            from tierkv.vllm_backend.far_prefetch import check_margin
+            from tierkv.sparse.predict_cache import check_staging
+            from tierkv.sparse.prefetch_margin import check_margin
 
             k = scheduler.sparse_token_budget // config.cache.block_tokens
             selections = max(1, scheduler.sparse_cache_selections)
@@ -64,7 +64,7 @@ class KVRuntime:
         self.active: SequenceKV | None = None
         # predictor `query`: (layer, hidden [hidden_size], position) -> q [num_heads, head_dim]; set by the adapter
         self.query_projector = None
-        self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse_cached)
+        self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse.predict_cache)
         # decode steps run by the graphed forward and of those replayed from a CUDA graph, steps run eagerly,
         # graphs captured, captures failed, host seconds spent capturing (tierkv.decode_graph)
         self.decode_graph_counts = {"graph_steps": 0, "replays": 0, "eager_steps": 0, "captures": 0,

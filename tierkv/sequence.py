@@ -23,9 +23,9 @@ from tierkv.attention import contiguous_partial_attention, merge_partials, paged
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step, to_device_no_sync
-from tierkv.sparse import BlockSummaries, select_far_blocks, select_far_blocks_on_device
-from tierkv.sparse_prefetch import SparsePrefetcher
-from tierkv.sparse_query import QueryLookahead
+from tierkv.sparse.summaries import BlockSummaries, select_far_blocks, select_far_blocks_on_device
+from tierkv.sparse.predict_previous import SparsePrefetcher
+from tierkv.sparse.predict_query import QueryLookahead
 
 if TYPE_CHECKING:
     from tierkv.runtime import KVRuntime
@@ -60,7 +60,7 @@ class SequenceKV:
         self._is_sparse_step = False
         self.prefetcher = None
         self.query: QueryLookahead | None = None  # predictor `query`: hidden-state lookahead + far-block cache
-        self.cached = None  # predictor `cache`: the runtime's far-block caches and sparse step (tierkv.sparse_cached)
+        self.cached = None  # predictor `cache`: the runtime's far-block caches and sparse step (tierkv.sparse.predict_cache)
         scheduler = runtime.config.scheduler
         if sparse and scheduler.predictor == "previous":
             prefetcher = SparsePrefetcher(runtime, scheduler.sparse_token_budget // layout.block_tokens)
@@ -70,7 +70,7 @@ class SequenceKV:
             self.query = QueryLookahead(runtime, scheduler.sparse_token_budget // layout.block_tokens,
                                         scheduler.lookahead_layers, scheduler.predict_with_previous)
         elif sparse and scheduler.predictor == "cache":
-            from tierkv.sparse_cached import CachedSparse
+            from tierkv.sparse.predict_cache import CachedSparse
 
             self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
         self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.graph_step.GraphStep`)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.models import build, reference_greedy
-from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model
+from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
 from tierkv.config import load_config
 
 CASES = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tests.models import build
-from tierkv.adapters.hf import TieredCache, restore_attention, runtime_for_model
+from tierkv.integrations.hf import TieredCache, restore_attention, runtime_for_model
 from tierkv.config import load_config
 
 

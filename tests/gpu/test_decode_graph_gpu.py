@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from tests.adapters.test_exact_hf import tiny_config  # noqa: E402
 from tests.models import build  # noqa: E402
-from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
+from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.decode_graph import DecodeStep  # noqa: E402
 

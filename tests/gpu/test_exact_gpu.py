@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 
 from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
-from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
+from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 
 

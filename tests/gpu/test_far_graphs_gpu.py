@@ -10,7 +10,7 @@ graphs, no capture, its far-block cache emptied), and the host is never synchron
 repeated query finds its selection in the far-block cache and copies nothing more; at 16- and
 64-token blocks, the summary tables allocated once for the engine's longest request, and over an
 fp8 CPU tier (codes and scales dequantized inside the graph). No vLLM needed
-(tierkv.vllm_backend.far alone)."""
+(tierkv.integrations.vllm.far_rows alone)."""
 from __future__ import annotations
 
 import random
@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
 from tierkv.attention import merge_partials  # noqa: E402
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.vllm_backend.far import FarKV  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
+from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, TOKENS = 32, 8, 128, 3, 9600
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -150,11 +150,12 @@ def test_graph_replays_equal_the_eager_path_across_recaptures(tmp_path, BS, stor
         compare_steps(eager, graphed, {"d": start + 7}, 3)
         assert graphed.stats()["cuda_graphs"]["graph_captures"] == 3 * LAYERS
         # the kernels ran, not their PyTorch fallbacks (which give the same outputs, so only this shows it)
-        from tierkv import block_io, sparse
+        from tierkv import block_io
+        from tierkv.sparse import summaries as sparse
 
         assert sparse._KERNEL.ok, sparse._KERNEL.error
         assert sparse._ROWS_KERNEL.ok, sparse._ROWS_KERNEL.error  # the bound of all rows in one launch
-        from tierkv.vllm_backend import far_cache
+        from tierkv.sparse import row_caches as far_cache
 
         assert far_cache._ROWS_KERNEL.ok, far_cache._ROWS_KERNEL.error  # the caches' placement kernel
         if storage != "auto":
@@ -278,7 +279,7 @@ def test_caches_of_two_selections_replay_and_keep_alternating_selections(tmp_pat
         g = graphed.stats()
         assert g["cache_hits"] + g["cache_misses"] == steps * LAYERS * k
         assert g["cache_misses"] <= LAYERS * (2 * k + 2)  # the first two steps, and a block become far
-        from tierkv.vllm_backend import far_cache
+        from tierkv.sparse import row_caches as far_cache
 
         assert far_cache._ROWS_KERNEL.ok, far_cache._ROWS_KERNEL.error  # the LRU form of the rows kernel
         assert g["cuda_graphs"]["graph_capture_errors"] == 0
@@ -362,7 +363,7 @@ def full_body_steps(tmp_path, margin: int, storage: str, drift: bool) -> dict:
     far path's stats."""
     from types import SimpleNamespace
 
-    from tierkv.vllm_backend.far_full import FullDecodeRows
+    from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows
 
     BS = 64
     BLOCKS = TOKENS // BS

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 from tests.gpu.test_exact_gpu import run  # noqa: E402
-from tierkv.adapters.hf import TieredCache, runtime_for_model  # noqa: E402
+from tierkv.integrations.hf import TieredCache, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 
 

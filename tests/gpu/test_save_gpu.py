@@ -2,7 +2,7 @@
 does after a full decode graph's replay) returns while the device still runs the work queued before
 it, and what it saved is right once the device is done. In the engine that work is the step itself
 (and, under async scheduling, the next one), so a save that waited for the device would cost the
-host that much time. No vLLM needed (tierkv.vllm_backend.store and far alone)."""
+host that much time. No vLLM needed (tierkv.integrations.vllm.store and far alone)."""
 from __future__ import annotations
 
 import random
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 
 from benchmarks.bench_save_step import build, one_save, sleep_cycles_per_ms  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan  # noqa: E402
 
 
 @pytest.mark.parametrize("storage", ["auto", "float8_e4m3fn"])

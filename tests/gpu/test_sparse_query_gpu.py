@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 from tests.models import build  # noqa: E402
 from tests.sparse.test_query_predictor import BLOCK_BYTES, NUM_KV_HEADS, hf_settings  # noqa: E402
-from tierkv.adapters.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
+from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.sparse_query import QueryLookahead  # noqa: E402
+from tierkv.sparse.predict_query import QueryLookahead  # noqa: E402
 
 
 @torch.no_grad()

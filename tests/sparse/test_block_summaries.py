@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.sparse import BlockSummaries
+from tierkv.sparse.summaries import BlockSummaries
 
 HEADS, KV_HEADS, DIM, T, BLOCKS = 8, 2, 32, 16, 40
 
@@ -40,7 +40,7 @@ def test_request_selection_with_gaps_reads_unsummarized_blocks_and_the_top_k():
     """Under vLLM's hot window: blocks without a summary (a prefix served by the tiers) are always
     attended, also past the end of the summary tables; the fast path (every far block summarized)
     picks the same top k as the general one."""
-    from tierkv.vllm_backend.far_summaries import RequestSummaries
+    from tierkv.sparse.request_summaries import RequestSummaries
 
     req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     blocks = torch.randn(BLOCKS, 2, KV_HEADS, T, DIM)
@@ -64,8 +64,8 @@ def test_masked_selection_over_the_whole_table_equals_the_selection_of_the_far_b
     """What a CUDA graph replays (the far count a device scalar, the bound over the whole table,
     blocks past the count masked, the top blocks of that row) selects what `select` selects over the
     far blocks alone."""
-    from tierkv.sparse import top_blocks
-    from tierkv.vllm_backend.far_summaries import RequestSummaries
+    from tierkv.sparse.summaries import top_blocks
+    from tierkv.sparse.request_summaries import RequestSummaries
 
     req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     req.update(0, 0, torch.randn(BLOCKS, 2, KV_HEADS, T, DIM))
@@ -79,7 +79,7 @@ def test_reset_summaries_vouch_for_no_block_until_summarized_again():
     """A request's summaries passed to another request (`RequestSummaries.reset`): the tables keep
     their memory and address, but no block counts as summarized until the new request's blocks are,
     so its unsummarized blocks are all read and its top k comes from its own summaries only."""
-    from tierkv.vllm_backend.far_summaries import RequestSummaries
+    from tierkv.sparse.request_summaries import RequestSummaries
 
     req = RequestSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"), max_blocks=BLOCKS)
     req.update(0, 0, torch.randn(BLOCKS, 2, KV_HEADS, T, DIM))
@@ -102,7 +102,7 @@ def test_selection_overlap_counts_only_blocks_a_row_has():
     """SelectionOverlap: a sampled step's selected blocks that the step before selected too, over the
     selected blocks; a graphed row with fewer far blocks than its ids (-1: no block) counts only its
     blocks, so two rows of -1 do not overlap."""
-    from tierkv.vllm_backend.far_summaries import OVERLAP_EVERY, SelectionOverlap
+    from tierkv.sparse.request_summaries import OVERLAP_EVERY, SelectionOverlap
 
     overlap = SelectionOverlap(torch.device("cpu"))
     previous: dict[int, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""The Triton block-bound kernel (`tierkv.sparse_kernels`) against the PyTorch bound of
+"""The Triton block-bound kernel (`tierkv.sparse.kernels`) against the PyTorch bound of
 `BlockSummaries`, through the Triton interpreter on CPU (in a child process, which alone may
 import triton in interpreter mode), and compiled on CUDA (`gpu` mark). Fresh random draws each run."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.interpreter import run_interpreter_tests
-from tierkv.sparse import BlockSummaries
+from tierkv.sparse.summaries import BlockSummaries
 
 CHILD = os.environ.get("TIERKV_BOUNDS_CHILD") == "1"
 
@@ -18,7 +18,7 @@ CHILD = os.environ.get("TIERKV_BOUNDS_CHILD") == "1"
 def _cases(device: str, dtypes) -> None:
     """Random tables (Llama-8B and small GQA shapes), slices, limits: the kernel's bound equals the
     PyTorch path's, rows past the limit are -inf, and top-k picks the same blocks."""
-    from tierkv.sparse_kernels import block_bounds
+    from tierkv.sparse.kernels import block_bounds
 
     seed = random.SystemRandom().randrange(2**63)
     gen = torch.Generator().manual_seed(seed)
@@ -44,7 +44,7 @@ def _cases(device: str, dtypes) -> None:
                 block_bounds(table.to(device), q.to(device), 0, blocks, out=scores[:, 0])
             # several rows, each over a table of its own (sizes differ), in one launch: each row as the
             # one-table kernel masks it at its limit, -inf past it up to the widest table
-            from tierkv.sparse_kernels import block_bounds_rows
+            from tierkv.sparse.kernels import block_bounds_rows
 
             others = [BlockSummaries(1, kv_heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
             for n, other in zip((blocks + 3, max(1, blocks // 2)), others):
@@ -101,7 +101,7 @@ def test_the_rows_kernel_reads_tables_in_vectors_as_the_one_table_kernel_does():
     per 10-row launch on the H200, against 125 us for ten one-table launches."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     from tests.ptx import global_loads, kernel_ptx
-    from tierkv import sparse_kernels
+    from tierkv.sparse import kernels as sparse_kernels
 
     shape = dict(NUM_KV_HEADS=8, G=4, HEAD_DIM=128, D_PAD=128, BLOCK=sparse_kernels.BLOCK_B)  # Llama 8B
     one = global_loads(kernel_ptx(

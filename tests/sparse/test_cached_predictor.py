@@ -1,4 +1,4 @@
-"""Predictor `cache` in the transformers engine (`tierkv.sparse_cached`): the vLLM backend's far-block
+"""Predictor `cache` in the transformers engine (`tierkv.sparse.predict_cache`): the vLLM backend's far-block
 caches and sparse step for one sequence. Its outputs equal predictor `none`'s (the same selection,
 exact attention over it), a repeated selection is read from the caches without a copy, a step that
 streams through the staging memory empties them, a new sequence starts empty, and staging too small
@@ -12,7 +12,7 @@ import torch
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build, reference_greedy
 from tests.sparse.test_planted_needle import CONTEXT, T, planted_case, runtime_with
-from tierkv.adapters.hf import runtime_for_model
+from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
 from tierkv.runtime import KVRuntime
@@ -130,7 +130,7 @@ def decode_under_budgets(model, runtime, ids: list[int], budgets: list[int], fro
     """Greedy tokens and logits of `ids`, a new GPU budget (bytes) set before each decode step; each
     step's first far block (resident front blocks) added to `fronts`. step: a callable token -> logits
     made from the cache (`tierkv.decode_graph.DecodeStep`), else the plain model call."""
-    from tierkv.adapters.hf import TieredCache, forward_kwargs
+    from tierkv.integrations.hf import TieredCache, forward_kwargs
 
     cache = TieredCache(runtime, ids)
     kwargs = forward_kwargs(model, cache)

@@ -24,7 +24,8 @@ class _Launches:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    from tierkv import cache_kernels, sparse_kernels
+    from tierkv import cache_kernels
+    from tierkv.sparse import kernels as sparse_kernels
 
     launches = {}
     for module, name in ((cache_kernels, "_place_kernel"), (cache_kernels, "_place_lru_kernel"),
@@ -58,7 +59,7 @@ def test_placement_and_copy_sources_of_empty_selections_launch_nothing(recorded,
 
 
 def test_bounds_of_an_empty_far_set_launch_nothing(recorded):
-    from tierkv.sparse_kernels import block_bounds, block_bounds_rows
+    from tierkv.sparse.kernels import block_bounds, block_bounds_rows
 
     table = torch.randn(5, 2, 32)
     q = torch.randn(4, 16)

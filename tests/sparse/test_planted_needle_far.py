@@ -1,4 +1,4 @@
-"""Sparse retrieval in the vLLM backend's far path (`tierkv.vllm_backend.far.FarKV`, what
+"""Sparse retrieval in the vLLM backend's far path (`tierkv.integrations.vllm.far_rows.FarKV`, what
 TieredLLM(backend="vllm") and the benchmarks run): planted needles in a 128k request are found.
 
 Fresh random draws every run. One layer of random KV in vLLM's paged layout, every full block saved
@@ -19,8 +19,8 @@ from tierkv.attention import merge_partials
 from tierkv.attention import reference
 from tierkv.blocks import BlockLayout
 from tierkv.config import load_config
-from tierkv.vllm_backend.far import FarKV
-from tierkv.vllm_backend.store import BlockSpan, VllmKVStore
+from tierkv.integrations.vllm.far_rows import FarKV
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore
 
 CONTEXT = 128 * 1024
 NAME = "model.layers.0.self_attn.attn"

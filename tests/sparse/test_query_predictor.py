@@ -13,11 +13,11 @@ import torch
 from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build, reference_greedy
 from tests.sparse.test_planted_needle import CONTEXT, DIM, HEADS, KV_HEADS, T, planted_case
-from tierkv.adapters.hf import runtime_for_model
+from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
 from tierkv.runtime import KVRuntime
-from tierkv.sparse_cache import FarBlockCache
+from tierkv.sparse.block_cache import FarBlockCache
 
 BLOCK_TOKENS, HEAD_DIM, NUM_KV_HEADS = 4, 16, 2
 BLOCK_BYTES = 2 * NUM_KV_HEADS * BLOCK_TOKENS * HEAD_DIM * 4

@@ -14,8 +14,8 @@ pytest.importorskip("vllm")
 
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.vllm_backend.far import FarKV  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
+from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
 from tests.vllm.test_hot_window import assert_six_blocks_summarized, sparse_connectors, step_one_request  # noqa: E402
 from tests.vllm.test_hot_window import write_config  # noqa: E402
@@ -104,7 +104,7 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
     every layer in one D2H and summarizes them with one bound computation for all layers and
     requests, and the summaries equal the blocks' key min/max. With SAVE_RUN_BYTES holding two
     layers' blocks, in runs of two layers and one."""
-    import tierkv.vllm_backend.connector as connector
+    import tierkv.integrations.vllm.connector as connector
 
     if run_layers is not None:
         monkeypatch.setattr(connector, "SAVE_RUN_BYTES", run_layers * 6 * 2 * H * BS * D * 4)
@@ -113,7 +113,7 @@ def test_a_full_graph_step_saves_and_summarizes_every_layer_in_one_pass(tmp_path
     scatter = worker.store.io.scatter
     monkeypatch.setattr(worker.store.io, "scatter", lambda blocks, slots: scatters.append(len(slots)) or
                         scatter(blocks, slots))
-    import tierkv.vllm_backend.far_summaries as far_summaries
+    import tierkv.sparse.request_summaries as far_summaries
 
     key_bounds = far_summaries.key_bounds
     monkeypatch.setattr(far_summaries, "key_bounds", lambda blocks: bounds.append(tuple(blocks.shape)) or

@@ -28,9 +28,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request  # noqa: E402
 
 from tierkv.config import ConfigError  # noqa: E402
-from tierkv.vllm_backend import kv_transfer_config  # noqa: E402
-from tierkv.vllm_backend.connector import TierKVConnector, TierKVMetadata  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan, PagedLayout  # noqa: E402
+from tierkv.integrations.vllm import kv_transfer_config  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan, PagedLayout  # noqa: E402
 
 BS, H, D, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -221,7 +221,7 @@ def test_paged_layouts_read_and_write_the_same_blocks(layout):
 
 def test_config_errors_name_the_key(tmp_path, monkeypatch):
     monkeypatch.delenv("TIERKV_CONFIG_FILE", raising=False)
-    from tierkv.vllm_backend.config import config_from_kv_transfer
+    from tierkv.integrations.vllm.config import config_from_kv_transfer
 
     with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
         config_from_kv_transfer({}, block_size=BS, env={})
@@ -239,7 +239,7 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch):
 
 def test_tiered_llm_vllm_backend_checks_its_inputs_before_starting_an_engine(tmp_path):
     from tierkv import TieredLLM
-    from tierkv.vllm_backend.llm import _config_file
+    from tierkv.integrations.vllm.llm import _config_file
 
     with pytest.raises(ValueError, match="needs a local checkpoint directory"):
         TieredLLM(str(tmp_path / "no-such-model"), None, backend="vllm")
@@ -260,7 +260,7 @@ def test_tensor_parallel_ranks_keep_their_own_heads_and_a_prefix_counts_only_whe
     block only if all ranks hold it; a rank loads back its own heads, never another rank's."""
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
-    from tierkv.vllm_backend.store import VllmKVStore
+    from tierkv.integrations.vllm.store import VllmKVStore
 
     layout = BlockLayout(H, BS, D, torch.float32)
     config = load_config(write_config(tmp_path, cpu_blocks=2), env={})  # tiny CPU tiers: blocks spill to disk
@@ -310,8 +310,8 @@ def test_tensor_parallel_stats_name_each_ranks_tiers_in_the_metrics(tmp_path):
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
     from tierkv.metrics.recorder import MetricsRecorder
-    from tierkv.vllm_backend.llm import VllmTieredLLM
-    from tierkv.vllm_backend.store import VllmKVStore, merge_rank_stats, release_store, shared_store, worker_stats
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+    from tierkv.integrations.vllm.store import VllmKVStore, merge_rank_stats, release_store, shared_store, worker_stats
 
     layout = BlockLayout(H, BS, D, torch.float32)
     config = load_config(write_config(tmp_path, cpu_blocks=64), env={})
@@ -387,7 +387,7 @@ def test_full_decode_graphs_are_asked_of_vllm_only_when_configured(tmp_path):
     backend's metadata builder declares uniform single-token decode support; without it, neither."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from tierkv.vllm_backend.hot_window import full_decode_graphs
+    from tierkv.integrations.vllm.hot_window import full_decode_graphs
 
     plain = write_config(tmp_path)
     sparse = tmp_path / "sparse.yaml"
@@ -396,7 +396,7 @@ def test_full_decode_graphs_are_asked_of_vllm_only_when_configured(tmp_path):
     for path, full in ((plain, False), (str(sparse), True)):
         assert TierKVConnector.requires_piecewise_for_cudagraph({"config_file": path}) is not full
         assert full_decode_graphs(vllm_config(path)) is full
-    from tierkv.vllm_backend.hot_window_backend import HotWindowMetadataBuilder
+    from tierkv.integrations.vllm.backend import HotWindowMetadataBuilder
 
     assert HotWindowMetadataBuilder.get_cudagraph_support(vllm_config(str(sparse)), None) == \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -410,7 +410,7 @@ def test_block_hashes_never_cover_a_block_whose_tokens_are_not_all_known(tmp_pat
     partial block's hash, kept as a full block's, would name KV whose last token differs."""
     from tierkv.blocks import BlockLayout
     from tierkv.config import load_config
-    from tierkv.vllm_backend.store import VllmKVStore
+    from tierkv.integrations.vllm.store import VllmKVStore
 
     store = VllmKVStore(load_config(write_config(tmp_path), env={}), BlockLayout(H, BS, D, torch.float32), NAMES,
                         "model", "cpu")

@@ -1,4 +1,4 @@
-"""The graphed sparse rows' far-block caches (tierkv.vllm_backend.far_cache) on CPU: each selection
+"""The graphed sparse rows' far-block caches (tierkv.sparse.row_caches) on CPU: each selection
 finds the blocks its set holds where they are and gives the others the slots whose blocks were not
 selected again; counters and emptying a set for the next request; the Triton placement kernel
 equals the PyTorch ops (interpreter on CPU, compiled on CUDA). The same code runs inside the CUDA
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.interpreter import run_interpreter_tests
-from tierkv.vllm_backend.far_cache import RowCaches
+from tierkv.sparse.row_caches import RowCaches
 
 LAYERS, K = 3, 8
 

@@ -47,7 +47,7 @@ def test_the_staging_bounds_the_graphed_rows_by_their_far_block_caches(tmp_path,
                                                              (128, 0, 5, False)):
         (tmp_path / f"{staging_blocks}-{selections}").mkdir()
         caplog.clear()
-        with caplog.at_level("WARNING", logger="tierkv.vllm_backend.far"):
+        with caplog.at_level("WARNING", logger="tierkv.integrations.vllm.far_rows"):
             store, _, far = computed_far(tmp_path / f"{staging_blocks}-{selections}", ("a", "b"), max_rows=5,
                                          staging_blocks=staging_blocks, cache_selections=selections)
         try:
@@ -110,7 +110,7 @@ def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch)
     from types import SimpleNamespace
 
     from tierkv.attention import merge_partials
-    from tierkv.vllm_backend.far_full import FullDecodeRows
+    from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows
 
     fake_graphs(monkeypatch)
     window, blocks = 2 * BS, 30

@@ -12,8 +12,8 @@ pytest.importorskip("vllm")
 
 from tierkv.attention import merge_partials  # noqa: E402
 from tierkv.config import ConfigError, load_config  # noqa: E402
-from tierkv.vllm_backend.far_full import FullDecodeRows  # noqa: E402
-from tierkv.vllm_backend.far_prefetch import MarginPrefetch, check_margin  # noqa: E402
+from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows  # noqa: E402
+from tierkv.sparse.prefetch_margin import MarginPrefetch, check_margin  # noqa: E402
 
 from tests.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
 from tests.vllm.test_hot_window import HQ, D, _Window, computed_far, fake_graphs, write_config  # noqa: E402
@@ -129,7 +129,7 @@ def test_a_prefetch_margin_that_does_not_fit_is_a_config_error(tmp_path, monkeyp
 def test_a_margin_for_the_transformers_engine_is_refused_under_vllm(tmp_path):
     """The loader lets predictor 'cache' (the transformers engine's) carry a margin; vLLM's connector,
     whose margin runs only inside its full decode graph, refuses it without that graph."""
-    from tierkv.vllm_backend.config import config_from_kv_transfer
+    from tierkv.integrations.vllm.config import config_from_kv_transfer
 
     path = write_config(tmp_path, window=2 * BS, staging_blocks=64, sparse_tokens=4 * BS, sparse_graphs=True,
                         cache_selections=2, scheduler_lines=("predictor: cache", "sparse_prefetch_margin: 2"))

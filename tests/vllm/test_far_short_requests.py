@@ -63,7 +63,7 @@ def test_the_full_decode_body_serves_requests_shorter_than_a_selection(tmp_path,
     from types import SimpleNamespace
 
     from tierkv.attention import merge_partials
-    from tierkv.vllm_backend.far_full import FullDecodeRows
+    from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows
 
     fake_graphs(monkeypatch)
     window, blocks = 2 * BS, 3

@@ -35,10 +35,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.vllm_backend import hot_window  # noqa: E402
-from tierkv.vllm_backend.connector import TierKVConnector, TierKVMetadata  # noqa: E402
-from tierkv.vllm_backend.far import FarKV, far_blocks  # noqa: E402
-from tierkv.vllm_backend.store import BlockSpan, VllmKVStore  # noqa: E402
+from tierkv.integrations.vllm import hot_window  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.integrations.vllm.far_rows import FarKV, far_blocks  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
 from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
 
@@ -299,7 +299,7 @@ def test_near_tables_start_each_row_past_its_far_blocks(tmp_path):
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     far = FarKV(store, 2 * BS)
     try:
-        from tierkv.vllm_backend.far import FarRow
+        from tierkv.integrations.vllm.far_rows import FarRow
 
         rows = [FarRow("a", 0, 1, 10 * BS, 8), FarRow("b", 1, 4, BS, 0)]
         table = torch.arange(2 * 12, dtype=torch.int32).view(2, 12)
@@ -341,7 +341,7 @@ def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_po
 
     assert AttentionBackendEnum.CUSTOM.get_path() == hot_window.BACKEND_PATH
     backend = AttentionBackendEnum.CUSTOM.get_class()
-    from tierkv.vllm_backend.hot_window_backend import HotWindowBackend
+    from tierkv.integrations.vllm.backend import HotWindowBackend
 
     assert backend.get_name() == "CUSTOM" and backend is HotWindowBackend
     assert f"{backend.__module__}.{backend.__qualname__}" == hot_window.BACKEND_PATH  # vLLM resolves it by this path
@@ -366,7 +366,7 @@ def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_po
 
 def test_tensor_parallel_needs_the_installed_plugin():
     """Under tensor parallelism vLLM's workers load the backend only through the entry point."""
-    from tierkv.vllm_backend.llm import PLUGIN_ENTRY_POINT, require_plugin_installed
+    from tierkv.integrations.vllm.llm import PLUGIN_ENTRY_POINT, require_plugin_installed
 
     require_plugin_installed([SimpleNamespace(value=PLUGIN_ENTRY_POINT)])
     with pytest.raises(RuntimeError, match="tensor_parallel_size > 1"):
@@ -417,7 +417,7 @@ def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
     """The pool vLLM is given is the GPU budget minus the staging ring; a budget that leaves no pool
     is a config error naming the key."""
     from tierkv.config import ConfigError
-    from tierkv.vllm_backend.llm import hot_window_engine_args
+    from tierkv.integrations.vllm.llm import hot_window_engine_args
 
     config = load_config({"cache": {"block_tokens": BS, "gpu_budget_bytes": "2GiB", "window_tokens": 4096},
                           "scheduler": {"staging_bytes": "256MiB", "prefill_chunk_tokens": 8192}}, env={})
@@ -450,7 +450,7 @@ def test_tieredllm_sparse_engine_reserves_summaries_at_the_length_vllm_runs_with
     max_position_embeddings, the length the summaries were reserved for."""
     import vllm
 
-    from tierkv.vllm_backend.llm import VllmTieredLLM
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
 
     given = {}
 
@@ -487,7 +487,7 @@ def test_sparse_key_summaries_are_sized_from_the_checkpoint_and_max_num_seqs(tmp
     """An 8B Llama shape at 131072 tokens in 64-token blocks: 2048 blocks x 32 layers x (min, max)
     x 8 KV heads x 128 x 2 bytes = 256 MiB per request; per GPU, the KV heads split over tensor
     parallelism; max_num_seqs and a readable config.json are required."""
-    from tierkv.vllm_backend.llm import sparse_summary_bytes
+    from tierkv.integrations.vllm.llm import sparse_summary_bytes
 
     config = load_config({"cache": {"block_tokens": 64}, "scheduler": {"policy": "sparse"}}, env={})
     model = _checkpoint(tmp_path)
@@ -619,7 +619,7 @@ def test_sparse_with_a_budget_covering_the_context_equals_exact(tmp_path):
 def test_key_summaries_stay_within_the_bytes_reserved_for_a_request_of_max_model_len(tmp_path):
     """The summary tables grow by doubling, but never past the blocks of the engine's longest
     request: what `summary_bytes_per_request` reserves in the GPU budget is what they take."""
-    from tierkv.vllm_backend.far_summaries import summary_bytes_per_request
+    from tierkv.sparse.request_summaries import summary_bytes_per_request
 
     for max_model_len, table_blocks in ((42 * BS, 42), (None, 64)):  # one update of 42 blocks: 64 rows uncapped
         far, store, *_ = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=2 * BS, num_blocks=42,
@@ -874,7 +874,7 @@ def test_the_vllm_backends_stats_become_metrics_lines(tmp_path):
 def test_sparse_reports_how_much_of_a_selection_the_step_before_selected(tmp_path):
     """The selection overlap between consecutive steps (what a GPU cache of the last selection would
     hit), sampled every OVERLAP_EVERY steps: the same query selects the same blocks, overlap 1."""
-    from tierkv.vllm_backend.far_summaries import OVERLAP_EVERY
+    from tierkv.sparse.request_summaries import OVERLAP_EVERY
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=30)
@@ -917,7 +917,7 @@ def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, s
 
 def cpu_row_caches(far, req):
     """Far-block caches on CPU for one request (the engine makes them only with its CUDA graphs)."""
-    from tierkv.vllm_backend.far_cache import RowCaches
+    from tierkv.sparse.row_caches import RowCaches
 
     row_caches = RowCaches(1, far.store.num_layers, far.sparse_blocks, far.store.layout.shape,
                            far.store.layout.dtype, torch.device("cpu"))
@@ -944,7 +944,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
     themselves are off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the
     eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
-    from tierkv.vllm_backend.far_graphs import SparseStepGraphs, sparse_rows_body
+    from tierkv.sparse.step_graphs import SparseStepGraphs, sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -983,7 +983,7 @@ def test_the_graph_body_reads_every_far_block_of_a_row_with_fewer_than_a_selecti
     reads all of them and no other block (ids -1 for the rest, none copied or placed in its cache),
     as the eager path does, and a row of the same batch with more far blocks selects as before. The
     graphs serve such rows now (`servable`)."""
-    from tierkv.vllm_backend.far_graphs import sparse_rows_body
+    from tierkv.sparse.step_graphs import sparse_rows_body
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42,
@@ -1023,7 +1023,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
     held blocks' stale codes skipped) gives the eager path's result, the first time and when the
     selection repeats and nothing is copied."""
     from tierkv.quant import dequantize_blocks, quantize_blocks
-    from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_rows_body
+    from tierkv.sparse.step_graphs import packed_buffers, sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -1065,8 +1065,8 @@ class _BodyGraphs:
     step's decoding rows into one graph call and merges its far parts back, on CPU."""
 
     def __init__(self, far, max_rows: int):
-        from tierkv.vllm_backend.far_cache import RowCaches
-        from tierkv.vllm_backend.far_graphs import packed_buffers
+        from tierkv.sparse.row_caches import RowCaches
+        from tierkv.sparse.step_graphs import packed_buffers
 
         self.far, self.max_rows, self.calls = far, max_rows, []
         k = far.sparse_blocks
@@ -1090,7 +1090,7 @@ class _BodyGraphs:
 
     def attend(self, layer, rows, q, near_out, near_lse, out_dtype, scale, key=None):
         from tierkv.attention import merge_two_into
-        from tierkv.vllm_backend.far_graphs import sparse_rows_body
+        from tierkv.sparse.step_graphs import sparse_rows_body
 
         self.calls.append([req_id for req_id, _, _ in rows])
         far_out, far_lse, ids = sparse_rows_body(self.far, [req for _, req, _ in rows], layer, q,
@@ -1193,7 +1193,7 @@ class _FakeGraph:
 def fake_graphs(monkeypatch, fail_whole: bool = False):
     """SparseStepGraphs on CPU, its recording replaced by `_FakeGraph` (real captures:
     tests/gpu/test_far_graphs_gpu.py); fail_whole: recording a graph with the window part fails."""
-    from tierkv.vllm_backend import far_graphs
+    from tierkv.sparse import step_graphs as far_graphs
 
     def record(self, body, whole=False):
         if whole and fail_whole:  # as _record does when a capture raises
@@ -1217,7 +1217,7 @@ def test_step_graphs_keep_a_graph_per_set_of_rows_and_forget_finished_requests(t
     again, the least recently used set goes past GRAPHS_PER_LAYER, a finished request's graphs are
     dropped; every step's output equals the eager path's."""
     from tierkv.attention import merge_partials
-    from tierkv.vllm_backend import far_graphs
+    from tierkv.sparse import step_graphs as far_graphs
 
     fake_graphs(monkeypatch)
     blocks = 30
@@ -1472,7 +1472,7 @@ def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
     """Sparse rows read the far blocks' CPU-tier slots from a device buffer that doubles when full
     (so a CUDA graph's baked-in address rarely moves): after the far part grows step by step, its
     first entries equal the host's pinned slots."""
-    from tierkv.vllm_backend.far import append_at
+    from tierkv.integrations.vllm.far_rows import append_at
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=60)
@@ -1502,7 +1502,7 @@ def test_profiler_ranges_are_entered_only_while_a_profiler_runs():
     """The backend names its far part in a profiler's trace, and costs nothing when none runs."""
     import contextlib
 
-    from tierkv.vllm_backend.far import profiled
+    from tierkv.integrations.vllm.far_rows import profiled
 
     assert isinstance(profiled("tierkv.far"), contextlib.nullcontext)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -1515,7 +1515,7 @@ def test_the_whole_graph_check_counts_only_the_calls_it_runs(monkeypatch):
     """CHECK_WHOLE_GRAPHS=N: the backend hands attend_whole a check for every call, but only the N
     that run (attend_whole runs one only where a whole graph served the layer) use it up; prefill
     calls, where none is run, do not."""
-    from tierkv.vllm_backend import hot_window_backend
+    from tierkv.integrations.vllm import backend as hot_window_backend
 
     monkeypatch.setenv("CHECK_WHOLE_GRAPHS", "2")
     checks = hot_window_backend._CheckWhole()
@@ -1560,8 +1560,8 @@ def test_the_backend_runs_whole_step_graphs_and_their_check_on_decode_steps(tmp_
     both equal the window part plus the eager far path; CHECK_WHOLE_GRAPHS runs the split path
     beside the first calls only and finds no difference."""
     from tierkv.attention import merge_partials
-    from tierkv.vllm_backend import hot_window_backend as backend
-    from tierkv.vllm_backend.hot_window import HotWindowStep
+    from tierkv.integrations.vllm import backend
+    from tierkv.integrations.vllm.hot_window import HotWindowStep
 
     fake_graphs(monkeypatch)
     monkeypatch.setattr(backend.fa, "flash_attn_varlen_func", _torch_flash_attn, raising=False)  # CUDA-only import
@@ -1619,7 +1619,7 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     (vLLM keeps full decode graphs only up to it, so a full batch of a size off its default list would
     find none and run piecewise); a compilation_config of the user's, an eager engine or the flag off
     leave vLLM's defaults; max_num_seqs is required."""
-    from tierkv.vllm_backend.llm import VllmTieredLLM, full_decode_capture_sizes
+    from tierkv.integrations.vllm.llm import VllmTieredLLM, full_decode_capture_sizes
 
     assert full_decode_capture_sizes(10) == [1, 2, 4, 8, 10, 16]
     assert full_decode_capture_sizes(8) == [1, 2, 4, 8, 16] and full_decode_capture_sizes(1) == [1, 2]
@@ -1652,7 +1652,7 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     from tierkv.blocks import BlockLayout
     from tierkv.config import ConfigError
     from tierkv.storage import CpuTier
-    from tierkv.vllm_backend.llm import VllmTieredLLM, full_graph_packed_bytes, hot_window_pool_need
+    from tierkv.integrations.vllm.llm import VllmTieredLLM, full_graph_packed_bytes, hot_window_pool_need
 
     model = _checkpoint(tmp_path)  # 8 KV heads of 128
 
@@ -1742,7 +1742,7 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
     twice that under its async scheduling; a pool below it is a config error naming the budget (not
     vLLM's max_model_len error), and halving the prefill chunk under async keeps the sync need."""
     from tierkv.config import ConfigError
-    from tierkv.vllm_backend.llm import check_hot_window_pool, hot_window_pool_need
+    from tierkv.integrations.vllm.llm import check_hot_window_pool, hot_window_pool_need
 
     model = _checkpoint(tmp_path)
     config = load_config({"cache": {"block_tokens": 64, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
@@ -1775,8 +1775,8 @@ def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
     are compared, and a resolved batch past the reserved rows is an error naming the remedy."""
     from types import SimpleNamespace
 
-    from tierkv.vllm_backend.connector import graph_rows
-    from tierkv.vllm_backend.llm import check_full_graph_rows, full_graph_rows
+    from tierkv.integrations.vllm.connector import graph_rows
+    from tierkv.integrations.vllm.llm import check_full_graph_rows, full_graph_rows
 
     def vllm(max_num_seqs, captured):
         return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),

@@ -19,9 +19,9 @@ def test_the_fast_sparse_config_fits_its_two_gib_with_the_prefetch(tmp_path):
     """configs/vllm-128k-sparse-fast.yaml (the measured batch-1 settings): one 128k request of the 8B
     shape, compiled, async scheduling. vLLM's pool holds the window and two prefill chunks in
     flight; the caches keep two selections per layer with room for the margin."""
-    from tierkv.vllm_backend.far_cache import cache_rows
-    from tierkv.vllm_backend.far_prefetch import check_margin
-    from tierkv.vllm_backend.llm import VllmTieredLLM, hot_window_pool_need
+    from tierkv.sparse.row_caches import cache_rows
+    from tierkv.sparse.prefetch_margin import check_margin
+    from tierkv.integrations.vllm.llm import VllmTieredLLM, hot_window_pool_need
 
     config = load_config(CONFIGS / "vllm-128k-sparse-fast.yaml", env={})
     sched = config.scheduler

@@ -3,7 +3,7 @@
 Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`,
 `attend`, `attend_into`, `attend_whole`, `near_out_buffer`, `attend_parts`, `merge_into`, `end_step`,
 `stats`). No vLLM import: tested on CPU with the PyTorch reference attention. The decoding rows
-the CUDA graphs serve go through `tierkv.vllm_backend.far_graphed`.
+the CUDA graphs serve go through `tierkv.integrations.vllm.graphed_rows`.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -57,10 +57,10 @@ from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.vllm_backend.far_cache import CacheSet, RowCaches, cache_rows
-from tierkv.vllm_backend.far_graphed import GraphedRows
-from tierkv.vllm_backend.far_graphs import SparseStepGraphs
-from tierkv.vllm_backend.far_summaries import KeySummaries, RequestSummaries, SelectionOverlap
+from tierkv.sparse.row_caches import CacheSet, RowCaches, cache_rows
+from tierkv.integrations.vllm.graphed_rows import GraphedRows
+from tierkv.sparse.step_graphs import SparseStepGraphs
+from tierkv.sparse.request_summaries import KeySummaries, RequestSummaries, SelectionOverlap
 
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.vllm_backend.far_graphs import NearInputs
+from tierkv.sparse.step_graphs import NearInputs
 
 
 def rows_of(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 repeated prefixes back, configured from vLLM's `kv_transfer_config`.
 
 Primitives: `kv_transfer_config`, `CONNECTOR_NAME`, `CONNECTOR_MODULE` (no vLLM import here;
-`tierkv.vllm_backend.connector` imports vLLM).
+`tierkv.integrations.vllm.connector` imports vLLM).
 """
-from tierkv.vllm_backend.config import CONNECTOR_MODULE, CONNECTOR_NAME, kv_transfer_config
+from tierkv.integrations.vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME, kv_transfer_config
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "kv_transfer_config"]

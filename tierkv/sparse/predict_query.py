@@ -15,7 +15,7 @@ layer L computes:
     layer L+j attends -> exact top-k -> hits: cache slots | misses: fetched now, counted as stalls
 
 Attention reads exactly the selected blocks, so the output never depends on the prediction.
-Everything stays on the device (`tierkv.sparse_cache`): counts accumulate in a device tensor,
+Everything stays on the device (`tierkv.sparse.block_cache`): counts accumulate in a device tensor,
 copied to the host once per step without waiting (`flush`), read when that copy has landed.
 Per layer and step the counters are
 
@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 
 from tierkv.scheduler import StagedChunk, to_device_no_sync
-from tierkv.sparse import select_far_blocks_on_device
-from tierkv.sparse_cache import FarBlockCache, gather_pairs
+from tierkv.sparse.summaries import select_far_blocks_on_device
+from tierkv.sparse.block_cache import FarBlockCache, gather_pairs
 
 COUNTERS = ("predicted", "used", "needed", "hits", "misses", "copied")
 

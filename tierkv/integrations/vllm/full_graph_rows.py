@@ -35,9 +35,9 @@ from typing import Sequence
 import torch
 
 from tierkv.attention import merge_two_into
-from tierkv.sparse import BlockSummaries
-from tierkv.vllm_backend.far_graphs import packed_buffers, sparse_rows_body
-from tierkv.vllm_backend.far_prefetch import MarginPrefetch
+from tierkv.sparse.summaries import BlockSummaries
+from tierkv.sparse.step_graphs import packed_buffers, sparse_rows_body
+from tierkv.sparse.prefetch_margin import MarginPrefetch
 
 
 def full_graphs_configured(config) -> bool:

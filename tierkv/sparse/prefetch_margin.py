@@ -97,7 +97,7 @@ class MarginPrefetch:
                         sets: torch.Tensor, lists: torch.Tensor | None) -> None:
         """After the layer's selection, the first k of `ranked` (`rank`'s): place and copy each row's
         margin blocks, the rest of it (device work only; the copy on the side stream)."""
-        from tierkv.vllm_backend.far_graphs import copy_sources_of
+        from tierkv.sparse.step_graphs import copy_sources_of
 
         k = self.far.sparse_blocks
         margin = ranked[:, k:]

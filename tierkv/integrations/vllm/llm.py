@@ -38,8 +38,8 @@ import yaml
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config_loader import to_dict
 from tierkv.sampling import RequestOutput, SamplingParams
-from tierkv.vllm_backend.config import kv_transfer_config
-from tierkv.vllm_backend.far_full import full_graphs_configured
+from tierkv.integrations.vllm.config import kv_transfer_config
+from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 
 
 class VllmTieredLLM:
@@ -164,7 +164,7 @@ class VllmTieredLLM:
         statistics; under tensor parallelism each rank's (its
         tiers named `<tier>@rank<k>`, the rest under `ranks.rank<k>`), gathered from the worker
         processes by vLLM's `collective_rpc`."""
-        from tierkv.vllm_backend.store import merge_rank_stats, peek_store, worker_stats
+        from tierkv.integrations.vllm.store import merge_rank_stats, peek_store, worker_stats
 
         totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
                   "full_graph_reserved_bytes": self.full_graph_reserved_bytes}
@@ -205,7 +205,7 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_gr
     also out of the budget."""
     from tierkv.config import ConfigError
     from tierkv.units import format_bytes
-    from tierkv.vllm_backend import hot_window
+    from tierkv.integrations.vllm import hot_window
 
     pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes - summary_bytes - full_graph_bytes
     if pool <= 0:
@@ -310,7 +310,7 @@ def check_full_graph_rows(reserved_rows: int, vllm_config) -> None:
     was reserved."""
     if not reserved_rows:
         return
-    from tierkv.vllm_backend.connector import graph_rows
+    from tierkv.integrations.vllm.connector import graph_rows
 
     rows = graph_rows(vllm_config)
     if rows > reserved_rows:
@@ -346,7 +346,7 @@ def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | N
     requests of `max_model_len` tokens (default: the checkpoint's max_position_embeddings), the
     model's shape read from the checkpoint's config.json, its KV heads split over
     `tensor_parallel_size`."""
-    from tierkv.vllm_backend.far_summaries import summary_bytes_per_request
+    from tierkv.sparse.request_summaries import summary_bytes_per_request
 
     max_num_seqs = engine_kwargs.get("max_num_seqs")
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
@@ -399,7 +399,7 @@ def checkpoint_shape(model_dir) -> dict:
             "sliding_window": window if isinstance(window, int) and window > 0 else None}
 
 
-PLUGIN_ENTRY_POINT = "tierkv.vllm_backend.hot_window:register"
+PLUGIN_ENTRY_POINT = "tierkv.integrations.vllm.hot_window:register"
 
 
 def require_plugin_installed(entry_points=None) -> None:

@@ -22,9 +22,9 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.vllm_backend.far import profiled
-from tierkv.vllm_backend.far_graphed import rows_of
-from tierkv.vllm_backend.hot_window import _STATE, current_step, full_decode_graphs, full_rows
+from tierkv.integrations.vllm.far_rows import profiled
+from tierkv.integrations.vllm.graphed_rows import rows_of
+from tierkv.integrations.vllm.hot_window import _STATE, current_step, full_decode_graphs, full_rows
 
 
 class HotWindowMetadataBuilder(fa.FlashAttentionMetadataBuilder):

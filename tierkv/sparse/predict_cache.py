@@ -5,7 +5,7 @@ Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `attend_
 `graph_row_inputs`, `stats`, `totals`), `check_staging`.
 
 Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
-in a far-block cache laid over the staging memory (`vllm_backend.far_cache.RowCaches`), so a step
+in a far-block cache laid over the staging memory (`sparse.row_caches.RowCaches`), so a step
 copies across PCIe only the selected blocks the cache lacks. Per layer the far part is the vLLM
 backend's `sparse_rows_body`, then merged with the near part (resident blocks and this step's
 tokens, which the sequence attends as always):
@@ -16,7 +16,7 @@ tokens, which the sequence attends as always):
     (out, lse) over the selected blocks; merged with the near part's
 
 On CUDA with a copy-kernel transfer backend and `scheduler.sparse_cuda_graphs`, that work is one CUDA
-graph per layer (`vllm_backend.far_graphs.SparseStepGraphs`), captured at the first decode step and
+graph per layer (`sparse.step_graphs.SparseStepGraphs`), captured at the first decode step and
 replayed: a few host calls per layer instead of some thirty launches. Elsewhere, and after a failed
 capture, the same work runs eagerly. A selected block the cache lacks is fetched at selection and
 counted as a miss (a layer with one is a stall), so the output never depends on what the cache holds;
@@ -45,10 +45,10 @@ from tierkv.attention import merge_partials
 from tierkv.config import ConfigError
 from tierkv.scheduler import to_device_no_sync
 from tierkv.units import format_bytes
-from tierkv.vllm_backend.far import append_at
-from tierkv.vllm_backend.far_cache import RowCaches
-from tierkv.vllm_backend.far_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
-from tierkv.vllm_backend.far_prefetch import MarginPrefetch, precision_recall
+from tierkv.integrations.vllm.far_rows import append_at
+from tierkv.sparse.row_caches import RowCaches
+from tierkv.sparse.step_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
+from tierkv.sparse.prefetch_margin import MarginPrefetch, precision_recall
 
 
 @dataclass

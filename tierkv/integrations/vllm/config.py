@@ -4,7 +4,7 @@ Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_
 
     LLM(model, kv_transfer_config={
         "kv_connector": "TierKVConnector",
-        "kv_connector_module_path": "tierkv.vllm_backend.connector",
+        "kv_connector_module_path": "tierkv.integrations.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"config_file": "configs/vllm-128k.yaml"},
     })
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from tierkv.config import ConfigError, TierKVConfig, load_config
 
 CONNECTOR_NAME = "TierKVConnector"
-CONNECTOR_MODULE = "tierkv.vllm_backend.connector"
+CONNECTOR_MODULE = "tierkv.integrations.vllm.connector"
 EXTRA_KEYS = ("config_file", "model_id")
 
 

@@ -29,11 +29,11 @@ from typing import Any, Sequence
 import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.vllm_backend.config import CONNECTOR_NAME, config_from_kv_transfer
-from tierkv.vllm_backend.far import FarKV, FarRow
-from tierkv.vllm_backend.far_full import full_graphs_configured
+from tierkv.integrations.vllm.config import CONNECTOR_NAME, config_from_kv_transfer
+from tierkv.integrations.vllm.far_rows import FarKV, FarRow
+from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 
-BACKEND_PATH = "tierkv.vllm_backend.hot_window_backend.HotWindowBackend"
+BACKEND_PATH = "tierkv.integrations.vllm.backend.HotWindowBackend"
 _STATE: dict[str, Any] = {"runner": None, "step": None, "window": None, "full": None, "registered": False}
 
 

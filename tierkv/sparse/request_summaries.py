@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import BlockSummaries, key_bounds, top_blocks
+from tierkv.sparse.summaries import BlockSummaries, key_bounds, top_blocks
 
 OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled step and the one before it
 #   cost about 2.5 and 0.5 ms more at 32 layers: the comparison and the copy are launches per layer)

@@ -12,8 +12,8 @@ side. For a query q, the largest score any key of block b can give head h is bou
 A decode step reads the resident blocks (sinks, far-block cache, window) plus the k far
 blocks with the largest bound (max over heads), k = sparse_token_budget / block_tokens, and
 attention over that set is exact. When k covers every far block, sparse equals exact.
-Selection happens at attention time; `tierkv.sparse_prefetch` copies each layer's previous
-selection ahead, `tierkv.sparse_query` predicts the next layers' selection from the hidden state
+Selection happens at attention time; `tierkv.sparse.predict_previous` copies each layer's previous
+selection ahead, `tierkv.sparse.predict_query` predicts the next layers' selection from the hidden state
 into a far-block cache, and a selected block that was not prefetched is fetched at once as a stall.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ _KERNEL = OptionalKernel("block_bounds")
 
 def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
                    limit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`tierkv.sparse_kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
+    """`tierkv.sparse.kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
     None where it cannot run (the PyTorch path serves from then on, the reason in `_KERNEL.error`)."""
     if not (table.is_cuda and triton_installed()):
         return None
 
     def launch() -> torch.Tensor:
-        from tierkv.sparse_kernels import block_bounds
+        from tierkv.sparse.kernels import block_bounds
 
         return block_bounds(table, q, first, stop, limit, out)
 
@@ -50,7 +50,7 @@ def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torc
     """out float32 [m, width] = each row's masked bound (`BlockSummaries.masked_bounds`) over its
     own table (tables[r], the layer's table of row r's request; limits int64 [m]: the far counts,
     at most each table's size; q [m, num_heads, head_dim]) in one launch
-    (`tierkv.sparse_kernels.block_bounds_rows`), -inf at and past each limit; addresses: the
+    (`tierkv.sparse.kernels.block_bounds_rows`), -inf at and past each limit; addresses: the
     tables' addresses, int64 [m] on the device (a CUDA graph's static input; made here when not
     given). False, with out untouched, where the kernel cannot serve (CPU, no triton, tables of
     different dtypes or layouts, or not 16-byte aligned: the kernel reads them in 128-bit vectors;
@@ -62,7 +62,7 @@ def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torc
         return False
 
     def launch() -> None:
-        from tierkv.sparse_kernels import block_bounds_rows
+        from tierkv.sparse.kernels import block_bounds_rows
 
         at = addresses if addresses is not None else torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64,
                                                                    device=like.device)
@@ -164,7 +164,7 @@ class BlockSummaries:
         max(q_d kmin_d, q_d kmax_d) is q_d kmax_d where q_d > 0 and q_d kmin_d otherwise (kmax >= kmin),
         so the bound is one batched matmul of each block's [kmax | kmin] with [max(q, 0) | min(q, 0)],
         reading each summary once. A range reads a slice of the table, without gathering it; on CUDA
-        it is one kernel (`tierkv.sparse_kernels`).
+        it is one kernel (`tierkv.sparse.kernels`).
         """
         table = self.tables[layer]
         if isinstance(block_ids, range):

@@ -14,7 +14,7 @@ merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step
 
     captured, all rows: bound = [kmax | kmin] . [max(q,0) | min(q,0)] over each row's summary table,
                           blocks at or past its far count masked, into one score matrix (one
-                          kernel, tierkv.sparse_kernels.block_bounds_rows)
+                          kernel, tierkv.sparse.kernels.block_bounds_rows)
                         ids = sorted top-k of each row of the scores (one top-k, one sort)
                         slots, miss = the requests' far-block cache sets (far_cache.RowCaches.
                           place_rows, one kernel): where each id is held, or the slot it takes,
@@ -60,8 +60,8 @@ from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
 from tierkv.optional_kernel import OptionalKernel
 from tierkv.scheduler.plan import to_device_no_sync
-from tierkv.sparse import masked_bounds_rows, top_blocks
-from tierkv.vllm_backend.far_cache import RowCaches
+from tierkv.sparse.summaries import masked_bounds_rows, top_blocks
+from tierkv.sparse.row_caches import RowCaches
 
 logger = logging.getLogger(__name__)
 

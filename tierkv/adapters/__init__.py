@@ -1,1 +1,0 @@
-"""Adapters to serving front ends: `transformers` (a Cache + attention function)."""
