@@ -1472,7 +1472,7 @@ def test_pinned_slots_on_the_device_grow_in_place_and_match_the_host(tmp_path):
     """Sparse rows read the far blocks' CPU-tier slots from a device buffer that doubles when full
     (so a CUDA graph's baked-in address rarely moves): after the far part grows step by step, its
     first entries equal the host's pinned slots."""
-    from tierkv.integrations.vllm.far_rows import append_at
+    from tierkv.transfer.device import append_at
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=60)

@@ -45,7 +45,7 @@ from tierkv.attention import merge_partials
 from tierkv.config import ConfigError
 from tierkv.scheduler import to_device_no_sync
 from tierkv.units import format_bytes
-from tierkv.integrations.vllm.far_rows import append_at
+from tierkv.transfer.device import append_at
 from tierkv.sparse.row_caches import RowCaches
 from tierkv.sparse.step_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
 from tierkv.sparse.prefetch_margin import MarginPrefetch, precision_recall

@@ -57,6 +57,7 @@ from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.transfer.device import append_at
 from tierkv.sparse.row_caches import CacheSet, RowCaches, cache_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.sparse.step_graphs import SparseStepGraphs
@@ -76,18 +77,6 @@ def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
     """Blocks read from the tiers by a request with `num_computed` tokens before this step: the
     full blocks vLLM may have freed (it keeps the last `window_tokens` computed tokens)."""
     return max(0, (num_computed - window_tokens + 1) // block_tokens)
-
-
-def append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
-    """buffer[start : start + n] = values (n = values.numel()), in a new buffer of twice the size when
-    it is too small; returns the buffer."""
-    end = start + values.numel()
-    if end > buffer.numel():
-        grown = torch.empty(max(end, 2 * buffer.numel(), 256), dtype=buffer.dtype, device=buffer.device)
-        grown[:start] = buffer[:start]
-        buffer = grown
-    buffer[start:end] = values
-    return buffer
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,144 @@
+"""The package's import graph, read with `ast` from the sources (module-level imports only, not those
+under `if TYPE_CHECKING:`): no cycle among tierkv's modules, and nothing engine-agnostic imports the
+vLLM integration (`tierkv.integrations.vllm`), which alone may stand on vLLM."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tierkv
+
+PACKAGE_DIR = Path(tierkv.__file__).parent
+VLLM_INTEGRATION = "tierkv.integrations.vllm"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_files() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(body: list[ast.stmt]):
+    """Import statements run when the module is imported: the top level, and inside top-level
+    `if`/`try`/`with` blocks (not `if TYPE_CHECKING:`); never inside functions or classes."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and not _is_type_checking(node):
+            yield from _module_level_imports(node.body)
+            yield from _module_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *[h.body for h in node.handlers]):
+                yield from _module_level_imports(block)
+        elif isinstance(node, ast.With):
+            yield from _module_level_imports(node.body)
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the tierkv modules it imports at module level (a name that is a submodule counts
+    as that submodule)."""
+    files = module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets: set[str] = set()
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path)).body):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                source = _absolute(node, module, path.name == "__init__.py")
+                names = [f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names]
+            targets.update(n for n in names if n == "tierkv" or n.startswith("tierkv."))
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_reader_sees_the_package():
+    graph = import_graph()
+    assert len(graph) > 50
+    assert "tierkv.sparse.summaries" in graph and "tierkv.integrations.vllm.connector" in graph
+    assert "tierkv.integrations.vllm.far_rows" in graph["tierkv.integrations.vllm.connector"]
+
+
+def test_the_cycle_finder_finds_a_cycle_of_three():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_among_tierkv_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_nothing_engine_agnostic_imports_the_vllm_integration():
+    offenders = {
+        module: sorted(t for t in targets if t == VLLM_INTEGRATION or t.startswith(VLLM_INTEGRATION + "."))
+        for module, targets in import_graph().items()
+        if not (module == VLLM_INTEGRATION or module.startswith(VLLM_INTEGRATION + "."))
+    }
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_no_two_module_names_differ_by_an_added_letter():
+    """`sparse_cache` beside `sparse_cached` reads as one module; `cpu` beside `gpu` does not."""
+    names = sorted({p.stem for p in PACKAGE_DIR.rglob("*.py") if p.stem != "__init__"})
+
+    def one_letter_added(a: str, b: str) -> bool:
+        short, long = sorted((a, b), key=len)
+        return len(long) == len(short) + 1 and any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+    assert [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if one_letter_added(a, b)] == []
