@@ -36,7 +36,7 @@ from tierkv.config import TierKVConfig
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
-from tierkv.integrations.vllm.paged import BlockSpan, PagedLayout, layer_order
+from tierkv.integrations.vllm.paged_layout import BlockSpan, PagedLayout, layer_order
 
 __all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order", "merge_rank_stats", "peek_store", "release_store",
            "shared_store", "worker_stats"]
