@@ -16,12 +16,12 @@ from urllib.parse import urlsplit
 import yaml
 
 from tierkv.config import TIER_CONFIG_KINDS, ConfigError, TierKVConfig
+from tierkv.configs import resolve_config_path
 from tierkv.units import ALLOWED_UNITS, parse_bytes
 
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
 ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
-
 
 def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str, str] | None = None) -> TierKVConfig:
     env = os.environ if env is None else env
@@ -32,7 +32,7 @@ def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str,
     elif isinstance(source, Mapping):
         data = copy.deepcopy(dict(source))
     else:
-        data = _read_yaml(Path(source))
+        data = _read_yaml(resolve_config_path(source))
     origins = _apply_env(data, env)
     try:
         config = build_section(TierKVConfig, data, "")
@@ -45,15 +45,16 @@ def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str,
         raise ConfigError(f"{err.key} (set by {origin})", err.value, err.allowed) from None
     return config
 
-
 def to_dict(config: object) -> dict:
     """Plain data, as YAML would hold it (`tierkv config check` prints this)."""
     return dataclasses.asdict(config)
 
-
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError("config_file", str(path), "expected an existing YAML file")
+        from tierkv.configs import shipped_names
+
+        raise ConfigError("config_file", str(path), "expected an existing YAML file or a shipped config: "
+                          + ", ".join(shipped_names()))
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -61,7 +62,6 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError("config_file", str(path), "expected a mapping at the top level")
     return data
-
 
 def _apply_env(data: dict, env: Mapping[str, str]) -> dict[str, str]:
     """Write TIERKV_A__B=v into data['a']['b']; returns {dotted key: variable name}."""
@@ -94,13 +94,11 @@ def _apply_env(data: dict, env: Mapping[str, str]) -> dict[str, str]:
         origins[dotted] = var
     return origins
 
-
 def _parse_env_value(raw: str) -> object:
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-
 
 def build_section(cls: type, data: object, prefix: str):
     """Build dataclass `cls` from a mapping, converting and checking every field."""
@@ -118,7 +116,6 @@ def build_section(cls: type, data: object, prefix: str):
         kwargs[key] = _convert(hints[key], raw, keypath, fields[key])
     return cls(**kwargs)
 
-
 def _convert(tp: object, raw: object, keypath: str, fld: dataclasses.Field) -> object:
     args = typing.get_args(tp)
     if type(None) in args:
@@ -132,7 +129,6 @@ def _convert(tp: object, raw: object, keypath: str, fld: dataclasses.Field) -> o
     value = _coerce_scalar(tp, raw, keypath, fld.name)
     _check_value(value, keypath, fld.metadata)
     return value
-
 
 def _coerce_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
     if name.endswith("_bytes"):
@@ -158,7 +154,6 @@ def _coerce_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
         raise ConfigError(keypath, raw, "expected a string")
     raise AssertionError(f"unsupported config type {tp} for {keypath}")
 
-
 def _check_value(value: object, keypath: str, meta: Mapping) -> None:
     choices = meta.get("choices")
     if choices is not None and value not in choices:
@@ -173,7 +168,6 @@ def _check_value(value: object, keypath: str, meta: Mapping) -> None:
     if check is not None:
         _CHECKS[check](value, keypath)
 
-
 def _build_tiers(raw: object, keypath: str) -> list:
     if not isinstance(raw, list):
         raise ConfigError(keypath, raw, "expected a list of tiers, each with a 'kind'")
@@ -186,14 +180,12 @@ def _build_tiers(raw: object, keypath: str) -> list:
         tiers.append(build_section(TIER_CONFIG_KINDS[kind], item, itempath))
     return tiers
 
-
 def _check_tier_order(config: TierKVConfig) -> None:
     kinds = [t.kind for t in config.tiers]
     if not kinds or kinds[0] != "cpu":
         raise ConfigError("tiers", kinds, "the first tier must be kind 'cpu' (the pinned slab GPU copies use)")
     if kinds.count("cpu") > 1:
         raise ConfigError("tiers", kinds, "at most one 'cpu' tier")
-
 
 def _check_prefetch_margin(config: TierKVConfig) -> None:
     scheduler = config.scheduler
@@ -210,7 +202,6 @@ def _check_prefetch_margin(config: TierKVConfig) -> None:
                           f"scheduler.sparse_cache_selections is {scheduler.sparse_cache_selections}, set it to 2 "
                           "or more")
 
-
 def _check_writable_dir(value: str, keypath: str) -> None:
     if not value:
         raise ConfigError(keypath, value, "expected a directory path")
@@ -222,7 +213,6 @@ def _check_writable_dir(value: str, keypath: str) -> None:
         raise ConfigError(keypath, value, f"expected a directory; {probe} is not one")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(keypath, value, f"expected a writable directory; {probe} is not writable")
-
 
 def _check_redis_url(value: str, keypath: str) -> None:
     allowed = "expected redis://host[:port][/db], rediss://... or unix:///path"
@@ -242,16 +232,13 @@ def _check_redis_url(value: str, keypath: str) -> None:
         raise ConfigError(keypath, value, f"{allowed}; database must be a number, got {db!r}")
     del port
 
-
 def _check_non_empty(value: str, keypath: str) -> None:
     if not value:
         raise ConfigError(keypath, value, "expected a non-empty string")
 
-
 def _check_secret(value: str, keypath: str) -> None:
     if len(value) < 16:  # the value itself is never echoed back
         raise ConfigError(keypath, "<hidden>", f"expected at least 16 characters, got {len(value)}")
-
 
 _CHECKS = {"writable_dir": _check_writable_dir, "redis_url": _check_redis_url, "non_empty": _check_non_empty,
            "secret": _check_secret}
