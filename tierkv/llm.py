@@ -6,7 +6,8 @@ Primitives: `TieredLLM` (`generate`, `stats`, `close`).
     out = llm.generate(["...a 100k-token document..."], SamplingParams(max_new_tokens=128))
     out[0].text, out[0].stats, llm.stats()
 
-backend="vllm" returns a `tierkv.integrations.vllm.llm.VllmTieredLLM` with the same methods.
+backend="vllm" makes a `tierkv.integrations.vllm.llm.VllmTieredLLM`, a subclass with the same
+methods, found by name in `BACKENDS` (this module does not import the vLLM integration).
 
 Requests of a batch run one after another (each owns the GPU hot window while it runs). A
 request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
@@ -14,6 +15,7 @@ refuses a request. Prompts that share a prefix with earlier requests (in any tie
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -27,16 +29,29 @@ from tierkv.metrics import MetricsService, runtime_reads
 from tierkv.prefix import load_prefix
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next
 
-BACKENDS = ("transformers", "vllm")
+BACKENDS = {  # backend name -> "module:class" of its TieredLLM subclass (None: TieredLLM itself)
+    "transformers": None,
+    "vllm": "tierkv.integrations.vllm.llm:VllmTieredLLM",
+}
+
+
+def backend_class(backend: str) -> type["TieredLLM"]:
+    """The TieredLLM class of `backend`, imported by name (ValueError naming the allowed ones)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if BACKENDS[backend] is None:
+        return TieredLLM
+    module_name, class_name = BACKENDS[backend].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, TieredLLM)):
+        raise TypeError(f"backend {backend!r}: {BACKENDS[backend]} is not a TieredLLM subclass")
+    return cls
 
 
 class TieredLLM:
-    def __new__(cls, model=None, config=None, backend: str = "transformers", **kwargs):
-        if backend == "vllm":  # the same API over a vLLM engine (tierkv.integrations.vllm.llm)
-            from tierkv.integrations.vllm.llm import VllmTieredLLM
-
-            return VllmTieredLLM(model, config, **kwargs)
-        return super().__new__(cls)
+    def __new__(cls, model=None, config=None, backend: str = "transformers", *args, **kwargs):
+        # TieredLLM(..., backend="vllm") is a VllmTieredLLM; Python then runs that class's __init__
+        return super().__new__(backend_class(backend) if cls is TieredLLM else cls)
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
                  backend: str = "transformers", *, tokenizer=None, device: str | None = None,

@@ -37,19 +37,24 @@ import yaml
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config_loader import to_dict
+from tierkv.llm import TieredLLM, generate_inputs
 from tierkv.sampling import RequestOutput, SamplingParams
 from tierkv.integrations.vllm.config import kv_transfer_config
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 
 
-class VllmTieredLLM:
+class VllmTieredLLM(TieredLLM):
+    """`TieredLLM(..., backend="vllm")`: the same public methods over a vLLM engine."""
+
     summary_reserved_bytes = 0  # GPU bytes of the budget kept for sparse key summaries (set by __init__)
     full_graph_reserved_bytes = 0  # and for the full decode graph's codes and scales (quantized CPU tier)
     full_graph_reserved_rows = 0  # the rows those codes were reserved for (the largest captured batch)
 
-    def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None, *,
-                 tokenizer=None, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 enable_prefix_caching: bool = True, hot_window: bool = True, **engine_kwargs):
+    def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
+                 backend: str = "vllm", *, tokenizer=None, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool = True, hot_window: bool = True, **engine_kwargs):
+        if backend != "vllm":
+            raise ValueError(f"backend: got {backend!r}; VllmTieredLLM is backend='vllm'")
         if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
             raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory")
         if tokenizer is not None:
@@ -122,8 +127,6 @@ class VllmTieredLLM:
         """Same inputs and outputs as the transformers backend; vLLM batches the prompts."""
         from vllm import SamplingParams as VllmSampling
 
-        from tierkv.llm import generate_inputs
-
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs)
         inputs = []
         for i, prompt in enumerate(batch):
@@ -177,6 +180,10 @@ class VllmTieredLLM:
     def set_gpu_budget(self, budget) -> None:
         raise NotImplementedError("backend='vllm': vLLM sizes its own KV pool (gpu_memory_utilization); "
                                   "the resizable hot-window pool exists on the transformers backend")
+
+    def reload_config(self, config) -> list[str]:
+        raise NotImplementedError("backend='vllm': the engine's config is fixed at start-up (make a new TieredLLM); "
+                                  "run-time changes exist on the transformers backend")
 
     def close(self) -> None:
         metrics, self.metrics = getattr(self, "metrics", None), None
