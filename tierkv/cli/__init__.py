@@ -20,11 +20,10 @@ import os
 import sys
 import traceback
 
+from tierkv.cli.errors import UsageError
 from tierkv.config import ConfigError
 
-
-class UsageError(Exception):
-    """Bad arguments or inputs the user named: exit code 2."""
+__all__ = ["UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

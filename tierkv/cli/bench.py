@@ -48,7 +48,7 @@ def describe(path: Path) -> str:
 
 
 def run_bench(args) -> int:
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
 
     folder = args.dir or default_dir()
     if not folder.is_dir():

@@ -30,7 +30,7 @@ def add_parser(commands) -> None:
 
 def endpoint_url(endpoint: str) -> str:
     """The endpoint with a scheme: http:// is assumed (and said on stderr) when it has none."""
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
 
     if "://" not in endpoint:
         print(f"tierkv budget: {endpoint!r} has no scheme; assuming http://{endpoint}", file=sys.stderr)
@@ -52,7 +52,7 @@ def _reply(raw: bytes, url: str) -> dict:
 
 def run_budget(args) -> int:
     from tierkv.budget_change import parse_budget
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
 
     try:
         num_bytes = parse_budget(args.size)

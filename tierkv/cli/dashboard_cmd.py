@@ -35,7 +35,7 @@ def dashboard_server(source, host: str, port: int):
 
 
 def run_dashboard(args) -> int:
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
     from tierkv.dashboard import static_page
     from tierkv.metrics.sources import SourceError, open_source
 

@@ -45,7 +45,7 @@ PRESETS = {  # KV shapes of the released checkpoints (config.json of each)
 
 def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
     """A preset name, or a transformers config.json (or the directory holding one)."""
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
 
     if spec in PRESETS:
         shape = PRESETS[spec]
@@ -211,7 +211,7 @@ def add_parser(commands) -> None:
 
 
 def run_plan(args) -> int:
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
     from tierkv.config import ConfigError, load_config
     from tierkv.units import parse_bytes
 

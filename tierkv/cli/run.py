@@ -41,7 +41,7 @@ def add_parser(commands) -> None:
 
 
 def run_generate(args) -> int:
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
     from tierkv.config import load_config
     from tierkv.sampling import SamplingParams
 
@@ -81,7 +81,7 @@ def run_generate(args) -> int:
 
 def _read_prompt(args) -> str | list | int:
     """Text, token ids, or the length of a random prompt to make once the vocabulary is known."""
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
 
     if args.prompt is not None:
         return args.prompt
@@ -116,7 +116,7 @@ def _demo_config():
 
 
 def _make_llm(args, config):
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
     from tierkv.llm import TieredLLM
 
     if args.demo:

@@ -27,7 +27,7 @@ def add_parser(commands) -> None:
 
 
 def run_top(args) -> int:
-    from tierkv.cli import UsageError
+    from tierkv.cli.errors import UsageError
     from tierkv.metrics.sources import EndpointSource, JsonlSource, SourceError
 
     if args.interval <= 0:
