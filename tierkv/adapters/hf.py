@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
+from tierkv.model_identity import model_identity
 from tierkv.runtime import KVRuntime
 from tierkv.sequence import SequenceKV
 
@@ -189,7 +190,17 @@ def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
 
 
 def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: str | None = None) -> KVRuntime:
-    """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype."""
+    """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype.
+
+    Its blocks are addressed by `config.model.name`, `model_id` (where the model came from, e.g. its
+    checkpoint path; default: the config's `_name_or_path` or the class name) and a digest of the
+    model's weights (`tierkv.model_identity`): blocks of different weights never mix.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model: got {type(model).__name__}; expected a loaded transformers PreTrainedModel")
+    if not isinstance(config, TierKVConfig):
+        raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig (tierkv.config.load_config)")
+    identity = model_identity(model, config.model.name, model_id)  # checks model_id's type
     shape = model_kv_shape(model)
     for key, value in shape.items():
         configured = getattr(config.model, key)
@@ -201,7 +212,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     register()
     model.set_attn_implementation(ATTN_NAME)
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
-                        model_id=model_id or config.model.name, **shape)
+                        model_id=identity, **shape)
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime
