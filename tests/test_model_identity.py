@@ -110,3 +110,20 @@ def test_checkpoint_files_digest_sees_any_sampled_change(tmp_path):
     assert checkpoint_identity("m", ckpt).key != base.key
     assert checkpoint_identity("other", ckpt).key != checkpoint_identity("m", ckpt).key
     assert checkpoint_identity("m", ckpt, revision="v2").key != checkpoint_identity("m", ckpt).key
+
+
+def test_the_fingerprints_are_in_stats_and_the_prometheus_exposition(tmp_path):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from tierkv.metrics.prometheus import TierKVCollector, new_registry
+    from tierkv.metrics.snapshot import flatten_stats
+
+    model, _ = build("llama", seed=8)
+    with llm_for(model, tmp_path / "disk", "model-x") as llm:
+        stats = llm.stats()
+        text = prometheus_client.generate_latest(new_registry(TierKVCollector(lambda: flatten_stats(llm.stats())))).decode()
+    info = stats["model"]
+    assert info["name"] == "model-x" and info["weights_fingerprint"] == weights_digest(model)
+    assert info["block_fingerprint"] == llm.runtime.fingerprint and info["fingerprint_s"] >= 0
+    (line,) = [x for x in text.splitlines() if x.startswith("tierkv_model_info{")]
+    for key in ("name", "weights_fingerprint", "block_fingerprint"):
+        assert f'{key}="{info[key]}"' in line

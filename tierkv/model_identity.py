@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,7 +43,7 @@ class ModelIdentity:
     name: str
     source: str
     weights: str | None  # hex digest; None when only names are known (KVRuntime given a plain model id)
-    digest_s: float = 0.0  # seconds spent computing `weights`
+    digest_s: float = field(default=0.0, compare=False)  # seconds spent computing `weights`
 
     @property
     def key(self) -> str:
@@ -115,15 +115,28 @@ def _config_blob(config) -> bytes:
     return json.dumps(fields, sort_keys=True, default=str).encode()
 
 
-def checkpoint_identity(name: str, model: str | os.PathLike, revision: str | None = None) -> ModelIdentity:
+def checkpoint_identity(name: str, model: str | os.PathLike, revision: str | None = None,
+                        model_id: str | None = None) -> ModelIdentity:
     """The identity of a checkpoint on disk (a directory or one weight file such as a GGUF):
-    configured `name`, its absolute path and revision as `source`, and `files_digest` of its
-    config and weight files. A hub id that is no local path keeps its name and revision alone."""
+    configured `name`; `model_id` (a label the caller gives, if any), the absolute path and the
+    revision as `source`; `files_digest` of its config and weight files. A hub id that is no local
+    path is looked up in the local hub cache; when not found there, it keeps its name and revision alone."""
     path = os.fspath(model)
-    source = json.dumps([os.path.abspath(path) if os.path.exists(path) else path, revision])
+    local = path if os.path.exists(path) else _hub_snapshot(path, revision)
+    source = json.dumps([model_id, os.path.abspath(path) if os.path.exists(path) else path, revision])
     start = time.perf_counter()
-    digest = files_digest(path) if os.path.exists(path) else None
+    digest = files_digest(local) if local is not None else None
     return ModelIdentity(name, source, digest, time.perf_counter() - start)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local hub-cache directory of `repo_id` at `revision`, or None (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not a hub id, not cached, or no huggingface_hub: names alone
+        return None
 
 
 def files_digest(path: str | os.PathLike) -> str:
