@@ -30,6 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import model_identity
+from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.runtime import KVRuntime
 from tierkv.sequence import SequenceKV
 
@@ -78,6 +79,11 @@ class TieredCache(Cache):
     """A transformers Cache backed by one tierkv sequence."""
 
     def __init__(self, runtime: KVRuntime, token_ids: list[int] | None = None):
+        """token_ids: the prompt's ids (a list, or an integer tensor or array [n]), for prefix reuse and block addresses."""
+        if not isinstance(runtime, KVRuntime):
+            raise TypeError(f"runtime: got {type(runtime).__name__}; expected a KVRuntime (runtime_for_model)")
+        if token_ids is not None:  # none known yet ([]) is allowed here
+            token_ids = [] if isinstance(token_ids, (list, tuple)) and not token_ids else checked_token_ids(token_ids)
         self.seq = runtime.new_sequence(token_ids)
         super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
 
