@@ -100,7 +100,7 @@ def _sample_bytes(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     n = flat.numel()
     if n > SAMPLE_ELEMENTS:
-        index = torch.linspace(0, n - 1, SAMPLE_ELEMENTS, dtype=torch.float64).round().long().to(flat.device)
+        index = (torch.arange(SAMPLE_ELEMENTS, dtype=torch.int64) * (n - 1) // (SAMPLE_ELEMENTS - 1)).to(flat.device)
         flat = flat.index_select(0, index)
     flat = flat.contiguous()
     if flat.dtype == torch.bool:
