@@ -78,7 +78,23 @@ def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, e
     assert last_line.startswith("tierkv run: error:") and message in last_line
 
 
+@pytest.mark.parametrize("ids,message", [
+    ([1, 2.5], "token 1 is 2.5"), ([1, -1], "token 1 is -1"), ([3, 512], "token 1 is 512; token ids are ints in [0, 512)"),
+    ([[1, 2], [3]], "request 0: token 0 is [1, 2]"), ([True, 1], "token 0 is True"), ([], "request 0: the prompt is empty"),
+])
+def test_bad_token_id_files_exit_2_and_name_the_token(checkpoint, config_path, tmp_path, capsys, ids, message):
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(ids))
+    assert main(["run", "--model", str(checkpoint), "--config", config_path, "--quiet", "--prompt-file", str(path)]) == 2
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert last_line.startswith("tierkv run: error:") and message in last_line
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["run", "--demo", "--device", "gpu"], "--device: got 'gpu'"),
+    (["run", "--demo", "--temperature", "nan"], "temperature: got nan"),
+    (["run", "--demo", "--top-k", "0"], "top_k: got 0"),
+    (["run", "--demo", "--temperature", "0.5", "--seed", "-2"], "seed: got -2"),
     (["run", "--demo", "--prompt", "some text"], "the demo model has no tokenizer"),
     (["run", "--model", "/no/such/model"], "give a prompt"),
     (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "is not a directory"),

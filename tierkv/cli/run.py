@@ -45,7 +45,8 @@ def run_generate(args) -> int:
     from tierkv.config import load_config
     from tierkv.sampling import SamplingParams
 
-    prompt = _read_prompt(args)  # before loading anything: a bad prompt fails fast
+    prompt = _read_prompt(args)  # before loading anything: a bad prompt or device fails fast
+    _check_device(args.device)
     if args.demo and isinstance(prompt, str):
         raise UsageError("the demo model has no tokenizer: use --prompt-tokens N or a --prompt-file of token ids")
     try:
@@ -66,7 +67,7 @@ def run_generate(args) -> int:
             prompt = _random_prompt(prompt, llm.vocab_size, args.seed)
         try:
             (out,) = llm.generate([prompt], sampling)
-        except ValueError as exc:  # bad prompt, or a request the CPU tier cannot hold
+        except (ValueError, TypeError) as exc:  # bad prompt (PromptError), or a request the CPU tier cannot hold
             raise UsageError(str(exc)) from None
         stats = llm.stats()
     _print(args, out, stats)
@@ -101,6 +102,19 @@ def _read_prompt(args) -> str | list | int:
     if num_tokens < 1:
         raise UsageError(f"--prompt-tokens: got {num_tokens}; must be at least 1")
     return num_tokens
+
+
+def _check_device(device: str | None) -> None:
+    from tierkv.cli import UsageError
+
+    if device is None:
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: got {device!r}; expected e.g. cpu, cuda or cuda:1") from None
 
 
 def _random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:

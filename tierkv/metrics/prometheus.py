@@ -13,6 +13,7 @@ Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `d
     tierkv_gpu_budget_{changes,refusals}_total
     tierkv_requests_total, tierkv_{prompt,prefix,generated}_tokens_total, tierkv_{prefill,decode}_seconds_total
     tierkv_prefetch_{precision,recall}, tierkv_scheduler_stall_seconds_total: only once reported
+    tierkv_model_info{name,source,weights_fingerprint,block_fingerprint}  what addresses the blocks
 
 A figure that is None (nothing reported yet) is left out rather than exported as a made-up 0.
 """
@@ -44,6 +45,7 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "gpu.budget_changes": ("tierkv_gpu_budget_changes", "GPU budget changes applied"),
     "gpu.budget_refusals": ("tierkv_gpu_budget_refusals", "GPU budget changes refused (the old budget kept)"),
 }
+MODEL_INFO = ("model.name", "model.source", "model.weights_fingerprint", "model.block_fingerprint")
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),
     "gpu.staging_bytes": ("tierkv_gpu_kv_staging_bytes", "GPU bytes of the prefetch staging ring"),
@@ -97,6 +99,10 @@ class TierKVCollector:
         labels = {k.replace(".", "_"): v for k, v in info.items() if k in ("transfer.backend", "layout.kv_dtype")}
         if labels:
             yield InfoMetricFamily("tierkv_runtime", "transfer backend and KV dtype", value=labels)
+        model = {k.split(".", 1)[1]: v for k, v in info.items() if k in MODEL_INFO}
+        if model:
+            yield InfoMetricFamily("tierkv_model", "the model that addresses the blocks: configured name, source, "
+                                   "weights and block-address fingerprints", value=model)
 
 
 def _tier_families(figures: dict, latency: dict) -> Iterator:
