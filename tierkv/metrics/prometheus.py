@@ -6,7 +6,7 @@ Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `d
     tierkv_tier_read_bytes_total{tier="disk"}    corrupt_blocks, errors, written_bytes, scan_dropped_records,
                                                  lost_blocks alike; the last two also _by_reason{tier,reason}
     tierkv_tier_hit_ratio{tier="gpu"}            tier "gpu": attention block reads from the hot window
-    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
+    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls (LATENCY_HELP says what each times)
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
     tierkv_gpu_kv_{resident,staging,held,budget}_bytes    tierkv_chain_{spilled,promoted,dropped}_blocks_total
     tierkv_requests_total, tierkv_{prompt,prefix,generated}_tokens_total, tierkv_{prefill,decode}_seconds_total
@@ -40,6 +40,9 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "requests.prefill_s": ("tierkv_prefill_seconds", "time in prefill"),
     "requests.decode_s": ("tierkv_decode_seconds", "time in decode"),
 }
+LATENCY_HELP = ("tier call latency, one sample per batched call: op get = a batch of lookups (on the cpu tier also "
+                "acquire, the lookup and pin before an H2D gather); op put = a batch of stores (on the cpu tier also "
+                "prepare_put until complete_put, which includes the copy into the slab)")
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),
     "gpu.staging_bytes": ("tierkv_gpu_kv_staging_bytes", "GPU bytes of the prefetch staging ring"),
@@ -122,7 +125,7 @@ def _tier_families(figures: dict, latency: dict) -> Iterator:
             healthy.add_metric([tier], figures[f"tier.{tier}.healthy"])
     yield ratio
     yield healthy
-    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", "tier call latency", labels=["tier", "op"])
+    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", LATENCY_HELP, labels=["tier", "op"])
     for key, h in sorted(latency.items()):
         tier, op = key.rsplit(".", 1)
         cumulative, buckets = 0, []
