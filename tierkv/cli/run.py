@@ -5,8 +5,8 @@
 
 The prompt is text (needs the model's tokenizer), a file of text, or a file holding a JSON list
 of token ids; --demo makes a random prompt of --prompt-tokens. The generated text (or token ids)
-goes to stdout; a progress bar on prefill (for prompts longer than four prefill chunks) and a
-summary go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
+goes to stdout; progress bars on prefill (for prompts longer than four prefill chunks) and on
+decode (tokens and tok/s, from 16 new tokens), and a summary, go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def add_parser(commands) -> None:
     p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve /metrics and the live dashboard")
     p.add_argument("--report", metavar="HTML", help="write the dashboard of this run as one static HTML file")
     p.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
     p.set_defaults(handler=run_generate)
 
 
