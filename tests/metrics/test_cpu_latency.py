@@ -15,10 +15,13 @@ LAYOUT = BlockLayout(num_kv_heads=1, block_tokens=4, head_dim=8, dtype=torch.flo
 
 
 class Clock:
+    """perf_counter() that moves one second per call: a call's time is the number of readings it takes."""
+
     def __init__(self):
         self.now = 100.0
 
     def __call__(self) -> float:
+        self.now += 1.0
         return self.now
 
 
@@ -37,20 +40,22 @@ def block(value: float) -> torch.Tensor:
     return torch.full(LAYOUT.shape, float(value))
 
 
-def test_two_phase_put_is_timed_from_prepare_to_complete(clock):
+def test_two_phase_put_is_the_tiers_own_time_in_prepare_and_complete(clock):
     tier = CpuTier("cpu", LAYOUT, 8 * LAYOUT.num_bytes, pin_memory=False)
-    slots, _ = tier.prepare_put(["a", "b"])
-    clock.now += 0.25          # the copy into the slab (a D2H scatter on CUDA) takes this long
-    tier.prepare_put(["c"])
-    clock.now += 0.5
-    tier.complete_put(["a", "b"])
-    tier.complete_put(["c"])
+    tier.prepare_put(["a", "b"])   # 1 s
+    clock.now += 250.0             # the D2H copy and the rest of a step: not the tier's time
+    tier.prepare_put(["c"])        # 1 s
+    clock.now += 500.0
+    tier.complete_put(["a", "b"])  # 1 s
+    tier.complete_put(["c"])       # 1 s
     put = latency(tier, "put")
-    assert put["count"] == 2 and put["sum_s"] == pytest.approx(0.75 + 0.5)
+    assert put["count"] == 2 and put["sum_s"] == pytest.approx(4.0)
+    tier.acquire(["a", "missing"])  # 1 s
+    assert latency(tier, "get")["sum_s"] == pytest.approx(1.0)
     tier.prepare_put(["d"])
     tier.abort_put(["d"])      # never completed: no sample, nothing left behind
     tier.complete_put([])      # an empty batch: no sample
-    assert latency(tier, "put")["count"] == 2 and not tier._prepared_at
+    assert latency(tier, "put")["count"] == 2 and not tier._prepare_s
 
 
 def test_every_batched_read_and_write_records_one_sample():

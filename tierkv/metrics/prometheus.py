@@ -40,9 +40,9 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "requests.prefill_s": ("tierkv_prefill_seconds", "time in prefill"),
     "requests.decode_s": ("tierkv_decode_seconds", "time in decode"),
 }
-LATENCY_HELP = ("tier call latency, one sample per batched call: op get = a batch of lookups (on the cpu tier also "
-                "acquire, the lookup and pin before an H2D gather); op put = a batch of stores (on the cpu tier also "
-                "prepare_put until complete_put, which includes the copy into the slab)")
+LATENCY_HELP = ("time inside a tier's calls, one sample per batched call: op get = a batch of lookups (cpu tier: "
+                "get_many, and acquire, the lookups and pins before an H2D gather); op put = a batch of stores (cpu "
+                "tier: put_many, and prepare_put plus complete_put around a D2H scatter, the copy itself not included)")
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),
     "gpu.staging_bytes": ("tierkv_gpu_kv_staging_bytes", "GPU bytes of the prefetch staging ring"),

@@ -15,9 +15,11 @@ A pinned block is never evicted; a put that finds every slot pinned fails (ok=Fa
 
 Latency (`counters`, histograms "get" and "put", one sample per batched call):
 
-    get   get_many, and acquire: one batch of lookups (and pins) for a read or an H2D gather
-    put   put_many; and prepare_put -> complete_put: from slot allocation until the batch is
-          visible to readers, so it includes the copy into the slab (a D2H scatter on CUDA)
+    get   get_many (lookups and the copy out of the slab), and acquire (lookups and pins of the
+          blocks an H2D gather will read)
+    put   put_many (the copy into the slab and the index), and a two-phase put: prepare_put's
+          time plus complete_put's for the batch. The copies the transfer engine runs between
+          them (D2H scatter, H2D gather) are not tier time: they are in the transfer figures.
 """
 from __future__ import annotations
 
@@ -175,7 +177,7 @@ class CpuTier(StorageTier):
                        if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
         self._pending: dict[str, int] = {}  # prepared, not yet complete
-        self._prepared_at: dict[str, float] = {}  # pending key -> perf_counter() at prepare_put
+        self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
         self._pins: Counter[str] = Counter()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
@@ -277,7 +279,7 @@ class CpuTier(StorageTier):
         with self._lock:
             self._slot_of.clear()
             self._pending.clear()
-            self._prepared_at.clear()
+            self._prepare_s.clear()
             self._pins.clear()
             self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
@@ -291,7 +293,7 @@ class CpuTier(StorageTier):
         """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted)."""
         slots: list[int | None] = []
         evicted: list[tuple[str, torch.Tensor]] = []
-        now = time.perf_counter()
+        start = time.perf_counter()
         with self._lock:
             pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
             for key in keys:
@@ -303,22 +305,24 @@ class CpuTier(StorageTier):
                 result = self._allocate(key)
                 evicted.extend(result.evicted)
                 slots.append(self._pending[key] if result.ok else None)
-            self._prepared_at.update((k, now) for k, s in zip(keys, slots) if s is not None)
+            elapsed = time.perf_counter() - start
+            self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
         self.counters.add(evictions=len(evicted))
         return slots, evicted
 
     def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
         """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`.
-        Records one "put" latency sample: since the batch's earliest prepare_put."""
+        Records one "put" latency sample: this call's time plus its batch's prepare_put time."""
+        start = time.perf_counter()
         with self._lock:
-            prepared_at = self._prepared_at
-            started = min((prepared_at.pop(key) for key in keys), default=None)
+            prepare_s = self._prepare_s
+            prepared_s = max((prepare_s.pop(key) for key in keys), default=None)
             for key in keys:
                 self._slot_of[key] = self._pending.pop(key)
                 if not keep_pinned:
                     self._unpin(key)
-        if started is not None:
-            self.counters.observe_latency("put", time.perf_counter() - started)
+        if prepared_s is not None:
+            self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
 
     def abort_put(self, keys: Sequence[str]) -> None:
@@ -326,7 +330,7 @@ class CpuTier(StorageTier):
         with self._lock:
             for key in keys:
                 self._free_slots.append(self._pending.pop(key))
-                self._prepared_at.pop(key, None)
+                self._prepare_s.pop(key, None)
                 self._unpin(key)
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
