@@ -82,7 +82,9 @@ def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, e
     (["run", "--demo", "--prompt", "some text"], "the demo model has no tokenizer"),
     (["run", "--model", "/no/such/model"], "give a prompt"),
     (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "is not a directory"),
-    (["run", "--demo", "--max-new-tokens", "0"], "max_new_tokens: got 0"),
+    (["run", "--demo", "--max-new-tokens", "0"], "--max-new-tokens: '0' is 0 tokens"),
+    (["run", "--demo", "--max-new-tokens", "2x"], "--max-new-tokens: cannot read '2x' as a number of tokens"),
+    (["run", "--demo", "--prompt-tokens", "1.5"], "--prompt-tokens: '1.5' is 1.5 tokens"),
     (["run", "--demo", "--top-p", "2"], "top_p: got 2.0"),
     (["run", "--demo", "--config", "/no/such.yaml"], "config_file"),
 ])
