@@ -69,7 +69,7 @@ def test_a_local_checkpoint_with_a_prompt_file_of_token_ids(checkpoint, config_p
 @pytest.mark.parametrize("extra,message", [
     (["--prompt", "hello"], "a text prompt needs a tokenizer"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read /no/such/prompt.txt"),
-    (["--prompt-tokens", "0"], "--prompt-tokens: got 0"),
+    (["--prompt-tokens", "0"], "--prompt-tokens: '0' is 0 tokens"),
     (["--prompt-tokens", "20000"], "tiers[0].capacity_bytes"),
 ])
 def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, extra, message):
