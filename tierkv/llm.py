@@ -11,6 +11,8 @@ backend="vllm" returns a `tierkv.vllm_backend.llm.VllmTieredLLM` with the same m
 Requests of a batch run one after another (each owns the GPU hot window while it runs). A
 request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
 refuses a request. Prompts that share a prefix with earlier requests (in any tier) skip it.
+With `show_progress`, tqdm bars on stderr count prefill tokens (prompts longer than four prefill
+chunks) and decode tokens with their rate in tok/s (from DECODE_PROGRESS_MIN_TOKENS new tokens).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tierkv.prompts import normalize_prompts, token_ids
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
 
 BACKENDS = ("transformers", "vllm")
+DECODE_PROGRESS_MIN_TOKENS = 16  # show_progress: a decode bar (tok/s) once max_new_tokens reaches this
 
 
 class TieredLLM:
@@ -160,7 +163,7 @@ class TieredLLM:
         chunk = self.config.scheduler.prefill_chunk_tokens
         device = self.runtime.device
         todo = len(ids) - start
-        progress = _progress(todo, self.show_progress and todo > 4 * chunk)
+        progress = _progress(todo, self.show_progress and todo > 4 * chunk, "prefill")
         logits = None
         for pos in range(start, len(ids), chunk):
             piece = torch.tensor([ids[pos : pos + chunk]], device=device)
@@ -178,15 +181,18 @@ class TieredLLM:
         generated: list[int] = []
         step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
         start = time.perf_counter()
-        while True:
-            token = sample_next(logits, sampling, generator)
-            generated.append(token)
-            if token in stop_ids:
-                return generated, "stop", _elapsed(start, device)
-            if len(generated) >= sampling.max_new_tokens:
-                return generated, "length", _elapsed(start, device)
-            cache.seq.token_ids.append(token)
-            logits = step(token)
+        show = self.show_progress and sampling.max_new_tokens >= DECODE_PROGRESS_MIN_TOKENS
+        with _progress(sampling.max_new_tokens, show, "decode") as progress:
+            while True:
+                token = sample_next(logits, sampling, generator)
+                generated.append(token)
+                progress.update(1)
+                if token in stop_ids:
+                    return generated, "stop", _elapsed(start, device)
+                if len(generated) >= sampling.max_new_tokens:
+                    return generated, "length", _elapsed(start, device)
+                cache.seq.token_ids.append(token)
+                logits = step(token)
 
     # -- input checks ------------------------------------------------------------------------------
     def _prompt_ids(self, index: int, prompt: str | list[int]) -> list[int]:
@@ -248,10 +254,11 @@ def _elapsed(start: float, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str):
+    """A tqdm bar on stderr counting tokens (its rate in tok/s); a no-op bar when not `enabled`."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="tok", desc="prefill", disable=not enabled, file=sys.stderr)
+    return tqdm(total=total, unit="tok", desc=desc, disable=not enabled, file=sys.stderr)
 
 
 def _load_model(model, tokenizer, device: str | None):

@@ -7,7 +7,7 @@ Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `d
                                                  scan_dropped_records, lost_blocks alike; the last two
                                                  also _by_reason{tier,reason}
     tierkv_tier_hit_ratio{tier="gpu"}            tier "gpu": attention block reads from the hot window
-    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
+    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls (LATENCY_HELP says what each times)
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
     tierkv_gpu_kv_{resident,staging,held,budget}_bytes    tierkv_chain_{spilled,promoted,dropped}_blocks_total
     tierkv_gpu_budget_{changes,refusals}_total
@@ -46,6 +46,9 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "gpu.budget_refusals": ("tierkv_gpu_budget_refusals", "GPU budget changes refused (the old budget kept)"),
 }
 MODEL_INFO = ("model.name", "model.source", "model.weights_fingerprint", "model.block_fingerprint")
+LATENCY_HELP = ("time inside a tier's calls, one sample per batched call: op get = a batch of lookups (cpu tier: "
+                "get_many, and acquire, the lookups and pins before an H2D gather); op put = a batch of stores (cpu "
+                "tier: put_many, and prepare_put plus complete_put around a D2H scatter, the copy itself not included)")
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),
     "gpu.staging_bytes": ("tierkv_gpu_kv_staging_bytes", "GPU bytes of the prefetch staging ring"),
@@ -132,7 +135,7 @@ def _tier_families(figures: dict, latency: dict) -> Iterator:
             healthy.add_metric([tier], figures[f"tier.{tier}.healthy"])
     yield ratio
     yield healthy
-    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", "tier call latency", labels=["tier", "op"])
+    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", LATENCY_HELP, labels=["tier", "op"])
     for key, h in sorted(latency.items()):
         tier, op = key.rsplit(".", 1)
         cumulative, buckets = 0, []
