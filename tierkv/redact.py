@@ -6,8 +6,8 @@ Primitives: `is_secret_key`, `redact_url`, `redact_text`, `redact_value`, `redac
     {"tiers": [{"url": ..., "secret": "abc"}]}  ->  {"tiers": [{"url": <redacted>, "secret": "***"}]}
 
 A config field is a secret when its name contains password, passwd, secret or credential, or
-has token, key, auth or apikey as a whole '_'-separated part (`api_key`, `control_token` are;
-`sink_tokens`, `namespace` are not). URLs anywhere in a text have the password of their
+its last '_'-separated part is token, key, auth or apikey (`api_key`, `control_token` are;
+`sink_tokens`, `sparse_token_budget`, `namespace` are not). URLs anywhere in a text have the password of their
 userinfo replaced; query parameters named like secrets too.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 MASK = "***"
 _SECRET_WORDS = ("password", "passwd", "secret", "credential")  # anywhere in the name
-_SECRET_PARTS = ("token", "key", "auth", "apikey")  # a whole part of the name
+_SECRET_PARTS = ("token", "key", "auth", "apikey")  # the last part of the name
 # scheme://user:password@  or  scheme://:password@  (password up to the last '@' before the host part)
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<secret>[^\s/]*)(?P<at>@)")
 _QUERY_SECRET = re.compile(r"(?P<head>[?&][^=&\s]*(?:password|passwd|secret|token|credential)[^=&\s]*=)(?P<secret>[^&\s#]*)",
@@ -29,7 +29,7 @@ def is_secret_key(name: object) -> bool:
     if not isinstance(name, str):
         return False
     parts = re.split(r"[^a-z0-9]+", name.lower())
-    return any(word in name.lower() for word in _SECRET_WORDS) or any(part in _SECRET_PARTS for part in parts)
+    return any(word in name.lower() for word in _SECRET_WORDS) or parts[-1] in _SECRET_PARTS
 
 
 def redact_url(url: str) -> str:
