@@ -27,6 +27,25 @@ from tierkv.redact import redact_tree
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
 _YAML_ERRORS = (yaml.YAMLError, ValueError, OverflowError, RecursionError, MemoryError)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: linear in the text
+MAX_DEPTH = 32  # nesting levels in a document; a config needs 4
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _yaml_load(text: str) -> object:
+    """yaml.safe_load, refusing documents nested deeper than MAX_DEPTH before building them."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _TooDeep(f"nested deeper than {MAX_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.load(text, Loader=_LOADER)
 
 
 def load(root: type, source: object = None, *, env: Mapping[str, str] | None = None,
@@ -99,9 +118,9 @@ def _read_yaml(path: Path) -> dict:
     except UnicodeDecodeError as exc:
         raise ConfigError("config_file", str(path), f"expected UTF-8 text (byte {exc.start} is not)") from None
     try:
-        data = yaml.safe_load(text)
-    except RecursionError:
-        raise ConfigError("config_file", str(path), "expected valid YAML (nested too deeply)") from None
+        data = _yaml_load(text)
+    except (RecursionError, _TooDeep):
+        raise ConfigError("config_file", str(path), f"expected valid YAML nested at most {MAX_DEPTH} levels") from None
     except _YAML_ERRORS as exc:
         raise ConfigError("config_file", str(path), f"expected valid YAML ({exc})") from None
     if data is None:
@@ -154,8 +173,8 @@ def _set_path(data: dict, defaults: object, parts: list[str], var: str, raw: str
 
 def _parse_env_value(raw: str) -> object:
     try:
-        return yaml.safe_load(raw)
-    except _YAML_ERRORS:
+        return _yaml_load(raw)
+    except (*_YAML_ERRORS, _TooDeep):
         return raw
 
 
