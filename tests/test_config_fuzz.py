@@ -51,10 +51,9 @@ wild = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dict
 sizes = st.sampled_from(["64KiB", "1 MiB", 65536, "8KiB", "1.5B", "2 parsecs", "99999999999999999999999 TiB",
                          "0", 0, -1, 4096.0, 4096.5, float("inf"), float("nan"), 2**50, 2**50 + 1, 10**40])
 paths = st.one_of(
-    st.lists(st.text(SAFE_CHARS, min_size=1, max_size=8), min_size=1, max_size=3).map("/".join),
     st.sampled_from(["blocks", "~/blocks", "~nosuchuser/blocks", "a\x00b", "x" * 300, "/".join(["y" * 200] * 30),
-                     "", "blocks/../blocks"]),
-    st.integers(), st.none(), st.lists(st.just("blocks"), max_size=2),
+                     "", "blocks/../blocks", 7, None, ["blocks"]]),
+    st.lists(st.text(SAFE_CHARS, min_size=1, max_size=8), min_size=1, max_size=3).map("/".join),
 )
 url_user = st.sampled_from(["", ":S3cret-pw@", "user:S3cret-pw@", "user@", ":p%00w@", ":@"])
 url_query = st.sampled_from(["", "?db=1", "?foo=bar", "?socket_timeout=inf", "?ssl_cert_reqs=none",
@@ -118,29 +117,63 @@ good_documents = st.fixed_dictionaries({}, optional={
 })
 
 
+def hostile(name: str, tp: object) -> st.SearchStrategy:
+    """Wrong values aimed at one field's type: inf/nan/huge for numbers, NUL and surrogates for text."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if name == "path" or name.endswith("_path") or name == "url" or name.endswith("_bytes"):
+        return field_values(name, tp, {}, bad=True)
+    if args[0] is float:
+        return st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e300, 10**400, -1.0]) | wild
+    if args[0] is int:
+        return huge_ints | wild
+    if args[0] is str:
+        return st.sampled_from(["a\x00b", "\ud800", "", "é☃𝄞"]) | wild
+    return wild
+
+
+def _mutable() -> list[tuple[str, str]]:
+    """(section or tier kind, field) pairs; paths, URLs, floats and strings, where raw failures hid, 4 times."""
+    pairs = []
+    for target, cls in [*SECTIONS.items(), *TIER_CONFIG_KINDS.items()]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "kind" or dataclasses.is_dataclass(hints[f.name]):
+                continue
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+            risky = f.name in ("path", "url") or f.name.endswith("_path") or args[0] in (float, str)
+            pairs += [(target, f.name)] * (4 if risky else 1)
+    return pairs
+
+
+MUTABLE = _mutable()
+
+
 @st.composite
 def mutated_documents(draw) -> dict:
-    """A plausible document with one section, tier or value replaced by a hostile one."""
+    """A plausible document with one value, section or the tier list replaced by a hostile one."""
     doc = draw(good_documents)
-    where = draw(st.sampled_from([*SECTIONS, "tiers", "tier", "value"]))
-    if where in SECTIONS:
-        doc[where] = draw(section(SECTIONS[where], bad=True) | wild)
-    elif where == "tiers":
-        doc["tiers"] = draw(wild | st.lists(st.sampled_from(list(TIER_CONFIG_KINDS)).flatmap(tier), max_size=2))
+    how = draw(st.sampled_from(["value", "value", "value", "section", "tiers"]))
+    if how == "section":
+        name = draw(st.sampled_from(list(SECTIONS)))
+        doc[name] = draw(section(SECTIONS[name], bad=True) | wild)
+    elif how == "tiers":
+        doc["tiers"] = draw(wild | st.lists(st.sampled_from(list(TIER_CONFIG_KINDS)).flatmap(tier), max_size=2)
+                            | st.lists(st.sampled_from(list(TIER_CONFIG_KINDS)).flatmap(lambda k: tier(k, bad=True)),
+                                       min_size=1, max_size=2))
     else:
-        tiers = doc.setdefault("tiers", [{"kind": "cpu"}])
-        kind = draw(st.sampled_from(list(TIER_CONFIG_KINDS)))
-        bad = draw(tier(kind, bad=True) | st.builds(lambda d, k: {**d, "kind": k}, tier("cpu"), wild))
-        if where == "tier":
-            tiers.append(bad)
-        else:  # one value of one tier, the rest plausible
-            index = draw(st.integers(0, len(tiers) - 1))
-            key = draw(st.sampled_from(sorted(k for k in bad if k != "kind") or ["kind"]))
-            tiers[index] = {**tiers[index], key: bad[key]}
+        target, name = draw(st.sampled_from(MUTABLE))
+        if target in SECTIONS:
+            cls, holder = SECTIONS[target], doc.setdefault(target, {})
+        else:
+            cls, holder = TIER_CONFIG_KINDS[target], draw(tier(target))
+            tiers = doc.setdefault("tiers", [{"kind": "cpu"}])
+            tiers[:1 if target == "cpu" else len(tiers)] = [holder] if target == "cpu" else tiers + [holder]
+        hints = typing.get_type_hints(cls)
+        holder[name] = draw(hostile(name, hints[name]))
     return doc
 
 
-documents = good_documents | mutated_documents()
+documents = st.one_of(good_documents, mutated_documents(), mutated_documents(), mutated_documents())
 
 
 # -- the property ---------------------------------------------------------------------------------

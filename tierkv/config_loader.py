@@ -88,7 +88,9 @@ def shown_dict(config: object) -> dict:
 
 
 def _named_by_origin(err: ConfigError, origins: Mapping[str, str]) -> ConfigError:
-    origin = origins.get(err.key)
+    """The error with the variable that set its key (or a key below it) named."""
+    origin = origins.get(err.key) or next((var for key, var in origins.items()
+                                           if key.startswith((f"{err.key}.", f"{err.key}["))), None)
     if origin is None:
         return err
     return ConfigError(f"{err.key} (set by {origin})", err.value, err.allowed)
