@@ -22,6 +22,7 @@ import traceback
 
 from tierkv.cli.errors import UsageError
 from tierkv.config import ConfigError
+from tierkv.redact import redact_text
 
 __all__ = ["UsageError", "build_parser", "main"]
 
@@ -57,5 +58,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a failure while running: reported, exit 1
         if args.traceback:
             traceback.print_exc()
-        print(f"{name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{name}: error: {redact_text(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
         return 1

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import torch
 
 from tierkv.blocks import BlockLayout
+from tierkv.redact import redact_text, redact_url
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.codec import CorruptBlock, decode_block_into, encode_block
 
@@ -183,24 +184,25 @@ class RedisTier(StorageTier):
             self._mark_down(exc)
             return False, None
         except self._redis_error as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
             logger.warning("%s: redis error: %s", self.name, self.last_error)
             self.counters.add(errors=1)
             return False, None
         if self._down_until is not None:
             with self._lock:
                 self._down_until = None
-            logger.info("%s: redis at %s is reachable again", self.name, self.url)
+            logger.info("%s: redis at %s is reachable again", self.name, redact_url(self.url))
         return True, result
 
     def _mark_down(self, exc: BaseException) -> None:
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
         with self._lock:
             was_up = self._down_until is None
             self._down_until = time.monotonic() + self.retry_interval_s
         if was_up:
             logger.warning(
-                "%s: redis at %s unreachable, retry in %.1fs: %s", self.name, self.url, self.retry_interval_s, exc
+                "%s: redis at %s unreachable, retry in %.1fs: %s", self.name, redact_url(self.url), self.retry_interval_s,
+                redact_text(str(exc)),
             )
         self.counters.add(errors=1)
 
@@ -353,4 +355,4 @@ def _connect(redis: Any, url: str, timeout_s: float) -> Any:
         except ValueError as exc:
             problem = str(exc)
     expected = "redis://host:port/db, rediss://host:port/db or unix:///path"
-    raise ValueError(f"malformed Redis url {url!r}: {problem}; expected {expected}")
+    raise ValueError(redact_text(f"malformed Redis url {url!r}: {problem}; expected {expected}"))
