@@ -77,7 +77,6 @@ class KVRuntime:
         # graphs captured, captures failed, host seconds spent capturing (tierkv.decode_graph)
         self.decode_graph_counts = {"graph_steps": 0, "replays": 0, "eager_steps": 0, "captures": 0,
                                     "capture_errors": 0, "capture_s": 0.0}
-        self._cache_bytes_counted = 0  # of its copies, the bytes already in the transfer engine's count
         self._budget_lock = threading.RLock()
         self._pending_budget: tuple[int, object, list[BudgetChange]] | None = None
         self._last_budget_change: BudgetChange | None = None
@@ -186,9 +185,6 @@ class KVRuntime:
         # predictor 'cache': a layer whose selection missed its far-block cache waited for the copy (a stall),
         # and a prefetch margin has its own precision and recall
         cached = self.cached_sparse.totals() if self.cached_sparse is not None else {}
-        if cached:  # its copies into the caches join the transfer engine's count
-            self.engine.num_bytes_moved["h2d"] += cached["cache_copied_bytes"] - self._cache_bytes_counted
-            self._cache_bytes_counted = cached["cache_copied_bytes"]
         prefetch = self.prefetch_metrics.snapshot()
         if cached.get("prefetch_copied") is not None:
             prefetch.update(precision=cached["prefetch_precision"], recall=cached["prefetch_recall"],
@@ -205,7 +201,8 @@ class KVRuntime:
                 "last_budget_refusal": self.last_budget_refusal,
             },
             "transfer": {
-                "h2d_bytes": self.engine.num_bytes_moved["h2d"],
+                # the engine's copies and the far-block caches' (counted on the device, inside graphs)
+                "h2d_bytes": self.engine.num_bytes_moved["h2d"] + cached.get("cache_copied_bytes", 0),
                 "d2h_bytes": self.engine.num_bytes_moved["d2h"],
                 "backend": self.engine.backend,
             },

@@ -192,7 +192,6 @@ class FarKV:
         # when selected)
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
                        "sparse_resident_reads": 0, "sparse_selected_reads": 0}
-        self._cache_bytes_counted = 0  # the caches' copies, added to the engine's H2D bytes so far
         self.overlap = SelectionOverlap(store.device)  # sparse: sampled reuse of a selection by the next step
         self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
         # per step, the host ms of begin_step and of all the step's attend_into calls (last 512 steps): where
@@ -479,17 +478,15 @@ class FarKV:
 
     def cache_stats(self, prefetched: int = 0) -> dict:
         """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
-        their copies moved, which also go into the transfer engine's count from here. prefetched: the
-        blocks the next-step prefetch copied into the caches (its `prefetch_copied`)."""
+        their copies moved (the store's `bytes_moved` adds them to the transfer engine's). prefetched:
+        the blocks the next-step prefetch copied into the caches (its `prefetch_copied`). Reads only."""
         if self.row_caches is None:
             return {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,
                     "cache_copied_bytes": 0}
         stats = self.row_caches.stats()
         # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes);
         # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
-        stats["cache_copied_bytes"] = copied = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
-        self.store.io.engine.num_bytes_moved["h2d"] += copied - self._cache_bytes_counted
-        self._cache_bytes_counted = copied
+        stats["cache_copied_bytes"] = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
         return stats
 
     def end_step(self) -> None:

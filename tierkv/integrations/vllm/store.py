@@ -357,10 +357,11 @@ class VllmKVStore:
             out["save_step_ms"] = list(self.save_step_ms)
         if self.chain is not None:
             out.update(self.chain.snapshot())
-        if not self.lookup_only:
-            out["bytes_moved"] = dict(self.engine.num_bytes_moved)
         if self.hot_window is not None:
             out["hot_window"] = self.hot_window.stats()
+        if not self.lookup_only:  # the engine's copies and the far-block caches' (counted on the device)
+            out["bytes_moved"] = dict(self.engine.num_bytes_moved)
+            out["bytes_moved"]["h2d"] += out.get("hot_window", {}).get("cache_copied_bytes", 0)
         return out
 
     def close(self) -> None:
