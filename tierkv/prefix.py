@@ -69,4 +69,3 @@ def _install(seq: "SequenceKV", keys: list[list[str]], slots: list[int], m: int)
     handle = rt.io.gather(torch.tensor(src, dtype=torch.int64), flat_pool,
                                   torch.tensor(dst, dtype=torch.int64))
     handle.wait_on_current_stream()
-    seq.num_prefix_tokens = m * rt.layout.block_tokens

@@ -50,7 +50,6 @@ class SequenceKV:
         self._last_d2h = None
         self._step: StepPlan | None = None
         self._fresh: list[torch.Tensor | None] = [None] * num_layers
-        self.num_prefix_tokens = 0
         self.prefix_blocks_by_tier: dict[str, int] = {}
         self.is_finished = False
         sparse = runtime.config.scheduler.policy == "sparse"

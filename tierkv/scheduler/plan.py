@@ -48,10 +48,6 @@ class StepPlan:
     fresh_resident_index: torch.Tensor    # int64 [k] fresh blocks that stay resident, on device
     fresh_resident_slots: torch.Tensor    # int64 [k] their local slots, on device
 
-    @property
-    def num_fresh_tokens(self) -> int:
-        return self.fresh_positions.numel()
-
 
 def step_blocks(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int) -> tuple[list[int], range]:
     """The old full blocks a step of `num_new_tokens` tokens at t0 reads from GPU slots (sinks and far

@@ -91,7 +91,7 @@ class BlockSummaries:
     together as needed, so the blocks of consecutive layers are written in one copy (`put` with a
     range of layers). With `max_blocks` (the blocks of the longest request) the tensor is allocated
     at that size once, at the first update, and never grows: its memory is
-    `num_layers * max_blocks * bytes_per_block_per_layer()`, and it never moves (a CUDA graph
+    `num_layers * max_blocks * 2 * num_kv_heads * head_dim * itemsize`, and it never moves (a CUDA graph
     reading a table stays valid)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -127,9 +127,6 @@ class BlockSummaries:
         view._all = self._all[:, first:]
         view.tables = list(view._all.unbind(0))
         return view
-
-    def bytes_per_block_per_layer(self) -> int:
-        return 2 * self._shape[0] * self._shape[1] * self._dtype.itemsize
 
     def update(self, layer: int, first_block: int, blocks: torch.Tensor) -> None:
         """blocks: [n, 2, num_kv_heads, block_tokens, head_dim] full blocks first_block..first_block+n-1."""

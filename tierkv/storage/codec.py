@@ -1,7 +1,7 @@
 """Self-describing binary form of a block, shared by the disk and Redis tiers.
 
 Primitives: `encode_block`, `encode_block_bytes`, `header_num_bytes`, `decode_block`,
-`decode_block_into`, `verify_block`, `CorruptBlock`.
+`decode_block_into`, `CorruptBlock`.
 
     offset  size  field
     0       4     magic b"TKVB"
@@ -98,22 +98,6 @@ def decode_block_into(key: str, data: bytes | bytearray | memoryview, out: torch
     if target.nbytes != payload.nbytes:
         raise CorruptBlock(f"block {key}: payload is {payload.nbytes} bytes, its shape and dtype need {target.nbytes}")
     target[:] = payload
-
-
-def verify_block(
-    key: str, header: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview
-) -> tuple[torch.dtype, tuple[int, ...]]:
-    """Check a header (exactly the bytes before the payload) and a payload read apart from it.
-
-    Returns the stored (dtype, shape), which the caller compares with what it expects; raises
-    CorruptBlock.
-    """
-    header = memoryview(header)
-    dtype, shape, offset = _parse_header(key, header)
-    if offset != header.nbytes:
-        raise CorruptBlock(f"block {key}: header is {offset} bytes, not {header.nbytes}")
-    _check_payload(key, header, payload)
-    return dtype, shape
 
 
 def _check_payload(key: str, header: memoryview, payload: bytes | bytearray | memoryview) -> None:
