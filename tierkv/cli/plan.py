@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tierkv.model_shape import model_shape, read_config_json
 from tierkv.units import TOKEN_UNITS_HELP
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -58,17 +59,12 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
         if not path.is_file():
             raise UsageError(f"--model-config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
         try:
-            cfg = json.loads(path.read_text())
-            heads = cfg["num_attention_heads"]
-            shape = KVShape(
-                name=cfg.get("_name_or_path") or path.parent.name, num_layers=cfg["num_hidden_layers"],
-                num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                kv_dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-                max_context=cfg.get("max_position_embeddings"),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"--model-config {path}: not a transformers model config ({type(exc).__name__}: {exc})") from None
+            parsed = model_shape(read_config_json(path), str(path))
+        except ValueError as exc:
+            raise UsageError(f"--model-config {path}: not a transformers model config ({exc})") from None
+        shape = KVShape(name=parsed.name or path.parent.name, num_layers=parsed.num_layers,
+                        num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
+                        max_context=parsed.max_position_embeddings)
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
 
 

@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import model_identity
+from tierkv.model_shape import model_shape
 from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.runtime import KVRuntime
 from tierkv.sequence import SequenceKV
@@ -149,13 +150,8 @@ def restore_attention(model: PreTrainedModel) -> None:
 
 def model_kv_shape(model: PreTrainedModel) -> dict:
     """num_layers, num_kv_heads, head_dim of a Llama/Qwen2/Mistral-architecture model."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_heads = cfg.num_attention_heads
-    return {
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
-    }
+    shape = model_shape(model.config, f"{type(model).__name__}.config")
+    return {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
 
 
 class QueryProjector:

@@ -27,7 +27,6 @@ alone: repeated prefixes are then loaded back from the tiers instead of prefille
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -35,6 +34,7 @@ import time
 import yaml
 
 from tierkv.config import TierKVConfig, load_config
+from tierkv import model_shape
 from tierkv.config_loader import to_dict
 from tierkv.llm import TieredLLM, generate_inputs
 from tierkv.sampling import RequestOutput, SamplingParams
@@ -379,28 +379,14 @@ def sparse_max_model_len(model_dir, max_model_len: int | None, shape: dict | Non
 def checkpoint_shape(model_dir) -> dict:
     """num_hidden_layers, num_key_value_heads, head_dim, max_position_embeddings (None when
     absent), dtype_bytes (4 for float32, else 2) and sliding_window (the model's own, None when
-    absent or turned off) of a checkpoint directory's config.json (its text_config for a multimodal model)."""
-    path = os.path.join(os.fspath(model_dir), "config.json")
+    absent or turned off) of a checkpoint directory's config.json (`tierkv.model_shape`)."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model: {path} cannot be read as JSON ({e}); the sparse policy sizes its key summaries "
-                         "from the model's shape") from e
-    text = raw.get("text_config") or raw
-    for key in ("num_hidden_layers", "num_attention_heads"):
-        if not isinstance(text.get(key), int) or text[key] < 1:
-            raise ValueError(f"model: {path} has {key}={text.get(key)!r}; a positive integer is needed")
-    heads = text["num_attention_heads"]
-    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
-    if not head_dim:
-        raise ValueError(f"model: {path} gives neither head_dim nor hidden_size")
-    dtype = str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "bfloat16")
-    window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
-    return {"num_hidden_layers": text["num_hidden_layers"], "num_key_value_heads": text.get("num_key_value_heads") or heads,
-            "head_dim": head_dim, "max_position_embeddings": text.get("max_position_embeddings"),
-            "dtype_bytes": 4 if dtype in ("float32", "torch.float32") else 2,
-            "sliding_window": window if isinstance(window, int) and window > 0 else None}
+        shape = model_shape.checkpoint_shape(model_dir)
+    except ValueError as e:
+        raise ValueError(f"{e}; the sparse policy sizes its key summaries from the model's shape") from e
+    return {"num_hidden_layers": shape.num_layers, "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "max_position_embeddings": shape.max_position_embeddings,
+            "dtype_bytes": shape.dtype_bytes, "sliding_window": shape.sliding_window}
 
 
 PLUGIN_ENTRY_POINT = "tierkv.integrations.vllm.hot_window:register"

@@ -1,0 +1,60 @@
+"""One parser of a model's KV shape (`tierkv.model_shape`), used by the vLLM front end (config.json),
+the transformers integration (a loaded model's config) and `tierkv plan --model-config`: the same
+config gives the same shape through every door, and a bad one a ValueError naming the key."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig
+
+from tierkv.cli.plan import load_shape
+from tierkv.integrations.vllm.llm import checkpoint_shape as vllm_checkpoint_shape
+from tierkv.model_shape import checkpoint_shape, model_shape
+
+configs = st.fixed_dictionaries(
+    {"num_hidden_layers": st.integers(1, 128), "num_attention_heads": st.sampled_from([4, 8, 16, 32]),
+     "hidden_size": st.sampled_from([256, 512, 1024, 4096])},
+    optional={"num_key_value_heads": st.sampled_from([1, 2, 4]), "head_dim": st.sampled_from([32, 64, 128]),
+              "max_position_embeddings": st.integers(1, 1 << 20), "torch_dtype": st.sampled_from(["float32", "bfloat16"]),
+              "sliding_window": st.one_of(st.none(), st.integers(1, 8192))},
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=configs, nested=st.booleans())
+def test_every_door_reads_the_same_shape(tmp_path_factory, cfg, nested):
+    directory = tmp_path_factory.mktemp("ckpt")
+    (directory / "config.json").write_text(json.dumps({"text_config": cfg} if nested else cfg))
+    shape = checkpoint_shape(directory)
+    heads = cfg["num_attention_heads"]
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (
+        cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    assert shape.sliding_window == cfg.get("sliding_window")
+    vllm = vllm_checkpoint_shape(directory)
+    assert (vllm["num_hidden_layers"], vllm["num_key_value_heads"], vllm["head_dim"], vllm["dtype_bytes"]) == (
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, 4 if cfg.get("torch_dtype") == "float32" else 2)
+    if not nested:
+        plan = load_shape(str(directory))
+        assert (plan.num_layers, plan.num_kv_heads, plan.head_dim) == (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    obj = model_shape(LlamaConfig(**{k: v for k, v in cfg.items() if k != "torch_dtype"}), "object")
+    assert (obj.num_layers, obj.num_kv_heads, obj.head_dim) == (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"num_attention_heads": 8, "hidden_size": 512}, "num_hidden_layers=None"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 0, "hidden_size": 512}, "num_attention_heads=0"),
+    ({"num_hidden_layers": True, "num_attention_heads": 8, "hidden_size": 512}, "num_hidden_layers=True"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 8}, "neither head_dim nor hidden_size"),
+])
+def test_a_bad_config_names_the_key(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        model_shape(cfg, "config.json")
+
+
+def test_a_config_json_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds list, not a JSON object"):
+        checkpoint_shape(tmp_path)

@@ -1,0 +1,86 @@
+"""The KV shape of a transformers model, read from its config: one parser for a checkpoint's
+config.json, a loaded model's config object, and `tierkv plan --model-config`.
+
+Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `checkpoint_shape`.
+
+    config (or its text_config, for a multimodal model)     ModelShape
+      num_hidden_layers, num_attention_heads             -> num_layers, num_heads (positive ints)
+      num_key_value_heads (default: num_attention_heads) -> num_kv_heads
+      head_dim (default: hidden_size // heads)           -> head_dim
+      torch_dtype / dtype, max_position_embeddings,      -> dtype, max_position_embeddings,
+      sliding_window (unless use_sliding_window: false)     sliding_window (None when absent)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str                              # as the config names it ("bfloat16", "float32", ...)
+    max_position_embeddings: int | None
+    sliding_window: int | None              # the model's own window, None when absent or turned off
+    name: str | None = None                 # `_name_or_path`, when the config has one
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the checkpoint's dtype: 4 for float32, else 2."""
+        return 4 if self.dtype in ("float32", "torch.float32") else 2
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+
+def _text_config(cfg: Any) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get("text_config") or cfg
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
+    """The shape of a config given as a dict (config.json) or a transformers config object; ValueError
+    naming `source`, the key and its value when a needed entry is missing or not a positive integer."""
+    text = _text_config(cfg)
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        value = _get(text, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model: {source} has {key}={value!r}; a positive integer is needed")
+    heads = _get(text, "num_attention_heads")
+    hidden = _get(text, "hidden_size")
+    head_dim = _get(text, "head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"model: {source} gives neither head_dim nor hidden_size")
+    window = _get(text, "sliding_window") if _get(text, "use_sliding_window") is not False else None
+    dtype = _get(text, "torch_dtype") or _get(text, "dtype") or _get(cfg, "torch_dtype") or "bfloat16"
+    name = _get(cfg, "_name_or_path")
+    return ModelShape(num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
+                      num_kv_heads=_get(text, "num_key_value_heads") or heads, head_dim=head_dim,
+                      dtype=str(dtype).removeprefix("torch."), max_position_embeddings=_get(text, "max_position_embeddings"),
+                      sliding_window=window if isinstance(window, int) and window > 0 else None,
+                      name=name if isinstance(name, str) and name else None)
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A config.json as a dict; ValueError naming the path when it cannot be read as a JSON object."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: {os.fspath(path)} cannot be read as JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"model: {os.fspath(path)} holds {type(raw).__name__}, not a JSON object")
+    return raw
+
+
+def checkpoint_shape(model_dir: str | os.PathLike) -> ModelShape:
+    """The shape of a checkpoint directory, from its config.json."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    return model_shape(read_config_json(path), path)
