@@ -57,7 +57,8 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, disk_dir: str):
+def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, disk_dir: str,
+                  staging_bytes: int | None = None):
     from tierkv.config import load_config
     from tierkv.config_loader import to_dict
 
@@ -68,6 +69,8 @@ def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, 
     data["cache"]["gpu_budget_bytes"] = max(prompt_tokens // 8, min_tokens) * kv_bytes_per_token
     data["tiers"][1]["path"] = disk_dir
     data["metrics"]["enabled"] = False
+    if staging_bytes is not None:
+        data["scheduler"]["staging_bytes"] = staging_bytes
     return load_config(data)
 
 
@@ -110,7 +113,8 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
     kv_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * (
         shape.hidden_size // shape.num_attention_heads) * 4
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-cpu-") as disk_dir:
-        llm = TieredLLM(model, tierkv_config(num_tokens, args.new_tokens, kv_per_token, disk_dir),
+        config = tierkv_config(num_tokens, args.new_tokens, kv_per_token, disk_dir, args.staging_bytes)
+        llm = TieredLLM(model, config,
                         tokenizer=tokenizer, show_progress=False)
         try:
             if args.profile:
@@ -122,6 +126,7 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
         finally:
             llm.close()
     row = {"prompt_tokens": num_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "gpu_budget_bytes": config.cache.gpu_budget_bytes, "staging_bytes": config.scheduler.staging_bytes,
            "torch_threads": torch.get_num_threads()}
     for name, runs in (("sdpa", sdpa), ("tierkv", tier)):
         row[name] = {"prefill_s_median": median_of(runs, "prefill_s"),
@@ -152,11 +157,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[2048])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--staging-bytes", type=int, default=None,
+                        help="scheduler.staging_bytes (default: configs/default.yaml's, 512 KiB)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.new_tokens < 2 or args.repeats < 1:
         raise SystemExit("--new-tokens must be at least 2 and --repeats at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     rows = []
     for n in args.prompt_tokens:
