@@ -45,12 +45,13 @@ def load_smollm2():
     return model, tokenizer
 
 
-def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    """`num_tokens` ids of ordinary English text (a paragraph repeated with its index)."""
+def prompt_ids(tokenizer, num_tokens: int, variant: int = 0) -> list[int]:
+    """`num_tokens` ids of ordinary English text (a paragraph repeated with its index); each
+    `variant` differs from its first token on, so that no repeat reuses an earlier one's prefix."""
     text = ("The tiered cache keeps the recent window of keys and values close to the compute and the "
             "rest in slower tiers; paragraph {i} describes how blocks move between them. ")
     ids: list[int] = []
-    i = 0
+    i = 100_000 * variant
     while len(ids) < num_tokens:
         ids += tokenizer(text.format(i=i), add_special_tokens=False)["input_ids"]
         i += 1
@@ -98,7 +99,7 @@ def run_tierkv(llm, ids: list[int], new_tokens: int) -> dict:
     llm.model.set_attn_implementation(ATTN_NAME)
     out = llm.generate([ids], max_new_tokens=new_tokens, ignore_eos=True)[0]
     return {"prefill_s": out.stats["prefill_s"], "decode_s_per_token": out.stats["decode_s"] / max(1, new_tokens - 1),
-            "tokens": out.token_ids}
+            "tokens": out.token_ids, "prefix_tokens": out.stats["prefix_tokens"]}
 
 
 def median_of(runs: list[dict], key: str) -> float:
@@ -108,7 +109,6 @@ def median_of(runs: list[dict], key: str) -> float:
 def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
     from tierkv.llm import TieredLLM
 
-    ids = prompt_ids(tokenizer, num_tokens)
     shape = model.config
     kv_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * (
         shape.hidden_size // shape.num_attention_heads) * 4
@@ -118,9 +118,10 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
                         tokenizer=tokenizer, show_progress=False)
         try:
             if args.profile:
-                profile_once(llm, ids, args.new_tokens)
+                profile_once(llm, prompt_ids(tokenizer, num_tokens, variant=args.repeats), args.new_tokens)
             sdpa, tier = [], []
-            for _ in range(args.repeats):  # interleaved, so that load from other processes hits both
+            for r in range(args.repeats):  # interleaved, so that load from other processes hits both
+                ids = prompt_ids(tokenizer, num_tokens, variant=r)  # a new prompt: no prefix reuse
                 sdpa.append(run_sdpa(model, ids, args.new_tokens))
                 tier.append(run_tierkv(llm, ids, args.new_tokens))
         finally:
@@ -135,6 +136,7 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
                      "decode_s_per_token_all": [r["decode_s_per_token"] for r in runs]}
     row["prefill_speed_ratio"] = row["sdpa"]["prefill_s_median"] / row["tierkv"]["prefill_s_median"]
     row["decode_speed_ratio"] = row["sdpa"]["decode_s_per_token_median"] / row["tierkv"]["decode_s_per_token_median"]
+    row["tierkv_prefix_tokens"] = [r["prefix_tokens"] for r in tier]  # 0: every prefill ran in full
     row["tokens_equal"] = sdpa[0]["tokens"] == tier[0]["tokens"]
     row["num_equal_leading_tokens"] = next((i for i, (a, b) in enumerate(zip(sdpa[0]["tokens"], tier[0]["tokens"]))
                                             if a != b), min(len(sdpa[0]["tokens"]), len(tier[0]["tokens"])))
