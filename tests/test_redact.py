@@ -36,7 +36,7 @@ def test_urls_lose_their_passwords_and_keep_the_rest(text):
 
 @pytest.mark.parametrize("name,secret", [
     ("password", True), ("secret", True), ("token", True), ("control_token", True), ("api_key", True),
-    ("redis_password", True), ("auth_secret", True), ("sink_tokens", False), ("sparse_token_budget", False),
+    ("redis_password", True), ("auth_secret", True), ("secret_file", False), ("create_secret_file", False), ("sink_tokens", False), ("sparse_token_budget", False),
     ("namespace", False), ("kind", False), ("capacity_bytes", False), ("url", False),
 ])
 def test_secret_field_names(name, secret):
@@ -53,7 +53,8 @@ def test_redact_tree_masks_nested_secrets_and_leaves_the_input_alone():
 
 
 def redis_config(url: str) -> dict:
-    return {"tiers": [{"kind": "cpu", "capacity_bytes": "1MiB"}, {"kind": "redis", "url": url}]}
+    return {"tiers": [{"kind": "cpu", "capacity_bytes": "1MiB"}, {"kind": "redis", "url": url}],
+            "storage": {"secret": "redaction-test-deployment-secret"}}
 
 
 def test_the_unreachable_redis_warning_hides_the_password(caplog):
@@ -61,12 +62,12 @@ def test_the_unreachable_redis_warning_hides_the_password(caplog):
 
     config = load_config(redis_config(f"redis://:{SECRET}@127.0.0.1:{dead_port()}/0"), env={})
     with caplog.at_level(logging.DEBUG):
-        chain = build_tiers(config.tiers, LAYOUT, pin_memory=False)
+        chain = build_tiers(config.tiers, LAYOUT, pin_memory=False, storage=config.storage)
         try:
             block = torch.zeros(LAYOUT.shape, dtype=LAYOUT.dtype)
             chain.put_many(["k"], [block], start=1)  # the redis tier refuses: down
             stats = chain.snapshot()
-            redis_tier = chain.tiers[1]
+            redis_tier = chain.tiers[1].inner  # under the SealedTier
             assert not redis_tier.is_healthy and redis_tier.last_error
         finally:
             chain.close()

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 MASK = "***"
 _SECRET_WORDS = ("password", "passwd", "secret", "credential")  # anywhere in the name
 _SECRET_PARTS = ("token", "key", "auth", "apikey")  # the last part of the name
+_WHERE_PARTS = ("file", "path", "dir")  # secret_file names where the secret is, not the secret
+_FLAG_PARTS = ("create", "is", "has", "use")  # create_secret_file is a switch
 # scheme://user:password@  or  scheme://:password@  (password up to the last '@' before the host part)
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<secret>[^\s/]*)(?P<at>@)")
 _QUERY_SECRET = re.compile(r"(?P<head>[?&][^=&\s]*(?:password|passwd|secret|token|credential)[^=&\s]*=)(?P<secret>[^&\s#]*)",
@@ -29,6 +31,8 @@ def is_secret_key(name: object) -> bool:
     if not isinstance(name, str):
         return False
     parts = re.split(r"[^a-z0-9]+", name.lower())
+    if parts[-1] in _WHERE_PARTS or parts[0] in _FLAG_PARTS:  # where a secret is, or a switch about one
+        return False
     return any(word in name.lower() for word in _SECRET_WORDS) or parts[-1] in _SECRET_PARTS
 
 

@@ -18,7 +18,11 @@ def shipped_names() -> list[str]:
 def resolve_config_path(source: str | os.PathLike) -> Path:
     """A config file path as given, or a shipped config's name ('default', 'long-128k', ...)."""
     path = Path(source)
-    if path.exists() or os.sep in str(source) or path.suffix in (".yaml", ".yml"):
+    if str(source) not in shipped_names():  # a path: the reader reports what is wrong with it
         return path
-    shipped = SHIPPED_DIR / f"{source}.yaml"
-    return shipped if shipped.is_file() else path
+    try:
+        if path.exists():  # a file named like a shipped config, in the working directory
+            return path
+    except (OSError, ValueError):
+        return path
+    return SHIPPED_DIR / f"{source}.yaml"
