@@ -94,7 +94,7 @@ def run_sdpa(model, ids: list[int], new_tokens: int) -> dict:
 
 
 def run_tierkv(llm, ids: list[int], new_tokens: int) -> dict:
-    from tierkv.adapters.hf import ATTN_NAME
+    from tierkv.integrations.hf import ATTN_NAME
 
     llm.model.set_attn_implementation(ATTN_NAME)
     out = llm.generate([ids], max_new_tokens=new_tokens, ignore_eos=True)[0]

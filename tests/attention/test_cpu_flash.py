@@ -182,7 +182,7 @@ def test_greedy_tokens_equal_transformers_sdpa(heads, kv_heads, head_dim, prompt
     the CPU flash kernel gives transformers' sdpa greedy tokens and logits."""
     from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
     from tests.models import build, reference_greedy
-    from tierkv.adapters.hf import runtime_for_model
+    from tierkv.integrations.hf import runtime_for_model
     from tierkv.config import load_config
 
     calls = []
