@@ -25,7 +25,7 @@ the next step (the GPU hit rate per decode step is reported too).
 
 This is the transformers engine. Under vLLM, the serving engine, the same targets are measured
 against plain vLLM in the same device call: by `bench_vllm.py` at batch 1 (`vllm-ab` in
-gpu_session.sh), and by `bench_vllm_batch.py` for the largest batch at 60 GiB of GPU KV
+run_gpu.py), and by `bench_vllm_batch.py` for the largest batch at 60 GiB of GPU KV
 (`benchmarks/RESULTS.md`).
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_compiled_rows_are_compared_with_compiled_plain(tmp_path, capsys):
 
 
 def test_tagged_repeats_are_compared_with_the_plain_row_of_their_pair(tmp_path, capsys):
-    """Rows of `gpu_session.sh vllm-batch-ab` (MODE-rN, tag rN): each tierkv repeat against the plain
+    """Rows of `benchmarks/run_gpu.py vllm-batch-ab` (MODE-rN, tag rN): each tierkv repeat against the plain
     row run next to it; the prefetch's precision and the slowest waits of wait_for_save are printed."""
     connector = {"hot_window": {"full_decode_graphs": {"prefetch_margin": 8, "prefetch_copied": 200,
                                                        "prefetch_used": 150, "prefetch_precision": 0.75,
