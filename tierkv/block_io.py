@@ -26,7 +26,7 @@ import torch
 
 from tierkv.optional_kernel import OptionalKernel
 from tierkv.quant import dequantize_blocks, quantize_blocks
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 
 
 class _Handles:

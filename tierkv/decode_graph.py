@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.graph_step import GraphStep
-from tierkv.scheduler import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.step_graphs import no_gc
 
 logger = logging.getLogger(__name__)

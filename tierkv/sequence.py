@@ -22,7 +22,8 @@ import torch
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
-from tierkv.scheduler import StepPlan, plan_step, to_device_no_sync
+from tierkv.scheduler import StepPlan, plan_step
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.summaries import BlockSummaries, select_far_blocks, select_far_blocks_on_device
 from tierkv.sparse.predict_previous import SparsePrefetcher
 from tierkv.sparse.predict_query import QueryLookahead

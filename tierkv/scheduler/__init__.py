@@ -3,6 +3,6 @@
 Primitives: `plan_step` / `StepPlan` / `step_blocks` (CPU only), `LookaheadStreamer` (enqueues copies).
 """
 from tierkv.scheduler.lookahead import LookaheadStreamer, StagedChunk
-from tierkv.scheduler.plan import StepPlan, plan_step, step_blocks, to_device_no_sync
+from tierkv.scheduler.plan import StepPlan, plan_step, step_blocks
 
-__all__ = ["LookaheadStreamer", "StagedChunk", "StepPlan", "plan_step", "step_blocks", "to_device_no_sync"]
+__all__ = ["LookaheadStreamer", "StagedChunk", "StepPlan", "plan_step", "step_blocks"]

@@ -20,7 +20,8 @@ from typing import Iterator
 
 import torch
 
-from tierkv.scheduler.plan import StepPlan, to_device_no_sync
+from tierkv.scheduler.plan import StepPlan
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool
 
 

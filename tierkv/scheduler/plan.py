@@ -1,6 +1,6 @@
 """Host-side bookkeeping for one forward step of one sequence: which blocks attention reads.
 
-Primitives: `StepPlan`, `plan_step`, `step_blocks`, `to_device_no_sync`.
+Primitives: `StepPlan`, `plan_step`, `step_blocks`.
 
 A step appends `num_new_tokens` tokens at positions [t0, t0 + n). Attention reads three parts:
 
@@ -10,7 +10,9 @@ A step appends `num_new_tokens` tokens at positions [t0, t0 + n). Attention read
     tokens first_block*T .. t0+n-1 (the partial block's old tokens + the new ones):
         -> attention over the freshly assembled chunk, causal          (the "fresh" part)
 
-Every layer of a step has the same block structure, so one plan serves all layers.
+Every layer of a step has the same block structure, so one plan serves all layers. The plan's index
+lists go to the step's device with `tierkv.transfer.device.to_device_no_sync` (pinned, the host never
+waits); the deciding itself is host-only.
 """
 from __future__ import annotations
 
@@ -19,16 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.storage.gpu import ResidencyPlan
-
-
-def to_device_no_sync(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """int64 tensor on `device`; on CUDA staged through pinned memory, so the host never waits."""
-    if isinstance(values, torch.Tensor) and values.is_cuda and device.type == "cuda":
-        return values.to(device, torch.int64, non_blocking=True)  # already on a GPU (a fetch's staging slots)
-    host = torch.as_tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+from tierkv.transfer.device import to_device_no_sync
 
 
 @dataclass

@@ -43,7 +43,7 @@ import torch
 
 from tierkv.attention import merge_partials
 from tierkv.config import ConfigError
-from tierkv.scheduler import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.units import format_bytes
 from tierkv.transfer.device import append_at
 from tierkv.sparse.row_caches import RowCaches

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from tierkv.scheduler import StagedChunk, to_device_no_sync
+from tierkv.scheduler import StagedChunk
+from tierkv.transfer.device import to_device_no_sync
 
 
 class SparsePrefetcher:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.summaries import BlockSummaries, key_bounds, top_blocks
 
 OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled step and the one before it

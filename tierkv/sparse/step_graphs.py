@@ -59,7 +59,7 @@ import torch
 from tierkv.attention import merge_two_into, paged_rows_attention
 from tierkv.block_io import dequantize_into
 from tierkv.optional_kernel import OptionalKernel
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.summaries import masked_bounds_rows, top_blocks
 from tierkv.sparse.row_caches import RowCaches
 

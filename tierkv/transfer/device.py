@@ -1,10 +1,20 @@
 """Device tensor helpers shared by both engines.
 
-Primitives: `append_at`.
+Primitives: `to_device_no_sync`, `append_at`.
 """
 from __future__ import annotations
 
 import torch
+
+
+def to_device_no_sync(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int64 tensor on `device`; on CUDA staged through pinned memory, so the host never waits."""
+    if isinstance(values, torch.Tensor) and values.is_cuda and device.type == "cuda":
+        return values.to(device, torch.int64, non_blocking=True)  # already on a GPU (a fetch's staging slots)
+    host = torch.as_tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:

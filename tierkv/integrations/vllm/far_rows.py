@@ -55,7 +55,7 @@ from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_att
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.scheduler.lookahead import LookaheadStreamer
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 from tierkv.transfer.device import append_at
 from tierkv.sparse.row_caches import CacheSet, RowCaches, cache_rows

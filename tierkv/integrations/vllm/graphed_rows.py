@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.step_graphs import NearInputs
 
 

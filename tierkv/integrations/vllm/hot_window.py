@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.integrations.vllm.config import CONNECTOR_NAME, config_from_kv_transfer
 from tierkv.integrations.vllm.far_rows import FarKV, FarRow
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured

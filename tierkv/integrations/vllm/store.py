@@ -34,7 +34,7 @@ from tierkv.block_io import BlockIO, allocating_on_copy_stream
 from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import ModelIdentity
-from tierkv.scheduler.plan import to_device_no_sync
+from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
 from tierkv.integrations.vllm.paged_layout import BlockSpan, PagedLayout, layer_order
