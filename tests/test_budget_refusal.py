@@ -16,6 +16,7 @@ from tierkv.budget_change import BudgetRefused, HotWindowLost, parse_budget
 from tierkv.config import ConfigError, load_config
 from tierkv.llm import TieredLLM
 from tierkv.metrics.snapshot import flatten_stats
+from tierkv.storage.gpu import ResidencyPlan
 
 BLOCK_BYTES = 2 * 2 * 4 * 16 * 4  # K+V, 2 kv heads, 4 tokens, head_dim 16, fp32
 LAYERS = 2
@@ -53,12 +54,12 @@ def failing(monkeypatch, name: str, fail_slots: set[int], error: Exception) -> l
     real = getattr(elastic, name)
     asked = []
 
-    def fake(rt, *args):
-        residency = args[0] if name == "_allocate" else args[2]
+    def fake(*args):
+        residency = next(a for a in args if isinstance(a, ResidencyPlan))
         asked.append(residency.slots_per_layer)
         if residency.slots_per_layer in fail_slots:
             raise error
-        return real(rt, *args)
+        return real(*args)
 
     monkeypatch.setattr(elastic, name, fake)
     return asked

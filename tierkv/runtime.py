@@ -23,7 +23,7 @@ from tierkv.sequence import CapacityError, SequenceKV
 from tierkv.sparse.block_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers
 from tierkv.storage.cpu import CpuTier
-from tierkv.storage.gpu import GpuBlockPool, plan_residency
+from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan, plan_residency
 from tierkv.transfer import configured_engine
 from tierkv.units import format_bytes
 
@@ -44,10 +44,10 @@ class KVRuntime:
         self.num_layers = num_layers
         self.layout = BlockLayout(num_kv_heads, config.cache.block_tokens, head_dim, dtype)
         self.fingerprint = model_fingerprint(model_id.key, num_layers, self.layout)
-        self.residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
-                                        config.cache.sink_tokens, config.cache.window_tokens)
+        residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
+                                   config.cache.sink_tokens, config.cache.window_tokens)
         num_regions = max(2, config.scheduler.lookahead_layers + 1)
-        self.pool = GpuBlockPool(self.layout, num_layers, self.residency, config.scheduler.staging_bytes,
+        self.pool = GpuBlockPool(self.layout, num_layers, residency, config.scheduler.staging_bytes,
                                  num_regions, self.device)
         scheduler = config.scheduler
         if scheduler.policy == "sparse" and scheduler.predictor == "query":  # refuse a too small staging now
@@ -84,6 +84,11 @@ class KVRuntime:
         self.num_budget_changes = 0
         self.num_budget_refusals = 0  # changes refused, at once or when applied (old budget kept)
         self.last_budget_refusal: str | None = None
+
+    @property
+    def residency(self) -> ResidencyPlan:
+        """Which blocks the GPU pool holds; the pool owns it (a budget change swaps it there)."""
+        return self.pool.residency
 
     def set_gpu_budget(self, budget: int | str) -> BudgetChange:
         """Resize the GPU hot window to `budget` bytes (all layers; an int or a size such as "1GiB").
@@ -131,7 +136,7 @@ class KVRuntime:
             return
         budget_bytes, residency, changes = pending
         try:
-            freed = resize_hot_window(self, residency, seq)
+            freed = resize_hot_window(self.pool, self.io, residency, seq)
         except HotWindowLost as exc:  # the sequence ends; the next one rebuilds the pool at the old budget
             self._record_refusal(exc)
             for change in changes:

@@ -70,6 +70,8 @@ class GpuBlockPool:
                  staging_bytes: int, num_regions: int, device: torch.device):
         self.layout = layout
         self.residency = residency
+        self.num_layers = num_layers
+        self.device = torch.device(device)
         self.region_blocks = staging_bytes // (layout.num_bytes * num_regions)
         if self.region_blocks < 1:
             raise ConfigError(
