@@ -10,10 +10,10 @@ from tierkv import demo
 from tierkv.longdoc import passkey_case
 
 
+@pytest.mark.real_model
 def test_real_model_demo_finds_the_pass_key_in_identical_tokens(tmp_path, capsys):
     assert demo.main(["--tokens", "600", "--new-tokens", "16", "--seed", "3", "--disk-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    from tierkv.demo_real import load_real_model  # noqa: F401  (the wheel is there: the real model ran)
 
     assert "FALLBACK" not in out
     answer = re.search(r"tierkv answer: +'(.*)'", out).group(1)

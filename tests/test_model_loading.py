@@ -56,6 +56,7 @@ def test_gguf_file_with_a_gguf_path_is_refused(tmp_path):
     assert resolve_checkpoint(str(path)) == CheckpointSource(str(tmp_path), "m.gguf")
 
 
+@pytest.mark.real_model
 def test_tiered_llm_loads_the_shortcut_with_its_tokenizer_and_answers(tmp_path):
     from tierkv.llm import TieredLLM
 

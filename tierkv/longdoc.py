@@ -31,6 +31,12 @@ class Case:
     answer: str
     depth: float
     source: str
+    answer_prefix: str = ""
+
+    def prompt_with_prefix(self, tokenizer) -> list[int]:
+        """The prompt followed by the start of the answer ("The secret pass key is"), so a few greedy
+        tokens hold the key (as RULER scores retrieval)."""
+        return self.prompt_ids + tokenizer(self.answer_prefix, add_special_tokens=False)["input_ids"]
 
 
 def haystack_text() -> tuple[str, str]:
@@ -79,7 +85,7 @@ def passkey_case(tokenizer, num_tokens: int, depth: float, seed: int) -> Case:
     text, source = haystack_text()
     document = plant(tokenizer, text, num_tokens, [(depth, f"The secret pass key is {key}. Remember it.")])
     question = "What is the secret pass key mentioned in the text?"
-    return Case(chat_ids(tokenizer, document, question), question, key, depth, source)
+    return Case(chat_ids(tokenizer, document, question), question, key, depth, source, "The secret pass key is")
 
 
 def multikey_case(tokenizer, num_tokens: int, depth: float, seed: int, num_keys: int = 4) -> Case:
@@ -93,7 +99,8 @@ def multikey_case(tokenizer, num_tokens: int, depth: float, seed: int, num_keys:
     text, source = haystack_text()
     document = plant(tokenizer, text, num_tokens, facts)
     question = f"What is the pass key for {names[0]} mentioned in the text?"
-    return Case(chat_ids(tokenizer, document, question), question, keys[0], depth, source)
+    return Case(chat_ids(tokenizer, document, question), question, keys[0], depth, source,
+                f"The pass key for {names[0]} is")
 
 
 @torch.no_grad()
@@ -106,15 +113,17 @@ def dense_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: se
     """
     from transformers import DynamicCache
 
+    from tierkv.adapters.hf import forward_kwargs
+
     device = next(model.parameters()).device
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        cache = DynamicCache(config=model.config)
+        kwargs = forward_kwargs(model, DynamicCache(config=model.config))
         step = chunk_tokens or len(prompt_ids)
         for pos in range(0, len(prompt_ids), step):
             piece = torch.tensor([prompt_ids[pos : pos + step]], device=device)
-            logits = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = model(input_ids=piece, logits_to_keep=1, **kwargs).logits[0, -1]
         tokens, all_logits = [], []
         while True:
             all_logits.append(logits.float().cpu())
@@ -123,6 +132,6 @@ def dense_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: se
             if token in stop_ids or len(tokens) >= max_new_tokens:
                 return tokens, all_logits
             piece = torch.tensor([[token]], device=device)
-            logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=piece, **kwargs).logits[0, -1]
     finally:
         model.set_attn_implementation(previous)
