@@ -61,12 +61,13 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen | None = None
+        self.extra_args: list[str] = []  # e.g. cluster mode (tests/storage/redis_cluster_nodes.py)
 
     def start(self) -> None:
         args = [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
             "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--logfile", str(self.workdir / "redis.log"),
+            "--logfile", str(self.workdir / "redis.log"), *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + _START_DEADLINE_S
