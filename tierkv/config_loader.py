@@ -11,7 +11,6 @@ import os
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -225,22 +224,12 @@ def _check_writable_dir(value: str, keypath: str) -> None:
 
 
 def _check_redis_url(value: str, keypath: str) -> None:
-    allowed = "expected redis://host[:port][/db], rediss://... or unix:///path"
+    from tierkv.storage.redis_url import URL_FORMS, parse_redis_url
+
     try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError:
-        raise ConfigError(keypath, value, allowed) from None
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ConfigError(keypath, value, allowed)
-        return
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise ConfigError(keypath, value, allowed)
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ConfigError(keypath, value, f"{allowed}; database must be a number, got {db!r}")
-    del port
+        parse_redis_url(value)
+    except ValueError as exc:
+        raise ConfigError(keypath, value, f"expected {URL_FORMS}: {exc}") from None
 
 
 def _check_non_empty(value: str, keypath: str) -> None:

@@ -13,19 +13,30 @@ cluster config file, so it rejoins with its slots; its data is gone: no persiste
 """
 from __future__ import annotations
 
-import shutil
+import random
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
-from tests.storage.conftest import RedisServer, answers_ping, free_port
+from tests.storage.conftest import RedisServer, answers_ping
 
 _READY_DEADLINE_S = 20.0
 
 
-def find_redis_cli() -> str | None:
-    return shutil.which("redis-cli")
+def free_cluster_port() -> int:
+    """A loopback port P with P + 10000 (the cluster bus) free too; P <= 55535, as Redis requires."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class ClusterNode(RedisServer):
@@ -33,6 +44,8 @@ class ClusterNode(RedisServer):
 
     def __init__(self, executable: str, workdir: Path, node_timeout_ms: int):
         super().__init__(executable, workdir)
+        self.port = free_cluster_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.extra_args = [
             "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"),
             "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
@@ -141,15 +154,21 @@ class RedisClusterNodes:
         with self.client(i) as client:
             return client.execute_command("CLUSTER", "MYID").decode()
 
-    def owner_of(self, slot: int) -> int:
-        """Index of the node that owns `slot`, as node 0... sees it (asks a live node)."""
-        for i, node in enumerate(self.nodes):
-            if node.is_alive():
-                with self.client(i) as client:
-                    for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
-                        if start <= slot <= end:
-                            return next(j for j, n in enumerate(self.nodes) if n.port == int(master[1]))
-        raise RuntimeError(f"no live node knows slot {slot}")
+    def owners(self) -> list[int]:
+        """Index of the node that serves each of the 16384 slots, as a live node sees it."""
+        owner = [-1] * 16384
+        i = next(i for i, node in enumerate(self.nodes) if node.is_alive())
+        with self.client(i) as client:
+            for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                index = next(j for j, n in enumerate(self.nodes) if n.port == int(master[1]))
+                owner[start : end + 1] = [index] * (end - start + 1)
+        return owner
+
+    def node_of(self, name: str) -> int:
+        """Index of the node that serves the Redis key `name`."""
+        from redis.crc import key_slot
+
+        return self.owners()[key_slot(name.encode())]
 
     def move_slots(self, slots: list[int], src: int, dst: int, before_migrate=None) -> None:
         """Move each slot's keys from node src to node dst, the way redis-cli --cluster reshard does.
