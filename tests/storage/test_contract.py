@@ -13,7 +13,8 @@ from tierkv.storage.disk import DiskTier
 from tierkv.storage.redis_tier import RedisTier
 
 TIER_KINDS = ["cpu", "disk", pytest.param("redis", marks=pytest.mark.redis), "sealed-disk", "encrypted-disk",
-              pytest.param("sealed-redis", marks=pytest.mark.redis), pytest.param("redis-cluster", marks=pytest.mark.redis)]
+              pytest.param("sealed-redis", marks=pytest.mark.redis),
+              pytest.param("redis-cluster", marks=pytest.mark.redis)]
 SECRET = b"contract-test-secret-0123456789"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
