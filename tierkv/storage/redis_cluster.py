@@ -13,7 +13,7 @@ slots) and follows redirects; the batches go out here, one per node:
 
 Health is per node (`redis_link.NodeHealth`): a node that fails is skipped for
 retry_interval_s, so keys on it are misses and puts to it fail at once, while keys on the
-other nodes are served. A node that fails again when retried asks RedisCluster for a fresh
+other nodes are served. A node that fails makes the next batch ask RedisCluster for a fresh
 slot map (after a failover a replica serves its slots). The tier is healthy while any
 primary is. Before the first slot map is read (every startup node down) the whole cluster
 counts as one node, "topology". Each call has one try, bounded by timeout_s.
