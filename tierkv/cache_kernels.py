@@ -93,6 +93,8 @@ def place_rows(held: torch.Tensor, sets: torch.Tensor, layer: int, ids: torch.Te
     ids = ids if ids.is_contiguous() else ids.contiguous()
     slots = torch.empty((m, k), dtype=torch.int64, device=ids.device)
     miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
+    if m == 0 or k == 0:  # no row or an empty selection: nothing to place, no zero-size launch
+        return slots, miss.view(torch.bool)
     at = layer * k
     _place_kernel[(m,)](ids, held.view(-1)[at:], slots, miss, counters, sets, held.stride(0), at, k,
                         K_PAD=triton.next_power_of_2(k))
@@ -167,6 +169,8 @@ def place_rows_lru(held: torch.Tensor, last_use: torch.Tensor, clock: torch.Tens
     ids = ids if ids.is_contiguous() else ids.contiguous()
     slots = torch.empty((m, k), dtype=torch.int64, device=ids.device)
     miss = torch.empty((m, k), dtype=torch.int8, device=ids.device)
+    if m == 0 or k == 0:  # no row or an empty selection: nothing placed, no clock advanced, no launch
+        return slots, miss.view(torch.bool)
     at = layer * c
     fresh_at = fresh.view(-1)[at:] if track else miss  # (not read without TRACK)
     _place_lru_kernel[(m,)](ids, held.view(-1)[at:], last_use.view(-1)[at:], clock, slots, miss, counters, sets,
@@ -200,6 +204,6 @@ def copy_sources(lists: torch.Tensor, ids: torch.Tensor, miss: torch.Tensor) -> 
     ids = ids if ids.is_contiguous() else ids.contiguous()
     miss = (miss if miss.is_contiguous() else miss.contiguous()).view(torch.int8)
     src = torch.empty((m, k), dtype=torch.int64, device=ids.device)
-    if m:
+    if m and k:
         _copy_sources_kernel[(m,)](lists, ids, miss, src, k, K_PAD=triton.next_power_of_2(k))
     return src

@@ -1,6 +1,6 @@
 """Typed configuration: dataclasses with a default and a doc per field, loaded from YAML.
 
-Primitives: `TierKVConfig` and its sections, `load_config`, `ConfigError`.
+Primitives: `TierKVConfig` and its sections, `load_config`, `config_errors`, `ConfigError`.
 
 One loader (`tierkv.config_loader`) turns a YAML file or dict plus `TIERKV_*` environment
 variables into these dataclasses. Every bad value raises `ConfigError` naming the key, the
@@ -14,9 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from tierkv import config_loader
+from tierkv.config_error import ConfigError  # re-exported: `from tierkv.config import ConfigError`
+from tierkv.config_rules import check_config
+
 
 def doc(text: str, **extra: object) -> dict:
-    """Field metadata: a docstring and optional `choices` / `min_value` / `check`."""
+    """Field metadata: a docstring and optional `choices` / `min_value` / `max_value` / `check` / `kinds`.
+
+    Each field is also checked by its type and name (`tierkv.config_fields`): finite floats,
+    bounded ints and sizes (`*_bytes`), real booleans, UTF-8 strings without NUL, paths (`path`,
+    `*_path`) that can name a file."""
     return {"doc": text, **extra}
 
 
@@ -210,7 +218,8 @@ class TierKVConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata=doc("KV shape of the model"))
     cache: CacheConfig = field(default_factory=CacheConfig, metadata=doc("GPU hot window"))
-    tiers: list[TierConfig] = field(default_factory=_default_tiers, metadata=doc("tiers below the GPU, in order"))
+    tiers: list[TierConfig] = field(default_factory=_default_tiers, metadata=doc(
+        "tiers below the GPU, in order", kinds=TIER_CONFIG_KINDS))
     storage: StorageConfig = field(default_factory=StorageConfig, metadata=doc("secret of the disk and Redis tiers"))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=doc("prefetch scheduler"))
     metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata=doc("metrics"))
@@ -218,14 +227,9 @@ class TierKVConfig:
 
 def load_config(source=None, *, env=None) -> TierKVConfig:
     """Load from a YAML path, a dict, or None (defaults), then apply TIERKV_* overrides."""
-    from tierkv.config_loader import load
-
-    return load(source, env=env)
+    return config_loader.load(TierKVConfig, source, env=env, check=check_config)
 
 
-class ConfigError(ValueError):
-    """A configuration value is not allowed. The message names key, value and what is allowed."""
-
-    def __init__(self, key: str, value: object, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config key '{key}': got {value!r}; {allowed}")
+def config_errors(source=None, *, env=None) -> list[ConfigError]:
+    """Every ConfigError `load_config` would find (one per bad field); [] for a good config."""
+    return config_loader.load_with_errors(TierKVConfig, source, env=env, check=check_config)[1]

@@ -1,6 +1,12 @@
-"""The one loader: YAML or dict + TIERKV_* environment -> `TierKVConfig`, validated.
+"""The one loader: YAML or dict + TIERKV_* environment -> typed dataclasses, validated.
 
-Primitives: `load`, `build_section`, `to_dict`.
+Primitives: `load`, `load_with_errors`, `build_section`, `to_dict`, `shown_dict`.
+
+Generic over the dataclasses it builds (`tierkv.config` passes `TierKVConfig` and its
+cross-field rules), so it imports nothing of them. Each field is converted and checked by
+its type and name (`tierkv.config_fields`); a list field holds sections picked by their
+`kind` from the field's `kinds` metadata. Errors are collected per field: `load` raises the
+first, `load_with_errors` returns them all.
 """
 from __future__ import annotations
 
@@ -9,102 +15,185 @@ import dataclasses
 import difflib
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import yaml
 
-from tierkv.config import TIER_CONFIG_KINDS, ConfigError, TierKVConfig
-from tierkv.units import ALLOWED_UNITS, parse_bytes
+from tierkv.config_error import ConfigError
+from tierkv.config_fields import check_value, convert_scalar
+from tierkv.configs import resolve_config_path
+from tierkv.redact import redact_tree
 
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
 ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
+_YAML_ERRORS = (yaml.YAMLError, ValueError, OverflowError, RecursionError, MemoryError)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: linear in the text
+MAX_DEPTH = 32  # nesting levels in a document; a config needs 4
 
 
-def load(source: str | os.PathLike | Mapping | None = None, *, env: Mapping[str, str] | None = None) -> TierKVConfig:
-    env = os.environ if env is None else env
-    if source is None:
-        source = env.get(ENV_CONFIG_FILE)
-    if source is None:
-        data: dict = {}
-    elif isinstance(source, Mapping):
-        data = copy.deepcopy(dict(source))
-    else:
-        data = _read_yaml(Path(source))
-    origins = _apply_env(data, env)
-    try:
-        config = build_section(TierKVConfig, data, "")
-        _check_tier_order(config)
-        _check_prefetch_margin(config)
-    except ConfigError as err:
-        origin = origins.get(err.key)
-        if origin is None:
-            raise
-        raise ConfigError(f"{err.key} (set by {origin})", err.value, err.allowed) from None
+class _TooDeep(Exception):
+    pass
+
+
+def _yaml_load(text: str) -> object:
+    """yaml.safe_load, refusing documents nested deeper than MAX_DEPTH before building them."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _TooDeep(f"nested deeper than {MAX_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.load(text, Loader=_LOADER)
+
+
+def load(root: type, source: object = None, *, env: Mapping[str, str] | None = None,
+         check: Callable[[object], None] | None = None) -> object:
+    """`root` built from source (YAML path, mapping or None) and TIERKV_* overrides; raises the first ConfigError."""
+    config, errors = load_with_errors(root, source, env=env, check=check)
+    if errors:
+        raise errors[0]
     return config
 
 
+def load_with_errors(root: type, source: object = None, *, env: Mapping[str, str] | None = None,
+                     check: Callable[[object], None] | None = None) -> tuple[object | None, list[ConfigError]]:
+    """(config, []) or (None, every ConfigError found: one per bad field, or the one that stopped reading)."""
+    env = os.environ if env is None else env
+    try:
+        data = _read_source(env.get(ENV_CONFIG_FILE) if source is None else source)
+        origins = _apply_env(data, env, to_dict(root()))
+    except ConfigError as err:
+        return None, [err]
+    errors: list[ConfigError] = []
+    config = build_section(root, data, "", errors)
+    if not errors and check is not None:
+        try:
+            check(config)
+        except ConfigError as err:
+            errors.append(err)
+    errors = [_named_by_origin(err, origins) for err in errors]
+    return (None if errors else config), errors
+
+
 def to_dict(config: object) -> dict:
-    """Plain data, as YAML would hold it (`tierkv config check` prints this)."""
+    """Plain data, as YAML would hold it, secrets included (to hand the config to another process)."""
     return dataclasses.asdict(config)
 
 
+def shown_dict(config: object) -> dict:
+    """`to_dict` with secrets and URL passwords masked: what may be printed or logged."""
+    return redact_tree(to_dict(config))
+
+
+def _named_by_origin(err: ConfigError, origins: Mapping[str, str]) -> ConfigError:
+    """The error with the variable that set its key (or a key below it) named."""
+    origin = origins.get(err.key) or next((var for key, var in origins.items()
+                                           if key.startswith((f"{err.key}.", f"{err.key}["))), None)
+    if origin is None:
+        return err
+    return ConfigError(f"{err.key} (set by {origin})", err.value, err.allowed)
+
+
+def _read_source(source: object) -> dict:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        try:
+            return copy.deepcopy(dict(source))
+        except RecursionError:
+            raise ConfigError("<root>", "<mapping>", "nested too deeply") from None
+    return _read_yaml(resolve_config_path(source))
+
+
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError("config_file", str(path), "expected an existing YAML file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise ConfigError("config_file", str(path), "expected an existing YAML file, not a directory") from None
+    except (OSError, ValueError) as exc:
+        from tierkv.configs import shipped_names
+
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError("config_file", str(path), f"expected an existing YAML file ({reason}) or a shipped "
+                          f"config: {', '.join(shipped_names())}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config_file", str(path), f"expected UTF-8 text (byte {exc.start} is not)") from None
+    try:
+        data = _yaml_load(text)
+    except (RecursionError, _TooDeep):
+        raise ConfigError("config_file", str(path), f"expected valid YAML nested at most {MAX_DEPTH} levels") from None
+    except _YAML_ERRORS as exc:
         raise ConfigError("config_file", str(path), f"expected valid YAML ({exc})") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError("config_file", str(path), "expected a mapping at the top level")
     return data
 
 
-def _apply_env(data: dict, env: Mapping[str, str]) -> dict[str, str]:
+def _apply_env(data: dict, env: Mapping[str, str], defaults: dict) -> dict[str, str]:
     """Write TIERKV_A__B=v into data['a']['b']; returns {dotted key: variable name}."""
     origins = {}
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, ENV_CONTROL_TOKEN):
             continue
         parts = var[len(ENV_PREFIX) :].lower().split("__")
-        value = _parse_env_value(env[var])
-        node: object = data
-        dotted = ""
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(var, env[var], f"'{dotted}' has {len(node)} entries; use an index below that")
-                dotted += f"[{part}]"
-                if last:
-                    node[int(part)] = value
-                else:
-                    node = node[int(part)]
-                continue
-            dotted = f"{dotted}.{part}" if dotted else part
-            if last:
-                node[part] = value
-            else:
-                if part == "tiers" and part not in node:
-                    node[part] = [to_dict(t) for t in TierKVConfig().tiers]
-                node = node.setdefault(part, {})
-        origins[dotted] = var
+        if not all(parts):
+            raise ConfigError(var, env[var], "expected TIERKV_SECTION__KEY (levels joined by '__', none empty)")
+        origins[_set_path(data, defaults, parts, var, env[var])] = var
     return origins
+
+
+def _set_path(data: dict, defaults: object, parts: list[str], var: str, raw: str) -> str:
+    """Set the value of one variable; returns the dotted key it set."""
+    node: object = data
+    dotted = ""
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
+                raise ConfigError(var, raw, f"'{dotted}' has {len(node)} entries; use an index below that")
+            key: object = int(part)
+            dotted += f"[{part}]"
+            defaults = None
+        elif isinstance(node, dict):
+            key = part
+            dotted = f"{dotted}.{part}" if dotted else part
+            defaults = defaults.get(part) if isinstance(defaults, dict) else None
+            if not last and part not in node:
+                node[part] = copy.deepcopy(defaults) if isinstance(defaults, list) else {}
+        else:
+            raise ConfigError(var, raw, f"'{dotted}' holds a {type(node).__name__}, not a section or list; "
+                                        f"set {ENV_PREFIX}{'__'.join(parts[:i]).upper()} itself")
+        if last:
+            node[key] = _parse_env_value(raw)
+        else:
+            node = node[key]
+    return dotted
 
 
 def _parse_env_value(raw: str) -> object:
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return _yaml_load(raw)
+    except (*_YAML_ERRORS, _TooDeep):
         return raw
 
 
-def build_section(cls: type, data: object, prefix: str):
-    """Build dataclass `cls` from a mapping, converting and checking every field."""
+def build_section(cls: type, data: object, prefix: str, errors: list[ConfigError] | None = None):
+    """Build dataclass `cls` from a mapping, converting and checking every field.
+
+    With `errors` given, each bad field is recorded there and left at its default (the result is
+    then only good for finding more errors); without, the first bad field raises."""
+    collect = [] if errors is None else errors
     if not isinstance(data, Mapping):
-        raise ConfigError(prefix or "<root>", data, f"expected a mapping of {cls.__name__} fields")
+        collect.append(ConfigError(prefix or "<root>", data, f"expected a mapping of {cls.__name__} fields"))
+        data = {}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -113,134 +202,41 @@ def build_section(cls: type, data: object, prefix: str):
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(keypath, raw, f"unknown key; {hint}allowed keys: {', '.join(fields)}")
-        kwargs[key] = _convert(hints[key], raw, keypath, fields[key])
+            collect.append(ConfigError(keypath, raw, f"unknown key; {hint}allowed keys: {', '.join(fields)}"))
+            continue
+        try:
+            kwargs[key] = _convert(hints[key], raw, keypath, fields[key], collect)
+        except ConfigError as err:
+            collect.append(err)
+    if errors is None and collect:
+        raise collect[0]
     return cls(**kwargs)
 
 
-def _convert(tp: object, raw: object, keypath: str, fld: dataclasses.Field) -> object:
+def _convert(tp: object, raw: object, keypath: str, fld: dataclasses.Field, errors: list[ConfigError]) -> object:
     args = typing.get_args(tp)
     if type(None) in args:
         if raw is None:
             return None
         tp = next(a for a in args if a is not type(None))
     if typing.get_origin(tp) is list:
-        return _build_tiers(raw, keypath)
+        return _build_list(raw, keypath, fld.name, fld.metadata["kinds"], errors)
     if dataclasses.is_dataclass(tp):
-        return build_section(tp, raw, keypath)
-    value = _coerce_scalar(tp, raw, keypath, fld.name)
-    _check_value(value, keypath, fld.metadata)
+        return build_section(tp, raw, keypath, errors)
+    value = convert_scalar(tp, raw, keypath, fld.name)
+    check_value(value, keypath, fld.name, fld.metadata)
     return value
 
 
-def _coerce_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
-    if name.endswith("_bytes"):
-        try:
-            return parse_bytes(raw)
-        except ValueError:
-            raise ConfigError(keypath, raw, f"expected a size; units: {ALLOWED_UNITS}") from None
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        raise ConfigError(keypath, raw, "expected true or false")
-    if tp is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        raise ConfigError(keypath, raw, "expected an integer")
-    if tp is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        raise ConfigError(keypath, raw, "expected a number")
-    if tp is str:
-        if isinstance(raw, str):
-            return raw
-        raise ConfigError(keypath, raw, "expected a string")
-    raise AssertionError(f"unsupported config type {tp} for {keypath}")
-
-
-def _check_value(value: object, keypath: str, meta: Mapping) -> None:
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(keypath, value, f"allowed: {', '.join(map(str, choices))}")
-    low, high = meta.get("min_value"), meta.get("max_value")
-    if low is not None and value < low:
-        what = "must be positive" if low > 0 else f"must be at least {low}"
-        raise ConfigError(keypath, value, what)
-    if high is not None and value > high:
-        raise ConfigError(keypath, value, f"must be at most {high}")
-    check = meta.get("check")
-    if check is not None:
-        _CHECKS[check](value, keypath)
-
-
-def _build_tiers(raw: object, keypath: str) -> list:
+def _build_list(raw: object, keypath: str, name: str, kinds: Mapping[str, type], errors: list[ConfigError]) -> list:
     if not isinstance(raw, list):
-        raise ConfigError(keypath, raw, "expected a list of tiers, each with a 'kind'")
-    tiers = []
+        raise ConfigError(keypath, raw, f"expected a list of {name}, each with a 'kind' ({', '.join(kinds)})")
+    items = []
     for i, item in enumerate(raw):
         itempath = f"{keypath}[{i}]"
         kind = item.get("kind") if isinstance(item, Mapping) else None
-        if kind not in TIER_CONFIG_KINDS:
-            raise ConfigError(f"{itempath}.kind", kind, f"allowed: {', '.join(TIER_CONFIG_KINDS)}")
-        tiers.append(build_section(TIER_CONFIG_KINDS[kind], item, itempath))
-    return tiers
-
-
-def _check_tier_order(config: TierKVConfig) -> None:
-    kinds = [t.kind for t in config.tiers]
-    if not kinds or kinds[0] != "cpu":
-        raise ConfigError("tiers", kinds, "the first tier must be kind 'cpu' (the pinned slab GPU copies use)")
-    if kinds.count("cpu") > 1:
-        raise ConfigError("tiers", kinds, "at most one 'cpu' tier")
-
-
-def _check_prefetch_margin(config: TierKVConfig) -> None:
-    scheduler = config.scheduler
-    under_vllm = scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs
-    if scheduler.sparse_prefetch_margin and not (scheduler.policy == "sparse"
-                                                 and (under_vllm or scheduler.predictor == "cache")):
-        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
-                          "the next-step prefetch runs inside vLLM's full decode graph (scheduler.policy 'sparse', "
-                          "sparse_cuda_graphs and sparse_full_graphs true) or with the transformers engine's "
-                          "predictor 'cache' (scheduler.policy 'sparse'); set one of those, or the margin to 0")
-    if scheduler.sparse_prefetch_margin and scheduler.sparse_cache_selections < 2:
-        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
-                          f"the prefetched blocks need cache slots beside the selection's: "
-                          f"scheduler.sparse_cache_selections is {scheduler.sparse_cache_selections}, set it to 2 "
-                          "or more")
-
-
-def _check_writable_dir(value: str, keypath: str) -> None:
-    if not value:
-        raise ConfigError(keypath, value, "expected a directory path")
-    path = Path(value).expanduser()
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(keypath, value, f"expected a directory; {probe} is not one")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(keypath, value, f"expected a writable directory; {probe} is not writable")
-
-
-def _check_redis_url(value: str, keypath: str) -> None:
-    from tierkv.storage.redis_url import URL_FORMS, parse_redis_url
-
-    try:
-        parse_redis_url(value)
-    except ValueError as exc:
-        raise ConfigError(keypath, value, f"expected {URL_FORMS}: {exc}") from None
-
-
-def _check_non_empty(value: str, keypath: str) -> None:
-    if not value:
-        raise ConfigError(keypath, value, "expected a non-empty string")
-
-
-def _check_secret(value: str, keypath: str) -> None:
-    if len(value) < 16:  # the value itself is never echoed back
-        raise ConfigError(keypath, "<hidden>", f"expected at least 16 characters, got {len(value)}")
-
-
-_CHECKS = {"writable_dir": _check_writable_dir, "redis_url": _check_redis_url, "non_empty": _check_non_empty,
-           "secret": _check_secret}
+        if not isinstance(kind, str) or kind not in kinds:
+            errors.append(ConfigError(f"{itempath}.kind", kind, f"allowed: {', '.join(kinds)}"))
+            continue
+        items.append(build_section(kinds[kind], item, itempath, errors))
+    return items

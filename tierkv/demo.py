@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from tierkv.config import load_config
+from tierkv.configs import SHIPPED_DIR
 from tierkv.units import format_bytes
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+DEFAULT_CONFIG = SHIPPED_DIR / "default.yaml"  # shipped inside the package
 
 
 def tiny_llama(seed: int = 0, num_layers: int = 4):

@@ -11,13 +11,14 @@ backend="vllm" returns a `tierkv.vllm_backend.llm.VllmTieredLLM` with the same m
 Requests of a batch run one after another (each owns the GPU hot window while it runs). A
 request whose KV does not fit the CPU tier is refused before any work; the GPU budget never
 refuses a request. Prompts that share a prefix with earlier requests (in any tier) skip it.
+With `show_progress`, tqdm bars on stderr count prefill tokens (prompts longer than four prefill
+chunks) and decode tokens with their rate in tok/s (from DECODE_PROGRESS_MIN_TOKENS new tokens).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import Sequence
 
 import torch
 
@@ -25,9 +26,11 @@ from tierkv.config import TierKVConfig, load_config
 from tierkv.config_loader import to_dict
 from tierkv.metrics import MetricsService, runtime_reads
 from tierkv.prefix import load_prefix
-from tierkv.sampling import RequestOutput, SamplingParams, sample_next
+from tierkv.prompts import normalize_prompts, token_ids
+from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
 
 BACKENDS = ("transformers", "vllm")
+DECODE_PROGRESS_MIN_TOKENS = 16  # show_progress: a decode bar (tok/s) once max_new_tokens reaches this
 
 
 class TieredLLM:
@@ -43,7 +46,8 @@ class TieredLLM:
                  show_progress: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
-        self.config = config if isinstance(config, TierKVConfig) else load_config(config)
+        self.config = config_of(config)
+        _check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device)
         from tierkv.adapters.hf import forward_kwargs, runtime_for_model
 
@@ -61,10 +65,12 @@ class TieredLLM:
             raise
 
     # -- public --------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
-        """Prompts as text (needs a tokenizer) or token ids; one RequestOutput per prompt."""
-        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs)
+    def generate(self, prompts, sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
+        """One RequestOutput per prompt. prompts: text (needs a tokenizer), token ids (a list, a 1-D
+        integer tensor or array), a batch of those or a 2-D [batch, n] tensor, or a tokenizer's output
+        (`tierkv.prompts`); bad ones raise PromptError (a ValueError) naming request and token, before any work."""
+        no_text = None if self.tokenizer is not None else "a text prompt needs a tokenizer; pass token ids or tokenizer="
+        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self.vocab_size, text_error=no_text)
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
         for i, ids in enumerate(requests):  # refuse before doing any work
             try:
@@ -157,7 +163,7 @@ class TieredLLM:
         chunk = self.config.scheduler.prefill_chunk_tokens
         device = self.runtime.device
         todo = len(ids) - start
-        progress = _progress(todo, self.show_progress and todo > 4 * chunk)
+        progress = _progress(todo, self.show_progress and todo > 4 * chunk, "prefill")
         logits = None
         for pos in range(start, len(ids), chunk):
             piece = torch.tensor([ids[pos : pos + chunk]], device=device)
@@ -175,32 +181,25 @@ class TieredLLM:
         generated: list[int] = []
         step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
         start = time.perf_counter()
-        while True:
-            token = sample_next(logits, sampling, generator)
-            generated.append(token)
-            if token in stop_ids:
-                return generated, "stop", _elapsed(start, device)
-            if len(generated) >= sampling.max_new_tokens:
-                return generated, "length", _elapsed(start, device)
-            cache.seq.token_ids.append(token)
-            logits = step(token)
+        show = self.show_progress and sampling.max_new_tokens >= DECODE_PROGRESS_MIN_TOKENS
+        with _progress(sampling.max_new_tokens, show, "decode") as progress:
+            while True:
+                token = sample_next(logits, sampling, generator)
+                generated.append(token)
+                progress.update(1)
+                if token in stop_ids:
+                    return generated, "stop", _elapsed(start, device)
+                if len(generated) >= sampling.max_new_tokens:
+                    return generated, "length", _elapsed(start, device)
+                cache.seq.token_ids.append(token)
+                logits = step(token)
 
     # -- input checks ------------------------------------------------------------------------------
-    def _prompt_ids(self, index: int, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"request {index}: a text prompt needs a tokenizer; pass token ids or tokenizer=")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise ValueError(f"request {index}: the prompt is empty")
-        for pos, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"request {index}: token {pos} is {token!r}; token ids are ints in [0, {self.vocab_size})"
-                )
-        return ids
+    def _prompt_ids(self, index: int, prompt: str | list[int]) -> list[int]:
+        """A normalised prompt's token ids: text tokenized, then checked like given ids."""
+        if not isinstance(prompt, str):
+            return prompt
+        return token_ids(self.tokenizer(prompt, add_special_tokens=True)["input_ids"], index=index, vocab_size=self.vocab_size)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -217,19 +216,36 @@ def _flatten(data, prefix: str = "") -> dict:
     return {prefix[:-1]: data}
 
 
-def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict) -> tuple[SamplingParams, list]:
-    """`generate()`'s arguments as (sampling settings, list of prompts), for every backend: one prompt
-    (text or a token-id list) or a batch of them; settings as SamplingParams or keywords, not both."""
+def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict, *, vocab_size: int | None,
+                    text_error: str | None = None) -> tuple[SamplingParams, list[str | list[int]]]:
+    """`generate()`'s arguments as (sampling settings, one entry per request: text or checked token
+    ids), for every backend: prompts in any form `tierkv.prompts.normalize_prompts` accepts;
+    settings as SamplingParams or keywords, not both. Raises before any work."""
     if sampling is None:
-        sampling = SamplingParams(**sampling_kwargs)
+        sampling = sampling_from_kwargs(sampling_kwargs)
     elif sampling_kwargs:
         raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
-    sampling = SamplingParams.coerce(sampling)
-    return sampling, [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+    sampling = SamplingParams.coerce(sampling)  # tierkv's or vLLM's SamplingParams; TypeError otherwise
+    return sampling, normalize_prompts(prompts, vocab_size=vocab_size, text_error=text_error)
 
 
-def _is_token_list(prompts) -> bool:
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], int)
+def config_of(config) -> TierKVConfig:
+    """The `config` argument of a TieredLLM, loaded: a TierKVConfig, a YAML path, a dict or None."""
+    if isinstance(config, TierKVConfig):
+        return config
+    if config is not None and not isinstance(config, (str, os.PathLike, dict)):
+        raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig, a YAML path, a dict or None")
+    return load_config(config)
+
+
+def _check_device_and_tokenizer(device, tokenizer) -> None:
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: got {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+    if tokenizer is not None and not callable(tokenizer):
+        raise TypeError(f"tokenizer: got {type(tokenizer).__name__}; expected a transformers tokenizer (callable)")
 
 
 def _elapsed(start: float, device: torch.device) -> float:
@@ -238,10 +254,11 @@ def _elapsed(start: float, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str):
+    """A tqdm bar on stderr counting tokens (its rate in tok/s); a no-op bar when not `enabled`."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="tok", desc="prefill", disable=not enabled, file=sys.stderr)
+    return tqdm(total=total, unit="tok", desc=desc, disable=not enabled, file=sys.stderr)
 
 
 def _load_model(model, tokenizer, device: str | None):

@@ -17,6 +17,7 @@ from tierkv.block_io import BlockIO
 from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, check_fits_device, parse_budget
 from tierkv.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
+from tierkv.model_identity import ModelIdentity
 from tierkv.scheduler import LookaheadStreamer
 from tierkv.sequence import CapacityError, SequenceKV
 from tierkv.sparse_cache import cache_slots_per_layer
@@ -30,12 +31,19 @@ logger = logging.getLogger(__name__)
 
 class KVRuntime:
     def __init__(self, config: TierKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, model_id: str):
+                 dtype: torch.dtype, device: torch.device | str, model_id: str | ModelIdentity):
+        """model_id: what names the model in every block address; a `ModelIdentity` (name, source,
+        weights digest: `tierkv.model_identity`) or a plain string, taken as it is."""
+        if isinstance(model_id, str):
+            model_id = ModelIdentity(model_id, model_id, None)
+        elif not isinstance(model_id, ModelIdentity):
+            raise TypeError(f"model_id: got {type(model_id).__name__}; expected a str or a ModelIdentity")
         self.config = config
+        self.identity = model_id
         self.device = torch.device(device)
         self.num_layers = num_layers
         self.layout = BlockLayout(num_kv_heads, config.cache.block_tokens, head_dim, dtype)
-        self.fingerprint = model_fingerprint(model_id, num_layers, self.layout)
+        self.fingerprint = model_fingerprint(model_id.key, num_layers, self.layout)
         self.residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
                                         config.cache.sink_tokens, config.cache.window_tokens)
         num_regions = max(2, config.scheduler.lookahead_layers + 1)
@@ -210,6 +218,7 @@ class KVRuntime:
                 "stalls": streamer.num_stalls + cached.get("cache_stalled_rows", 0),
                 "far_cache_copied_bytes": cached.get("cache_copied_bytes", 0),
             },
+            "model": {**self.identity.stats(), "block_fingerprint": self.fingerprint},
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,
                        "kv_dtype": dtype_name(self.layout.dtype)},
             "prefetch": prefetch,

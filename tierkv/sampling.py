@@ -1,7 +1,8 @@
 """Sampling settings and request results shared by every backend, in vLLM's conventions.
 
-Primitives: `SamplingParams` (also spelt with vLLM's `max_tokens`; `SamplingParams.coerce` takes
-vLLM's own `SamplingParams`), `RequestOutput` and `CompletionOutput` (vLLM's shape:
+Primitives: `SamplingParams` (checked on construction: a bad field raises TypeError or
+ValueError naming it; also spelt with vLLM's `max_tokens`; `SamplingParams.coerce` takes
+vLLM's own `SamplingParams`), `sampling_from_kwargs`, `RequestOutput` and `CompletionOutput` (vLLM's shape:
 `out.outputs[0].text`, plus tierkv's `stats`), `sample_next`.
 
 Stops follow vLLM: a request stops at the model's EOS ids (unless `ignore_eos`) and at any of
@@ -10,25 +11,14 @@ Stops follow vLLM: a request stops at the model's EOS ids (unless `ignore_eos`) 
 from __future__ import annotations
 
 import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 
+import numpy as np
 import torch
 
 # vLLM settings tierkv does not implement, with the value that means "off" in vLLM
 _VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                      "min_p": 0.0, "min_tokens": 0, "stop": [], "logprobs": None, "prompt_logprobs": None}
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: got {value!r}; must be an integer >= {minimum}")
-
-
-def _check_number(name: str, value, low: float, high: float, low_open: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name}: got {value!r}; must be a finite number in {bracket}{low}, {high}]")
 
 
 @dataclass
@@ -47,23 +37,21 @@ class SamplingParams:
             if self.max_new_tokens not in (64, max_tokens):
                 raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={self.max_new_tokens!r}: give one")
             self.max_new_tokens = max_tokens
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_number("temperature", self.temperature, 0.0, 1e6, low_open=False)
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, 1)
-        if self.top_p is not None:
-            _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1, optional=False)
+        _check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
+                    lambda v: v >= 0, optional=False)
+        _check_int("top_k", self.top_k, minimum=1)
+        _check_real("top_p", self.top_p, "must be in (0, 1] or None", lambda v: 0 < v <= 1)
+        _check_int("seed", self.seed, minimum=0)
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise ValueError(f"stop_token_ids: got {self.stop_token_ids!r}; must be a list of token ids")
-            self.stop_token_ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t
-                                   for t in self.stop_token_ids]
-            for token in self.stop_token_ids:
-                _check_int("stop_token_ids[]", token, 0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: got {self.ignore_eos!r}; must be true or false")
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise TypeError(f"stop_token_ids: got {self.stop_token_ids!r}; a list of token ids or None")
+            for i, token in enumerate(self.stop_token_ids):
+                _check_int(f"stop_token_ids[{i}]", token, minimum=0, optional=False)
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise TypeError(f"ignore_eos: got {self.ignore_eos!r}; must be True or False")
+
 
     @classmethod
     def coerce(cls, params) -> "SamplingParams":
@@ -86,6 +74,35 @@ class SamplingParams:
                    top_k=top_k if top_k and top_k > 0 else None, top_p=top_p if top_p not in (None, 1.0) else None,
                    seed=params.seed, stop_token_ids=list(params.stop_token_ids or []) or None,
                    ignore_eos=bool(params.ignore_eos))
+
+
+
+def sampling_from_kwargs(kwargs: dict) -> SamplingParams:
+    """SamplingParams(**kwargs), an unknown keyword named with the allowed ones."""
+    allowed = [f.name for f in fields(SamplingParams)] + ["max_tokens"]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    return SamplingParams(**kwargs)
+
+
+def _check_int(name: str, value, *, minimum: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}); must be an int"
+                        + (" or None" if optional else ""))
+    if value < minimum:
+        raise ValueError(f"{name}: got {value}; must be >= {minimum}" + (" or None" if optional else ""))
+
+
+def _check_real(name: str, value, allowed: str, ok, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}); {allowed}")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}: got {value}; {allowed}")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
 
 Primitives: `key_bounds`, `BlockSummaries` (`update`, `put`, `upper_bounds`, `masked_bounds`), `masked_bounds_rows`,
-`top_blocks`, `select_far_blocks`, `select_far_blocks_on_device`.
+`top_blocks`, `check_candidates`, `select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
@@ -168,6 +168,9 @@ class BlockSummaries:
         """
         table = self.tables[layer]
         if isinstance(block_ids, range):
+            check_candidates(block_ids)
+            if not len(block_ids):  # an empty far set: nothing to score, no kernel launched
+                return torch.empty(0, dtype=torch.float32, device=q.device)
             bounds = _kernel_bounds(table, q, block_ids.start, block_ids.stop)
             if bounds is not None:
                 return bounds
@@ -202,8 +205,18 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
 
 
+def check_candidates(candidates: range) -> None:
+    """ValueError unless `candidates` is a far-block range that runs forward by one (possibly empty,
+    start == stop, as for a sequence shorter than the front region: `scheduler.plan.step_blocks`)."""
+    if candidates.step != 1 or candidates.start < 0 or candidates.stop < candidates.start:
+        raise ValueError(f"far-block candidates: got {candidates}; expected range(first, stop) with "
+                         f"0 <= first <= stop and step 1")
+
+
 def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range, k: int) -> list[int]:
-    """The k candidate blocks with the largest upper bound for q [num_heads, head_dim], in block order."""
+    """The k candidate blocks with the largest upper bound for q [num_heads, head_dim], in block order
+    (empty for an empty candidate range)."""
+    check_candidates(candidates)
     if k >= len(candidates):
         return list(candidates)
     if k <= 0:
@@ -216,7 +229,9 @@ def select_far_blocks(summaries: BlockSummaries, layer: int, q: torch.Tensor, ca
 def select_far_blocks_on_device(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range,
                                 k: int) -> torch.Tensor:
     """Like `select_far_blocks`, but the ids stay on q's device: int64 [min(k, len(candidates))], in
-    block order. No host sync: the caller copies the blocks with device-side slot lists."""
+    block order (int64 [0] for an empty candidate range). No host sync: the caller copies the blocks
+    with device-side slot lists."""
+    check_candidates(candidates)
     if k >= len(candidates):
         return torch.arange(candidates.start, candidates.stop, device=q.device)
     if k <= 0:

@@ -1,6 +1,9 @@
-"""Byte sizes with units: "2GiB", "512 MiB", "1.5GB", 4096.
+"""Byte sizes with units: "2GiB", "512 MiB", "1.5GB", 4096; token counts: "128k", "1M", 131072.
 
-Primitives: `parse_bytes`, `format_bytes`.
+Primitives: `parse_bytes`, `format_bytes`, `parse_tokens`.
+
+Token counts use binary multiples, as context lengths are written (a "128k" model has 131072
+positions): k = K = Ki = 1024, M = Mi = 1048576. So "1M" is 1,048,576 tokens.
 """
 from __future__ import annotations
 
@@ -45,3 +48,23 @@ def format_bytes(num_bytes: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+_TOKEN_UNITS = {"": 1, "k": 1024, "ki": 1024, "m": 1024**2, "mi": 1024**2}
+TOKEN_UNITS_HELP = "k/K/Ki = 1024, M/Mi = 1048576 (128k = 131072 tokens, 1M = 1048576)"
+
+
+def parse_tokens(text: str | int) -> int:
+    """A positive token count: 131072, "128k" (131072), "1.5k" (1536), "1M" (1048576); raises
+    ValueError naming the value and what is allowed."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"expected a number of tokens such as 131072 or 128k, got {text!r}")
+    match = _SIZE_RE.match(str(text))
+    if match is None or match.group(2).lower() not in _TOKEN_UNITS:
+        raise ValueError(f"cannot read {text!r} as a number of tokens: expected digits with an optional "
+                         f"suffix, {TOKEN_UNITS_HELP}")
+    number, unit = match.groups()
+    value = float(number) * _TOKEN_UNITS[unit.lower()]
+    if not value.is_integer() or value < 1:
+        raise ValueError(f"{text!r} is {value:g} tokens: expected a whole number of at least 1")
+    return int(value)

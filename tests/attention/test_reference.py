@@ -223,7 +223,11 @@ def test_low_precision_inputs(gen, dtype):
     assert_matches(case.run(), dense_attention(case), gen)  # oracle sees the same rounded inputs
 
 
-def test_public_api_on_cpu_uses_reference(gen):
+def test_public_api_on_cpu_without_the_flash_kernel_uses_reference(gen, monkeypatch):
+    """(With the kernel, CPU tensors go to `cpu_flash`: tests/attention/test_cpu_flash.py.)"""
+    from tierkv.attention import cpu_flash
+
+    monkeypatch.setattr(cpu_flash, "is_available", lambda: False)
     case = make_case(gen)
     got = case.run(fn=attention.paged_partial_attention)
     expected = case.run()

@@ -55,3 +55,20 @@ def test_bad_configs_exit_2_naming_key_and_value(tmp_path, capsys):
 def test_a_missing_file_exits_2(capsys):
     assert main(["config", "check", "/no/such/config.yaml"]) == 2
     assert "expected an existing YAML file" in capsys.readouterr().err
+
+
+def test_many_files_every_error_of_each_and_sizes_human_readable(tmp_path, capsys):
+    good = CONFIGS / "default.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache:\n  block_tokens: 0\n  sink_tokens: many\nmetrics:\n  enabled: 3\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x80")
+    assert main(["config", "check", str(good), str(bad), str(binary)]) == 2
+    out, err = capsys.readouterr()
+    for key in ("cache.block_tokens", "cache.sink_tokens", "metrics.enabled"):
+        assert f"error: {bad}: config key '{key}'" in err
+    assert f"error: {binary}: config key 'config_file'" in err and "UTF-8" in err
+    assert f"{good}: OK" in err and "1 of 3 configs OK" in err
+    assert "gpu_budget_bytes: 1048576  # 1.00 MiB (1048576 bytes)" in out
+    docs = list(yaml.safe_load_all(out))
+    assert docs[0] == to_dict(load_config(good, env={}))  # the comments leave the data as it was

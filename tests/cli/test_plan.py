@@ -63,8 +63,11 @@ def test_a_budget_that_holds_everything_streams_nothing(capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--model-config", "gpt-5", "--context", "1k"], "'gpt-5' is neither a preset"),
-    (["--model-config", "llama-3.1-8b", "--context", "12x"], "expected a positive number of tokens"),
-    (["--model-config", "llama-3.1-8b", "--context", "0"], "expected a positive number of tokens"),
+    (["--model-config", "llama-3.1-8b", "--context", "12x"], "--context: cannot read '12x' as a number of tokens"),
+    (["--model-config", "llama-3.1-8b", "--context", "0"], "--context: '0' is 0 tokens: expected a whole number"),
+    (["--model-config", "llama-3.1-8b", "--context", "1.0001k"], "'1.0001k' is 1024.1 tokens"),
+    (["--model-config", "llama-3.1-8b", "--context", "1G"], "k/K/Ki = 1024, M/Mi = 1048576"),
+    (["--model-config", "llama-3.1-8b", "--context", "-5"], "cannot read '-5'"),
     (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "lots"], "cannot read 'lots' as a size"),
     (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "1MiB"],
      "--gpu-budget 1MiB: holds 0 blocks"),
@@ -81,3 +84,16 @@ def test_a_bad_config_json_exits_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"hidden_size": 3}')
     assert main(["plan", "--model-config", str(tmp_path), "--context", "1k"]) == 2
     assert "not a transformers model config (KeyError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("context,tokens", [("1M", 1048576), ("1Mi", 1048576), ("128k", 131072), ("128K", 131072),
+                                            ("128Ki", 131072), ("0.5M", 524288), ("131072", 131072)])
+def test_context_with_k_and_m_suffixes(capsys, context, tokens):
+    plan = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", context, "--gpu-budget", "2GiB")
+    assert plan["context_tokens"] == tokens
+
+
+def test_help_states_what_the_suffixes_mean(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "1M = 1048576" in " ".join(capsys.readouterr().out.split())

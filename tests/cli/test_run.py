@@ -69,7 +69,7 @@ def test_a_local_checkpoint_with_a_prompt_file_of_token_ids(checkpoint, config_p
 @pytest.mark.parametrize("extra,message", [
     (["--prompt", "hello"], "a text prompt needs a tokenizer"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read /no/such/prompt.txt"),
-    (["--prompt-tokens", "0"], "--prompt-tokens: got 0"),
+    (["--prompt-tokens", "0"], "--prompt-tokens: '0' is 0 tokens"),
     (["--prompt-tokens", "20000"], "tiers[0].capacity_bytes"),
 ])
 def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, extra, message):
@@ -78,11 +78,29 @@ def test_bad_prompts_with_a_checkpoint_exit_2(checkpoint, config_path, capsys, e
     assert last_line.startswith("tierkv run: error:") and message in last_line
 
 
+@pytest.mark.parametrize("ids,message", [
+    ([1, 2.5], "token 1 is 2.5"), ([1, -1], "token 1 is -1"), ([3, 512], "token 1 is 512; token ids are ints in [0, 512)"),
+    ([[1, 2], [3]], "request 0: token 0 is [1, 2]"), ([True, 1], "token 0 is True"), ([], "request 0: the prompt is empty"),
+])
+def test_bad_token_id_files_exit_2_and_name_the_token(checkpoint, config_path, tmp_path, capsys, ids, message):
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(ids))
+    assert main(["run", "--model", str(checkpoint), "--config", config_path, "--quiet", "--prompt-file", str(path)]) == 2
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert last_line.startswith("tierkv run: error:") and message in last_line
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["run", "--demo", "--device", "gpu"], "--device: got 'gpu'"),
+    (["run", "--demo", "--temperature", "nan"], "temperature: got nan"),
+    (["run", "--demo", "--top-k", "0"], "top_k: got 0"),
+    (["run", "--demo", "--temperature", "0.5", "--seed", "-2"], "seed: got -2"),
     (["run", "--demo", "--prompt", "some text"], "the demo model has no tokenizer"),
     (["run", "--model", "/no/such/model"], "give a prompt"),
     (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "is not a directory"),
-    (["run", "--demo", "--max-new-tokens", "0"], "max_new_tokens: got 0"),
+    (["run", "--demo", "--max-new-tokens", "0"], "--max-new-tokens: '0' is 0 tokens"),
+    (["run", "--demo", "--max-new-tokens", "2x"], "--max-new-tokens: cannot read '2x' as a number of tokens"),
+    (["run", "--demo", "--prompt-tokens", "1.5"], "--prompt-tokens: '1.5' is 1.5 tokens"),
     (["run", "--demo", "--top-p", "2"], "top_p: got 2.0"),
     (["run", "--demo", "--config", "/no/such.yaml"], "config_file"),
 ])
@@ -98,3 +116,31 @@ def test_missing_or_conflicting_model_is_a_usage_error(capsys):
             main(argv)
         assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_decode_progress_bar_with_tokens_per_second_on_stderr_unless_quiet(config_path, capsys, quiet):
+    argv = ["run", "--demo", "--config", config_path, "--prompt-tokens", "40", "--max-new-tokens", "20"]
+    assert main(argv + ["--quiet"] * quiet) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) == 20  # the tokens; never a bar on stdout
+    assert "decode" not in captured.out and "tok/s" not in captured.out
+    if quiet:
+        assert captured.err == ""
+    else:
+        assert "decode: 100%" in captured.err and "20/20" in captured.err and "tok/s" in captured.err
+
+
+def test_decode_progress_bar_of_tiered_llm_follows_show_progress(tmp_path, capsys):
+    from tests.metrics.workload import make_config
+    from tierkv.llm import DECODE_PROGRESS_MIN_TOKENS, TieredLLM
+    from tierkv.sampling import SamplingParams
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, num_layers=2, seed=0)
+    for show, new_tokens, expect_bar in ((True, DECODE_PROGRESS_MIN_TOKENS, True), (False, 24, False),
+                                         (True, DECODE_PROGRESS_MIN_TOKENS - 1, False)):
+        with TieredLLM(model, make_config(tmp_path / f"{show}-{new_tokens}"), show_progress=show) as llm:
+            (out,) = llm.generate([list(range(1, 30))], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        err = capsys.readouterr().err
+        assert len(out.token_ids) == new_tokens
+        assert ("decode" in err and f"{new_tokens}/{new_tokens}" in err and "tok/s" in err) == expect_bar, err

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.metrics.workload import record_jsonl
 from tierkv.cli import main
@@ -70,3 +72,44 @@ def test_a_source_is_required(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["top", "--once"])
     assert exit_info.value.code == 2
+
+
+def _line_with_big_figures() -> dict:
+    tiers = [{"tier": name, "lookups": 123456789, "hits": 98765432, "misses": 24691357, "hit_rate": 0.8,
+              "bytes_read": 3 * 2**40, "bytes_written": 5 * 2**39, "latency": {}} for name in ("cpu", "disk", "redis")]
+    clock = iter(float(t) for t in range(100, 200))
+    totals = {"n": 0}
+    recorder = MetricsRecorder(lambda: {"tiers": [dict(t, lookups=t["lookups"] + totals["n"]) for t in tiers],
+                                        "transfer": {"h2d_bytes": 2**40 + totals["n"], "d2h_bytes": 2**39},
+                                        "gpu": {"resident_bytes": 2**33, "staging_bytes": 2**30, "budget_bytes": 2**34}},
+                               clock=lambda: next(clock))
+    recorder.snapshot("start")
+    totals["n"] = 10**9
+    return recorder.snapshot()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(20, 240))
+def test_a_frame_never_exceeds_the_console_width(width):
+    from tierkv.cli.top import COLUMN_PRIORITY, TIER_COLUMNS, render
+
+    frame = render(_line_with_big_figures(), "http://127.0.0.1:9400", width=width)
+    lines = frame.splitlines()
+    assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
+    header = next(line for line in lines if line.split()[:1] == ["tier"])
+    shown = [h.strip() for h in header.split("  ") if h.strip()]
+    assert shown == [h for h, _ in TIER_COLUMNS if h in shown]  # display order kept
+    assert shown == sorted(COLUMN_PRIORITY[:len(shown)], key=[h for h, _ in TIER_COLUMNS].index)  # most useful kept
+    if width >= 80:  # the counts a user looks for first stay on an 80-column terminal
+        assert all(h in header for h in ("hit rate", "lookups", "hits", "misses"))
+    if width >= 160:
+        assert all(h in header for h, _ in TIER_COLUMNS)
+    assert "requests" in frame and "GPU KV" in frame  # the summary lines wrap, never vanish
+
+
+def test_top_fits_the_terminal_width_from_columns(recorded, capsys, monkeypatch):
+    path, _ = recorded
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["top", "--jsonl", str(path), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 60 and "lookups" in out

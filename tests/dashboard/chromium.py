@@ -48,22 +48,60 @@ def screenshot(url: str, profile: Path, out: Path) -> Path:
 
 
 class _Collect(HTMLParser):
+    """Body and chart attributes, card values, each chart's legend (label -> shown value) and
+    each table's rows of cell texts."""
+
     def __init__(self):
         super().__init__()
         self.figures: dict[str, dict] = {}
         self.body: dict = {}
         self.cards: list[str] = []
+        self.legends: dict[str, dict[str, str]] = {}
+        self.tables: dict[str, list[list[str]]] = {}
         self._in_card_value = False
+        self._figure: str | None = None
+        self._table: str | None = None
+        self._text_into: str | None = None   # "label", "value" or "cell": the element whose text is collected
+        self._text = ""
+        self._label = ""
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
+        css = (attrs.get("class") or "").split()
         if tag == "body":
             self.body = attrs
         if tag == "figure" and attrs.get("id", "").startswith("chart-"):
-            self.figures[attrs["id"][len("chart-"):]] = attrs
+            self._figure = attrs["id"][len("chart-"):]
+            self.figures[self._figure] = attrs
+            self.legends[self._figure] = {}
+        if tag == "table" and attrs.get("id"):
+            self._table = attrs["id"]
+            self.tables[self._table] = []
+        if tag == "tr" and self._table is not None:
+            self.tables[self._table].append([])
+        if self._figure is not None and ("u-label" in css or "u-value" in css):
+            self._text_into, self._text = ("label" if "u-label" in css else "value"), ""
+        if self._table is not None and tag in ("td", "th"):
+            self._text_into, self._text = "cell", ""
         self._in_card_value = tag == "div" and attrs.get("class") == "value"
 
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self._figure = None
+        if tag == "table":
+            self._table = None
+        if self._text_into == "label" and tag == "div":
+            self._label, self._text_into = self._text, None
+        elif self._text_into == "value" and tag == "td":
+            self.legends[self._figure][self._label.rstrip(":")] = self._text
+            self._text_into = None
+        elif self._text_into == "cell" and tag in ("td", "th"):
+            self.tables[self._table][-1].append(self._text)
+            self._text_into = None
+
     def handle_data(self, data):
+        if self._text_into is not None:
+            self._text += data
         if self._in_card_value:
             self.cards.append(data)
             self._in_card_value = False

@@ -1,9 +1,12 @@
 """The dashboard in a real headless Chromium, on a JSONL recorded from a real CPU run: the page
 loads (as a static report and served by `tierkv dashboard`'s app), every chart holds exactly the
-recorded values, and a screenshot is kept (tests/artifacts/)."""
+recorded values, legends show last values, byte axes tick at round binary values, the requests
+table shows each request's own number, and a screenshot is kept (tests/artifacts/)."""
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 
@@ -11,6 +14,7 @@ from tests.dashboard.chromium import dump_dom, find_chromium, keep_artifact, par
 from tests.metrics.workload import read_lines, record_jsonl
 from tierkv.dashboard import dashboard_app, serve, write_report
 from tierkv.metrics.sources import JsonlSource
+from tierkv.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +47,54 @@ def expected_charts(lines: list[dict]) -> dict:
     }
 
 
+def timeline_x_and_chunks(lines: list[dict]) -> tuple[list, dict]:
+    """The prefetch timeline: every chunk of the run at its time since the run started (x), its layer
+    in the on-time or the late series, and its wait."""
+    run_start = lines[0]["t"] - lines[0]["elapsed_s"]
+    points = sorted((t - run_start, layer, late, wait) for line in lines if line.get("prefetch_chunks")
+                    for t, layer, late, wait in zip(*(line["prefetch_chunks"][k] for k in ("t", "layer", "is_late", "wait_s"))))
+    return [p[0] for p in points], {"layer of a chunk on time": [None if p[2] else p[1] for p in points],
+                                     "layer of a late chunk": [p[1] if p[2] else None for p in points],
+                                     "wait": [p[3] for p in points]}
+
+
 def timeline_of(lines: list[dict]) -> dict:
-    """The per-layer prefetch timeline of the last snapshot that has one (the streamer reports it)."""
-    layers = [line["prefetch_layers"] for line in lines if line.get("prefetch_layers")][-1]
-    return {"chunks on time": [c - late for c, late in zip(layers["chunks"], layers["late_chunks"])],
-            "late chunks": layers["late_chunks"], "wait": layers["wait_s"]}
+    return timeline_x_and_chunks(lines)[1]
+
+
+def byte_ticks(labels: list[str], unit: str) -> list[float]:
+    """Tick labels such as "512 MiB/s" back to bytes; each must be a plain number and a binary unit."""
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    values = []
+    for label in labels:
+        match = re.fullmatch(rf"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB){re.escape(unit)}", label)
+        assert match, f"tick label {label!r}"
+        values.append(float(match.group(1)) * scale[match.group(2)])
+    return values
+
+
+def check_round_binary_ticks(labels: list[str], unit: str) -> None:
+    """Evenly spaced ticks, the step a power of two (bytes), every tick a multiple of it."""
+    values = byte_ticks(labels, unit)
+    steps = {b - a for a, b in zip(values, values[1:])}
+    assert len(values) >= 3 and len(steps) == 1, labels
+    step = steps.pop()
+    assert step == 2 ** round(math.log2(step)), f"step {step} is not a power of two: {labels}"
+    assert all(v % step == 0 for v in values), labels
+
+
+def check_legends(dom, lines: list[dict]) -> None:
+    """No legend shows a dash: each shows its series' last value (or "none" when it has none)."""
+    for chart, legend in dom.legends.items():
+        assert legend, chart
+        for label, value in legend.items():
+            assert value not in ("–", "--", ""), f"{chart} / {label}: {value!r}"
+    held = [line["figures"]["gpu.held_bytes"] for line in lines]
+    assert dom.legends["gpu"]["held"] == format_bytes(held[-1])
+    for chart, series in expected_charts(lines).items():
+        for label, values in series.items():
+            if not any(v is not None for v in values):
+                assert dom.legends[chart][label] == "none", (chart, label)
 
 
 def check_page(html: str, lines: list[dict]) -> None:
@@ -59,13 +106,27 @@ def check_page(html: str, lines: list[dict]) -> None:
     for chart, series in expected.items():
         drawn = json.loads(dom.figures[chart]["data-series"])
         assert drawn["labels"] == list(series), chart
-        x_values = list(range(len(next(iter(series.values()))))) if chart == "timeline" else [line["t"] for line in lines]
-        assert drawn["data"][0] == x_values, f"{chart}: x values"  # the timeline's x axis is the layer
+        x_values = timeline_x_and_chunks(lines)[0] if chart == "timeline" else [line["t"] for line in lines]
+        assert drawn["data"][0] == x_values, f"{chart}: x values"  # the timeline's: seconds since the run started
         for label, values, drawn_values in zip(series, series.values(), drawn["data"][1:]):
             assert drawn_values == values, f"{chart} / {label}"
     gpu_hit_rate = lines[-1]["figures"]["tier.gpu.hit_rate"]
     assert f"{100 * gpu_hit_rate:.1f}%" in dom.cards  # the GPU hit-rate card
     assert "n/a" in dom.cards  # prefetch precision: nothing reported in exact mode
+    check_legends(dom, lines)
+    check_round_binary_ticks(json.loads(dom.figures["bytes"]["data-ticks"]), "/s")
+    check_round_binary_ticks(json.loads(dom.figures["gpu"]["data-ticks"]), "")
+    check_requests_table(dom, lines)
+
+
+def check_requests_table(dom, lines: list[dict]) -> None:
+    """The last 20 requests, numbered as the run counted them; reused blocks as words, not JSON."""
+    requests = [line for line in lines if line.get("request")]
+    rows = dom.tables["requests"][1:]
+    assert [row[0] for row in rows] == [str(line["figures"]["requests.requests"]) for line in requests][-20:]
+    for row, line in zip(rows, requests[-20:]):
+        by_tier = line["request"]["prefix_blocks_by_tier"]
+        assert row[3] == (", ".join(f"{tier} {n} block{'s' * (n != 1)}" for tier, n in by_tier.items()) or "none")
 
 
 def test_the_recorded_run_has_values_worth_charting(recorded):
@@ -103,29 +164,50 @@ def test_served_dashboard_in_chromium_holds_the_recorded_values_and_is_screensho
     keep_artifact(path)
 
 
-def test_per_layer_timeline_and_stall_time_once_the_scheduler_reports_them(tmp_path):
-    """No scheduler reports per-layer events yet: a recorder fed by a PrefetchRecorder shows the chart."""
+def test_timeline_in_time_stall_time_request_numbers_and_binary_ticks_of_a_long_run(tmp_path):
+    """A recorder fed by a PrefetchRecorder and a source of growing totals: the prefetch timeline
+    puts each chunk at its time since the run started (chunks joined across lines, each line
+    carrying only its new ones); 25 requests show as 6..25; gigabytes per second tick at round
+    binary values; legends show the last values."""
     from tierkv.dashboard import static_page
     from tierkv.metrics import MetricsRecorder, PrefetchRecorder
 
-    prefetch = PrefetchRecorder(num_layers=4)
-    clock = iter(float(t) for t in range(100, 200))
-    recorder = MetricsRecorder(lambda: {"scheduler": {"stalls": 0}, "prefetch": prefetch.snapshot()},
-                               clock=lambda: next(clock))
-    recorder.snapshot("start")
-    for layer, late, wait in ((0, False, 0.0), (1, True, 0.002), (3, True, 0.004), (3, False, 0.0)):
+    ticks = iter(float(t) for t in range(100, 400))
+    clock = lambda: next(ticks)  # noqa: E731 - one clock for both: snapshots and chunks interleave
+    prefetch = PrefetchRecorder(num_layers=4, clock=clock)
+    totals = {"requests": 0, "h2d": 0}
+    recorder = MetricsRecorder(lambda: {"scheduler": {"stalls": 0}, "prefetch": prefetch.snapshot(),
+                                        "transfer": {"h2d_bytes": totals["h2d"], "d2h_bytes": 0},
+                                        "requests": {"requests": totals["requests"]}}, clock=clock)
+    recorder.snapshot("start")                                              # t=101 (the run started at 100)
+    for layer, late, wait in ((0, False, 0.0), (1, True, 0.002)):           # t=102, 103
         prefetch.record_chunk(layer, is_late=late, wait_s=wait)
-    recorder.snapshot()
+    totals["h2d"] += 3 * 10**9
+    recorder.snapshot()                                                     # t=104
+    for layer, late, wait in ((3, True, 0.004), (3, False, 0.0)):           # t=105, 106
+        prefetch.record_chunk(layer, is_late=late, wait_s=wait)
+    for i in range(25):
+        totals["requests"] += 1
+        totals["h2d"] += 2 * 10**9 + 10**8 * i
+        recorder.record_request({"prompt_tokens": 100, "prefix_tokens": 64 * (i % 2),
+                                 "prefix_blocks_by_tier": {"cpu": 8, "disk": 1} if i % 2 else {}})
     lines, _ = recorder.lines_since(0)
-    page = tmp_path / "layers.html"
+    assert [len(line.get("prefetch_chunks", {}).get("n", [])) for line in lines[:3]] == [0, 2, 2]
+    page = tmp_path / "long.html"
     page.write_text(static_page(lines))
     dom = parse_dom(dump_dom(page.as_uri(), tmp_path / "profile"))
     timeline = json.loads(dom.figures["timeline"]["data-series"])
-    assert timeline["labels"] == ["chunks on time", "late chunks", "wait"]
-    assert timeline["data"] == [[0, 1, 2, 3], [1, 0, 0, 1], [0, 1, 0, 1], [0.0, 0.002, 0.0, 0.004]]
+    assert timeline["labels"] == ["layer of a chunk on time", "layer of a late chunk", "wait"]
+    assert timeline["data"] == [[2.0, 3.0, 5.0, 6.0], [0, None, None, 3], [None, 1, 3, None], [0.0, 0.002, 0.004, 0.0]]
+    assert dom.legends["timeline"] == {"since the run started": "6 s", "layer of a chunk on time": "3",
+                                       "layer of a late chunk": "3", "wait": "0.0 µs"}
     stalls = json.loads(dom.figures["stalls"]["data-series"])
     assert stalls["labels"][-1] == "stall time in interval"
-    assert stalls["data"][-1] == [None, pytest.approx(0.006)]
+    assert stalls["data"][-1][:3] == [None, pytest.approx(0.002), pytest.approx(0.004)]
+    check_round_binary_ticks(json.loads(dom.figures["bytes"]["data-ticks"]), "/s")
+    check_requests_table(dom, lines)
+    assert [row[0] for row in dom.tables["requests"][1:]] == [str(n) for n in range(6, 26)]
+    assert dom.tables["requests"][1][3] == "cpu 8 blocks, disk 1 block" and dom.tables["requests"][2][3] == "none"
 
 
 def test_missing_chromium_fails_under_ci_and_skips_elsewhere(monkeypatch):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tierkv.config import ConfigError, load_config
 from tierkv.storage.redis_tier import RedisTier
-from tierkv.storage.redis_url import parse_redis_url
+from tierkv.redis_url import parse_cluster_url
 
 pytestmark = pytest.mark.redis
 redis = pytest.importorskip("redis")
@@ -149,14 +149,17 @@ def test_a_frozen_node_stalls_one_call_for_at_most_the_timeout(layout, make_tier
     assert tier.down_nodes == [redis_cluster.nodes[frozen].address]
 
 
-def test_no_reachable_node_starts_unhealthy_and_answers_at_once(layout, free_cluster_url):
+def test_no_reachable_node_starts_unhealthy_and_answers_at_once(layout, free_cluster_url, caplog):
+    url = free_cluster_url.replace("://", "://app:Sup3rSecretPw@")
     started = time.monotonic()
-    with RedisTier("redis", layout, None, url=free_cluster_url, timeout_s=TIMEOUT_S, retry_interval_s=60) as tier:
+    with RedisTier("redis", layout, None, url=url, timeout_s=TIMEOUT_S, retry_interval_s=60) as tier:
         assert not tier.is_healthy and tier.counters["errors"] == 1
         assert tier.get(key_of(1)) is None and not tier.put(key_of(1), make_block(layout, 1)).ok
         assert tier.contains_many([key_of(1)]) == [False] and tier.remove(key_of(1)) is False
         assert tier.counters["errors"] == 5 and tier.down_nodes == ["topology"]
+        assert tier.last_error and "Sup3rSecretPw" not in tier.last_error
     assert time.monotonic() - started < 2
+    assert caplog.records and "Sup3rSecretPw" not in caplog.text
 
 
 @pytest.fixture
@@ -218,6 +221,7 @@ def test_blocks_stay_findable_while_and_after_their_slots_move(layout, make_tier
     ("redis+cluster://h1:7000/3", "only database 0"),
     ("redis+cluster://h1:7000?timeout=1", "no query"),
     ("redis+cluster://h1:99999", "h1:99999"),
+    ("redis+cluster://h1:7000,bad_host!:7000", "not a valid name"),
 ])  # fmt: skip
 def test_bad_cluster_urls_name_the_key_and_the_problem(url, problem):
     with pytest.raises(ConfigError, match=problem) as info:
@@ -235,12 +239,12 @@ hosts = st.one_of(st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z0-9-]{1,10}){0,2}",
 def test_cluster_urls_parse_to_their_startup_nodes(nodes, tls, db):
     url = f"{'rediss' if tls else 'redis'}+cluster://" + ",".join(
         host if port is None else f"{host}:{port}" for host, port in nodes) + db
-    parsed = parse_redis_url(url)
-    assert parsed.is_cluster and parsed.is_tls == tls
+    parsed = parse_cluster_url(url)
+    assert parsed.is_tls == tls
     assert parsed.startup_nodes == [(host, 6379 if port is None else port) for host, port in nodes]
     load_config({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": url, "trusted": True}]}, env={})
 
 
 def test_cluster_url_credentials():
-    parsed = parse_redis_url("redis+cluster://app:s%40cret@h1:7000,h2")
+    parsed = parse_cluster_url("redis+cluster://app:s%40cret@h1:7000,h2")
     assert (parsed.username, parsed.password, parsed.startup_nodes) == ("app", "s@cret", [("h1", 7000), ("h2", 6379)])

@@ -422,3 +422,34 @@ def test_block_hashes_never_cover_a_block_whose_tokens_are_not_all_known(tmp_pat
         assert len(hashes) == 2  # grown in place
     finally:
         store.close()
+
+
+def test_block_addresses_name_the_checkpoint_weights(tmp_path):
+    """Two checkpoints of one shape under one configured name (and one path, rewritten) never share
+    block addresses; the same files give the same address in every process."""
+    from types import SimpleNamespace
+
+    from tierkv.config import load_config
+    from tierkv.vllm_backend.connector import model_identity_of
+
+    config = load_config(write_config(tmp_path), env={})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"num_hidden_layers": 3}')
+    (ckpt / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    model_config = SimpleNamespace(model=str(ckpt), revision=None)
+    first = model_identity_of(config, {"model_id": "m"}, model_config)
+    assert first.weights is not None and first == model_identity_of(config, {"model_id": "m"}, model_config)
+    (ckpt / "model.safetensors").write_bytes(os.urandom(1 << 20))  # other weights, same path and size
+    second = model_identity_of(config, {"model_id": "m"}, model_config)
+    assert second.key != first.key
+    assert model_identity_of(config, {"model_id": "m"}, SimpleNamespace(model=str(ckpt), revision="v2")).key != second.key
+    config.model.name = "another-name"
+    assert model_identity_of(config, {"model_id": "m"}, model_config).key != second.key
+    worker = TierKVConnector(vllm_config(write_config(tmp_path)), KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        worker.register_kv_caches(paged_caches())
+        model = worker.store.stats()["model"]
+        assert model["block_fingerprint"] == worker.store.fingerprint and model["name"] == "unnamed-model"
+    finally:
+        worker.shutdown()

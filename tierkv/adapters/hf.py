@@ -34,6 +34,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
+from tierkv.model_identity import model_identity
+from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.runtime import KVRuntime
 from tierkv.sequence import SequenceKV
 
@@ -82,6 +84,11 @@ class TieredCache(Cache):
     """A transformers Cache backed by one tierkv sequence."""
 
     def __init__(self, runtime: KVRuntime, token_ids: list[int] | None = None):
+        """token_ids: the prompt's ids (a list, or an integer tensor or array [n]), for prefix reuse and block addresses."""
+        if not isinstance(runtime, KVRuntime):
+            raise TypeError(f"runtime: got {type(runtime).__name__}; expected a KVRuntime (runtime_for_model)")
+        if token_ids is not None:  # none known yet ([]) is allowed here
+            token_ids = [] if isinstance(token_ids, (list, tuple)) and not token_ids else checked_token_ids(token_ids)
         self.seq = runtime.new_sequence(token_ids)
         super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
 
@@ -209,7 +216,17 @@ def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
 
 
 def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: str | None = None) -> KVRuntime:
-    """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype."""
+    """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype.
+
+    Its blocks are addressed by `config.model.name`, `model_id` (where the model came from, e.g. its
+    checkpoint path; default: the config's `_name_or_path` or the class name) and a digest of the
+    model's weights (`tierkv.model_identity`): blocks of different weights never mix.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model: got {type(model).__name__}; expected a loaded transformers PreTrainedModel")
+    if not isinstance(config, TierKVConfig):
+        raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig (tierkv.config.load_config)")
+    identity = model_identity(model, config.model.name, model_id)  # checks model_id's type
     shape = model_kv_shape(model)
     for key, value in shape.items():
         configured = getattr(config.model, key)
@@ -223,7 +240,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
         model._tierkv_previous_attn = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
-                        model_id=model_id or config.model.name, **shape)
+                        model_id=identity, **shape)
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime

@@ -10,8 +10,10 @@ Primitives:
 
 All three return float32 ``out [num_q, num_heads, head_dim]`` and ``lse [num_q, num_heads]``
 (natural log; ``-inf`` and ``out = 0`` for a row that saw no key). They dispatch to the
-Triton kernels in ``triton_paged`` for CUDA tensors when ``triton`` is installed, and to
-``reference`` (PyTorch) otherwise. ``triton`` is imported only when a CUDA tensor arrives.
+Triton kernels in ``triton_paged`` for CUDA tensors when ``triton`` is installed, to
+``cpu_flash`` (PyTorch's fused CPU flash kernel) for CPU tensors of float32/bfloat16/float16
+when this torch has that kernel, and to ``reference`` (PyTorch, float32 einsum) otherwise.
+``triton`` is imported only when a CUDA tensor arrives.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from tierkv.attention import reference
+from tierkv.attention import cpu_flash, reference
 
 __all__ = ["contiguous_partial_attention", "merge_partials", "merge_two_into", "paged_partial_attention",
            "paged_rows_attention", "reference", "triton_installed"]
@@ -35,10 +37,13 @@ def triton_installed() -> bool:
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
-    """``triton_paged`` for CUDA tensors when triton is installed, else ``reference``."""
+    """``triton_paged`` for CUDA tensors when triton is installed, ``cpu_flash`` for CPU tensors it
+    serves, else ``reference``."""
     if t.is_cuda and triton_installed():
         from tierkv.attention import triton_paged
         return triton_paged
+    if cpu_flash.serves(t):
+        return cpu_flash
     return reference
 
 

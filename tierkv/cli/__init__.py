@@ -21,6 +21,7 @@ import sys
 import traceback
 
 from tierkv.config import ConfigError
+from tierkv.redact import redact_text
 
 
 class UsageError(Exception):
@@ -58,5 +59,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a failure while running: reported, exit 1
         if args.traceback:
             traceback.print_exc()
-        print(f"{name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{name}: error: {redact_text(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
         return 1

@@ -1,39 +1,94 @@
-"""`tierkv config check [PATH]`: validate a config and print it resolved.
+"""`tierkv config check [PATH ...]`: validate configs and print them resolved.
 
-Resolved = defaults filled in and TIERKV_* environment overrides applied (the file defaults to
-$TIERKV_CONFIG_FILE, else the built-in defaults). When the config names the model's KV shape
-(model.num_layers, num_kv_heads, head_dim and a kv_dtype other than auto), the GPU budget is
-also checked against sinks + window and the staging ring, as the runtime would at start-up.
+Resolved = defaults filled in and TIERKV_* environment overrides applied (with no path, the
+file is $TIERKV_CONFIG_FILE, else the built-in defaults). Every error of every file is
+reported, one line each, naming the file and the key; the exit code is 2 when any file has
+one. When a config names the model's KV shape (model.num_layers, num_kv_heads, head_dim and a
+kv_dtype other than auto), the GPU budget is also checked against sinks + window and the
+staging ring, as the runtime would at start-up. Sizes print as bytes with a human-readable
+comment; secrets (passwords in URLs, fields named like secrets) print as ***.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import yaml
+
+from tierkv.units import format_bytes
+
+_SIZE_LINE = re.compile(r"^(?P<head>\s*(?:- )?\w+_bytes: )(?P<num>\d+)$")
 
 
 def add_parser(commands) -> None:
     p = commands.add_parser("config", help="work with tierkv config files", description="Work with tierkv config files.")
     sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = sub.add_parser("check", help="validate a config and print it resolved", description=__doc__.splitlines()[0])
-    check.add_argument("path", nargs="?", help="YAML config (default: $TIERKV_CONFIG_FILE or the built-in defaults)")
+    check = sub.add_parser("check", help="validate configs and print them resolved", description=__doc__.splitlines()[0])
+    check.add_argument("paths", nargs="*", metavar="PATH",
+                       help="YAML configs (default: $TIERKV_CONFIG_FILE or the built-in defaults)")
     check.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     check.set_defaults(handler=run_check)
 
 
 def run_check(args) -> int:
-    from tierkv.config import load_config
-    from tierkv.config_loader import to_dict
+    sources = args.paths or [None]
+    resolved: dict[str, dict] = {}
+    num_bad = 0
+    for path in sources:
+        source = path or "built-in defaults and TIERKV_* environment"
+        data, errors, checked = check_one(path)
+        for err in errors:
+            print(f"tierkv config check: error: {source}: {err}", file=sys.stderr)
+        if errors:
+            num_bad += 1
+            continue
+        resolved[source] = data
+        extra = "; GPU budget checked against the model's KV shape" if checked else ""
+        print(f"tierkv config check: {source}: OK{extra}", file=sys.stderr)
+    _print_resolved(resolved, args.json, several=len(sources) > 1)
+    if len(sources) > 1:
+        print(f"tierkv config check: {len(sources) - num_bad} of {len(sources)} configs OK", file=sys.stderr)
+    return 2 if num_bad else 0
 
-    config = load_config(args.path)
-    checked = _check_budget(config)
-    data = to_dict(config)
-    print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip())
-    source = args.path or "built-in defaults and TIERKV_* environment"
-    extra = "; GPU budget checked against the model's KV shape" if checked else ""
-    print(f"tierkv config check: {source}: OK{extra}", file=sys.stderr)
-    return 0
+
+def check_one(path: str | None) -> tuple[dict | None, list, bool]:
+    """(resolved config as printable data, every ConfigError, whether the budget was checked)."""
+    from tierkv.config import ConfigError, config_errors, load_config
+    from tierkv.config_loader import shown_dict
+
+    errors = config_errors(path)
+    if errors:
+        return None, errors, False
+    config = load_config(path)
+    try:
+        checked = _check_budget(config)
+    except ConfigError as err:
+        return None, [err], False
+    return shown_dict(config), [], checked
+
+
+def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) -> None:
+    if as_json:
+        if resolved:
+            print(json.dumps(resolved if several else next(iter(resolved.values())), indent=2))
+        return
+    for source, data in resolved.items():
+        if several:
+            print(f"--- # {source}")
+        print(with_sizes(yaml.safe_dump(data, sort_keys=False).rstrip()))
+
+
+def with_sizes(text: str) -> str:
+    """YAML lines `*_bytes: N` with a comment giving N human-readable: `# 2.00 GiB (2147483648 bytes)`."""
+    lines = []
+    for line in text.splitlines():
+        match = _SIZE_LINE.match(line)
+        if match:
+            num = int(match["num"])
+            line = f"{line}  # {format_bytes(num)} ({num} bytes)"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _check_budget(config) -> bool:

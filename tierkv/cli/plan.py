@@ -1,6 +1,6 @@
 """`tierkv plan`: where one request's KV lives and what each decode step moves, without a model.
 
-Primitives: `KVShape`, `PRESETS`, `load_shape`, `make_plan`, `format_plan`, `parse_tokens`.
+Primitives: `KVShape`, `PRESETS`, `load_shape`, `make_plan`, `format_plan` (token counts: `tierkv.units.parse_tokens`).
 
     tierkv plan --model-config llama-3.1-8b --context 128k --gpu-budget 2GiB [--config YAML]
                 [--h2d-gbps 55] [--vllm-kv-pool 20GiB] [--json]
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from tierkv.units import TOKEN_UNITS_HELP
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_H2D_GBPS = 55.0
@@ -72,16 +74,6 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
 
 def _dtype(name: str) -> str:
     return name if name in DTYPE_BYTES else "bfloat16"
-
-
-def parse_tokens(text: str) -> int:
-    """'131072', '128k' (x1024) -> tokens."""
-    value = text.strip().lower()
-    scale = 1024 if value.endswith("k") else 1
-    digits = value[:-1] if scale > 1 else value
-    if not digits.isdigit() or int(digits) == 0:
-        raise ValueError(f"expected a positive number of tokens such as 131072 or 128k, got {text!r}")
-    return int(digits) * scale
 
 
 def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT_H2D_GBPS,
@@ -200,7 +192,8 @@ def add_parser(commands) -> None:
                             description=__doc__.splitlines()[0])
     p.add_argument("--model-config", required=True, metavar="PRESET|PATH",
                    help=f"a preset ({', '.join(PRESETS)}) or a transformers config.json / model directory")
-    p.add_argument("--context", required=True, metavar="TOKENS", help="tokens in the request, e.g. 131072 or 128k")
+    p.add_argument("--context", required=True, metavar="TOKENS",
+                   help=f"tokens in the request, e.g. 131072, 128k or 1M ({TOKEN_UNITS_HELP})")
     p.add_argument("--gpu-budget", metavar="SIZE", help="GPU bytes for KV, e.g. 2GiB (default: the config's)")
     p.add_argument("--config", metavar="YAML", help="tierkv config (block size, window, tiers; default: built-in)")
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV dtype (default: the model's)")
@@ -213,10 +206,13 @@ def add_parser(commands) -> None:
 def run_plan(args) -> int:
     from tierkv.cli import UsageError
     from tierkv.config import ConfigError, load_config
-    from tierkv.units import parse_bytes
+    from tierkv.units import parse_bytes, parse_tokens
 
     try:
         context = parse_tokens(args.context)
+    except ValueError as exc:
+        raise UsageError(f"--context: {exc}") from None
+    try:
         budget = parse_bytes(args.gpu_budget) if args.gpu_budget is not None else None
         pool = parse_bytes(args.vllm_kv_pool) if args.vllm_kv_pool is not None else None
     except ValueError as exc:

@@ -5,14 +5,16 @@
 
 The prompt is text (needs the model's tokenizer), a file of text, or a file holding a JSON list
 of token ids; --demo makes a random prompt of --prompt-tokens. The generated text (or token ids)
-goes to stdout; a progress bar on prefill (for prompts longer than four prefill chunks) and a
-summary go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
+goes to stdout; progress bars on prefill (for prompts longer than four prefill chunks) and on
+decode (tokens and tok/s, from 16 new tokens), and a summary, go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+from tierkv.units import TOKEN_UNITS_HELP
 
 
 def add_parser(commands) -> None:
@@ -25,8 +27,9 @@ def add_parser(commands) -> None:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT")
     prompt.add_argument("--prompt-file", metavar="PATH", help="text, or a JSON list of token ids")
-    prompt.add_argument("--prompt-tokens", type=int, metavar="N", help="a random prompt of N token ids (default with --demo: 2048)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    prompt.add_argument("--prompt-tokens", metavar="N", help="a random prompt of N token ids (default with --demo: 2048); "
+                        f"token counts take {TOKEN_UNITS_HELP}")
+    p.add_argument("--max-new-tokens", metavar="N", default="32", help="default 32; e.g. 512 or 4k")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
@@ -36,7 +39,7 @@ def add_parser(commands) -> None:
     p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve /metrics and the live dashboard")
     p.add_argument("--report", metavar="HTML", help="write the dashboard of this run as one static HTML file")
     p.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
     p.set_defaults(handler=run_generate)
 
 
@@ -45,11 +48,13 @@ def run_generate(args) -> int:
     from tierkv.config import load_config
     from tierkv.sampling import SamplingParams
 
-    prompt = _read_prompt(args)  # before loading anything: a bad prompt fails fast
+    prompt = _read_prompt(args)  # before loading anything: a bad prompt or device fails fast
+    _check_device(args.device)
+    max_new_tokens = _token_count("--max-new-tokens", args.max_new_tokens)
     if args.demo and isinstance(prompt, str):
         raise UsageError("the demo model has no tokenizer: use --prompt-tokens N or a --prompt-file of token ids")
     try:
-        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed if args.temperature > 0 else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -66,7 +71,7 @@ def run_generate(args) -> int:
             prompt = _random_prompt(prompt, llm.vocab_size, args.seed)
         try:
             (out,) = llm.generate([prompt], sampling)
-        except ValueError as exc:  # bad prompt, or a request the CPU tier cannot hold
+        except (ValueError, TypeError) as exc:  # bad prompt (PromptError), or a request the CPU tier cannot hold
             raise UsageError(str(exc)) from None
         stats = llm.stats()
     _print(args, out, stats)
@@ -97,10 +102,30 @@ def _read_prompt(args) -> str | list | int:
         return value if isinstance(value, list) else text
     if args.prompt_tokens is None and not args.demo:
         raise UsageError("give a prompt: --prompt TEXT, --prompt-file PATH or --prompt-tokens N")
-    num_tokens = 2048 if args.prompt_tokens is None else args.prompt_tokens
-    if num_tokens < 1:
-        raise UsageError(f"--prompt-tokens: got {num_tokens}; must be at least 1")
-    return num_tokens
+    return 2048 if args.prompt_tokens is None else _token_count("--prompt-tokens", args.prompt_tokens)
+
+
+def _token_count(flag: str, text: str) -> int:
+    from tierkv.cli import UsageError
+    from tierkv.units import parse_tokens
+
+    try:
+        return parse_tokens(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def _check_device(device: str | None) -> None:
+    from tierkv.cli import UsageError
+
+    if device is None:
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: got {device!r}; expected e.g. cpu, cuda or cuda:1") from None
 
 
 def _random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:

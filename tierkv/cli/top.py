@@ -3,10 +3,14 @@
     tierkv top --endpoint http://127.0.0.1:9400     a running TieredLLM (metrics.prometheus_port)
     tierkv top --jsonl run.jsonl [--once]           a recorded or growing JSONL file
 
-Redraws every --interval seconds until Ctrl-C; --once prints one frame and exits.
+Redraws every --interval seconds until Ctrl-C; --once prints one frame and exits. The frame
+fits the terminal's width (COLUMNS, else 120 when not a terminal): the tier table keeps the
+columns that fit, most useful first, and the other lines wrap between words (drawn with rich).
 """
 from __future__ import annotations
 
+import io
+import shutil
 import sys
 import time
 
@@ -52,9 +56,10 @@ def run_top(args) -> int:
                 if not lines:
                     print(f"tierkv top: no snapshots in {source.description} yet", file=sys.stderr)
                     return 1
-                print(render(lines[-1], source.description))
+                print(render(lines[-1], source.description, width=terminal_width()))
                 return 0
-            frame = render(lines[-1], source.description) if lines else f"waiting for snapshots from {source.description}"
+            frame = (render(lines[-1], source.description, width=terminal_width()) if lines
+                     else f"waiting for snapshots from {source.description}")
             sys.stdout.write((CLEAR if sys.stdout.isatty() else "") + frame + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
@@ -78,27 +83,73 @@ def _num(value) -> str:
     return "-" if value is None else str(value)
 
 
-def render(line: dict, description: str) -> str:
-    """One frame: per-tier table, GPU memory, transfers, scheduler, prefetch, requests."""
+def terminal_width() -> int:
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+# tier table columns in display order: (header, cell of (tier name, figures, rates, p50 of get))
+TIER_COLUMNS = (
+    ("tier", lambda name, f, r, p50: name),
+    ("hit rate", lambda name, f, r, p50: _pct(f.get(f"tier.{name}.hit_rate"))),
+    ("interval", lambda name, f, r, p50: _pct(r.get(f"tier.{name}.hit_rate_interval"))),
+    ("lookups", lambda name, f, r, p50: _num(f.get(f"tier.{name}.lookups"))),
+    ("hits", lambda name, f, r, p50: _num(f.get(f"tier.{name}.hits"))),
+    ("misses", lambda name, f, r, p50: _num(f.get(f"tier.{name}.misses"))),
+    ("read", lambda name, f, r, p50: _bytes(f.get(f"tier.{name}.bytes_read"))),
+    ("written", lambda name, f, r, p50: _bytes(f.get(f"tier.{name}.bytes_written"))),
+    ("read/s", lambda name, f, r, p50: _rate(r.get(f"tier.{name}.bytes_read_per_s"))),
+    ("written/s", lambda name, f, r, p50: _rate(r.get(f"tier.{name}.bytes_written_per_s"))),
+    ("get p50", lambda name, f, r, p50: "-" if p50 is None else f"<={p50 * 1e3:g}ms"),
+)
+# which columns a narrow terminal keeps: most useful first
+COLUMN_PRIORITY = ("tier", "hit rate", "lookups", "hits", "misses", "read", "written", "interval", "get p50",
+                   "read/s", "written/s")
+
+
+def _tier_table(line: dict, width: int):
+    """The per-tier table, one line per tier: the columns that fit `width`, taken in COLUMN_PRIORITY
+    order and shown in TIER_COLUMNS order."""
+    from rich.table import Table
+
     f, r = line["figures"], line["rates"]
-    out = [f"tierkv top - {description} - run {line['run_id']}, {line['elapsed_s']:.1f} s, "
-           f"snapshot {line['seq']} ({line['kind']})", ""]
-    head = f"{'tier':<6} {'hit rate':>9} {'interval':>9} {'lookups':>9} {'hits':>9} {'misses':>9} " \
-           f"{'read':>11} {'written':>11} {'read/s':>13} {'written/s':>13} {'get p50':>9}"
-    out.append(head)
+    rows = []
     for name in tier_names(f):
         get = line.get("latency", {}).get(f"{name}.get")
         p50 = histogram_quantile(get, 0.5) if get else None
-        out.append(
-            f"{name:<6} {_pct(f.get(f'tier.{name}.hit_rate')):>9} {_pct(r.get(f'tier.{name}.hit_rate_interval')):>9} "
-            f"{_num(f.get(f'tier.{name}.lookups')):>9} {_num(f.get(f'tier.{name}.hits')):>9} "
-            f"{_num(f.get(f'tier.{name}.misses')):>9} {_bytes(f.get(f'tier.{name}.bytes_read')):>11} "
-            f"{_bytes(f.get(f'tier.{name}.bytes_written')):>11} {_rate(r.get(f'tier.{name}.bytes_read_per_s')):>13} "
-            f"{_rate(r.get(f'tier.{name}.bytes_written_per_s')):>13} {'-' if p50 is None else f'<={p50 * 1e3:g}ms':>9}"
-        )
+        rows.append([cell(name, f, r, p50) for _, cell in TIER_COLUMNS])
+    kept, used = [], 0
+    headers = [header for header, _ in TIER_COLUMNS]
+    for header in COLUMN_PRIORITY:
+        i = headers.index(header)
+        column_width = max([len(header)] + [len(row[i]) for row in rows]) + 2  # one space of padding each side
+        if used + column_width > width:
+            break  # a narrower, less useful column does not take the place of this one
+        kept.append(i)
+        used += column_width
+    kept.sort()
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 1))
+    for i in kept:
+        table.add_column(TIER_COLUMNS[i][0], justify="left" if i == 0 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[i] for i in kept))
+    return table
+
+
+def render(line: dict, description: str, *, width: int = 120) -> str:
+    """One frame no wider than `width`: per-tier table, GPU memory, transfers, scheduler, prefetch, requests."""
+    from rich.console import Console
+
+    f, r = line["figures"], line["rates"]
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False,
+                      markup=False, soft_wrap=False)
+    say = lambda text: console.print(text, overflow="fold")  # noqa: E731 - wraps between words, folds a long word
+    say(f"tierkv top - {description} - run {line['run_id']}, {line['elapsed_s']:.1f} s, "
+        f"snapshot {line['seq']} ({line['kind']})")
+    console.print()
+    console.print(_tier_table(line, width))
+    console.print()
     stall_s = f.get("prefetch.stall_s")
-    out += [
-        "",
+    for text in (
         f"GPU KV    held {_bytes(f.get('gpu.held_bytes'))} (resident {_bytes(f.get('gpu.resident_bytes'))} + staging "
         f"{_bytes(f.get('gpu.staging_bytes'))}), budget {_bytes(f.get('gpu.budget_bytes'))}",
         f"PCIe      H2D {_bytes(f.get('transfer.h2d_bytes'))} ({_rate(r.get('transfer.h2d_bytes_per_s'))}), "
@@ -112,5 +163,6 @@ def render(line: dict, description: str) -> str:
         f"dropped {_num(f.get('chain.dropped'))}",
         f"requests  {_num(f.get('requests.requests'))}: {_num(f.get('requests.prompt_tokens'))} prompt tokens "
         f"({_num(f.get('requests.prefix_tokens'))} reused), {_num(f.get('requests.generated_tokens'))} generated",
-    ]
-    return "\n".join(out)
+    ):
+        say(text)
+    return "\n".join(row.rstrip() for row in console.file.getvalue().rstrip("\n").split("\n"))

@@ -76,9 +76,12 @@ class TierCounters:
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self._latency[op].observe(elapsed)
+            self.observe_latency(op, time.perf_counter() - start)
+
+    def observe_latency(self, op: str, seconds: float) -> None:
+        """One latency sample of `op` ("get" or "put"), measured by the caller (a two-phase call)."""
+        with self._lock:
+            self._latency[op].observe(seconds)
 
     def __getitem__(self, name: str) -> int:
         with self._lock:

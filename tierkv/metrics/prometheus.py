@@ -7,12 +7,13 @@ Primitives: `TierKVCollector`, `new_registry`. Needs `prometheus_client` (the `d
                                                  scan_dropped_records, lost_blocks alike; the last two
                                                  also _by_reason{tier,reason}
     tierkv_tier_hit_ratio{tier="gpu"}            tier "gpu": attention block reads from the hot window
-    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls
+    tierkv_tier_latency_seconds{tier,op}         histogram of get / put calls (LATENCY_HELP says what each times)
     tierkv_transfer_bytes_total{direction="h2d"} tierkv_scheduler_{stalls,chunks_streamed,streamed_bytes}_total
     tierkv_gpu_kv_{resident,staging,held,budget}_bytes    tierkv_chain_{spilled,promoted,dropped}_blocks_total
     tierkv_gpu_budget_{changes,refusals}_total
     tierkv_requests_total, tierkv_{prompt,prefix,generated}_tokens_total, tierkv_{prefill,decode}_seconds_total
     tierkv_prefetch_{precision,recall}, tierkv_scheduler_stall_seconds_total: only once reported
+    tierkv_model_info{name,source,weights_fingerprint,block_fingerprint}  what addresses the blocks
 
 A figure that is None (nothing reported yet) is left out rather than exported as a made-up 0.
 """
@@ -44,6 +45,10 @@ COUNTERS = {  # figure -> (metric name before _total, help)
     "gpu.budget_changes": ("tierkv_gpu_budget_changes", "GPU budget changes applied"),
     "gpu.budget_refusals": ("tierkv_gpu_budget_refusals", "GPU budget changes refused (the old budget kept)"),
 }
+MODEL_INFO = ("model.name", "model.source", "model.weights_fingerprint", "model.block_fingerprint")
+LATENCY_HELP = ("time inside a tier's calls, one sample per batched call: op get = a batch of lookups (cpu tier: "
+                "get_many, and acquire, the lookups and pins before an H2D gather); op put = a batch of stores (cpu "
+                "tier: put_many, and prepare_put plus complete_put around a D2H scatter, the copy itself not included)")
 GAUGES = {
     "gpu.resident_bytes": ("tierkv_gpu_kv_resident_bytes", "GPU bytes of resident KV slots"),
     "gpu.staging_bytes": ("tierkv_gpu_kv_staging_bytes", "GPU bytes of the prefetch staging ring"),
@@ -97,6 +102,10 @@ class TierKVCollector:
         labels = {k.replace(".", "_"): v for k, v in info.items() if k in ("transfer.backend", "layout.kv_dtype")}
         if labels:
             yield InfoMetricFamily("tierkv_runtime", "transfer backend and KV dtype", value=labels)
+        model = {k.split(".", 1)[1]: v for k, v in info.items() if k in MODEL_INFO}
+        if model:
+            yield InfoMetricFamily("tierkv_model", "the model that addresses the blocks: configured name, source, "
+                                   "weights and block-address fingerprints", value=model)
 
 
 def _tier_families(figures: dict, latency: dict) -> Iterator:
@@ -126,7 +135,7 @@ def _tier_families(figures: dict, latency: dict) -> Iterator:
             healthy.add_metric([tier], figures[f"tier.{tier}.healthy"])
     yield ratio
     yield healthy
-    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", "tier call latency", labels=["tier", "op"])
+    histogram = HistogramMetricFamily("tierkv_tier_latency_seconds", LATENCY_HELP, labels=["tier", "op"])
     for key, h in sorted(latency.items()):
         tier, op = key.rsplit(".", 1)
         cumulative, buckets = 0, []

@@ -61,6 +61,7 @@ class MetricsRecorder:
         self._reads_done = Counter()           # finished sequences: resident / streamed block reads
         self._reads_current: tuple[str, Counter] | None = None
         self._prefix_blocks: Counter = Counter()
+        self._next_chunk_n = 0                 # prefetch chunks numbered below it are in a line already
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.sampling_errors: list[str] = []
@@ -72,13 +73,13 @@ class MetricsRecorder:
 
     # -- measuring -----------------------------------------------------------------------------
     def measure(self) -> tuple[dict, dict, dict, dict | None]:
-        """(figures, latency, info, per-layer prefetch arrays) now, without recording a line."""
+        """(figures, latency, info, prefetch detail: see flatten_stats) now, without recording a line."""
         with self._lock:
-            figures, latency, info, layers = flatten_stats(self._source())
+            figures, latency, info, prefetch = flatten_stats(self._source())
             self._add_gpu_reads(figures)
             for tier, num_blocks in sorted(self._prefix_blocks.items()):
                 figures[f"requests.prefix_blocks.{tier}"] = num_blocks
-            return figures, latency, info, layers
+            return figures, latency, info, prefetch
 
     def _add_gpu_reads(self, figures: dict) -> None:
         live = self._live_reads() if self._live_reads is not None else None
@@ -101,7 +102,7 @@ class MetricsRecorder:
         with self._lock:
             if self.is_closed:
                 raise RuntimeError("the metrics recorder is closed")
-            figures, latency, info, layers = self.measure()
+            figures, latency, info, prefetch = self.measure()
             t = self._clock()
             line = {
                 "schema": SCHEMA, "run_id": self.run_id, "seq": self._seq, "kind": kind,
@@ -110,8 +111,8 @@ class MetricsRecorder:
             }
             if request is not None:
                 line["request"] = dict(request)
-            if layers is not None:
-                line["prefetch_layers"] = layers
+            if prefetch is not None:
+                self._add_prefetch_detail(line, prefetch)
             self._seq += 1
             self._previous = line
             encoded = json.dumps(line, default=str)
@@ -120,6 +121,17 @@ class MetricsRecorder:
                 self._file.write(encoded + "\n")
                 self._file.flush()
             return line
+
+    def _add_prefetch_detail(self, line: dict, detail: Mapping) -> None:
+        """Per-layer totals, and the chunks consumed since the previous line (each line's are new)."""
+        if "layers" in detail:
+            line["prefetch_layers"] = detail["layers"]
+        recent = detail.get("recent_chunks")
+        if recent:
+            new = [i for i, n in enumerate(recent["n"]) if n >= self._next_chunk_n]
+            if new:
+                line["prefetch_chunks"] = {key: [values[i] for i in new] for key, values in recent.items()}
+                self._next_chunk_n = recent["n"][-1] + 1
 
     def record_request(self, request_stats: Mapping) -> dict:
         """One finished request: its figures go into the line, its prefix reuse into the totals."""

@@ -2,7 +2,7 @@
 
 Primitives: `flatten_stats`, `derive_rates`, `tier_names`, `histogram_quantile`, `SCHEMA`.
 
-One line of a metrics JSONL file (every key but `request` and `prefetch_layers` always present):
+One line of a metrics JSONL file (every key but `request` and `prefetch_*` always present):
 
     {"schema": "tierkv.metrics/1", "run_id": "9f2c...", "seq": 7, "kind": "interval",
      "t": 1733150000.25,              # unix seconds        "elapsed_s": 3.5,
@@ -13,7 +13,9 @@ One line of a metrics JSONL file (every key but `request` and `prefetch_layers` 
      "latency": {"cpu.get": {"buckets_s": [...], "counts": [...], "sum_s": 0.01, "count": 40}, ...},
      "info": {"transfer.backend": "torch_cpu", ...},                 # strings
      "request": {...RequestOutput.stats...},                         # kind "request" only
-     "prefetch_layers": {"chunks": [...], "late_chunks": [...], "wait_s": [...]}}   # when reported
+     "prefetch_layers": {"chunks": [...], "late_chunks": [...], "wait_s": [...]},   # when reported
+     "prefetch_chunks": {"n": [...], "t": [...], "layer": [...], "is_late": [...], "wait_s": [...]}}
+                       # chunks consumed since the previous line (at most the last 256), t in unix seconds
 
 Tier "gpu" counts attention's block reads: a hit is a block read from the GPU hot window, a
 miss one streamed from the CPU tier. Under vLLM, where the stats come from the connector's store,
@@ -38,21 +40,24 @@ PER_SECOND_TIER = ("bytes_read", "bytes_written")
 # Running totals whose change per line is kept (suffix "_interval").
 PER_INTERVAL = ("scheduler.stalls", "scheduler.chunks_streamed", "chain.dropped", "prefetch.stall_s")
 ALWAYS_PRESENT = ("prefetch.precision", "prefetch.recall", "prefetch.stall_s")
+PREFETCH_DETAIL = ("layers", "recent_chunks")  # arrays in stats()["prefetch"], not figures
 
 
 def flatten_stats(stats: Mapping) -> tuple[dict, dict, dict, dict | None]:
-    """stats() -> (figures, latency histograms, info strings, per-layer prefetch arrays or None)."""
+    """stats() -> (figures, latency histograms, info strings, prefetch detail or None): the detail
+    holds what the prefetcher reported of "layers" (per-layer arrays) and "recent_chunks"."""
     figures: dict = {}
     latency: dict = {}
     info: dict = {}
-    layers = None
+    prefetch = None
     for key, value in stats.items():
         if key == "tiers":
             for tier in value:
                 _flatten_tier(tier, figures, latency)
         elif key == "prefetch" and isinstance(value, Mapping):
-            layers = value.get("layers")
-            _walk("prefetch", {k: v for k, v in value.items() if k != "layers"}, figures, info)
+            detail = {k: value[k] for k in PREFETCH_DETAIL if value.get(k)}
+            prefetch = detail or None
+            _walk("prefetch", {k: v for k, v in value.items() if k not in PREFETCH_DETAIL}, figures, info)
         else:
             _walk(key, value, figures, info)
     _gpu_tier_from_hot_window(figures)
@@ -61,7 +66,7 @@ def flatten_stats(stats: Mapping) -> tuple[dict, dict, dict, dict | None]:
         figures.setdefault(key, None)
     if "gpu.resident_bytes" in figures and "gpu.staging_bytes" in figures:
         figures["gpu.held_bytes"] = figures["gpu.resident_bytes"] + figures["gpu.staging_bytes"]
-    return figures, latency, info, layers
+    return figures, latency, info, prefetch
 
 
 def _gpu_tier_from_hot_window(figures: dict) -> None:

@@ -55,13 +55,25 @@ class StepPlan:
 
 def step_blocks(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int) -> tuple[list[int], range]:
     """The old full blocks a step of `num_new_tokens` tokens at t0 reads from GPU slots (sinks and far
-    cache, then the window), and those it streams from the CPU tier (host only)."""
+    cache, then the window), and those it streams from the CPU tier (host only).
+
+    The streamed range always starts at the front region's end P and never runs backwards: a
+    sequence that has not filled the front region yet (first_block < P) streams range(P, P), an
+    empty far set, so every consumer (`len`, `torch.arange(start, stop)`, slicing, the bound
+    kernels' `first <= stop`) sees a well-formed, empty range.
+
+        blocks:  0 .. P-1 (front) | P .. window_start-1 (streamed) | window_start .. first_block-1
+    """
+    if t0 < 0 or num_new_tokens < 1 or block_tokens < 1:
+        raise ValueError(f"step_blocks: t0 {t0} (>= 0), num_new_tokens {num_new_tokens} (>= 1), "
+                         f"block_tokens {block_tokens} (>= 1)")
     first_block = t0 // block_tokens
     num_blocks_after = -(-(t0 + num_new_tokens) // block_tokens)
-    resident = list(range(min(first_block, residency.num_front_blocks)))
-    window_start = max(residency.num_front_blocks, num_blocks_after - residency.num_window_blocks)
+    front = residency.num_front_blocks
+    resident = list(range(min(first_block, front)))
+    window_start = max(front, num_blocks_after - residency.num_window_blocks)
     resident += list(range(window_start, first_block))
-    return resident, range(residency.num_front_blocks, min(first_block, window_start))
+    return resident, range(front, max(front, min(first_block, window_start)))
 
 
 def plan_step(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int, device: torch.device) -> StepPlan:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
 from tierkv.config import ConfigError, StorageConfig
+from tierkv.config_fields import expand_path
 from tierkv.quant import QUANT_FORMATS, packed_layout
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain
@@ -45,7 +46,29 @@ def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pi
 
     Disk and Redis tiers are sealed (`SealedTier`) with the secret of `storage` (None: no
     secret) unless the tier is marked trusted; without a secret that raises ConfigError.
-    """
+    What the config asks and the tier cannot do (a capacity below one block, a slab the host
+    cannot allocate, a directory it cannot write) raises ConfigError naming the tier's key."""
+    try:
+        return _build_tier(index, tier_config, layout, pin_memory, storage)
+    except ConfigError:
+        raise
+    except TierError as exc:  # the disk tier cannot create or scan its directory
+        raise ConfigError(f"tiers[{index}].path", getattr(tier_config, "path", None), str(exc)) from exc
+    except ValueError as exc:  # the constructors' own parameter checks
+        raise ConfigError(f"tiers[{index}]", _shown_section(tier_config), str(exc)) from exc
+    except (RuntimeError, MemoryError) as exc:  # the CPU slab could not be allocated
+        raise ConfigError(f"tiers[{index}].capacity_bytes", tier_config.capacity_bytes,
+                          f"could not allocate it ({exc}); lower it") from exc
+
+
+def _shown_section(tier_config: "TierConfig") -> dict:
+    from dataclasses import asdict
+
+    return asdict(tier_config)
+
+
+def _build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, pin_memory: bool | None,
+                storage: "StorageConfig | None") -> StorageTier:
     quant_format = _quant_format(index, tier_config, layout)
     name = tier_config.kind
     if tier_config.kind == "cpu":  # quantizes its slab itself (codes and scales move over PCIe as they are)
@@ -63,7 +86,8 @@ def _build_store(index: int, tier_config: "TierConfig", stored: BlockLayout) -> 
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 
-        tier: StorageTier = DiskTier(name, stored, tier_config.capacity_bytes, tier_config.path)
+        path = expand_path(tier_config.path, f"tiers[{index}].path")
+        tier: StorageTier = DiskTier(name, stored, tier_config.capacity_bytes, path)
     elif tier_config.kind == "redis":
         from tierkv.storage.redis_tier import RedisTier
 

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from tierkv.redact import redact_text
 from tierkv.storage.base import PutResult, StorageTier
 
 
@@ -100,7 +101,7 @@ class TierChain:
                 self.num_spilled += len(evicted)
         except Exception as exc:  # counted and kept: a spill must never kill the pool silently
             with self._lock:
-                self.spill_errors.append(f"{type(exc).__name__}: {exc}")
+                self.spill_errors.append(redact_text(f"{type(exc).__name__}: {exc}"))
                 self.num_dropped += len(evicted)
         finally:
             with self._lock:

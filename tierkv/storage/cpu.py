@@ -12,6 +12,14 @@ GPU transfer engine uses:
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present)
 
 A pinned block is never evicted; a put that finds every slot pinned fails (ok=False).
+
+Latency (`counters`, histograms "get" and "put", one sample per batched call):
+
+    get   get_many (lookups and the copy out of the slab), and acquire (lookups and pins of the
+          blocks an H2D gather will read)
+    put   put_many (the copy into the slab and the index), and a two-phase put: prepare_put's
+          time plus complete_put's for the batch. The copies the transfer engine runs between
+          them (D2H scatter, H2D gather) are not tier time: they are in the transfer figures.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import logging
 import math
 import os
 import re
+import time
 import weakref
 from collections import Counter, OrderedDict
 from typing import Sequence
@@ -168,6 +177,7 @@ class CpuTier(StorageTier):
                        if quant_format is not None else None)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
         self._pending: dict[str, int] = {}  # prepared, not yet complete
+        self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
         self._pins: Counter[str] = Counter()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
@@ -269,6 +279,7 @@ class CpuTier(StorageTier):
         with self._lock:
             self._slot_of.clear()
             self._pending.clear()
+            self._prepare_s.clear()
             self._pins.clear()
             self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
@@ -282,6 +293,7 @@ class CpuTier(StorageTier):
         """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted)."""
         slots: list[int | None] = []
         evicted: list[tuple[str, torch.Tensor]] = []
+        start = time.perf_counter()
         with self._lock:
             pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
             for key in keys:
@@ -293,16 +305,24 @@ class CpuTier(StorageTier):
                 result = self._allocate(key)
                 evicted.extend(result.evicted)
                 slots.append(self._pending[key] if result.ok else None)
+            elapsed = time.perf_counter() - start
+            self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
         self.counters.add(evictions=len(evicted))
         return slots, evicted
 
     def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
-        """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`."""
+        """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`.
+        Records one "put" latency sample: this call's time plus its batch's prepare_put time."""
+        start = time.perf_counter()
         with self._lock:
+            prepare_s = self._prepare_s
+            prepared_s = max((prepare_s.pop(key) for key in keys), default=None)
             for key in keys:
                 self._slot_of[key] = self._pending.pop(key)
                 if not keep_pinned:
                     self._unpin(key)
+        if prepared_s is not None:
+            self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
 
     def abort_put(self, keys: Sequence[str]) -> None:
@@ -310,11 +330,14 @@ class CpuTier(StorageTier):
         with self._lock:
             for key in keys:
                 self._free_slots.append(self._pending.pop(key))
+                self._prepare_s.pop(key, None)
                 self._unpin(key)
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups.
-        (A long prefix pins some 50k keys per request: the loop keeps to local names.)"""
+        (A long prefix pins some 50k keys per request: the loop keeps to local names.)
+        Records one "get" latency sample for the batch."""
+        start = time.perf_counter()
         with self._lock:
             slot_of = self._slot_of
             slots = [slot_of.get(k) for k in keys]
@@ -325,6 +348,7 @@ class CpuTier(StorageTier):
                     bump(key)
                     pins[key] = pinned(key, 0) + 1  # not Counter's +=: its __missing__ runs in Python, per key
                     num_hits += 1
+        self.counters.observe_latency("get", time.perf_counter() - start)
         self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return slots
 

@@ -24,7 +24,8 @@ import threading
 from typing import Any, Callable, Sequence
 
 from tierkv.storage.redis_link import KeyFailed, LinkBase, Unavailable, import_redis, send_sets
-from tierkv.storage.redis_url import RedisUrl
+from tierkv.redact import redact_text
+from tierkv.redis_url import ClusterUrl
 
 TOPOLOGY = "topology"  # health of reaching any startup node, before a slot map exists
 
@@ -32,7 +33,7 @@ TOPOLOGY = "topology"  # health of reaching any startup node, before a slot map 
 class ClusterLink(LinkBase):
     """Blocks spread over the primaries of the cluster that `address.startup_nodes` belong to."""
 
-    def __init__(self, tier_name: str, address: RedisUrl, timeout_s: float, retry_interval_s: float,
+    def __init__(self, tier_name: str, address: ClusterUrl, timeout_s: float, retry_interval_s: float,
                  on_error: Callable[[], None]):
         redis = import_redis()
         super().__init__(tier_name, redis, retry_interval_s, on_error)
@@ -125,7 +126,7 @@ class ClusterLink(LinkBase):
         try:
             return redirected(cluster, i)
         except self._redirects + self._setup_errors as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
             self._on_error()
             return KeyFailed(f"redirected: {self.last_error}")
 
@@ -173,5 +174,5 @@ class ClusterLink(LinkBase):
         try:
             cluster.nodes_manager.initialize(last_failed_node_name=None if failed == TOPOLOGY else failed)
         except self._setup_errors as exc:
-            self.last_error = f"slot map refresh: {type(exc).__name__}: {exc}"
+            self.last_error = redact_text(f"slot map refresh: {type(exc).__name__}: {exc}")
             self._on_error()

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from tierkv.redact import redact_text
 from tierkv.storage.base import TierError
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class LinkBase:
             self._mark_down(node, exc)
             return [Unavailable(f"{node}: {self.last_error}")] * num_keys
         except self._redis_error as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
             logger.warning("%s: redis error from %s: %s", self.tier_name, node, self.last_error)
             self._on_error()
             return [KeyFailed(f"{node}: {self.last_error}")] * num_keys
@@ -106,10 +107,10 @@ class LinkBase:
         return replies
 
     def _mark_down(self, node: str, exc: BaseException) -> None:
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
         if self.health.mark_down(node):
             logger.warning("%s: redis at %s unreachable, retry in %.1fs: %s",
-                           self.tier_name, node, self.health.retry_interval_s, exc)
+                           self.tier_name, node, self.health.retry_interval_s, self.last_error)
         self._on_error()
 
     def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str]) -> list[Any]:
@@ -129,7 +130,7 @@ class SingleLink(LinkBase):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.node = url
+        self.node = redact_text(url)  # how logs and down_nodes name the server
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )

@@ -38,10 +38,11 @@ from typing import Any, Sequence
 import torch
 
 from tierkv.blocks import BlockLayout
+from tierkv.redact import redact_text
+from tierkv.redis_url import is_cluster_url, parse_cluster_url, single_url_problem
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.codec import CorruptBlock, decode_block_into, encode_block
 from tierkv.storage.redis_link import KeyFailed, SingleLink, Unavailable
-from tierkv.storage.redis_url import URL_FORMS, parse_redis_url
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +259,14 @@ def _check_params(name, layout, capacity_bytes, namespace, ttl_s, timeout_s, ret
 def _connect(name: str, url: str, timeout_s: float, retry_interval_s: float, on_error) -> Any:
     """The link for `url`: one server, or a cluster (redis+cluster://); ValueError for a malformed url."""
     try:
-        address = parse_redis_url(url)
-        if address.is_cluster:
+        if is_cluster_url(url):
             from tierkv.storage.redis_cluster import ClusterLink
 
-            return ClusterLink(name, address, timeout_s, retry_interval_s, on_error)
-        return SingleLink(name, url, timeout_s, retry_interval_s, on_error)
+            return ClusterLink(name, parse_cluster_url(url), timeout_s, retry_interval_s, on_error)
+        problem = single_url_problem(url)
+        if problem is None:
+            return SingleLink(name, url, timeout_s, retry_interval_s, on_error)
     except ValueError as exc:
-        raise ValueError(f"malformed Redis url {url!r}: {exc}; expected {URL_FORMS}") from None
+        problem = str(exc)
+    expected = "redis://host:port/db, rediss://host:port/db, unix:///path or redis+cluster://host:port,host:port"
+    raise ValueError(redact_text(f"malformed Redis url {url!r}: {problem}; expected {expected}"))

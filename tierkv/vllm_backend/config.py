@@ -6,7 +6,7 @@ Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_
         "kv_connector": "TierKVConnector",
         "kv_connector_module_path": "tierkv.vllm_backend.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"config_file": "configs/vllm-128k.yaml"},
+        "kv_connector_extra_config": {"config_file": "vllm-128k"},   # or a path
     })
 
 Without `config_file` the TIERKV_CONFIG_FILE environment variable names the file. The file is
@@ -19,6 +19,7 @@ import os
 from typing import Any, Mapping
 
 from tierkv.config import ConfigError, TierKVConfig, load_config
+from tierkv.configs import resolve_config_path
 
 CONNECTOR_NAME = "TierKVConnector"
 CONNECTOR_MODULE = "tierkv.vllm_backend.connector"
@@ -53,8 +54,11 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if not path:
         raise ConfigError("kv_connector_extra_config.config_file", None,
                           "name a tierkv YAML file there or in the TIERKV_CONFIG_FILE environment variable")
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-        raise ConfigError("kv_connector_extra_config.config_file", path, "must be an existing tierkv YAML file")
+    if isinstance(path, (str, os.PathLike)):
+        path = resolve_config_path(path)  # a shipped config's name ('vllm-128k') or a path
+    if not isinstance(path, os.PathLike) or not os.path.isfile(path):
+        raise ConfigError("kv_connector_extra_config.config_file", extra.get("config_file") or path,
+                          "must be an existing tierkv YAML file or a shipped config's name")
     config = load_config(path, env=env)
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,

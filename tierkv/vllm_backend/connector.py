@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.blocks import BlockLayout
 from tierkv.config import ConfigError
+from tierkv.model_identity import ModelIdentity, checkpoint_identity
 from tierkv.vllm_backend import hot_window
 from tierkv.vllm_backend.config import config_from_kv_transfer
 from tierkv.vllm_backend.far import FarKV
@@ -74,6 +75,18 @@ class _RequestState:
     pending_load: BlockSpan | None = None
 
 
+def model_identity_of(config, extra: dict | None, model_config) -> ModelIdentity:
+    """What names the engine's model in every block address: the configured `model.name`, the
+    checkpoint (vLLM's model path and revision, and `model_id` of the extra config), and a
+    digest of its weight files (`checkpoint_identity`). The scheduler and every worker compute the
+    same one from the same files."""
+    model_id = (extra or {}).get("model_id")
+    path = getattr(model_config, "model", None) or model_id or config.model.name
+    revision = getattr(model_config, "revision", None)
+    return checkpoint_identity(config.model.name, path, None if revision is None else str(revision),
+                               model_id=None if model_id is None else str(model_id))
+
+
 def max_num_seqs_of(vllm_config) -> int:
     """vLLM's max_num_seqs (1 when its config does not say)."""
     return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
@@ -95,8 +108,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
         self.layout, self.layer_names, self.hot_window = _layout_of(kv_cache_config, self.block_size)
         model_config = getattr(vllm_config, "model_config", None)
-        self.model_id = (extra or {}).get("model_id") or (model_config.model if model_config is not None
-                                                          else self.config.model.name)
+        self.model_id = model_identity_of(self.config, extra, model_config)
         self.max_model_len = getattr(model_config, "max_model_len", None)
         self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it

@@ -189,6 +189,9 @@ class RowCaches:
         bakes it): (slots int64 [m, j], miss bool [m, j]). One Triton launch for every row on CUDA; row
         by row elsewhere. counters, prefetch: as `place`."""
         counters = self.counters if counters is None else counters
+        if ids.shape[0] == 0 or ids.shape[1] == 0:  # no row, or empty selections: nothing placed or launched
+            return torch.zeros(ids.shape, dtype=torch.int64, device=ids.device), torch.zeros(
+                ids.shape, dtype=torch.bool, device=ids.device)
         if not self.per_layer:  # nothing kept: each set's slots, every id copied
             miss = ids >= 0
             counters.add_(torch.stack([self._zero, miss.sum(), miss.any(1).sum()]))

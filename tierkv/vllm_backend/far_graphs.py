@@ -147,7 +147,9 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     k, m = far.sparse_blocks, len(reqs)
     layer_tables = [req.summaries.summaries.tables[layer] for req in reqs]
     widths = [t.shape[0] for t in layer_tables]
-    scores = torch.empty((m, max(widths)), dtype=torch.float32, device=q.device)
+    # at least k columns: tables shorter than a selection (max_model_len below the sparse budget) still give
+    # [m, k] ids, the columns past each table -inf, so -1 (no block) below
+    scores = torch.empty((m, max([*widths, k])), dtype=torch.float32, device=q.device)
     if not masked_bounds_rows(layer_tables, q, num_far, scores, tables):
         if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
             scores.fill_(float("-inf"))

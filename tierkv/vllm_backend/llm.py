@@ -31,7 +31,6 @@ import json
 import os
 import tempfile
 import time
-from typing import Sequence
 
 import yaml
 
@@ -117,22 +116,15 @@ class VllmTieredLLM:
                 kwargs.get("max_num_seqs"))}
         return kwargs
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
-        """Same inputs and outputs as the transformers backend; vLLM batches the prompts."""
+    def generate(self, prompts, sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
+        """Same inputs (any form `tierkv.prompts` accepts, checked before any work) and outputs as the
+        transformers backend; vLLM batches the prompts."""
         from vllm import SamplingParams as VllmSampling
 
         from tierkv.llm import generate_inputs
 
-        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs)
-        inputs = []
-        for i, prompt in enumerate(batch):
-            if isinstance(prompt, str):
-                inputs.append(prompt)
-            elif not prompt:
-                raise ValueError(f"request {i}: the prompt is empty")
-            else:
-                inputs.append({"prompt_token_ids": list(prompt)})
+        sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self._vocab_size())
+        inputs = [prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt} for prompt in batch]
         params = VllmSampling(
             max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k or 0,
             top_p=sampling.top_p or 1.0, seed=sampling.seed, ignore_eos=sampling.ignore_eos,
@@ -158,6 +150,11 @@ class VllmTieredLLM:
                                          stats=stats, request_id=str(out.request_id), prompt=out.prompt))
         self._totals["wall_s"] += wall_s
         return results
+
+    def _vocab_size(self) -> int | None:
+        """The engine model's vocabulary size (token ids are checked against it), None when not known."""
+        model_config = getattr(self.engine.llm_engine, "model_config", None)
+        return model_config.get_vocab_size() if hasattr(model_config, "get_vocab_size") else None
 
     def stats(self) -> dict:
         """Running totals, the GPU bytes reserved for sparse key summaries, and the tiers'
@@ -417,9 +414,11 @@ def require_plugin_installed(entry_points=None) -> None:
 
 def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
     """(validated config, a YAML path the connector loads, that path if written here to be removed)."""
+    from tierkv.llm import config_of
+
     if isinstance(config, (str, os.PathLike)):
         return load_config(config), os.fspath(config), None
-    loaded = config if isinstance(config, TierKVConfig) else load_config(config)
+    loaded = config_of(config)
     handle, path = tempfile.mkstemp(prefix="tierkv-vllm-", suffix=".yaml")
     with os.fdopen(handle, "w") as f:
         yaml.safe_dump(to_dict(loaded), f)

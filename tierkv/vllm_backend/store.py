@@ -33,6 +33,7 @@ import torch
 from tierkv.block_io import BlockIO, allocating_on_copy_stream
 from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
+from tierkv.model_identity import ModelIdentity
 from tierkv.scheduler.plan import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
@@ -48,11 +49,14 @@ class _LayerLoad:
 
 
 class VllmKVStore:
-    def __init__(self, config: TierKVConfig, layout: BlockLayout, layer_names: Sequence[str], model_id: str,
-                 device: torch.device | str, *, lookup_only: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        """tp_rank, tp_size: under tensor parallelism each rank holds its own KV heads, so its keys
-        name the rank (`<hash>/L<layer>/R<rank>of<size>`); a lookup store (scheduler side) finds a
-        block only when every rank's copy is held."""
+    def __init__(self, config: TierKVConfig, layout: BlockLayout, layer_names: Sequence[str],
+                 model_id: str | ModelIdentity, device: torch.device | str, *, lookup_only: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        """model_id: what names the model in every block address (a `ModelIdentity`, or a string
+        taken as it is). tp_rank, tp_size: under tensor parallelism each rank holds its own KV heads,
+        so its keys name the rank (`<hash>/L<layer>/R<rank>of<size>`); a lookup store (scheduler
+        side) finds a block only when every rank's copy is held."""
+        self.identity = model_id if isinstance(model_id, ModelIdentity) else ModelIdentity(model_id, model_id, None)
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: got {tp_rank}; must be in [0, tp_size={tp_size})")
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -60,7 +64,7 @@ class VllmKVStore:
         self.layout = layout
         self.layer_index = layer_order(layer_names)
         self.num_layers = len(self.layer_index)
-        self.fingerprint = model_fingerprint(model_id, self.num_layers, layout)
+        self.fingerprint = model_fingerprint(self.identity.key, self.num_layers, layout)
         self.device = torch.device(device)
         self.lookup_only = lookup_only
         tiers = [t for t in config.tiers if t.kind != "cpu"] if lookup_only else config.tiers
@@ -346,7 +350,7 @@ class VllmKVStore:
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        out = {"counts": dict(self.counts)}
+        out = {"counts": dict(self.counts), "model": {**self.identity.stats(), "block_fingerprint": self.fingerprint}}
         if self.step_connector_ms:
             out["step_connector_ms"] = list(self.step_connector_ms)
         if self.save_step_ms:

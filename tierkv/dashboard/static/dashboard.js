@@ -2,7 +2,8 @@
 // Data: window.TIERKV = {mode: "static"} with the lines in the JSON element #tierkv-data, or
 // {mode: "live"}: polls api/snapshots?since=N every second. Only the last run in the data is shown.
 // Each chart figure element gets data-series = JSON of the chart's own data (uPlot's u.data and
-// labels), so a test can read back exactly what is drawn; body[data-ready] is set after a draw.
+// labels), so a test can read back exactly what is drawn, and data-ticks = the y axis's tick
+// labels as drawn; body[data-ready] is set after a draw.
 (function () {
   "use strict";
   const config = window.TIERKV || { mode: "live" };
@@ -18,6 +19,19 @@
     return (i === 0 ? v.toFixed(0) : v.toFixed(2)) + " " + units[i];
   }
   const fmtRate = (v) => (v == null ? "–" : fmtBytes(v) + "/s");
+  // Axis ticks of byte charts sit on powers of two (256 MiB, 512 MiB, 1 GiB): uPlot picks one of
+  // these increments and puts ticks on its multiples; labels drop trailing zeros ("1.5 GiB").
+  const BINARY_INCRS = Array.from({ length: 51 }, (_, i) => 2 ** i);
+  function fmtBytesTick(v) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (Math.abs(v) >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+    return String(Number(v.toFixed(4))) + " " + units[i];
+  }
+  const fmtRateTick = (v) => fmtBytesTick(v) + "/s";
+  const TICK_FORMAT = new Map([[fmtBytes, fmtBytesTick], [fmtRate, fmtRateTick]]);
+  const fmtNumTick = (v) => String(Number(v.toPrecision(4)));
+  const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
   const fmtPct = (v) => (v == null ? "–" : (100 * v).toFixed(1) + "%");
   const fmtNum = (v) => (v == null ? "–" : Number.isInteger(v) ? String(v) : v.toPrecision(4));
   const fmtSec = (v) => (v == null ? "–" : v < 1e-3 ? (1e6 * v).toFixed(1) + " µs" : v < 1 ? (1e3 * v).toFixed(2) + " ms" : v.toFixed(2) + " s");
@@ -43,6 +57,10 @@
   const hasKey = (lines, section, key) => lines.some((l) => key in (l[section] || {}));
   const hasValue = (values) => values.some((v) => v != null);
   const fromZero = (u, min, max) => [0, max > 0 ? max * 1.1 : 1];
+  function lastValue(values) {
+    for (let i = values.length - 1; i >= 0; i--) if (values[i] != null) return values[i];
+    return null;
+  }
 
   // -- chart specs: {x, xTime, series: [{label, values, scale}], fmt, note} -----------------
   function specs(lines) {
@@ -77,22 +95,34 @@
     out.latency = { x: t, fmt: fmtSec, series: latencyKeys.map((k) => ({ label: k, values: column(lines, "rates", `latency.${k}.mean_s_interval`) })) };
     return out;
   }
+  // Each line carries the prefetch chunks consumed since the previous one (prefetch_chunks): one
+  // point per chunk at its time since the run started, at the height of its layer; late chunks in
+  // their own series; the wait for each chunk on the right-hand axis.
+  const TIMELINE_POINTS = 4000;
   function timelineSpec(lines, t) {
-    const withLayers = lines.filter((l) => l.prefetch_layers);
-    if (withLayers.length) {
-      const layers = withLayers[withLayers.length - 1].prefetch_layers;
-      const x = layers.chunks.map((_, i) => i);
-      return { x, xTime: false, xLabel: "layer", fmt: fmtNum, note: "Per layer, since the start of the run.", series: [
-        { label: "chunks on time", values: layers.chunks.map((c, i) => c - layers.late_chunks[i]) },
-        { label: "late chunks", values: layers.late_chunks.slice() },
-        { label: "wait", values: layers.wait_s.slice(), scale: "s" },
-      ] };
+    const chunks = lines.filter((l) => l.prefetch_chunks).map((l) => l.prefetch_chunks);
+    if (chunks.length) {
+      const runStart = lines[0].t - lines[0].elapsed_s;
+      const points = [];
+      for (const c of chunks) for (let i = 0; i < c.t.length; i++) points.push([c.t[i] - runStart, c.layer[i], c.is_late[i], c.wait_s[i]]);
+      points.sort((a, b) => a[0] - b[0]);
+      const shown = points.slice(-TIMELINE_POINTS);
+      const dropped = points.length - shown.length;
+      return { x: shown.map((p) => p[0]), xTime: false, xLabel: "since the run started", xFmt: fmtElapsed, fmt: fmtNum, points: true,
+        yIncrs: INTEGER_INCRS, yLabel: "layer",
+        note: "Each point is one streamed chunk: its layer, when attention consumed it." + (dropped ? ` Last ${shown.length} chunks.` : ""),
+        series: [
+          { label: "layer of a chunk on time", values: shown.map((p) => (p[2] ? null : p[1])) },
+          { label: "layer of a late chunk", values: shown.map((p) => (p[2] ? p[1] : null)) },
+          { label: "wait", values: shown.map((p) => p[3]), scale: "s" },
+        ] };
     }
-    return { x: t, fmt: fmtNum, note: "This run's scheduler reports no per-layer events: chunks streamed and late per snapshot interval.", series: [
+    return { x: t, fmt: fmtNum, note: "This run's scheduler reports no chunk times: chunks streamed and late per snapshot interval.", series: [
       { label: "chunks streamed in interval", values: column(lines, "rates", "scheduler.chunks_streamed_interval") },
       { label: "late chunks in interval", values: column(lines, "rates", "scheduler.stalls_interval") },
     ] };
   }
+  const fmtElapsed = (v) => (v == null ? "–" : v < 1 ? Number((1e3 * v).toFixed(1)) + " ms" : Number(v.toFixed(3)) + " s");
 
   // -- drawing -------------------------------------------------------------------------------
   function draw(id, spec) {
@@ -111,11 +141,13 @@
       const opts = {
         title: el.dataset.title, width: Math.max(480, el.clientWidth - 16), height: 260,
         scales: { x: { time: spec.xTime !== false }, y: spec.range ? { range: spec.range } : spec.fromZero ? { range: fromZero } : {} },
-        series: [{ label: spec.xLabel || "time" }].concat(spec.series.map((s, i) => ({
-          label: s.label, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true, scale: s.scale || "y",
-          points: { show: true, size: 5 }, value: (u, v) => (s.scale === "s" ? fmtSec(v) : spec.fmt(v)),
+        series: [{ label: spec.xLabel || "time", value: xLegend(spec) }].concat(spec.series.map((s, i) => ({
+          label: s.label, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: !spec.points, scale: s.scale || "y",
+          points: { show: true, size: spec.points ? 6 : 5, fill: spec.points ? COLORS[i % COLORS.length] : undefined },
+          paths: spec.points ? () => null : undefined,
+          value: legendValue(s.scale === "s" ? fmtSec : spec.fmt),
         }))),
-        axes: [{}, { scale: "y", size: 96, values: (u, vals) => vals.map(spec.fmt) }]
+        axes: [spec.xFmt ? { values: (u, vals) => vals.map(spec.xFmt) } : {}, yAxis(el, spec)]
           .concat(spec.series.some((s) => s.scale === "s") ? [{ scale: "s", side: 1, size: 70, grid: { show: false }, values: (u, vals) => vals.map(fmtSec) }] : []),
       };
       const plot = new uPlot(opts, data, el);
@@ -125,6 +157,32 @@
       chart.plot.setData(data);
     }
     el.dataset.series = JSON.stringify({ labels, data: chart.plot.data });
+  }
+
+  // Legends show the value under the cursor, and the last value of each series when there is no
+  // cursor (a static report, or the mouse away from the chart) rather than a dash.
+  function legendValue(fmt) {
+    return (u, v, seriesIdx, idx) => {
+      if (idx != null) return fmt(v);
+      const last = lastValue(u.data[seriesIdx]);
+      return last == null ? "none" : fmt(last);
+    };
+  }
+  function xLegend(spec) {
+    const fmt = spec.xFmt || (spec.xTime === false ? fmtNum : (v) => (v == null ? "–" : new Date(v * 1000).toLocaleTimeString()));
+    return legendValue(fmt);
+  }
+  // The y axis; byte charts tick at multiples of a power of two. Drawn labels go to data-ticks.
+  function yAxis(el, spec) {
+    const tickFmt = TICK_FORMAT.get(spec.fmt) || (spec.fmt === fmtNum ? fmtNumTick : spec.fmt);
+    const axis = { scale: "y", size: 96, label: spec.yLabel, values: (u, vals) => {
+      const labels = vals.map(tickFmt);
+      el.dataset.ticks = JSON.stringify(labels);
+      return labels;
+    } };
+    if (TICK_FORMAT.has(spec.fmt)) axis.incrs = BINARY_INCRS;
+    if (spec.yIncrs) axis.incrs = spec.yIncrs;
+    return axis;
   }
 
   function card(label, value, sub) {
@@ -161,12 +219,20 @@
         get ? fmtSec(get.count ? get.sum_s / get.count : null) : "–", get ? fmtSec(quantile(get, 0.99)) : "–"];
     });
     table("tiers", ["tier", "lookups", "hits", "misses", "hit rate", "read", "written", "evictions", "get mean", "get p99 ≤"], rows);
-    const requests = lines.filter((l) => l.request).slice(-20).map((l, i) => {
+    // the last 20 requests, each numbered as the run counted it (requests.requests after it finished)
+    const requests = lines.filter((l) => l.request).map((l, i) => [l, i]).slice(-20).map(([l, i]) => {
       const q = l.request;
-      return [String(i + 1), q.prompt_tokens, q.prefix_tokens, JSON.stringify(q.prefix_blocks_by_tier || {}), fmtSec(q.prefill_s),
+      const number = l.figures["requests.requests"] ?? i + 1;
+      return [String(number), q.prompt_tokens, q.prefix_tokens, blocksByTier(q.prefix_blocks_by_tier), fmtSec(q.prefill_s),
         fmtSec(q.decode_s), q.generated_tokens, fmtPct(q.gpu_hit_rate), fmtBytes(q.h2d_bytes), fmtBytes(q.d2h_bytes), q.stalls];
     });
-    table("requests", ["#", "prompt", "reused", "reused blocks by tier", "prefill", "decode", "generated", "GPU hit rate", "H2D", "D2H", "stalls"], requests);
+    table("requests", ["#", "prompt tokens", "reused tokens", "reused KV blocks, by tier *", "prefill", "decode", "generated tokens",
+      "GPU hit rate", "H2D", "D2H", "stalls"], requests);
+  }
+  // {"disk": 254, "cpu": 254} -> "disk 254 blocks, cpu 254 blocks" ("none" when nothing was reused)
+  function blocksByTier(byTier) {
+    const parts = Object.entries(byTier || {}).map(([tier, n]) => `${tier} ${n} block${n === 1 ? "" : "s"}`);
+    return parts.length ? parts.join(", ") : "none";
   }
   function table(id, head, rows) {
     const cell = (v) => `<td>${v == null ? "–" : String(v).replace(/</g, "&lt;")}</td>`;

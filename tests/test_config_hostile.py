@@ -1,0 +1,140 @@
+"""The hostile inputs of issue 31.4, one each: every one is a ConfigError naming its key.
+
+(The fuzzer in test_config_fuzz.py searches the space around them.)
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from tierkv.blocks import BlockLayout
+from tierkv.config import ConfigError, config_errors, load_config
+from tierkv.storage import build_tiers
+
+LAYOUT = BlockLayout(num_kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.bfloat16)
+
+
+def dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def with_tier(**fields) -> dict:
+    return {"tiers": [{"kind": "cpu", "capacity_bytes": "1MiB"}, fields]}
+
+
+def redis(**fields) -> dict:
+    return with_tier(**{"kind": "redis", "url": f"redis://127.0.0.1:{dead_port()}/0", **fields})
+
+
+def disk(path, **fields) -> dict:
+    return with_tier(kind="disk", path=path, capacity_bytes="1MiB", **fields)
+
+
+HOSTILE = [
+    (disk("a\x00b"), "tiers[1].path", "NUL"),
+    (disk("~nosuchuser/blocks"), "tiers[1].path", "no user"),
+    (disk("x" * 300), "tiers[1].path", "components of at most 255"),
+    (disk("/".join(["y" * 200] * 30)), "tiers[1].path", "at most 4095"),
+    (disk(["blocks"]), "tiers[1].path", "expected a string"),
+    (redis(url=f"redis://127.0.0.1:{dead_port()}/0?foo=bar"), "tiers[1].url", "unknown query parameter 'foo'"),
+    (redis(url="redis://127.0.0.1:1/0?socket_timeout=inf"), "tiers[1].url", "timeout_s"),
+    (redis(url="redis://127.0.0.1:1/0?ssl_cert_reqs=none"), "tiers[1].url", "rediss://"),
+    (redis(url="redis://%00/0"), "tiers[1].url", "not a valid name"),
+    (redis(url="redis://" + "a" * 70 + "/0"), "tiers[1].url", "not a valid name"),
+    (redis(url="redis://h/99999999999999999999"), "tiers[1].url", "database"),
+    (redis(ttl_s=float("inf")), "tiers[1].ttl_s", "finite"),
+    (redis(ttl_s=float("nan")), "tiers[1].ttl_s", "finite"),
+    (redis(timeout_s=float("inf")), "tiers[1].timeout_s", "finite"),
+    (redis(timeout_s=1e300), "tiers[1].timeout_s", "at most"),
+    (redis(retry_interval_s=10**400), "tiers[1].retry_interval_s", "finite"),
+    (redis(namespace="a\x00b"), "tiers[1].namespace", "NUL"),
+    (redis(namespace="\ud800"), "tiers[1].namespace", "UTF-8"),
+    (with_tier(kind=["redis"]), "tiers[1].kind", "allowed: cpu, disk, redis"),
+    (with_tier(kind={"a": 1}), "tiers[1].kind", "allowed: cpu, disk, redis"),
+    ({"scheduler": {"policy": ["exact"]}}, "scheduler.policy", "expected a string"),
+    ({"cache": {"block_tokens": 10**30}}, "cache.block_tokens", "at most"),
+    ({"cache": {"gpu_budget_bytes": 2**64}}, "cache.gpu_budget_bytes", "at most"),
+    ({"cache": {"gpu_budget_bytes": "99999999999999999999999 TiB"}}, "cache.gpu_budget_bytes", "at most"),
+    ({"cache": {"gpu_budget_bytes": float("inf")}}, "cache.gpu_budget_bytes", "units"),
+    ({"metrics": {"snapshot_interval_s": float("nan")}}, "metrics.snapshot_interval_s", "finite"),
+    ({"metrics": {"jsonl_path": "a\x00b"}}, "metrics.jsonl_path", "NUL"),
+    ({"metrics": {"enabled": 1}}, "metrics.enabled", "true or false"),
+]
+
+
+@pytest.mark.parametrize("data,key,allowed", HOSTILE, ids=lambda v: str(v)[:40])
+def test_hostile_values_are_config_errors(data, key, allowed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        config = load_config(data, env={})
+        build_tiers(config.tiers, LAYOUT, pin_memory=False).close()  # old code: loaded, then failed raw here
+    assert info.value.key == key, str(info.value)
+    assert allowed in str(info.value)
+
+
+@pytest.mark.parametrize("env,var", [
+    ({"TIERKV_CACHE__BLOCK_TOKENS__X": "1"}, "TIERKV_CACHE__BLOCK_TOKENS__X"),
+    ({"TIERKV_TIERS": "cpu", "TIERKV_TIERS__0__KIND": "cpu"}, "TIERKV_TIERS__0__KIND"),
+    ({"TIERKV_MODEL": "llama", "TIERKV_MODEL__NAME": "x"}, "TIERKV_MODEL__NAME"),
+    ({"TIERKV_": "1"}, "TIERKV_"),
+    ({"TIERKV_CACHE____X": "1"}, "TIERKV_CACHE____X"),
+])
+def test_env_overrides_that_descend_into_a_scalar(env, var):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env=env)
+    assert var in str(info.value)
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan", "[" * 3000, "9" * 5000, "2001-02-30", "\ud800"])
+def test_hostile_env_values(value):
+    with pytest.raises(ConfigError, match="TIERKV_TIERS__1__TIMEOUT_S"):
+        load_config(redis(), env={"TIERKV_TIERS__1__TIMEOUT_S": value})
+
+
+@pytest.mark.parametrize("content,allowed", [
+    (b"\xff\xfe\x00garbage\x80", "UTF-8"), (b"cache: " + b"[" * 20000, "nested at most 32"),
+    (b"a: " + b"{b: " * 100 + b"1" + b"}" * 100, "nested at most 32"),
+    (b"cache: {block_tokens: " + b"9" * 5000 + b"}", "valid YAML"), (b"? [a]\n: 1\n", "valid YAML"),
+    (b"- 1\n", "mapping at the top level"), (b"\x00\x01", "valid YAML"),
+])
+def test_hostile_files(tmp_path, content, allowed):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=allowed) as info:
+        load_config(path, env={})
+    assert info.value.key == "config_file"
+
+
+def test_unreadable_paths_are_config_errors(tmp_path):
+    for path in (tmp_path, tmp_path / ("x" * 300), tmp_path / "missing.yaml"):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, env={})
+        assert info.value.key == "config_file"
+
+
+def test_a_billion_laughs_error_is_short(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                    "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+                    "model: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n")
+    errors = config_errors(path, env={})
+    assert {e.key for e in errors} == {"a", "b", "c", "d", "model"}
+    assert all(len(str(e)) < 2000 for e in errors)
+
+
+def test_all_errors_of_a_document_are_collected():
+    errors = config_errors({"cache": {"block_tokens": 0, "sink_tokens": "x"}, "metrics": {"enabled": 2},
+                            "tiers": [{"kind": "cpu"}, {"kind": "tape"}, {"kind": "disk", "path": "a\x00b"}]}, env={})
+    assert [e.key for e in errors] == ["cache.block_tokens", "cache.sink_tokens", "metrics.enabled", "tiers[1].kind",
+                                       "tiers[2].path"]  # in the document's order
+
+
+def test_a_cpu_capacity_below_one_block_is_a_config_error_when_tiers_are_built():
+    config = load_config({"tiers": [{"kind": "cpu", "capacity_bytes": 100}]}, env={})
+    with pytest.raises(ConfigError) as info:
+        build_tiers(config.tiers, LAYOUT, pin_memory=False)
+    assert info.value.key == "tiers[0]" and "holds no block" in str(info.value)

@@ -1,0 +1,130 @@
+"""Blocks of different weights never mix: the configured name and a digest of the weights are in
+every block address; the same weights reloaded still reuse blocks across runtimes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models import build, reference_greedy
+from tierkv.config import load_config
+from tierkv.llm import TieredLLM
+from tierkv.model_identity import checkpoint_identity, files_digest, weights_digest
+
+BLOCK_BYTES = 2 * 2 * 4 * 16 * 4  # K+V, 2 kv heads, 4 tokens, head_dim 16, fp32
+
+
+def llm_for(model, disk_dir, name: str) -> TieredLLM:
+    config = load_config({
+        "model": {"name": name},
+        "storage": {"secret": "model-identity-test-secret"},  # one deployment secret: only the model differs
+        "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * BLOCK_BYTES, "sink_tokens": 4, "window_tokens": 8},
+        "tiers": [{"kind": "cpu", "capacity_bytes": 50 * BLOCK_BYTES},  # one request at a time
+                  {"kind": "disk", "path": str(disk_dir), "capacity_bytes": "64MiB"}],
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * BLOCK_BYTES, "prefill_chunk_tokens": 64},
+    }, env={})
+    return TieredLLM(model, config, show_progress=False)
+
+
+FILLERS = [torch.randint(0, 512, (83,), generator=torch.Generator().manual_seed(s)).tolist() for s in (98, 99)]
+
+
+def run(model, disk_dir, name: str, prompt: list[int]):
+    """`prompt`'s output and the stats, after two more requests pushed its blocks to the disk tier."""
+    with llm_for(model, disk_dir, name) as llm:
+        (out,) = llm.generate([prompt], max_new_tokens=6)
+        llm.generate(FILLERS, max_new_tokens=1)
+        llm.runtime.chain.flush()
+        return out, llm.stats()
+
+
+@pytest.mark.parametrize("second_name", ["model-b", "model-a"])  # different names, and one name for both
+def test_two_same_shape_models_sharing_a_disk_dir_keep_their_own_tokens(tmp_path, second_name):
+    model_a, ref_a = build("llama", seed=1)
+    model_b, ref_b = build("llama", seed=2)
+    prompt = torch.randint(0, 512, (83,), generator=torch.Generator().manual_seed(0)).tolist()
+    shared = tmp_path / "shared"
+    out_a, _ = run(model_a, shared, "model-a", prompt)
+    out_b, stats_b = run(model_b, shared, second_name, prompt)
+    fresh_b, _ = run(model_b, tmp_path / "fresh", second_name, prompt)
+    assert out_a.token_ids == reference_greedy(ref_a, prompt, 6)[0]
+    assert out_b.token_ids == reference_greedy(ref_b, prompt, 6)[0] == fresh_b.token_ids
+    assert out_b.stats["prefix_tokens"] == 0  # nothing of model A's was taken
+    assert stats_b["model"]["weights_fingerprint"] is not None
+
+
+def test_the_same_weights_reloaded_reuse_blocks_across_runtimes(tmp_path):
+    prompt = torch.randint(0, 512, (83,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, ref = build("llama", seed=3)
+    first, stats_1 = run(model, tmp_path / "shared", "model-a", prompt)
+    reloaded, _ = build("llama", seed=3)  # a new object, the same weights
+    second, stats_2 = run(reloaded, tmp_path / "shared", "model-a", prompt)
+    assert second.stats["prefix_tokens"] == 80 and second.stats["prefix_blocks_by_tier"].get("disk", 0) > 0
+    assert second.token_ids == first.token_ids == reference_greedy(ref, prompt, 6)[0]
+    assert stats_1["model"] == {**stats_2["model"], "fingerprint_s": stats_1["model"]["fingerprint_s"]}
+
+
+def test_one_changed_layer_changes_the_weights_digest():
+    model, _ = build("llama", seed=4)
+    before = weights_digest(model)
+    assert weights_digest(model) == before  # deterministic
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+    after = weights_digest(model)
+    assert after != before
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.div_(1.01)
+        model.model.layers[0].self_attn.k_proj.weight.copy_(torch.randn_like(model.model.layers[0].self_attn.k_proj.weight))
+    assert weights_digest(model) not in (before, after)
+    other, _ = build("llama", seed=5)
+    assert weights_digest(other) != before
+
+
+def test_a_changed_config_or_buffer_changes_the_digest():
+    a, _ = build("llama", seed=6)
+    b, _ = build("llama", seed=6)
+    assert weights_digest(a) == weights_digest(b)
+    b.config.rms_norm_eps = 1e-3  # no weight changed, the KV does
+    assert weights_digest(a) != weights_digest(b)
+
+
+def test_same_weights_under_other_names_do_not_share(tmp_path):
+    prompt = torch.randint(0, 512, (43,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, _ = build("llama", seed=7)
+    run(model, tmp_path / "shared", "model-a", prompt)
+    out, stats = run(model, tmp_path / "shared", "model-b", prompt)
+    assert out.stats["prefix_tokens"] == 0 and stats["model"]["name"] == "model-b"
+
+
+def test_checkpoint_files_digest_sees_any_sampled_change(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"hidden_size": 64}')
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 40000)  # 10 MB: sampled, not read whole
+    base = checkpoint_identity("m", ckpt)
+    assert base.weights == checkpoint_identity("m", ckpt).weights and base.weights == files_digest(ckpt)
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 1  # the head of a safetensors file is its header: always read
+    weights.write_bytes(bytes(data))
+    assert files_digest(ckpt) != base.weights
+    (ckpt / "config.json").write_text('{"hidden_size": 65}')
+    assert checkpoint_identity("m", ckpt).key != base.key
+    assert checkpoint_identity("other", ckpt).key != checkpoint_identity("m", ckpt).key
+    assert checkpoint_identity("m", ckpt, revision="v2").key != checkpoint_identity("m", ckpt).key
+
+
+def test_the_fingerprints_are_in_stats_and_the_prometheus_exposition(tmp_path):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from tierkv.metrics.prometheus import TierKVCollector, new_registry
+    from tierkv.metrics.snapshot import flatten_stats
+
+    model, _ = build("llama", seed=8)
+    with llm_for(model, tmp_path / "disk", "model-x") as llm:
+        stats = llm.stats()
+        text = prometheus_client.generate_latest(new_registry(TierKVCollector(lambda: flatten_stats(llm.stats())))).decode()
+    info = stats["model"]
+    assert info["name"] == "model-x" and info["weights_fingerprint"] == weights_digest(model)
+    assert info["block_fingerprint"] == llm.runtime.fingerprint and info["fingerprint_s"] >= 0
+    (line,) = [x for x in text.splitlines() if x.startswith("tierkv_model_info{")]
+    for key in ("name", "weights_fingerprint", "block_fingerprint"):
+        assert f'{key}="{info[key]}"' in line

@@ -1,0 +1,155 @@
+"""One conversion and check per kind of config field, chosen by the field's type and name.
+
+Primitives: `convert_scalar`, `check_value`, `check_path`, `expand_path`, the limits below.
+
+    bool             a real YAML boolean (true/false), never 1 or "yes please"
+    int              an integer, not a boolean, within [min_value, max_value or MAX_INT]
+    float            a finite number (no .inf, .nan) within [min_value, max_value or MAX_FLOAT]
+    str              UTF-8 text without NUL characters
+    *_bytes          a size with units (tierkv.units), whole bytes, at most MAX_BYTES
+    path, *_path     a path: no NUL, components of at most 255 bytes, at most 4095 bytes in all,
+                     '~user' only for a user that exists
+    choices=(...)    one of them;  check="..."  a named check (writable_dir, redis_url, non_empty)
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+from tierkv.config_error import ConfigError
+from tierkv.units import ALLOWED_UNITS, format_bytes, parse_bytes
+
+MAX_INT = 2**31 - 1  # counts of tokens, layers, rows: nothing real comes near
+MAX_FLOAT = 1e9  # seconds: about 31 years, and still a valid socket timeout
+MAX_BYTES = 2**50  # 1 PiB
+MAX_PATH_BYTES = 4095
+MAX_NAME_BYTES = 255
+
+
+def is_path_field(name: str) -> bool:
+    return name == "path" or name.endswith("_path")
+
+
+def convert_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
+    """`raw` as a value of type `tp` for field `name`, or ConfigError saying what is allowed."""
+    if name.endswith("_bytes"):
+        try:
+            return parse_bytes(raw)
+        except (ValueError, OverflowError):
+            raise ConfigError(keypath, raw, f"expected a size; units: {ALLOWED_UNITS}") from None
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        raise ConfigError(keypath, raw, "expected true or false")
+    if tp is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ConfigError(keypath, raw, "expected an integer")
+    if tp is float:
+        return _finite(raw, keypath)
+    if tp is str:
+        return _text(raw, keypath)
+    raise AssertionError(f"unsupported config type {tp} for {keypath}")
+
+
+def _finite(raw: object, keypath: str) -> float:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        try:
+            value = float(raw)
+        except OverflowError:
+            value = math.inf
+        if math.isfinite(value):
+            return value
+    raise ConfigError(keypath, raw, "expected a finite number")
+
+
+def _text(raw: object, keypath: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(keypath, raw, "expected a string")
+    if "\x00" in raw:
+        raise ConfigError(keypath, raw, "expected text without NUL characters")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(keypath, raw, "expected valid UTF-8 text (no lone surrogates)") from None
+    return raw
+
+
+def check_value(value: object, keypath: str, name: str, meta: Mapping) -> None:
+    """Choices, range (with the type's default bounds) and the named check of one field."""
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(keypath, value, f"allowed: {', '.join(map(str, choices))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_range(value, keypath, name, meta)
+    if isinstance(value, str) and is_path_field(name):
+        check_path(value, keypath)
+    check = meta.get("check")
+    if check is not None:
+        _checks()[check](value, keypath)
+
+
+def _check_range(value: int | float, keypath: str, name: str, meta: Mapping) -> None:
+    low = meta.get("min_value")
+    high = meta.get("max_value")
+    if high is None:
+        high = MAX_BYTES if name.endswith("_bytes") else MAX_INT if isinstance(value, int) else MAX_FLOAT
+    if low is not None and value < low:
+        what = "must be positive" if low > 0 else f"must be at least {low}"
+        raise ConfigError(keypath, value, what)
+    if value > high:
+        shown = f"{format_bytes(high)} ({high} bytes)" if name.endswith("_bytes") else f"{high}"
+        raise ConfigError(keypath, value, f"must be at most {shown}")
+
+
+def expand_path(value: str, keypath: str) -> str:
+    """`value` with a leading ~ or ~user expanded; ConfigError when that user has no home."""
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        user = value[1:].split("/", 1)[0]
+        raise ConfigError(keypath, value, f"'~{user}' names no user with a home directory; give the path in full")
+    return expanded
+
+
+def check_path(value: str, keypath: str) -> str:
+    """The expanded path, after checking it can name a file at all."""
+    if not value:
+        raise ConfigError(keypath, value, "expected a path")
+    expanded = expand_path(value, keypath)
+    encoded = os.fsencode(expanded)
+    if len(encoded) > MAX_PATH_BYTES:
+        raise ConfigError(keypath, value, f"a path of at most {MAX_PATH_BYTES} bytes ({len(encoded)} given)")
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > MAX_NAME_BYTES:
+        raise ConfigError(keypath, value, f"path components of at most {MAX_NAME_BYTES} bytes "
+                                          f"(one has {len(longest)})")
+    return expanded
+
+
+def check_writable_dir(value: str, keypath: str) -> None:
+    probe = check_path(value, keypath)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe.rstrip("/")) if probe.rstrip("/") else "/"
+        probe = parent or "."
+    if not os.path.isdir(probe):
+        raise ConfigError(keypath, value, f"expected a directory; {probe} is not one")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(keypath, value, f"expected a writable directory; {probe} is not writable")
+
+
+def check_non_empty(value: str, keypath: str) -> None:
+    if not value:
+        raise ConfigError(keypath, value, "expected a non-empty string")
+
+
+def _checks() -> dict:
+    from tierkv.redis_url import check_redis_url
+
+    return {"writable_dir": check_writable_dir, "redis_url": check_redis_url, "non_empty": check_non_empty,
+            "secret": check_secret}
+
+
+def check_secret(value: str, keypath: str) -> None:
+    if len(value) < 16:  # the value itself is never echoed back
+        raise ConfigError(keypath, "<hidden>", f"expected at least 16 characters, got {len(value)}")

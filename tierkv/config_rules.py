@@ -1,0 +1,37 @@
+"""Rules across config fields, checked after every field is valid on its own.
+
+Primitives: `check_config`.
+"""
+from __future__ import annotations
+
+from tierkv.config_error import ConfigError
+
+
+def check_config(config) -> None:
+    """Raise ConfigError for the first rule a `TierKVConfig` breaks."""
+    _check_tier_order(config)
+    _check_prefetch_margin(config)
+
+
+def _check_tier_order(config) -> None:
+    kinds = [t.kind for t in config.tiers]
+    if not kinds or kinds[0] != "cpu":
+        raise ConfigError("tiers", kinds, "the first tier must be kind 'cpu' (the pinned slab GPU copies use)")
+    if kinds.count("cpu") > 1:
+        raise ConfigError("tiers", kinds, "at most one 'cpu' tier")
+
+
+def _check_prefetch_margin(config) -> None:
+    scheduler = config.scheduler
+    under_vllm = scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs
+    if scheduler.sparse_prefetch_margin and not (scheduler.policy == "sparse"
+                                                 and (under_vllm or scheduler.predictor == "cache")):
+        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
+                          "the next-step prefetch runs inside vLLM's full decode graph (scheduler.policy 'sparse', "
+                          "sparse_cuda_graphs and sparse_full_graphs true) or with the transformers engine's "
+                          "predictor 'cache' (scheduler.policy 'sparse'); set one of those, or the margin to 0")
+    if scheduler.sparse_prefetch_margin and scheduler.sparse_cache_selections < 2:
+        raise ConfigError("scheduler.sparse_prefetch_margin", scheduler.sparse_prefetch_margin,
+                          f"the prefetched blocks need cache slots beside the selection's: "
+                          f"scheduler.sparse_cache_selections is {scheduler.sparse_cache_selections}, set it to 2 "
+                          "or more")

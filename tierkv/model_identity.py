@@ -1,0 +1,170 @@
+"""What a KV block's address says about the model that computed it.
+
+Primitives: `ModelIdentity`, `model_identity` (a loaded torch model), `checkpoint_identity`
+(weight files on disk, for engines whose weights live in other processes), `weights_digest`,
+`files_digest`.
+
+Two runs may share a block only when the same weights computed it. A block's address (see
+`tierkv.blocks`) starts from `ModelIdentity.key`, which holds:
+
+    name     the configured `model.name`
+    source   where the model came from (a checkpoint path, `_name_or_path`, or the class name)
+    weights  a digest of every parameter's and buffer's name, shape, dtype and a fixed strided
+             sample of its bytes, plus the model config (so two random inits of one shape, or one
+             changed layer, give different digests); for files: name, size and sampled bytes
+
+The sample is at most `SAMPLE_ELEMENTS` evenly spaced elements per tensor, gathered on the
+tensor's device and copied to the host in one transfer, so an 8B model costs a few hundred
+small reads, not 16 GB of hashing. A change that touches no sampled element (one weight of a
+large matrix) is not seen: the digest guards against other models and re-initialised or
+fine-tuned layers, not against single-bit edits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SAMPLE_ELEMENTS = 4096  # per tensor, evenly spaced, first and last included
+FILE_SAMPLES = 16  # reads per weight file, evenly spaced, head and tail included
+FILE_SAMPLE_BYTES = 64 << 10
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CONFIG_SKIP = ("transformers_version", "torch_dtype", "dtype", "architectures")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The parts of a block address that name the model; `key` joins them."""
+
+    name: str
+    source: str
+    weights: str | None  # hex digest; None when only names are known (KVRuntime given a plain model id)
+    digest_s: float = field(default=0.0, compare=False)  # seconds spent computing `weights`
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.name, self.source, self.weights])
+
+    def stats(self) -> dict:
+        return {"name": self.name, "source": self.source, "weights_fingerprint": self.weights,
+                "fingerprint_s": self.digest_s}
+
+
+def model_identity(model: torch.nn.Module, name: str, source: str | None = None) -> ModelIdentity:
+    """The identity of a loaded model: configured `name`, `source` (default: the config's
+    `_name_or_path`, else the class name) and `weights_digest(model)`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"config key 'model.name': got {name!r}; must be a non-empty string")
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"model_id: got {type(source).__name__}; expected a string naming where the model came from")
+    config = getattr(model, "config", None)
+    source = os.fspath(source) if source else (getattr(config, "_name_or_path", "") or type(model).__name__)
+    start = time.perf_counter()
+    digest = weights_digest(model)
+    return ModelIdentity(name, source, digest, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module) -> str:
+    """blake2b over the model config and every parameter and buffer: name, shape, dtype and up to
+    `SAMPLE_ELEMENTS` evenly spaced elements' bytes. Deterministic across processes and devices."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_config_blob(getattr(model, "config", None)))
+    tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    order: list[tuple[torch.device, int, int]] = []  # (device, index in its list, bytes)
+    for name, tensor in tensors:
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            h.update(b"meta" if tensor.device.type == "meta" else b"empty")
+            continue
+        sample = _sample_bytes(tensor)
+        group = by_device.setdefault(tensor.device, [])
+        order.append((tensor.device, len(group), sample.numel()))
+        group.append(sample)
+    host = {device: torch.cat(group).cpu() for device, group in by_device.items()}  # one copy per device
+    offsets = {device: 0 for device in host}
+    for device, _, num_bytes in order:
+        start = offsets[device]
+        h.update(host[device][start : start + num_bytes].numpy().tobytes())
+        offsets[device] = start + num_bytes
+    return h.hexdigest()
+
+
+def _sample_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Up to SAMPLE_ELEMENTS evenly spaced elements of `tensor` as uint8 [n * itemsize], same device."""
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n > SAMPLE_ELEMENTS:
+        index = (torch.arange(SAMPLE_ELEMENTS, dtype=torch.int64) * (n - 1) // (SAMPLE_ELEMENTS - 1)).to(flat.device)
+        flat = flat.index_select(0, index)
+    flat = flat.contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8).reshape(-1)
+
+
+def _config_blob(config) -> bytes:
+    if config is None or not hasattr(config, "to_dict"):
+        return b"{}"
+    fields = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in _CONFIG_SKIP}
+    return json.dumps(fields, sort_keys=True, default=str).encode()
+
+
+def checkpoint_identity(name: str, model: str | os.PathLike, revision: str | None = None,
+                        model_id: str | None = None) -> ModelIdentity:
+    """The identity of a checkpoint on disk (a directory or one weight file such as a GGUF):
+    configured `name`; `model_id` (a label the caller gives, if any), the absolute path and the
+    revision as `source`; `files_digest` of its config and weight files. A hub id that is no local
+    path is looked up in the local hub cache; when not found there, it keeps its name and revision alone."""
+    path = os.fspath(model)
+    local = path if os.path.exists(path) else _hub_snapshot(path, revision)
+    source = json.dumps([model_id, os.path.abspath(path) if os.path.exists(path) else path, revision])
+    start = time.perf_counter()
+    digest = files_digest(local) if local is not None else None
+    return ModelIdentity(name, source, digest, time.perf_counter() - start)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local hub-cache directory of `repo_id` at `revision`, or None (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not a hub id, not cached, or no huggingface_hub: names alone
+        return None
+
+
+def files_digest(path: str | os.PathLike) -> str:
+    """blake2b over a checkpoint's weight files (name, size, `FILE_SAMPLES` reads of
+    `FILE_SAMPLE_BYTES` spread over each file) and its small JSON files, whole."""
+    path = os.fspath(path)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
+    h = hashlib.blake2b(digest_size=16)
+    for file in files:
+        rel = os.path.relpath(file, path) if file != path else os.path.basename(file)
+        if file.endswith(".json") and os.path.getsize(file) <= (1 << 20):
+            with open(file, "rb") as f:
+                h.update(f"{rel}:json;".encode() + f.read())
+        elif file.endswith(WEIGHT_FILE_SUFFIXES):
+            h.update(f"{rel}:{os.path.getsize(file)};".encode() + _file_samples(file))
+    return h.hexdigest()
+
+
+def _file_samples(file: str) -> bytes:
+    size = os.path.getsize(file)
+    if size <= FILE_SAMPLES * FILE_SAMPLE_BYTES:
+        with open(file, "rb") as f:
+            return f.read()
+    last = size - FILE_SAMPLE_BYTES
+    chunks = []
+    with open(file, "rb") as f:
+        for i in range(FILE_SAMPLES):
+            f.seek(last * i // (FILE_SAMPLES - 1))
+            chunks.append(f.read(FILE_SAMPLE_BYTES))
+    return b"".join(chunks)

@@ -1,0 +1,72 @@
+"""Secrets out of everything tierkv prints, logs or exports.
+
+Primitives: `is_secret_key`, `redact_url`, `redact_text`, `redact_value`, `redact_tree`.
+
+    redis://user:S3cret@host:6379/0  ->  redis://user:***@host:6379/0
+    {"tiers": [{"url": ..., "secret": "abc"}]}  ->  {"tiers": [{"url": <redacted>, "secret": "***"}]}
+
+A config field is a secret when its name contains password, passwd, secret or credential, or
+its last '_'-separated part is token, key, auth or apikey (`api_key`, `control_token` are;
+`sink_tokens`, `sparse_token_budget`, `namespace` are not). URLs anywhere in a text have the password of their
+userinfo replaced; query parameters named like secrets too.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+MASK = "***"
+_SECRET_WORDS = ("password", "passwd", "secret", "credential")  # anywhere in the name
+_SECRET_PARTS = ("token", "key", "auth", "apikey")  # the last part of the name
+_WHERE_PARTS = ("file", "path", "dir")  # secret_file names where the secret is, not the secret
+_FLAG_PARTS = ("create", "is", "has", "use")  # create_secret_file is a switch
+# scheme://user:password@  or  scheme://:password@  (password up to the last '@' before the host part)
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<secret>[^\s/]*)(?P<at>@)")
+_QUERY_SECRET = re.compile(r"(?P<head>[?&][^=&\s]*(?:password|passwd|secret|token|credential)[^=&\s]*=)(?P<secret>[^&\s#]*)",
+                           re.IGNORECASE)
+
+
+def is_secret_key(name: object) -> bool:
+    """Whether a config field (or mapping key) of this name holds a secret."""
+    if not isinstance(name, str):
+        return False
+    parts = re.split(r"[^a-z0-9]+", name.lower())
+    if parts[-1] in _WHERE_PARTS or parts[0] in _FLAG_PARTS:  # where a secret is, or a switch about one
+        return False
+    return any(word in name.lower() for word in _SECRET_WORDS) or parts[-1] in _SECRET_PARTS
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its userinfo (and secret-named query values) replaced by ***."""
+    return redact_text(url)
+
+
+def redact_text(text: str) -> str:
+    """`text` with every URL password and secret-named query value in it replaced by ***."""
+    if not isinstance(text, str):
+        return text
+    text = _USERINFO.sub(lambda m: f"{m['head']}{MASK}{m['at']}" if m["secret"] else m[0], text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", text)
+
+
+def redact_value(key: object, value: object) -> object:
+    """What may be shown of `value` stored under config key `key` (a dotted path or a field name)."""
+    last = key.rsplit(".", 1)[-1].split("[", 1)[0] if isinstance(key, str) else key
+    if is_secret_key(last) and value is not None:
+        return MASK
+    if isinstance(value, str):
+        return redact_text(value)
+    return redact_tree(value) if isinstance(value, (Mapping, list, tuple)) else value
+
+
+def redact_tree(data: object, _depth: int = 0) -> object:
+    """A copy of plain data (dicts, lists, strings) with secret-named entries and URL passwords masked."""
+    if _depth > 64:
+        return "..."
+    if isinstance(data, Mapping):
+        return {k: (MASK if is_secret_key(k) and v is not None else redact_tree(v, _depth + 1)) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [redact_tree(v, _depth + 1) for v in data]
+    if isinstance(data, str):
+        return redact_text(data)
+    return data
