@@ -80,16 +80,20 @@ class RedisClusterNodes:
         return "redis+cluster://" + ",".join(node.address for node in self.nodes)
 
     def start(self) -> None:
-        for node in self.nodes:
-            node.start()
-        created = subprocess.run(
-            [self.cli, "--cluster", "create", *(n.address for n in self.nodes), "--cluster-replicas", "0",
-             "--cluster-yes"], capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        if created.returncode != 0:
+        """Start the nodes and join them; on any failure every node started is stopped again."""
+        try:
+            for node in self.nodes:
+                node.start()
+            created = subprocess.run(
+                [self.cli, "--cluster", "create", *(n.address for n in self.nodes), "--cluster-replicas", "0",
+                 "--cluster-yes"], capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]} {created.stderr[-2000:]}")
+            self.wait_ready()
+        except BaseException:
             self.stop()
-            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]} {created.stderr[-2000:]}")
-        self.wait_ready()
+            raise
 
     def client(self, i: int):
         import redis
