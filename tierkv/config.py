@@ -84,12 +84,17 @@ class RedisTierConfig:
     """Redis, shared across processes and hosts."""
 
     kind: str = field(default="redis", metadata=doc("tier kind", choices=("redis",)))
-    url: str = field(default="redis://127.0.0.1:6379/0", metadata=doc("redis:// rediss:// or unix:// URL", check="redis_url"))
+    url: str = field(default="redis://127.0.0.1:6379/0", metadata=doc(
+        "redis://host:port/db, rediss://..., unix:///path; a Redis Cluster (or Valkey cluster): "
+        "redis+cluster://host:port,host2:port2 (any reachable nodes of it; rediss+cluster:// for TLS)",
+        check="redis_url"))
     namespace: str = field(default="tierkv", metadata=doc("key prefix", check="non_empty"))
     ttl_s: float | None = field(default=None, metadata=doc("expiry of stored blocks; None = never", min_value=1e-3))
     capacity_bytes: int | None = field(default=None, metadata=doc("bytes this client may hold; None = server policy", min_value=1))
-    timeout_s: float = field(default=0.5, metadata=doc("socket timeout; slower counts as down", min_value=1e-3))
-    retry_interval_s: float = field(default=2.0, metadata=doc("wait before retrying a down server", min_value=0.0))
+    timeout_s: float = field(default=0.5, metadata=doc(
+        "socket timeout of each call (a cluster: of each node's); slower counts as down", min_value=1e-3))
+    retry_interval_s: float = field(default=2.0, metadata=doc(
+        "wait before retrying a down server (a cluster: a down node)", min_value=0.0))
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
     write_through: bool = field(default=True, metadata=doc(
         "also write every content-addressed block here as soon as it is in the CPU tier (in the background), "

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=float, default=0.5, help="where the pass key sits: 0 start, 1 end")
     parser.add_argument("--seed", type=int, default=0, help="picks the pass key")
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--disk-path", default="/tmp/tierkv-demo", help="directory of the disk tier (real model)")
+    parser.add_argument("--disk-path", default="~/.cache/tierkv/demo", help="directory of the disk tier (real model)")
     parser.add_argument("--random-model", action="store_true", help="the random-weight model (no download)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="tierkv YAML config (random model)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (random model)")

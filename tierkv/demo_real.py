@@ -48,6 +48,7 @@ def demo_config(prompt_kv_bytes: int, disk_path: str) -> TierKVConfig:
                   {"kind": "disk", "path": disk_path, "capacity_bytes": 4 * prompt_kv_bytes}],
         "scheduler": {"policy": "exact", "lookahead_layers": 1, "staging_bytes": prompt_kv_bytes // 16,
                       "prefill_chunk_tokens": 512},
+        "storage": {"secret_file": "~/.config/tierkv/secret", "create_secret_file": True},  # seals the disk tier
         "metrics": {"enabled": True},
     }, env={})
 
@@ -98,6 +99,10 @@ def _print_traffic(s: dict, prompt_kv: int, pct) -> None:
     reads = s["resident_block_reads"] + s["streamed_block_reads"]
     passes = -(-s["prompt_tokens"] // 512) + s["generated_tokens"] - 1
     print(f"\nprefill {s['prefill_s']:.1f} s, decode {s['decode_s']:.1f} s ({s['generated_tokens']} tokens)")
+    reused = ", ".join(f"{tier} {n} blocks" for tier, n in sorted(s.get("prefix_blocks_by_tier", {}).items()))
+    print(f"prefix reused from the tiers: {s['prefix_tokens']} of {s['prompt_tokens']} prompt tokens"
+          + (f" ({reused}; written through to disk by an earlier run)" if s["prefix_tokens"] else
+             " (a second run of this command finds them on disk)"))
     print(f"GPU hit rate: {pct(s['gpu_hit_rate'])} of {reads} block reads (a block = {BLOCK_TOKENS} tokens of one "
           f"layer) found the block in the GPU hot window (sinks, recent window, far-block cache); "
           f"{s['streamed_block_reads']} were copied in from the CPU tier")

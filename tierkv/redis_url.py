@@ -1,9 +1,15 @@
 """The Redis tier's URL, checked when the config loads: what redis-py would connect with.
 
-Primitives: `check_redis_url`, `QUERY_PARAMETERS`.
+Primitives: `check_redis_url`, `QUERY_PARAMETERS`, `is_cluster_url`, `parse_cluster_url`,
+`ClusterUrl`, `single_url_problem`.
 
     redis://[[user]:password@]host[:port][/db][?query]     rediss://...  (TLS)
     unix://[[user]:password@]/path/to/socket[?db=N]
+    redis+cluster://[user:password@]host[:port][,host[:port]...][/0]   a Redis Cluster (or Valkey
+                                cluster) found from any of these startup nodes; rediss+cluster:// (TLS)
+
+A cluster URL names its startup nodes (port 6379 when left out), has only database 0 and takes
+no query.
 
 The URL goes through redis-py's own parser (`redis.connection.parse_url`) where redis-py is
 installed, and its errors become ConfigError. Beyond what that parser checks: the host must be
@@ -16,12 +22,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from tierkv.config_error import ConfigError
 from tierkv.config_paths import check_path
 
-EXPECTED = "expected redis://host[:port][/db], rediss://... or unix:///path"
+EXPECTED = ("expected redis://host[:port][/db], rediss://..., unix:///path, or a cluster: "
+            "redis+cluster://host[:port][,host[:port]...] (rediss+cluster://...)")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+DEFAULT_PORT = 6379
 _TLS_PARAMETERS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 QUERY_PARAMETERS = ("db", "client_name", *_TLS_PARAMETERS)
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -31,6 +41,14 @@ _MAX_DB = 2**31 - 1
 
 def check_redis_url(url: str, keypath: str) -> None:
     """ConfigError naming `keypath` unless `url` is one the Redis tier can connect with."""
+    if is_cluster_url(url):
+        try:
+            nodes = parse_cluster_url(url).startup_nodes
+        except ValueError as exc:
+            raise ConfigError(keypath, url, f"{EXPECTED}; {exc}") from None
+        for host, _ in nodes:
+            _check_host(url, host, keypath)
+        return
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -107,4 +125,69 @@ def _query_value_problem(name: str, value: str) -> str | None:
         check_path(value, name)
     except ConfigError as exc:
         return exc.allowed
+    return None
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterUrl:
+    """A cluster's startup nodes and how to talk to them."""
+
+    startup_nodes: list[tuple[str, int]] = field(default_factory=list)  # (host, port)
+    is_tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+
+def is_cluster_url(url: object) -> bool:
+    return isinstance(url, str) and url.split("://", 1)[0].lower() in CLUSTER_SCHEMES and "://" in url
+
+
+def parse_cluster_url(url: str) -> ClusterUrl:
+    """The startup nodes of a redis+cluster:// URL; ValueError saying what is wrong (never the password)."""
+    scheme, rest = url.split("://", 1)
+    netloc, _, tail = rest.partition("/")
+    if "?" in netloc or "#" in netloc or "?" in tail or "#" in tail:
+        raise ValueError("a cluster URL takes no query or fragment")
+    if tail.strip("/") not in ("", "0"):
+        raise ValueError(f"a cluster has only database 0, got {tail.strip('/')!r}")
+    credentials, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = credentials.partition(":")
+        username, password = unquote(user) or None, unquote(secret) if colon else None
+    if not hosts:
+        raise ValueError("no startup node: expected host[:port][,host[:port]...]")
+    nodes = [_host_port(item) for item in hosts.split(",")]
+    return ClusterUrl(nodes, scheme.lower().startswith("rediss"), username, password)
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    try:
+        parts = urlsplit(f"//{item}")
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"startup node {item!r}: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"startup node {item!r} has no host")
+    return unquote(parts.hostname), DEFAULT_PORT if port is None else port
+
+
+def single_url_problem(url: object) -> str | None:
+    """What makes a one-server URL unusable by the tier (the config loader checks more), or None."""
+    if not isinstance(url, str):
+        return "not a string"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a bad port
+    except ValueError as exc:
+        return str(exc)
+    db = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss"):
+        if not parts.hostname:
+            return "no host"
+        if db and not db.isdigit():
+            return f"database {db!r} is not a number"
+    elif parts.scheme == "unix":
+        return None if parts.path else "no socket path"
     return None

@@ -61,12 +61,13 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen | None = None
+        self.extra_args: list[str] = []  # e.g. cluster mode (tests/storage/redis_cluster_nodes.py)
 
     def start(self) -> None:
         args = [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
             "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--logfile", str(self.workdir / "redis.log"),
+            "--logfile", str(self.workdir / "redis.log"), *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + _START_DEADLINE_S
@@ -139,3 +140,27 @@ def redis_namespace(redis_server: RedisServer):
         if names:
             client.delete(*names)
         client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes(tmp_path_factory: pytest.TempPathFactory):
+    """Three cluster-enabled redis-server masters on loopback (tests/storage/redis_cluster_nodes.py)."""
+    from tests.storage.redis_cluster_nodes import RedisClusterNodes
+
+    executable, cli = find_redis_server(), shutil.which("redis-cli")
+    if executable is None or cli is None:
+        reason = "redis-server and redis-cli (Debian: redis-server, redis-tools) are needed for the cluster tests"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide them: {reason}", pytrace=False)
+        pytest.skip(reason)
+    cluster = RedisClusterNodes(executable, cli, tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_nodes):
+    """The session's cluster with every node up (an earlier test may have killed or frozen one)."""
+    redis_cluster_nodes.ensure_healthy()
+    return redis_cluster_nodes

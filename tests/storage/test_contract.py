@@ -1,4 +1,4 @@
-"""One contract, every tier: cpu, disk and redis (a real redis-server) behave alike."""
+"""One contract, every tier: cpu, disk, redis (a real redis-server) and redis-cluster (three nodes) behave alike."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,8 @@ from tierkv.storage.disk import DiskTier
 from tierkv.storage.redis_tier import RedisTier
 
 TIER_KINDS = ["cpu", "disk", pytest.param("redis", marks=pytest.mark.redis), "sealed-disk", "encrypted-disk",
-              pytest.param("sealed-redis", marks=pytest.mark.redis)]
+              pytest.param("sealed-redis", marks=pytest.mark.redis),
+              pytest.param("redis-cluster", marks=pytest.mark.redis)]
 SECRET = b"contract-test-secret-0123456789"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -43,7 +44,7 @@ def make_tier(request, tmp_path):
         elif kind == "disk":
             tier = DiskTier("disk", layout, capacity, tmp_path / f"disk{len(made)}")
         else:
-            server = request.getfixturevalue("redis_server")
+            server = request.getfixturevalue("redis_cluster" if kind == "redis-cluster" else "redis_server")
             namespace = f"contract-{request.node.name}-{len(made)}"
             tier = RedisTier("redis", layout, capacity, url=server.url, namespace=namespace)
         made.append(tier)

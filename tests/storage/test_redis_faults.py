@@ -148,14 +148,14 @@ def test_server_killed_during_large_get_many(layout, make_tier, redis_server):
     assert all(r.ok for r in tier.put_many(keys, blocks))
     tier._batch_len = 4  # many round trips, so the kill lands mid-batch
     first_chunk_done = threading.Event()
-    real_mget = tier._client.mget
+    real_mget = tier._link._client.mget
 
     def slow_mget(names):
         first_chunk_done.set()
         time.sleep(0.005)  # keeps the batch in flight while the killer thread runs
         return real_mget(names)
 
-    tier._client.mget = slow_mget
+    tier._link._client.mget = slow_mget
     killer = threading.Thread(target=lambda: (first_chunk_done.wait(5), redis_server.kill()))
     killer.start()
     got = tier.get_many(keys)

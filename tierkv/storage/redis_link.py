@@ -1,0 +1,192 @@
+"""The wire under the Redis tier: one server (`SingleLink`; a cluster: `redis_cluster.ClusterLink`).
+
+Primitives: `KeyFailed`, `Unavailable`, `NodeHealth`, `LinkBase`, `SingleLink`, `send_sets`,
+`import_redis`.
+
+A link answers per key: every batch method returns one entry per name, the reply or an
+exception instance. `KeyFailed` (and its subclass `Unavailable`: the key's node could not be
+reached, or was skipped while marked down) means the call that carried the key failed and the
+link has counted it already (one `on_error()` per failed or skipped call); any other exception
+is a per-key error reply (a SET the server refused) for the caller to count. Links never raise
+a Redis error.
+
+Health is per node: a connection error or timeout marks the node down for retry_interval_s;
+meanwhile its calls are skipped (Unavailable at once, no network); the next call after that
+tries again and a success marks it up.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from tierkv.redact import redact_text
+from tierkv.storage.base import TierError
+
+logger = logging.getLogger(__name__)
+
+
+class KeyFailed(Exception):
+    """The call that carried this key failed; already counted as one `errors` for the whole call."""
+
+
+class Unavailable(KeyFailed):
+    """The key's node was unreachable, or skipped while marked down."""
+
+
+def import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise TierError(f"the Redis tier needs redis-py: pip install tierkv-runtime[redis] ({exc})") from exc
+    return redis
+
+
+class NodeHealth:
+    """Which nodes are marked down, and until when (monotonic seconds)."""
+
+    def __init__(self, retry_interval_s: float):
+        self.retry_interval_s = retry_interval_s
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def is_up(self, node: str) -> bool:
+        with self._lock:
+            until = self._down_until.get(node)
+            return until is None or time.monotonic() >= until
+
+    def mark_down(self, node: str) -> bool:
+        """Skip `node` for retry_interval_s; True if it was up."""
+        with self._lock:
+            was_up = node not in self._down_until
+            self._down_until[node] = time.monotonic() + self.retry_interval_s
+            return was_up
+
+    def mark_up(self, node: str) -> bool:
+        """True if `node` was marked down."""
+        with self._lock:
+            return self._down_until.pop(node, None) is not None
+
+    def down_nodes(self) -> list[str]:
+        """Nodes marked down whose retry interval has not passed."""
+        now = time.monotonic()
+        with self._lock:
+            return sorted(node for node, until in self._down_until.items() if now < until)
+
+
+class LinkBase:
+    """Per-node calls with health tracking and error counting, shared by both links."""
+
+    def __init__(self, tier_name: str, redis: Any, retry_interval_s: float, on_error: Callable[[], None]):
+        self.tier_name = tier_name
+        self.health = NodeHealth(retry_interval_s)
+        self.last_error: str | None = None
+        self._on_error = on_error
+        self._link_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._redis_error = redis.exceptions.RedisError
+        self._response_error = redis.exceptions.ResponseError
+
+    def _call_node(self, node: str, num_keys: int, op: Callable[[], list[Any]]) -> list[Any]:
+        """op() (one entry per key) on `node`, or num_keys KeyFailed entries with the failure counted."""
+        if not self.health.is_up(node):
+            self._on_error()
+            return [Unavailable(f"{node} is down: {self.last_error}")] * num_keys
+        try:
+            replies = op()
+        except self._link_errors as exc:
+            self._mark_down(node, exc)
+            return [Unavailable(f"{node}: {self.last_error}")] * num_keys
+        except self._redis_error as exc:
+            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
+            logger.warning("%s: redis error from %s: %s", self.tier_name, node, self.last_error)
+            self._on_error()
+            return [KeyFailed(f"{node}: {self.last_error}")] * num_keys
+        if self.health.mark_up(node):
+            logger.info("%s: redis at %s is reachable again", self.tier_name, node)
+        return replies
+
+    def _mark_down(self, node: str, exc: BaseException) -> None:
+        self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
+        if self.health.mark_down(node):
+            logger.warning("%s: redis at %s unreachable, retry in %.1fs: %s",
+                           self.tier_name, node, self.health.retry_interval_s, self.last_error)
+        self._on_error()
+
+    def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            getattr(pipe, command)(name)
+        return pipe.execute(raise_on_error=False)
+
+
+class SingleLink(LinkBase):
+    """One redis-server at `url`; one try per command (no retries: the health logic decides)."""
+
+    def __init__(self, tier_name: str, url: str, timeout_s: float, retry_interval_s: float,
+                 on_error: Callable[[], None]):
+        redis = import_redis()
+        super().__init__(tier_name, redis, retry_interval_s, on_error)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.node = redact_text(url)  # how logs and down_nodes name the server
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.health.is_up(self.node)
+
+    def down_nodes(self) -> list[str]:
+        return self.health.down_nodes()
+
+    def ping(self) -> None:
+        self._call_node(self.node, 1, lambda: [self._client.ping()])
+
+    def get_many(self, names: Sequence[str]) -> list[Any]:
+        return self._call_node(self.node, len(names), lambda: self._client.mget(names))
+
+    def per_key(self, command: str, names: Sequence[str]) -> list[Any]:
+        return self._call_node(self.node, len(names), lambda: self._per_key_pipeline(self._client, command, names))
+
+    def set_many(self, names: Sequence[str], values: Sequence[list], ttl_ms: int | None) -> list[Any]:
+        op = lambda: send_sets(self._client.connection_pool, names, values, ttl_ms, self._response_error)  # noqa: E731
+        return self._call_node(self.node, len(names), op)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def send_sets(pool: Any, names: Sequence[str], values: Sequence[list], ttl_ms: int | None,
+              response_error: type) -> list[Any]:
+    """Pipelined SETs of values given as buffers ([header, payload]); one reply (or error) per name.
+
+    redis-py would join each value into one bytes object first (a block-sized copy); here the
+    RESP frames are written around the buffers on a connection of `pool`, and the replies read
+    the way redis-py's pipeline reads them. A link error drops the connection and propagates.
+    """
+    px = b"" if ttl_ms is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
+    frames: list[Any] = []
+    for name, parts in zip(names, values):
+        encoded = name.encode()
+        num_bytes = sum(memoryview(part).nbytes for part in parts)
+        frames.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if px else 3, len(encoded), encoded, num_bytes))
+        frames += parts
+        frames.append(b"\r\n" + px)
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(frames)
+        replies: list[Any] = []
+        for _ in names:
+            try:
+                replies.append(connection.read_response())
+            except response_error as exc:  # this SET failed; its reply is consumed
+                replies.append(exc)
+        return replies
+    except BaseException:
+        connection.disconnect()  # replies may be left unread: never reuse this socket
+        raise
+    finally:
+        pool.release(connection)
