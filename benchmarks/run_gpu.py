@@ -85,7 +85,9 @@ def isolated_tests(s):
 
 
 def quant(s): return s.bench("bench_quant.py", "--out", f"{s.out}/quant-h200.json", log="quant.log", timeout_s=240)
-def bounds(s): return s.bench("bench_bounds.py", "--rows", "1", "10", "--out", f"{s.out}/bounds-h200.json", log="bounds.log", timeout_s=120, tail=32)
+def bounds(s):
+    return s.bench("bench_bounds.py", "--rows", "1", "10", "--out", f"{s.out}/bounds-h200.json", log="bounds.log",
+                   timeout_s=120, tail=32)
 
 
 def exact(s):
@@ -94,7 +96,9 @@ def exact(s):
                    "--out", f"{s.out}/exact-128k-h200.json", log="exact.log", timeout_s=300)
 
 
-def sweep(s): return s.bench("sweep_transfer.py", *_split(s.args.extra), "--out", f"{s.out}/sweep-transfer-h200.json", log="sweep-transfer.log", timeout_s=200)
+def sweep(s):
+    return s.bench("sweep_transfer.py", *_split(s.args.extra), "--out", f"{s.out}/sweep-transfer-h200.json",
+                   log="sweep-transfer.log", timeout_s=200)
 
 
 def far_sparse(s):
@@ -138,7 +142,8 @@ def vllm_check(s):
         s.bench("vllm_check.py", "model", "/tmp/m", log="check-model.log", timeout_s=200, tail=1)
     rc = max(s.bench("vllm_check.py", mode, "/tmp/m", f"{s.out}/vc", log=f"check-{mode}.log", timeout_s=200, tail=6)
              for mode in ("plain", "hotwindow"))
-    return max(rc, s.bench("vllm_check.py", "compare", f"{s.out}/vc", "hotwindow", log="check-compare.log", timeout_s=60, tail=12))
+    return max(rc, s.bench("vllm_check.py", "compare", f"{s.out}/vc", "hotwindow", log="check-compare.log",
+                           timeout_s=60, tail=12))
 
 
 def vllm_row(mode: str):

@@ -63,7 +63,8 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     name = _get(cfg, "_name_or_path")
     return ModelShape(num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
                       num_kv_heads=_get(text, "num_key_value_heads") or heads, head_dim=head_dim,
-                      dtype=str(dtype).removeprefix("torch."), max_position_embeddings=_get(text, "max_position_embeddings"),
+                      dtype=str(dtype).removeprefix("torch."),
+                      max_position_embeddings=_get(text, "max_position_embeddings"),
                       sliding_window=window if isinstance(window, int) and window > 0 else None,
                       name=name if isinstance(name, str) and name else None)
 

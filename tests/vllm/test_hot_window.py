@@ -604,7 +604,7 @@ def test_sparse_with_a_budget_covering_the_context_equals_exact(tmp_path):
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=64 * BS, window=window, num_blocks=30)
     try:
         (row,) = far.begin_step([("r", 30 * BS, 1)])
-        assert far._sparse_rows == [0] and row.num_far_blocks == far_blocks(30 * BS, window, BS)
+        assert far.sparse_rows == [0] and row.num_far_blocks == far_blocks(30 * BS, window, BS)
         for name in NAMES:
             out, lse = far.attend(store.layer_index[name], q, 0.3)
             want_out, want_lse = dense(q, store.paged.read(caches[name], torch.tensor(ids[: row.num_far_blocks])), 0.3)
@@ -691,7 +691,7 @@ def test_a_prefix_without_summaries_is_streamed_exactly_once_then_selected_like_
         assert far.requests["r"].summaries is None
         for step in range(2):
             (row,) = far.begin_step([("r", 42 * BS + step, 1)])
-            assert row.num_far_blocks == 40 and far._sparse_rows == ([] if step == 0 else [0])
+            assert row.num_far_blocks == 40 and far.sparse_rows == ([] if step == 0 else [0])
             for name in NAMES:
                 layer = store.layer_index[name]
                 far.prefetch(layer)
@@ -733,7 +733,7 @@ def test_a_few_far_blocks_without_summaries_are_fetched_and_summarized_before_se
             far.summarize(store.layer_index[name], spans, store.paged.read(caches[name], torch.tensor(ids[:36])))
         for step in range(2):
             (row,) = far.begin_step([("r", 42 * BS + step, 1)])
-            assert row.num_far_blocks == 40 and far._sparse_rows == [0] and not far._pieces
+            assert row.num_far_blocks == 40 and far.sparse_rows == [0] and not far._pieces
             for name in NAMES:
                 layer = store.layer_index[name]
                 stalls = far.sparse_streamer.num_stalls
@@ -759,7 +759,7 @@ def test_a_prefill_streaming_unsummarized_far_blocks_summarizes_them(tmp_path):
                                                summarize_all=False)
     try:
         (row,) = far.begin_step([("r", 42 * BS, 9)])  # a prefill chunk: exact, streamed
-        assert row.num_far_blocks == 40 and far._sparse_rows == []
+        assert row.num_far_blocks == 40 and far.sparse_rows == []
         for name in NAMES:
             layer = store.layer_index[name]
             far.prefetch(layer)
@@ -902,7 +902,7 @@ def test_sparse_fetches_leave_the_prefill_rows_streamed_chunks_alone(tmp_path, s
     store, caches, far = far_with_saved_requests(tmp_path, window, staging_blocks, lengths, ids, sparse_tokens=64 * BS)
     try:
         rows = far.begin_step([("b", lengths["b"], 5), ("a", lengths["a"], 1)])
-        assert far._sparse_rows == [1] and far._pieces  # b streamed, a selected
+        assert far.sparse_rows == [1] and far._pieces  # b streamed, a selected
         q = torch.randn(6, HQ, D)
         for name in NAMES:
             layer = store.layer_index[name]

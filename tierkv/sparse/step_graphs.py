@@ -16,7 +16,7 @@ merged rows into vLLM's output (`FarKV.attend_into`), however many rows the step
                           blocks at or past its far count masked, into one score matrix (one
                           kernel, tierkv.sparse.kernels.block_bounds_rows)
                         ids = sorted top-k of each row of the scores (one top-k, one sort)
-                        slots, miss = the requests' far-block cache sets (far_cache.RowCaches.
+                        slots, miss = the requests' far-block cache sets (row_caches.RowCaches.
                           place_rows, one kernel): where each id is held, or the slot it takes,
                           and whether it must be copied
                         the missing blocks' CPU-tier slots, each row's from its own slot list (one
@@ -136,7 +136,7 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     int8). sets: the requests' cache set indices, int64 [m] on the device; tables, lists: the
     addresses of their summary tables and pinned slot lists of `layer`, int64 [m] on the device
     (all three a graph's static inputs; made here when not given). prefetch: the full decode graph's
-    `far_prefetch.MarginPrefetch`, which places and copies the blocks ranked just below the selection
+    `prefetch_margin.MarginPrefetch`, which places and copies the blocks ranked just below the selection
     once the attention is enqueued.
 
     For all rows at once: the key bounds into one score matrix (one kernel on CUDA,
@@ -239,7 +239,7 @@ class SparseStepGraphs:
         self.enabled = self.max_rows > 0
         self.whole_enabled = self.enabled  # graphs that run the window part too (off after a failed capture)
         self.near_inputs: dict[tuple, NearInputs] = {}  # per row count and table columns (written every step)
-        # the next-step prefetch inside each layer's graph (`far_prefetch.MarginPrefetch`, the transformers
+        # the next-step prefetch inside each layer's graph (`prefetch_margin.MarginPrefetch`, the transformers
         # engine's predictor 'cache' sets it): forked beside the layer's attention, joined at its end
         self.prefetch = None
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0,

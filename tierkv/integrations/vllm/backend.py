@@ -29,7 +29,7 @@ from tierkv.integrations.vllm.hot_window import _STATE, current_step, full_decod
 
 class HotWindowMetadataBuilder(fa.FlashAttentionMetadataBuilder):
     # the far part streams per layer under host control: never inside a captured graph, unless the engine's
-    # config asks for its sparse decode step inside vLLM's full decode graph (`far_full`)
+    # config asks for its sparse decode step inside vLLM's full decode graph (`full_graph_rows`)
     _cudagraph_support = AttentionCGSupport.NEVER
 
     @classmethod
@@ -57,7 +57,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
         full = full_rows()
         if step is None and full is not None and attn_metadata.max_query_len == 1 and n <= full.max_rows:
             # vLLM capturing (or warming up) its full decode graph: the body reads per-row buffers written
-            # before each replayed step (far_full); no connector step exists at start-up
+            # before each replayed step (full_graph_rows); no connector step exists at start-up
             window = self._window(layer, *self._kv_views(kv_cache))
             full.attend(rows_of(output, 0, n), full.layer_index[layer.layer_name], rows_of(query, 0, n), self.scale,
                         window, attn_metadata)

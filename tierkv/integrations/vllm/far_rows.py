@@ -20,7 +20,7 @@ Per step the far blocks of all requests form one list per layer (request after r
 lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
-min/max, kept on the device from the copies the connector saves by `far_summaries.KeySummaries`),
+min/max, kept on the device from the copies the connector saves by `request_summaries.KeySummaries`),
 fetched once selected;
 prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
 is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
@@ -181,12 +181,12 @@ class FarKV:
         self._spare_slot_lists: list[list[torch.Tensor]] = []
         self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
-        self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (far_full.FullDecodeRows)
+        self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (full_graph_rows.FullDecodeRows)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self.requests: dict[str, _Request] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
-        self._sparse_rows: list[int] = []
+        self.sparse_rows: list[int] = []
         # sparse decode rows' block reads at attention time: resident (vLLM's pool) and selected far blocks
         # (a graphed row's request finds some in its far-block cache, `row_caches`; the rest are fetched
         # when selected)
@@ -303,7 +303,7 @@ class FarKV:
         self.graphed.reset()
         sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self.key_summaries.is_selectable(r)
                   for r in far_rows]
-        self._sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
+        self.sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
         streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
         offsets, total = [], 0
         for n in streamed:
@@ -402,10 +402,10 @@ class FarKV:
         if graphed is not None:  # after the rest: merge_into wrote every row
             plan, replayed = graphed
             self.graphed.write_rows(output, plan, replayed[0])
-        self._note_host(started, not self._pieces and (self.graphs is None
+        self.note_host(started, not self._pieces and (self.graphs is None
                                                        or self.graphs.counts["graph_captures"] == captures))
 
-    def _note_host(self, started: float, steady: bool) -> None:
+    def note_host(self, started: float, steady: bool) -> None:
         """A layer call's host time (from `started`) into its step's total, and into the decode median
         when `steady`: no streamed chunks, no capture, no check."""
         spent = time.perf_counter() - started
@@ -424,7 +424,7 @@ class FarKV:
         contiguous K and V; the vLLM backend passes vLLM's own FlashAttention. Without it such rows
         use PyTorch's fused kernels on CUDA and the paged reference elsewhere. skip: sparse rows
         served elsewhere (`attend_into`'s graphs)."""
-        if not self._pieces and not self._sparse_rows:
+        if not self._pieces and not self.sparse_rows:
             return None
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         staging = self.pool.staging
@@ -446,7 +446,7 @@ class FarKV:
                 self.counts["far_blocks_read"] += end - first
                 if self.sparse_blocks is not None:
                     self.key_summaries.summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
-        for i in self._sparse_rows:  # fetched once selected: each piece counts as a stall
+        for i in self.sparse_rows:  # fetched once selected: each piece counts as a stall
             row = self.rows[i]
             req = self.requests[row.req_id]
             q_row = q[row.q_start : row.q_end]
@@ -459,7 +459,7 @@ class FarKV:
                 ids = self.key_summaries.select(req, layer, q_row[0], row.num_far_blocks)
                 self.overlap.note(self.counts["steps"], req.previous, layer, ids)
                 slots = req.pinned_slots_dev[layer].index_select(0, ids)
-            self._count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
+            self.count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
             with profiled("tierkv.sparse.fetch_attend"):
                 fetcher = self.sparse_streamer
                 for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
@@ -467,7 +467,7 @@ class FarKV:
                         q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
         return parts
 
-    def _count_selections(self, num_selected: int, num_resident: int, num_rows: int) -> None:
+    def count_selections(self, num_selected: int, num_resident: int, num_rows: int) -> None:
         """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks,
         their windows' blocks resident."""
         counts = self.counts
@@ -492,7 +492,7 @@ class FarKV:
     def end_step(self) -> None:
         if self.rows:
             self._step_host.append((round(1e3 * self._begin_s, 3), round(1e3 * self._attend_s, 3)))
-        self.rows, self._pieces, self._sparse_rows = [], [], []
+        self.rows, self._pieces, self.sparse_rows = [], [], []
         self.graphed.reset()
 
     def stats(self) -> dict:

@@ -13,12 +13,12 @@ the step (`write`, from the connector's `start_load_kv`), and vLLM's own persist
                                     layer the addresses of the row's key-summary table and slot list
                                     (a row without far blocks reads a dummy's, masked to nothing)
     next-step prefetch (optional)   the blocks ranked below each layer's selection, copied into the
-                                    rows' caches on a side stream (`far_prefetch.MarginPrefetch`)
+                                    rows' caches on a side stream (`prefetch_margin.MarginPrefetch`)
     vLLM's metadata (in place)      block table, key counts, query offsets
 
     captured, per layer (`attend`): the window's block table shifted past each row's far blocks
                                     (a device gather) and FlashAttention over it; the rows' far part
-                                    as the split graphs run it (`far_graphs.sparse_rows_body`, every
+                                    as the split graphs run it (`step_graphs.sparse_rows_body`, every
                                     row's input by address); the LSE merge into vLLM's output
 
 A step whose rows the body cannot serve (far blocks without summaries, no cache set left, more rows
@@ -141,7 +141,7 @@ class FullDecodeRows:
         far, k, layers = self.far, self.far.sparse_blocks, self.far.store.num_layers
         selected = sum(min(r.num_far_blocks, k) for r in rows)
         resident = sum(r.near_blocks(far.block_tokens) for r in rows if r.num_far_blocks)
-        far._count_selections(layers * selected, layers * resident, layers * sum(1 for r in rows if r.num_far_blocks))
+        far.count_selections(layers * selected, layers * resident, layers * sum(1 for r in rows if r.num_far_blocks))
 
     def attend(self, output: torch.Tensor, layer: int, q: torch.Tensor, scale: float, window, meta) -> None:
         """output [n, H, D] = the attention of q [n, H, D] (a decode batch, one token per row, n at

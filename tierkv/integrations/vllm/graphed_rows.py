@@ -76,7 +76,7 @@ class GraphedRows:
             return None
         if self._plan is None:
             indices = []
-            for i in far._sparse_rows:
+            for i in far.sparse_rows:
                 row = far.rows[i]
                 if len(indices) < graphs.max_rows and graphs.servable(far.requests[row.req_id], row.num_far_blocks):
                     indices.append(i)
@@ -135,7 +135,7 @@ class GraphedRows:
                 diff = (split[0].float() - replayed[0].float()).abs().max()
                 self.whole_check = diff if self.whole_check is None else torch.maximum(self.whole_check, diff)
         output.copy_(replayed[0])
-        far._note_host(started, graphs.counts["graph_captures"] == captures and near is None)
+        far.note_host(started, graphs.counts["graph_captures"] == captures and near is None)
         return True
 
     def attend_rows(self, layer: int, q: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor,
@@ -175,4 +175,4 @@ class GraphedRows:
         if plan.sampled:
             for n, (_, req, num_far) in enumerate(plan.graph_rows):
                 far.overlap.note(far.counts["steps"], req.previous, layer, ids, n, num_far)
-        far._count_selections(sum(min(n, k) for _, _, n in plan.graph_rows), plan.resident_blocks, m)
+        far.count_selections(sum(min(n, k) for _, _, n in plan.graph_rows), plan.resident_blocks, m)

@@ -107,7 +107,7 @@ def _patch_kv_cache_spec() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def _is_hot_window_backend(backend) -> bool:  # hot_window_backend.HotWindowBackend, without importing it
+def _is_hot_window_backend(backend) -> bool:  # backend.HotWindowBackend, without importing it
     return getattr(backend, "_tierkv_hot_window", False)
 
 
@@ -190,7 +190,7 @@ def set_step(step: HotWindowStep | None) -> None:
 
 
 def set_full(full) -> None:
-    """The engine's `far_full.FullDecodeRows` (None: no full decode graphs), told by the worker-side
+    """The engine's `full_graph_rows.FullDecodeRows` (None: no full decode graphs), told by the worker-side
     connector once its FarKV exists, before vLLM captures."""
     _STATE["full"] = full
 

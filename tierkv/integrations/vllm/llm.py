@@ -51,7 +51,8 @@ class VllmTieredLLM(TieredLLM):
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
                  backend: str = "vllm", *, tokenizer=None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool = True, hot_window: bool = True, **engine_kwargs):
+                 gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool = True, hot_window: bool = True,
+                 **engine_kwargs):
         if backend != "vllm":
             raise ValueError(f"backend: got {backend!r}; VllmTieredLLM is backend='vllm'")
         if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
@@ -326,8 +327,8 @@ def check_full_graph_rows(reserved_rows: int, vllm_config) -> None:
 def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
     """GPU bytes the sparse step inside vLLM's full decode graph keeps on each GPU beside the caches:
     over a quantized CPU tier, the codes and scales of a selection for each row of the largest
-    captured batch (`far_full.FullDecodeRows`), and of the next-step prefetch's margin
-    (`far_prefetch.MarginPrefetch`, with its per-layer slot lists over any tier); 0 without
+    captured batch (`full_graph_rows.FullDecodeRows`), and of the next-step prefetch's margin
+    (`prefetch_margin.MarginPrefetch`, with its per-layer slot lists over any tier); 0 without
     `scheduler.sparse_full_graphs` or under an eager engine. The largest batch is the largest
     capture size: of the engine's compilation_config when given, else of
     `full_decode_capture_sizes(max_num_seqs)`."""
