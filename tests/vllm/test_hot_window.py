@@ -944,7 +944,8 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
     themselves are off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the
     eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
-    from tierkv.sparse.step_graphs import SparseStepGraphs, sparse_rows_body
+    from tierkv.sparse.step_graphs import SparseStepGraphs
+    from tierkv.sparse.step import sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -983,7 +984,7 @@ def test_the_graph_body_reads_every_far_block_of_a_row_with_fewer_than_a_selecti
     reads all of them and no other block (ids -1 for the rest, none copied or placed in its cache),
     as the eager path does, and a row of the same batch with more far blocks selects as before. The
     graphs serve such rows now (`servable`)."""
-    from tierkv.sparse.step_graphs import sparse_rows_body
+    from tierkv.sparse.step import sparse_rows_body
 
     window = 2 * BS
     far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=window, num_blocks=42,
@@ -1023,7 +1024,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
     held blocks' stale codes skipped) gives the eager path's result, the first time and when the
     selection repeats and nothing is copied."""
     from tierkv.quant import dequantize_blocks, quantize_blocks
-    from tierkv.sparse.step_graphs import packed_buffers, sparse_rows_body
+    from tierkv.sparse.step import packed_buffers, sparse_rows_body
 
     window = 2 * BS
     plant = random.sample(range(1, 38), 3)
@@ -1066,7 +1067,7 @@ class _BodyGraphs:
 
     def __init__(self, far, max_rows: int):
         from tierkv.sparse.row_caches import RowCaches
-        from tierkv.sparse.step_graphs import packed_buffers
+        from tierkv.sparse.step import packed_buffers
 
         self.far, self.max_rows, self.calls = far, max_rows, []
         k = far.sparse_blocks
@@ -1090,7 +1091,7 @@ class _BodyGraphs:
 
     def attend(self, layer, rows, q, near_out, near_lse, out_dtype, scale, key=None):
         from tierkv.attention import merge_two_into
-        from tierkv.sparse.step_graphs import sparse_rows_body
+        from tierkv.sparse.step import sparse_rows_body
 
         self.calls.append([req_id for req_id, _, _ in rows])
         far_out, far_lse, ids = sparse_rows_body(self.far, [req for _, req, _ in rows], layer, q,

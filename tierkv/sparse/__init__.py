@@ -7,7 +7,8 @@ Engine-agnostic (no vLLM import); the transformers engine and the vLLM integrati
     kernels            Triton kernels of the block bound
     block_cache        per-layer LRU far-block cache in staging slots (predictor `query`)
     row_caches         per-row far-block caches of the graphed step (predictor `cache`, vLLM rows)
-    step_graphs        the sparse step body (select, fetch, far attention, merge) and its CUDA graphs
+    step               the sparse step of many rows: select, fetch, far attention (device work only)
+    step_graphs        that step captured in CUDA graphs per layer and set of rows, with the merge
     prefetch_margin    next-step prefetch of the blocks ranked just below the selection
     predict_previous   predictor `previous`: each layer's last selection, copied ahead
     predict_query      predictor `query`: the next layers' selection from the hidden state

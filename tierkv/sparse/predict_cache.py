@@ -47,7 +47,8 @@ from tierkv.transfer.device import to_device_no_sync
 from tierkv.units import format_bytes
 from tierkv.transfer.device import append_at
 from tierkv.sparse.row_caches import RowCaches
-from tierkv.sparse.step_graphs import SparseStepGraphs, packed_buffers, sparse_rows_body
+from tierkv.sparse.step_graphs import SparseStepGraphs
+from tierkv.sparse.step import packed_buffers, sparse_rows_body
 from tierkv.sparse.prefetch_margin import MarginPrefetch, precision_recall
 
 

@@ -35,6 +35,7 @@ import torch
 
 from tierkv.block_io import dequantize_into
 from tierkv.config import ConfigError
+from tierkv.sparse.step import copy_sources_of
 
 
 def check_margin(margin: int, k: int, slots_per_layer: int, per_layer: bool) -> None:
@@ -97,8 +98,6 @@ class MarginPrefetch:
                         sets: torch.Tensor, lists: torch.Tensor | None) -> None:
         """After the layer's selection, the first k of `ranked` (`rank`'s): place and copy each row's
         margin blocks, the rest of it (device work only; the copy on the side stream)."""
-        from tierkv.sparse.step_graphs import copy_sources_of
-
         k = self.far.sparse_blocks
         margin = ranked[:, k:]
         ids = torch.where(margin < num_far.unsqueeze(1), margin, -1)

@@ -18,7 +18,7 @@ the step (`write`, from the connector's `start_load_kv`), and vLLM's own persist
 
     captured, per layer (`attend`): the window's block table shifted past each row's far blocks
                                     (a device gather) and FlashAttention over it; the rows' far part
-                                    as the split graphs run it (`step_graphs.sparse_rows_body`, every
+                                    as the split graphs run it (`tierkv.sparse.step.sparse_rows_body`, every
                                     row's input by address); the LSE merge into vLLM's output
 
 A step whose rows the body cannot serve (far blocks without summaries, no cache set left, more rows
@@ -36,7 +36,7 @@ import torch
 
 from tierkv.attention import merge_two_into
 from tierkv.sparse.summaries import BlockSummaries
-from tierkv.sparse.step_graphs import packed_buffers, sparse_rows_body
+from tierkv.sparse.step import packed_buffers, sparse_rows_body
 from tierkv.sparse.prefetch_margin import MarginPrefetch
 
 
