@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 PY = sys.executable
-GRAPH_TESTS = ["tests/gpu/test_far_graphs_gpu.py", "tests/gpu/test_decode_graph_gpu.py", "tests/vllm/test_far_cache.py",
+GRAPH_TESTS = ["tests/gpu/test_far_graphs_gpu.py", "tests/gpu/test_decode_graph_gpu.py", "tests/integrations/vllm/test_far_cache.py",
                "tests/gpu/test_save_gpu.py", "tests/gpu/test_planted_needle_gpu.py", "tests/sparse/test_bounds_kernel.py",
                "tests/attention/test_triton.py::test_gpu_rows_of_ten_decoding_requests"]
 NOISE = ("INFO", "WARNING", "(EngineCore", "DEBUG", "[rank")

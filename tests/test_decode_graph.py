@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.integrations.hf.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build
 from tests.sparse.test_cached_predictor import decode_under_budgets
 from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.integrations.hf.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build, reference_greedy
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference

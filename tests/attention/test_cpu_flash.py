@@ -180,7 +180,7 @@ def test_bad_arguments_raise_value_error(gen):
 def test_greedy_tokens_equal_transformers_sdpa(heads, kv_heads, head_dim, prompt_len, chunk, monkeypatch):
     """A random Llama through the adapter (GPU budget 8x+ below the KV, streamed far blocks) with
     the CPU flash kernel gives transformers' sdpa greedy tokens and logits."""
-    from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+    from tests.integrations.hf.test_exact_hf import tiered_greedy, tiny_config
     from tests.models import build, reference_greedy
     from tierkv.integrations.hf import runtime_for_model
     from tierkv.config import load_config

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from benchmarks.bench_sparse import decode_in_turns, logits_gap
-from tests.adapters.test_exact_hf import tiny_config
+from tests.integrations.hf.test_exact_hf import tiny_config
 from tests.models import build
 from tierkv.integrations.hf import ATTN_NAME, TieredCache, runtime_for_model
 from tierkv.config import load_config

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from tests.adapters.test_exact_hf import tiny_config  # noqa: E402
+from tests.integrations.hf.test_exact_hf import tiny_config  # noqa: E402
 from tests.models import build  # noqa: E402
 from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.integrations.hf.test_exact_hf import tiered_greedy, tiny_config
 from tests.models import build, reference_greedy
 from tests.sparse.test_planted_needle import CONTEXT, T, planted_case, runtime_with
 from tierkv.integrations.hf import runtime_for_model

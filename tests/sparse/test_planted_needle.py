@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.models import build, reference_greedy
-from tests.adapters.test_exact_hf import tiered_greedy, tiny_config
+from tests.integrations.hf.test_exact_hf import tiered_greedy, tiny_config
 from tests.sparse.test_planted_needle_far import planted_case as planted_case_of
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference

@@ -1,5 +1,5 @@
 """Hot-window sparse decode of requests shorter than a selection, on CPU (the graphs' recording replaced
-by `tests.vllm.test_hot_window.fake_graphs`; real captures: tests/gpu/test_far_graphs_gpu.py).
+by `tests.integrations.vllm.test_hot_window.fake_graphs`; real captures: tests/gpu/test_far_graphs_gpu.py).
 
 With the engine's max_model_len below the sparse token budget, every request's key-summary tables
 (allocated at max_model_len's blocks) are shorter than one selection of k blocks. The graphed step
@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
-from tests.vllm.test_hot_window import D, HQ, _Window, computed_far, fake_graphs  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
+from tests.integrations.vllm.test_hot_window import D, HQ, _Window, computed_far, fake_graphs  # noqa: E402
 
 
 def decode_step_equals_eager(far, store, rows, q) -> None:

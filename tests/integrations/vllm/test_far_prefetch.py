@@ -15,8 +15,8 @@ from tierkv.config import ConfigError, load_config  # noqa: E402
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows  # noqa: E402
 from tierkv.sparse.prefetch_margin import MarginPrefetch, check_margin  # noqa: E402
 
-from tests.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
-from tests.vllm.test_hot_window import HQ, D, _Window, computed_far, fake_graphs, write_config  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
+from tests.integrations.vllm.test_hot_window import HQ, D, _Window, computed_far, fake_graphs, write_config  # noqa: E402
 
 FULL = ("sparse_full_graphs: true",)
 

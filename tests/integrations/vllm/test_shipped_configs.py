@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from tierkv.config import load_config  # noqa: E402
-from tests.vllm.test_hot_window import _checkpoint  # noqa: E402
+from tests.integrations.vllm.test_hot_window import _checkpoint  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def test_the_fast_sparse_config_fits_its_two_gib_with_the_prefetch(tmp_path):

@@ -40,7 +40,7 @@ from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  
 from tierkv.integrations.vllm.far_rows import FarKV, far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
-from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
 
 HQ = 4  # query heads: GQA group of 2
 
@@ -374,7 +374,7 @@ def test_tensor_parallel_needs_the_installed_plugin():
     import tomllib
     from pathlib import Path
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["vllm.general_plugins"]["tierkv_hot_window"] == PLUGIN_ENTRY_POINT
 
 

@@ -1,6 +1,6 @@
 """Steps that mix decoding rows with a prefill chunk streaming far KV (`far_graphed.GraphedRows.plan`):
 the graphs, and so the far-block caches, serve the decoding rows beside the streamed chunks, on CPU
-with the graphs' recording replaced (tests/vllm/test_hot_window.fake_graphs)."""
+with the graphs' recording replaced (tests/integrations/vllm/test_hot_window.fake_graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,8 @@ pytest.importorskip("vllm")
 
 from tierkv.attention import merge_partials  # noqa: E402
 
-from tests.vllm.test_connector import BS, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
-from tests.vllm.test_hot_window import H, HQ, D, computed_far, fake_graphs  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
+from tests.integrations.vllm.test_hot_window import H, HQ, D, computed_far, fake_graphs  # noqa: E402
 
 
 def test_decoding_rows_beside_a_streaming_prefill_chunk_are_graphed_and_cached(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The graphed sparse rows' far-block caches and the full decode graph's body, on CPU with the graphs'
-recording replaced (`tests.vllm.test_hot_window.fake_graphs`; real captures:
+recording replaced (`tests.integrations.vllm.test_hot_window.fake_graphs`; real captures:
 tests/gpu/test_far_graphs_gpu.py): outputs equal the eager path's, the staging bounds the caches,
 two kept selections serve alternating queries, and the body vLLM would capture equals the eager step."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
-from tests.vllm.test_hot_window import D, HQ, _Window, computed_far, fake_graphs  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
+from tests.integrations.vllm.test_hot_window import D, HQ, _Window, computed_far, fake_graphs  # noqa: E402
 
 
 def decode_step_equals_eager(far, store, rows, q) -> None:

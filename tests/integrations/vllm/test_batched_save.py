@@ -16,9 +16,9 @@ from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
-from tests.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
-from tests.vllm.test_hot_window import assert_six_blocks_summarized, sparse_connectors, step_one_request  # noqa: E402
-from tests.vllm.test_hot_window import write_config  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
+from tests.integrations.vllm.test_hot_window import assert_six_blocks_summarized, sparse_connectors, step_one_request  # noqa: E402
+from tests.integrations.vllm.test_hot_window import write_config  # noqa: E402
 
 
 def _store_and_far(path, storage_dtype: str, caches):
