@@ -19,17 +19,15 @@ import torch
 from tierkv.blocks import BlockLayout
 from tierkv.quant import pack_blocks, packed_layout, unpack_blocks
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.wrapped import WrappedTier
 
 
-class QuantizedTier(StorageTier):
+class QuantizedTier(WrappedTier):
     def __init__(self, inner: StorageTier, layout: BlockLayout, quant_format: str):
         if inner.layout != packed_layout(layout, quant_format):
             raise ValueError(f"{inner.name}: inner layout {inner.layout} is not the packed {quant_format} form of {layout}")
-        super().__init__(inner.name, layout, inner.capacity_bytes)
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner, layout)
         self.quant_format = quant_format
-        self.counters = inner.counters
 
     # -- conversions ------------------------------------------------------------------------
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
@@ -81,26 +79,6 @@ class QuantizedTier(StorageTier):
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.remove_many(keys)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.inner.is_healthy
-
-    @property
-    def return_evicted(self) -> bool:
-        return getattr(self.inner, "return_evicted", False)
-
-    @return_evicted.setter
-    def return_evicted(self, value: bool) -> None:
-        if hasattr(self.inner, "return_evicted"):
-            self.inner.return_evicted = value
 
     def __repr__(self) -> str:
         return f"QuantizedTier({self.quant_format}, {self.inner!r})"

@@ -24,19 +24,17 @@ import torch
 from tierkv.blocks import BlockLayout
 from tierkv.storage.auth import AuthFailure, BlockSealer
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.wrapped import WrappedTier
 
 logger = logging.getLogger(__name__)
 
 
-class SealedTier(StorageTier):
+class SealedTier(WrappedTier):
     def __init__(self, inner: StorageTier, layout: BlockLayout, sealer: BlockSealer, *, log_interval_s: float = 10.0):
         if sealer.layout != layout or inner.layout != sealer.sealed_layout:
             raise ValueError(f"{inner.name}: inner layout {inner.layout} is not the sealed form of {layout}")
-        super().__init__(inner.name, layout, inner.capacity_bytes)
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner, layout)
         self.sealer = sealer
-        self.counters = inner.counters
         self.log_interval_s = log_interval_s
         self._unlogged_failures = 0
         self._last_log_s: float | None = None
@@ -89,26 +87,6 @@ class SealedTier(StorageTier):
         return self.inner.remove_many(self._names(keys))
 
     # -- the rest of the contract -------------------------------------------------------------------
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.inner.is_healthy
-
-    @property
-    def return_evicted(self) -> bool:
-        return getattr(self.inner, "return_evicted", False)
-
-    @return_evicted.setter
-    def return_evicted(self, value: bool) -> None:
-        if hasattr(self.inner, "return_evicted"):
-            self.inner.return_evicted = value
-
     def __repr__(self) -> str:
         mode = "encrypted" if self.sealer.encrypt else "authenticated"
         return f"SealedTier({mode}, {self.inner!r})"
