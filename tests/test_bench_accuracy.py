@@ -164,3 +164,20 @@ def test_recall_summary_means_per_layer_over_cases_and_names_lowest_layers():
     assert summary[256]["cases"] == 2 and summary[256]["recall"] == [pytest.approx(0.3), pytest.approx(0.9)]
     assert summary[256]["mean_recall"] == pytest.approx(0.6) and summary[256]["lowest_recall_layers"] == [0, 1]
     assert summary[256]["far_mass"] == [0.5, None] and summary[512]["mean_recall"] == 1.0
+
+
+def test_retrieval_table_compares_each_mode_with_dense_on_the_same_cases():
+    from benchmarks import accuracy_table
+
+    def row(mode, depth, correct, text, budget=None, predictor=None):
+        return {"task": "passkey", "context_tokens": 2048, "depth": depth, "seed": 0, "mode": mode,
+                "token_budget": budget, "predictor": predictor, "correct": correct, "text": text}
+
+    rows = [row("dense", 0.0, True, "1"), row("dense", 0.5, False, "9"),
+            row("sparse", 0.0, False, "2", 256, "none"), row("sparse", 0.5, False, "9", 256, "none"),
+            {**row("sparse", 1.0, True, "x", 256, "none"), "correct": None} | {"error": "E"}]
+    del rows[-1]["correct"]
+    lines = accuracy_table.retrieval_table(rows)
+    sparse = next(line for line in lines if "| sparse |" in line)
+    # 3 cases (one error); of the 2 scored, 0% found against dense's 50% on the same cases; 1 of 2 texts equal
+    assert "| 3 | 1 | 0% | 50% | -50 | 50% | passkey@0, passkey@0.5 |" in sparse
