@@ -97,9 +97,10 @@ def _query_hook(store: dict, layer: int):
 
 @torch.no_grad()
 def capture_decode(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                   chunk_tokens: int) -> DecodeCapture:
+                   chunk_tokens: int, forced: list[int] | None = None) -> DecodeCapture:
     """The dense greedy run (SDPA, DynamicCache; the same tokens as tierkv.longdoc.dense_greedy) with
-    each decode step's queries captured. The first token comes from the prefill (no decode step)."""
+    each decode step's queries captured. The first token comes from the prefill (no decode step).
+    With `forced`, those tokens are fed instead (teacher forcing: len(forced) - 1 decode steps)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -118,7 +119,7 @@ def capture_decode(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
         out = DecodeCapture(tokens=[])
         store["on"] = True
         while True:
-            token = int(torch.argmax(logits))
+            token = forced[len(out.tokens)] if forced is not None else int(torch.argmax(logits))
             out.tokens.append(token)
             if token in stop_ids or len(out.tokens) >= max_new_tokens:
                 break
@@ -196,14 +197,14 @@ def case_recall(capture: DecodeCapture, layout: FarLayout, token_budgets: list[i
 
 
 def summarize_recall(rows: list[dict]) -> list[dict]:
-    """Per (context, token budget): each field's per-layer mean over cases, and the layers whose
-    recall is lowest. rows: {"context_tokens", "token_budget", and FIELDS as per-layer lists}."""
+    """Per (task, context, token budget): each field's per-layer mean over cases, and the layers whose
+    recall is lowest. rows: {"task", "context_tokens", "token_budget", and FIELDS as per-layer lists}."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["context_tokens"], row["token_budget"]), []).append(row)
+        groups.setdefault((row["task"], row["context_tokens"], row["token_budget"]), []).append(row)
     out = []
-    for (ctx, budget), members in sorted(groups.items()):
-        line = {"context_tokens": ctx, "token_budget": budget, "cases": len(members)}
+    for (task, ctx, budget), members in sorted(groups.items()):
+        line = {"task": task, "context_tokens": ctx, "token_budget": budget, "cases": len(members)}
         for f in FIELDS:
             per_layer = list(zip(*[m[f] for m in members]))
             line[f] = [_mean([v for v in values if v is not None]) for values in per_layer]

@@ -72,10 +72,10 @@ def realtext_table(rows: list[dict]) -> list[str]:
 
 
 def recall_table(summary: list[dict]) -> list[str]:
-    out = ["| context | token budget | cases | mean recall | mean oracle recall | far mass | dropped mass | needle kept | lowest-recall layers |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| task | context | token budget | cases | mean recall | mean oracle recall | far mass | dropped mass | needle kept | lowest-recall layers |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        out.append(f"| {s['context_tokens']} | {s['token_budget']} | {s['cases']} | {_pct(s['mean_recall'])} | "
+        out.append(f"| {s['task']} | {s['context_tokens']} | {s['token_budget']} | {s['cases']} | {_pct(s['mean_recall'])} | "
                    f"{_pct(_mean(s['oracle_recall']))} | {_pct(_mean(s['far_mass']))} | {_pct(_mean(s['dropped_mass']))} | "
                    f"{_pct(_mean(s['needle_selected']))} | {', '.join(map(str, s['lowest_recall_layers']))} |")
     return out
@@ -86,9 +86,9 @@ def layer_table(summary: list[dict], field: str = "recall") -> list[str]:
     if not summary:
         return []
     n = len(summary[0][field])
-    out = ["| context / budget | " + " | ".join(f"L{i}" for i in range(n)) + " |", "|---" * (n + 1) + "|"]
+    out = ["| task / context / budget | " + " | ".join(f"L{i}" for i in range(n)) + " |", "|---" * (n + 1) + "|"]
     for s in summary:
-        out.append(f"| {s['context_tokens']} / {s['token_budget']} | " +
+        out.append(f"| {s['task']} / {s['context_tokens']} / {s['token_budget']} | " +
                    " | ".join("-" if v is None else f"{100 * v:.0f}" for v in s[field]) + " |")
     return out
 

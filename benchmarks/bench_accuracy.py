@@ -146,8 +146,9 @@ def compare_logits(test: torch.Tensor, reference: torch.Tensor, targets: list[in
             "perplexity_ratio": float((nll_t - nll_r).exp())}
 
 
-def run_realtext(model, tokenizer, args, disk: str) -> list[dict]:
-    """Teacher-forced continuation of the haystack text (plain, no chat template): sparse against dense."""
+def run_realtext(model, tokenizer, args, disk: str, recall_rows: list[dict] | None = None) -> list[dict]:
+    """Teacher-forced continuation of the haystack text (plain, no chat template): sparse against dense.
+    With `recall_rows`, the selection recall over the continuation's decode steps is appended there."""
     from tierkv.longdoc import haystack_text
 
     text, source = haystack_text()
@@ -158,6 +159,10 @@ def run_realtext(model, tokenizer, args, disk: str) -> list[dict]:
         stream = (ids * (need // len(ids) + 1))[:need]
         prompt, continuation = stream[:num_tokens], stream[num_tokens:]
         reference = dense_teacher_forced(model, prompt, continuation)
+        if recall_rows is not None:
+            capture = capture_decode(model, prompt, len(continuation), set(), PREFILL_CHUNK, forced=continuation)
+            base = {"task": "realtext", "context_tokens": num_tokens, "prompt_tokens": num_tokens, "answer": ""}
+            recall_rows += _recall_rows(model, tokenizer, base, prompt, capture, args, disk)
         for mode, budget, predictor in _tiered_modes(args, num_tokens):
             row = {"source": source, "context_tokens": num_tokens, "continuation_tokens": len(continuation),
                    "mode": mode, "token_budget": budget, "predictor": predictor}
@@ -241,7 +246,7 @@ def _recall_rows(model, tokenizer, base: dict, ids: list[int], capture, args, di
     layout = FarLayout.of_config(config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                  next(model.parameters()).element_size())
     budgets = [b for b in args.sparse_budgets if b < base["prompt_tokens"]]
-    needle = sorted({p for text in (base["answer"], " " + base["answer"])
+    needle = sorted({p for text in (base["answer"], " " + base["answer"]) if base["answer"]
                      for p in needle_positions(ids, tokenizer(text, add_special_tokens=False)["input_ids"])})
     rows = []
     for budget, fields in case_recall(capture, layout, budgets, needle).items():
@@ -343,24 +348,24 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, model_id = load_real_model(args.device)
+    recall = [] if args.recall else None
     results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick}
     if "exact" in args.parts:
         results["exact"] = run_exact(model, tokenizer, args, args.disk_path)
     if "retrieval" in args.parts:
-        recall = [] if args.recall else None
         rows = run_retrieval(model, tokenizer, args, args.disk_path, recall)
         results["retrieval"] = rows
         results["retrieval_summary"] = summarize_retrieval(rows)
         for line in results["retrieval_summary"]:
             print("summary", line)
-        if recall is not None:
-            results["recall"] = recall
-            results["recall_summary"] = summarize_recall(recall)
-            for line in results["recall_summary"]:
-                print("recall", {k: line[k] for k in ("context_tokens", "token_budget", "cases", "mean_recall",
-                                                       "lowest_recall_layers")})
     if "realtext" in args.parts:
-        results["realtext"] = run_realtext(model, tokenizer, args, args.disk_path)
+        results["realtext"] = run_realtext(model, tokenizer, args, args.disk_path, recall)
+    if recall:
+        results["recall"] = recall
+        results["recall_summary"] = summarize_recall(recall)
+        for line in results["recall_summary"]:
+            print("recall", {k: line[k] for k in ("task", "context_tokens", "token_budget", "cases", "mean_recall",
+                                                   "lowest_recall_layers")})
     device = next(model.parameters()).device.type
     out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-{device}{'-quick' if args.quick else ''}.json"
     return write_results(out, results)

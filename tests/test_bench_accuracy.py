@@ -156,11 +156,12 @@ def test_needle_positions_finds_every_occurrence():
 
 
 def test_recall_summary_means_per_layer_over_cases_and_names_lowest_layers():
-    base = {"context_tokens": 2048, "token_budget": 256}
+    base = {"task": "passkey", "context_tokens": 2048, "token_budget": 256}
     fields = {f: [0.5, None] for f in accuracy_recall.FIELDS}
     rows = [{**base, **fields, "recall": [0.2, 0.9]}, {**base, **fields, "recall": [0.4, None]},
-            {**base, "token_budget": 512, **fields, "recall": [1.0, 1.0]}]
-    summary = {s["token_budget"]: s for s in accuracy_recall.summarize_recall(rows)}
+            {**base, "token_budget": 512, **fields, "recall": [1.0, 1.0]},
+            {**base, "task": "realtext", **fields, "recall": [0.0, 0.0]}]
+    summary = {s["token_budget"]: s for s in accuracy_recall.summarize_recall(rows) if s["task"] == "passkey"}
     assert summary[256]["cases"] == 2 and summary[256]["recall"] == [pytest.approx(0.3), pytest.approx(0.9)]
     assert summary[256]["mean_recall"] == pytest.approx(0.6) and summary[256]["lowest_recall_layers"] == [0, 1]
     assert summary[256]["far_mass"] == [0.5, None] and summary[512]["mean_recall"] == 1.0
