@@ -41,8 +41,9 @@ from benchmarks.accuracy_recall import FarLayout, capture_decode, case_recall, n
 from tierkv.config import load_config  # noqa: E402
 
 BLOCK_TOKENS = 16
-SINK_TOKENS = 16
-WINDOW_TOKENS = 32
+SINK_TOKENS = 16    # --sink-tokens
+WINDOW_TOKENS = 32  # --window-tokens
+SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV
 PREFILL_CHUNK = 512
 QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retrieval_tokens=[512], depths=[0.5],
              seeds=[0], tasks=["passkey"], sparse_budgets=[128], predictors=["previous"], new_tokens=6)
@@ -166,7 +167,7 @@ def run_realtext(model, tokenizer, args, disk: str, recall_rows: list[dict] | No
         for mode, budget, predictor in _tiered_modes(args, num_tokens):
             row = {"source": source, "context_tokens": num_tokens, "continuation_tokens": len(continuation),
                    "mode": mode, "token_budget": budget, "predictor": predictor}
-            config = _config(model, _kv_bytes(model, need), 8, disk, mode, budget, predictor)
+            config = _config(model, _kv_bytes(model, need), SPARSE_FRACTION, disk, mode, budget, predictor)
             try:
                 row.update(compare_logits(tiered_teacher_forced(model, config, prompt, continuation), reference, continuation))
             except Exception as exc:
@@ -225,7 +226,7 @@ def run_retrieval(model, tokenizer, args, disk: str, recall_rows: list[dict] | N
                         recall_rows += _recall_rows(model, tokenizer, base, ids, capture, args, disk)
                     rows.append(_scored(base, "dense", None, None, tokenizer, tokens))
                     for mode, budget, predictor in _tiered_modes(args, len(ids)):
-                        config = _config(model, _kv_bytes(model, len(ids)), 8, disk, mode, budget, predictor)
+                        config = _config(model, _kv_bytes(model, len(ids)), SPARSE_FRACTION, disk, mode, budget, predictor)
                         try:
                             tokens, _, _ = tiered_greedy(model, config, ids, args.new_tokens, stop)
                         except Exception as exc:
@@ -241,7 +242,7 @@ def _recall_rows(model, tokenizer, base: dict, ids: list[int], capture, args, di
     """One row per sparse budget: per-layer recall fields (accuracy_recall.FIELDS) of this case; the
     needle is where the answer's tokens (with or without a leading space) occur in the prompt."""
     cfg = model.config
-    config = _config(model, _kv_bytes(model, base["prompt_tokens"]), 8, disk, "sparse")
+    config = _config(model, _kv_bytes(model, base["prompt_tokens"]), SPARSE_FRACTION, disk, "sparse")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = FarLayout.of_config(config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                  next(model.parameters()).element_size())
@@ -326,6 +327,11 @@ def parse_args(argv=None):
     p.add_argument("--no-recall", dest="recall", action="store_false",
                    help="skip the selection recall (computed from the retrieval part's dense runs)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--sink-tokens", type=int, default=SINK_TOKENS, help="cache.sink_tokens of every tierkv run")
+    p.add_argument("--window-tokens", type=int, default=WINDOW_TOKENS, help="cache.window_tokens of every tierkv run")
+    p.add_argument("--sparse-gpu-fraction", type=int, default=SPARSE_FRACTION,
+                   help="GPU budget 1/N of the KV for the retrieval and real-text runs (its front blocks, "
+                        "all but the window, stay resident: sparse decode reads them besides its selection)")
     p.add_argument("--disk-path", default="/tmp/tierkv-bench-accuracy")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-<device>.json)")
     args = p.parse_args(argv)
@@ -347,9 +353,13 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION  # one run, one cache shape
+    SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION = args.sink_tokens, args.window_tokens, args.sparse_gpu_fraction
     model, tokenizer, model_id = load_real_model(args.device)
     recall = [] if args.recall else None
-    results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick}
+    results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick,
+               "cache": {"block_tokens": BLOCK_TOKENS, "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS,
+                         "sparse_gpu_fraction": SPARSE_FRACTION}}
     if "exact" in args.parts:
         results["exact"] = run_exact(model, tokenizer, args, args.disk_path)
     if "retrieval" in args.parts:
