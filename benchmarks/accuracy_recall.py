@@ -47,11 +47,16 @@ class FarLayout:
 
     @classmethod
     def of_config(cls, config, num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> "FarLayout":
-        """As tierkv.storage.gpu.plan_residency splits `config.cache.gpu_budget_bytes`."""
+        """As tierkv.storage.gpu.plan_residency splits `config.cache.gpu_budget_bytes`; ValueError, as
+        tierkv refuses it, where the budget does not hold the sinks and the window."""
         T = config.cache.block_tokens
         block_bytes = 2 * num_kv_heads * T * head_dim * element_bytes
         slots = config.cache.gpu_budget_bytes // (block_bytes * num_layers)
         window = -(-config.cache.window_tokens // T) + 1
+        if slots < -(-config.cache.sink_tokens // T) + window:
+            raise ValueError(f"cache.gpu_budget_bytes {config.cache.gpu_budget_bytes} holds {slots} blocks per layer, "
+                             f"fewer than the sinks and the window ({config.cache.sink_tokens} + "
+                             f"{config.cache.window_tokens} tokens) need")
         return cls(T, slots - window, window)
 
     def far_blocks(self, t0: int) -> range:

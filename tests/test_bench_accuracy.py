@@ -74,6 +74,16 @@ def test_far_layout_is_tierkv_residency_and_step_blocks(block_tokens, extra_slot
     assert ours.far_blocks(t0) == step_blocks(residency, block_tokens, t0, 1)[1]
 
 
+def test_far_layout_refuses_a_budget_tierkv_refuses():
+    from tierkv.config import load_config
+
+    bytes_per_block = 2 * 2 * 16 * 8 * 4 * 3  # K and V, 2 KV heads, 16 tokens, head_dim 8, float32, 3 layers
+    config = load_config({"cache": {"block_tokens": 16, "gpu_budget_bytes": 16 * bytes_per_block,
+                                    "sink_tokens": 16, "window_tokens": 256}}, env={})
+    with pytest.raises(ValueError, match="holds 16 blocks per layer"):
+        accuracy_recall.FarLayout.of_config(config, 3, 2, 8, 4)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), num_far=st.integers(2, 12), k=st.integers(1, 12), t0_extra=st.integers(0, 40))
 def test_step_recall_bounds_and_definitions(seed, num_far, k, t0_extra):
