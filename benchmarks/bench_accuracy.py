@@ -162,7 +162,8 @@ def run_realtext(model, tokenizer, args, disk: str, recall_rows: list[dict] | No
         reference = dense_teacher_forced(model, prompt, continuation)
         if recall_rows is not None:
             capture = capture_decode(model, prompt, len(continuation), set(), PREFILL_CHUNK, forced=continuation)
-            base = {"task": "realtext", "context_tokens": num_tokens, "prompt_tokens": num_tokens, "answer": ""}
+            base = {"task": "realtext", "context_tokens": num_tokens, "prompt_tokens": num_tokens, "answer": "",
+                    "kv_tokens": need}  # the tierkv runs' GPU budget is a fraction of the KV of `need` tokens
             recall_rows += _recall_rows(model, tokenizer, base, prompt, capture, args, disk)
         for mode, budget, predictor in _tiered_modes(args, num_tokens):
             row = {"source": source, "context_tokens": num_tokens, "continuation_tokens": len(continuation),
@@ -242,7 +243,7 @@ def _recall_rows(model, tokenizer, base: dict, ids: list[int], capture, args, di
     """One row per sparse budget: per-layer recall fields (accuracy_recall.FIELDS) of this case; the
     needle is where the answer's tokens (with or without a leading space) occur in the prompt."""
     cfg = model.config
-    config = _config(model, _kv_bytes(model, base["prompt_tokens"]), SPARSE_FRACTION, disk, "sparse")
+    config = _config(model, _kv_bytes(model, base.get("kv_tokens", base["prompt_tokens"])), SPARSE_FRACTION, disk, "sparse")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = FarLayout.of_config(config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                  next(model.parameters()).element_size())
