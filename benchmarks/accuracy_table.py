@@ -2,7 +2,8 @@
 
     python benchmarks/accuracy_table.py benchmarks/results/accuracy-cpu-*.json
 
-Primitives: `load_rows`, `retrieval_table`, `exact_table`, `realtext_table`, `recall_table`, `layer_table`.
+Primitives: `load_rows`, `combined_table`, `retrieval_table`, `exact_table`, `realtext_table`, `recall_table`,
+`layer_table`.
 Retrieval accuracy is compared with dense on the same cases (task, context, depth, seed): "vs dense" is
 the difference in points, "same text" the share of cases whose generated text equals dense's.
 """
@@ -18,10 +19,49 @@ def load_rows(paths: list[str]) -> dict[str, list[dict]]:
     parts: dict[str, list[dict]] = {}
     for path in paths:
         record = json.loads(Path(path).read_text())
-        tag = {"file": Path(path).name, "commit": (record.get("git_commit") or "")[:7]}
+        cache = record["results"].get("cache") or DEFAULT_CACHE  # files written before the cache shape was recorded
+        tag = {"file": Path(path).name, "commit": (record.get("git_commit") or "")[:7],
+               "shape": _shape(cache)}
         for part in ("exact", "retrieval", "realtext", "recall"):
             parts.setdefault(part, []).extend({**row, **tag} for row in record["results"].get(part, []))
     return parts
+
+
+DEFAULT_CACHE = {"sink_tokens": 16, "window_tokens": 32, "sparse_gpu_fraction": 8}
+
+
+def combined_table(parts: dict[str, list[dict]]) -> list[str]:
+    """Per (cache shape, context, mode, budget, predictor): retrieval accuracy over both tasks against dense
+    on the same cases, and the real-text figures where that part ran."""
+    dense = {_case(r): r for r in parts.get("retrieval", []) if r["mode"] == "dense" and "correct" in r}
+    keys: dict[tuple, dict] = {}
+    for r in parts.get("retrieval", []):
+        if r["mode"] != "dense" and "correct" in r and _case(r) in dense:
+            k = keys.setdefault(_key(r), {"found": 0, "dense": 0, "cases": 0})
+            k["found"] += r["correct"]
+            k["dense"] += dense[_case(r)]["correct"]
+            k["cases"] += 1
+    for r in parts.get("realtext", []):
+        if "top1_agreement" in r:
+            keys.setdefault(_key(r), {}).update(realtext=r)
+    out = ["| cache shape | context | mode | token budget | predictor | retrieval found (cases) | dense on the same cases | "
+           "top-1 agreement | mean KL (nats) | perplexity ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    default = _shape(DEFAULT_CACHE)
+    for (shape, ctx, mode, budget, predictor), k in sorted(keys.items(), key=lambda kv: (kv[0][0] != default, kv[0])):
+        rt = k.get("realtext")
+        found = f"{k['found']}/{k['cases']}" if k.get("cases") else "-"
+        ref = f"{k['dense']}/{k['cases']}" if k.get("cases") else "-"
+        text = (f"{_pct(rt['top1_agreement'])} | {rt['mean_kl']:.4f} | {rt['perplexity_ratio']:.4f}" if rt else "- | - | -")
+        out.append(f"| {shape} | {ctx} | {mode} | {budget or '-'} | {predictor or '-'} | {found} | {ref} | {text} |")
+    return out
+
+
+def _shape(cache: dict) -> str:
+    return f"sinks {cache['sink_tokens']}, window {cache['window_tokens']}, GPU 1/{cache['sparse_gpu_fraction']}"
+
+
+def _key(row: dict) -> tuple:
+    return row["shape"], row["context_tokens"], row["mode"], row["token_budget"] or 0, row["predictor"] or ""
 
 
 def _case(row: dict) -> tuple:
@@ -59,15 +99,15 @@ def exact_table(rows: list[dict]) -> list[str]:
 
 
 def realtext_table(rows: list[dict]) -> list[str]:
-    out = ["| context | continuation | mode | token budget | predictor | top-1 agreement | mean KL (nats) | perplexity ratio |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| cache shape | context | continuation | mode | token budget | predictor | top-1 agreement | mean KL (nats) | "
+           "perplexity ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['context_tokens']} | {r['continuation_tokens']} | {r['mode']} | {r['token_budget'] or '-'} | "
-                       f"{r['predictor'] or '-'} | error: {r['error'][:60]} | | |")
+            out.append(f"| {r['shape']} | {r['context_tokens']} | {r['continuation_tokens']} | {r['mode']} | "
+                       f"{r['token_budget'] or '-'} | {r['predictor'] or '-'} | error: {r['error'][:60]} | | |")
             continue
-        out.append(f"| {r['context_tokens']} | {r['continuation_tokens']} | {r['mode']} | {r['token_budget'] or '-'} | "
-                   f"{r['predictor'] or '-'} | {_pct(r['top1_agreement'])} | {r['mean_kl']:.4f} | {r['perplexity_ratio']:.4f} |")
+        out.append(f"| {r['shape']} | {r['context_tokens']} | {r['continuation_tokens']} | {r['mode']} | "
+                   f"{r['token_budget'] or '-'} | {r['predictor'] or '-'} | {_pct(r['top1_agreement'])} | {r['mean_kl']:.4f} | {r['perplexity_ratio']:.4f} |")
     return out
 
 
@@ -111,7 +151,7 @@ def main(paths: list[str]) -> None:
 
     parts = load_rows(paths)
     summary = summarize_recall(parts["recall"])
-    for title, lines in (("exact", exact_table(parts["exact"])), ("retrieval", retrieval_table(parts["retrieval"])),
+    for title, lines in (("combined", combined_table(parts)), ("exact", exact_table(parts["exact"])), ("retrieval", retrieval_table(parts["retrieval"])),
                          ("realtext", realtext_table(parts["realtext"])), ("recall", recall_table(summary)),
                          ("recall per layer", layer_table(summary)), ("far mass per layer", layer_table(summary, "far_mass")),
                          ("dropped mass per layer", layer_table(summary, "dropped_mass")),
