@@ -20,7 +20,9 @@ Parts (--parts):
              one decode step each through tierkv (exact, and sparse per budget and predictor) against one
              SDPA forward: top-1 agreement, mean KL divergence (dense || tierkv), perplexity ratio.
 
-Not measured here yet: the selection's recall of the true attention mass per layer and step.
+  recall     with retrieval: per layer, the share of the true attention mass over far blocks that the
+             sparse selection holds, at each --sparse-budgets budget, over the dense run's decode steps
+             (benchmarks/accuracy_recall.py says exactly what is computed).
 Results: JSON under benchmarks/results/ (command, git commit, date, device); a summary on stdout.
 """
 from __future__ import annotations
@@ -35,11 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
+from benchmarks.accuracy_recall import FarLayout, capture_decode, case_recall, needle_positions, summarize_recall  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 
 BLOCK_TOKENS = 16
-SINK_TOKENS = 16
-WINDOW_TOKENS = 32
+SINK_TOKENS = 16    # --sink-tokens
+WINDOW_TOKENS = 32  # --window-tokens
+SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV
 PREFILL_CHUNK = 512
 QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retrieval_tokens=[512], depths=[0.5],
              seeds=[0], tasks=["passkey"], sparse_budgets=[128], predictors=["previous"], new_tokens=6)
@@ -59,7 +63,8 @@ def tier_config(prompt_kv_bytes: int, fraction: int, num_layers: int, block_byte
         "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // fraction,
                   "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
         "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
-                  {"kind": "disk", "path": disk, "capacity_bytes": 4 * prompt_kv_bytes}],
+                  {"kind": "disk", "path": disk, "capacity_bytes": 4 * prompt_kv_bytes,
+                   "trusted": True}],  # the run's own scratch directory: nobody else writes it
         "scheduler": scheduler, "metrics": {"enabled": False},
     }, env={})
 
@@ -142,8 +147,9 @@ def compare_logits(test: torch.Tensor, reference: torch.Tensor, targets: list[in
             "perplexity_ratio": float((nll_t - nll_r).exp())}
 
 
-def run_realtext(model, tokenizer, args, disk: str) -> list[dict]:
-    """Teacher-forced continuation of the haystack text (plain, no chat template): sparse against dense."""
+def run_realtext(model, tokenizer, args, disk: str, recall_rows: list[dict] | None = None) -> list[dict]:
+    """Teacher-forced continuation of the haystack text (plain, no chat template): sparse against dense.
+    With `recall_rows`, the selection recall over the continuation's decode steps is appended there."""
     from tierkv.longdoc import haystack_text
 
     text, source = haystack_text()
@@ -154,10 +160,15 @@ def run_realtext(model, tokenizer, args, disk: str) -> list[dict]:
         stream = (ids * (need // len(ids) + 1))[:need]
         prompt, continuation = stream[:num_tokens], stream[num_tokens:]
         reference = dense_teacher_forced(model, prompt, continuation)
+        if recall_rows is not None:
+            capture = capture_decode(model, prompt, len(continuation), set(), PREFILL_CHUNK, forced=continuation)
+            base = {"task": "realtext", "context_tokens": num_tokens, "prompt_tokens": num_tokens, "answer": "",
+                    "kv_tokens": need}  # the tierkv runs' GPU budget is a fraction of the KV of `need` tokens
+            recall_rows += _recall_rows(model, tokenizer, base, prompt, capture, args, disk)
         for mode, budget, predictor in _tiered_modes(args, num_tokens):
             row = {"source": source, "context_tokens": num_tokens, "continuation_tokens": len(continuation),
                    "mode": mode, "token_budget": budget, "predictor": predictor}
-            config = _config(model, _kv_bytes(model, need), 8, disk, mode, budget, predictor)
+            config = _config(model, _kv_bytes(model, need), SPARSE_FRACTION, disk, mode, budget, predictor)
             try:
                 row.update(compare_logits(tiered_teacher_forced(model, config, prompt, continuation), reference, continuation))
             except Exception as exc:
@@ -193,7 +204,9 @@ def run_exact(model, tokenizer, args, disk: str) -> list[dict]:
     return rows
 
 
-def run_retrieval(model, tokenizer, args, disk: str) -> list[dict]:
+def run_retrieval(model, tokenizer, args, disk: str, recall_rows: list[dict] | None = None) -> list[dict]:
+    """Retrieval rows; with `recall_rows` the dense run also captures its queries and each case's
+    selection recall per budget is appended there."""
     from tierkv.longdoc import dense_greedy, multikey_case, passkey_case
 
     makers = {"passkey": passkey_case, "multikey": multikey_case}
@@ -206,10 +219,15 @@ def run_retrieval(model, tokenizer, args, disk: str) -> list[dict]:
                     ids = case.prompt_with_prefix(tokenizer)
                     base = {"task": task, "context_tokens": num_tokens, "prompt_tokens": len(ids), "depth": depth,
                             "seed": seed, "answer": case.answer}
-                    tokens, _ = dense_greedy(model, ids, args.new_tokens, stop, chunk_tokens=PREFILL_CHUNK)
+                    if recall_rows is None:
+                        tokens, _ = dense_greedy(model, ids, args.new_tokens, stop, chunk_tokens=PREFILL_CHUNK)
+                    else:
+                        capture = capture_decode(model, ids, args.new_tokens, stop, PREFILL_CHUNK)
+                        tokens = capture.tokens
+                        recall_rows += _recall_rows(model, tokenizer, base, ids, capture, args, disk)
                     rows.append(_scored(base, "dense", None, None, tokenizer, tokens))
                     for mode, budget, predictor in _tiered_modes(args, len(ids)):
-                        config = _config(model, _kv_bytes(model, len(ids)), 8, disk, mode, budget, predictor)
+                        config = _config(model, _kv_bytes(model, len(ids)), SPARSE_FRACTION, disk, mode, budget, predictor)
                         try:
                             tokens, _, _ = tiered_greedy(model, config, ids, args.new_tokens, stop)
                         except Exception as exc:
@@ -218,6 +236,25 @@ def run_retrieval(model, tokenizer, args, disk: str) -> list[dict]:
                             print("retrieval", rows[-1], flush=True)
                             continue
                         rows.append(_scored(base, mode, budget, predictor, tokenizer, tokens))
+    return rows
+
+
+def _recall_rows(model, tokenizer, base: dict, ids: list[int], capture, args, disk: str) -> list[dict]:
+    """One row per sparse budget: per-layer recall fields (accuracy_recall.FIELDS) of this case; the
+    needle is where the answer's tokens (with or without a leading space) occur in the prompt."""
+    cfg = model.config
+    config = _config(model, _kv_bytes(model, base.get("kv_tokens", base["prompt_tokens"])), SPARSE_FRACTION, disk, "sparse")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layout = FarLayout.of_config(config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                                 next(model.parameters()).element_size())
+    budgets = [b for b in args.sparse_budgets if b < base["prompt_tokens"]]
+    needle = sorted({p for text in (base["answer"], " " + base["answer"]) if base["answer"]
+                     for p in needle_positions(ids, tokenizer(text, add_special_tokens=False)["input_ids"])})
+    rows = []
+    for budget, fields in case_recall(capture, layout, budgets, needle).items():
+        rows.append({**base, "token_budget": budget,
+                    "front_blocks": layout.num_front_blocks, "window_blocks": layout.num_window_blocks,
+                    "block_tokens": layout.block_tokens, "needle_tokens": len(needle), **fields})
     return rows
 
 
@@ -288,6 +325,14 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--realtext-tokens", type=ints, default=[2048, 4096, 7000], help="context of the real-text part")
     p.add_argument("--realtext-continuation", type=int, default=64, help="tokens teacher-forced after it")
+    p.add_argument("--no-recall", dest="recall", action="store_false",
+                   help="skip the selection recall (computed from the retrieval part's dense runs)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--sink-tokens", type=int, default=SINK_TOKENS, help="cache.sink_tokens of every tierkv run")
+    p.add_argument("--window-tokens", type=int, default=WINDOW_TOKENS, help="cache.window_tokens of every tierkv run")
+    p.add_argument("--sparse-gpu-fraction", type=int, default=SPARSE_FRACTION,
+                   help="GPU budget 1/N of the KV for the retrieval and real-text runs (its front blocks, "
+                        "all but the window, stay resident: sparse decode reads them besides its selection)")
     p.add_argument("--disk-path", default="/tmp/tierkv-bench-accuracy")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-<device>.json)")
     args = p.parse_args(argv)
@@ -307,18 +352,31 @@ def main(argv=None) -> dict:
     from tierkv.demo_real import load_real_model
 
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION  # one run, one cache shape
+    SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION = args.sink_tokens, args.window_tokens, args.sparse_gpu_fraction
     model, tokenizer, model_id = load_real_model(args.device)
-    results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick}
+    recall = [] if args.recall else None
+    results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick,
+               "cache": {"block_tokens": BLOCK_TOKENS, "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS,
+                         "sparse_gpu_fraction": SPARSE_FRACTION}}
     if "exact" in args.parts:
         results["exact"] = run_exact(model, tokenizer, args, args.disk_path)
     if "retrieval" in args.parts:
-        rows = run_retrieval(model, tokenizer, args, args.disk_path)
+        rows = run_retrieval(model, tokenizer, args, args.disk_path, recall)
         results["retrieval"] = rows
         results["retrieval_summary"] = summarize_retrieval(rows)
         for line in results["retrieval_summary"]:
             print("summary", line)
     if "realtext" in args.parts:
-        results["realtext"] = run_realtext(model, tokenizer, args, args.disk_path)
+        results["realtext"] = run_realtext(model, tokenizer, args, args.disk_path, recall)
+    if recall:
+        results["recall"] = recall
+        results["recall_summary"] = summarize_recall(recall)
+        for line in results["recall_summary"]:
+            print("recall", {k: line[k] for k in ("task", "context_tokens", "token_budget", "cases", "mean_recall",
+                                                   "lowest_recall_layers")})
     device = next(model.parameters()).device.type
     out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-{device}{'-quick' if args.quick else ''}.json"
     return write_results(out, results)
