@@ -1,0 +1,54 @@
+"""vLLM's own LLM with tierkv: `vllm_engine_args` gives arguments vLLM's EngineArgs takes, whose
+connector config turns the hot window on (checked against vLLM's own classes on CPU)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tierkv.config import ConfigError, load_config  # noqa: E402
+from tierkv.integrations.vllm.engine_args import vllm_engine_args  # noqa: E402
+
+
+def test_the_arguments_build_vllms_engine_args_and_name_the_hot_window_pool():
+    from vllm import EngineArgs
+    from vllm.config import KVTransferConfig
+
+    args = vllm_engine_args("vllm-128k")
+    config = load_config("vllm-128k")
+    engine = EngineArgs(model="/models/llama-3.1-8b", max_model_len=131072, **args)  # every name is vLLM's
+    assert isinstance(engine.kv_transfer_config, KVTransferConfig)
+    assert engine.kv_transfer_config.kv_connector == "TierKVConnector"
+    assert engine.kv_transfer_config.kv_connector_extra_config["config_file"] == "vllm-128k"
+    assert engine.block_size == config.cache.block_tokens and engine.enforce_eager
+    assert engine.kv_cache_memory_bytes == config.cache.gpu_budget_bytes - config.scheduler.staging_bytes
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert engine.attention_config.backend == AttentionBackendEnum.CUSTOM and engine.enable_prefix_caching is False
+    plain = vllm_engine_args("vllm-128k", hot_window=False)
+    assert "kv_cache_memory_bytes" not in plain and "attention_config" not in plain
+
+
+def test_its_connector_config_turns_full_attention_into_the_hot_window_spec():
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    args = vllm_engine_args("vllm-128k")
+    config = load_config("vllm-128k")
+    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=args["block_size"]),
+                             device_config=DeviceConfig(device="cpu"), kv_transfer_config=args["kv_transfer_config"])
+    layer = SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto", sliding_window=None, num_kv_heads=8,
+                            head_size=128, head_size_v=128, kv_cache_torch_dtype=torch.bfloat16,
+                            attn_backend=AttentionBackendEnum.CUSTOM.get_class())
+    spec = Attention.get_kv_cache_spec(layer, vllm_config)
+    assert type(spec) is SlidingWindowSpec and spec.sliding_window == config.cache.window_tokens
+
+
+def test_the_sparse_policy_is_sent_to_tieredllm():
+    with pytest.raises(ConfigError, match="scheduler.policy.*use TieredLLM"):
+        vllm_engine_args("vllm-128k-sparse")
