@@ -159,7 +159,7 @@ def _cache_values(model, prompt, tokens):
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([prompt + tokens[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt + tokens[:-1]]), **accuracy_recall.cache_kwargs(model, cache))
     return [layer.values[0].float() for layer in cache.layers]
 
 
