@@ -1,7 +1,7 @@
 """Selection recall for bench_accuracy: how much of the true attention mass over far blocks the
 sparse selection holds, per layer and decode step.
 
-Primitives: `FarLayout` (`of_config`, `far_blocks`), `capture_decode`, `DecodeCapture`,
+Primitives: `FarLayout` (`of_config`, `far_blocks`), `capture_decode`, `DecodeCapture`, `cache_kwargs`,
 `step_recall`, `case_recall`, `summarize_recall`.
 
 What is computed (tierkv's sparse path does not run here; its selection is recomputed):
@@ -79,7 +79,8 @@ class DecodeCapture:
     scale: float = 1.0
 
 
-def _cache_kwargs(model, cache) -> dict:
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes a cache to `model(...)`: `cache` in newer transformers, else `past_key_values`."""
     import inspect
 
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -117,7 +118,7 @@ def capture_decode(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
              for i, layer in enumerate(layers)]
     try:
         cache = DynamicCache(config=model.config)
-        kwargs = _cache_kwargs(model, cache)
+        kwargs = cache_kwargs(model, cache)
         for pos in range(0, len(prompt_ids), chunk_tokens):
             piece = torch.tensor([prompt_ids[pos : pos + chunk_tokens]], device=device)
             logits = model(input_ids=piece, logits_to_keep=1, **kwargs).logits[0, -1]

@@ -23,6 +23,10 @@ def test_quick_run_exact_tokens_identical_and_dense_finds_the_key(tmp_path):
     assert dense and all(r["correct"] for r in dense), dense
     modes = {r["mode"] for r in record["results"]["retrieval"]}
     assert modes == {"dense", "exact", "sparse"}
+    recall = record["results"]["recall"]  # one row per case and sparse budget, one value per layer
+    assert [(r["task"], r["token_budget"]) for r in recall] == [("passkey", 128)]
+    values = [v for v in recall[0]["recall"] if v is not None]
+    assert len(recall[0]["recall"]) == 30 and values and all(0.0 <= v <= 1.0 + 1e-6 for v in values)
 
 
 def test_summary_counts_accuracy_errors_and_missed_depths():
@@ -155,7 +159,7 @@ def _cache_values(model, prompt, tokens):
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([prompt + tokens[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt + tokens[:-1]]), **accuracy_recall.cache_kwargs(model, cache))
     return [layer.values[0].float() for layer in cache.layers]
 
 
