@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import write_results  # noqa: E402
 from benchmarks.accuracy_recall import FarLayout, capture_decode, case_recall, needle_positions, summarize_recall  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
+from tierkv.longdoc import greedy_continue  # noqa: E402
 
 BLOCK_TOKENS = 16
 SINK_TOKENS = 16    # --sink-tokens
@@ -80,15 +81,9 @@ def tiered_greedy(model, config, prompt_ids: list[int], max_new_tokens: int, sto
     try:
         kwargs = forward_kwargs(model, cache)
         logits = _prefill(model, kwargs, prompt_ids, device)
-        tokens, all_logits = [], []
-        while True:
-            all_logits.append(logits.float().cpu())
-            token = int(torch.argmax(logits))
-            tokens.append(token)
-            if token in stop_ids or len(tokens) >= max_new_tokens:
-                return tokens, all_logits, cache.seq.read_stats()
-            cache.seq.token_ids.append(token)
-            logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1]
+        tokens, all_logits = greedy_continue(model, kwargs, logits, max_new_tokens, stop_ids,
+                                             on_token=cache.seq.token_ids.append)
+        return tokens, all_logits, cache.seq.read_stats()
     finally:
         cache.finish()
         runtime.close()

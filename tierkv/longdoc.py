@@ -104,6 +104,24 @@ def multikey_case(tokenizer, num_tokens: int, depth: float, seed: int, num_keys:
 
 
 @torch.no_grad()
+def greedy_continue(model, kwargs: dict, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
+                    on_token=None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens from the prompt's last `logits` [vocab] on, one forward per token with the cache
+    in `kwargs`, and each step's logits (float32, CPU); `on_token(token)` before each forward."""
+    device = logits.device
+    tokens, all_logits = [], []
+    while True:
+        all_logits.append(logits.float().cpu())
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        if token in stop_ids or len(tokens) >= max_new_tokens:
+            return tokens, all_logits
+        if on_token is not None:
+            on_token(token)
+        logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1]
+
+
+@torch.no_grad()
 def dense_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  chunk_tokens: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and each step's logits [vocab] (float32, CPU) from transformers' own attention
@@ -124,14 +142,6 @@ def dense_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: se
         for pos in range(0, len(prompt_ids), step):
             piece = torch.tensor([prompt_ids[pos : pos + step]], device=device)
             logits = model(input_ids=piece, logits_to_keep=1, **kwargs).logits[0, -1]
-        tokens, all_logits = [], []
-        while True:
-            all_logits.append(logits.float().cpu())
-            token = int(torch.argmax(logits))
-            tokens.append(token)
-            if token in stop_ids or len(tokens) >= max_new_tokens:
-                return tokens, all_logits
-            piece = torch.tensor([[token]], device=device)
-            logits = model(input_ids=piece, **kwargs).logits[0, -1]
+        return greedy_continue(model, kwargs, logits, max_new_tokens, stop_ids)
     finally:
         model.set_attn_implementation(previous)
