@@ -97,7 +97,7 @@ def test_bad_token_id_files_exit_2_and_name_the_token(checkpoint, config_path, t
     (["run", "--demo", "--temperature", "0.5", "--seed", "-2"], "seed: got -2"),
     (["run", "--demo", "--prompt", "some text"], "the demo model has no tokenizer"),
     (["run", "--model", "/no/such/model"], "give a prompt"),
-    (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "is not a directory"),
+    (["run", "--model", "/no/such/model", "--prompt-tokens", "4"], "not a local checkpoint directory, a .gguf file or one of: smollm2-135m"),
     (["run", "--demo", "--max-new-tokens", "0"], "--max-new-tokens: '0' is 0 tokens"),
     (["run", "--demo", "--max-new-tokens", "2x"], "--max-new-tokens: cannot read '2x' as a number of tokens"),
     (["run", "--demo", "--prompt-tokens", "1.5"], "--prompt-tokens: '1.5' is 1.5 tokens"),
@@ -144,3 +144,15 @@ def test_decode_progress_bar_of_tiered_llm_follows_show_progress(tmp_path, capsy
         err = capsys.readouterr().err
         assert len(out.token_ids) == new_tokens
         assert ("decode" in err and f"{new_tokens}/{new_tokens}" in err and "tok/s" in err) == expect_bar, err
+
+
+def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    config = tmp_path / "real.yaml"
+    config.write_text("cache: {block_tokens: 16, gpu_budget_bytes: 8MiB, sink_tokens: 16, window_tokens: 64}\n"
+                      "tiers: [{kind: cpu, capacity_bytes: 256MiB}]\n"
+                      "scheduler: {staging_bytes: 4MiB, lookahead_layers: 1}\n")
+    argv = ["run", "--model", "smollm2-135m", "--config", str(config), "--prompt", "The capital of France is",
+            "--max-new-tokens", "3", "--quiet"]
+    assert main(argv) == 0
+    assert "Paris" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from tierkv.units import TOKEN_UNITS_HELP
 def add_parser(commands) -> None:
     p = commands.add_parser("run", help="generate from a prompt", description=__doc__.splitlines()[0])
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", metavar="DIR", help="local transformers checkpoint directory")
+    model.add_argument("--model", metavar="MODEL", help="local checkpoint directory, a .gguf file, or smollm2-135m")
     model.add_argument("--demo", action="store_true", help="the built-in random-weight Llama-architecture model")
     p.add_argument("--config", metavar="YAML", help="tierkv config (default: $TIERKV_CONFIG_FILE, built-in defaults;"
                    " with --demo, configs/default.yaml)")
@@ -148,8 +148,12 @@ def _make_llm(args, config):
         from tierkv.demo import tiny_llama
 
         return TieredLLM(tiny_llama(), config, show_progress=not args.quiet)
-    if not Path(args.model).is_dir():
-        raise UsageError(f"--model: {args.model!r} is not a directory (expected a local transformers checkpoint)")
+    from tierkv.model_loading import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(args.model)  # before loading anything: a bad --model fails fast
+    except (ValueError, ModuleNotFoundError) as exc:
+        raise UsageError(f"--model: {exc}") from None
     return TieredLLM(args.model, config, device=args.device, show_progress=not args.quiet)
 
 
