@@ -41,14 +41,8 @@ class QuantizedTier(WrappedTier):
         return result
 
     # -- StorageTier contract -----------------------------------------------------------------
-    def contains(self, key: str) -> bool:
-        return self.inner.contains(key)
-
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.contains_many(keys)
-
-    def get(self, key: str) -> torch.Tensor | None:
-        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         found = self.inner.get_many(keys)
@@ -61,21 +55,12 @@ class QuantizedTier(WrappedTier):
             out[i] = block
         return out
 
-    def put(self, key: str, block: torch.Tensor) -> PutResult:
-        return self.put_many([key], [block])[0]
-
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
-        if len(keys) != len(blocks):
-            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
-        for key, block in zip(keys, blocks):
-            self._check_block(key, block)
+        self._check_put(keys, blocks)
         if not keys:
             return []
         packed = pack_blocks(torch.stack(list(blocks)).cpu(), self.quant_format)
         return [self._unpacked_evictions(r) for r in self.inner.put_many(keys, list(packed.unbind(0)))]
-
-    def remove(self, key: str) -> bool:
-        return self.inner.remove(key)
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.remove_many(keys)

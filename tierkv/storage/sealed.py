@@ -40,9 +40,6 @@ class SealedTier(WrappedTier):
         self._last_log_s: float | None = None
 
     # -- reads ------------------------------------------------------------------------------------
-    def get(self, key: str) -> torch.Tensor | None:
-        return self.get_many([key])[0]
-
     def get_many(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         names = self._names(keys)
         found = self.inner.get_many(names)
@@ -62,26 +59,14 @@ class SealedTier(WrappedTier):
             self.inner.remove_many(failed)
         return out
 
-    def contains(self, key: str) -> bool:
-        return self.contains_many([key])[0]
-
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.contains_many(self._names(keys))
 
     # -- writes -----------------------------------------------------------------------------------
-    def put(self, key: str, block: torch.Tensor) -> PutResult:
-        return self.put_many([key], [block])[0]
-
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
-        if len(keys) != len(blocks):
-            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
-        for key, block in zip(keys, blocks):
-            self._check_block(key, block)
+        self._check_put(keys, blocks)
         sealed = [self.sealer.seal(k, b) for k, b in zip(keys, blocks)]
         return [self._opened_evictions(r) for r in self.inner.put_many(self._names(keys), sealed)]
-
-    def remove(self, key: str) -> bool:
-        return self.remove_many([key])[0]
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.remove_many(self._names(keys))

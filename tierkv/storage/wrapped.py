@@ -1,13 +1,18 @@
 """A tier that stores its blocks, transformed, in another tier (quantized, sealed).
 
-Primitives: `WrappedTier`: the inner tier's name, kind, capacity and counters, and the parts of the
-tier contract that pass straight through (close, used_bytes, is_healthy, return_evicted).
-Subclasses convert blocks on the way in and out.
+Primitives: `WrappedTier`: the inner tier's name, kind, capacity and counters, the parts of the
+tier contract that pass straight through (close, used_bytes, is_healthy, return_evicted), the
+one-key forms on top of the batched ones, and `_check_put`. Subclasses convert blocks on the way
+in and out in `get_many`, `put_many`, `contains_many` and `remove_many`.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import torch
+
 from tierkv.blocks import BlockLayout
-from tierkv.storage.base import StorageTier
+from tierkv.storage.base import PutResult, StorageTier
 
 
 class WrappedTier(StorageTier):
@@ -16,6 +21,25 @@ class WrappedTier(StorageTier):
         self.inner = inner
         self.kind = inner.kind
         self.counters = inner.counters
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self.get_many([key])[0]
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def put(self, key: str, block: torch.Tensor) -> PutResult:
+        return self.put_many([key], [block])[0]
+
+    def remove(self, key: str) -> bool:
+        return self.remove_many([key])[0]
+
+    def _check_put(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
+        """All of a put_many's blocks checked before the first is converted or written."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
+        for key, block in zip(keys, blocks):
+            self._check_block(key, block)
 
     def close(self) -> None:
         self.inner.close()
