@@ -101,6 +101,11 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             window = self._window_part = _WindowAttention(self, layer, key_cache, value_cache)
         return window
 
+    def forget_pool(self) -> None:
+        """Drop the views of vLLM's pool kept across steps (a run-time resize replaced the pool:
+        the old tensor's memory can go back to the driver; `resize_worker`)."""
+        self._views = self._window_part = None
+
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value views of its pool tensor, made once (a split costs host time
         every layer of every step; the pool tensor stays the same for the engine's life)."""

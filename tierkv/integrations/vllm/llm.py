@@ -73,11 +73,13 @@ class VllmTieredLLM(TieredLLM):
             self.close()
             raise
         self.engine_id = str(self.engine.llm_engine.vllm_config.kv_transfer_config.engine_id)
+        self.resizer, self._resize_error = self._pool_resizer()
         self._totals = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_tokens": 0, "wall_s": 0.0}
         from tierkv.metrics import MetricsService
 
         try:  # the config's metrics section: JSONL snapshots / endpoint / dashboard, as on the transformers backend
-            self.metrics = MetricsService.from_config(self.config.metrics, self.stats)
+            self.metrics = MetricsService.from_config(self.config.metrics, self.stats,
+                                                      set_gpu_budget=self.set_gpu_budget if hot_window else None)
         except Exception:
             self.close()
             raise
@@ -169,15 +171,44 @@ class VllmTieredLLM(TieredLLM):
 
         totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
                   "full_graph_reserved_bytes": self.full_graph_reserved_bytes}
+        if getattr(self, "resizer", None) is not None:
+            totals["gpu"] = self.resizer.stats()
         if self.engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
             per_rank = [s for worker in self.engine.collective_rpc(worker_stats, args=(self.engine_id,)) for s in worker]
             return {**totals, **merge_rank_stats(per_rank)}
         store = peek_store(self.engine_id)
         return {**totals, **(store.stats() if store is not None else {})}
 
-    def set_gpu_budget(self, budget) -> None:
-        raise NotImplementedError("backend='vllm': vLLM sizes its own KV pool (gpu_memory_utilization); "
-                                  "the resizable hot-window pool exists on the transformers backend")
+    def _pool_resizer(self):
+        """(the hot-window pool's PoolResizer, None) or (None, why set_gpu_budget cannot work)."""
+        if not self.hot_window:
+            return None, ("hot_window=False keeps vLLM's full pool (sized by gpu_memory_utilization), which is not "
+                          "resized at run time; the hot-window pool is")
+        from tierkv.integrations.vllm.resize_control import PoolResizer, engine_core_of
+        from tierkv.integrations.vllm.resize_plan import split_budget
+
+        def split(budget_bytes: int):  # the start-up split (hot_window_engine_args)
+            return split_budget(self.config, budget_bytes, self.summary_reserved_bytes, self.full_graph_reserved_bytes)
+
+        try:
+            return PoolResizer(engine_core_of(self.engine), split, self.config.cache.gpu_budget_bytes), None
+        except RuntimeError as exc:  # vLLM moved what the resize uses, or its core runs in another process
+            return None, str(exc)
+
+    def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
+        """Resize the GPU budget ("1GiB" or bytes) of the hot-window pool: vLLM's pool takes the
+        budget less the staging ring and the sparse reservations (the start-up split); shrinking
+        gives the memory back to the driver. Refused, changing nothing, with ValueError (not a
+        size) or BudgetRefused (sizes named: see docs/vllm-resize.md). Applied between engine steps:
+        at once when idle; during requests at the next step boundary, a shrink once the block ids it
+        drops are free (`stats()["gpu"]`: resize_policy, pending_budget_bytes). With `wait`, blocks
+        until applied (TimeoutError after timeout_s) and raises a refusal met when applying."""
+        if self.resizer is None:
+            raise NotImplementedError(f"backend='vllm': {self._resize_error}")
+        change = self.resizer.set_gpu_budget(budget)
+        if wait and not change.wait(timeout_s):
+            raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s "
+                               "(a shrink waits for the running requests' blocks past the new pool)")
 
     def reload_config(self, config) -> list[str]:
         raise NotImplementedError("backend='vllm': the engine's config is fixed at start-up (make a new TieredLLM); "
@@ -209,19 +240,15 @@ def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_gr
     full decode graph keeps for a quantized CPU tier's codes and scales (`full_graph_packed_bytes`),
     also out of the budget."""
     from tierkv.config import ConfigError
-    from tierkv.units import format_bytes
     from tierkv.integrations.vllm import hot_window
+    from tierkv.integrations.vllm.resize_plan import split_budget
 
-    pool = config.cache.gpu_budget_bytes - config.scheduler.staging_bytes - summary_bytes - full_graph_bytes
-    if pool <= 0:
-        summaries = f" and the sparse key summaries ({format_bytes(summary_bytes)})" if summary_bytes else ""
-        if full_graph_bytes:
-            summaries += f" and the full decode graph's codes and scales ({format_bytes(full_graph_bytes)})"
+    split = split_budget(config, config.cache.gpu_budget_bytes, summary_bytes, full_graph_bytes)
+    if split.pool_bytes <= 0:
         raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
-                          f"must exceed scheduler.staging_bytes ({format_bytes(config.scheduler.staging_bytes)})"
-                          f"{summaries}: the rest is vLLM's hot-window pool")
+                          f"must exceed {split.reserved_text()}: the rest is vLLM's hot-window pool")
     hot_window.register()
-    return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=pool, enable_prefix_caching=False,
+    return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=split.pool_bytes, enable_prefix_caching=False,
                 max_num_batched_tokens=config.scheduler.prefill_chunk_tokens,
                 async_scheduling=config.scheduler.vllm_async_scheduling)
 
@@ -244,6 +271,8 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     tokens in flight (max_num_batched_tokens, twice that
     under vLLM's async scheduling, which keeps two batches in flight), capped at max_model_len, in
     blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound)."""
+    from tierkv.integrations.vllm.resize_plan import window_blocks
+
     shape = checkpoint_shape(model_dir)
     tokens = config.cache.block_tokens
     in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)
@@ -253,7 +282,7 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     # a model with its own sliding window keeps those layers' spec: the smaller window, so the check
     # never asks more than vLLM does (a larger own window is left to vLLM's check)
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
-    blocks = -(-min(window - 1 + in_flight, max_len) // tokens) + 1
+    blocks = window_blocks(window, in_flight, max_len, tokens)
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
                engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"]))
     return (shape["num_hidden_layers"] * blocks * 2 * rank_kv_heads(shape, engine_kwargs) * tokens

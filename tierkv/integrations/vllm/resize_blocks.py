@@ -1,0 +1,94 @@
+"""Run-time resize of the vLLM hot-window pool, the scheduler half: vLLM 0.26's `BlockPool` (one per
+engine, shared by its KVCacheManager) gains or loses block ids at its tail. Touches vLLM internals;
+`missing_block_pool_hooks` names what it relies on, and a test runs it against the installed vLLM.
+
+Primitives: `held_tail_block_ids`, `resize_block_pool`, `missing_block_pool_hooks`.
+
+    ids   0      1 ...                     new-1 | new ... old-1
+          null   blocks kept (their KV copied)   | dropped: must all be free (ref_cnt 0, in the
+                                                 | free queue); unlinked from it, hashes evicted
+    grow: ids old .. new-1 are new KVCacheBlocks appended to the free queue's tail.
+
+Both check everything before the first change: a refusal (BlockPoolBusy) leaves the pool as it was.
+"""
+from __future__ import annotations
+
+BLOCK_POOL_HOOKS = ("num_gpu_blocks", "blocks", "free_block_queue", "null_block", "_maybe_evict_cached_block",
+                    "get_num_free_blocks")
+FREE_QUEUE_HOOKS = ("remove", "append_n", "num_free_blocks")
+MANAGER_HOOKS = ("block_pool", "kv_cache_config", "watermark_blocks")
+
+
+class BlockPoolBusy(RuntimeError):
+    """A shrink whose dropped block ids are still held; nothing was changed."""
+
+    def __init__(self, held_ids: list[int], new_num_blocks: int):
+        self.held_ids = held_ids
+        super().__init__(f"vLLM's pool cannot shrink to {new_num_blocks} blocks: {len(held_ids)} block ids at or past "
+                         f"it are held by running requests (first {held_ids[:8]})")
+
+
+def missing_block_pool_hooks() -> list[str]:
+    """The vLLM attributes this module uses that the installed vLLM lacks (empty: all there)."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    probe = BlockPool(num_gpu_blocks=2, enable_caching=False, hash_block_size=16)
+    missing = [f"BlockPool.{a}" for a in BLOCK_POOL_HOOKS if not hasattr(probe, a)]
+    queue = getattr(probe, "free_block_queue", None)
+    missing += [f"FreeKVCacheBlockQueue.{a}" for a in FREE_QUEUE_HOOKS
+                if not hasattr(queue if queue is not None else FreeKVCacheBlockQueue, a)]
+    block = KVCacheBlock(0)
+    missing += [f"KVCacheBlock.{a}" for a in ("block_id", "ref_cnt", "prev_free_block", "next_free_block", "is_null")
+                if not hasattr(block, a)]
+    init = KVCacheManager.__init__.__code__.co_names
+    missing += [f"KVCacheManager.{a}" for a in MANAGER_HOOKS if a not in init]
+    return missing
+
+
+def held_tail_block_ids(pool, new_num_blocks: int) -> list[int]:
+    """Ids in [new_num_blocks, pool.num_gpu_blocks) that are not free (a shrink to new_num_blocks
+    must wait for them)."""
+    return [b.block_id for b in pool.blocks[new_num_blocks:] if not _is_free(b)]
+
+
+def resize_block_pool(manager, new_num_blocks: int) -> None:
+    """Give vLLM's KVCacheManager `manager` a pool of `new_num_blocks` block ids (null block
+    included). A shrink raises BlockPoolBusy, changing nothing, while a dropped id is held."""
+    pool = manager.block_pool
+    old = pool.num_gpu_blocks
+    if new_num_blocks < 2:
+        raise ValueError(f"new_num_blocks: got {new_num_blocks}; vLLM's pool needs the null block and one more")
+    if new_num_blocks < old:
+        _shrink(pool, new_num_blocks)
+    elif new_num_blocks > old:
+        _grow(pool, new_num_blocks)
+    manager.kv_cache_config.num_blocks = new_num_blocks
+    manager.watermark_blocks = manager.watermark_blocks * new_num_blocks // old
+
+
+def _is_free(block) -> bool:
+    return block.ref_cnt == 0 and not block.is_null and block.prev_free_block is not None \
+        and block.next_free_block is not None
+
+
+def _shrink(pool, new_num_blocks: int) -> None:
+    held = held_tail_block_ids(pool, new_num_blocks)
+    if held:
+        raise BlockPoolBusy(held, new_num_blocks)
+    dropped = pool.blocks[new_num_blocks:]
+    for block in dropped:  # every one is linked in the free queue (checked above): unlinking cannot fail
+        pool._maybe_evict_cached_block(block)
+        pool.free_block_queue.remove(block)
+    del pool.blocks[new_num_blocks:]
+    pool.num_gpu_blocks = new_num_blocks
+
+
+def _grow(pool, new_num_blocks: int) -> None:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    added = [KVCacheBlock(i) for i in range(pool.num_gpu_blocks, new_num_blocks)]
+    pool.free_block_queue.append_n(added)
+    pool.blocks.extend(added)
+    pool.num_gpu_blocks = new_num_blocks

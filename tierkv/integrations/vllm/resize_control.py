@@ -1,0 +1,195 @@
+"""`set_gpu_budget` for a vLLM hot-window engine: plan, refuse or queue, apply at a step boundary.
+
+Primitives: `PoolResizer` (`set_gpu_budget`, `stats`), `engine_core_of`, `missing_vllm_hooks`.
+
+    set_gpu_budget(b) ── plan_resize (resize_plan) ── refused: BudgetRefused/ValueError, nothing changed
+                      └─ queued ── at the next step boundary (or now, between steps or requests):
+                           shrink whose dropped block ids a request holds → held, retried every boundary
+                           else: workers' KV tensors (resize_worker, collective_rpc), then vLLM's
+                                 BlockPool (resize_blocks); a failure leaves the old pool working
+
+A step boundary is the wrapper this class puts around the engine core's `step_fn` (this engine
+only): it holds a lock for the step, so a change applies only between steps, and it tries a
+pending change before and after each step. Policy "step_boundary": a grow applies at the next
+boundary; a shrink at the first boundary where the block ids it drops are free (at the latest
+when the running requests finish). Under vLLM's async scheduling a step leaves work in flight:
+there changes wait until the engine is idle. `stats()` shows the policy and any pending change.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from tierkv.budget_change import BudgetChange, BudgetRefused, parse_budget
+from tierkv.units import format_bytes
+from tierkv.integrations.vllm.resize_blocks import held_tail_block_ids, missing_block_pool_hooks, resize_block_pool
+from tierkv.integrations.vllm.resize_plan import BudgetSplit, ResizePlan, RunningRequest, plan_resize, window_blocks
+from tierkv.integrations.vllm.resize_worker import missing_worker_hooks, resize_worker_kv
+
+logger = logging.getLogger(__name__)
+POLICY = "step_boundary"
+
+
+def missing_vllm_hooks() -> list[str]:
+    """Everything the run-time resize uses of vLLM that the installed vLLM lacks (empty: all there)."""
+    from vllm.v1.engine.core import EngineCore
+
+    missing = missing_block_pool_hooks() + missing_worker_hooks()
+    names = EngineCore.__init__.__code__.co_names
+    missing += [f"EngineCore.{a}" for a in ("step_fn", "scheduler", "batch_queue", "vllm_config") if a not in names]
+    missing += [f"EngineCore.{a}" for a in ("collective_rpc",) if not hasattr(EngineCore, a)]
+    return missing
+
+
+def engine_core_of(llm) -> object:
+    """The in-process EngineCore of a `vllm.LLM` (RuntimeError when it runs in another process)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        raise RuntimeError("set_gpu_budget under vLLM needs its engine core in this process "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0, as TieredLLM sets)")
+    return core
+
+
+class PoolResizer:
+    def __init__(self, core, split_fn: Callable[[int], BudgetSplit], budget_bytes: int):
+        """core: vLLM's in-process EngineCore of a hot-window engine; split_fn: the engine's budget
+        split (`resize_plan.split_budget` with its reservations); budget_bytes: the start-up budget."""
+        missing = missing_vllm_hooks()
+        if missing:
+            import vllm
+
+            raise RuntimeError(f"vLLM {vllm.__version__} lacks what tierkv's run-time pool resize uses: {missing}")
+        self.core, self._split_fn, self.budget_bytes = core, split_fn, budget_bytes
+        self.manager = core.scheduler.kv_cache_manager
+        config = self.manager.kv_cache_config
+        self.bytes_per_block = sum(t.size for t in config.kv_cache_tensors) // config.num_blocks
+        vllm_config = core.vllm_config
+        spec = config.kv_cache_groups[0].kv_cache_spec
+        self.block_tokens = spec.block_size
+        in_flight = vllm_config.scheduler_config.max_num_batched_tokens * (2 if core.batch_queue is not None else 1)
+        self.window_blocks = window_blocks(spec.sliding_window, in_flight, vllm_config.model_config.max_model_len,
+                                           self.block_tokens)
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        self.graphs = getattr(mode, "name", "NONE") != "NONE"
+        self._lock = threading.RLock()
+        self._pending: tuple[ResizePlan, list[BudgetChange]] | None = None
+        self.held_blocks = 0  # block ids a pending shrink waits for
+        self.counts = {"budget_changes": 0, "budget_refusals": 0, "returned_bytes": 0, "taken_bytes": 0,
+                       "changes_during_requests": 0}
+        self.last_refusal: str | None = None
+        self.last_resize_s: float | None = None
+        step = core.step_fn
+
+        def step_at_boundary():
+            with self._lock:
+                self._apply_pending()
+                result = step()
+                self._apply_pending()
+                return result
+
+        core.step_fn = step_at_boundary
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.block_pool.num_gpu_blocks
+
+    def set_gpu_budget(self, budget) -> BudgetChange:
+        """Plan `budget` (bytes or "1GiB"); refuse now (ValueError, BudgetRefused: nothing changes) or
+        return the change, applied at once between steps or queued for a step boundary."""
+        with self._lock:
+            try:
+                if self.graphs:
+                    raise BudgetRefused(parse_budget(budget), "vLLM captured CUDA graphs over its pool's addresses: resizing needs an "
+                                   "eager engine (enforce_eager=True, TieredLLM's default)")
+                plan = plan_resize(budget, self._split_fn, bytes_per_block=self.bytes_per_block,
+                                   old_num_blocks=self.num_blocks, window_blocks_per_request=self.window_blocks,
+                                   max_num_seqs=self.max_num_seqs, running=self.running_requests())
+            except (ValueError, BudgetRefused) as exc:
+                self._record_refusal(exc)
+                raise
+            change = BudgetChange(plan.budget_bytes)
+            replaced = self._pending[1] if self._pending is not None else []
+            self._pending = (plan, replaced + [change])
+            self._apply_pending()
+        return change
+
+    def running_requests(self) -> list[RunningRequest]:
+        """vLLM's running requests with the pool blocks they hold."""
+        out = []
+        for req in self.core.scheduler.running:
+            ids = tuple(b for b in self.manager.get_block_ids(req.request_id)[0] if b != 0)  # 0: the null block
+            length = req.num_prompt_tokens + (req.max_tokens or 0)
+            out.append(RunningRequest(req.request_id, ids, min(self.window_blocks, -(-length // self.block_tokens) + 1)))
+        return out
+
+    def _apply_pending(self) -> None:
+        if self._pending is None:
+            return
+        plan, changes = self._pending
+        scheduler = self.core.scheduler
+        busy = scheduler.has_unfinished_requests()
+        if busy and self.core.batch_queue is not None:  # async scheduling: work of the last step still in flight
+            return
+        held = held_tail_block_ids(self.manager.block_pool, plan.new_num_blocks) if plan.is_shrink else []
+        self.held_blocks = len(held)
+        if held:
+            return
+        self._pending = None
+        try:
+            self._resize(plan.new_num_blocks)
+        except Exception as exc:  # the old pool is back in force (see _resize)
+            refused = BudgetRefused(plan.budget_bytes, f"{type(exc).__name__}: {exc}; the pool stays "
+                                                       f"{self.num_blocks} blocks ({format_bytes(self.budget_bytes)} budget)")
+            self._record_refusal(refused)
+            for change in changes:
+                change.resolve(refused)
+            return
+        self.budget_bytes = plan.budget_bytes
+        self.counts["budget_changes"] += 1
+        self.counts["changes_during_requests"] += busy
+        for change in changes:
+            change.resolve()
+
+    def _resize(self, new_num_blocks: int) -> None:
+        """Workers' tensors, then the BlockPool; either failing leaves the old pool in every place."""
+        old = self.num_blocks
+        started = time.perf_counter()
+        try:
+            results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks,))
+        except Exception:
+            self._restore_workers(old)  # under tensor parallelism some workers may have resized
+            raise
+        try:
+            resize_block_pool(self.manager, new_num_blocks)
+        except Exception:
+            self._restore_workers(old)
+            raise
+        self.core.vllm_config.cache_config.num_gpu_blocks = new_num_blocks
+        freed = sum(r["old_bytes"] - r["new_bytes"] for r in results)
+        self.counts["returned_bytes" if freed >= 0 else "taken_bytes"] += abs(freed)
+        self.last_resize_s = time.perf_counter() - started
+
+    def _restore_workers(self, num_blocks: int) -> None:
+        try:
+            self.core.collective_rpc(resize_worker_kv, args=(num_blocks,))
+        except Exception:  # a worker still at the old size is the one that failed: it kept its tensors
+            logger.exception("tierkv: restoring the workers' KV tensors to %d blocks failed", num_blocks)
+
+    def _record_refusal(self, exc: BaseException) -> None:
+        self.counts["budget_refusals"] += 1
+        self.last_refusal = str(exc)
+        logger.warning("tierkv: GPU budget change refused: %s", exc)
+
+    def stats(self) -> dict:
+        """The budget, vLLM's pool, the policy and any pending change (reads only)."""
+        pending = self._pending
+        split = self._split_fn(self.budget_bytes)
+        return {"budget_bytes": self.budget_bytes, "pool_blocks": self.num_blocks,
+                "pool_bytes": self.num_blocks * self.bytes_per_block, "staging_bytes": split.staging_bytes,
+                "summary_bytes": split.summary_bytes, "full_graph_bytes": split.full_graph_bytes,
+                "resize_policy": POLICY, "pending_budget_bytes": pending[0].budget_bytes if pending else None,
+                "pending_held_blocks": self.held_blocks if pending else 0, **self.counts,
+                "last_budget_refusal": self.last_refusal, "last_resize_s": self.last_resize_s}

@@ -1,0 +1,123 @@
+"""Run-time resize of the vLLM hot-window pool, the bookkeeping half: what a new GPU budget means
+in vLLM blocks, and whether it is refused, decided before anything changes. No vLLM import, no CUDA.
+
+Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too),
+`window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
+
+    budget ──split_budget──> staging ring + key summaries + full-graph codes (fixed reservations)
+                             + vLLM's pool = the rest
+    vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
+
+Refusals (BudgetRefused, sizes named): the budget does not exceed the fixed reservations; the pool
+would hold fewer blocks than one request's window or one block per row of a `max_num_seqs` batch
+(plus vLLM's null block); or fewer than the running requests can hold (each up to its window).
+A plan that passes can still have to wait: a shrink drops the blocks at the tail of vLLM's pool
+(ids >= new_num_blocks), so it waits while a running request holds one (`held_tail_blocks`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tierkv.budget_change import BudgetRefused, parse_budget
+from tierkv.units import format_bytes
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """One GPU budget (bytes per GPU) cut into tierkv's fixed reservations and vLLM's pool."""
+
+    budget_bytes: int
+    staging_bytes: int        # scheduler.staging_bytes: the staging ring (and the far-block caches carved from it)
+    summary_bytes: int = 0    # the sparse policy's key summaries (max_num_seqs requests of max_model_len)
+    full_graph_bytes: int = 0  # the full decode graph's codes and scales (quantized CPU tier)
+
+    @property
+    def pool_bytes(self) -> int:
+        """vLLM's hot-window pool: the budget less the reservations (<= 0: nothing left)."""
+        return self.budget_bytes - self.staging_bytes - self.summary_bytes - self.full_graph_bytes
+
+    def reserved_text(self) -> str:
+        """The reservations in words, as the start-up error names them."""
+        text = f"scheduler.staging_bytes ({format_bytes(self.staging_bytes)})"
+        if self.summary_bytes:
+            text += f" and the sparse key summaries ({format_bytes(self.summary_bytes)})"
+        if self.full_graph_bytes:
+            text += f" and the full decode graph's codes and scales ({format_bytes(self.full_graph_bytes)})"
+        return text
+
+
+def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_bytes: int = 0) -> BudgetSplit:
+    """The split of `budget_bytes` for an engine of tierkv `config` (a TierKVConfig): the one
+    `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after."""
+    return BudgetSplit(budget_bytes, config.scheduler.staging_bytes, summary_bytes, full_graph_bytes)
+
+
+def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int, block_tokens: int) -> int:
+    """Pool blocks one request holds at most under the hot window: its window, the tokens in
+    flight (max_num_batched_tokens; twice that under async scheduling), capped at max_model_len,
+    plus one block (vLLM's sliding-window bound). What vLLM's start-up check asks for one request."""
+    return -(-min(window_tokens - 1 + in_flight_tokens, max_model_len) // block_tokens) + 1
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request vLLM's scheduler holds pool blocks for."""
+
+    req_id: str
+    block_ids: tuple[int, ...]  # the pool blocks it holds (vLLM's null block 0 left out)
+    need_blocks: int            # the most it can hold: its window, capped at its own length
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    split: BudgetSplit
+    old_num_blocks: int
+    new_num_blocks: int
+    bytes_per_block: int  # all layers of one block id, on one GPU
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.split.budget_bytes
+
+    @property
+    def new_pool_bytes(self) -> int:
+        return self.new_num_blocks * self.bytes_per_block
+
+    @property
+    def old_pool_bytes(self) -> int:
+        return self.old_num_blocks * self.bytes_per_block
+
+    @property
+    def is_shrink(self) -> bool:
+        return self.new_num_blocks < self.old_num_blocks
+
+    def held_tail_blocks(self, running: Sequence[RunningRequest]) -> list[int]:
+        """Block ids a shrink would drop that a running request holds (empty: it can apply now)."""
+        return sorted(b for r in running for b in r.block_ids if b >= self.new_num_blocks)
+
+
+def plan_resize(budget, split_fn: Callable[[int], BudgetSplit], *, bytes_per_block: int, old_num_blocks: int,
+                window_blocks_per_request: int, max_num_seqs: int,
+                running: Sequence[RunningRequest] = ()) -> ResizePlan:
+    """The new block count for `budget` (bytes or a size such as "1GiB"), or a refusal naming the
+    sizes, before anything changes. ValueError: not a positive size. BudgetRefused: see the module."""
+    budget_bytes = parse_budget(budget)
+    if bytes_per_block <= 0 or old_num_blocks <= 0:
+        raise ValueError(f"bytes_per_block {bytes_per_block}, old_num_blocks {old_num_blocks}: must be positive")
+    split = split_fn(budget_bytes)
+    if split.pool_bytes <= 0:
+        raise BudgetRefused(budget_bytes, f"it must exceed {split.reserved_text()}: the rest is vLLM's hot-window pool")
+    plan = ResizePlan(split, old_num_blocks, split.pool_bytes // bytes_per_block, bytes_per_block)
+    pool = f"vLLM's pool would hold {plan.new_num_blocks} blocks ({format_bytes(split.pool_bytes)})"
+    floor = max(window_blocks_per_request, max_num_seqs) + 1
+    if plan.new_num_blocks < floor:
+        raise BudgetRefused(budget_bytes, f"{pool}; one request's window needs {window_blocks_per_request} blocks and "
+                                          f"a batch of max_num_seqs {max_num_seqs} rows one block each, plus the null "
+                                          f"block: at least {floor} blocks ({format_bytes(floor * bytes_per_block)} + "
+                                          f"{split.reserved_text()})")
+    need = sum(max(len(r.block_ids), min(r.need_blocks, window_blocks_per_request)) for r in running) + 1
+    if running and plan.new_num_blocks < need:
+        raise BudgetRefused(budget_bytes, f"{pool}; the {len(running)} running requests can hold {need - 1} blocks "
+                                          f"plus the null block ({format_bytes(need * bytes_per_block)})")
+    return plan

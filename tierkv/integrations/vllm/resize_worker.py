@@ -1,0 +1,136 @@
+"""Run-time resize of the vLLM hot-window pool, the worker half: each GPU worker's KV tensors are
+reallocated at the new block count, by vLLM's own allocation and reshape (the layout it made at
+start-up), run in every worker by `collective_rpc(resize_worker_kv, args=(num_blocks,))`.
+
+Primitives: `resized_kv_caches` (no vLLM: allocate, copy the kept blocks), `resize_worker_kv`
+(the collective_rpc body), `missing_worker_hooks`.
+
+    1. allocate every layer's new tensor      an OOM here: the new ones are dropped, nothing changed
+    2. copy block ids [0, min(old, new))      on the device, along each tensor's block dimension
+    3. swap: the runner's kv_caches, each attention layer's kv_cache, the runner's kv_cache_config,
+       the connector's registered caches (its store reads and saves through them), the hot-window
+       backend's cached views
+    4. drop the old tensors, torch.cuda.empty_cache(): the bytes go back to the driver
+
+Runs between engine steps only (the caller's step-boundary lock): no forward reads a tensor
+being replaced. Refuses engines whose CUDA graphs captured the pool's addresses.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+RUNNER_HOOKS = ("kv_cache_config", "kv_caches", "_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors",
+                "_kernel_block_sizes", "compilation_config", "cache_config")
+
+
+def missing_worker_hooks() -> list[str]:
+    """The vLLM names the worker resize uses that the installed vLLM lacks (empty: all there).
+    Instance attributes are looked up among those GPUModelRunner's methods assign."""
+    import inspect
+
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    source_names = set()
+    for name, member in inspect.getmembers(GPUModelRunner, inspect.isfunction):
+        source_names.update(member.__code__.co_names)
+        source_names.add(name)
+    missing = [f"GPUModelRunner.{a}" for a in RUNNER_HOOKS if a not in source_names]
+    missing += [f"vllm.v1.worker.utils.{a}" for a in ("bind_kv_cache",) if not hasattr(worker_utils, a)]
+    return missing
+
+
+def block_dim(old: torch.Tensor, new: torch.Tensor) -> int | None:
+    """The one dimension in which two KV tensors of one layer differ (None: same shape)."""
+    if old.dim() != new.dim():
+        raise ValueError(f"KV tensors of {old.dim()} and {new.dim()} dimensions: not one layer's at two sizes")
+    dims = [d for d in range(old.dim()) if old.shape[d] != new.shape[d]]
+    if len(dims) > 1:
+        raise ValueError(f"KV tensors {tuple(old.shape)} and {tuple(new.shape)} differ in more than the block dimension")
+    return dims[0] if dims else None
+
+
+def copy_kept_blocks(old_caches: dict[str, torch.Tensor], new_caches: dict[str, torch.Tensor]) -> None:
+    """Copy each layer's leading blocks (as many as both hold) from old_caches into new_caches
+    (same layer names; tensors of vLLM's per-layer layout, any dtype and device, differing only in
+    the block dimension)."""
+    if old_caches.keys() != new_caches.keys():
+        raise ValueError(f"layers differ: {sorted(old_caches.keys() ^ new_caches.keys())[:4]}")
+    for name, new in new_caches.items():
+        old = old_caches[name]
+        dim = block_dim(old, new)
+        if dim is None:
+            new.copy_(old)
+            continue
+        kept = min(old.shape[dim], new.shape[dim])
+        new.narrow(dim, 0, kept).copy_(old.narrow(dim, 0, kept))
+
+
+def resized_config(kv_cache_config, new_num_blocks: int):
+    """A copy of vLLM's KVCacheConfig at `new_num_blocks`: each tensor's bytes scaled per block."""
+    config = copy.deepcopy(kv_cache_config)
+    old = config.num_blocks
+    for tensor in config.kv_cache_tensors:
+        if tensor.size % old:
+            raise ValueError(f"KV tensor of {tensor.size} bytes is not {old} equal blocks")
+        tensor.size = tensor.size // old * new_num_blocks
+    config.num_blocks = new_num_blocks
+    return config
+
+
+def resize_worker_kv(worker, new_num_blocks: int) -> dict:
+    """collective_rpc body: give this worker's model runner KV tensors of `new_num_blocks` blocks,
+    the kept blocks' contents copied. Returns {"old_bytes", "new_bytes", "seconds"} of this GPU."""
+    started = time.perf_counter()
+    runner = worker.model_runner
+    if runner.kv_cache_config.num_blocks == new_num_blocks:  # (a restore after a failure elsewhere)
+        return {"old_bytes": 0, "new_bytes": 0, "seconds": time.perf_counter() - started}
+    if getattr(runner, "cross_layers_kv_cache", None) is not None or getattr(runner, "shared_kv_cache_layers", None):
+        raise RuntimeError("a KV pool shared across layers cannot be resized at run time")
+    config = resized_config(runner.kv_cache_config, new_num_blocks)
+    context = runner.compilation_config.static_forward_context
+    try:  # 1. allocate: an OOM leaves the old tensors bound
+        raw = runner._allocate_kv_cache_tensors(config)
+        new_caches = runner._reshape_kv_cache_tensors(raw, runner._kernel_block_sizes)
+        del raw
+        old_caches = {name: context[name].kv_cache for name in new_caches}
+        copy_kept_blocks(old_caches, new_caches)  # 2.
+    except BaseException:
+        new_caches = raw = None  # noqa: F841  dropped before the cache is emptied
+        _release(runner)
+        raise
+    old_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in old_caches.values()}.values())
+    _bind(runner, config, new_caches)  # 3.
+    del old_caches
+    _release(runner)  # 4.
+    new_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in new_caches.values()}.values())
+    return {"old_bytes": old_bytes, "new_bytes": new_bytes, "seconds": time.perf_counter() - started}
+
+
+def _bind(runner, config, new_caches: dict[str, torch.Tensor]) -> None:
+    """Point vLLM (runner, layers), the tierkv connector and the hot-window backend at new_caches."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    context = runner.compilation_config.static_forward_context
+    runner.kv_caches.clear()
+    bind_kv_cache(new_caches, context, runner.kv_caches)
+    runner.kv_cache_config = config
+    runner.cache_config.num_gpu_blocks = config.num_blocks
+    for name in new_caches:
+        forget = getattr(getattr(context[name], "impl", None), "forget_pool", None)
+        if forget is not None:
+            forget()
+    if has_kv_transfer_group():
+        get_kv_transfer_group().register_kv_caches(new_caches)
+
+
+def _release(runner) -> None:
+    """Hand freed KV memory back to the driver once nothing reads it."""
+    device = getattr(runner, "device", None)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
