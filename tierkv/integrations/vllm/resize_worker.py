@@ -22,23 +22,23 @@ import time
 
 import torch
 
-RUNNER_HOOKS = ("kv_cache_config", "kv_caches", "_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors",
-                "_kernel_block_sizes", "compilation_config", "cache_config")
+RUNNER_METHODS = ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors")
+RUNNER_ATTRIBUTES = ("kv_cache_config", "kv_caches", "_kernel_block_sizes", "compilation_config", "cache_config")
 
 
 def missing_worker_hooks() -> list[str]:
-    """The vLLM names the worker resize uses that the installed vLLM lacks (empty: all there).
-    Instance attributes are looked up among those GPUModelRunner's methods assign."""
+    """The vLLM names the worker resize uses that the installed vLLM lacks (empty: all there):
+    GPUModelRunner's methods, and the instance attributes its methods name."""
     import inspect
 
     from vllm.v1.worker import utils as worker_utils
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    source_names = set()
-    for name, member in inspect.getmembers(GPUModelRunner, inspect.isfunction):
-        source_names.update(member.__code__.co_names)
-        source_names.add(name)
-    missing = [f"GPUModelRunner.{a}" for a in RUNNER_HOOKS if a not in source_names]
+    assigned = set()
+    for _, member in inspect.getmembers(GPUModelRunner, inspect.isfunction):
+        assigned.update(member.__code__.co_names)
+    missing = [f"GPUModelRunner.{a}" for a in RUNNER_METHODS if not callable(getattr(GPUModelRunner, a, None))]
+    missing += [f"GPUModelRunner.{a}" for a in RUNNER_ATTRIBUTES if a not in assigned]
     missing += [f"vllm.v1.worker.utils.{a}" for a in ("bind_kv_cache",) if not hasattr(worker_utils, a)]
     return missing
 

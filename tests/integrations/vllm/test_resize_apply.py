@@ -1,0 +1,265 @@
+"""Run-time resize of the vLLM hot-window pool, applying it on CPU: the worker's KV tensors
+(vLLM's own allocation routine), the step-boundary policy over vLLM's own KVCacheManager, and a
+failure half-way leaving the old pool. The runner and engine core are small namespaces carrying
+what a GPU runner and an EngineCore carry (neither constructs without a GPU)."""
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.integrations.vllm.test_resize_plan import (
+    BS, BYTES_PER_BLOCK, D, H, NAMES, SPEC, groups, manager_of, pool_state, request, write_config)
+
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor  # noqa: E402
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+from vllm.v1.worker.utils import bind_kv_cache  # noqa: E402
+
+from tierkv.budget_change import BudgetRefused  # noqa: E402
+from tierkv.config import load_config  # noqa: E402
+from tierkv.integrations.vllm import resize_control  # noqa: E402
+from tierkv.integrations.vllm.resize_control import POLICY, PoolResizer, missing_vllm_hooks  # noqa: E402
+from tierkv.integrations.vllm.resize_plan import split_budget  # noqa: E402
+from tierkv.integrations.vllm.resize_worker import missing_worker_hooks, resize_worker_kv  # noqa: E402
+
+
+class _Impl:
+    def __init__(self):
+        self.forgotten = 0
+
+    def forget_pool(self):
+        self.forgotten += 1
+
+
+def worker_of(num_blocks: int) -> SimpleNamespace:
+    """A worker whose runner allocates by vLLM's GPUModelRunner._allocate_kv_cache_tensors, on CPU,
+    in FlashAttention's layout [2, blocks, BS, H, D], and binds by vLLM's bind_kv_cache."""
+    tensors = [KVCacheTensor(size=num_blocks * SPEC.page_size_bytes, shared_by=[n]) for n in NAMES]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups())
+    context = {n: SimpleNamespace(kv_cache=None, impl=_Impl()) for n in NAMES}
+    runner = SimpleNamespace(device=torch.device("cpu"), runner_only_attn_layers=set(), kv_cache_config=config,
+                             kv_caches=[], _kernel_block_sizes=[BS], cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
+                             compilation_config=SimpleNamespace(static_forward_context=context))
+    runner._allocate_kv_cache_tensors = partial(GPUModelRunner._allocate_kv_cache_tensors, runner)
+    runner._reshape_kv_cache_tensors = lambda raw, sizes: {n: t.view(torch.float32).view(2, -1, BS, H, D)
+                                                           for n, t in raw.items()}
+    caches = runner._reshape_kv_cache_tensors(runner._allocate_kv_cache_tensors(config), [BS])
+    for kv in caches.values():
+        kv.normal_()
+    bind_kv_cache(caches, context, runner.kv_caches)
+    return SimpleNamespace(model_runner=runner)
+
+
+def bound(worker) -> dict[str, torch.Tensor]:
+    return {n: layer.kv_cache for n, layer in worker.model_runner.compilation_config.static_forward_context.items()}
+
+
+def test_vllm_has_what_the_resize_uses():
+    assert missing_worker_hooks() == [] and missing_vllm_hooks() == []
+
+
+def test_a_moved_runner_method_is_named(monkeypatch):
+    monkeypatch.delattr(GPUModelRunner, "_reshape_kv_cache_tensors")
+    assert "GPUModelRunner._reshape_kv_cache_tensors" in missing_worker_hooks()
+
+
+@pytest.mark.parametrize("old, new", [(64, 20), (20, 50), (30, 30)])
+def test_the_workers_tensors_take_the_new_block_count_and_keep_the_leading_blocks(old, new):
+    worker = worker_of(old)
+    before = {n: kv.clone() for n, kv in bound(worker).items()}
+    result = resize_worker_kv(worker, new)
+    runner, kept = worker.model_runner, min(old, new)
+    for name, kv in bound(worker).items():
+        assert kv.shape == (2, new, BS, H, D)
+        assert torch.equal(kv[:, :kept], before[name][:, :kept])
+    assert [t.data_ptr() for t in runner.kv_caches] == [kv.data_ptr() for kv in bound(worker).values()]
+    assert runner.kv_cache_config.num_blocks == runner.cache_config.num_gpu_blocks == new
+    assert [t.size for t in runner.kv_cache_config.kv_cache_tensors] == [new * SPEC.page_size_bytes] * len(NAMES)
+    if old != new:
+        assert result["old_bytes"] == old * BYTES_PER_BLOCK and result["new_bytes"] == new * BYTES_PER_BLOCK
+        assert all(layer.impl.forgotten == 1 for layer in runner.compilation_config.static_forward_context.values())
+
+
+@pytest.mark.parametrize("where", ["allocate", "reshape"])
+def test_a_worker_failure_half_way_leaves_the_old_tensors_bound(where):
+    worker = worker_of(64)
+    runner = worker.model_runner
+    before, config = bound(worker), runner.kv_cache_config
+    if where == "allocate":
+        def fail(config):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        runner._allocate_kv_cache_tensors = fail
+    else:  # tensors of the wrong layout: the copy refuses them
+        runner._reshape_kv_cache_tensors = lambda raw, sizes: {n: t.view(torch.float32).view(-1, BS, H, D)
+                                                               for n, t in raw.items()}
+    with pytest.raises((torch.OutOfMemoryError, ValueError)):
+        resize_worker_kv(worker, 20)
+    assert all(bound(worker)[n] is before[n] for n in NAMES) and runner.kv_cache_config is config
+    assert [t.data_ptr() for t in runner.kv_caches] == [before[n].data_ptr() for n in NAMES]
+
+
+def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE"):
+    """(PoolResizer, engine core, worker, steps run) over vLLM's KVCacheManager and a CPU worker."""
+    manager, worker, steps = manager_of(num_blocks), worker_of(num_blocks), []
+    scheduler = SimpleNamespace(kv_cache_manager=manager, running=[])
+    scheduler.has_unfinished_requests = lambda: bool(scheduler.running)
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=2 * BS, max_num_seqs=2),
+        model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
+    core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
+                           step_fn=lambda: steps.append(len(steps)),
+                           collective_rpc=lambda fn, args=(): [fn(worker, *args)])
+    config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
+    split = partial(split_budget, config)
+    budget = config.scheduler.staging_bytes + num_blocks * BYTES_PER_BLOCK
+    return PoolResizer(core, split, budget), core, worker, steps, config.scheduler.staging_bytes
+
+
+def test_between_requests_a_change_applies_at_once(tmp_path):
+    resizer, core, worker, _, staging = engine_of(tmp_path)
+    resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK).wait(0)
+    assert pool_state(core.scheduler.kv_cache_manager)[:3] == (20, list(range(20)), 19)
+    assert all(kv.shape[1] == 20 for kv in bound(worker).values())
+    stats = resizer.stats()
+    assert stats["pool_blocks"] == 20 and stats["returned_bytes"] == 44 * BYTES_PER_BLOCK
+    assert stats["budget_changes"] == 1 and stats["pending_budget_bytes"] is None and stats["resize_policy"] == POLICY
+    resizer.set_gpu_budget(staging + 50 * BYTES_PER_BLOCK).wait(0)
+    assert resizer.stats()["taken_bytes"] == 30 * BYTES_PER_BLOCK and resizer.num_blocks == 50
+
+
+def test_a_shrink_over_a_running_requests_blocks_waits_for_the_step_boundary_where_they_are_free(tmp_path):
+    resizer, core, worker, steps, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    filler, tail = request("filler", 30 * BS), request("tail", 2 * BS)
+    assert manager.allocate_slots(filler, 30 * BS) is not None and manager.allocate_slots(tail, 2 * BS) is not None
+    manager.free(filler)
+    core.scheduler.running = [tail]
+    before = {n: kv.clone() for n, kv in bound(worker).items()}
+    first = resizer.set_gpu_budget(staging + 24 * BYTES_PER_BLOCK)
+    second = resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)  # replaces the first before it applied
+    assert not first.is_done and resizer.stats()["pending_budget_bytes"] == second.budget_bytes
+    assert resizer.stats()["pending_held_blocks"] == 2 and resizer.num_blocks == 64
+    core.step_fn()
+    assert steps == [0] and not second.is_done  # still held
+    manager.free(tail)
+    core.scheduler.running = []
+    core.step_fn()  # applied at this boundary
+    assert first.wait(0) and second.wait(0) and resizer.num_blocks == 20 and steps == [0, 1]
+    assert all(torch.equal(kv, before[n][:, :20]) for n, kv in bound(worker).items())
+
+
+def test_a_grow_during_requests_applies_at_the_step_boundary_and_keeps_their_blocks(tmp_path):
+    resizer, core, worker, _, staging = engine_of(tmp_path, num_blocks=20)
+    manager = core.scheduler.kv_cache_manager
+    req = request("a", 5 * BS)
+    assert manager.allocate_slots(req, 5 * BS) is not None
+    core.scheduler.running = [req]
+    before = {n: kv.clone() for n, kv in bound(worker).items()}
+    resizer.set_gpu_budget(staging + 40 * BYTES_PER_BLOCK).wait(0)
+    assert resizer.stats()["changes_during_requests"] == 1 and manager.block_pool.get_num_free_blocks() == 39 - 5
+    assert all(torch.equal(kv[:, :20], before[n]) for n, kv in bound(worker).items())
+
+
+def test_a_refused_budget_changes_nothing(tmp_path):
+    resizer, core, worker, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    reqs = [request(f"r{i}", 3 * BS) for i in range(4)]
+    for req in reqs:
+        assert manager.allocate_slots(req, 3 * BS) is not None
+    core.scheduler.running = reqs
+    before, tensors = pool_state(manager), bound(worker)
+    with pytest.raises(BudgetRefused, match="4 running requests"):
+        resizer.set_gpu_budget(staging + 12 * BYTES_PER_BLOCK)
+    with pytest.raises(ValueError, match="budget"):
+        resizer.set_gpu_budget("-1GiB")
+    assert pool_state(manager) == before and all(bound(worker)[n] is tensors[n] for n in NAMES)
+    stats = resizer.stats()
+    assert stats["budget_refusals"] == 2 and stats["last_budget_refusal"].startswith("budget:")
+
+
+def test_captured_cuda_graphs_refuse_a_resize(tmp_path):
+    resizer, core, _, _, staging = engine_of(tmp_path, graphs="FULL_AND_PIECEWISE")
+    with pytest.raises(BudgetRefused, match="enforce_eager"):
+        resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)
+    assert resizer.num_blocks == 64
+
+
+@pytest.mark.parametrize("where", ["workers", "block_pool"])
+def test_a_failure_half_way_leaves_the_old_pool_working(tmp_path, monkeypatch, where):
+    resizer, core, worker, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    before_state, before = pool_state(manager), {n: kv.clone() for n, kv in bound(worker).items()}
+    if where == "workers":
+        def fail(config):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        worker.model_runner._allocate_kv_cache_tensors = fail
+    else:  # the workers resized, then the scheduler's pool failed: the workers go back
+        def fail(manager, num_blocks):
+            raise RuntimeError("block pool (simulated)")
+        monkeypatch.setattr(resize_control, "resize_block_pool", fail)
+    change = resizer.set_gpu_budget(staging + 100 * BYTES_PER_BLOCK)
+    with pytest.raises(BudgetRefused, match="the pool stays 64 blocks"):
+        change.wait(0)
+    assert pool_state(manager) == before_state and resizer.stats()["budget_refusals"] == 1
+    assert all(torch.equal(kv, before[n]) for n, kv in bound(worker).items())
+    assert manager.allocate_slots(request("after", 3 * BS), 3 * BS) is not None  # the old pool still serves
+
+
+def vllm_llm(resizer, error: str | None = None):
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+
+    llm = object.__new__(VllmTieredLLM)
+    llm.resizer, llm._resize_error = resizer, error
+    return llm
+
+
+def test_the_vllm_backend_resizes_through_its_resizer_and_waits_for_a_held_change(tmp_path):
+    resizer, core, _, _, staging = engine_of(tmp_path)
+    llm = vllm_llm(resizer)
+    llm.set_gpu_budget(f"{staging + 20 * BYTES_PER_BLOCK}B")
+    assert resizer.num_blocks == 20
+    manager = core.scheduler.kv_cache_manager
+    held = request("held", 19 * BS)
+    assert manager.allocate_slots(held, 19 * BS) is not None  # ids 1..19: a shrink to 10 must wait
+    core.scheduler.running = [held]
+    with pytest.raises(BudgetRefused, match="running requests"):
+        llm.set_gpu_budget(staging + 10 * BYTES_PER_BLOCK)
+    manager.free(held)
+    keep = request("keep", 2 * BS)
+    assert manager.allocate_slots(keep, 2 * BS) is not None
+    keep_ids = manager.get_block_ids("keep")[0]
+    core.scheduler.running = [keep]
+    target = max(keep_ids)  # drops the request's last block: held until it is free
+    with pytest.raises(TimeoutError, match="did not take effect"):
+        llm.set_gpu_budget(staging + target * BYTES_PER_BLOCK, timeout_s=0.01)
+    assert resizer.stats()["pending_budget_bytes"] == staging + target * BYTES_PER_BLOCK
+
+
+def test_the_vllm_backend_without_a_resizer_says_why():
+    with pytest.raises(NotImplementedError, match="backend='vllm': hot_window=False keeps vLLM's full pool"):
+        vllm_llm(None, "hot_window=False keeps vLLM's full pool").set_gpu_budget("1GiB")
+
+
+def test_the_control_endpoint_reaches_the_vllm_resize_and_maps_its_refusals(tmp_path):
+    import io
+    import json
+
+    from tierkv.metrics.control import BudgetControl
+
+    resizer, _, _, _, staging = engine_of(tmp_path)
+    control = BudgetControl(vllm_llm(resizer).set_gpu_budget, "s3cret-token-for-tests-0123456789")
+
+    def post(budget):
+        body = json.dumps({"budget": budget}).encode()
+        environ = {"REQUEST_METHOD": "POST", "HTTP_AUTHORIZATION": "Bearer s3cret-token-for-tests-0123456789",
+                   "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}
+        status = []
+        control.handle(environ, lambda s, headers: status.append(s))
+        return status[0]
+
+    assert post(staging + 20 * BYTES_PER_BLOCK).startswith("200") and resizer.num_blocks == 20
+    assert post(staging + 2 * BYTES_PER_BLOCK).startswith("409") and resizer.num_blocks == 20
+    assert post("lots").startswith("400")
