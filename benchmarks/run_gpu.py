@@ -209,6 +209,15 @@ def vllm_batch_ab(s):
     return vllm_batch_table(s)
 
 
+def vllm_resize(s):
+    """The vLLM pool resized 2 -> 0.5 -> 2 GiB between and during requests at 128k (exact, sparse), and its GPU test."""
+    rc = s.run([PY, "-m", "pytest", "-x", "-q", "-m", "gpu", "tests/gpu/test_vllm_resize_gpu.py"], "resize-tests.log", 500)
+    for policy in ("exact", "sparse"):
+        rc = max(rc, s.bench("bench_vllm_resize.py", "run", s.args.model_dir, f"{s.out}/resize", "--policy", policy,
+                             log=f"resize-{policy}.log", timeout_s=580, keep="{"))
+    return rc
+
+
 for _step, _doc in [(tests, "every GPU test"), (quant_tests, "the quantized tiers' GPU tests"),
                     (graph_tests, "GPU tests of graphs, far-block caches, bound kernel, rows attention, save, needles"),
                     (sparse_tests, "the query predictor's GPU tests"), (quant, "bench_quant.py"),
@@ -235,6 +244,7 @@ STEPS = {
     **{f"vllm-batch-{m}": batch_row(m if m == "plain" else f"tierkv-{m}") for m in ("plain", "sparse", "sparse-graphs")},
     "vllm-batch-sparse-graphs-fp8": batch_row("tierkv-sparse-graphs", "--storage-dtype", "float8_e4m3fn", "--requests", "10"),
     "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table,
+    "vllm-resize": vllm_resize,
 }
 GROUPS = {  # the rows issue 33 asks to re-measure after a restructuring, against RESULTS.md
     "default": ["tests", "quant", "sparse", "exact"],

@@ -1,7 +1,7 @@
 """`TieredLLM(model_dir, config, backend="vllm")`: a vLLM engine whose KV blocks go to the tierkv
 tiers and whose repeated prefixes come back from them.
 
-Primitives: `VllmTieredLLM` (`generate`, `stats`, `close`), what `TieredLLM` returns for
+Primitives: `VllmTieredLLM` (`generate`, `stats`, `set_gpu_budget`, `close`), what `TieredLLM` returns for
 backend="vllm".
 
     llm = TieredLLM("/models/llama-3.1-8b", "configs/vllm-128k.yaml", backend="vllm",

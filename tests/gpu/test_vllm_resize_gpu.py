@@ -1,0 +1,97 @@
+"""GPU: the vLLM hot-window pool shrunk and grown at run time (set_gpu_budget on backend="vllm"):
+the memory shows as free to another process within a second, vLLM's own block count follows,
+and greedy tokens do not change, between and during requests. An 8-layer model of
+benchmarks/vllm_check.py at a 16k context; the 128k rows are benchmarks/bench_vllm_resize.py."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+
+from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere, resize_config  # noqa: E402
+from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
+
+CONTEXT, TOKENS = 16_000, 24
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tierkv.llm import TieredLLM
+
+    model = str(tmp_path_factory.mktemp("model"))
+    build_model(model)
+    config = resize_config(str(tmp_path_factory.mktemp("out")), "exact", kv_per_token(), CONTEXT)
+    engine = TieredLLM(model, config, backend="vllm", max_model_len=CONTEXT + 256, max_num_seqs=1,
+                       gpu_memory_utilization=0.5, skip_tokenizer_init=True, enable_prefix_caching=False)
+    yield engine
+    engine.close()
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 32000) for _ in range(CONTEXT)]
+
+
+def tokens(llm, ids) -> list[int]:
+    return llm.generate([ids], max_new_tokens=TOKENS, ignore_eos=True)[0].token_ids
+
+
+def test_a_shrink_between_requests_frees_the_pool_for_another_process_and_tokens_stay(llm):
+    reference = tokens(llm, prompt(1))
+    pool_before = llm.stats()["gpu"]["pool_bytes"]
+    free_before = free_elsewhere()
+    started = time.perf_counter()
+    llm.set_gpu_budget(SMALL)
+    assert time.perf_counter() - started < 1.0
+    freed = free_elsewhere() - free_before
+    stats = llm.stats()["gpu"]
+    expected = pool_before - stats["pool_bytes"]
+    assert expected > GiB_QUARTER and freed >= 0.95 * expected
+    assert llm.engine.llm_engine.vllm_config.cache_config.num_gpu_blocks == stats["pool_blocks"]
+    assert tokens(llm, prompt(1)) == reference
+    llm.set_gpu_budget(BIG)
+    assert llm.stats()["gpu"]["pool_bytes"] == pool_before and tokens(llm, prompt(1)) == reference
+
+
+GiB_QUARTER = 1 << 28
+
+
+@pytest.mark.parametrize("budget", [SMALL, BIG])
+def test_a_change_during_a_request_applies_at_a_step_boundary_and_tokens_stay(llm, budget):
+    llm.set_gpu_budget(BIG if budget == SMALL else SMALL)
+    reference = tokens(llm, prompt(2))
+    core, applied = llm.resizer.core, {}
+
+    def change():
+        while not core.scheduler.has_unfinished_requests():
+            time.sleep(0.001)
+        llm.set_gpu_budget(budget, timeout_s=300)
+        applied["during"] = core.scheduler.has_unfinished_requests()
+
+    thread = threading.Thread(target=change)
+    thread.start()
+    out = tokens(llm, prompt(2))
+    thread.join()
+    assert out == reference and llm.stats()["gpu"]["budget_bytes"] == budget and "during" in applied
+    if budget == BIG:  # a grow never waits for blocks
+        assert llm.stats()["gpu"]["changes_during_requests"] >= 1
+
+
+def test_a_budget_too_small_for_one_window_is_refused_and_the_engine_goes_on(llm):
+    from tierkv.budget_change import BudgetRefused
+
+    before = llm.stats()["gpu"]
+    with pytest.raises(BudgetRefused, match="window needs"):
+        llm.set_gpu_budget(130 << 20)
+    assert llm.stats()["gpu"]["pool_blocks"] == before["pool_blocks"]
+    assert len(tokens(llm, prompt(3))) == TOKENS
