@@ -15,7 +15,7 @@ from tests.sparse.test_planted_needle_far import planted_case as planted_case_of
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 
 HEADS, KV_HEADS, DIM, T = 8, 2, 64, 64
 CONTEXT = 128 * 1024

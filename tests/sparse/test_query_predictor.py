@@ -16,7 +16,7 @@ from tests.sparse.test_planted_needle import CONTEXT, DIM, HEADS, KV_HEADS, T, p
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 from tierkv.sparse.block_cache import FarBlockCache
 
 BLOCK_TOKENS, HEAD_DIM, NUM_KV_HEADS = 4, 16, 2

@@ -201,7 +201,7 @@ class CachedSparse:
             self.prefetch.join()  # as in the graphs: nothing forked outlives the layer
         return merge_partials([near, (out, lse)])[0]
 
-    # -- inside a decode step's CUDA graph (tierkv.decode_graph) ---------------------------------------
+    # -- inside a decode step's CUDA graph (tierkv.engine.decode_graph) ---------------------------------------
     def graph_key(self) -> tuple:
         """What a decode step's graph bakes in of the far part: the caches' set, whether there are far
         blocks, the summary tables (address, rows) and the slot lists (addresses, sizes)."""

@@ -29,7 +29,7 @@ from tierkv.sparse.predict_previous import SparsePrefetcher
 from tierkv.sparse.predict_query import QueryLookahead
 
 if TYPE_CHECKING:
-    from tierkv.runtime import KVRuntime
+    from tierkv.engine.runtime import KVRuntime
 
 
 class CapacityError(ValueError):
@@ -73,7 +73,7 @@ class SequenceKV:
             from tierkv.sparse.predict_cache import CachedSparse
 
             self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
-        self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.graph_step.GraphStep`)
+        self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.engine.graph_step.GraphStep`)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 

@@ -4,7 +4,7 @@ and attention its forward runs instead of `SequenceKV`'s own.
 Primitives: `GraphStep` (`begin`, `end`, `kv_rows`, `append`, `attend`).
 
 A one-token decode step under predictor 'cache' that does not complete a block changes only
-device values from the step before (`tierkv.decode_graph` replays it). Per layer:
+device values from the step before (`tierkv.engine.decode_graph` replays it). Per layer:
 
     append:  the new K/V rows [2H, D] --index_copy_--> the layer's resident slots viewed as
              [slots * 2 * H * T, D], at rows kv_rows (read from the device):
