@@ -279,7 +279,8 @@ def main() -> int:
             tables = [averages.table(sort_by=key, row_limit=25) for key in ("self_cuda_time_total", "self_cpu_time_total")]
             Path(args.out).with_suffix(".txt").write_text("\n\n".join(tables))
             print(averages.table(sort_by="self_cuda_time_total", row_limit=12))
-        prefetcher, query = cache.seq.prefetcher, cache.seq.query
+        predictor = cache.seq.predictor  # tierkv.engine.predictors: one policy object per predictor
+        prefetcher, query = getattr(predictor, "prefetcher", None), getattr(predictor, "query", None)
         read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
         cached = runtime.cached_sparse.stats() if runtime.cached_sparse is not None else None
         stats = runtime.stats()
