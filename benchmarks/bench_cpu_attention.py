@@ -61,7 +61,7 @@ def prompt_ids(tokenizer, num_tokens: int, variant: int = 0) -> list[int]:
 def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, disk_dir: str,
                   staging_bytes: int | None = None):
     from tierkv.config import load_config
-    from tierkv.config_loader import to_dict
+    from tierkv.config.load import to_dict
 
     data = to_dict(load_config(REPO_ROOT / "configs" / "default.yaml"))
     data["tiers"][0]["capacity_bytes"] = 2 * (prompt_tokens + new_tokens + 64) * kv_bytes_per_token

@@ -47,7 +47,7 @@ from benchmarks.models import kv_bytes_per_token, llama_8b_shaped  # noqa: E402
 @torch.no_grad()
 def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int, gpu_time: bool = False) -> dict[str, dict]:
     """runs: (name, cache, prefill chunk, on_token or None, attention implementation, whether its decode
-    steps go through a `tierkv.decode_graph.DecodeStep`: replayed from a CUDA graph). Prefill every
+    steps go through a `tierkv.engine.decode_graph.DecodeStep`: replayed from a CUDA graph). Prefill every
     run's cache with `ids`, then decode `num_new` greedy tokens, one step of each run in turn (round
     robin: each run's step always follows the same other run's), each step timed alone: a host or GPU
     that slows down for a while slows every run's steps alike. Per run: prefill_s, decode_ms_per_token
@@ -58,7 +58,7 @@ def decode_in_turns(model, runs: list[tuple], ids: list[int], num_new: int, gpu_
     of each run under the profiler, its kernels' device time summed (`gpu_busy_ms`: the step's GPU
     work, whatever the host adds)."""
     from tierkv.integrations.hf import forward_kwargs
-    from tierkv.decode_graph import DecodeStep
+    from tierkv.engine.decode_graph import DecodeStep
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -204,7 +204,7 @@ def parse_args() -> argparse.Namespace:
                              "kernels' device time (how much of a step is GPU work)")
     parser.add_argument("--no-decode-graph", action="store_true",
                         help="steps in turn: run tierkv's decode steps eagerly through the model, not replayed from one "
-                             "CUDA graph per step (tierkv.decode_graph; predictor cache only; --sequential never uses it)")
+                             "CUDA graph per step (tierkv.engine.decode_graph; predictor cache only; --sequential never uses it)")
     parser.add_argument("--no-previous", action="store_true",
                         help="predictor query: do not also prefetch each layer's previous selection")
     parser.add_argument("--qk-bias-std", type=float, default=0.0,
@@ -279,7 +279,8 @@ def main() -> int:
             tables = [averages.table(sort_by=key, row_limit=25) for key in ("self_cuda_time_total", "self_cpu_time_total")]
             Path(args.out).with_suffix(".txt").write_text("\n\n".join(tables))
             print(averages.table(sort_by="self_cuda_time_total", row_limit=12))
-        prefetcher, query = cache.seq.prefetcher, cache.seq.query
+        predictor = cache.seq.predictor  # tierkv.engine.predictors: one policy object per predictor
+        prefetcher, query = getattr(predictor, "prefetcher", None), getattr(predictor, "query", None)
         read_stats = cache.seq.read_stats()  # waits for the query predictor's device counters
         cached = runtime.cached_sparse.stats() if runtime.cached_sparse is not None else None
         stats = runtime.stats()

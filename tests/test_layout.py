@@ -150,7 +150,7 @@ def test_the_lazy_reader_sees_imports_inside_functions_but_not_type_checking_blo
     source = ast.parse("""
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
-    from tierkv.runtime import KVRuntime
+    from tierkv.engine.runtime import KVRuntime
 def f():
     if True:
         from tierkv.config import ConfigError

@@ -8,7 +8,7 @@ from tests.models import build, reference_greedy
 from tierkv.config import load_config
 from tierkv.llm import TieredLLM
 from tierkv.sampling import SamplingParams
-from tierkv.sequence import CapacityError
+from tierkv.engine.sequence import CapacityError
 
 BLOCK_BYTES = 2 * 2 * 4 * 16 * 4  # K+V, 2 kv heads, 4 tokens, head_dim 16, fp32
 

@@ -10,7 +10,7 @@ import torch
 from tierkv.blocks import BlockLayout
 from tierkv.cli import main
 from tierkv.config import ConfigError, load_config
-from tierkv.config_loader import shown_dict, to_dict
+from tierkv.config.load import shown_dict, to_dict
 from tierkv.redact import is_secret_key, redact_text, redact_tree
 
 SECRET = "S3cret-pa55"

@@ -10,7 +10,7 @@ import torch
 from tierkv.config import load_config
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.store import VllmKVStore
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 
 
 def cached_runtime() -> KVRuntime:

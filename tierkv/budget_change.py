@@ -8,7 +8,7 @@ A change goes through three gates; each refusal names the sizes and leaves the o
                         (not a bool, NaN, inf, zero, a negative number or an unknown unit)
     plan_residency      the split: sinks + window must fit (tierkv.storage.gpu, ConfigError)
     check_fits_device   the device: the new pool must fit what the device can give it
-    resize_hot_window   the allocation itself, between forward steps (tierkv.elastic): a failure
+    resize_hot_window   the allocation itself, between forward steps (tierkv.engine.elastic): a failure
                         there rolls back to the old pool and resolves the change with BudgetRefused
 """
 from __future__ import annotations

@@ -25,9 +25,9 @@ import time
 import torch
 
 from tierkv.config import TierKVConfig, load_config
-from tierkv.config_loader import to_dict
+from tierkv.config.load import to_dict
 from tierkv.metrics import MetricsService, runtime_reads
-from tierkv.prefix import load_prefix
+from tierkv.engine.prefix import load_prefix
 from tierkv.prompts import normalize_prompts, token_ids
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
 
@@ -188,13 +188,13 @@ class TieredLLM:
         return logits
 
     def _decode(self, cache, logits: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], str, float]:
-        from tierkv.decode_graph import DecodeStep
+        from tierkv.engine.decode_graph import DecodeStep
 
         device = self.runtime.device
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(self._eos_ids()))
         generated: list[int] = []
-        step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.decode_graph)
+        step = DecodeStep(self.model, cache)  # replayed from a CUDA graph where it can be (tierkv.engine.decode_graph)
         start = time.perf_counter()
         show = self.show_progress and sampling.max_new_tokens >= DECODE_PROGRESS_MIN_TOKENS
         with _progress(sampling.max_new_tokens, show, "decode") as progress:

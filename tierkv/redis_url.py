@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from tierkv.config_error import ConfigError
-from tierkv.config_paths import check_path
+from tierkv.config.errors import ConfigError
+from tierkv.config.paths import check_path
 
 EXPECTED = ("expected redis://host[:port][/db], rediss://..., unix:///path, or a cluster: "
             "redis+cluster://host[:port][,host[:port]...] (rediss+cluster://...)")

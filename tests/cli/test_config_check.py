@@ -8,7 +8,7 @@ import yaml
 
 from tierkv.cli import main
 from tierkv.config import load_config
-from tierkv.config_loader import to_dict
+from tierkv.config.load import to_dict
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,9 +1,9 @@
-"""GPU: the transformers engine's decode step replayed from one CUDA graph (`tierkv.decode_graph`).
+"""GPU: the transformers engine's decode step replayed from one CUDA graph (`tierkv.engine.decode_graph`).
 Over three blocks' worth of decode steps (the block-completing ones eager), the replayed steps give the
 plain eager step's tokens and logits and cache counts, for two architectures in float32, with and
 without a prefetch margin; a replayed step asks the host to wait for the device nowhere (CUDA sync debug
 mode "error" around each step that follows a replayed one). The CPU suite runs the same graphed forward
-without the capture (tests/test_decode_graph.py)."""
+without the capture (tests/engine/test_decode_graph.py)."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ from tests.integrations.hf.test_exact_hf import tiny_config  # noqa: E402
 from tests.models import build  # noqa: E402
 from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
-from tierkv.decode_graph import DecodeStep  # noqa: E402
+from tierkv.engine.decode_graph import DecodeStep  # noqa: E402
 
 T, DIM, PROMPT, STEPS = 16, 64, 613, 48
 

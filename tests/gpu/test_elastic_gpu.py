@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 
 from tierkv.config import load_config  # noqa: E402
-from tierkv.runtime import KVRuntime  # noqa: E402
+from tierkv.engine.runtime import KVRuntime  # noqa: E402
 
 GiB = 1 << 30
 

@@ -15,7 +15,7 @@ from tests.sparse.test_planted_needle import CONTEXT, T, planted_case, runtime_w
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 
 
 def decode_steps(predictor: str, q, keys, values, steps: int, prefill_between: bool = False, dtype=torch.float32):
@@ -129,7 +129,7 @@ def test_staging_too_small_for_the_caches_is_a_config_error():
 def decode_under_budgets(model, runtime, ids: list[int], budgets: list[int], fronts: set, step=None):
     """Greedy tokens and logits of `ids`, a new GPU budget (bytes) set before each decode step; each
     step's first far block (resident front blocks) added to `fronts`. step: a callable token -> logits
-    made from the cache (`tierkv.decode_graph.DecodeStep`), else the plain model call."""
+    made from the cache (`tierkv.engine.decode_graph.DecodeStep`), else the plain model call."""
     from tierkv.integrations.hf import TieredCache, forward_kwargs
 
     cache = TieredCache(runtime, ids)

@@ -15,7 +15,7 @@ from tests.sparse.test_planted_needle_far import planted_case as planted_case_of
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 
 HEADS, KV_HEADS, DIM, T = 8, 2, 64, 64
 CONTEXT = 128 * 1024
@@ -49,14 +49,14 @@ def sparse_decode(budget_tokens: int, q, keys, values, dtype=torch.float32):
             seq.append(0, keys[start : start + 16384].to(dtype), values[start : start + 16384].to(dtype))
         seq.append(0, keys[CONTEXT:].to(dtype), values[CONTEXT:].to(dtype))
         selected = []
-        original = seq._selected_chunks
+        original = seq.predictor.chunks_for_layer
 
-        def record(layer, query):
-            for chunk in original(layer, query):  # consumed one at a time, as attention does
+        def record(*args):
+            for chunk in original(*args):  # consumed one at a time, as attention does
                 selected.extend((chunk.start_pos // T).tolist())
                 yield chunk
 
-        seq._selected_chunks = record
+        seq.predictor.chunks_for_layer = record
         out = seq.attend(0, q.to(dtype), q.shape[-1] ** -0.5)
         seq.finish()
         return out, selected, runtime.stats()["scheduler"]
@@ -124,7 +124,7 @@ def test_previous_selection_prefetch_hits_on_the_next_step_and_stays_exact():
             seq.append(0, new_k, new_v)
             outputs.append((seq.attend(0, q, DIM**-0.5), position))
         stats = runtime.stats()
-        prefetcher = seq.prefetcher
+        prefetcher = seq.predictor.prefetcher
         seq.finish()
     finally:
         runtime.close()

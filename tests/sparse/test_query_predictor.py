@@ -16,7 +16,7 @@ from tests.sparse.test_planted_needle import CONTEXT, DIM, HEADS, KV_HEADS, T, p
 from tierkv.integrations.hf import runtime_for_model
 from tierkv.attention import reference
 from tierkv.config import ConfigError, load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 from tierkv.sparse.block_cache import FarBlockCache
 
 BLOCK_TOKENS, HEAD_DIM, NUM_KV_HEADS = 4, 16, 2
@@ -58,13 +58,13 @@ def test_prediction_equals_next_layer_selection_when_the_hidden_state_does_not_c
         model.model.layers[0].mlp.down_proj.weight.zero_()
     ids = torch.randint(0, 512, (300,)).tolist()
     _, _, seq, _, _ = run_greedy(model, "query", ids, 6, num_layers=2, predict_with_previous=False)
-    layer1 = seq.query.layer_totals[1]
+    layer1 = seq.predictor.query.layer_totals[1]
     k, num_steps = 16 // BLOCK_TOKENS, 6
-    assert len(seq.query.step_totals) == num_steps
+    assert len(seq.predictor.query.step_totals) == num_steps
     assert layer1["needed"] == k * num_steps  # far blocks outnumber k: the selection is a real choice
     assert layer1["predicted"] == layer1["used"] == layer1["needed"]  # precision = recall = 1
     assert layer1["hits"] == layer1["needed"] and layer1["misses"] == 0
-    assert seq.query.layer_totals[0]["predicted"] == 0  # nothing precedes layer 0
+    assert seq.predictor.query.layer_totals[0]["predicted"] == 0  # nothing precedes layer 0
 
 
 def test_planted_needles_are_in_the_prediction():
@@ -88,12 +88,12 @@ def test_planted_needles_are_in_the_prediction():
                     seq.append(layer, keys[start : start + 16384], values[start : start + 16384])
             seq.observe_layer_input(0, q[0].flatten(), None)
             seq.append(0, keys[CONTEXT:], values[CONTEXT:])  # predicts layer 1 from layer 0's input
-            predicted = seq.query._predicted[1].nonzero().flatten().tolist()
+            predicted = seq.predictor.query._predicted[1].nonzero().flatten().tolist()
             seq.attend(0, q, DIM**-0.5)
             seq.append(1, keys[CONTEXT:], values[CONTEXT:])
             out = seq.attend(1, q, DIM**-0.5)
             stats = seq.read_stats()
-            layer1 = seq.query.layer_totals[1]
+            layer1 = seq.predictor.query.layer_totals[1]
             seq.finish()
         finally:
             runtime.close()
@@ -115,7 +115,7 @@ def test_outputs_equal_the_none_and_previous_predictors():
     for with_previous in (True, False):
         tokens, logits, seq, _, _ = run_greedy(model, "query", ids, 8, num_layers=3, predict_with_previous=with_previous)
         assert tokens == none_tokens == prev_tokens
-        assert seq.query.totals()["misses"] > 0  # the guesses were not all right, yet nothing changed
+        assert seq.predictor.query.totals()["misses"] > 0  # the guesses were not all right, yet nothing changed
         for got, want, prev in zip(logits, none_logits, prev_logits):
             assert torch.equal(got, want)  # one staged chunk of the same blocks in both: bit-identical
             torch.testing.assert_close(got, prev, rtol=1e-5, atol=1e-5)  # `previous` splits hits and misses
@@ -137,11 +137,11 @@ def test_counters_add_up():
     num_new, k = 8, 16 // BLOCK_TOKENS
     # the prompt in one prefill chunk: nothing old to stream, so every H2D byte is the predictor's
     _, _, seq, before, after = run_greedy(model, "query", ids, num_new, num_layers=3, chunk=len(ids))
-    totals = seq.query.totals()
+    totals = seq.predictor.query.totals()
     assert totals["needed"] == k * 3 * num_new
     assert totals["hits"] + totals["misses"] == totals["needed"]
     assert totals["used"] <= min(totals["predicted"], totals["needed"])
-    assert sum(s["needed"] for s in seq.query.step_totals) == totals["needed"]
+    assert sum(s["needed"] for s in seq.predictor.query.step_totals) == totals["needed"]
     prefetch = after["prefetch"]
     assert prefetch["precision"] == pytest.approx(totals["used"] / totals["predicted"])
     assert prefetch["recall"] == pytest.approx(totals["used"] / totals["needed"])
@@ -199,7 +199,7 @@ def test_constant_query_hits_the_cache_from_the_second_step_without_a_projector(
                        values[CONTEXT:] if step == 0 else torch.randn(1, KV_HEADS, DIM))
             seq.attend(0, q, DIM**-0.5)
         seq.read_stats()
-        steps = seq.query.step_totals
+        steps = seq.predictor.query.step_totals
         seq.finish()
     finally:
         runtime.close()

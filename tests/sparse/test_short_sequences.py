@@ -28,7 +28,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tierkv.config import load_config
-from tierkv.runtime import KVRuntime
+from tierkv.engine.runtime import KVRuntime
 from tierkv.scheduler import step_blocks
 from tierkv.sparse.summaries import BlockSummaries, check_candidates, select_far_blocks, select_far_blocks_on_device
 from tierkv.storage.gpu import ResidencyPlan

@@ -55,7 +55,7 @@ def run_check(args) -> int:
 def check_one(path: str | None) -> tuple[dict | None, list, bool]:
     """(resolved config as printable data, every ConfigError, whether the budget was checked)."""
     from tierkv.config import ConfigError, config_errors, load_config
-    from tierkv.config_loader import shown_dict
+    from tierkv.config.load import shown_dict
 
     errors = config_errors(path)
     if errors:

@@ -10,7 +10,7 @@ Primitives: `TieredCache`, `TieredLayer`, `register` (attention + mask function 
 `TieredLayer.update` stores the new K/V in tierkv and returns the key tensor tagged with the
 layer (the attention call receives that same tensor, in every transformers 5 release); the
 "tierkv" attention function computes exact attention over
-GPU-resident, streamed and fresh blocks (see `tierkv.sequence`). The mask function returns
+GPU-resident, streamed and fresh blocks (see `tierkv.engine.sequence`). The mask function returns
 None: causality comes from token positions. One sequence per cache (batch size 1).
 
 Without a TieredCache (a plain `model.generate()` after `runtime_for_model`), both functions
@@ -37,8 +37,8 @@ from tierkv.config import TierKVConfig
 from tierkv.model_identity import model_identity
 from tierkv.model_shape import model_shape
 from tierkv.prompts import token_ids as checked_token_ids
-from tierkv.runtime import KVRuntime
-from tierkv.sequence import SequenceKV
+from tierkv.engine.runtime import KVRuntime
+from tierkv.engine.sequence import SequenceKV
 
 ATTN_NAME = "tierkv"
 _LAYER_ATTR = "_tierkv_layer"

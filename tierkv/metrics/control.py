@@ -25,7 +25,7 @@ from typing import Callable
 
 from tierkv.budget_change import BudgetRefused
 from tierkv.config import ConfigError, MetricsConfig
-from tierkv.config_loader import ENV_CONTROL_TOKEN
+from tierkv.config.load import ENV_CONTROL_TOKEN
 
 CONTROL_TOKEN_ENV = ENV_CONTROL_TOKEN
 MAX_BODY_BYTES = 4096

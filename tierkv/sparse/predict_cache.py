@@ -1,13 +1,14 @@
-"""Sparse decode with predictor `cache` in the transformers engine: the vLLM backend's far-block
-caches and sparse step, for the one sequence of a `SequenceKV`.
+"""Sparse decode with predictor `cache` in the transformers engine: the far-block caches and sparse
+step both engines share (`sparse.row_caches`, `sparse.step`), for the one sequence of a `SequenceKV`,
+which it hands them as one `far_source.SparseRow` over the runtime's `far_source.FarSource`.
 
 Primitives: `CachedSparse` (`of`, `begin_step`, `invalidate`, `attend`, `attend_far`, `graph_key`,
 `graph_row_inputs`, `stats`, `totals`), `check_staging`.
 
 Each layer keeps its last `scheduler.sparse_cache_selections` selections (at least one) on the GPU,
 in a far-block cache laid over the staging memory (`sparse.row_caches.RowCaches`), so a step
-copies across PCIe only the selected blocks the cache lacks. Per layer the far part is the vLLM
-backend's `sparse_rows_body`, then merged with the near part (resident blocks and this step's
+copies across PCIe only the selected blocks the cache lacks. Per layer the far part is
+`sparse.step.sparse_rows_body`, then merged with the near part (resident blocks and this step's
 tokens, which the sequence attends as always):
 
     bound = the far blocks' key summaries against q (one kernel on CUDA), top-k in block order
@@ -25,7 +26,7 @@ it equals predictor `none`'s.
 With `scheduler.sparse_prefetch_margin` m the step also predicts: the blocks ranked k..k+m-1 by the
 same bounds (what the next step's selection mostly adds, as the query drifts) are placed in the
 layer's cache and copied in on a side stream beside the layer's attention, joined at the layer's end
-(inside its graph: a graph must join what it forks) - the vLLM backend's `MarginPrefetch`. Its
+(inside its graph: a graph must join what it forks) - `sparse.prefetch_margin.MarginPrefetch`. Its
 precision and recall are in `stats()["prefetch"]`.
 
 The far blocks of the transformers engine follow its front blocks (sinks and the resident far
@@ -37,8 +38,6 @@ and graphs stay allocated, emptied for each new sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from tierkv.attention import merge_partials
@@ -46,47 +45,11 @@ from tierkv.config import ConfigError
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.units import format_bytes
 from tierkv.transfer.device import append_at
+from tierkv.sparse.far_source import FarSource, SimpleRow
 from tierkv.sparse.row_caches import RowCaches
 from tierkv.sparse.step_graphs import SparseStepGraphs
 from tierkv.sparse.step import packed_buffers, sparse_rows_body
 from tierkv.sparse.prefetch_margin import MarginPrefetch, precision_recall
-
-
-@dataclass
-class _Store:
-    """What the vLLM backend's sparse step and next-step prefetch read of its store: the CPU tier, its
-    block I/O, the device, the layer count."""
-
-    cpu: object
-    io: object
-    device: torch.device
-    num_layers: int
-
-
-@dataclass
-class _Far:
-    """What the vLLM backend's sparse step reads of its far part."""
-
-    store: _Store
-    sparse_blocks: int
-    block_tokens: int
-
-
-@dataclass
-class _Summaries:
-    """A row's summaries as the sparse step reads them: the tables from the first far block on (every
-    full block the sequence wrote has a summary)."""
-
-    summaries: object
-
-
-@dataclass
-class _Row:
-    """The sequence as one decoding row of the vLLM backend's sparse step."""
-
-    cache: object
-    summaries: _Summaries | None = None
-    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)
 
 
 def check_staging(num_layers: int, staging_blocks: int, blocks_per_step: int, selections: int,
@@ -111,17 +74,20 @@ class CachedSparse:
         check_staging(rt.num_layers, staging.shape[0], blocks_per_step, selections, layout.num_bytes)
         self.caches = RowCaches(1, rt.num_layers, blocks_per_step, layout.shape, layout.dtype, staging.device,
                                 selections=selections, storage=staging)
-        self.row = _Row(self.caches.take())
-        self.far = _Far(_Store(rt.cpu, rt.io, staging.device, rt.num_layers), blocks_per_step, layout.block_tokens)
+        # the sequence as the step's one row: summaries from its first far block on (every full block it wrote
+        # has one), set per step
+        self.row = SimpleRow(self.caches.take())
+        self.source = FarSource(rt.cpu, rt.io.engine, staging.device, rt.num_layers, blocks_per_step,
+                                layout.block_tokens)
         # scheduler.sparse_prefetch_margin: each layer also copies in the blocks ranked just below its selection
         margin = scheduler.sparse_prefetch_margin
-        self.prefetch = MarginPrefetch(self.far, self.caches, margin, max_rows=1) if margin else None
-        graphs = scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(self.far.store)
-        self.graphs = SparseStepGraphs(self.far, self.caches) if graphs else None
+        self.prefetch = MarginPrefetch(self.source, self.caches, margin, max_rows=1) if margin else None
+        graphs = scheduler.sparse_cuda_graphs and self.source.graphs_usable()
+        self.graphs = SparseStepGraphs(self.source, self.caches) if graphs else None
         if self.graphs is not None:
             self.graphs.prefetch = self.prefetch
         self.packed = (self.graphs.packed if self.graphs is not None
-                       else packed_buffers(self.far, staging.device))
+                       else packed_buffers(self.source, staging.device))
         self._slots = [torch.empty(0, dtype=torch.int64, device=staging.device) for _ in range(rt.num_layers)]
         self._filled = [0] * rt.num_layers    # entries of each layer's slot list written
         self._first = None                    # the first far block the caches and slot lists start at
@@ -161,7 +127,7 @@ class CachedSparse:
                 self._slots[layer] = append_at(self._slots[layer], have, new)
                 self._filled[layer] = num_far
         seq.summaries.reserve(first + self.k)  # the bounds' width: at least one selection past `first`
-        self.row.summaries = _Summaries(seq.summaries.from_block(first))
+        self.row.far_summaries = seq.summaries.from_block(first)
         self.row.pinned_slots_dev = self._slots
         if num_far != self._num_far:
             self._num_far_dev.fill_(num_far)
@@ -195,24 +161,24 @@ class CachedSparse:
         (`graph_row_inputs`)."""
         if self._num_far == 0:
             return near[0]
-        out, lse, _ = sparse_rows_body(self.far, [self.row], layer, q, self._num_far_dev, self.caches, scale,
+        out, lse, _ = sparse_rows_body(self.source, [self.row], layer, q, self._num_far_dev, self.caches, scale,
                                        self.packed, *row_inputs, prefetch=self.prefetch)
         if self.prefetch is not None:
             self.prefetch.join()  # as in the graphs: nothing forked outlives the layer
         return merge_partials([near, (out, lse)])[0]
 
-    # -- inside a decode step's CUDA graph (tierkv.decode_graph) ---------------------------------------
+    # -- inside a decode step's CUDA graph (tierkv.engine.decode_graph) ---------------------------------------
     def graph_key(self) -> tuple:
         """What a decode step's graph bakes in of the far part: the caches' set, whether there are far
         blocks, the summary tables (address, rows) and the slot lists (addresses, sizes)."""
-        tables = self.row.summaries.summaries.tables if self.row.summaries is not None else []
+        tables = self.row.far_summaries.tables if self.row.far_summaries is not None else []
         return (self.row.cache.index, self._num_far > 0, tuple((t.data_ptr(), t.shape[0]) for t in tables[:1]),
                 tuple((slots.data_ptr(), slots.numel()) for slots in self._slots))
 
     def graph_row_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per layer, the sparse step's static inputs for this sequence's one row: its cache set, the
         address of its summary table and of its slot list (int64 [1] each, on the device)."""
-        tables = self.row.summaries.summaries.tables
+        tables = self.row.far_summaries.tables
         values = torch.tensor([[self.row.cache.index] * len(tables), [t.data_ptr() for t in tables],
                                [slots.data_ptr() for slots in self._slots]], dtype=torch.int64)
         values = to_device_no_sync(values.view(-1), self._num_far_dev.device).view(3, -1)
@@ -240,7 +206,7 @@ class CachedSparse:
         # what crossed PCIe into the caches: the misses and the margin's copies, each a block, or a quantized
         # tier's codes and scales (its slot_bytes); the copy kernels do not count them (a graph replays them)
         totals["cache_copied_bytes"] = ((totals["cache_misses"] + totals.get("prefetch_copied", 0))
-                                        * self.far.store.cpu.slot_bytes)
+                                        * self.source.cpu.slot_bytes)
         if self.prefetch is not None:
             totals["prefetch_precision"], totals["prefetch_recall"] = precision_recall(
                 totals["prefetch_used"], totals["prefetch_copied"], totals["cache_misses"])

@@ -120,7 +120,7 @@ class QueryLookahead:
         admitted = self.cache.admit(layer, ids, distinct & ~cached, self._tick, self._step_tick)
         copy = admitted >= 0
         self._counts[layer, COUNTERS.index("copied")] += copy.sum()
-        src = torch.where(copy, seq._device_cpu_slots(layer).index_select(0, ids), -1)
+        src = torch.where(copy, seq.device_cpu_slots(layer).index_select(0, ids), -1)
         handle = gather_pairs(self.rt.io, src, self.rt.pool.staging, self.cache.staging_slots(layer, admitted),
                               after=self._copy_after(seq), skip_on_device=self._skips_on_device)
         if handle is not None:
@@ -150,7 +150,7 @@ class QueryLookahead:
         admitted = self.cache.admit(layer, selected, ~hit, self._tick, self._step_tick)
         fetched = torch.where(admitted >= 0, self.cache.staging_slots(layer, admitted), self.cache.miss_slots(n))
         dst = torch.where(hit, -1, fetched)
-        src = torch.where(hit, -1, seq._device_cpu_slots(layer).index_select(0, selected))
+        src = torch.where(hit, -1, seq.device_cpu_slots(layer).index_select(0, selected))
         self._count(layer, selected, hit)
         start_s = time.perf_counter()
         handle = gather_pairs(rt.io, src, rt.pool.staging, dst, after=self._copy_after(seq),

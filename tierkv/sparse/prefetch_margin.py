@@ -35,6 +35,7 @@ import torch
 
 from tierkv.block_io import dequantize_into
 from tierkv.config import ConfigError
+from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.step import copy_sources_of
 
 
@@ -64,14 +65,14 @@ def precision_recall(used: int, copied: int, misses: int) -> tuple[float | None,
 
 
 class MarginPrefetch:
-    def __init__(self, far, caches, margin: int, max_rows: int):
-        """far: the engine's FarKV; caches: its RowCaches (per layer, at least k + margin slots);
+    def __init__(self, source: FarSource, caches, margin: int, max_rows: int):
+        """source: the engine's far blocks; caches: its RowCaches (per layer, at least k + margin slots);
         margin: blocks per layer and row; max_rows: the most rows of a step."""
-        check_margin(margin, far.sparse_blocks, caches.width if caches is not None else 0,
+        check_margin(margin, source.sparse_blocks, caches.width if caches is not None else 0,
                      caches is not None and caches.per_layer)
-        store, device = far.store, far.store.device
-        self.far, self.caches, self.margin = far, caches, margin
-        num_layers, cpu = store.num_layers, store.cpu
+        device = source.device
+        self.source, self.caches, self.margin = source, caches, margin
+        num_layers, cpu = source.num_layers, source.cpu
         # per layer: the CPU-tier slot of each margin block to copy (-1: none) and its cache slot (-1: none)
         self.sources = torch.full((num_layers, max_rows * margin), -1, dtype=torch.int64, device=device)
         self.targets = torch.full_like(self.sources, -1)
@@ -91,14 +92,14 @@ class MarginPrefetch:
         a row's far count masked), highest first: int64 [m, min(k + margin, blocks)]. Its first k are
         the selection (the same blocks as `tierkv.sparse.top_blocks`, in score order), the rest the
         margin: one top-k for both. None when no block lies below the selection."""
-        width = min(self.far.sparse_blocks + self.margin, scores.shape[1])
-        return torch.topk(scores, width, dim=1, sorted=True).indices if width > self.far.sparse_blocks else None
+        width = min(self.source.sparse_blocks + self.margin, scores.shape[1])
+        return torch.topk(scores, width, dim=1, sorted=True).indices if width > self.source.sparse_blocks else None
 
     def after_selection(self, reqs: list, layer: int, ranked: torch.Tensor, num_far: torch.Tensor,
                         sets: torch.Tensor, lists: torch.Tensor | None) -> None:
         """After the layer's selection, the first k of `ranked` (`rank`'s): place and copy each row's
         margin blocks, the rest of it (device work only; the copy on the side stream)."""
-        k = self.far.sparse_blocks
+        k = self.source.sparse_blocks
         margin = ranked[:, k:]
         ids = torch.where(margin < num_far.unsqueeze(1), margin, -1)
         slots, miss = self.caches.place_rows([req.cache for req in reqs], sets, layer, ids, self.counters,
@@ -117,7 +118,7 @@ class MarginPrefetch:
 
     def _copy(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """The blocks at `sources` (CPU-tier slots, -1: none) into the caches' `targets` slots."""
-        cpu, engine, blocks = self.far.store.cpu, self.far.store.io.engine, self.caches.blocks
+        cpu, engine, blocks = self.source.cpu, self.source.engine, self.caches.blocks
         if self.codes is None:
             engine.gather_h2d_inline(cpu.slab, sources, blocks, targets)
             return

@@ -23,17 +23,18 @@ import torch
 from tierkv.attention import paged_rows_attention
 from tierkv.block_io import dequantize_into
 from tierkv.optional_kernel import OptionalKernel
+from tierkv.sparse.far_source import FarSource, SparseRow
 from tierkv.sparse.summaries import masked_bounds_rows, top_blocks
 from tierkv.sparse.row_caches import RowCaches
 
 _SOURCES = OptionalKernel("copy sources of several rows (tierkv.cache_kernels.copy_sources)")
 
 
-def packed_buffers(far, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def packed_buffers(source: FarSource, device, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """With a quantized CPU tier: device buffers for `rows` selections' codes (uint8 [rows * k, 2, H,
     T, D]), scales (float32 [rows * k, 2, H]) and their order (int64 arange(rows * k)); None for an
     unquantized tier."""
-    cpu, k = far.store.cpu, far.sparse_blocks * rows
+    cpu, k = source.cpu, source.sparse_blocks * rows
     if cpu.quant_format is None:
         return None
     return (torch.empty((k, *cpu.slab.shape[1:]), dtype=cpu.slab.dtype, device=device),
@@ -46,7 +47,7 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
-def copy_sources_of(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tensor,
+def copy_sources_of(reqs: list[SparseRow], layer: int, ids: torch.Tensor, miss: torch.Tensor,
                   lists: torch.Tensor | None) -> torch.Tensor:
     """int64 [m, k]: the CPU-tier slot of each selected block the copy kernel fetches (row r's
     pinned slot list of `layer` at ids[r]) where miss, -1 where its cache holds it. One launch on
@@ -68,12 +69,13 @@ def copy_sources_of(reqs: list, layer: int, ids: torch.Tensor, miss: torch.Tenso
                        -1)
 
 
-def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
+def sparse_rows_body(source: FarSource, reqs: list[SparseRow], layer: int, q: torch.Tensor, num_far: torch.Tensor, caches: RowCaches,
                      scale: float, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      sets: torch.Tensor | None = None, tables: torch.Tensor | None = None,
                      lists: torch.Tensor | None = None, prefetch=None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only:
+    """The far parts of `layer` for sparse decode rows, one per request of `reqs`, device work only
+    (their far blocks in `source`):
     (out [m, H, D], lse [m, H], ids [m, k]), float32. q [m, H, D]; num_far: int64 [m], their far
     blocks (all summarized, at least one; a row with fewer than k reads all of them, its other ids
     -1); caches: the engine's far-block caches, each request holding
@@ -91,8 +93,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
     order, the placement in the cache sets, the copy of every missing block (one kernel; a quantized
     tier's dequantization, one more) and the attention (`paged_rows_attention`); the missing
     blocks' CPU-tier slots, each row's from its own slot list (one kernel on CUDA)."""
-    k, m = far.sparse_blocks, len(reqs)
-    layer_tables = [req.summaries.summaries.tables[layer] for req in reqs]
+    k, m = source.sparse_blocks, len(reqs)
+    layer_tables = [req.far_summaries.tables[layer] for req in reqs]
     widths = [t.shape[0] for t in layer_tables]
     # at least k columns: tables shorter than a selection (max_model_len below the sparse budget) still give
     # [m, k] ids, the columns past each table -inf, so -1 (no block) below
@@ -101,7 +103,7 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
         if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
             scores.fill_(float("-inf"))
         for r, req in enumerate(reqs):
-            req.summaries.summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
+            req.far_summaries.masked_bounds(layer, q[r], num_far[r], out=scores[r, : widths[r]])
     # a row with fewer far blocks than k selects them all, and -1 (no block) for the rest; with the
     # prefetch one ranking gives the selection and the blocks ranked below it
     ranked = prefetch.rank(scores) if prefetch is not None else None
@@ -111,7 +113,7 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
         sets = torch.tensor([req.cache.index for req in reqs], dtype=torch.int64, device=q.device)
     slots, miss = caches.place_rows([req.cache for req in reqs], sets, layer, ids)
     src = copy_sources_of(reqs, layer, ids, miss, lists)  # -1: held, not copied
-    cpu, engine = far.store.cpu, far.store.io.engine
+    cpu, engine = source.cpu, source.engine
     if cpu.quant_format is None:
         engine.gather_h2d_inline(cpu.slab, src.view(-1), caches.blocks, slots.view(-1))
     else:
@@ -122,8 +124,8 @@ def sparse_rows_body(far, reqs: list, layer: int, q: torch.Tensor, num_far: torc
         # the held blocks' stale codes are skipped (slot -1)
         dequantize_into(codes[: m * k], scales[: m * k], cpu.quant_format, caches.blocks,
                         torch.where(miss, slots, -1).view(-1))
-    fills = torch.where(ids >= 0, far.block_tokens, 0)  # no block: no token read
-    out, lse = paged_rows_attention(q, caches.blocks, slots, ids.clamp(min=0) * far.block_tokens, fills, scale=scale)
+    fills = torch.where(ids >= 0, source.block_tokens, 0)  # no block: no token read
+    out, lse = paged_rows_attention(q, caches.blocks, slots, ids.clamp(min=0) * source.block_tokens, fills, scale=scale)
     if ranked is not None:
         prefetch.after_selection(reqs, layer, ranked, num_far, sets, lists)
     return out, lse, ids

@@ -58,6 +58,7 @@ import torch
 
 from tierkv.attention import merge_two_into
 from tierkv.transfer.device import to_device_no_sync
+from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches
 from tierkv.sparse.step import packed_buffers, sparse_rows_body
 
@@ -84,7 +85,7 @@ def _row_key(req, layer: int) -> tuple:
     layer (address, size) and its far-block cache set. Not the request: another one holding the
     same buffers (passed on when the first finished, `FarKV.reuses_buffers`) replays the same graph;
     a new buffer means a new capture."""
-    table, slots = req.summaries.summaries.tables[layer], req.pinned_slots_dev[layer]
+    table, slots = req.far_summaries.tables[layer], req.pinned_slots_dev[layer]
     return table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), req.cache.index
 
 
@@ -118,16 +119,16 @@ class _Graph:
 
 
 class SparseStepGraphs:
-    def __init__(self, far, caches: RowCaches | None):
-        """far: the engine's FarKV (sparse policy, CUDA, a copy-kernel engine); caches: its far-block
+    def __init__(self, source: FarSource, caches: RowCaches | None):
+        """source: the engine's far blocks (CUDA, a copy-kernel engine: `FarSource.graphs_usable`); caches: its far-block
         caches, one set per decoding row a layer's graph serves (each row's request holds one while
         it runs; None: the graphs stay off)."""
-        self.far = far
+        self.source = source
         self.caches = caches
         self.max_rows = caches.num_sets if caches is not None else 0
-        device = far.store.device
+        device = source.device
         # quantized CPU tier: the rows' codes and scales land here
-        self.packed = packed_buffers(far, device, self.max_rows) if self.max_rows else None
+        self.packed = packed_buffers(source, device, self.max_rows) if self.max_rows else None
         # per layer, the graphs of the last GRAPHS_PER_LAYER sets of rows, least recently used first: a
         # batch that alternates between a few sets (a request joining, vLLM reordering) recaptures once each
         self.graphs: dict[int, OrderedDict[tuple, _Graph]] = {}
@@ -141,11 +142,6 @@ class SparseStepGraphs:
         self.prefetch = None
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0,
                        "whole_graph_replays": 0, "whole_capture_errors": 0}
-
-    @staticmethod
-    def usable(store) -> bool:
-        """Whether an engine's store can replay the graphs: CUDA and a copy-kernel transfer backend."""
-        return store.device.type == "cuda" and store.io.engine.backend in ("cupy", "adaptive")
 
     def servable(self, req, num_far: int) -> bool:
         """Whether a decoding row can be served by the graphs in every layer: all its far blocks
@@ -259,7 +255,7 @@ class SparseStepGraphs:
         attention into `out` and gives their selections ids [m, k]."""
         def run():
             near_out, near_lse = near() if callable(near) else near
-            far_out, far_lse, ids = sparse_rows_body(self.far, reqs, layer, q, far_counts, self.caches, scale,
+            far_out, far_lse, ids = sparse_rows_body(self.source, reqs, layer, q, far_counts, self.caches, scale,
                                                      self.packed, *row_inputs, prefetch=self.prefetch)
             merge_two_into(out, (near_out, near_lse), (far_out, far_lse))
             if self.prefetch is not None:
@@ -282,7 +278,7 @@ class SparseStepGraphs:
         # them: fixed for the graph's life)
         row_inputs = tuple(torch.tensor(values, dtype=torch.int64, device=q.device) for values in (
             [req.cache.index for _, req, _ in rows],
-            [req.summaries.summaries.tables[layer].data_ptr() for _, req, _ in rows],
+            [req.far_summaries.tables[layer].data_ptr() for _, req, _ in rows],
             [req.pinned_slots_dev[layer].data_ptr() for _, req, _ in rows]))
         near_out = near_lse = inputs = None
         if window is None:

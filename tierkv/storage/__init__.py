@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
 from tierkv.config import ConfigError, StorageConfig
-from tierkv.config_fields import expand_path
+from tierkv.config.fields import expand_path
 from tierkv.quant import QUANT_FORMATS, packed_layout
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain

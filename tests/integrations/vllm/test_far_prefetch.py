@@ -117,7 +117,7 @@ def test_a_prefetch_margin_that_does_not_fit_is_a_config_error(tmp_path, monkeyp
         with pytest.raises(ConfigError, match="needs 9; raise scheduler.sparse_cache_selections to 3 or lower the "
                                               "margin to 4"):
             FullDecodeRows(far, 2, store.layer_index)
-        assert MarginPrefetch(far, far.row_caches, 4, 2).margin == 4
+        assert MarginPrefetch(far.source, far.row_caches, 4, 2).margin == 4
     finally:
         far.close()
         store.close()

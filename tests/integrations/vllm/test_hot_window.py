@@ -944,7 +944,6 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
     themselves are off (they need CUDA and the copy kernel) and `sparse_cuda_graphs` leaves the
     eager path alone."""
     from tierkv.attention import merge_partials, merge_two_into
-    from tierkv.sparse.step_graphs import SparseStepGraphs
     from tierkv.sparse.step import sparse_rows_body
 
     window = 2 * BS
@@ -953,7 +952,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
                                                sparse_graphs=True)
     try:
         assert store.config.scheduler.sparse_cuda_graphs
-        assert not SparseStepGraphs.usable(store) and far.graphs is None and far.stats()["cuda_graphs"] is None
+        assert not far.source.graphs_usable() and far.graphs is None and far.stats()["cuda_graphs"] is None
         (row,) = far.begin_step([("r", 42 * BS, 1)])
         k = far.sparse_blocks
         row_caches = cpu_row_caches(far, far.requests["r"])
@@ -962,7 +961,7 @@ def test_the_graph_body_of_a_sparse_row_equals_the_eager_fetch_path(tmp_path, mo
             layer = store.layer_index[name]
             want_out, want_lse = far.attend(layer, q, 0.3)
             for run in range(2):  # the second finds the whole selection in the cache: no copy
-                out, lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q,
+                out, lse, selected = sparse_rows_body(far.source, [far.requests["r"]], layer, q,
                                                       torch.tensor([row.num_far_blocks]), row_caches, 0.3)
                 assert copied.pop() == (k if run == 0 else 0)
                 assert selected.shape == (1, k) and set(plant) <= set(selected[0].tolist())
@@ -1000,7 +999,7 @@ def test_the_graph_body_reads_every_far_block_of_a_row_with_fewer_than_a_selecti
             layer = store.layer_index[name]
             want_out, want_lse = far.attend(layer, q, 0.3)
             for run in range(2):
-                out, lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q, torch.tensor([3]),
+                out, lse, selected = sparse_rows_body(far.source, [far.requests["r"]], layer, q, torch.tensor([3]),
                                                       row_caches, 0.3)
                 assert selected.tolist() == [[0, 1, 2, -1]]
                 assert copied.pop() == (3 if run == 0 else 0)
@@ -1034,9 +1033,9 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
         assert store.cpu.quant_format == storage_dtype
         (row,) = far.begin_step([("r", 42 * BS, 1)])
         k = far.sparse_blocks
-        packed = packed_buffers(far, torch.device("cpu"))
+        packed = packed_buffers(far.source, torch.device("cpu"))
         assert packed[0].dtype == torch.uint8 and packed[0].shape[0] == k and packed[1].shape == (k, 2, H)
-        assert packed_buffers(far, torch.device("cpu"), 3)[0].shape[0] == 3 * k
+        assert packed_buffers(far.source, torch.device("cpu"), 3)[0].shape[0] == 3 * k
         row_caches = cpu_row_caches(far, far.requests["r"])
         copied = counting_inline_copies(monkeypatch, store.io.engine)
         for name in NAMES:
@@ -1048,7 +1047,7 @@ def test_sparse_rows_over_a_quantized_cpu_tier(tmp_path, storage_dtype, monkeypa
             err = (out.double() - want).norm() / want.norm()
             assert err < 1e-2, f"relative error {err:.2e} against dense attention over the {storage_dtype} tier's blocks"
             for run in range(2):  # codes and scales of the selection, then of nothing
-                g_out, g_lse, selected = sparse_rows_body(far, [far.requests["r"]], layer, q,
+                g_out, g_lse, selected = sparse_rows_body(far.source, [far.requests["r"]], layer, q,
                                                           torch.tensor([row.num_far_blocks]), row_caches, 0.3, packed)
                 assert copied[-2:] == [k if run == 0 else 0] * 2
                 assert set(plant) <= set(selected[0].tolist())
@@ -1073,7 +1072,7 @@ class _BodyGraphs:
         k = far.sparse_blocks
         self.caches = RowCaches(max_rows, far.store.num_layers, k, far.store.layout.shape, far.store.layout.dtype,
                                 torch.device("cpu"))
-        self.packed = packed_buffers(far, torch.device("cpu"), max_rows)
+        self.packed = packed_buffers(far.source, torch.device("cpu"), max_rows)
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_rows": 0, "graph_capture_errors": 0}
         self.packed_bytes = 0
 
@@ -1094,7 +1093,7 @@ class _BodyGraphs:
         from tierkv.sparse.step import sparse_rows_body
 
         self.calls.append([req_id for req_id, _, _ in rows])
-        far_out, far_lse, ids = sparse_rows_body(self.far, [req for _, req, _ in rows], layer, q,
+        far_out, far_lse, ids = sparse_rows_body(self.far.source, [req for _, req, _ in rows], layer, q,
                                                  torch.tensor([n for _, _, n in rows]), self.caches, scale, self.packed)
         self.counts["graph_replays"] += 1
         self.counts["graph_rows"] += len(rows)
@@ -1195,6 +1194,7 @@ def fake_graphs(monkeypatch, fail_whole: bool = False):
     """SparseStepGraphs on CPU, its recording replaced by `_FakeGraph` (real captures:
     tests/gpu/test_far_graphs_gpu.py); fail_whole: recording a graph with the window part fails."""
     from tierkv.sparse import step_graphs as far_graphs
+    from tierkv.sparse.far_source import FarSource
 
     def record(self, body, whole=False):
         if whole and fail_whole:  # as _record does when a capture raises
@@ -1205,7 +1205,7 @@ def fake_graphs(monkeypatch, fail_whole: bool = False):
         self.counts["graph_captures"] += 1
         return _FakeGraph(lambda: [body()], [ids]), ids
 
-    monkeypatch.setattr(far_graphs.SparseStepGraphs, "usable", staticmethod(lambda store: True))
+    monkeypatch.setattr(FarSource, "graphs_usable", lambda self: True)
     monkeypatch.setattr(far_graphs.SparseStepGraphs, "_record", record)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)

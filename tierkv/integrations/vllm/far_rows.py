@@ -58,6 +58,8 @@ from tierkv.scheduler.lookahead import LookaheadStreamer
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 from tierkv.transfer.device import append_at
+from tierkv.sparse.far_source import FarSource
+from tierkv.sparse.summaries import BlockSummaries
 from tierkv.sparse.row_caches import CacheSet, RowCaches, cache_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.sparse.step_graphs import SparseStepGraphs
@@ -108,6 +110,12 @@ class _Request:
     cache: CacheSet | None = None                              # its far-block cache, once the graphs serve it
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
 
+    @property
+    def far_summaries(self) -> BlockSummaries | None:
+        """Its blocks' key summaries as the sparse step reads a row's (`far_source.SparseRow`): its far
+        blocks start at its first block."""
+        return self.summaries.summaries if self.summaries is not None else None
+
 
 @dataclass(frozen=True)
 class _StreamPlan:
@@ -146,7 +154,10 @@ class FarKV:
         # scales: as many rows as fit in three quarters of the staging with the eager regions.
         sparse_bytes = packed_bytes = graph_rows = 0
         per_layer = True
-        graphed = self.sparse_blocks is not None and scheduler.sparse_cuda_graphs and SparseStepGraphs.usable(store)
+        # what the engine-agnostic sparse step reads of the far blocks (tierkv.sparse.step)
+        self.source = (FarSource(store.cpu, store.io.engine, store.device, store.num_layers, self.sparse_blocks,
+                                 self.block_tokens) if self.sparse_blocks is not None else None)
+        graphed = self.source is not None and scheduler.sparse_cuda_graphs and self.source.graphs_usable()
         if self.sparse_blocks is not None:
             k = self.sparse_blocks
             region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
@@ -173,7 +184,7 @@ class FarKV:
         if sparse_bytes:
             sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
             self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = SparseStepGraphs(self, self.row_caches) if graphed else None
+        self.graphs = SparseStepGraphs(self.source, self.row_caches) if graphed else None
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
         # CUDA graphs captured for the one serve the other (a graph bakes addresses, not requests)

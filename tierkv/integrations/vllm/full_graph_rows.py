@@ -29,12 +29,12 @@ part as a PyTorch attention); not yet run on a GPU.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 
 from tierkv.attention import merge_two_into
+from tierkv.sparse.far_source import SimpleRow
 from tierkv.sparse.summaries import BlockSummaries
 from tierkv.sparse.step import packed_buffers, sparse_rows_body
 from tierkv.sparse.prefetch_margin import MarginPrefetch
@@ -63,8 +63,7 @@ class FullDecodeRows:
         self.dummy_list = torch.zeros(far.max_blocks, dtype=torch.int64, device=device)
         table = BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, device, far.max_blocks)
         table.tables = [self.dummy_table] * num_layers
-        self.dummy = SimpleNamespace(summaries=SimpleNamespace(summaries=table),
-                                     pinned_slots_dev=[self.dummy_list] * num_layers, cache=None)
+        self.dummy = SimpleRow(None, table, [self.dummy_list] * num_layers)
         # rows 0..max_rows-1: far count, cache set, then per layer the summary tables' and the slot lists'
         # addresses; one host mirror, one copy per step
         self.inputs = torch.zeros((2 + 2 * num_layers, max_rows), dtype=torch.int64, device=device)
@@ -73,11 +72,11 @@ class FullDecodeRows:
         # 2 + 2 x layers values per row (640 at 10 rows of 32 layers: 11.4 ms of host time per step, profiled)
         self._host_np = self._host.numpy()
         self._copied = None  # the last copy's event (CUDA): the host mirror is rewritten only once it has run
-        self.packed = packed_buffers(far, device, max_rows)
+        self.packed = packed_buffers(far.source, device, max_rows)
         # scheduler.sparse_prefetch_margin: each layer also fetches the blocks ranked below its selection
         # for the next step, on a side stream the forward's last layer joins
         margin = far.store.config.scheduler.sparse_prefetch_margin
-        self.prefetch = MarginPrefetch(far, far.row_caches, margin, max_rows) if margin else None
+        self.prefetch = MarginPrefetch(far.source, far.row_caches, margin, max_rows) if margin else None
         self.rows: list = [self.dummy] * max_rows  # the requests behind the rows (the PyTorch fallbacks read them)
         self.counts = {"full_steps": 0, "full_steps_refused": 0}
         # the window's shifted block table and key counts: every layer reads the same ones, so the first
@@ -122,7 +121,7 @@ class FullDecodeRows:
                 continue
             host[0, r] = row.num_far_blocks
             host[1, r] = req.cache.index
-            tables = [table.data_ptr() for table in req.summaries.summaries.tables]
+            tables = [table.data_ptr() for table in req.far_summaries.tables]
             if any(address % 16 for address in tables):  # the bound kernel reads them in 128-bit vectors
                 raise RuntimeError(f"tierkv hot window: request {row.req_id}'s key-summary tables are not 16-byte "
                                    "aligned; the full decode graph's bound kernel reads them in vectors")
@@ -162,7 +161,7 @@ class FullDecodeRows:
         near = window(q, near_table, seqused_k, meta.query_start_loc[: n + 1], far.window_tokens + far.block_tokens)
         layers = far.store.num_layers
         far_out, far_lse, _ = sparse_rows_body(
-            far, self.rows[:n], layer, q, num_far, far.row_caches, scale, self.packed,
+            far.source, self.rows[:n], layer, q, num_far, far.row_caches, scale, self.packed,
             sets=self.inputs[1, :n], tables=self.inputs[2 + layer, :n], lists=self.inputs[2 + layers + layer, :n],
             prefetch=self.prefetch)
         merge_two_into(output, near, (far_out, far_lse))

@@ -35,7 +35,7 @@ import yaml
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv import model_shape
-from tierkv.config_loader import to_dict
+from tierkv.config.load import to_dict
 from tierkv.llm import TieredLLM, generate_inputs
 from tierkv.sampling import RequestOutput, SamplingParams
 from tierkv.integrations.vllm.config import kv_transfer_config

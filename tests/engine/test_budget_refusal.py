@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import tierkv.elastic as elastic
+import tierkv.engine.elastic as elastic
 import tierkv.llm as llm_module
 from tests.models import build, reference_greedy
 from tierkv.budget_change import BudgetRefused, HotWindowLost, parse_budget

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from tierkv.config_error import ConfigError
+from tierkv.config.errors import ConfigError
 
 MAX_PATH_BYTES = 4095
 MAX_NAME_BYTES = 255

@@ -2,7 +2,7 @@
 
 Primitives: `TierKVConfig` and its sections, `load_config`, `config_errors`, `ConfigError`.
 
-One loader (`tierkv.config_loader`) turns a YAML file or dict plus `TIERKV_*` environment
+One loader (`tierkv.config.load`) turns a YAML file or dict plus `TIERKV_*` environment
 variables into these dataclasses. Every bad value raises `ConfigError` naming the key, the
 value and what is allowed. Environment overrides use `__` between levels:
 
@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from tierkv import config_loader
-from tierkv.config_error import ConfigError  # re-exported: `from tierkv.config import ConfigError`
-from tierkv.config_rules import check_config
+from tierkv.config import load as loader
+from tierkv.config.errors import ConfigError
+from tierkv.config.rules import check_config
 
 
 def doc(text: str, **extra: object) -> dict:
     """Field metadata: a docstring and optional `choices` / `min_value` / `max_value` / `check` / `kinds`.
 
-    Each field is also checked by its type and name (`tierkv.config_fields`): finite floats,
+    Each field is also checked by its type and name (`tierkv.config.fields`): finite floats,
     bounded ints and sizes (`*_bytes`), real booleans, UTF-8 strings without NUL, paths (`path`,
     `*_path`) that can name a file."""
     return {"doc": text, **extra}
@@ -227,9 +227,9 @@ class TierKVConfig:
 
 def load_config(source=None, *, env=None) -> TierKVConfig:
     """Load from a YAML path, a dict, or None (defaults), then apply TIERKV_* overrides."""
-    return config_loader.load(TierKVConfig, source, env=env, check=check_config)
+    return loader.load(TierKVConfig, source, env=env, check=check_config)
 
 
 def config_errors(source=None, *, env=None) -> list[ConfigError]:
     """Every ConfigError `load_config` would find (one per bad field); [] for a good config."""
-    return config_loader.load_with_errors(TierKVConfig, source, env=env, check=check_config)[1]
+    return loader.load_with_errors(TierKVConfig, source, env=env, check=check_config)[1]

@@ -24,12 +24,11 @@ from tierkv.attention.flash import can_use_flash, flash_partial_attention, gathe
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.transfer.device import to_device_no_sync
-from tierkv.sparse.summaries import BlockSummaries, select_far_blocks, select_far_blocks_on_device
-from tierkv.sparse.predict_previous import SparsePrefetcher
-from tierkv.sparse.predict_query import QueryLookahead
+from tierkv.engine.predictors import predictor_for
+from tierkv.sparse.summaries import BlockSummaries
 
 if TYPE_CHECKING:
-    from tierkv.runtime import KVRuntime
+    from tierkv.engine.runtime import KVRuntime
 
 
 class CapacityError(ValueError):
@@ -58,22 +57,9 @@ class SequenceKV:
         self.summaries = (BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, runtime.device)
                           if sparse else None)
         self._is_sparse_step = False
-        self.prefetcher = None
-        self.query: QueryLookahead | None = None  # predictor `query`: hidden-state lookahead + far-block cache
-        self.cached = None  # predictor `cache`: the runtime's far-block caches and sparse step (tierkv.sparse.predict_cache)
-        scheduler = runtime.config.scheduler
-        if sparse and scheduler.predictor == "previous":
-            prefetcher = SparsePrefetcher(runtime, scheduler.sparse_token_budget // layout.block_tokens)
-            # staging must hold a selection per layer plus a miss area; otherwise blocks are fetched on demand
-            self.prefetcher = prefetcher if prefetcher.enabled else None
-        elif sparse and scheduler.predictor == "query":
-            self.query = QueryLookahead(runtime, scheduler.sparse_token_budget // layout.block_tokens,
-                                        scheduler.lookahead_layers, scheduler.predict_with_previous)
-        elif sparse and scheduler.predictor == "cache":
-            from tierkv.sparse.predict_cache import CachedSparse
-
-            self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
-        self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.graph_step.GraphStep`)
+        # the far part of a sparse decode step: one policy per predictor (tierkv.engine.predictors)
+        self.predictor = predictor_for(runtime, sparse)
+        self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.engine.graph_step.GraphStep`)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
 
@@ -104,8 +90,8 @@ class SequenceKV:
         resident = rt.pool.resident[layer]
         resident.index_copy_(0, step.fresh_resident_slots, blocks.index_select(0, step.fresh_resident_index))
         self.num_tokens[layer] += n
-        if self.query is not None and self._is_sparse_step:
-            self.query.predict(self, layer)  # the next layers' blocks, copied while this layer computes
+        if self._is_sparse_step:
+            self.predictor.after_append(self, layer)
 
     def _begin_step(self, n: int) -> None:
         rt = self.rt
@@ -117,17 +103,9 @@ class SequenceKV:
         self._is_sparse_step = self.summaries is not None and n == 1
         if self._is_sparse_step:  # blocks are chosen per layer at attention time
             rt.streamer.clear()
-            if self.prefetcher is not None:
-                self.prefetcher.begin_step(self, self._last_d2h)
-            if self.query is not None:
-                self.query.begin_step(step.streamed_blocks)
-            if self.cached is not None:
-                self.cached.begin_step(self, step.streamed_blocks)
+            self.predictor.begin_step(self, step.streamed_blocks, self._last_d2h)
             return
-        if self.query is not None:
-            self.query.invalidate()  # the streamer's regions overwrite the far-block cache's slots
-        if self.cached is not None:
-            self.cached.invalidate()  # so do they the caches of predictor `cache`
+        self.predictor.invalidate()  # the streamer's regions overwrite a predictor's far-block caches
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
@@ -212,8 +190,8 @@ class SequenceKV:
         if step.resident_blocks:
             acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
                                       step.resident_num_tokens, scale, use_flash)
-        cached = self._is_sparse_step and self.cached is not None  # the far part comes after the near part
-        chunks = (() if cached else self._selected_chunks(layer, q) if self._is_sparse_step
+        sparse = self._is_sparse_step
+        chunks = (self.predictor.chunks_for_layer(self, layer, q, step.streamed_blocks, self._last_d2h) if sparse
                   else rt.streamer.chunks_for_layer(layer))
         for chunk in chunks:
             part = self._attend_blocks(q, rt.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens,
@@ -227,31 +205,9 @@ class SequenceKV:
             part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
                                                 k_positions=step.fresh_positions)
         near = part if acc is None else merge_partials([acc, part])
-        return self.cached.attend(layer, q, near, scale) if cached else near[0]
+        return self.predictor.attend_far(layer, q, near, scale) if sparse else near[0]
 
-    def _selected_chunks(self, layer: int, q: torch.Tensor):
-        """Sparse decode: the top-k far blocks for this query.
-
-        With the `previous` predictor the selection goes to the host (the prefetcher keeps
-        per-block state); without one it stays on the device: the blocks' CPU slots are looked up
-        on the device and the copy kernel reads the slot list there, so nothing waits for the host.
-        """
-        rt = self.rt
-        T = rt.layout.block_tokens
-        k = rt.config.scheduler.sparse_token_budget // T
-        candidates = self._step.streamed_blocks
-        if self.prefetcher is not None:
-            return self._prefetched_chunks(layer, select_far_blocks(self.summaries, layer, q[0], candidates, k))
-        if self.query is not None:
-            return self.query.chunks_for_layer(self, layer, q[0])  # counted in read_stats
-        selected = select_far_blocks_on_device(self.summaries, layer, q[0], candidates, k)
-        self.num_streamed_reads += selected.numel()  # min(k, candidates): known without a sync
-        if selected.numel() == 0:
-            return iter(())
-        slots = self._device_cpu_slots(layer).index_select(0, selected)
-        return rt.streamer.fetch_now(layer, slots, selected * T, T, after=self._last_d2h)
-
-    def _device_cpu_slots(self, layer: int) -> torch.Tensor:
+    def device_cpu_slots(self, layer: int) -> torch.Tensor:
         """cpu_slots[layer] as an int64 tensor on the runtime's device, extended as blocks are written."""
         slots = self.cpu_slots[layer]
         source, mirror = self._slots_mirror[layer]
@@ -261,13 +217,6 @@ class SequenceKV:
             mirror = torch.cat([mirror, to_device_no_sync(slots[mirror.numel():], self.rt.device)])
         self._slots_mirror[layer] = (source, mirror)
         return mirror
-
-    def _prefetched_chunks(self, layer: int, selected: list[int]):
-        """The selection through the prefetcher: prefetched hits count as GPU reads, misses as streamed."""
-        hits, misses = self.prefetcher.num_hits, self.prefetcher.num_misses
-        yield from self.prefetcher.chunks_for_layer(self, layer, selected)
-        self.num_resident_reads += self.prefetcher.num_hits - hits
-        self.num_streamed_reads += self.prefetcher.num_misses - misses
 
     def _attend_blocks(self, q, pool, slots, start_pos, num_tokens, scale, use_flash):
         if use_flash:  # full blocks, all before every query: no mask needed
@@ -279,20 +228,13 @@ class SequenceKV:
     def observe_layer_input(self, layer: int, hidden: torch.Tensor, position: object) -> None:
         """Layer `layer`'s input hidden state ([hidden_size], one decode token) and its position as
         the runtime's `query_projector` takes it; predictor `query` predicts the next layers from it."""
-        if self.query is not None:
-            self.query.observe(layer, hidden, position)
+        self.predictor.observe(layer, hidden, position)
 
     def read_stats(self) -> dict:
         """GPU hit rate at attention time: resident block reads over all block reads (far-block cache
         hits count as resident, its misses as streamed). Waits for the device's counters."""
-        resident, streamed = self.num_resident_reads, self.num_streamed_reads
-        if self.cached is not None:  # the caches' hits read the GPU, their misses were copied in
-            caches = self.cached.caches.stats()
-            resident, streamed = resident + caches["cache_hits"], streamed + caches["cache_misses"]
-        if self.query is not None:
-            self.query.flush(block=True)
-            totals = self.query.totals()
-            resident, streamed = resident + totals["hits"], streamed + totals["misses"]
+        hits, misses = self.predictor.read_counts()
+        resident, streamed = self.num_resident_reads + hits, self.num_streamed_reads + misses
         total = resident + streamed
         return {"resident_block_reads": resident, "streamed_block_reads": streamed,
                 "gpu_hit_rate": resident / total if total else None}
@@ -304,8 +246,7 @@ class SequenceKV:
             return
         self.is_finished = True
         self.rt.streamer.clear()  # chunks copied ahead for a next step that will not come are discarded
-        if self.query is not None:
-            self.query.flush(block=True)
+        self.predictor.finish()
         self._complete_finished_d2h(wait=True)
         keys = [k for layer_keys in self.block_keys for k in layer_keys]
         self.rt.cpu.release(keys)

@@ -17,8 +17,8 @@ import math
 import os
 from collections.abc import Mapping
 
-from tierkv.config_error import ConfigError
-from tierkv.config_paths import MAX_NAME_BYTES, MAX_PATH_BYTES, check_path, expand_path  # re-exported
+from tierkv.config.errors import ConfigError
+from tierkv.config.paths import MAX_NAME_BYTES, MAX_PATH_BYTES, check_path, expand_path  # re-exported
 from tierkv.redis_url import check_redis_url
 from tierkv.units import ALLOWED_UNITS, format_bytes, parse_bytes
 

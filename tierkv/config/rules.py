@@ -4,7 +4,7 @@ Primitives: `check_config`.
 """
 from __future__ import annotations
 
-from tierkv.config_error import ConfigError
+from tierkv.config.errors import ConfigError
 
 
 def check_config(config) -> None:

@@ -1,4 +1,4 @@
-"""The decode step a CUDA graph replays (`tierkv.decode_graph`), run here without the capture: its
+"""The decode step a CUDA graph replays (`tierkv.engine.decode_graph`), run here without the capture: its
 graphed forward (the new K/V written into the partial block's slot at rows read from the device, one
 paged attention over the resident and partial blocks, predictor 'cache''s far part with static row
 inputs) gives the tokens, logits and cache counts of the plain step, for three architectures, with
@@ -15,7 +15,7 @@ from tests.models import build
 from tests.sparse.test_cached_predictor import decode_under_budgets
 from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
 from tierkv.config import load_config
-from tierkv.decode_graph import DecodeStep
+from tierkv.engine.decode_graph import DecodeStep
 
 BLOCK_TOKENS = 4
 

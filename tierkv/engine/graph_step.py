@@ -4,7 +4,7 @@ and attention its forward runs instead of `SequenceKV`'s own.
 Primitives: `GraphStep` (`begin`, `end`, `kv_rows`, `append`, `attend`).
 
 A one-token decode step under predictor 'cache' that does not complete a block changes only
-device values from the step before (`tierkv.decode_graph` replays it). Per layer:
+device values from the step before (`tierkv.engine.decode_graph` replays it). Per layer:
 
     append:  the new K/V rows [2H, D] --index_copy_--> the layer's resident slots viewed as
              [slots * 2 * H * T, D], at rows kv_rows (read from the device):
@@ -52,7 +52,8 @@ class GraphStep:
         completes a block (saved to the CPU tier), a partial block that is not resident."""
         rt = seq.rt
         T, t0 = rt.layout.block_tokens, seq.num_tokens[0]
-        if seq.cached is None or seq.is_finished or t0 == 0 or (t0 + 1) % T == 0:
+        far = seq.predictor.graph_far()  # predictor 'cache' only
+        if far is None or seq.is_finished or t0 == 0 or (t0 + 1) % T == 0:
             return None
         seq._complete_finished_d2h()
         rt.apply_pending_budget(seq)
@@ -61,7 +62,7 @@ class GraphStep:
             return None
         resident, streamed = step_blocks(residency, T, t0, 1)
         rt.streamer.clear()
-        seq.cached.begin_step(seq, streamed)
+        far.begin_step(seq, streamed)
         slots = [residency.slot_of(b) for b in resident] + [residency.slot_of(first)]
         step = cls(seq=seq, t0=t0, offset=t0 - first * T, partial_slot=slots[-1], block_slots=slots,
                    block_starts=[b * T for b in resident] + [first * T],
@@ -92,4 +93,4 @@ class GraphStep:
         inputs, seq = self.inputs, self.seq
         near = paged_partial_attention(q, seq.rt.pool.resident[layer], inputs.block_slots, inputs.block_starts,
                                        inputs.block_fills, scale=scale)
-        return seq.cached.attend_far(layer, q, near, scale, inputs.row_inputs[layer])
+        return seq.predictor.graph_far().attend_far(layer, q, near, scale, inputs.row_inputs[layer])

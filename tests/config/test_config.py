@@ -8,7 +8,7 @@ import pytest
 from tierkv.config import ConfigError, load_config
 from tierkv.units import parse_bytes
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml", "vllm-128k.yaml",

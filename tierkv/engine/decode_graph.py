@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.graph_step import GraphStep
+from tierkv.engine.graph_step import GraphStep
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.step_graphs import no_gc
 

@@ -18,7 +18,7 @@ import torch
 from tierkv.blocks import block_keys, chain_block_hashes
 
 if TYPE_CHECKING:
-    from tierkv.sequence import SequenceKV
+    from tierkv.engine.sequence import SequenceKV
 
 
 def load_prefix(seq: "SequenceKV", token_ids: list[int]) -> int:

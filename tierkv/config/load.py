@@ -4,7 +4,7 @@ Primitives: `load`, `load_with_errors`, `build_section`, `to_dict`, `shown_dict`
 
 Generic over the dataclasses it builds (`tierkv.config` passes `TierKVConfig` and its
 cross-field rules), so it imports nothing of them. Each field is converted and checked by
-its type and name (`tierkv.config_fields`); a list field holds sections picked by their
+its type and name (`tierkv.config.fields`); a list field holds sections picked by their
 `kind` from the field's `kinds` metadata. Errors are collected per field: `load` raises the
 first, `load_with_errors` returns them all.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from tierkv.config_error import ConfigError
-from tierkv.config_fields import check_value, convert_scalar
+from tierkv.config.errors import ConfigError
+from tierkv.config.fields import check_value, convert_scalar
 from tierkv.configs import resolve_config_path
 from tierkv.redact import redact_tree
 

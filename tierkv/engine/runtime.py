@@ -15,11 +15,11 @@ from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.block_io import BlockIO
 from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, check_fits_device, parse_budget
-from tierkv.elastic import resize_hot_window
+from tierkv.engine.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.model_identity import ModelIdentity
 from tierkv.scheduler import LookaheadStreamer
-from tierkv.sequence import CapacityError, SequenceKV
+from tierkv.engine.sequence import CapacityError, SequenceKV
 from tierkv.sparse.block_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers
 from tierkv.storage.cpu import CpuTier
@@ -74,7 +74,7 @@ class KVRuntime:
         self.query_projector = None
         self.cached_sparse = None  # predictor `cache`: the far-block caches its sequences use (tierkv.sparse.predict_cache)
         # decode steps run by the graphed forward and of those replayed from a CUDA graph, steps run eagerly,
-        # graphs captured, captures failed, host seconds spent capturing (tierkv.decode_graph)
+        # graphs captured, captures failed, host seconds spent capturing (tierkv.engine.decode_graph)
         self.decode_graph_counts = {"graph_steps": 0, "replays": 0, "eager_steps": 0, "captures": 0,
                                     "capture_errors": 0, "capture_s": 0.0}
         self._budget_lock = threading.RLock()

@@ -29,7 +29,7 @@ from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
 if TYPE_CHECKING:
     from tierkv.block_io import BlockIO
-    from tierkv.sequence import SequenceKV
+    from tierkv.engine.sequence import SequenceKV
 
 
 def resize_hot_window(pool: GpuBlockPool, io: "BlockIO", residency: ResidencyPlan, seq: "SequenceKV | None") -> int:
