@@ -171,13 +171,21 @@ class BlockSummaries:
             bounds = _kernel_bounds(table, q, block_ids.start, block_ids.stop)
             if bounds is not None:
                 return bounds
+        return self.head_bounds(layer, q, block_ids).amax(dim=0)
+
+    def head_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor | range) -> torch.Tensor:
+        """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [num_heads, m]: ub[b, h]
+        for every query head (`upper_bounds` is its max over heads). PyTorch on every device."""
+        table = self.tables[layer]
+        if isinstance(block_ids, range):
+            check_candidates(block_ids)
         rows = table[block_ids.start : block_ids.stop] if isinstance(block_ids, range) else table.index_select(0, block_ids)
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
         qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)            # [H_kv, g, D]
         split = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)               # [H_kv, g, 2D]
         ub = torch.bmm(rows.float().transpose(0, 1), split.transpose(1, 2))         # [H_kv, m, g]
-        return ub.amax(dim=(0, 2))
+        return ub.permute(0, 2, 1).reshape(num_heads, -1)
 
     def masked_bounds(self, layer: int, q: torch.Tensor, limit: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
