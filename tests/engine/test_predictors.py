@@ -15,13 +15,13 @@ T, KV_HEADS, DIM, LAYERS, BLOCKS = 4, 2, 8, 2, 24
 BLOCK_BYTES = 2 * KV_HEADS * T * DIM * 4
 
 
-def runtime_for(predictor: str, policy: str = "sparse", staging_blocks: int = 64) -> KVRuntime:
+def runtime_for(predictor: str, policy: str = "sparse", staging_blocks: int = 64, **scheduler) -> KVRuntime:
     config = load_config({
         "cache": {"block_tokens": T, "gpu_budget_bytes": 6 * LAYERS * BLOCK_BYTES, "sink_tokens": T,
                   "window_tokens": 2 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (BLOCKS + 8) * LAYERS * BLOCK_BYTES}],
         "scheduler": {"policy": policy, "sparse_token_budget": 2 * T, "lookahead_layers": 1, "predictor": predictor,
-                      "staging_bytes": staging_blocks * BLOCK_BYTES},
+                      "staging_bytes": staging_blocks * BLOCK_BYTES, **scheduler},
     }, env={})
     return KVRuntime(config, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                      device="cpu", model_id="predictors")
@@ -48,10 +48,11 @@ def test_previous_without_staging_for_its_blocks_selects_on_demand():
         runtime.close()
 
 
-def decode(predictor: str, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> tuple[list, dict]:
+def decode(predictor: str, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+           **scheduler) -> tuple[list, dict]:
     """Prefill keys/values [n, H, D] into every layer, then one decode step per query [steps, H, D]:
-    each step's outputs per layer, and the sequence's read stats."""
-    runtime = runtime_for(predictor)
+    each step's outputs per layer, and the sequence's read stats (scheduler: config keys)."""
+    runtime = runtime_for(predictor, **scheduler)
     try:
         seq = runtime.new_sequence()
         outs = []
@@ -84,3 +85,21 @@ def test_every_predictor_attends_what_none_attends():
             torch.testing.assert_close(a, b)
         total = stats["resident_block_reads"] + stats["streamed_block_reads"]
         assert total == want_stats["resident_block_reads"] + want_stats["streamed_block_reads"], predictor
+
+
+def test_the_bound_weight_reaches_every_predictor():
+    """scheduler.sparse_bound_weight ranks the far blocks of every predictor: at weight 0 (the midpoint
+    key's score) all four attend what 'none' attends, and that differs from weight 1's (Quest's bound)
+    selection on these keys, whose blocks hold one large key each beside blocks of steady ones."""
+    torch.manual_seed(1)
+    n = BLOCKS * T
+    keys, values = torch.randn(n, KV_HEADS, DIM) * 0.3, torch.randn(n, KV_HEADS, DIM)
+    queries = torch.randn(6, KV_HEADS, DIM)
+    keys[T * 5 :: 3 * T] += 4 * torch.randn(1, KV_HEADS, DIM)  # every third block from block 5: one extreme key
+    bound, _ = decode("none", keys, values, queries, sparse_bound_weight=1.0)
+    want, _ = decode("none", keys, values, queries, sparse_bound_weight=0.0)
+    assert any(not torch.allclose(a, b) for a, b in zip(bound, want))
+    for predictor in ("previous", "query", "cache"):
+        got, _ = decode(predictor, keys, values, queries, sparse_bound_weight=0.0)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.sparse.summaries import BlockSummaries
 
@@ -115,3 +117,45 @@ def test_selection_overlap_counts_only_blocks_a_row_has():
         previous.update(prev_row)
     assert not previous  # each sampled step consumed its copy
     assert overlap.value() == (2 + 1) / (4 + 2)
+
+
+def mixed_score(q: torch.Tensor, blocks: torch.Tensor, weight: float) -> torch.Tensor:
+    """The selection score from its definition, per query head: w x (sum_d max(q_d kmin_d, q_d kmax_d))
+    + (1 - w) x q . (kmax + kmin) / 2. q [H, D], blocks [m, 2, H_kv, T, D] -> float64 [H, m]."""
+    group = q.shape[0] // blocks.shape[2]
+    keys = blocks[:, 0].double().repeat_interleave(group, dim=1)                   # [m, H, T, D]
+    kmax, kmin = keys.amax(dim=2), keys.amin(dim=2)                                 # [m, H, D]
+    qd = q.double()[None]
+    bound = torch.maximum(qd * kmax, qd * kmin).sum(-1)
+    mid = (qd * (kmax + kmin) / 2).sum(-1)
+    return (weight * bound + (1 - weight) * mid).T
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 3), dim=st.integers(1, 24), blocks=st.integers(1, 9),
+       weight=st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0)), seed=st.integers(0, 2**31))
+def test_the_selection_score_is_its_definition_between_the_midpoint_and_the_bound(kv_heads, group, dim, blocks,
+                                                                                  weight, seed):
+    """Every bound weight, GQA grouping and head size: head_bounds is the mixed score of its definition,
+    upper_bounds its max over heads; the score lies between the midpoint key's score and Quest's bound,
+    and at weight 1 it bounds every key's score (the selection then never ranks below any key it holds)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    summaries = BlockSummaries(1, kv_heads, dim, torch.float32, torch.device("cpu"), bound_weight=weight)
+    data = torch.randn(blocks, 2, kv_heads, 4, dim, generator=gen)
+    summaries.update(0, 0, data)
+    q = torch.randn(heads, dim, generator=gen)
+    per_head = summaries.head_bounds(0, q, range(blocks)).double()
+    torch.testing.assert_close(per_head, mixed_score(q, data, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(summaries.upper_bounds(0, q, range(blocks)).double(), per_head.amax(0))
+    low, high = mixed_score(q, data, 0.0), mixed_score(q, data, 1.0)
+    assert (per_head >= low - 1e-4).all() and (per_head <= high + 1e-4).all()
+    if weight == 1.0:
+        keys = data[:, 0].double().repeat_interleave(group, dim=1)                  # [m, H, T, D]
+        assert (per_head.T[..., None] >= torch.einsum("hd,mhtd->mht", q.double(), keys) - 1e-4).all()
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1.5, float("nan"), float("inf")])
+def test_a_bound_weight_outside_0_to_1_is_refused(bad):
+    with pytest.raises(ValueError, match="sparse bound weight"):
+        BlockSummaries(1, KV_HEADS, DIM, torch.float32, torch.device("cpu"), bound_weight=bad)

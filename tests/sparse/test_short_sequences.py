@@ -84,10 +84,11 @@ class Variant:
     predict_with_previous: bool = True
     selections: int = 1
     margin: int = 0
+    bound_weight: float = 0.5       # scheduler.sparse_bound_weight (the shipped default)
 
     def __str__(self) -> str:
         return (f"{self.predictor}-k{self.budget_blocks}-staging{self.staging_blocks}-{self.storage_dtype}"
-                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}")
+                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}-w{self.bound_weight}")
 
 
 VARIANTS = [
@@ -99,6 +100,8 @@ VARIANTS = [
     Variant("cache", 2), Variant("cache", 2, selections=2, margin=1),
     Variant("cache", LARGE_BUDGET_BLOCKS, staging_blocks=4 * LARGE_BUDGET_BLOCKS),
     Variant("none", 2, storage_dtype="int8"), Variant("cache", 2, storage_dtype="int8", selections=2, margin=2),
+    Variant("none", 1, bound_weight=1.0), Variant("previous", 2, bound_weight=0.0), Variant("cache", 2, bound_weight=1.0),
+    Variant("query", 2, bound_weight=0.25),
 ]
 
 
@@ -124,7 +127,7 @@ def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
                       "staging_bytes": variant.staging_blocks * block_bytes,
                       "predict_with_previous": variant.predict_with_previous,
                       "sparse_cache_selections": variant.selections, "sparse_prefetch_margin": variant.margin,
-                      "prefill_chunk_tokens": 64},
+                      "prefill_chunk_tokens": 64, "sparse_bound_weight": variant.bound_weight},
     }, env={})
     runtime = KVRuntime(config, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                         device="cpu", model_id="short-sequences")
@@ -134,25 +137,29 @@ def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
     return runtime
 
 
-def quest_bound(q: torch.Tensor, keys: torch.Tensor) -> float:
-    """q [H, D], keys [T, H_kv, D] of one block -> max over heads of sum_d max(q kmax, q kmin) (float64)."""
-    kmax, kmin = keys.amax(0).double(), keys.amin(0).double()                      # [H_kv, D]
+def block_score(q: torch.Tensor, keys: torch.Tensor, weight: float) -> float:
+    """q [H, D], keys [T, H_kv, D] of one block -> max over heads of w x sum_d max(q kmax, q kmin) (Quest's
+    bound) + (1 - w) x q . (kmax + kmin) / 2 (the midpoint key's score), float64."""
+    kmax, kmin = keys.amax(0).double().unsqueeze(1), keys.amin(0).double().unsqueeze(1)  # [H_kv, 1, D]
     group = HEADS // KV_HEADS
     qg = q.double().view(KV_HEADS, group, DIM)
-    return float(torch.maximum(qg * kmax.unsqueeze(1), qg * kmin.unsqueeze(1)).sum(-1).max())
+    bound = torch.maximum(qg * kmax, qg * kmin).sum(-1)
+    mid = (qg * (kmax + kmin) / 2).sum(-1)
+    return float((weight * bound + (1 - weight) * mid).max())
 
 
-def attended_positions(shape: Shape, k: int, t: int, q: torch.Tensor, keys: torch.Tensor) -> tuple[list[int], bool]:
+def attended_positions(shape: Shape, k: int, t: int, q: torch.Tensor, keys: torch.Tensor,
+                       weight: float) -> tuple[list[int], bool]:
     """Positions a decode step at t (one token) attends, worked out from the block arithmetic: every
     position <= t but those of far blocks (past the front, before the window, full) outside the top-k
-    by the bound; and whether the selection was a real choice (more far blocks than k)."""
+    by the score of bound weight `weight`; and whether the selection was a real choice (more far blocks than k)."""
     T, P, W = shape.block_tokens, shape.front_blocks, shape.window_blocks
     first, blocks_after = t // T, t // T + 1
     window_start = max(P, blocks_after - W)
     far = list(range(P, min(first, window_start)))
     dropped: set[int] = set()
     if len(far) > k:
-        ranked = sorted(far, key=lambda b: quest_bound(q, keys[b * T : (b + 1) * T]), reverse=True)
+        ranked = sorted(far, key=lambda b: block_score(q, keys[b * T : (b + 1) * T], weight), reverse=True)
         dropped = set(ranked[k:])
     return [p for p in range(t + 1) if p // T not in dropped], len(far) > k
 
@@ -189,7 +196,7 @@ def run_case(shape: Shape, variant: Variant, prompt_len: int, num_decode: int, s
                 for t in range(start, stop):
                     q = queries[layer, t]
                     if stop - start == 1:  # a sparse decode step (a one-token prompt's too)
-                        positions, choice = attended_positions(shape, k, t, q, keys[layer])
+                        positions, choice = attended_positions(shape, k, t, q, keys[layer], variant.bound_weight)
                         choices += choice
                     else:
                         positions = list(range(t + 1))

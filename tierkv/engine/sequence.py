@@ -54,7 +54,8 @@ class SequenceKV:
         self.is_finished = False
         sparse = runtime.config.scheduler.policy == "sparse"
         layout = runtime.layout
-        self.summaries = (BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, runtime.device)
+        self.summaries = (BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, runtime.device,
+                                         bound_weight=runtime.config.scheduler.sparse_bound_weight)
                           if sparse else None)
         self._is_sparse_step = False
         # the far part of a sparse decode step: one policy per predictor (tierkv.engine.predictors)

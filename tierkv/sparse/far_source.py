@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 class FarSource:
     """An engine's far blocks as the sparse step copies them: from `cpu` (its slab, and a quantized
     tier's scales) by `engine` (`gather_h2d_inline`) into far-block caches on `device`; a selection
-    is `sparse_blocks` blocks of `block_tokens` tokens, per layer of `num_layers`."""
+    is `sparse_blocks` blocks of `block_tokens` tokens, per layer of `num_layers`, ranked by the score
+of `bound_weight`."""
 
     cpu: CpuTier
     engine: TransferEngine
@@ -41,6 +42,7 @@ class FarSource:
     num_layers: int
     sparse_blocks: int
     block_tokens: int
+    bound_weight: float = 1.0  # the selection score's mix (scheduler.sparse_bound_weight, summaries.selection_query)
 
     def graphs_usable(self) -> bool:
         """Whether the sparse step can be captured in CUDA graphs: CUDA and a copy-kernel transfer backend."""

@@ -23,7 +23,7 @@ BLOCK_B = 16  # blocks per program
 
 
 @triton.jit
-def _bounds(q_ptr, table_ptr, table_rows, read, stride_qh, stride_tb, stride_th,
+def _bounds(q_ptr, table_ptr, table_rows, read, weight, stride_qh, stride_tb, stride_th,
             NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
             BLOCK: tl.constexpr):
     """Both kernels' bound: float32 [BLOCK], the bound of q (q_ptr: its first head) over the table rows
@@ -38,19 +38,22 @@ def _bounds(q_ptr, table_ptr, table_rows, read, stride_qh, stride_tb, stride_th,
         kmin = tl.load(at + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_ptr + (kv_head * G + g) * stride_qh + d, mask=in_dims, other=0.0).to(tl.float32)
-            bound = tl.sum(kmax * tl.maximum(q, 0.0)[None, :] + kmin * tl.minimum(q, 0.0)[None, :], axis=1)
+            mid = (0.5 - 0.5 * weight) * q
+            a = weight * tl.maximum(q, 0.0) + mid
+            b = weight * tl.minimum(q, 0.0) + mid
+            bound = tl.sum(kmax * a[None, :] + kmin * b[None, :], axis=1)
             best = tl.maximum(best, bound)
     return tl.where(read, best, float("-inf"))
 
 
 @triton.jit
-def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows,
+def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows, weight,
                          stride_qh, stride_tb, stride_th,
                          NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # output rows; table rows first + rows
     in_rows = rows < num_rows
-    best = _bounds(q_ptr, table_ptr, first + rows, in_rows, stride_qh, stride_tb, stride_th,
+    best = _bounds(q_ptr, table_ptr, first + rows, in_rows, weight, stride_qh, stride_tb, stride_th,
                    NUM_KV_HEADS, G, HEAD_DIM, D_PAD, BLOCK)
     if HAS_LIMIT:
         best = tl.where(first + rows < tl.load(limit_ptr), best, float("-inf"))
@@ -58,7 +61,8 @@ def _block_bounds_kernel(q_ptr, table_ptr, out_ptr, limit_ptr, first, num_rows,
 
 
 def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
-                 limit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 limit: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+                 bound_weight: float = 1.0) -> torch.Tensor:
     """table [capacity, num_kv_heads, 2 * head_dim] (key max | key min per block), q [num_heads,
     head_dim] -> float32 [stop - first]: the bound of blocks first..stop-1. limit: int64 0-d on the
     device; blocks at or past it score -inf. out: where to write it (contiguous float32 [stop -
@@ -79,7 +83,7 @@ def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
         return out
     grid = (triton.cdiv(stop - first, BLOCK_B),)
     _block_bounds_kernel[grid](
-        q, table, out, limit if limit is not None else out, first, stop - first,
+        q, table, out, limit if limit is not None else out, first, stop - first, float(bound_weight),
         q.stride(0), table.stride(0), table.stride(1),
         NUM_KV_HEADS=num_kv_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK=BLOCK_B, HAS_LIMIT=limit is not None,
@@ -88,7 +92,7 @@ def block_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
 
 
 @triton.jit
-def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, width,
+def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, width, weight,
                               stride_qr, stride_qh, stride_tb, stride_th, stride_or,
                               NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                               D_PAD: tl.constexpr, BLOCK: tl.constexpr):
@@ -100,13 +104,14 @@ def _block_bounds_rows_kernel(q_ptr, tables_ptr, like_ptr, out_ptr, limits_ptr, 
     table_ptr = tl.multiple_of(table_ptr, 16)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # nothing at or past the row's far count is read (its table may end there)
-    best = _bounds(q_ptr + r * stride_qr, table_ptr, rows, rows < tl.load(limits_ptr + r), stride_qh, stride_tb,
+    best = _bounds(q_ptr + r * stride_qr, table_ptr, rows, rows < tl.load(limits_ptr + r), weight, stride_qh, stride_tb,
                    stride_th, NUM_KV_HEADS, G, HEAD_DIM, D_PAD, BLOCK)
     tl.store(out_ptr + r * stride_or + rows, best, mask=rows < width)
 
 
 def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tensor, limits: torch.Tensor,
-                      out: torch.Tensor, *, block: int = BLOCK_B, num_warps: int | None = None) -> torch.Tensor:
+                      out: torch.Tensor, *, block: int = BLOCK_B, num_warps: int | None = None,
+                      bound_weight: float = 1.0) -> torch.Tensor:
     """The masked bound of m rows, each over a table of its own, in one launch: addresses int64 [m]
     on the device (row r's table [capacity_r, num_kv_heads, 2 * head_dim] starts at addresses[r], a
     multiple of 16 bytes; every table has `like`'s dtype and row layout, contiguous), q [m, num_heads, head_dim], limits
@@ -129,7 +134,7 @@ def block_bounds_rows(addresses: torch.Tensor, like: torch.Tensor, q: torch.Tens
     q = q if q.stride(-1) == 1 else q.contiguous()
     grid = (triton.cdiv(width, block), m)
     _block_bounds_rows_kernel[grid](
-        q, addresses, like, out, limits, width, q.stride(0), q.stride(1), like.stride(0), like.stride(1), out.stride(0),
+        q, addresses, like, out, limits, width, float(bound_weight), q.stride(0), q.stride(1), like.stride(0), like.stride(1), out.stride(0),
         NUM_KV_HEADS=num_kv_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK=block, **({"num_warps": num_warps} if num_warps else {}),
     )

@@ -78,7 +78,7 @@ class CachedSparse:
         # has one), set per step
         self.row = SimpleRow(self.caches.take())
         self.source = FarSource(rt.cpu, rt.io.engine, staging.device, rt.num_layers, blocks_per_step,
-                                layout.block_tokens)
+                                layout.block_tokens, scheduler.sparse_bound_weight)
         # scheduler.sparse_prefetch_margin: each layer also copies in the blocks ranked just below its selection
         margin = scheduler.sparse_prefetch_margin
         self.prefetch = MarginPrefetch(self.source, self.caches, margin, max_rows=1) if margin else None

@@ -29,10 +29,11 @@ OVERLAP_EVERY = 32  # steps between samples of the selection overlap (a sampled 
 
 class RequestSummaries:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_blocks: int | None = None):
-        """max_blocks: the blocks of the longest request (tables never grow past it)."""
+                 max_blocks: int | None = None, bound_weight: float = 1.0):
+        """max_blocks: the blocks of the longest request (tables never grow past it); bound_weight: the
+        selection score's (`BlockSummaries`)."""
         self.device = device
-        self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device, max_blocks)
+        self.summaries = BlockSummaries(num_layers, num_kv_heads, head_dim, dtype, device, max_blocks, bound_weight)
         # which blocks have a summary, per layer and block: rows of one host array and of one device
         # tensor (so every layer's flags are set in one fill), as long as the tables' capacity
         self._flags = np.zeros((num_layers, 0), dtype=bool)
@@ -169,7 +170,7 @@ class KeySummaries:
             store = self.far.store
             layout = store.layout
             req.summaries = RequestSummaries(store.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                                             store.device, self.far.max_blocks)
+                                             store.device, self.far.max_blocks, self.far.source.bound_weight)
         return req.summaries
 
     def _update(self, req, layer: int, first: int, blocks: torch.Tensor) -> None:

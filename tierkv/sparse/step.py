@@ -99,7 +99,7 @@ def sparse_rows_body(source: FarSource, reqs: list[SparseRow], layer: int, q: to
     # at least k columns: tables shorter than a selection (max_model_len below the sparse budget) still give
     # [m, k] ids, the columns past each table -inf, so -1 (no block) below
     scores = torch.empty((m, max([*widths, k])), dtype=torch.float32, device=q.device)
-    if not masked_bounds_rows(layer_tables, q, num_far, scores, tables):
+    if not masked_bounds_rows(layer_tables, q, num_far, scores, tables, source.bound_weight):
         if min(widths) < scores.shape[1]:  # tables of different sizes (no max_model_len): the rest never selected
             scores.fill_(float("-inf"))
         for r, req in enumerate(reqs):

@@ -1,7 +1,8 @@
 """Sparse retrieval for decode: per-block key summaries on the GPU and top-k block selection.
 
-Primitives: `key_bounds`, `BlockSummaries` (`update`, `put`, `upper_bounds`, `masked_bounds`), `masked_bounds_rows`,
-`top_blocks`, `check_candidates`, `select_far_blocks`, `select_far_blocks_on_device`.
+Primitives: `key_bounds`, `selection_query`, `check_bound_weight`, `BlockSummaries` (`update`, `put`,
+`upper_bounds`, `head_bounds`, `masked_bounds`), `masked_bounds_rows`, `top_blocks`, `check_candidates`,
+`select_far_blocks`, `select_far_blocks_on_device`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
@@ -9,8 +10,10 @@ side. For a query q, the largest score any key of block b can give head h is bou
 
     ub[b, h] = sum_d max(q[h, d] * kmin[b, h', d], q[h, d] * kmax[b, h', d])     (h' = h's KV head)
 
+A block's score mixes that bound with the score of the block's midpoint key (kmax + kmin) / 2,
+weighted by `scheduler.sparse_bound_weight` w (`selection_query`; w = 1: the bound alone, as Quest).
 A decode step reads the resident blocks (sinks, far-block cache, window) plus the k far
-blocks with the largest bound (max over heads), k = sparse_token_budget / block_tokens, and
+blocks with the largest score (max over heads), k = sparse_token_budget / block_tokens, and
 attention over that set is exact. When k covers every far block, sparse equals exact.
 Selection happens at attention time; `tierkv.sparse.predict_previous` copies each layer's previous
 selection ahead, `tierkv.sparse.predict_query` predicts the next layers' selection from the hidden state
@@ -28,7 +31,8 @@ _KERNEL = OptionalKernel("block_bounds")
 
 
 def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
-                   limit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+                   limit: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   bound_weight: float = 1.0) -> torch.Tensor | None:
     """`tierkv.sparse.kernels.block_bounds` (one launch) for CUDA tables where triton is installed;
     None where it cannot run (the PyTorch path serves from then on, the reason in `_KERNEL.error`)."""
     if not (table.is_cuda and triton_installed()):
@@ -37,7 +41,7 @@ def _kernel_bounds(table: torch.Tensor, q: torch.Tensor, first: int, stop: int,
     def launch() -> torch.Tensor:
         from tierkv.sparse.kernels import block_bounds
 
-        return block_bounds(table, q, first, stop, limit, out)
+        return block_bounds(table, q, first, stop, limit, out, bound_weight=bound_weight)
 
     return _KERNEL.run(launch, on_cuda=True)[1]
 
@@ -46,13 +50,13 @@ _ROWS_KERNEL = OptionalKernel("block_bounds_rows")
 
 
 def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torch.Tensor, out: torch.Tensor,
-                       addresses: torch.Tensor | None = None) -> bool:
+                       addresses: torch.Tensor | None = None, bound_weight: float = 1.0) -> bool:
     """out float32 [m, width] = each row's masked bound (`BlockSummaries.masked_bounds`) over its
     own table (tables[r], the layer's table of row r's request; limits int64 [m]: the far counts,
     at most each table's size; q [m, num_heads, head_dim]) in one launch
     (`tierkv.sparse.kernels.block_bounds_rows`), -inf at and past each limit; addresses: the
     tables' addresses, int64 [m] on the device (a CUDA graph's static input; made here when not
-    given). False, with out untouched, where the kernel cannot serve (CPU, no triton, tables of
+    given); bound_weight: `selection_query`'s. False, with out untouched, where the kernel cannot serve (CPU, no triton, tables of
     different dtypes or layouts, or not 16-byte aligned: the kernel reads them in 128-bit vectors;
     tables this module allocates always are): the caller bounds row by row."""
     like = tables[0]
@@ -66,9 +70,31 @@ def masked_bounds_rows(tables: list[torch.Tensor], q: torch.Tensor, limits: torc
 
         at = addresses if addresses is not None else torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64,
                                                                    device=like.device)
-        block_bounds_rows(at, like, q, limits, out)
+        block_bounds_rows(at, like, q, limits, out, bound_weight=bound_weight)
 
     return _ROWS_KERNEL.run(launch, on_cuda=True)[0]
+
+
+def selection_query(q: torch.Tensor, bound_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two vectors (a, b) a block's score is a . kmax + b . kmin of, for q [..., head_dim] (float32):
+
+        score = w * (Quest's bound: sum_d max(q_d kmax_d, q_d kmin_d)) + (1 - w) * q . (kmax + kmin) / 2
+
+    with w = bound_weight: at 1 the upper bound of any key's score in the block (Quest), at 0 the
+    score of the block's midpoint key, between them a mix that ranks blocks by more than their most
+    extreme key (`benchmarks/accuracy_selection.py` measures the choice on real text). One form
+    for every path: the PyTorch matmul here and the Triton kernels (`tierkv.sparse.kernels`)."""
+    q = q.float()
+    mid = (0.5 - 0.5 * bound_weight) * q
+    return bound_weight * q.clamp(min=0) + mid, bound_weight * q.clamp(max=0) + mid
+
+
+def check_bound_weight(bound_weight: float) -> float:
+    """bound_weight as a float; ValueError unless it is a finite number in [0, 1]."""
+    weight = float(bound_weight)
+    if not 0.0 <= weight <= 1.0:  # also false for nan
+        raise ValueError(f"sparse bound weight: got {bound_weight!r}; expected a number in [0, 1]")
+    return weight
 
 
 def key_bounds(blocks: torch.Tensor) -> torch.Tensor:
@@ -95,8 +121,9 @@ class BlockSummaries:
     reading a table stays valid)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, bound_weight: float = 1.0):
         self._shape = (num_kv_heads, head_dim)
+        self.bound_weight = check_bound_weight(bound_weight)  # the score's mix (`selection_query`)
         self.max_blocks = max_blocks
         self._dtype, self._device = dtype, device
         self._all = torch.empty((num_layers, 0, num_kv_heads, 2 * head_dim), dtype=dtype, device=device)
@@ -124,6 +151,7 @@ class BlockSummaries:
         table. Valid until the tables grow (`put` past the capacity)."""
         view = object.__new__(BlockSummaries)
         view._shape, view.max_blocks, view._dtype, view._device = self._shape, None, self._dtype, self._device
+        view.bound_weight = self.bound_weight
         view._all = self._all[:, first:]
         view.tables = list(view._all.unbind(0))
         return view
@@ -168,14 +196,15 @@ class BlockSummaries:
             check_candidates(block_ids)
             if not len(block_ids):  # an empty far set: nothing to score, no kernel launched
                 return torch.empty(0, dtype=torch.float32, device=q.device)
-            bounds = _kernel_bounds(table, q, block_ids.start, block_ids.stop)
+            bounds = _kernel_bounds(table, q, block_ids.start, block_ids.stop, bound_weight=self.bound_weight)
             if bounds is not None:
                 return bounds
         return self.head_bounds(layer, q, block_ids).amax(dim=0)
 
     def head_bounds(self, layer: int, q: torch.Tensor, block_ids: torch.Tensor | range) -> torch.Tensor:
-        """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [num_heads, m]: ub[b, h]
-        for every query head (`upper_bounds` is its max over heads). PyTorch on every device."""
+        """q [num_heads, head_dim], block_ids int64 [m] or a range -> float32 [num_heads, m]: each
+        query head's score of each block (`selection_query`; ub[b, h] at bound_weight 1), of which
+        `upper_bounds` is the max over heads. PyTorch on every device."""
         table = self.tables[layer]
         if isinstance(block_ids, range):
             check_candidates(block_ids)
@@ -183,7 +212,7 @@ class BlockSummaries:
         num_heads = q.shape[0]
         num_kv_heads = self._shape[0]
         qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)            # [H_kv, g, D]
-        split = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)               # [H_kv, g, 2D]
+        split = torch.cat(selection_query(qg, self.bound_weight), dim=-1)            # [H_kv, g, 2D]
         ub = torch.bmm(rows.float().transpose(0, 1), split.transpose(1, 2))         # [H_kv, m, g]
         return ub.permute(0, 2, 1).reshape(num_heads, -1)
 
@@ -193,7 +222,7 @@ class BlockSummaries:
         the device) -inf: float32 [rows], written into `out` when given (contiguous float32 [rows]).
         Fixed shapes while the limit grows (a CUDA graph input)."""
         table = self.tables[layer]
-        bounds = _kernel_bounds(table, q, 0, table.shape[0], limit, out)
+        bounds = _kernel_bounds(table, q, 0, table.shape[0], limit, out, self.bound_weight)
         if bounds is not None:
             return bounds
         scores = self.upper_bounds(layer, q, range(table.shape[0]))

@@ -156,7 +156,8 @@ class FarKV:
         per_layer = True
         # what the engine-agnostic sparse step reads of the far blocks (tierkv.sparse.step)
         self.source = (FarSource(store.cpu, store.io.engine, store.device, store.num_layers, self.sparse_blocks,
-                                 self.block_tokens) if self.sparse_blocks is not None else None)
+                                 self.block_tokens, scheduler.sparse_bound_weight)
+                       if self.sparse_blocks is not None else None)
         graphed = self.source is not None and scheduler.sparse_cuda_graphs and self.source.graphs_usable()
         if self.sparse_blocks is not None:
             k = self.sparse_blocks

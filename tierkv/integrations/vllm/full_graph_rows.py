@@ -61,7 +61,8 @@ class FullDecodeRows:
         self.dummy_table = torch.zeros((far.max_blocks, layout.num_kv_heads, 2 * layout.head_dim), dtype=layout.dtype,
                                        device=device)
         self.dummy_list = torch.zeros(far.max_blocks, dtype=torch.int64, device=device)
-        table = BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, device, far.max_blocks)
+        table = BlockSummaries(num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, device, far.max_blocks,
+                               far.source.bound_weight)
         table.tables = [self.dummy_table] * num_layers
         self.dummy = SimpleRow(None, table, [self.dummy_list] * num_layers)
         # rows 0..max_rows-1: far count, cache set, then per layer the summary tables' and the slot lists'
