@@ -18,7 +18,8 @@ What is computed (tierkv's sparse path does not run here; its selection is recom
     P and the window come from the config's GPU budget as tierkv's `plan_residency` splits it, the
     candidates as `scheduler.plan.step_blocks` takes them (`FarLayout`).
  3. The selection: `tierkv.sparse.select_far_blocks` on `BlockSummaries` of those keys (the Quest
-    bound, max over query heads, one selection per layer for all heads), k = token_budget // block_tokens.
+    score of the run's bound weight, max over query heads, one selection per layer for all heads),
+    k = token_budget // block_tokens.
     Every predictor attends this selection (predictors change what is copied ahead, not what is read).
  4. The truth: softmax(q k^T * scale) over positions 0..t0 per query head h. With F_h the mass on far
     blocks and S_h the mass on selected ones: recall = mean_h S_h / F_h; oracle recall = the same for
@@ -141,13 +142,15 @@ def capture_decode(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
         model.set_attn_implementation(previous)
 
 
-def block_summaries(keys: list[torch.Tensor], block_tokens: int):
-    """tierkv.sparse.BlockSummaries (CPU, float32) of every full block of keys[layer] [H_kv, seq, D]."""
+def block_summaries(keys: list[torch.Tensor], block_tokens: int, bound_weight: float = 1.0):
+    """tierkv.sparse.BlockSummaries (CPU, float32, scoring with `bound_weight`) of every full block of
+    keys[layer] [H_kv, seq, D]."""
     from tierkv.sparse import BlockSummaries
 
     num_kv_heads, seq, head_dim = keys[0].shape
     n = seq // block_tokens
-    summaries = BlockSummaries(len(keys), num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    summaries = BlockSummaries(len(keys), num_kv_heads, head_dim, torch.float32, torch.device("cpu"),
+                               bound_weight=bound_weight)
     for layer, k in enumerate(keys):
         blocks = k[:, : n * block_tokens].view(num_kv_heads, n, block_tokens, head_dim).transpose(0, 1)
         summaries.put(layer, 0, torch.cat([blocks.amax(dim=2), blocks.amin(dim=2)], dim=-1))
@@ -175,12 +178,12 @@ def step_recall(q: torch.Tensor, keys: torch.Tensor, scale: float, t0: int, far:
 
 
 def case_recall(capture: DecodeCapture, layout: FarLayout, token_budgets: list[int],
-                needle_positions: list[int]) -> dict[int, dict[str, list]]:
+                needle_positions: list[int], bound_weight: float = 1.0) -> dict[int, dict[str, list]]:
     """{token budget: {field: per-layer mean over decode steps}} for one case (None where no step
     had far blocks, or, for the needle, where no step had the needle far)."""
     from tierkv.sparse import select_far_blocks
 
-    summaries = block_summaries(capture.keys, layout.block_tokens)
+    summaries = block_summaries(capture.keys, layout.block_tokens, bound_weight)
     needle_blocks = {p // layout.block_tokens for p in needle_positions}
     num_layers = len(capture.keys)
     out = {}
