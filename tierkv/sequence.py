@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
+from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
@@ -62,14 +63,18 @@ class SequenceKV:
         self.query: QueryLookahead | None = None  # predictor `query`: hidden-state lookahead + far-block cache
         self.cached = None  # predictor `cache`: the runtime's far-block caches and sparse step (tierkv.sparse.predict_cache)
         scheduler = runtime.config.scheduler
-        if sparse and scheduler.predictor == "previous":
+        # a CPU device: far blocks are attended in the CPU tier's slab, no staging, no predictor (tierkv.attention.cpu_far)
+        self.far_in_place = (InPlaceFarReads(runtime.cpu)
+                             if reads_in_place(scheduler.cpu_far_reads, runtime.device) else None)
+        predictor = None if self.far_in_place is not None else scheduler.predictor  # predictors hide copies
+        if sparse and predictor == "previous":
             prefetcher = SparsePrefetcher(runtime, scheduler.sparse_token_budget // layout.block_tokens)
             # staging must hold a selection per layer plus a miss area; otherwise blocks are fetched on demand
             self.prefetcher = prefetcher if prefetcher.enabled else None
-        elif sparse and scheduler.predictor == "query":
+        elif sparse and predictor == "query":
             self.query = QueryLookahead(runtime, scheduler.sparse_token_budget // layout.block_tokens,
                                         scheduler.lookahead_layers, scheduler.predict_with_previous)
-        elif sparse and scheduler.predictor == "cache":
+        elif sparse and predictor == "cache":
             from tierkv.sparse.predict_cache import CachedSparse
 
             self.cached = CachedSparse.of(runtime, scheduler.sparse_token_budget // layout.block_tokens)
@@ -129,6 +134,9 @@ class SequenceKV:
         if self.cached is not None:
             self.cached.invalidate()  # so do they the caches of predictor `cache`
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
+        if self.far_in_place is not None:
+            rt.streamer.clear()
+            return
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
         rt.streamer.plan(step, cpu_slots, rt.layout.block_tokens, after=self._last_d2h)
@@ -209,9 +217,12 @@ class SequenceKV:
         step = self._step
         use_flash = can_use_flash(q)  # prefill chunks on CUDA: old keys all precede the queries
         acc = None
-        if step.resident_blocks:
+        in_place = self.far_in_place
+        if step.resident_blocks and (in_place is None or not in_place.reads_resident):
             acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
                                       step.resident_num_tokens, scale, use_flash)
+        if in_place is not None:
+            return self._attend_in_place(layer, q, scale, acc)
         cached = self._is_sparse_step and self.cached is not None  # the far part comes after the near part
         chunks = (() if cached else self._selected_chunks(layer, q) if self._is_sparse_step
                   else rt.streamer.chunks_for_layer(layer))
@@ -228,6 +239,31 @@ class SequenceKV:
                                                 k_positions=step.fresh_positions)
         near = part if acc is None else merge_partials([acc, part])
         return self.cached.attend(layer, q, near, scale) if cached else near[0]
+
+    def _attend_in_place(self, layer: int, q: torch.Tensor, scale: float, acc) -> torch.Tensor:
+        """A CPU device: `acc` (the resident part, or None) merged with one call over the layer's far
+        blocks (all of them, or the sparse selection) read where they lie in the CPU tier, with the
+        resident ones where `reads_resident` (identical copies are in the tier) and, in a one-token
+        decode step, the fresh tokens (none after the query); a prefill's fresh part is causal, apart."""
+        step = self._step
+        fresh = self._fresh[layer]
+        self._fresh[layer] = None
+        with_resident = self.far_in_place.reads_resident
+        blocks = range(step.first_block) if with_resident else step.streamed_blocks  # old full blocks: 0..first-1
+        if self._is_sparse_step:
+            k = self.rt.config.scheduler.sparse_token_budget // self.rt.layout.block_tokens
+            blocks = select_far_blocks_on_device(self.summaries, layer, q[0], step.streamed_blocks, k)
+            self.num_streamed_reads += blocks.numel()
+            if with_resident:
+                blocks = torch.cat([torch.as_tensor(step.resident_blocks, dtype=torch.int64), blocks])
+        is_decode = step.num_new_tokens == 1
+        far = self.far_in_place.attend(q, self._device_cpu_slots(layer), blocks, scale=scale,
+                                       fresh=fresh if is_decode else None)
+        parts = [part for part in (acc, far) if part is not None]
+        if not is_decode:
+            parts.append(contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
+                                                      k_positions=step.fresh_positions))
+        return (parts[0] if len(parts) == 1 else merge_partials(parts))[0]
 
     def _selected_chunks(self, layer: int, q: torch.Tensor):
         """Sparse decode: the top-k far blocks for this query.
