@@ -84,10 +84,11 @@ class Variant:
     predict_with_previous: bool = True
     selections: int = 1
     margin: int = 0
+    far_reads: str = "staged"  # scheduler.cpu_far_reads: the staging path a GPU takes, or "direct" (in place)
 
     def __str__(self) -> str:
         return (f"{self.predictor}-k{self.budget_blocks}-staging{self.staging_blocks}-{self.storage_dtype}"
-                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}")
+                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}-{self.far_reads}")
 
 
 VARIANTS = [
@@ -99,6 +100,9 @@ VARIANTS = [
     Variant("cache", 2), Variant("cache", 2, selections=2, margin=1),
     Variant("cache", LARGE_BUDGET_BLOCKS, staging_blocks=4 * LARGE_BUDGET_BLOCKS),
     Variant("none", 2, storage_dtype="int8"), Variant("cache", 2, storage_dtype="int8", selections=2, margin=2),
+    # a CPU device's default: far blocks (and, with a plain tier, the resident ones) read in the CPU tier's slab
+    Variant("none", 1, far_reads="direct"), Variant("none", LARGE_BUDGET_BLOCKS, far_reads="direct"),
+    Variant("none", 2, storage_dtype="int8", far_reads="direct"),
 ]
 
 
@@ -124,7 +128,7 @@ def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
                       "staging_bytes": variant.staging_blocks * block_bytes,
                       "predict_with_previous": variant.predict_with_previous,
                       "sparse_cache_selections": variant.selections, "sparse_prefetch_margin": variant.margin,
-                      "prefill_chunk_tokens": 64},
+                      "prefill_chunk_tokens": 64, "cpu_far_reads": variant.far_reads},
     }, env={})
     runtime = KVRuntime(config, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                         device="cpu", model_id="short-sequences")
