@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tierkv.attention import reference
+from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention, reference
 from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.blocks import BlockLayout
 from tierkv.config import ConfigError, load_config
@@ -99,6 +99,28 @@ def test_one_call_equals_the_dense_attention_of_the_same_keys(num_kv_heads, grou
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     torch.testing.assert_close(got[0], want_out.float(), **tol)
     torch.testing.assert_close(got[1], want_lse.float(), **tol)
+    region = data.draw(st.integers(1, 4), label="staging region blocks")
+    staged = staged_parts(tier, layer_slots[chosen] if chosen else torch.empty(0, dtype=torch.int64), region, q,
+                          fresh, scale)
+    torch.testing.assert_close(got[0], staged[0], **tol)  # the staged path's (out, lse): chunks merged
+    torch.testing.assert_close(got[1], staged[1], **tol)
+
+
+def staged_parts(tier: CpuTier, slots: torch.Tensor, region_blocks: int, q: torch.Tensor, fresh, scale: float):
+    """The staged path's computation of the same part: the blocks copied into a staging ring a region at
+    a time (dequantized as BlockIO does), each region one paged partial attention, all merged; the
+    fresh tokens one more part."""
+    T = tier.layout.block_tokens
+    parts = []
+    for start in range(0, slots.numel(), region_blocks):
+        chunk = slots[start : start + region_blocks]
+        staging = tier.read_slots(chunk.tolist())  # [n, 2, Hkv, T, D], the KV dtype
+        n = chunk.numel()
+        parts.append(paged_partial_attention(q, staging, torch.arange(n), torch.arange(start, start + n) * T,
+                                             torch.full((n,), T), scale=scale))
+    if fresh is not None:
+        parts.append(contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale))
+    return parts[0] if len(parts) == 1 else merge_partials(parts)
 
 
 def test_one_object_reused_over_growing_and_shrinking_calls():
