@@ -59,7 +59,7 @@ def prompt_ids(tokenizer, num_tokens: int, variant: int = 0) -> list[int]:
 
 
 def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, disk_dir: str,
-                  staging_bytes: int | None = None):
+                  staging_bytes: int | None = None, cpu_far_reads: str | None = None):
     from tierkv.config import load_config
     from tierkv.config.load import to_dict
 
@@ -72,6 +72,8 @@ def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, 
     data["metrics"]["enabled"] = False
     if staging_bytes is not None:
         data["scheduler"]["staging_bytes"] = staging_bytes
+    if cpu_far_reads is not None:
+        data["scheduler"]["cpu_far_reads"] = cpu_far_reads
     return load_config(data)
 
 
@@ -112,8 +114,10 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
     shape = model.config
     kv_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * (
         shape.hidden_size // shape.num_attention_heads) * 4
+    load_before = os.getloadavg()  # the machine is shared: what else ran, as the 1, 5, 15 minute load averages
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-cpu-") as disk_dir:
-        config = tierkv_config(num_tokens, args.new_tokens, kv_per_token, disk_dir, args.staging_bytes)
+        config = tierkv_config(num_tokens, args.new_tokens, kv_per_token, disk_dir, args.staging_bytes,
+                               args.cpu_far_reads)
         llm = TieredLLM(model, config,
                         tokenizer=tokenizer, show_progress=False)
         try:
@@ -128,7 +132,9 @@ def bench_one(model, tokenizer, num_tokens: int, args) -> dict:
             llm.close()
     row = {"prompt_tokens": num_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
            "gpu_budget_bytes": config.cache.gpu_budget_bytes, "staging_bytes": config.scheduler.staging_bytes,
-           "torch_threads": torch.get_num_threads()}
+           "cpu_far_reads": config.scheduler.cpu_far_reads,
+           "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
+           "load_average_after": os.getloadavg()}
     for name, runs in (("sdpa", sdpa), ("tierkv", tier)):
         row[name] = {"prefill_s_median": median_of(runs, "prefill_s"),
                      "decode_s_per_token_median": median_of(runs, "decode_s_per_token"),
@@ -161,6 +167,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--staging-bytes", type=int, default=None,
                         help="scheduler.staging_bytes (default: configs/default.yaml's, 512 KiB)")
+    parser.add_argument("--cpu-far-reads", choices=("direct", "staged"), default=None,
+                        help="scheduler.cpu_far_reads (default: configs/default.yaml's, i.e. direct: far blocks "
+                             "attended in the CPU tier's slab; staged: through the staging ring as on a GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)

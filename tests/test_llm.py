@@ -114,7 +114,8 @@ def sparse_llm(tmp_path, model, predictor: str, budget_tokens: int, **scheduler)
         "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * BLOCK_BYTES, "sink_tokens": 4, "window_tokens": 8},
         "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * BLOCK_BYTES},
                   {"kind": "disk", "path": str(tmp_path / f"disk-{predictor}-{budget_tokens}"), "capacity_bytes": "64MiB", "trusted": True}],
-        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 2 * (budget_tokens // 4) * BLOCK_BYTES,
+        "scheduler": {"cpu_far_reads": "staged", "lookahead_layers": 1,
+                      "staging_bytes": 2 * 2 * (budget_tokens // 4) * BLOCK_BYTES,
                       "prefill_chunk_tokens": 64, "policy": "sparse", "sparse_token_budget": budget_tokens,
                       "predictor": predictor, **scheduler},
     }, env={})

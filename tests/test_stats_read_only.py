@@ -20,7 +20,8 @@ def cached_runtime() -> KVRuntime:
     config = load_config({
         "cache": {"block_tokens": 4, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": 4, "window_tokens": 16},
         "tiers": [{"kind": "cpu", "capacity_bytes": 80 * block_bytes}],
-        "scheduler": {"policy": "sparse", "sparse_token_budget": 16, "lookahead_layers": 1, "predictor": "cache",
+        "scheduler": {"cpu_far_reads": "staged", "policy": "sparse", "sparse_token_budget": 16, "lookahead_layers": 1,
+                      "predictor": "cache",
                       "staging_bytes": 8 * block_bytes, "sparse_cache_selections": 2, "sparse_prefetch_margin": 4},
     }, env={})
     runtime = KVRuntime(config, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,

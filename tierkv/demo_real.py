@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from tierkv.attention.cpu_far import reads_in_place
 from tierkv.config import TierKVConfig, load_config
 from tierkv.units import format_bytes
 
@@ -81,7 +82,7 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
           f"  (transformers' SDPA attention, DynamicCache)")
     print(f"planted pass key {case.answer}: {'found' if case.answer in out.text else 'NOT found'} in tierkv's answer")
     print(f"tokens: {_compare(out.token_ids, reference)}")
-    _print_traffic(out.stats, prompt_kv, _pct)
+    _print_traffic(out.stats, prompt_kv, _pct, reads_in_place(config.scheduler.cpu_far_reads, device))
     print_tiers(stats)
     if args.json:
         print(json.dumps(stats, indent=2, default=str))
@@ -95,7 +96,8 @@ def _compare(tokens: list[int], reference: list[int]) -> str:
     return f"DIFFERENT from token {first} on ({len(tokens)} vs {len(reference)} generated tokens)"
 
 
-def _print_traffic(s: dict, prompt_kv: int, pct) -> None:
+def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool) -> None:
+    """in_place: far blocks were attended in the CPU tier's slab (a CPU device), not copied to the device."""
     reads = s["resident_block_reads"] + s["streamed_block_reads"]
     passes = -(-s["prompt_tokens"] // 512) + s["generated_tokens"] - 1
     print(f"\nprefill {s['prefill_s']:.1f} s, decode {s['decode_s']:.1f} s ({s['generated_tokens']} tokens)")
@@ -105,10 +107,15 @@ def _print_traffic(s: dict, prompt_kv: int, pct) -> None:
              " (a second run of this command finds them on disk)"))
     print(f"GPU hit rate: {pct(s['gpu_hit_rate'])} of {reads} block reads (a block = {BLOCK_TOKENS} tokens of one "
           f"layer) found the block in the GPU hot window (sinks, recent window, far-block cache); "
-          f"{s['streamed_block_reads']} were copied in from the CPU tier")
+          f"{s['streamed_block_reads']} were " + ("read in place in the CPU tier (the device is the CPU: "
+                                                  "nothing to copy)" if in_place else "copied in from the CPU tier"))
     ratio = s["h2d_bytes"] / prompt_kv if prompt_kv else 0.0
-    print(f"host to GPU: {format_bytes(s['h2d_bytes'])} = {ratio:.1f} x the prompt's KV. Exact attention reads "
-          f"every earlier block once per forward pass and layer, and 7/8 of them are not on the GPU, so each of "
-          f"the {passes} passes (prefill chunks of 512 tokens, then one per generated token) streams most of "
-          f"the KV written so far")
+    if in_place:
+        print(f"host to GPU: {format_bytes(s['h2d_bytes'])} = {ratio:.1f} x the prompt's KV: what the hot window took "
+              f"from the tiers (a reused prefix's blocks); far blocks are read where they lie in the CPU tier, one call per layer")
+    else:
+        print(f"host to GPU: {format_bytes(s['h2d_bytes'])} = {ratio:.1f} x the prompt's KV. Exact attention reads "
+              f"every earlier block once per forward pass and layer, and 7/8 of them are not on the GPU, so each of "
+              f"the {passes} passes (prefill chunks of 512 tokens, then one per generated token) streams most of "
+              f"the KV written so far")
     print(f"GPU to host: {format_bytes(s['d2h_bytes'])} (each new block written back once to the CPU tier)")

@@ -21,7 +21,9 @@ def runtime_for(predictor: str, policy: str = "sparse", staging_blocks: int = 64
                   "window_tokens": 2 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (BLOCKS + 8) * LAYERS * BLOCK_BYTES}],
         "scheduler": {"policy": policy, "sparse_token_budget": 2 * T, "lookahead_layers": 1, "predictor": predictor,
-                      "staging_bytes": staging_blocks * BLOCK_BYTES, **scheduler},
+                      "staging_bytes": staging_blocks * BLOCK_BYTES,
+                      "cpu_far_reads": "staged",  # the predictors run where far blocks are copied (a GPU's path)
+                      **scheduler},
     }, env={})
     return KVRuntime(config, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                      device="cpu", model_id="predictors")
@@ -103,3 +105,16 @@ def test_the_bound_weight_reaches_every_predictor():
         got, _ = decode(predictor, keys, values, queries, sparse_bound_weight=0.0)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+
+
+def test_far_blocks_read_in_place_take_no_predictor():
+    """A CPU device's default (scheduler.cpu_far_reads: direct) reads far blocks where they lie: no copy
+    to hide, so every predictor setting gets the 'none' policy."""
+    for predictor in ("previous", "query", "cache"):
+        runtime = runtime_for(predictor, cpu_far_reads="direct")
+        try:
+            seq = runtime.new_sequence()
+            assert type(seq.predictor) is NoPredictor and seq.far_in_place is not None
+            seq.finish()
+        finally:
+            runtime.close()

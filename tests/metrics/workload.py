@@ -32,7 +32,8 @@ def make_config(tmp_path: Path, *, cpu_blocks: int = 120, jsonl_path: Path | Non
                   "sink_tokens": 4, "window_tokens": 8},
         "tiers": [{"kind": "cpu", "capacity_bytes": cpu_blocks * BLOCK_BYTES},
                   {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": "64MiB", "trusted": True}],
-        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * BLOCK_BYTES, "prefill_chunk_tokens": 64},
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * BLOCK_BYTES, "prefill_chunk_tokens": 64,
+                      "cpu_far_reads": "staged"},  # the staging path a GPU takes, counted
         "metrics": {"jsonl_path": None if jsonl_path is None else str(jsonl_path),
                     "prometheus_port": prometheus_port, "snapshot_interval_s": snapshot_interval_s,
                     "control_enabled": control_token is not None, "control_token": control_token},

@@ -163,7 +163,8 @@ def test_gpu_budget_changes_between_steps_restart_the_caches_and_keep_the_output
         settings = {
             "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * block_bytes, "sink_tokens": 4, "window_tokens": 8},
             "tiers": [{"kind": "cpu", "capacity_bytes": "16MiB"}],
-            "scheduler": {"lookahead_layers": 1, "staging_bytes": 16 * block_bytes, "prefill_chunk_tokens": 64,
+            "scheduler": {"cpu_far_reads": "staged",
+                          "lookahead_layers": 1, "staging_bytes": 16 * block_bytes, "prefill_chunk_tokens": 64,
                           "policy": "sparse", "sparse_token_budget": 16, "predictor": predictor},
         }
         runtime = runtime_for_model(model, load_config(settings, env={}), model_id=f"elastic-{predictor}")
@@ -200,7 +201,9 @@ def margin_case(margin: int, device: str = "cpu", sequences: int = 1):
         config = load_config({
             "cache": {"block_tokens": 4, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": 4, "window_tokens": 16},
             "tiers": [{"kind": "cpu", "capacity_bytes": 80 * block_bytes}],
-            "scheduler": {"policy": "sparse", "sparse_token_budget": 16, "lookahead_layers": 1, "predictor": predictor,
+            "scheduler": {"cpu_far_reads": "staged",
+                          "policy": "sparse", "sparse_token_budget": 16, "lookahead_layers": 1,
+                          "predictor": predictor,
                           "staging_bytes": 8 * block_bytes,
                           **({"sparse_cache_selections": 2, "sparse_prefetch_margin": margin}
                              if predictor == "cache" else {})},

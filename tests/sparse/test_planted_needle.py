@@ -27,7 +27,8 @@ def runtime_with(budget_tokens: int, predictor: str = "none", kv_heads: int = KV
     config = load_config({
         "cache": {"block_tokens": T, "gpu_budget_bytes": 8 * block_bytes, "sink_tokens": T, "window_tokens": 4 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (CONTEXT // T + 16) * block_bytes}],
-        "scheduler": {"policy": "sparse", "sparse_token_budget": budget_tokens, "lookahead_layers": 1,
+        "scheduler": {"cpu_far_reads": "staged",
+                      "policy": "sparse", "sparse_token_budget": budget_tokens, "lookahead_layers": 1,
                       "staging_bytes": 2 * 32 * block_bytes, "predictor": predictor},
     }, env={})
     return KVRuntime(config, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,

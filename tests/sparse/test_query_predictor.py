@@ -75,7 +75,8 @@ def test_planted_needles_are_in_the_prediction():
             "cache": {"block_tokens": T, "gpu_budget_bytes": 2 * 8 * 2 * KV_HEADS * T * DIM * 4, "sink_tokens": T,
                       "window_tokens": 4 * T},
             "tiers": [{"kind": "cpu", "capacity_bytes": 2 * (CONTEXT // T + 16) * 2 * KV_HEADS * T * DIM * 4}],
-            "scheduler": {"policy": "sparse", "sparse_token_budget": 2048, "lookahead_layers": 1,
+            "scheduler": {"cpu_far_reads": "staged",
+                          "policy": "sparse", "sparse_token_budget": 2048, "lookahead_layers": 1,
                           "staging_bytes": 3 * 32 * 2 * KV_HEADS * T * DIM * 4, "predictor": "query",
                           "predict_with_previous": False},
         }, env={}), num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32, device="cpu",
@@ -184,7 +185,7 @@ def test_constant_query_hits_the_cache_from_the_second_step_without_a_projector(
         "cache": {"block_tokens": T, "gpu_budget_bytes": 8 * 2 * KV_HEADS * T * DIM * 4, "sink_tokens": T,
                   "window_tokens": 4 * T},
         "tiers": [{"kind": "cpu", "capacity_bytes": (CONTEXT // T + 16) * 2 * KV_HEADS * T * DIM * 4}],
-        "scheduler": {"policy": "sparse", "sparse_token_budget": 2048, "lookahead_layers": 1,
+        "scheduler": {"cpu_far_reads": "staged", "policy": "sparse", "sparse_token_budget": 2048, "lookahead_layers": 1,
                       "staging_bytes": 3 * 32 * 2 * KV_HEADS * T * DIM * 4, "predictor": "query",
                       "predict_with_previous": False},
     }

@@ -85,10 +85,12 @@ class Variant:
     selections: int = 1
     margin: int = 0
     bound_weight: float = 0.5       # scheduler.sparse_bound_weight (the shipped default)
+    far_reads: str = "staged"  # scheduler.cpu_far_reads: the staging path a GPU takes, or "direct" (in place)
 
     def __str__(self) -> str:
         return (f"{self.predictor}-k{self.budget_blocks}-staging{self.staging_blocks}-{self.storage_dtype}"
-                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}-w{self.bound_weight}")
+                f"-prev{int(self.predict_with_previous)}-sel{self.selections}-m{self.margin}-w{self.bound_weight}"
+                f"-{self.far_reads}")
 
 
 VARIANTS = [
@@ -102,6 +104,9 @@ VARIANTS = [
     Variant("none", 2, storage_dtype="int8"), Variant("cache", 2, storage_dtype="int8", selections=2, margin=2),
     Variant("none", 1, bound_weight=1.0), Variant("previous", 2, bound_weight=0.0), Variant("cache", 2, bound_weight=1.0),
     Variant("query", 2, bound_weight=0.25),
+    # a CPU device's default: far blocks (and, with a plain tier, the resident ones) read in the CPU tier's slab
+    Variant("none", 1, far_reads="direct"), Variant("none", LARGE_BUDGET_BLOCKS, far_reads="direct"),
+    Variant("none", 2, storage_dtype="int8", far_reads="direct"), Variant("none", 2, far_reads="direct", bound_weight=1.0),
 ]
 
 
@@ -127,7 +132,8 @@ def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
                       "staging_bytes": variant.staging_blocks * block_bytes,
                       "predict_with_previous": variant.predict_with_previous,
                       "sparse_cache_selections": variant.selections, "sparse_prefetch_margin": variant.margin,
-                      "prefill_chunk_tokens": 64, "sparse_bound_weight": variant.bound_weight},
+                      "prefill_chunk_tokens": 64, "sparse_bound_weight": variant.bound_weight,
+                      "cpu_far_reads": variant.far_reads},
     }, env={})
     runtime = KVRuntime(config, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
                         device="cpu", model_id="short-sequences")

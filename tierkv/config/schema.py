@@ -180,6 +180,11 @@ class SchedulerConfig:
         "scheduling, on by default in plain vLLM); a block completed by a token still being sampled is saved one "
         "step later, and vLLM's pool keeps twice the prefill chunk of in-flight tokens per request (halve "
         "prefill_chunk_tokens to keep the pool; TieredLLM checks it before vLLM starts)"))
+    cpu_far_reads: str = field(default="direct", metadata=doc(
+        "on a CPU device (the transformers engine on a machine without a GPU): 'direct' attends each layer's far "
+        "blocks in place in the CPU tier's slab, one call per layer (no staging copies; the sparse policy's "
+        "predictors, which exist to hide copies, are not used); 'staged' copies them through the staging ring as on "
+        "CUDA; ignored on CUDA", choices=("direct", "staged")))
     prefill_chunk_tokens: int = field(default=2048, metadata=doc("prompt tokens per prefill forward", min_value=1))
     transfer_backend: str = field(default="auto", metadata=doc(
         "how blocks cross PCIe on CUDA: 'auto' ('adaptive', else the first that works), 'adaptive' (the copy "

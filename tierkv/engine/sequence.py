@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
+from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.engine.predictors import predictor_for
-from tierkv.sparse.summaries import BlockSummaries
+from tierkv.sparse.summaries import BlockSummaries, select_far_blocks_on_device
 
 if TYPE_CHECKING:
     from tierkv.engine.runtime import KVRuntime
@@ -58,8 +59,13 @@ class SequenceKV:
                                          bound_weight=runtime.config.scheduler.sparse_bound_weight)
                           if sparse else None)
         self._is_sparse_step = False
-        # the far part of a sparse decode step: one policy per predictor (tierkv.engine.predictors)
-        self.predictor = predictor_for(runtime, sparse)
+        scheduler = runtime.config.scheduler
+        # a CPU device: far blocks are attended in the CPU tier's slab, no staging, no predictor (tierkv.attention.cpu_far)
+        self.far_in_place = (InPlaceFarReads(runtime.cpu)
+                             if reads_in_place(scheduler.cpu_far_reads, runtime.device) else None)
+        # the far part of a sparse decode step: one policy per predictor (tierkv.engine.predictors); read in
+        # place, predictor 'none' (the predictors exist to hide copies)
+        self.predictor = predictor_for(runtime, sparse and self.far_in_place is None)
         self._graph_step = None  # a decode step run for a CUDA graph (`tierkv.engine.graph_step.GraphStep`)
         self.num_resident_reads = 0  # block reads served from GPU slots (all layers)
         self.num_streamed_reads = 0  # block reads streamed from the CPU tier (all layers)
@@ -108,6 +114,9 @@ class SequenceKV:
             return
         self.predictor.invalidate()  # the streamer's regions overwrite a predictor's far-block caches
         self.num_streamed_reads += len(step.streamed_blocks) * rt.num_layers
+        if self.far_in_place is not None:
+            rt.streamer.clear()
+            return
         cpu_slots = [torch.tensor(slots[step.streamed_blocks.start : step.streamed_blocks.stop], dtype=torch.int64)
                      for slots in self.cpu_slots]
         rt.streamer.plan(step, cpu_slots, rt.layout.block_tokens, after=self._last_d2h)
@@ -188,9 +197,12 @@ class SequenceKV:
         step = self._step
         use_flash = can_use_flash(q)  # prefill chunks on CUDA: old keys all precede the queries
         acc = None
-        if step.resident_blocks:
+        in_place = self.far_in_place
+        if step.resident_blocks and (in_place is None or not in_place.reads_resident):
             acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
                                       step.resident_num_tokens, scale, use_flash)
+        if in_place is not None:
+            return self._attend_in_place(layer, q, scale, acc)
         sparse = self._is_sparse_step
         chunks = (self.predictor.chunks_for_layer(self, layer, q, step.streamed_blocks, self._last_d2h) if sparse
                   else rt.streamer.chunks_for_layer(layer))
@@ -207,6 +219,31 @@ class SequenceKV:
                                                 k_positions=step.fresh_positions)
         near = part if acc is None else merge_partials([acc, part])
         return self.predictor.attend_far(layer, q, near, scale) if sparse else near[0]
+
+    def _attend_in_place(self, layer: int, q: torch.Tensor, scale: float, acc) -> torch.Tensor:
+        """A CPU device: `acc` (the resident part, or None) merged with one call over the layer's far
+        blocks (all of them, or the sparse selection) read where they lie in the CPU tier, with the
+        resident ones where `reads_resident` (identical copies are in the tier) and, in a one-token
+        decode step, the fresh tokens (none after the query); a prefill's fresh part is causal, apart."""
+        step = self._step
+        fresh = self._fresh[layer]
+        self._fresh[layer] = None
+        with_resident = self.far_in_place.reads_resident
+        blocks = range(step.first_block) if with_resident else step.streamed_blocks  # old full blocks: 0..first-1
+        if self._is_sparse_step:
+            k = self.rt.config.scheduler.sparse_token_budget // self.rt.layout.block_tokens
+            blocks = select_far_blocks_on_device(self.summaries, layer, q[0], step.streamed_blocks, k)
+            self.num_streamed_reads += blocks.numel()
+            if with_resident:
+                blocks = torch.cat([torch.as_tensor(step.resident_blocks, dtype=torch.int64), blocks])
+        is_decode = step.num_new_tokens == 1
+        far = self.far_in_place.attend(q, self.device_cpu_slots(layer), blocks, scale=scale,
+                                       fresh=fresh if is_decode else None)
+        parts = [part for part in (acc, far) if part is not None]
+        if not is_decode:
+            parts.append(contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
+                                                      k_positions=step.fresh_positions))
+        return (parts[0] if len(parts) == 1 else merge_partials(parts))[0]
 
     def device_cpu_slots(self, layer: int) -> torch.Tensor:
         """cpu_slots[layer] as an int64 tensor on the runtime's device, extended as blocks are written."""

@@ -22,7 +22,10 @@ CASES = [
 ]
 
 
-def tiny_config(block_tokens: int, lookahead: int, chunk: int, *, num_layers: int, kv_heads: int, head_dim: int) -> dict:
+def tiny_config(block_tokens: int, lookahead: int, chunk: int, *, num_layers: int, kv_heads: int, head_dim: int,
+                far_reads: str = "staged") -> dict:
+    """far_reads: scheduler.cpu_far_reads; "staged" (the staging ring a GPU uses) unless a test asks for the
+    CPU device's default, "direct"."""
     block_bytes = 2 * kv_heads * block_tokens * head_dim * 4
     sink, window = block_tokens, 2 * block_tokens
     slots_per_layer = 1 + 3 + 1  # sinks + window (+ partial) + one far-cache block
@@ -31,7 +34,7 @@ def tiny_config(block_tokens: int, lookahead: int, chunk: int, *, num_layers: in
                   "sink_tokens": sink, "window_tokens": window},
         "tiers": [{"kind": "cpu", "capacity_bytes": "64MiB"}],
         "scheduler": {"lookahead_layers": lookahead, "staging_bytes": (lookahead + 1) * 3 * block_bytes,
-                      "prefill_chunk_tokens": chunk},
+                      "prefill_chunk_tokens": chunk, "cpu_far_reads": far_reads},
     }
 
 
@@ -53,10 +56,13 @@ def tiered_greedy(model, runtime, ids: list[int], num_new: int, chunk: int):
     return tokens, all_logits
 
 
+@pytest.mark.parametrize("far_reads", ["staged", "direct"])
 @pytest.mark.parametrize("arch,heads,kv_heads,block_tokens,lookahead,prompt_len,chunk", CASES)
-def test_greedy_tokens_and_logits_match_dynamic_cache(arch, heads, kv_heads, block_tokens, lookahead, prompt_len, chunk):
+def test_greedy_tokens_and_logits_match_dynamic_cache(arch, heads, kv_heads, block_tokens, lookahead, prompt_len, chunk,
+                                                      far_reads):
     model, reference = build(arch, num_heads=heads, num_kv_heads=kv_heads)
-    config = load_config(tiny_config(block_tokens, lookahead, chunk, num_layers=2, kv_heads=kv_heads, head_dim=16), env={})
+    config = load_config(tiny_config(block_tokens, lookahead, chunk, num_layers=2, kv_heads=kv_heads, head_dim=16,
+                                     far_reads=far_reads), env={})
     runtime = runtime_for_model(model, config, model_id=f"test-{arch}")
     try:
         budget_tokens = config.cache.gpu_budget_bytes // (runtime.layout.num_bytes // block_tokens * 2)
@@ -69,7 +75,10 @@ def test_greedy_tokens_and_logits_match_dynamic_cache(arch, heads, kv_heads, blo
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
         stats = runtime.stats()
-        assert stats["scheduler"]["chunks_streamed"] > 0, "the far blocks must actually stream"
+        if far_reads == "staged":
+            assert stats["scheduler"]["chunks_streamed"] > 0, "the far blocks must actually stream"
+        else:  # read in place in the CPU tier's slab, nothing staged
+            assert stats["scheduler"]["chunks_streamed"] == 0 and runtime.active.far_in_place.num_blocks_read > 0
         assert runtime.pool.resident_bytes <= config.cache.gpu_budget_bytes
     finally:
         runtime.close()

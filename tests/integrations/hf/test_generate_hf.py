@@ -14,7 +14,7 @@ def test_generate_with_tiered_cache_matches_default_cache():
     config = load_config({
         "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * block_bytes, "sink_tokens": 4, "window_tokens": 8},
         "tiers": [{"kind": "cpu", "capacity_bytes": "16MiB"}],
-        "scheduler": {"staging_bytes": 3 * 4 * block_bytes},
+        "scheduler": {"staging_bytes": 3 * 4 * block_bytes, "cpu_far_reads": "staged"},
     }, env={})
     runtime = runtime_for_model(model, config, model_id="generate-test")
     try:
