@@ -46,7 +46,7 @@ SINK_TOKENS = 16    # --sink-tokens
 WINDOW_TOKENS = 32  # --window-tokens
 SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV
 PREFILL_CHUNK = 512
-BOUND_WEIGHT = 0.5   # --bound-weight: scheduler.sparse_bound_weight of the sparse runs and the recall's selection
+BOUND_WEIGHT = 1.0   # --bound-weight: scheduler.sparse_bound_weight of the sparse runs and the recall's selection
 QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retrieval_tokens=[512], depths=[0.5],
              seeds=[0], tasks=["passkey"], sparse_budgets=[128], predictors=["previous"], new_tokens=6)
 

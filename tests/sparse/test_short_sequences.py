@@ -84,7 +84,7 @@ class Variant:
     predict_with_previous: bool = True
     selections: int = 1
     margin: int = 0
-    bound_weight: float = 0.5       # scheduler.sparse_bound_weight (the shipped default)
+    bound_weight: float = 1.0       # scheduler.sparse_bound_weight (the shipped default: Quest's bound)
     far_reads: str = "staged"  # scheduler.cpu_far_reads: the staging path a GPU takes, or "direct" (in place)
 
     def __str__(self) -> str:
@@ -102,11 +102,11 @@ VARIANTS = [
     Variant("cache", 2), Variant("cache", 2, selections=2, margin=1),
     Variant("cache", LARGE_BUDGET_BLOCKS, staging_blocks=4 * LARGE_BUDGET_BLOCKS),
     Variant("none", 2, storage_dtype="int8"), Variant("cache", 2, storage_dtype="int8", selections=2, margin=2),
-    Variant("none", 1, bound_weight=1.0), Variant("previous", 2, bound_weight=0.0), Variant("cache", 2, bound_weight=1.0),
+    Variant("none", 1, bound_weight=0.5), Variant("previous", 2, bound_weight=0.0), Variant("cache", 2, bound_weight=0.5),
     Variant("query", 2, bound_weight=0.25),
     # a CPU device's default: far blocks (and, with a plain tier, the resident ones) read in the CPU tier's slab
     Variant("none", 1, far_reads="direct"), Variant("none", LARGE_BUDGET_BLOCKS, far_reads="direct"),
-    Variant("none", 2, storage_dtype="int8", far_reads="direct"), Variant("none", 2, far_reads="direct", bound_weight=1.0),
+    Variant("none", 2, storage_dtype="int8", far_reads="direct"), Variant("none", 2, far_reads="direct", bound_weight=0.5),
 ]
 
 

@@ -129,11 +129,13 @@ class SchedulerConfig:
     lookahead_layers: int = field(default=2, metadata=doc("layers prefetched ahead of compute", min_value=1))
     staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
     sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
-    sparse_bound_weight: float = field(default=0.5, metadata=doc(
+    sparse_bound_weight: float = field(default=1.0, metadata=doc(
         "sparse: how far blocks are ranked; a block's score is w x Quest's bound (the largest score any of its keys "
-        "can give) + (1 - w) x the score of its midpoint key ((key max + key min) / 2), max over query heads; 1: the "
-        "bound alone; 0.5 lost a quarter less of the model's output (KL) than 1 on real text "
-        "(benchmarks/accuracy_selection.py); no memory or copies added", min_value=0.0, max_value=1.0))
+        "can give) + (1 - w) x the score of its midpoint key ((key max + key min) / 2), max over query heads. 1 (the "
+        "bound alone) keeps a block holding one outstanding key, as a retrieved fact is: retrieval as dense at 1/4 "
+        "of the context; 0.5 follows ordinary text more closely (KL to dense attention 26-51% lower on real text, "
+        "SmolLM2-135M, 2k-7k tokens) but lost multi-key retrieval cases (benchmarks/RESULTS.md, 'Selection rules'); "
+        "no memory or copies either way", min_value=0.0, max_value=1.0))
     predictor: str = field(default="previous", metadata=doc(
         "sparse prefetch: 'previous' copies each layer's last selection ahead, 'none' fetches on demand, "
         "'query' predicts the next lookahead_layers layers' selection from the current hidden state and keeps "
