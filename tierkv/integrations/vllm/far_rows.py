@@ -49,6 +49,7 @@ from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
 from tierkv.integrations.vllm.far_staging import split_staging
+from tierkv.integrations.vllm.far_stats import cache_stats, streaming_stats
 from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.metrics.prefetch import PrefetchRecorder
@@ -321,17 +322,10 @@ class FarKV:
         counts["sparse_selections"] += num_rows
 
     def cache_stats(self, prefetched: int = 0) -> dict:
-        """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
-        their copies moved (the store's `bytes_moved` adds them to the transfer engine's). prefetched:
-        the blocks the next-step prefetch copied into the caches (its `prefetch_copied`). Reads only."""
-        if self.row_caches is None:
-            return {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,
-                    "cache_copied_bytes": 0}
-        stats = self.row_caches.stats()
-        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes);
-        # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
-        stats["cache_copied_bytes"] = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
-        return stats
+        """The far-block caches' counters (far_stats.cache_stats: one device sync; zeros without caches)
+        and the H2D bytes their copies moved (the store's `bytes_moved` adds them to the transfer
+        engine's). prefetched: the blocks the next-step prefetch copied into the caches. Reads only."""
+        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched)
 
     def end_step(self) -> None:
         if self.rows:
@@ -342,11 +336,6 @@ class FarKV:
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
-        streamers = [self.streamer] + ([self.sparse_streamer] if self.sparse_streamer is not None else [])
-
-        def total(counter: str) -> int:
-            return sum(getattr(s, counter) for s in streamers)
-
         prefetch = self.recorder.snapshot()
         full = self.full.stats() if self.full is not None else None  # one read of the prefetch's counters
         cache = self.cache_stats((full or {}).get("prefetch_copied", 0))
@@ -354,14 +343,8 @@ class FarKV:
         reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
         return {"window_tokens": self.window_tokens, **counts, "requests": len(self.requests),
                 "sparse_fetched_reads": counts["sparse_selected_reads"] - cache["cache_hits"], **cache,
-                "chunks_streamed": total("num_chunks_streamed"),
-                "bytes_streamed": total("bytes_streamed") + cache["cache_copied_bytes"],
-                # a stall: a sparse row that waits for a fetch at selection (graphed: one that missed its cache)
-                "stalls": total("num_stalls") + cache["cache_stalled_rows"],
-                "chunks_carried": self.streamer.num_chunks_carried,
-                "chunks_discarded": self.streamer.num_chunks_discarded,
-                "staging_bytes": sum(s.pool.staging_bytes for s in streamers) + cache["cache_bytes"]
-                + (self.graphs.packed_bytes if self.graphs is not None else 0),
+                **streaming_stats(self.streamer, self.sparse_streamer, cache,
+                                  self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self.overlap.value(),
                 # GPU hit rate at attention time of sparse decode rows: reads of resident blocks (vLLM's pool)
