@@ -39,7 +39,8 @@ from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import config_from_kv_transfer
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
-from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore
+from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
 
 SAVE_RUN_BYTES = 32 << 20  # the most blocks (in the engine's dtype) that wait_for_save reads out at once
 
