@@ -431,7 +431,7 @@ def test_block_addresses_name_the_checkpoint_weights(tmp_path):
     from types import SimpleNamespace
 
     from tierkv.config import load_config
-    from tierkv.integrations.vllm.connector import model_identity_of
+    from tierkv.integrations.vllm.engine_config import model_identity_of
 
     config = load_config(write_config(tmp_path), env={})
     ckpt = tmp_path / "ckpt"

@@ -1777,7 +1777,7 @@ def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
     are compared, and a resolved batch past the reserved rows is an error naming the remedy."""
     from types import SimpleNamespace
 
-    from tierkv.integrations.vllm.connector import graph_rows
+    from tierkv.integrations.vllm.engine_config import graph_rows
     from tierkv.integrations.vllm.llm import check_full_graph_rows, full_graph_rows
 
     def vllm(max_num_seqs, captured):
