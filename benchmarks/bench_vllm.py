@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import CpuUse, H2DProbe, h2d_ceiling_gbps  # noqa: E402
 from benchmarks.models import LLAMA_8B, draw_qk_biases  # noqa: E402
-from tierkv.integrations.vllm.far_rows import far_blocks  # noqa: E402
+from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 
 
 def build_model(path: str, layers: int, qk_bias_std: float = 0.0) -> None:

@@ -152,9 +152,9 @@ def test_segment_replaced_by_another_file(layout, tmp_path, which):
     with DiskTier("disk", layout, CAPACITY_BYTES, root) as tier:
         assert tier.put(key_of(0), make_block(layout, 0)).ok
         if which == "older":
-            tier._append_lock.acquire()  # end the segment: the next put begins another
-            tier._active_size = tier.segment_bytes
-            tier._append_lock.release()
+            tier._files.lock.acquire()  # end the segment: the next put begins another
+            tier._files.active_size = tier.segment_bytes
+            tier._files.lock.release()
             assert tier.put(key_of(1), make_block(layout, 1)).ok
         os.replace(impostor_segment, segment_of(tier, key_of(0)))
         assert tier.put(key_of(2), make_block(layout, 2)).ok

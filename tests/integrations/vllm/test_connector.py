@@ -311,7 +311,8 @@ def test_tensor_parallel_stats_name_each_ranks_tiers_in_the_metrics(tmp_path):
     from tierkv.config import load_config
     from tierkv.metrics.recorder import MetricsRecorder
     from tierkv.integrations.vllm.llm import VllmTieredLLM
-    from tierkv.integrations.vllm.store import VllmKVStore, merge_rank_stats, release_store, shared_store, worker_stats
+    from tierkv.integrations.vllm.store import VllmKVStore
+    from tierkv.integrations.vllm.store_registry import merge_rank_stats, release_store, shared_store, worker_stats
 
     layout = BlockLayout(H, BS, D, torch.float32)
     config = load_config(write_config(tmp_path, cpu_blocks=64), env={})
@@ -430,7 +431,7 @@ def test_block_addresses_name_the_checkpoint_weights(tmp_path):
     from types import SimpleNamespace
 
     from tierkv.config import load_config
-    from tierkv.integrations.vllm.connector import model_identity_of
+    from tierkv.integrations.vllm.engine_config import model_identity_of
 
     config = load_config(write_config(tmp_path), env={})
     ckpt = tmp_path / "ckpt"

@@ -37,7 +37,8 @@ from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
 from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
-from tierkv.integrations.vllm.far_rows import FarKV, far_blocks  # noqa: E402
+from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
+from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
 from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
@@ -299,7 +300,7 @@ def test_near_tables_start_each_row_past_its_far_blocks(tmp_path):
     store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
     far = FarKV(store, 2 * BS)
     try:
-        from tierkv.integrations.vllm.far_rows import FarRow
+        from tierkv.integrations.vllm.far_step import FarRow
 
         rows = [FarRow("a", 0, 1, 10 * BS, 8), FarRow("b", 1, 4, BS, 0)]
         table = torch.arange(2 * 12, dtype=torch.int32).view(2, 12)
@@ -1776,7 +1777,7 @@ def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
     are compared, and a resolved batch past the reserved rows is an error naming the remedy."""
     from types import SimpleNamespace
 
-    from tierkv.integrations.vllm.connector import graph_rows
+    from tierkv.integrations.vllm.engine_config import graph_rows
     from tierkv.integrations.vllm.llm import check_full_graph_rows, full_graph_rows
 
     def vllm(max_num_seqs, captured):

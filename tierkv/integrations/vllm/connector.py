@@ -32,14 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from tierkv.blocks import BlockLayout
-from tierkv.config import ConfigError
-from tierkv.model_identity import ModelIdentity, checkpoint_identity
 from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import config_from_kv_transfer
+from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
-from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore, peek_store, release_store, shared_store
+from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore
+from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
 
 SAVE_RUN_BYTES = 32 << 20  # the most blocks (in the engine's dtype) that wait_for_save reads out at once
 
@@ -75,38 +74,13 @@ class _RequestState:
     pending_load: BlockSpan | None = None
 
 
-def model_identity_of(config, extra: dict | None, model_config) -> ModelIdentity:
-    """What names the engine's model in every block address: the configured `model.name`, the
-    checkpoint (vLLM's model path and revision, and `model_id` of the extra config), and a
-    digest of its weight files (`checkpoint_identity`). The scheduler and every worker compute the
-    same one from the same files."""
-    model_id = (extra or {}).get("model_id")
-    path = getattr(model_config, "model", None) or model_id or config.model.name
-    revision = getattr(model_config, "revision", None)
-    return checkpoint_identity(config.model.name, path, None if revision is None else str(revision),
-                               model_id=None if model_id is None else str(model_id))
-
-
-def max_num_seqs_of(vllm_config) -> int:
-    """vLLM's max_num_seqs (1 when its config does not say)."""
-    return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
-
-
-def graph_rows(vllm_config) -> int:
-    """The largest batch vLLM captures or warms up a graph for: its resolved max_cudagraph_capture_size
-    (twice max_num_seqs by default), at least max_num_seqs."""
-    max_num_seqs = max_num_seqs_of(vllm_config)
-    captured = getattr(getattr(vllm_config, "compilation_config", None), "max_cudagraph_capture_size", None)
-    return max(max_num_seqs, int(captured or 2 * max_num_seqs))
-
-
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.block_size = vllm_config.cache_config.block_size
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
-        self.layout, self.layer_names, self.hot_window = _layout_of(kv_cache_config, self.block_size)
+        self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)
         model_config = getattr(vllm_config, "model_config", None)
         self.model_id = model_identity_of(self.config, extra, model_config)
         self.max_model_len = getattr(model_config, "max_model_len", None)
@@ -114,7 +88,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        self.tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
+        self.tp_rank = tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
         self._far: FarKV | None = None
         self._requests: dict[str, _RequestState] = {}
@@ -397,34 +371,3 @@ def _replays_full_graph(forward_context: Any) -> bool:
     """Whether vLLM is about to replay this step from its full decode graph."""
     mode = getattr(forward_context, "cudagraph_runtime_mode", None)
     return getattr(mode, "name", None) == "FULL"
-
-
-def _tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 before vLLM's process groups exist, as in CPU tests)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except (AssertionError, ImportError, RuntimeError, AttributeError):
-        return 0
-
-
-def _layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str], int | None]:
-    """The tierkv block layout, the layer names and the hot window (None: full attention) of the
-    single KV cache group: full attention, or the hot window's sliding-window spec."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise ConfigError("vllm kv_cache_groups", len(groups),
-                          "the tierkv connector serves models with one group of full-attention layers")
-    spec = groups[0].kv_cache_spec
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    full = type(spec) is FullAttentionSpec and not spec.sliding_window
-    if not full and type(spec) is not SlidingWindowSpec:
-        raise ConfigError("vllm kv_cache_spec", type(spec).__name__,
-                          "only full-attention layers (or tierkv's hot window over them) are supported")
-    window = spec.sliding_window if type(spec) is SlidingWindowSpec else None
-    if spec.block_size != block_size:
-        raise ConfigError("vllm block_size", spec.block_size, f"the KV cache group must use block_size {block_size}")
-    layout = BlockLayout(spec.num_kv_heads, block_size, spec.head_size, spec.dtype)
-    return layout, list(groups[0].layer_names), window

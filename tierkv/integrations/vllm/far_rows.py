@@ -1,6 +1,6 @@
 """Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
 
-Primitives: `far_blocks`, `FarRow`, `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`,
+Primitives: `profiled`, `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`,
 `attend`, `attend_into`, `attend_whole`, `near_out_buffer`, `attend_parts`, `merge_into`, `end_step`,
 `stats`). No vLLM import: tested on CPU with the PyTorch reference attention. The decoding rows
 the CUDA graphs serve go through `tierkv.integrations.vllm.graphed_rows`.
@@ -25,46 +25,38 @@ fetched once selected;
 prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
 is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
 steps select; a few missing ones (at most a selection's worth: window blocks vLLM loaded from
-the tiers that became far) are fetched and summarized before the selection. Sparse
-fetches go through staging regions of their own (taken from `scheduler.staging_bytes`), so they
-never overwrite chunks streamed ahead for a prefill row of the same step.
+the tiers that became far) are fetched and summarized before the selection. How the staging is
+divided (streamed chunks, sparse fetches, the graphed rows' caches): `far_staging`.
 
 Under the sparse policy with the engine's max_model_len known, a finished request's key summaries
 and device slot lists (allocated once at that length) pass to the next request, so the CUDA graphs
 captured for the one replay for the other (`reuses_buffers`).
 
-A request's blocks stay pinned in the CPU tier from the save that wrote them (the store keeps the
-pin once the copy lands) or from the step they become far, until the request finishes, so a step
-pins only the blocks that became far since the last one.
+A request's hashes and its pins in the CPU tier (from its saves or the step its blocks become
+far, until it finishes): `far_requests`.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch.profiler import record_function
 
 from tierkv.attention import merge_partials, paged_partial_attention
 from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
+from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
+from tierkv.integrations.vllm.far_staging import split_staging
+from tierkv.integrations.vllm.far_stats import cache_stats, streaming_stats
+from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
+from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.scheduler.lookahead import LookaheadStreamer
-from tierkv.transfer.device import to_device_no_sync
-from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
-from tierkv.transfer.device import append_at
-from tierkv.sparse.far_source import FarSource
-from tierkv.sparse.summaries import BlockSummaries
-from tierkv.sparse.row_caches import CacheSet, RowCaches, cache_rows
-from tierkv.integrations.vllm.graphed_rows import GraphedRows
+from tierkv.sparse.request_summaries import KeySummaries, SelectionOverlap
 from tierkv.sparse.step_graphs import SparseStepGraphs
-from tierkv.sparse.request_summaries import KeySummaries, RequestSummaries, SelectionOverlap
-
 
 logger = logging.getLogger(__name__)
 
@@ -73,56 +65,6 @@ def profiled(name: str):
     """A named range in a running torch profiler's trace, nothing otherwise: entering a
     `record_function` costs 30-60 us of host time even with no profiler running."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def far_blocks(num_computed: int, window_tokens: int, block_tokens: int) -> int:
-    """Blocks read from the tiers by a request with `num_computed` tokens before this step: the
-    full blocks vLLM may have freed (it keeps the last `window_tokens` computed tokens)."""
-    return max(0, (num_computed - window_tokens + 1) // block_tokens)
-
-
-@dataclass(frozen=True)
-class FarRow:
-    """One request of a step, in the step's token order."""
-
-    req_id: str
-    q_start: int          # first of its query rows in the step's flattened tokens
-    q_end: int
-    num_computed: int     # tokens before this step
-    num_far_blocks: int   # blocks [0, num_far_blocks) come from the tiers
-
-    def near_blocks(self, block_tokens: int) -> int:
-        """Blocks its near part reads from vLLM's pool (the window and the step's own tokens)."""
-        return -(-(self.num_computed + self.q_end - self.q_start - self.num_far_blocks * block_tokens) // block_tokens)
-
-
-@dataclass
-class _Request:
-    hashes: list[str] = field(default_factory=list)            # chained hashes of its full blocks
-    index: dict[str, int] = field(default_factory=dict)        # hash -> block index
-    pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
-    pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
-    # sparse policy only
-    pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device, in a
-    #   buffer sized for max_model_len when known, else grown by doubling (entries past the pinned count
-    #   unused): its address rarely moves
-    summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
-    cache: CacheSet | None = None                              # its far-block cache, once the graphs serve it
-    previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
-
-    @property
-    def far_summaries(self) -> BlockSummaries | None:
-        """Its blocks' key summaries as the sparse step reads a row's (`far_source.SparseRow`): its far
-        blocks start at its first block."""
-        return self.summaries.summaries if self.summaries is not None else None
-
-
-@dataclass(frozen=True)
-class _StreamPlan:
-    """What `LookaheadStreamer.plan` reads of a step: the streamed block range and the step size."""
-
-    streamed_blocks: range
-    num_new_tokens: int
 
 
 class FarKV:
@@ -141,61 +83,29 @@ class FarKV:
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
-        lookahead = store.lookahead
-        scheduler = store.config.scheduler
-        layout, staging_bytes = store.layout, scheduler.staging_bytes
+        staging = split_staging(store, max_rows)  # the device buffers, carved from scheduler.staging_bytes
+        if staging.warning:
+            logger.warning("tierkv hot window: %s", staging.warning)
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
-        self.sparse_blocks = (max(1, scheduler.sparse_token_budget // self.block_tokens)
-                              if scheduler.policy == "sparse" else None)
-        # Eager sparse fetches get staging of their own, two regions of up to one selection, so they
-        # never overwrite the streamed chunks of prefill rows in the same step (main regions, copied
-        # layers ahead). The graphed rows' requests each hold a far-block cache set (one selection per
-        # layer, `RowCaches`) and, over a quantized CPU tier, buffers for a selection's codes and
-        # scales: as many rows as fit in three quarters of the staging with the eager regions.
-        sparse_bytes = packed_bytes = graph_rows = 0
-        per_layer = True
-        # what the engine-agnostic sparse step reads of the far blocks (tierkv.sparse.step)
-        self.source = (FarSource(store.cpu, store.io.engine, store.device, store.num_layers, self.sparse_blocks,
-                                 self.block_tokens, scheduler.sparse_bound_weight)
-                       if self.sparse_blocks is not None else None)
-        graphed = self.source is not None and scheduler.sparse_cuda_graphs and self.source.graphs_usable()
-        if self.sparse_blocks is not None:
-            k = self.sparse_blocks
-            region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
-            sparse_bytes = 2 * region * layout.num_bytes
-            if graphed:
-                codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
-                graph_rows, per_layer, warning = cache_rows(
-                    max(1, min(max_rows, scheduler.sparse_graph_rows)), scheduler.sparse_cache_selections,
-                    staging_bytes, sparse_bytes, store.num_layers, k, layout.num_bytes, codes)
-                if warning:
-                    logger.warning("tierkv hot window: %s", warning)
-        self.row_caches = (RowCaches(graph_rows, store.num_layers, self.sparse_blocks, layout.shape, layout.dtype,
-                                     store.device, per_layer, max(1, scheduler.sparse_cache_selections))
-                           if graph_rows else None)
-        if self.row_caches is not None and store.cpu.quant_format is not None:
-            packed_bytes = graph_rows * self.sparse_blocks * store.cpu.slot_bytes
-        cache_bytes = self.row_caches.num_bytes if self.row_caches is not None else 0
-        self.pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0),
-                                 staging_bytes - sparse_bytes - packed_bytes - cache_bytes, max(2, lookahead + 1),
-                                 store.device)
+        self.sparse_blocks = staging.sparse_blocks
+        self.source = staging.source  # what the engine-agnostic sparse step reads of the far blocks (sparse.step)
+        self.row_caches = staging.row_caches
+        self.pool = staging.pool
         self.recorder = PrefetchRecorder(store.num_layers)
-        self.streamer = LookaheadStreamer(store.io, self.pool, lookahead, recorder=self.recorder)
-        self.sparse_streamer = None
-        if sparse_bytes:
-            sparse_pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
-            self.sparse_streamer = LookaheadStreamer(store.io, sparse_pool, lookahead, recorder=self.recorder)
-        self.graphs = SparseStepGraphs(self.source, self.row_caches) if graphed else None
+        self.streamer = LookaheadStreamer(store.io, self.pool, store.lookahead, recorder=self.recorder)
+        self.sparse_streamer = (LookaheadStreamer(store.io, staging.sparse_pool, store.lookahead, recorder=self.recorder)
+                                if staging.sparse_pool is not None else None)  # fmt: skip
+        self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
         # CUDA graphs captured for the one serve the other (a graph bakes addresses, not requests)
         self.reuses_buffers = self.sparse_blocks is not None and self.max_blocks is not None
-        self._spare_slot_lists: list[list[torch.Tensor]] = []
+        self.pins = FarPins(store, device_slots=self.sparse_blocks is not None, max_blocks=self.max_blocks)
         self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
         self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (full_graph_rows.FullDecodeRows)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, FarRequest] = {}
         self.rows: list[FarRow] = []
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
         self.sparse_rows: list[int] = []
@@ -205,23 +115,12 @@ class FarKV:
         self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
                        "sparse_resident_reads": 0, "sparse_selected_reads": 0}
         self.overlap = SelectionOverlap(store.device)  # sparse: sampled reuse of a selection by the next step
-        self._decode_host: deque[float] = deque(maxlen=4096)  # attend_into's host seconds, decode steps, no capture
-        # per step, the host ms of begin_step and of all the step's attend_into calls (last 512 steps): where
-        # a slow step's time went, ours or not
-        self._step_host: deque[tuple[float, float]] = deque(maxlen=512)
-        self._begin_s = self._attend_s = 0.0
+        self.host = HostTimes()  # where the far path's host time goes, per step and per decode layer call
 
     # -- requests ---------------------------------------------------------------------------------
     def add_hashes(self, req_id: str, start: int, hashes: Sequence[str]) -> None:
         """Hashes of a request's full blocks start.. (sent by the scheduler side as blocks fill)."""
-        req = self.requests.setdefault(req_id, _Request())
-        if start > len(req.hashes):
-            raise ValueError(f"request {req_id}: block hashes from {start} arrived, but only {len(req.hashes)} are known")
-        for h in req.hashes[start:]:
-            req.index.pop(h, None)
-        del req.hashes[start:]
-        req.index.update((h, start + i) for i, h in enumerate(hashes))
-        req.hashes.extend(hashes)
+        self.requests.setdefault(req_id, FarRequest()).add_hashes(req_id, start, hashes)
 
     def summarize(self, layers: int | range, spans: Sequence, blocks: torch.Tensor) -> None:
         """Sparse policy: key min/max of blocks just saved (`blocks` [n, 2, H, T, D] on the device,
@@ -238,109 +137,46 @@ class FarKV:
             return
         if self.reuses_buffers:  # its summary tables and device slot lists serve the next request,
             self.key_summaries.release(req)  # and so do the graphs captured for it
-            if req.pinned_slots_dev:
-                self._spare_slot_lists.append(req.pinned_slots_dev)
+            self.pins.keep_slot_lists(req)
         elif self.graphs is not None:
             self.graphs.forget(req_id)
         if req.cache is not None and self.row_caches is not None:  # emptied for the next request (graphs bake the set)
             self.row_caches.give_back(req.cache)
-        for keys in req.pinned_keys:
-            self.store.unpin(keys)
-        if self.store.keep_saves_pinned:
-            self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
-            first = len(req.pinned_keys[0]) if req.pinned_keys else 0
-            for layer in range(self.store.num_layers):
-                self.store.release_saved_pins(self.store.keys(req.hashes[first:], layer))
-
-    def _pin(self, req_id: str, req: _Request, num_blocks: int) -> None:
-        """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below)."""
-        if not req.pinned_keys:
-            req.pinned_keys = [[] for _ in range(self.store.num_layers)]
-            req.pinned_slots = [torch.empty(0, dtype=torch.int64) for _ in range(self.store.num_layers)]
-            # sized for the longest request when known: the buffer never moves, so no graph recaptures
-            if self._spare_slot_lists:  # a finished request's (entries past the pinned count are unused)
-                req.pinned_slots_dev = self._spare_slot_lists.pop()
-            else:
-                size = (self.max_blocks or 0) if self.sparse_blocks is not None else 0  # read by the sparse policy only
-                req.pinned_slots_dev = [torch.empty(size, dtype=torch.int64, device=self.store.device)
-                                        for _ in range(self.store.num_layers)]
-        first = req.pinned_slots[0].numel()
-        if num_blocks <= first:
-            return
-        if num_blocks > len(req.hashes):
-            raise RuntimeError(f"request {req_id}: {num_blocks} far blocks needed, but the hashes of only "
-                               f"{len(req.hashes)} were sent; the connector's metadata is out of step")
-        hashes = req.hashes[first:num_blocks]
-        for layer in range(self.store.num_layers):
-            keys = self.store.keys(hashes, layer)
-            slots = self.store.pin_for_reader(keys)
-            if slots is None:  # a save still in flight: let it land and look again
-                self.store.poll(wait=True)
-                slots = self.store.pin_for_reader(keys)
-            if slots is None:
-                held = self.store.num_held(keys)
-                raise RuntimeError(
-                    f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer} cannot be pinned in the CPU "
-                    f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "
-                    f"running request (raise tiers[0].capacity_bytes)")
-            req.pinned_keys[layer].extend(keys)
-            new = torch.tensor(slots, dtype=torch.int64)
-            req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
-            if self.sparse_blocks is not None:
-                req.pinned_slots_dev[layer] = append_at(req.pinned_slots_dev[layer], first,
-                                                        to_device_no_sync(new, self.store.device))
-        self.counts["blocks_pinned"] += len(hashes) * self.store.num_layers
+        self.pins.release(req)
 
     # -- steps ------------------------------------------------------------------------------------
     def begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
         """rows: (req_id, tokens before the step, tokens in the step) in the step's token order.
-        Pins what became far, lays out the streamed chunks and starts the first layers' copies."""
+        Pins what became far, lays out the streamed chunks (far_step) and starts the first layers' copies."""
         started = time.perf_counter()
-        far_rows = self._begin_step(rows)
-        self._begin_s, self._attend_s = time.perf_counter() - started, 0.0
-        return far_rows
-
-    def _begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
-        far_rows, q = [], 0
-        for req_id, num_computed, num_new in rows:
-            n_far = far_blocks(num_computed, self.window_tokens, self.block_tokens)
-            far_rows.append(FarRow(req_id, q, q + num_new, num_computed, n_far))
-            q += num_new
-            if n_far:
-                req = self.requests.get(req_id)
-                if req is None:
-                    raise RuntimeError(f"request {req_id}: {n_far} far blocks needed but no block hashes were sent")
-                self._pin(req_id, req, n_far)
-        self.rows = far_rows
+        rows = step_rows(rows, self.window_tokens, self.block_tokens)
+        for row in (r for r in rows if r.num_far_blocks):
+            req = self.requests.get(row.req_id)
+            if req is None:
+                raise RuntimeError(f"request {row.req_id}: {row.num_far_blocks} far blocks needed but no block hashes were sent")
+            self.counts["blocks_pinned"] += self.pins.pin(row.req_id, req, row.num_far_blocks) * self.store.num_layers
+        self.rows = rows
         self.graphed.reset()
-        sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self.key_summaries.is_selectable(r)
-                  for r in far_rows]
-        self.sparse_rows = [i for i, r in enumerate(far_rows) if sparse[i] and r.num_far_blocks]
-        streamed = [0 if sparse[i] else r.num_far_blocks for i, r in enumerate(far_rows)]  # far blocks streamed in full
-        offsets, total = [], 0
-        for n in streamed:
-            offsets.append(total)
-            total += n
-        far_reqs = [(self.requests[r.req_id], n) for r, n in zip(far_rows, streamed) if n]
+        is_sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self.key_summaries.is_selectable(r)
+                     for r in rows]  # fmt: skip
+        layout = lay_out_step(rows, is_sparse, self.pool.region_blocks)
+        self.sparse_rows, self._offsets, self._pieces = layout.sparse_rows, layout.offsets, layout.pieces
+        far_reqs = [(self.requests[r.req_id], n) for r, n in zip(rows, layout.streamed) if n]
         if far_reqs:  # per layer: the rows' far blocks one after another (views when one row has any)
             cpu_slots = [req_slots[0] if len(req_slots) == 1 else torch.cat(req_slots)
                          for req_slots in ([req.pinned_slots[layer][:n] for req, n in far_reqs]
-                                           for layer in range(self.store.num_layers))]
+                                           for layer in range(self.store.num_layers))]  # fmt: skip
         else:  # nothing streamed (a decode step of sparse rows): one empty list for every layer
             cpu_slots = [torch.empty(0, dtype=torch.int64)] * self.store.num_layers
-        decode = all(r.q_end - r.q_start == 1 for r in far_rows)
-        self.streamer.plan(_StreamPlan(range(0, total), 1 if decode else max(2, q)), cpu_slots, self.block_tokens)
-        region = self.pool.region_blocks
-        self._offsets = offsets
-        self._pieces = []
-        for start in range(0, total, region):
-            end = min(start + region, total)
-            self._pieces.append([(i, max(o, start) - start, min(o + n, end) - start)
-                                 for i, (n, o) in enumerate(zip(streamed, offsets)) if n and o < end and o + n > start])
+        num_tokens = rows[-1].q_end if rows else 0
+        decode = all(r.q_end - r.q_start == 1 for r in rows)
+        plan = StreamPlan(range(0, layout.num_streamed), 1 if decode else max(2, num_tokens))
+        self.streamer.plan(plan, cpu_slots, self.block_tokens)
         self.counts["steps"] += 1
-        if total:
+        if layout.num_streamed:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
-        return far_rows
+        self.host.began(started)
+        return rows
 
     def prefetch(self, layer: int) -> None:
         """Before layer `layer` computes: keep layers up to layer + lookahead copying."""
@@ -420,10 +256,7 @@ class FarKV:
     def note_host(self, started: float, steady: bool) -> None:
         """A layer call's host time (from `started`) into its step's total, and into the decode median
         when `steady`: no streamed chunks, no capture, no check."""
-        spent = time.perf_counter() - started
-        self._attend_s += spent
-        if steady:
-            self._decode_host.append(spent)
+        self.host.note_layer(started, steady)
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -489,32 +322,20 @@ class FarKV:
         counts["sparse_selections"] += num_rows
 
     def cache_stats(self, prefetched: int = 0) -> dict:
-        """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
-        their copies moved (the store's `bytes_moved` adds them to the transfer engine's). prefetched:
-        the blocks the next-step prefetch copied into the caches (its `prefetch_copied`). Reads only."""
-        if self.row_caches is None:
-            return {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,
-                    "cache_copied_bytes": 0}
-        stats = self.row_caches.stats()
-        # what crosses PCIe per block: the block, or a quantized tier's codes and scales (its slot_bytes);
-        # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
-        stats["cache_copied_bytes"] = (stats["cache_misses"] + prefetched) * self.store.cpu.slot_bytes
-        return stats
+        """The far-block caches' counters (far_stats.cache_stats: one device sync; zeros without caches)
+        and the H2D bytes their copies moved (the store's `bytes_moved` adds them to the transfer
+        engine's). prefetched: the blocks the next-step prefetch copied into the caches. Reads only."""
+        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched)
 
     def end_step(self) -> None:
         if self.rows:
-            self._step_host.append((round(1e3 * self._begin_s, 3), round(1e3 * self._attend_s, 3)))
+            self.host.end_step()
         self.rows, self._pieces, self.sparse_rows = [], [], []
         self.graphed.reset()
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
-        streamers = [self.streamer] + ([self.sparse_streamer] if self.sparse_streamer is not None else [])
-
-        def total(counter: str) -> int:
-            return sum(getattr(s, counter) for s in streamers)
-
         prefetch = self.recorder.snapshot()
         full = self.full.stats() if self.full is not None else None  # one read of the prefetch's counters
         cache = self.cache_stats((full or {}).get("prefetch_copied", 0))
@@ -522,14 +343,8 @@ class FarKV:
         reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
         return {"window_tokens": self.window_tokens, **counts, "requests": len(self.requests),
                 "sparse_fetched_reads": counts["sparse_selected_reads"] - cache["cache_hits"], **cache,
-                "chunks_streamed": total("num_chunks_streamed"),
-                "bytes_streamed": total("bytes_streamed") + cache["cache_copied_bytes"],
-                # a stall: a sparse row that waits for a fetch at selection (graphed: one that missed its cache)
-                "stalls": total("num_stalls") + cache["cache_stalled_rows"],
-                "chunks_carried": self.streamer.num_chunks_carried,
-                "chunks_discarded": self.streamer.num_chunks_discarded,
-                "staging_bytes": sum(s.pool.staging_bytes for s in streamers) + cache["cache_bytes"]
-                + (self.graphs.packed_bytes if self.graphs is not None else 0),
+                **streaming_stats(self.streamer, self.sparse_streamer, cache,
+                                  self.graphs.packed_bytes if self.graphs is not None else 0),
                 "policy": "sparse" if self.sparse_blocks else "exact",
                 "selection_overlap": self.overlap.value(),
                 # GPU hit rate at attention time of sparse decode rows: reads of resident blocks (vLLM's pool)
@@ -539,10 +354,7 @@ class FarKV:
                 "full_decode_graphs": full,
                 "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
                 + self.key_summaries.spare_bytes,  # held for the next requests too
-                # the far path's own host time per layer call in decode steps, median of the last 4096 calls
-                # that captured no graph (no profiler needed)
-                "decode_host_us_per_layer": 1e6 * float(np.median(self._decode_host)) if self._decode_host else None,
-                "step_host_ms": list(self._step_host),  # per step (begin_step, its attend_into calls), last 512
+                **self.host.stats(),  # decode_host_us_per_layer, step_host_ms
                 "whole_check_max_abs": (self.graphed.whole_check.item() if self.graphed.whole_check is not None
                                         else None),
                 "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch,

@@ -30,7 +30,8 @@ import torch
 
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.integrations.vllm.config import CONNECTOR_NAME, config_from_kv_transfer
-from tierkv.integrations.vllm.far_rows import FarKV, FarRow
+from tierkv.integrations.vllm.far_rows import FarKV
+from tierkv.integrations.vllm.far_step import FarRow
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 
 BACKEND_PATH = "tierkv.integrations.vllm.backend.HotWindowBackend"

@@ -167,7 +167,7 @@ class VllmTieredLLM(TieredLLM):
         statistics; under tensor parallelism each rank's (its
         tiers named `<tier>@rank<k>`, the rest under `ranks.rank<k>`), gathered from the worker
         processes by vLLM's `collective_rpc`."""
-        from tierkv.integrations.vllm.store import merge_rank_stats, peek_store, worker_stats
+        from tierkv.integrations.vllm.store_registry import merge_rank_stats, peek_store, worker_stats
 
         totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
                   "full_graph_reserved_bytes": self.full_graph_reserved_bytes}

@@ -1,7 +1,7 @@
 """What a vLLM engine's tierkv connector keeps: tiers, transfer engine, and the layer-wise moves
 between vLLM's paged KV cache and the CPU tier. No vLLM import: tested on CPU with plain tensors.
 
-Primitives: `PagedLayout`, `VllmKVStore`, `shared_store`, `release_store`.
+Primitives: `VllmKVStore` (`PagedLayout`, `BlockSpan`, `layer_order` from paged_layout).
 
     vLLM paged cache of one layer (FlashAttention, logical view):  [num_blocks, H, T, 2 * D]
     tierkv block:                                                  [2, H, T, D]   (K, V)
@@ -10,15 +10,15 @@ Primitives: `PagedLayout`, `VllmKVStore`, `shared_store`, `release_store`.
         kv_cache[block_ids] --copy on the compute stream--> private [n, 2, H, T, D]
             --D2H on the copy stream--> CPU-tier slots (prepared, pinned)
         later, once the copy has landed: slots become visible to lookups (poll)
-    load (per layer, `lookahead_layers` ahead of the layer that needs it):
+    load (per layer, `lookahead_layers` ahead of the layer that needs it; store_loads):
         CPU-tier slots (pinned by acquire) --H2D--> fresh [n, 2, H, T, D] --> kv_cache[block_ids]
 
 The private copy means vLLM may free or reuse a saved block as soon as the forward returns:
 nothing reads vLLM's cache after the step. In-flight save bytes are bounded by
 `scheduler.staging_bytes`; past it the oldest save is waited for.
 
-One store per engine (`shared_store`, keyed by vLLM's engine id): the scheduler-side and the
-worker-side connector of an in-process engine share it, so prefix lookups see the CPU tier. A
+One store per engine (store_registry.shared_store, keyed by vLLM's engine id): the scheduler-side and
+the worker-side connector of an in-process engine share it, so prefix lookups see the CPU tier. A
 scheduler in another process gets a lookup-only store over the shared tiers (disk, Redis).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from tierkv.block_io import BlockIO, allocating_on_copy_stream
+from tierkv.block_io import BlockIO
 from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import ModelIdentity
@@ -38,14 +38,9 @@ from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
 from tierkv.integrations.vllm.paged_layout import BlockSpan, PagedLayout, layer_order
+from tierkv.integrations.vllm.store_loads import LayerLoads
 
-__all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order", "merge_rank_stats", "peek_store", "release_store",
-           "shared_store", "worker_stats"]
-
-
-class _LayerLoad:
-    def __init__(self, handle, staged: torch.Tensor, block_ids: torch.Tensor):
-        self.handle, self.staged, self.block_ids = handle, staged, block_ids
+__all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order"]
 
 
 class VllmKVStore:
@@ -84,13 +79,7 @@ class VllmKVStore:
         # pins over (the blocks become far) or gives them back (its request ends): key -> slot
         self.keep_saves_pinned = False
         self.saved_pins: dict[str, int] = {}
-        self._loads: dict[int, _LayerLoad] = {}
-        self._load_plan: list[BlockSpan] = []
-        self._load_ids = torch.empty(0, dtype=torch.int64)
-        self._load_hashes: list[str] = []
-        self._load_pins: list[tuple[object, list[str]]] = []   # (H2D handle, keys pinned for it)
-        self._next_load_layer = 0
-        self.load_error_block_ids: set[int] = set()
+        self.loads = LayerLoads(self, self._lock)  # a step's prefix loads into vLLM's cache (store_loads)
         self.hot_window = None   # the hot window's far-block reader (far.FarKV), set by the connector
         self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
                        "lookups": 0, "lookup_hit_blocks": 0}
@@ -220,62 +209,12 @@ class VllmKVStore:
             self.poll()
 
     def begin_loads(self, spans: Sequence[BlockSpan]) -> None:
-        """Plan this step's loads and start the first `lookahead` layers' H2D copies."""
-        spans = [s for s in spans if s.block_ids]
-        if not spans:
-            return
-        self._load_plan = list(spans)
-        self._load_ids = torch.tensor([b for s in spans for b in s.block_ids], dtype=torch.int64)
-        self._load_hashes = [h for s in spans for h in s.hashes]
-        self.counts["blocks_loaded"] += len(self._load_hashes)
-        self._next_load_layer = 0
-        while self._next_load_layer < min(self.lookahead, self.num_layers):
-            self._issue_load(self._next_load_layer)
-            self._next_load_layer += 1
-
-    def _issue_load(self, layer: int) -> None:
-        """One layer's blocks: pinned in the CPU tier and copied H2D on the copy stream; blocks the
-        CPU tier cannot pin (too small for a layer) are read from the tier holding them and copied
-        from there; blocks no tier holds any more become load errors (vLLM recomputes them)."""
-        keys = self.keys(self._load_hashes, layer)
-        with self._lock:
-            slots = self.chain.acquire_many(keys)
-        n = len(keys)
-        with allocating_on_copy_stream(self.engine, "h2d"):
-            staged = self.layout.empty(n, device=self.device)
-        ids = self._load_ids
-        if slots is not None:
-            handle = self.io.gather(torch.tensor(slots, dtype=torch.int64), staged, torch.arange(n, dtype=torch.int64))
-            self._load_pins.append((handle, keys))
-        else:
-            found = self.chain.get_many(keys, promote=False)
-            missing = [i for i, b in enumerate(found) if b is None]
-            if missing:
-                self.load_error_block_ids.update(int(ids[i]) for i in missing)
-                self.counts["load_failures"] += len(missing)
-            present = [i for i, b in enumerate(found) if b is not None]
-            handle = None
-            if present:
-                rows = torch.stack([found[i] for i in present]).to(self.device)
-                staged, ids = rows, ids[torch.tensor(present)]
-            else:
-                return
-        self._loads[layer] = _LayerLoad(handle, staged, to_device_no_sync(ids, self.device))
+        """Plan this step's loads and start the first `lookahead` layers' H2D copies (store_loads)."""
+        self.loads.begin(spans)
 
     def finish_layer_load(self, layer: int) -> None:
         """Before layer `layer`'s attention: its loaded blocks are in vLLM's cache (stream order)."""
-        load = self._loads.pop(layer, None)
-        if load is not None:
-            if load.handle is not None:
-                load.handle.wait_on_current_stream()
-            self.paged.write(self.kv_caches[layer], load.block_ids, load.staged)
-            if load.staged.is_cuda:
-                load.staged.record_stream(torch.cuda.current_stream(load.staged.device))
-        if self._load_plan and self._next_load_layer < self.num_layers and layer + self.lookahead >= self._next_load_layer:
-            self._issue_load(self._next_load_layer)
-            self._next_load_layer += 1
-        if layer == self.num_layers - 1:
-            self._load_plan = []
+        self.loads.finish_layer(layer)
         self.poll()
 
     def take_saved_pins(self, keys: Sequence[str]) -> list[int | None]:
@@ -317,8 +256,7 @@ class VllmKVStore:
                 self.cpu.release(held)
 
     def take_load_errors(self) -> set[int]:
-        errors, self.load_error_block_ids = self.load_error_block_ids, set()
-        return errors
+        return self.loads.take_errors()
 
     def poll(self, wait: bool = False) -> None:
         """Make landed saves visible and unpin landed loads (all of them when `wait`)."""
@@ -338,15 +276,7 @@ class VllmKVStore:
                 else:
                     still.append(pending)
             self._pending_saves = still
-            pins = []
-            for handle, keys in self._load_pins:
-                if wait:
-                    handle.synchronize()
-                if wait or handle.is_done():
-                    self.cpu.release(keys)
-                else:
-                    pins.append((handle, keys))
-            self._load_pins = pins
+            self.loads.poll(wait)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -371,64 +301,3 @@ class VllmKVStore:
             self.poll(wait=True)
         if self.chain is not None:
             self.chain.close()
-
-
-_STORES: dict[str, tuple[VllmKVStore, int]] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def shared_store(engine_id: str, make) -> VllmKVStore:
-    """The engine's store, made by `make(lookup_only)` on first use; each call takes a reference.
-
-    The worker side calls first in an in-process engine and makes the full store; a scheduler
-    side that finds none (its worker lives in another process) makes a lookup-only one.
-    """
-    with _STORES_LOCK:
-        store, refs = _STORES.get(engine_id, (None, 0))
-        if store is None:
-            store = make()
-        _STORES[engine_id] = (store, refs + 1)
-        return store
-
-
-def peek_store(engine_id: str) -> VllmKVStore | None:
-    with _STORES_LOCK:
-        entry = _STORES.get(engine_id)
-        return entry[0] if entry else None
-
-
-def release_store(engine_id: str) -> None:
-    """Drop a reference; the last one closes the store (flushing saves)."""
-    with _STORES_LOCK:
-        store, refs = _STORES.get(engine_id, (None, 0))
-        if store is None:
-            return
-        if refs > 1:
-            _STORES[engine_id] = (store, refs - 1)
-            return
-        del _STORES[engine_id]
-    store.close()
-
-
-def worker_stats(_worker, engine_id: str) -> list[dict]:
-    """Run in every vLLM worker by `LLM.collective_rpc(worker_stats, args=(engine_id,))`: the
-    stats of the worker-side stores of engine `engine_id` in this process (one per tensor-parallel
-    rank it holds), each with its rank."""
-    with _STORES_LOCK:
-        stores = [store for key, (store, _) in _STORES.items() if key == engine_id or key.startswith(f"{engine_id}/rank")]
-    return [{"tp_rank": store.tp_rank, "tp_size": store.tp_size, **store.stats()} for store in stores if not store.lookup_only]
-
-
-def merge_rank_stats(per_rank: Sequence[dict]) -> dict:
-    """Stats of several tensor-parallel ranks as one stats() dict: each rank's tiers under their
-    own name, `<tier>@rank<k>` (so the metrics, the Prometheus endpoint and the dashboard show a
-    tier per rank), and everything else of rank k under `ranks.rank<k>`."""
-    tiers, ranks = [], {}
-    for stats in sorted(per_rank, key=lambda s: s["tp_rank"]):
-        rank = stats["tp_rank"]
-        tiers.extend({**tier, "tier": f"{tier['tier']}@rank{rank}"} for tier in stats.get("tiers", []))
-        ranks[f"rank{rank}"] = {k: v for k, v in stats.items() if k not in ("tiers", "tp_rank", "tp_size")}
-    sizes = {s["tp_size"] for s in per_rank}
-    if len(sizes) > 1:
-        raise ValueError(f"per_rank: stats of different tensor-parallel sizes {sorted(sizes)}")
-    return {"tensor_parallel_size": sizes.pop() if sizes else 1, "tiers": tiers, "ranks": ranks}
