@@ -16,8 +16,9 @@ Rules (--rules):
   weight       tierkv's selection at each --weights w (`tierkv.sparse.BlockSummaries` with
                bound_weight w: w x Quest's bound + (1 - w) x the midpoint key's score, max over query
                heads, one selection per layer), the rule tierkv's sparse decode runs
-  kv_group     the same score at weight 0.5, k blocks per KV head (each KV head its own
-               selection: not what tierkv runs; it costs up to num_kv_heads x k blocks of copies)
+  kv_group     the same score at weight 0.5, k blocks per KV head (each KV head its own selection:
+               tierkv's `scheduler.sparse_selection: per_kv_head`, built where far blocks are read in
+               place, a CPU device)
   oracle       the k blocks holding the most true attention mass (mean over query heads): the best any
                one-selection-per-layer rule can do
   oracle_head  the k blocks of most mass per query head: the best any k-blocks-per-head rule can do
@@ -47,7 +48,7 @@ def _selection(rule: str, weight: float, q: torch.Tensor, keys: torch.Tensor, pr
                k: int, block_tokens: int) -> torch.Tensor:
     """The far blocks each query head reads: int64 [H, k] (0-based within `far`). q [H, D] after rotary,
     keys [H_kv, L, D], probs [H, L] the true softmax of this step (oracles only)."""
-    from tierkv.sparse import BlockSummaries
+    from tierkv.sparse import BlockSummaries, select_far_blocks_per_kv_head
 
     H, T = q.shape[0], block_tokens
     if rule.startswith("oracle"):
@@ -60,9 +61,9 @@ def _selection(rule: str, weight: float, q: torch.Tensor, keys: torch.Tensor, pr
     summaries.put(0, 0, torch.cat([blocks.amax(dim=2), blocks.amin(dim=2)], dim=-1))
     if rule == "weight":  # tierkv's selection: the same call its sparse decode makes
         return summaries.upper_bounds(0, q, range(len(far))).topk(k).indices.expand(H, k)
-    if rule == "kv_group":
-        group = summaries.head_bounds(0, q, range(len(far))).view(num_kv, H // num_kv, -1).amax(1)  # [H_kv, nf]
-        return group.topk(k, dim=1).indices.repeat_interleave(H // num_kv, dim=0)
+    if rule == "kv_group":  # tierkv's scheduler.sparse_selection: per_kv_head
+        per_kv_head = select_far_blocks_per_kv_head(summaries, 0, q, range(len(far)), k)         # [H_kv, k]
+        return per_kv_head.repeat_interleave(H // num_kv, dim=0)
     raise ValueError(f"rule {rule!r}: expected weight, kv_group, oracle or oracle_head")
 
 
@@ -134,10 +135,11 @@ def layout_for(model, context: int, continuation: int, disk: str) -> FarLayout:
 
 
 def check_against_tierkv(model, tokenizer, context: int, continuation: int, token_budget: int, weight: float,
-                         disk: str) -> float:
+                         disk: str, rule: str = "weight") -> float:
     """The largest logit difference between rule 'weight' here and tierkv's own sparse decode (predictor
     none, the same layout and budget, bound weight `weight`) over `continuation` teacher-forced tokens
-    of the text: the simulation is tierkv's selection when this is at float32 rounding."""
+    of the text: the simulation is tierkv's selection when this is at float32 rounding. Rule kv_group:
+    against tierkv's `sparse_selection: per_kv_head`."""
     import dataclasses
 
     from benchmarks.bench_accuracy import SPARSE_FRACTION, _config, _kv_bytes, tiered_teacher_forced
@@ -147,10 +149,12 @@ def check_against_tierkv(model, tokenizer, context: int, continuation: int, toke
     prompt, rest = ids[:context], ids[context : context + continuation]
     config = _config(model, _kv_bytes(model, context + continuation), SPARSE_FRACTION, disk, "sparse", token_budget,
                      "none")
-    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, sparse_bound_weight=weight))
+    selection = "per_kv_head" if rule == "kv_group" else "per_layer"
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, sparse_bound_weight=weight, sparse_selection=selection))
     tierkv = tiered_teacher_forced(model, config, prompt, rest)
     layout = layout_for(model, context, continuation, disk)
-    ours = rule_logits(model, prompt, rest, layout, token_budget // layout.block_tokens, "weight", weight)
+    ours = rule_logits(model, prompt, rest, layout, token_budget // layout.block_tokens, rule, weight)
     return float((tierkv - ours).abs().max())
 
 

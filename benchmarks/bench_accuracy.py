@@ -46,6 +46,7 @@ SINK_TOKENS = 16    # --sink-tokens
 WINDOW_TOKENS = 32  # --window-tokens
 SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV
 PREFILL_CHUNK = 512
+SELECTION = "per_layer"  # --sparse-selection: scheduler.sparse_selection of the sparse runs
 BOUND_WEIGHT = 1.0   # --bound-weight: scheduler.sparse_bound_weight of the sparse runs and the recall's selection
 QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retrieval_tokens=[512], depths=[0.5],
              seeds=[0], tasks=["passkey"], sparse_budgets=[128], predictors=["previous"], new_tokens=6)
@@ -60,7 +61,7 @@ def tier_config(prompt_kv_bytes: int, fraction: int, num_layers: int, block_byte
     scheduler = {"policy": policy, "lookahead_layers": 1, "staging_bytes": staging, "prefill_chunk_tokens": PREFILL_CHUNK}
     if policy == "sparse":
         scheduler.update(predictor=predictor, sparse_token_budget=token_budget, decode_cuda_graph=False,
-                         sparse_bound_weight=BOUND_WEIGHT)
+                         sparse_bound_weight=BOUND_WEIGHT, sparse_selection=SELECTION)
     return load_config({
         "model": {"name": "smollm2-135m"},
         "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // fraction,
@@ -332,6 +333,8 @@ def parse_args(argv=None):
                         "all but the window, stay resident: sparse decode reads them besides its selection)")
     p.add_argument("--bound-weight", type=float, default=BOUND_WEIGHT,
                    help="scheduler.sparse_bound_weight of every sparse run (1: Quest's bound alone)")
+    p.add_argument("--sparse-selection", default=SELECTION, choices=("per_layer", "per_kv_head"),
+                   help="scheduler.sparse_selection of every sparse run (per_kv_head: a CPU device only)")
     p.add_argument("--disk-path", default="/tmp/tierkv-bench-accuracy")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-<device>.json)")
     args = p.parse_args(argv)
@@ -353,14 +356,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION, BOUND_WEIGHT  # one run, one cache shape
+    global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION, BOUND_WEIGHT, SELECTION  # one run, one cache shape
     SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION = args.sink_tokens, args.window_tokens, args.sparse_gpu_fraction
-    BOUND_WEIGHT = args.bound_weight
+    BOUND_WEIGHT, SELECTION = args.bound_weight, args.sparse_selection
     model, tokenizer, model_id = load_real_model(args.device)
     recall = [] if args.recall else None
     results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick,
                "cache": {"block_tokens": BLOCK_TOKENS, "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS,
-                         "sparse_gpu_fraction": SPARSE_FRACTION, "sparse_bound_weight": BOUND_WEIGHT}}
+                         "sparse_gpu_fraction": SPARSE_FRACTION, "sparse_bound_weight": BOUND_WEIGHT,
+                         "sparse_selection": SELECTION}}
     if "exact" in args.parts:
         results["exact"] = run_exact(model, tokenizer, args, args.disk_path)
     if "retrieval" in args.parts:

@@ -18,13 +18,15 @@ def smollm2():
     return model, tokenizer
 
 
-@pytest.mark.parametrize("weight", [1.0, 0.5])
-def test_rule_weight_is_tierkv_sparse_decode(smollm2, tmp_path, weight):
+@pytest.mark.parametrize("rule, weight", [("weight", 1.0), ("weight", 0.5), ("kv_group", 0.5)])
+def test_the_rules_are_tierkv_sparse_decode(smollm2, tmp_path, rule, weight):
+    """Rule 'weight' is tierkv's sparse decode with that bound weight, rule 'kv_group' with
+    sparse_selection: per_kv_head (far blocks read in place on the CPU)."""
     from benchmarks.accuracy_selection import check_against_tierkv
 
     model, tokenizer = smollm2
     # 1024 tokens, GPU budget 1/8: 5 front blocks, 3 window blocks, about 56 far candidates for 8 selected
-    assert check_against_tierkv(model, tokenizer, 1024, 6, 128, weight, str(tmp_path)) < 1e-3  # 2.7e-5 measured; a wrong weight gives 3.1
+    assert check_against_tierkv(model, tokenizer, 1024, 6, 128, weight, str(tmp_path), rule) < 1e-3  # 2.7e-5 measured; a wrong weight gives 3.1
 
 
 def test_oracles_and_rules_run_and_a_too_long_context_is_refused(smollm2, tmp_path):

@@ -52,7 +52,7 @@ class InPlaceFarReads:
         self,
         q: torch.Tensor,                       # [num_q, num_heads, head_dim], CPU, the KV dtype
         layer_slots: torch.Tensor,             # int64 [num_blocks_written] CPU-tier slot of each block of the layer, CPU
-        blocks: range | torch.Tensor,          # blocks to read: a range of block indices, or int64 [k] on the CPU
+        blocks: range | torch.Tensor,          # blocks to read: a range, int64 [k], or int64 [Hkv, k] per KV head, CPU
         *,
         scale: float,
         fresh: torch.Tensor | None = None,     # [2, num_fresh, num_kv_heads, head_dim] more keys and values, KV dtype
@@ -60,8 +60,11 @@ class InPlaceFarReads:
         """float32 (out [num_q, num_heads, head_dim], lse [num_q, num_heads]) over the listed blocks (all
         full) and the `fresh` tokens, one kernel call, no mask: every key must precede or be at every
         query's position (far blocks always are; fresh tokens in a one-token decode step); None when
-        there is no key."""
+        there is no key. Blocks [Hkv, k]: KV head h reads its own row (`sparse_selection: per_kv_head`),
+        every head the same number of keys."""
         slots = self._slots(layer_slots, blocks)
+        if slots.dim() == 2:
+            return self._attend_per_kv_head(q, slots, scale, fresh)
         num_blocks, num_fresh = slots.numel(), 0 if fresh is None else fresh.shape[1]
         if num_blocks == 0 and num_fresh == 0:
             return None
@@ -78,10 +81,33 @@ class InPlaceFarReads:
         kv = flat[:, :, : num_blocks * T + num_fresh].transpose(1, 2)  # [2, num_keys, Hkv, D] views
         return contiguous_partial_attention(q, kv[0], kv[1], scale=scale)
 
+    def _attend_per_kv_head(self, q: torch.Tensor, slots: torch.Tensor, scale: float,
+                             fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attend` with slots int64 [Hkv, k]: KV head h's keys are the blocks of slots[h], then `fresh`."""
+        num_kv_heads, num_blocks = slots.shape
+        if num_kv_heads != self._keys.shape[1]:
+            raise ValueError(f"per-KV-head blocks: {num_kv_heads} rows for {self._keys.shape[1]} KV heads")
+        num_fresh = 0 if fresh is None else fresh.shape[1]
+        if num_blocks == 0 and num_fresh == 0:
+            return None
+        self.num_blocks_read += slots.numel()
+        T = self.block_tokens
+        keys = self._buffer(num_blocks + -(-num_fresh // T))
+        pool = self._pool(slots.flatten())  # a quantized tier: row h's blocks at h * k ..
+        for h in range(num_kv_heads):
+            source, index = ((self.tier.slab, slots[h]) if pool is None
+                             else (pool, torch.arange(h * num_blocks, (h + 1) * num_blocks)))
+            torch.index_select(source.select(2, h).transpose(0, 1), 1, index, out=keys[:, h, :num_blocks])
+        flat = keys.flatten(2, 3)
+        if num_fresh:
+            flat[:, :, num_blocks * T : num_blocks * T + num_fresh] = fresh.transpose(1, 2)
+        kv = flat[:, :, : num_blocks * T + num_fresh].transpose(1, 2)
+        return contiguous_partial_attention(q, kv[0], kv[1], scale=scale)
+
     def _slots(self, layer_slots: torch.Tensor, blocks: range | torch.Tensor) -> torch.Tensor:
-        """int64 [num_blocks] CPU-tier slots of the listed blocks."""
+        """int64 CPU-tier slots of the listed blocks ([num_blocks], or [Hkv, k] for per-head rows)."""
         if not isinstance(blocks, range):
-            return layer_slots.index_select(0, blocks)
+            return layer_slots[blocks]
         if len(blocks) and blocks.stop > layer_slots.numel():  # an empty far set may start past the written blocks
             raise IndexError(f"blocks {blocks.start}..{blocks.stop - 1}: only {layer_slots.numel()} blocks of "
                              f"this layer are in the CPU tier")

@@ -129,6 +129,12 @@ class SchedulerConfig:
     lookahead_layers: int = field(default=2, metadata=doc("layers prefetched ahead of compute", min_value=1))
     staging_bytes: int = field(default=256 * 1024**2, metadata=doc("GPU bytes for streamed blocks", min_value=1))
     sparse_token_budget: int = field(default=2048, metadata=doc("far tokens attended per step (sparse)", min_value=1))
+    sparse_selection: str = field(default="per_layer", metadata=doc(
+        "sparse: 'per_layer' reads one selection of far blocks for all heads of a layer; 'per_kv_head' lets each "
+        "KV head read its own sparse_token_budget tokens (the same keys per head, better chosen: KL to dense "
+        "attention 58% lower on real text, benchmarks/RESULTS.md 'Selection rules'); per_kv_head is built where "
+        "far blocks are read in place (a CPU device, cpu_far_reads: direct); on a GPU it would copy single heads' "
+        "slices, not built, and is refused there", choices=("per_layer", "per_kv_head")))
     sparse_bound_weight: float = field(default=1.0, metadata=doc(
         "sparse: how far blocks are ranked; a block's score is w x Quest's bound (the largest score any of its keys "
         "can give) + (1 - w) x the score of its midpoint key ((key max + key min) / 2), max over query heads. 1 (the "

@@ -12,7 +12,8 @@ import threading
 import torch
 
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
-from tierkv.config import TierKVConfig
+from tierkv.attention.cpu_far import reads_in_place
+from tierkv.config import ConfigError, TierKVConfig
 from tierkv.block_io import BlockIO
 from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, check_fits_device, parse_budget
 from tierkv.engine.elastic import resize_hot_window
@@ -50,6 +51,12 @@ class KVRuntime:
         self.pool = GpuBlockPool(self.layout, num_layers, residency, config.scheduler.staging_bytes,
                                  num_regions, self.device)
         scheduler = config.scheduler
+        if (scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer"
+                and not reads_in_place(scheduler.cpu_far_reads, self.device)):
+            raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,
+                              f"per_kv_head is built only where far blocks are read in place (a CPU device, "
+                              f"cpu_far_reads: direct; here device {self.device}, cpu_far_reads "
+                              f"{scheduler.cpu_far_reads!r}): use 'per_layer'")
         if scheduler.policy == "sparse" and scheduler.predictor == "query":  # refuse a too small staging now
             cache_slots_per_layer(num_layers, self.pool.staging.shape[0],
                                   scheduler.sparse_token_budget // config.cache.block_tokens, self.layout.num_bytes)

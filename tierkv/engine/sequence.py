@@ -26,7 +26,7 @@ from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.engine.predictors import predictor_for
-from tierkv.sparse.summaries import BlockSummaries, select_far_blocks_on_device
+from tierkv.sparse.summaries import BlockSummaries, select_far_blocks_on_device, select_far_blocks_per_kv_head
 
 if TYPE_CHECKING:
     from tierkv.engine.runtime import KVRuntime
@@ -231,11 +231,15 @@ class SequenceKV:
         with_resident = self.far_in_place.reads_resident
         blocks = range(step.first_block) if with_resident else step.streamed_blocks  # old full blocks: 0..first-1
         if self._is_sparse_step:
-            k = self.rt.config.scheduler.sparse_token_budget // self.rt.layout.block_tokens
-            blocks = select_far_blocks_on_device(self.summaries, layer, q[0], step.streamed_blocks, k)
-            self.num_streamed_reads += blocks.numel()
+            scheduler = self.rt.config.scheduler
+            k = scheduler.sparse_token_budget // self.rt.layout.block_tokens
+            select = (select_far_blocks_per_kv_head if scheduler.sparse_selection == "per_kv_head"
+                      else select_far_blocks_on_device)  # [Hkv, k]: each KV head its own blocks; [k]: one set
+            blocks = select(self.summaries, layer, q[0], step.streamed_blocks, k)
+            self.num_streamed_reads += blocks.shape[-1]  # per KV head: k blocks of one head each, k blocks' bytes
             if with_resident:
-                blocks = torch.cat([torch.as_tensor(step.resident_blocks, dtype=torch.int64), blocks])
+                resident = torch.as_tensor(step.resident_blocks, dtype=torch.int64)
+                blocks = torch.cat([resident.expand(*blocks.shape[:-1], -1), blocks], dim=-1)
         is_decode = step.num_new_tokens == 1
         far = self.far_in_place.attend(q, self.device_cpu_slots(layer), blocks, scale=scale,
                                        fresh=fresh if is_decode else None)

@@ -23,8 +23,9 @@ from tierkv.sparse.summaries import (
     masked_bounds_rows,
     select_far_blocks,
     select_far_blocks_on_device,
+    select_far_blocks_per_kv_head,
     top_blocks,
 )
 
 __all__ = ["BlockSummaries", "check_candidates", "key_bounds", "masked_bounds_rows", "select_far_blocks",
-           "select_far_blocks_on_device", "top_blocks"]
+           "select_far_blocks_on_device", "select_far_blocks_per_kv_head", "top_blocks"]

@@ -2,7 +2,7 @@
 
 Primitives: `key_bounds`, `selection_query`, `check_bound_weight`, `BlockSummaries` (`update`, `put`,
 `upper_bounds`, `head_bounds`, `masked_bounds`), `masked_bounds_rows`, `top_blocks`, `check_candidates`,
-`select_far_blocks`, `select_far_blocks_on_device`.
+`select_far_blocks`, `select_far_blocks_on_device`, `select_far_blocks_per_kv_head`.
 
 For every full block of every layer the GPU keeps, per KV head, the elementwise min and max of
 its keys (as Quest does): 2 x num_kv_heads x head_dim values per block, max and min side by
@@ -272,3 +272,18 @@ def select_far_blocks_on_device(summaries: BlockSummaries, layer: int, q: torch.
         return torch.empty(0, dtype=torch.int64, device=q.device)
     scores = summaries.upper_bounds(layer, q, candidates)
     return torch.sort(torch.topk(scores, k).indices).values + candidates.start
+
+
+def select_far_blocks_per_kv_head(summaries: BlockSummaries, layer: int, q: torch.Tensor, candidates: range,
+                                  k: int) -> torch.Tensor:
+    """`scheduler.sparse_selection: per_kv_head`: each KV head's own k candidate blocks, by the max of
+    its query heads' scores (`BlockSummaries.head_bounds`): int64 [num_kv_heads, min(k, len(candidates))]
+    on q's device, each row in block order (every candidate in every row where k covers them)."""
+    check_candidates(candidates)
+    num_kv_heads = summaries.tables[layer].shape[1]
+    n = len(candidates)
+    if k >= n or k <= 0:
+        ids = torch.arange(candidates.start, candidates.start + (n if k > 0 else 0), device=q.device)
+        return ids.expand(num_kv_heads, -1)
+    scores = summaries.head_bounds(layer, q, candidates).view(num_kv_heads, q.shape[0] // num_kv_heads, n).amax(1)
+    return torch.sort(torch.topk(scores, k, dim=1).indices, dim=1).values + candidates.start

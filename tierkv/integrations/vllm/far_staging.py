@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierkv.config import ConfigError
 from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches, cache_rows
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
@@ -43,6 +44,10 @@ def split_staging(store, max_rows: int) -> FarStaging:
     """
     scheduler, layout, staging_bytes = store.config.scheduler, store.layout, store.config.scheduler.staging_bytes
     block_tokens = layout.block_tokens
+    if scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer":
+        raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,
+                          "under vLLM only 'per_layer' is built (per_kv_head needs far blocks read in place: the "
+                          "transformers engine on a CPU device)")
     sparse_blocks = max(1, scheduler.sparse_token_budget // block_tokens) if scheduler.policy == "sparse" else None
     source = (FarSource(store.cpu, store.io.engine, store.device, store.num_layers, sparse_blocks, block_tokens,
                         scheduler.sparse_bound_weight)
