@@ -16,7 +16,7 @@ Rules (--rules):
   weight       tierkv's selection at each --weights w (`tierkv.sparse.BlockSummaries` with
                bound_weight w: w x Quest's bound + (1 - w) x the midpoint key's score, max over query
                heads, one selection per layer), the rule tierkv's sparse decode runs
-  kv_group     the same score at weight 0.5, k blocks per KV head (each KV head its own selection:
+  kv_group     the same score at each --weights w, k blocks per KV head (each KV head its own selection:
                tierkv's `scheduler.sparse_selection: per_kv_head`, built where far blocks are read in
                place, a CPU device)
   oracle       the k blocks holding the most true attention mass (mean over query heads): the best any
@@ -40,7 +40,6 @@ from benchmarks._common import write_results  # noqa: E402
 from benchmarks.accuracy_recall import FarLayout  # noqa: E402
 
 NAME = "tierkv_selection"
-GROUP_WEIGHT = 0.5  # the bound weight rule kv_group scores with
 _RUN: dict = {}  # the rule the registered attention function applies (set per forward)
 
 
@@ -174,8 +173,7 @@ def run(model, tokenizer, args) -> list[dict]:
         reference = dense_teacher_forced(model, prompt, continuation)
         layout = layout_for(model, context, args.continuation, args.disk_path)
         budget = context // args.budget_fraction
-        runs = ([("weight", w) for w in args.weights] if "weight" in args.rules else []) + [
-            (rule, GROUP_WEIGHT) for rule in args.rules if rule != "weight"]
+        runs = [(rule, w) for rule in args.rules for w in (args.weights if rule in ("weight", "kv_group") else [None])]
         for rule, weight in runs:
             start = time.perf_counter()
             got = rule_logits(model, prompt, continuation, layout, budget // layout.block_tokens, rule, weight)
