@@ -91,7 +91,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     if mode == "plain":
         from vllm import LLM
 
-        from tierkv.integrations.vllm.llm import full_decode_capture_sizes
+        from tierkv.integrations.vllm.pool_sizing import full_decode_capture_sizes
 
         # compiled, the plain batch gets a full decode graph of its own size too (vLLM's default sizes stop at
         # 2, 4, 8, ... up to max_num_seqs: 3 or 10 rows would otherwise run piecewise); TieredLLM adds it for
