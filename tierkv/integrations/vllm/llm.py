@@ -40,6 +40,7 @@ import yaml
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config.load import to_dict
 from tierkv.llm import TieredLLM, config_of, generate_inputs
+from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.sampling import RequestOutput, SamplingParams
 from tierkv.integrations.vllm.engine_args import tiered_engine_args
 from tierkv.integrations.vllm.pool_sizing import check_full_graph_rows
@@ -81,15 +82,9 @@ class VllmTieredLLM(TieredLLM):
             raise
         self.engine_id = str(self.engine.llm_engine.vllm_config.kv_transfer_config.engine_id)
         self.resizer, self._resize_error = pool_resizer(self.engine, self.config, args, hot_window=hot_window)
-        self._totals = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_tokens": 0, "wall_s": 0.0}
-        from tierkv.metrics import MetricsService
-
-        try:  # the config's metrics section: JSONL snapshots / endpoint / dashboard, as on the transformers backend
-            self.metrics = MetricsService.from_config(self.config.metrics, self.stats,
-                                                      set_gpu_budget=self.set_gpu_budget if hot_window else None)
-        except Exception:
-            self.close()
-            raise
+        self.totals = RequestTotals(("prompt_tokens", "generated_tokens", "prefix_tokens"), per_call=("wall_s",))
+        self.metrics = start_metrics(self.config, self.stats, on_failure=self.close,
+                                     set_gpu_budget=self.set_gpu_budget if hot_window else None)
 
     def generate(self, prompts, sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
         """Same inputs (any form `tierkv.prompts` accepts, checked before any work) and outputs as the
@@ -113,15 +108,11 @@ class VllmTieredLLM(TieredLLM):
             stats = {"prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(completion.token_ids),
                      "prefix_tokens": out.num_cached_tokens or 0, "batch_wall_s": wall_s,
                      "top2_logprobs": top2, "top2_margins": [t[0] - t[1] if len(t) > 1 else None for t in top2]}
-            self._totals["requests"] += 1
-            self._totals["prompt_tokens"] += stats["prompt_tokens"]
-            self._totals["generated_tokens"] += stats["generated_tokens"]
-            self._totals["prefix_tokens"] += stats["prefix_tokens"]
-            self.metrics.record_request({k: v for k, v in stats.items() if not k.startswith("top2")})
+            self.totals.record(stats, self.metrics, {k: v for k, v in stats.items() if not k.startswith("top2")})
             results.append(RequestOutput(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(completion.token_ids),
                                          text=completion.text, finish_reason=completion.finish_reason or "length",
                                          stats=stats, request_id=str(out.request_id), prompt=out.prompt))
-        self._totals["wall_s"] += wall_s
+        self.totals.add("wall_s", wall_s)
         return results
 
     def _vocab_size(self) -> int | None:
@@ -136,7 +127,7 @@ class VllmTieredLLM(TieredLLM):
         processes by vLLM's `collective_rpc`."""
         from tierkv.integrations.vllm.store_registry import merge_rank_stats, peek_store, worker_stats
 
-        totals = {"requests": dict(self._totals), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
+        totals = {"requests": self.totals.as_dict(), "backend": "vllm", "summary_reserved_bytes": self.summary_reserved_bytes,
                   "full_graph_reserved_bytes": self.full_graph_reserved_bytes}
         if getattr(self, "resizer", None) is not None:
             totals["gpu"] = self.resizer.stats()
