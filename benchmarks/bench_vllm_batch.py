@@ -47,7 +47,7 @@ def host_requests(per_request_bytes: int) -> int:
     bytes each, plus 1 GiB), counting what the tier's slab locks (`slab_locked_bytes`: its own
     size when cupy pins it exactly, else PyTorch's power-of-two round-up; an 81 GiB tier for 5
     requests once failed on the GPU machine's 128 GiB)."""
-    from tierkv.storage.cpu import slab_locked_bytes
+    from tierkv.storage.pinned_slab import slab_locked_bytes
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = max(1, int(0.7 * ram) // per_request_bytes)
@@ -91,7 +91,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     if mode == "plain":
         from vllm import LLM
 
-        from tierkv.integrations.vllm.llm import full_decode_capture_sizes
+        from tierkv.integrations.vllm.pool_sizing import full_decode_capture_sizes
 
         # compiled, the plain batch gets a full decode graph of its own size too (vLLM's default sizes stop at
         # 2, 4, 8, ... up to max_num_seqs: 3 or 10 rows would otherwise run piecewise); TieredLLM adds it for

@@ -92,7 +92,7 @@ def during(llm, prompt: list[int], tokens: int, budget: int, reference: list[int
 def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from tierkv.budget_change import BudgetRefused
-    from tierkv.integrations.vllm.llm import checkpoint_shape
+    from tierkv.integrations.vllm.pool_sizing import checkpoint_shape
     from tierkv.llm import TieredLLM
 
     shape = checkpoint_shape(model_dir)

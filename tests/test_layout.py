@@ -180,3 +180,28 @@ def test_no_two_module_names_differ_by_an_added_letter():
         return len(long) == len(short) + 1 and any(long[:i] + long[i + 1:] == short for i in range(len(long)))
 
     assert [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if one_letter_added(a, b)] == []
+
+
+HOST_ONLY_MODULES = ("tierkv.scheduler.plan",)  # deciding: plain Python, no device work
+
+
+def test_host_side_plans_import_neither_torch_nor_the_transfer_side():
+    """A module that only decides (the step plan) cannot create a device tensor or launch a copy:
+    it imports neither torch nor `tierkv.transfer`, not even inside a function; its index lists
+    reach the device through `tierkv.transfer.step_indices`."""
+    files = module_files()
+    offenders = {}
+    for module in HOST_ONLY_MODULES:
+        path = files[module]
+        names = set()
+        for node in _all_imports(ast.parse(path.read_text(), str(path)).body):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            else:
+                source = _absolute(node, module, path.name == "__init__.py")
+                names.update([source] + [f"{source}.{a.name}" for a in node.names])
+        bad = sorted(n for n in names if n.split(".")[0] in ("torch", "numpy", "triton", "cupy")
+                     or n == "tierkv.transfer" or n.startswith("tierkv.transfer."))
+        if bad:
+            offenders[module] = bad
+    assert offenders == {}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from tierkv.cli.plan import load_shape
-from tierkv.integrations.vllm.llm import checkpoint_shape as vllm_checkpoint_shape
+from tierkv.integrations.vllm.pool_sizing import checkpoint_shape as vllm_checkpoint_shape
 from tierkv.model_shape import checkpoint_shape, model_shape
 
 configs = st.fixed_dictionaries(

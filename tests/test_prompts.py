@@ -257,10 +257,11 @@ def test_vllm_backend_checks_prompts_before_the_engine_sees_them():
     from types import SimpleNamespace
 
     from tierkv.integrations.vllm.llm import VllmTieredLLM
+    from tierkv.llm_totals import RequestTotals
 
     seen = []
     llm = object.__new__(VllmTieredLLM)
-    llm._totals = {"wall_s": 0.0}  # the fake engine returns no outputs: nothing else is counted
+    llm.totals = RequestTotals(("prompt_tokens",), per_call=("wall_s",))  # the fake engine returns no outputs
     llm.engine = SimpleNamespace(
         llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB)),
         generate=lambda inputs, params, use_tqdm: seen.append(inputs) or [])

@@ -26,7 +26,8 @@ import torch
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config.load import to_dict
-from tierkv.metrics import MetricsService, runtime_reads
+from tierkv.llm_totals import RequestTotals, start_metrics
+from tierkv.metrics import runtime_reads
 from tierkv.engine.prefix import load_prefix
 from tierkv.prompts import normalize_prompts, token_ids
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
@@ -70,14 +71,9 @@ class TieredLLM:
         self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
         self.show_progress = show_progress
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self._totals = {"requests": 0, "prompt_tokens": 0, "prefix_tokens": 0, "generated_tokens": 0,
-                        "prefill_s": 0.0, "decode_s": 0.0}
-        try:
-            self.metrics = MetricsService.from_config(self.config.metrics, self.stats, live_reads=runtime_reads(self.runtime),
-                                                      set_gpu_budget=self.set_gpu_budget)
-        except Exception:
-            self.runtime.close()
-            raise
+        self.totals = RequestTotals(("prompt_tokens", "prefix_tokens", "generated_tokens", "prefill_s", "decode_s"))
+        self.metrics = start_metrics(self.config, self.stats, on_failure=self.runtime.close,
+                                     live_reads=runtime_reads(self.runtime), set_gpu_budget=self.set_gpu_budget)
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, prompts, sampling: SamplingParams | None = None, **sampling_kwargs) -> list[RequestOutput]:
@@ -127,7 +123,7 @@ class TieredLLM:
 
     def stats(self) -> dict:
         """Running totals since construction: requests, tokens, times, tiers, transfers."""
-        return {"requests": dict(self._totals), **self.runtime.stats()}
+        return {"requests": self.totals.as_dict(), **self.runtime.stats()}
 
     def close(self) -> None:
         self.metrics.close()
@@ -165,11 +161,7 @@ class TieredLLM:
             "stalls": after["scheduler"]["stalls"] - before["scheduler"]["stalls"],
             **cache.seq.read_stats(),
         }
-        for key in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s"):
-            self._totals[key] += stats[key]
-        self._totals["prefix_tokens"] += num_prefix
-        self._totals["requests"] += 1
-        self.metrics.record_request(stats)
+        self.totals.record(stats, self.metrics)
         text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer is not None else None
         return RequestOutput(prompt_token_ids=ids, token_ids=generated, text=text, finish_reason=reason, stats=stats)
 

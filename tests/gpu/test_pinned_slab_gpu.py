@@ -1,5 +1,5 @@
 """GPU: a pinned CPU tier locks the host memory it uses, not the next power of two of it
-(`tierkv.storage.cpu.exact_pinned`), and copies to and from it are right. Measured in a fresh process, so no earlier pinned
+(`tierkv.storage.pinned_slab.exact_pinned`), and copies to and from it are right. Measured in a fresh process, so no earlier pinned
 allocation can be reused: its resident memory grows by the slab, 1.25 GiB, not 2 GiB."""
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_eviction_steps_over_a_long_pinned_run_once_and_keeps_lru_order_among_th
 
 def test_pinned_bytes_is_what_pytorchs_pinned_allocator_locks(monkeypatch):
     """PyTorch's pinned allocator rounds to a power of two unless its settings raise the threshold."""
-    from tierkv.storage.cpu import pinned_bytes
+    from tierkv.storage.pinned_slab import pinned_bytes
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
@@ -80,7 +80,7 @@ def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog
     below its size first (smaller allocations keep theirs), so it locks what it uses, unlogged."""
     import sys
 
-    from tierkv.storage import cpu
+    from tierkv.storage import pinned_slab
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # no exact cudaHostAlloc route: PyTorch's allocator
     settings = {"value": ""}
@@ -89,14 +89,14 @@ def test_a_large_slab_turns_pinned_rounding_off_for_its_size(monkeypatch, caplog
                         lambda value: settings.update(value=value), raising=False)
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    assert cpu.unrounded_pinning(81 << 30)
+    assert pinned_slab.unrounded_pinning(81 << 30)
     assert settings["value"] == f"pinned_max_round_threshold_mb:{(81 << 10) - 1}"
-    assert cpu.pinned_bytes(81 << 30) == 81 << 30 and cpu.pinned_bytes(100 << 20) == 128 << 20
-    assert not cpu.unrounded_pinning(3072)  # below a MiB no threshold can help: left alone
+    assert pinned_slab.pinned_bytes(81 << 30) == 81 << 30 and pinned_slab.pinned_bytes(100 << 20) == 128 << 20
+    assert not pinned_slab.unrounded_pinning(3072)  # below a MiB no threshold can help: left alone
     assert settings["value"] == f"pinned_max_round_threshold_mb:{(81 << 10) - 1}"
     # settings already in effect are passed again (a PyTorch may reset the keys it is not given)
     settings["value"] = "expandable_segments:True,pinned_max_round_threshold_mb:100000"
-    assert cpu.unrounded_pinning(50 << 30)  # under the 100000 MiB threshold: still rounded before
+    assert pinned_slab.unrounded_pinning(50 << 30)  # under the 100000 MiB threshold: still rounded before
     assert settings["value"] == f"expandable_segments:True,pinned_max_round_threshold_mb:{(50 << 10) - 1}"
 
     empty, asked = torch.empty, []
@@ -172,7 +172,7 @@ def test_slab_locked_bytes_follows_the_route_the_slab_takes(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from tierkv.storage.cpu import slab_locked_bytes
+    from tierkv.storage.pinned_slab import slab_locked_bytes
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)

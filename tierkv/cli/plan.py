@@ -75,8 +75,6 @@ def _dtype(name: str) -> str:
 def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT_H2D_GBPS,
               vllm_kv_pool_bytes: int | None = None) -> dict:
     """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small."""
-    import torch
-
     from tierkv.blocks import BlockLayout, dtype_from_name
     from tierkv.scheduler.plan import plan_step
     from tierkv.storage.gpu import plan_residency
@@ -93,7 +91,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
 
         raise ConfigError("scheduler.staging_bytes", sched.staging_bytes,
                           f"must hold at least {num_regions} blocks of {block} bytes, one per staging region")
-    step = plan_step(residency, T, context, 1, torch.device("cpu"))  # the decode step after `context` tokens
+    step = plan_step(residency, T, context, 1)  # the decode step after `context` tokens
     num_blocks = -(-context // T)
     sink_blocks = -(-cache.sink_tokens // T)
     front = min(residency.num_front_blocks, num_blocks)

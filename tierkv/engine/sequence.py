@@ -25,6 +25,7 @@ from tierkv.attention.flash import can_use_flash, flash_partial_attention, gathe
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.transfer.device import to_device_no_sync
+from tierkv.transfer.step_indices import StepIndices, step_indices
 from tierkv.engine.predictors import predictor_for
 from tierkv.sparse.summaries import BlockSummaries, select_far_blocks_on_device, select_far_blocks_per_kv_head
 
@@ -50,6 +51,7 @@ class SequenceKV:
         self._pending_d2h: list[tuple[list[str], object]] = []
         self._last_d2h = None
         self._step: StepPlan | None = None
+        self._step_index: StepIndices | None = None  # the step plan's index lists on the device
         self._fresh: list[torch.Tensor | None] = [None] * num_layers
         self.prefix_blocks_by_tier: dict[str, int] = {}
         self.is_finished = False
@@ -95,7 +97,8 @@ class SequenceKV:
         blocks = self._assemble_fresh(layer, step, k_new, v_new)
         self._write_back(layer, step, blocks)
         resident = rt.pool.resident[layer]
-        resident.index_copy_(0, step.fresh_resident_slots, blocks.index_select(0, step.fresh_resident_index))
+        index = self._step_index
+        resident.index_copy_(0, index.fresh_resident_slots, blocks.index_select(0, index.fresh_resident_index))
         self.num_tokens[layer] += n
         if self._is_sparse_step:
             self.predictor.after_append(self, layer)
@@ -104,8 +107,9 @@ class SequenceKV:
         rt = self.rt
         self._complete_finished_d2h()
         rt.apply_pending_budget(self)
-        step = plan_step(rt.residency, rt.layout.block_tokens, self.num_tokens[0], n, rt.device)
+        step = plan_step(rt.residency, rt.layout.block_tokens, self.num_tokens[0], n)
         self._step = step
+        self._step_index = step_indices(step, rt.device)
         self.num_resident_reads += len(step.resident_blocks) * rt.num_layers
         self._is_sparse_step = self.summaries is not None and n == 1
         if self._is_sparse_step:  # blocks are chosen per layer at attention time
@@ -194,13 +198,13 @@ class SequenceKV:
         if self._graph_step is not None:
             return self._graph_step.attend(layer, q, scale)
         rt = self.rt
-        step = self._step
+        step, index = self._step, self._step_index
         use_flash = can_use_flash(q)  # prefill chunks on CUDA: old keys all precede the queries
         acc = None
         in_place = self.far_in_place
         if step.resident_blocks and (in_place is None or not in_place.reads_resident):
-            acc = self._attend_blocks(q, rt.pool.resident[layer], step.resident_slots, step.resident_start_pos,
-                                      step.resident_num_tokens, scale, use_flash)
+            acc = self._attend_blocks(q, rt.pool.resident[layer], index.resident_slots, index.resident_start_pos,
+                                      index.resident_num_tokens, scale, use_flash)
         if in_place is not None:
             return self._attend_in_place(layer, q, scale, acc)
         sparse = self._is_sparse_step
@@ -215,8 +219,8 @@ class SequenceKV:
         if use_flash and fresh.shape[1] == q.shape[0]:
             part = flash_partial_attention(q, fresh[0], fresh[1], scale=scale, causal=True)
         else:
-            part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
-                                                k_positions=step.fresh_positions)
+            part = contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=index.q_positions,
+                                                k_positions=index.fresh_positions)
         near = part if acc is None else merge_partials([acc, part])
         return self.predictor.attend_far(layer, q, near, scale) if sparse else near[0]
 
@@ -245,8 +249,9 @@ class SequenceKV:
                                        fresh=fresh if is_decode else None)
         parts = [part for part in (acc, far) if part is not None]
         if not is_decode:
-            parts.append(contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=step.q_positions,
-                                                      k_positions=step.fresh_positions))
+            index = self._step_index
+            parts.append(contiguous_partial_attention(q, fresh[0], fresh[1], scale=scale, q_positions=index.q_positions,
+                                                      k_positions=index.fresh_positions))
         return (parts[0] if len(parts) == 1 else merge_partials(parts))[0]
 
     def device_cpu_slots(self, layer: int) -> torch.Tensor:
@@ -265,7 +270,7 @@ class SequenceKV:
             k, v = gather_blocks(pool, slots)
             return flash_partial_attention(q, k, v, scale=scale, causal=False)
         return paged_partial_attention(q, pool, slots, start_pos, num_tokens, scale=scale,
-                                       q_positions=self._step.q_positions)
+                                       q_positions=self._step_index.q_positions)
 
     def observe_layer_input(self, layer: int, hidden: torch.Tensor, position: object) -> None:
         """Layer `layer`'s input hidden state ([hidden_size], one decode token) and its position as

@@ -10,39 +10,50 @@ A step appends `num_new_tokens` tokens at positions [t0, t0 + n). Attention read
     tokens first_block*T .. t0+n-1 (the partial block's old tokens + the new ones):
         -> attention over the freshly assembled chunk, causal          (the "fresh" part)
 
-Every layer of a step has the same block structure, so one plan serves all layers. The plan's index
-lists go to the step's device with `tierkv.transfer.device.to_device_no_sync` (pinned, the host never
-waits); the deciding itself is host-only.
+Every layer of a step has the same block structure, so one plan serves all layers. The plan is
+plain Python (ints, lists, ranges): no torch import, no device. Its index lists reach the step's
+device through `tierkv.transfer.step_indices` (the doing side).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from tierkv.storage.gpu import ResidencyPlan
-from tierkv.transfer.device import to_device_no_sync
+if TYPE_CHECKING:
+    from tierkv.storage.gpu import ResidencyPlan
 
 
 @dataclass
 class StepPlan:
     t0: int                               # tokens held before the step
     num_new_tokens: int
+    block_tokens: int                     # T
     first_block: int                      # block holding position t0
     num_blocks_after: int                 # blocks after the step
     resident_blocks: list[int]            # old full blocks read from GPU slots
-    resident_slots: torch.Tensor          # int64 [len(resident_blocks)] local slots, on device
-    resident_start_pos: torch.Tensor      # int64 [len(resident_blocks)] on device
-    resident_num_tokens: torch.Tensor     # int64 [len(resident_blocks)] on device
+    resident_slots: list[int]             # their local slots (within a layer)
     streamed_blocks: range                # old full blocks streamed from the CPU tier
-    fresh_positions: torch.Tensor         # int64 [t0 + n - first_block*T] on device
-    q_positions: torch.Tensor             # int64 [n] on device
     num_fresh_full: int                   # fresh blocks that are full after the step (written to CPU)
-    fresh_resident_index: torch.Tensor    # int64 [k] fresh blocks that stay resident, on device
-    fresh_resident_slots: torch.Tensor    # int64 [k] their local slots, on device
+    fresh_resident_index: list[int]       # fresh blocks (0 = first_block) that stay resident
+    fresh_resident_slots: list[int]       # their local slots
+
+    @property
+    def resident_start_pos(self) -> list[int]:
+        """Position of each resident block's first token."""
+        return [b * self.block_tokens for b in self.resident_blocks]
+
+    @property
+    def fresh_positions(self) -> range:
+        """Positions of the fresh part: the partial block's old tokens and the new ones."""
+        return range(self.first_block * self.block_tokens, self.t0 + self.num_new_tokens)
+
+    @property
+    def q_positions(self) -> range:
+        """Positions of the step's new tokens (its queries)."""
+        return range(self.t0, self.t0 + self.num_new_tokens)
 
 
-def step_blocks(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int) -> tuple[list[int], range]:
+def step_blocks(residency: "ResidencyPlan", block_tokens: int, t0: int, num_new_tokens: int) -> tuple[list[int], range]:
     """The old full blocks a step of `num_new_tokens` tokens at t0 reads from GPU slots (sinks and far
     cache, then the window), and those it streams from the CPU tier (host only).
 
@@ -65,25 +76,24 @@ def step_blocks(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_to
     return resident, range(front, max(front, min(first_block, window_start)))
 
 
-def plan_step(residency: ResidencyPlan, block_tokens: int, t0: int, num_new_tokens: int, device: torch.device) -> StepPlan:
+def plan_step(residency: "ResidencyPlan", block_tokens: int, t0: int, num_new_tokens: int) -> StepPlan:
+    """The plan of a step of `num_new_tokens` tokens at t0 (ValueError for a negative t0, no tokens or
+    blocks of no tokens)."""
+    resident, streamed = step_blocks(residency, block_tokens, t0, num_new_tokens)
     first_block = t0 // block_tokens
     t1 = t0 + num_new_tokens
     num_blocks_after = -(-t1 // block_tokens)
-    resident, streamed = step_blocks(residency, block_tokens, t0, num_new_tokens)
     fresh_resident = [b for b in range(first_block, num_blocks_after) if residency.is_resident(b, num_blocks_after)]
     return StepPlan(
         t0=t0,
         num_new_tokens=num_new_tokens,
+        block_tokens=block_tokens,
         first_block=first_block,
         num_blocks_after=num_blocks_after,
         resident_blocks=resident,
-        resident_slots=to_device_no_sync([residency.slot_of(b) for b in resident], device),
-        resident_start_pos=to_device_no_sync([b * block_tokens for b in resident], device),
-        resident_num_tokens=to_device_no_sync([block_tokens] * len(resident), device),
+        resident_slots=[residency.slot_of(b) for b in resident],
         streamed_blocks=streamed,
-        fresh_positions=to_device_no_sync(torch.arange(first_block * block_tokens, t1), device),
-        q_positions=to_device_no_sync(torch.arange(t0, t1), device),
         num_fresh_full=t1 // block_tokens - first_block,
-        fresh_resident_index=to_device_no_sync([b - first_block for b in fresh_resident], device),
-        fresh_resident_slots=to_device_no_sync([residency.slot_of(b) for b in fresh_resident], device),
+        fresh_resident_index=[b - first_block for b in fresh_resident],
+        fresh_resident_slots=[residency.slot_of(b) for b in fresh_resident],
     )

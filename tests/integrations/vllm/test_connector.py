@@ -31,6 +31,7 @@ from tierkv.config import ConfigError  # noqa: E402
 from tierkv.integrations.vllm import kv_transfer_config  # noqa: E402
 from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, PagedLayout  # noqa: E402
+from tierkv.llm_totals import RequestTotals  # noqa: E402
 
 BS, H, D, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -332,7 +333,7 @@ def test_tensor_parallel_stats_name_each_ranks_tiers_in_the_metrics(tmp_path):
         answers = [[s for s in worker_stats(None, engine_id) if s["tp_rank"] == r] for r in (1, 0)]
         assert [len(a) for a in answers] == [1, 1]
         llm = object.__new__(VllmTieredLLM)
-        llm.engine_id, llm._totals = engine_id, {"requests": 0}
+        llm.engine_id, llm.totals = engine_id, RequestTotals(())
         llm.engine = SimpleNamespace(
             llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))),
             collective_rpc=lambda fn, args: answers)

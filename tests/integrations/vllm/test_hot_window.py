@@ -367,7 +367,7 @@ def test_plugin_turns_full_attention_into_the_hot_window_spec_and_shrinks_the_po
 
 def test_tensor_parallel_needs_the_installed_plugin():
     """Under tensor parallelism vLLM's workers load the backend only through the entry point."""
-    from tierkv.integrations.vllm.llm import PLUGIN_ENTRY_POINT, require_plugin_installed
+    from tierkv.integrations.vllm.engine_args import PLUGIN_ENTRY_POINT, require_plugin_installed
 
     require_plugin_installed([SimpleNamespace(value=PLUGIN_ENTRY_POINT)])
     with pytest.raises(RuntimeError, match="tensor_parallel_size > 1"):
@@ -418,7 +418,7 @@ def test_tieredllm_engine_arguments_of_the_hot_window(tmp_path):
     """The pool vLLM is given is the GPU budget minus the staging ring; a budget that leaves no pool
     is a config error naming the key."""
     from tierkv.config import ConfigError
-    from tierkv.integrations.vllm.llm import hot_window_engine_args
+    from tierkv.integrations.vllm.engine_args import hot_window_engine_args
 
     config = load_config({"cache": {"block_tokens": BS, "gpu_budget_bytes": "2GiB", "window_tokens": 4096},
                           "scheduler": {"staging_bytes": "256MiB", "prefill_chunk_tokens": 8192}}, env={})
@@ -488,7 +488,7 @@ def test_sparse_key_summaries_are_sized_from_the_checkpoint_and_max_num_seqs(tmp
     """An 8B Llama shape at 131072 tokens in 64-token blocks: 2048 blocks x 32 layers x (min, max)
     x 8 KV heads x 128 x 2 bytes = 256 MiB per request; per GPU, the KV heads split over tensor
     parallelism; max_num_seqs and a readable config.json are required."""
-    from tierkv.integrations.vllm.llm import sparse_summary_bytes
+    from tierkv.integrations.vllm.pool_sizing import sparse_summary_bytes
 
     config = load_config({"cache": {"block_tokens": 64}, "scheduler": {"policy": "sparse"}}, env={})
     model = _checkpoint(tmp_path)
@@ -1621,7 +1621,8 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     (vLLM keeps full decode graphs only up to it, so a full batch of a size off its default list would
     find none and run piecewise); a compilation_config of the user's, an eager engine or the flag off
     leave vLLM's defaults; max_num_seqs is required."""
-    from tierkv.integrations.vllm.llm import VllmTieredLLM, full_decode_capture_sizes
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+    from tierkv.integrations.vllm.pool_sizing import full_decode_capture_sizes
 
     assert full_decode_capture_sizes(10) == [1, 2, 4, 8, 10, 16]
     assert full_decode_capture_sizes(8) == [1, 2, 4, 8, 16] and full_decode_capture_sizes(1) == [1, 2]
@@ -1631,12 +1632,11 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     model = _checkpoint(tmp_path)
 
     def engine_kwargs(full: bool, **kwargs):
-        llm = object.__new__(VllmTieredLLM)
-        llm.config = load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB", "window_tokens": 2048},
-                                  "scheduler": {"policy": "sparse", "sparse_cuda_graphs": True,
-                                                "sparse_full_graphs": full, "staging_bytes": "512MiB"}}, env={})
-        llm.config_file, llm.hot_window = str(tmp_path / "tierkv.yaml"), True
-        return llm._engine_kwargs(model, 131072, 0.5, False, kwargs)
+        config = load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB", "window_tokens": 2048},
+                              "scheduler": {"policy": "sparse", "sparse_cuda_graphs": True,
+                                            "sparse_full_graphs": full, "staging_bytes": "512MiB"}}, env={})
+        return tiered_engine_args(model, config, str(tmp_path / "tierkv.yaml"), kwargs, hot_window=True,
+                                  max_model_len=131072, gpu_memory_utilization=0.5, enable_prefix_caching=False).kwargs
 
     args = engine_kwargs(True, max_num_seqs=10, enforce_eager=False)
     assert args["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 10, 16]}
@@ -1654,7 +1654,8 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     from tierkv.blocks import BlockLayout
     from tierkv.config import ConfigError
     from tierkv.storage import CpuTier
-    from tierkv.integrations.vllm.llm import VllmTieredLLM, full_graph_packed_bytes, hot_window_pool_need
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+    from tierkv.integrations.vllm.pool_sizing import full_graph_packed_bytes, hot_window_pool_need
 
     model = _checkpoint(tmp_path)  # 8 KV heads of 128
 
@@ -1685,15 +1686,16 @@ def test_full_decode_graph_codes_come_out_of_the_budget(tmp_path):
     assert full_graph_packed_bytes(model, config(storage="auto", margin=8), compiled) == lists
 
     def pool(cfg, **kwargs):
-        llm = object.__new__(VllmTieredLLM)
-        llm.config, llm.config_file, llm.hot_window = cfg, str(tmp_path / "tierkv.yaml"), True
-        return llm._engine_kwargs(model, 131072, 0.5, False, kwargs)["kv_cache_memory_bytes"], llm
+        args = tiered_engine_args(model, cfg, str(tmp_path / "tierkv.yaml"), kwargs, hot_window=True,
+                                  max_model_len=131072, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+        return args.kwargs["kv_cache_memory_bytes"], args
 
-    with_full, llm = pool(config(), **compiled)
+    with_full, args = pool(config(), **compiled)
     without, _ = pool(config(full=False), **compiled)
-    assert llm.full_graph_reserved_bytes == rows * k * per_block and without - with_full == rows * k * per_block
+    assert args.full_graph_reserved_bytes == rows * k * per_block and without - with_full == rows * k * per_block
+    assert args.full_graph_reserved_rows == rows
     # a budget that holds staging and the summaries but not the codes too: the codes are what tips it
-    held = 512 * 2**20 + llm.summary_reserved_bytes + rows * k * per_block
+    held = 512 * 2**20 + args.summary_reserved_bytes + rows * k * per_block
     # what is left is vLLM's pool, which must hold one request's window and prefill chunk (vLLM's check)
     need = hot_window_pool_need(model, config(), {"max_num_batched_tokens": 2048, "max_model_len": 131072})
     assert pool(config(budget=str(held + need)), **compiled)[0] == need
@@ -1744,7 +1746,7 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
     twice that under its async scheduling; a pool below it is a config error naming the budget (not
     vLLM's max_model_len error), and halving the prefill chunk under async keeps the sync need."""
     from tierkv.config import ConfigError
-    from tierkv.integrations.vllm.llm import check_hot_window_pool, hot_window_pool_need
+    from tierkv.integrations.vllm.pool_sizing import check_hot_window_pool, hot_window_pool_need
 
     model = _checkpoint(tmp_path)
     config = load_config({"cache": {"block_tokens": 64, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
@@ -1778,7 +1780,7 @@ def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
     from types import SimpleNamespace
 
     from tierkv.integrations.vllm.engine_config import graph_rows
-    from tierkv.integrations.vllm.llm import check_full_graph_rows, full_graph_rows
+    from tierkv.integrations.vllm.pool_sizing import check_full_graph_rows, full_graph_rows
 
     def vllm(max_num_seqs, captured):
         return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),

@@ -22,7 +22,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from tierkv.budget_change import BudgetRefused  # noqa: E402
 from tierkv.config import ConfigError, load_config  # noqa: E402
-from tierkv.integrations.vllm.llm import hot_window_engine_args  # noqa: E402
+from tierkv.integrations.vllm.engine_args import hot_window_engine_args  # noqa: E402
 from tierkv.integrations.vllm.resize_blocks import (  # noqa: E402
     BlockPoolBusy, held_tail_block_ids, missing_block_pool_hooks, resize_block_pool)
 from tierkv.integrations.vllm.resize_plan import RunningRequest, plan_resize, split_budget, window_blocks  # noqa: E402

@@ -21,18 +21,20 @@ def test_the_fast_sparse_config_fits_its_two_gib_with_the_prefetch(tmp_path):
     flight; the caches keep two selections per layer with room for the margin."""
     from tierkv.sparse.row_caches import cache_rows
     from tierkv.sparse.prefetch_margin import check_margin
-    from tierkv.integrations.vllm.llm import VllmTieredLLM, hot_window_pool_need
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+    from tierkv.integrations.vllm.pool_sizing import hot_window_pool_need
 
     config = load_config(CONFIGS / "vllm-128k-sparse-fast.yaml", env={})
     sched = config.scheduler
     assert sched.sparse_full_graphs and sched.vllm_async_scheduling and sched.sparse_prefetch_margin == 16
     model = _checkpoint(tmp_path)
-    llm = object.__new__(VllmTieredLLM)
-    llm.config, llm.config_file, llm.hot_window = config, str(CONFIGS / "vllm-128k-sparse-fast.yaml"), True
-    kwargs = llm._engine_kwargs(model, 131072, 0.9, False, {"max_num_seqs": 1, "enforce_eager": False})
+    args = tiered_engine_args(model, config, str(CONFIGS / "vllm-128k-sparse-fast.yaml"),
+                              {"max_num_seqs": 1, "enforce_eager": False}, hot_window=True, max_model_len=131072,
+                              gpu_memory_utilization=0.9, enable_prefix_caching=False)
+    kwargs = args.kwargs
     pool = kwargs["kv_cache_memory_bytes"]
     assert pool >= hot_window_pool_need(model, config, kwargs)
-    assert pool + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes + sched.staging_bytes \
+    assert pool + args.summary_reserved_bytes + args.full_graph_reserved_bytes + sched.staging_bytes \
         <= config.cache.gpu_budget_bytes
     k = sched.sparse_token_budget // config.cache.block_tokens
     block_bytes = 2 * 8 * config.cache.block_tokens * 128 * 2

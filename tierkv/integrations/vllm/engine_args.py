@@ -1,21 +1,30 @@
-"""vLLM's own `LLM(...)` running tierkv, without TieredLLM: the engine arguments in one call.
+"""The vLLM engine arguments that run tierkv: for vLLM's own `LLM(...)` and for
+`TieredLLM(..., backend="vllm")`, with the GPU bytes the latter keeps beside vLLM's pool.
 
-Primitives: `vllm_engine_args`.
+Primitives: `vllm_engine_args`, `tiered_engine_args` (-> `TieredEngineArgs`), `hot_window_engine_args`,
+`require_plugin_installed`.
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # scheduler and worker share the tiers
     llm = vllm.LLM(model=path, max_model_len=131072, **vllm_engine_args("vllm-128k"))
 
-These are the arguments `TieredLLM(..., backend="vllm")` passes for the exact policy. The sparse
-policy reserves GPU bytes for key summaries sized from the checkpoint and `max_num_seqs`: use
-TieredLLM for it.
+`vllm_engine_args` gives the arguments `TieredLLM(..., backend="vllm")` passes for the exact policy.
+The sparse policy reserves GPU bytes for key summaries sized from the checkpoint and `max_num_seqs`
+(`pool_sizing`): use TieredLLM for it.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-from tierkv.config import ConfigError, load_config
+from tierkv.config import ConfigError, TierKVConfig, load_config
 from tierkv.integrations.vllm.config import kv_transfer_config
-from tierkv.integrations.vllm.llm import hot_window_engine_args
+from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
+from tierkv.integrations.vllm.pool_sizing import (check_hot_window_pool, full_decode_capture_sizes, full_graph_packed_bytes,
+                                                  full_graph_rows, sparse_max_model_len, sparse_summary_bytes)
+from tierkv.integrations.vllm.resize_plan import split_budget
+
+PLUGIN_ENTRY_POINT = "tierkv.integrations.vllm.hot_window:register"
+HOT_WINDOW_KEYS = ("attention_config", "kv_cache_memory_bytes")  # engine arguments the hot window sets
 
 
 def vllm_engine_args(config_file: str | os.PathLike, *, hot_window: bool = True, **extra) -> dict:
@@ -36,3 +45,96 @@ def vllm_engine_args(config_file: str | os.PathLike, *, hot_window: bool = True,
     if hot_window:
         kwargs.update(hot_window_engine_args(config))
     return kwargs
+
+
+@dataclass(frozen=True)
+class TieredEngineArgs:
+    """vLLM's arguments for `TieredLLM(..., backend="vllm")`, and what the budget keeps beside vLLM's
+    hot-window pool (all 0 without the hot window or the sparse policy)."""
+
+    kwargs: dict  # for vllm.LLM(**kwargs)
+    summary_reserved_bytes: int = 0  # the sparse policy's key summaries (`sparse_summary_bytes`)
+    full_graph_reserved_bytes: int = 0  # the full decode graph's codes and scales (`full_graph_packed_bytes`)
+    full_graph_reserved_rows: int = 0  # the rows those codes were reserved for (the largest captured batch)
+
+
+def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwargs: dict, *, hot_window: bool,
+                       max_model_len: int | None, gpu_memory_utilization: float,
+                       enable_prefix_caching: bool) -> TieredEngineArgs:
+    """vLLM's arguments for TieredLLM: the connector (loading `config_file`), and with `hot_window`
+    its pool, the sparse policy's reservations and, under `scheduler.sparse_full_graphs` in a
+    compiled engine, the capture sizes. `engine_kwargs` (the user's) win over all but the hot
+    window's own keys (ValueError naming them)."""
+    kwargs = dict(
+        model=os.fspath(model),
+        kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model)),
+        block_size=config.cache.block_tokens,
+        enforce_eager=True,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    reserved = TieredEngineArgs({})
+    if hot_window:
+        clash = sorted(set(HOT_WINDOW_KEYS) & set(engine_kwargs))
+        if clash:
+            raise ValueError(f"{', '.join(clash)}: set by the hot window (backend CUSTOM, pool = "
+                             "cache.gpu_budget_bytes - scheduler.staging_bytes - sparse key summaries); "
+                             "pass hot_window=False to set them")
+        if config.scheduler.policy == "sparse":
+            # the summaries are reserved for, and capped at, the same max_model_len vLLM runs with
+            max_model_len = sparse_max_model_len(model, max_model_len)
+            reserved = _sparse_reservations(model, config, max_model_len, engine_kwargs)
+        kwargs.update(hot_window_engine_args(config, reserved.summary_reserved_bytes,
+                                             reserved.full_graph_reserved_bytes))
+        if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
+            require_plugin_installed()
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    kwargs.update(engine_kwargs)
+    if hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+        check_hot_window_pool(model, config, kwargs)
+    if (hot_window and full_graphs_configured(config) and not kwargs.get("enforce_eager")
+            and "compilation_config" not in engine_kwargs):
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
+    return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
+                            reserved.full_graph_reserved_rows)
+
+
+def _sparse_reservations(model, config: TierKVConfig, max_model_len: int, engine_kwargs: dict) -> TieredEngineArgs:
+    """The sparse policy's GPU reservations (no engine arguments yet): key summaries, and the full
+    decode graph's codes and scales with the rows they were sized for."""
+    summary_bytes = sparse_summary_bytes(model, config, max_model_len, engine_kwargs)
+    full_graph_bytes = full_graph_packed_bytes(model, config, engine_kwargs)
+    return TieredEngineArgs({}, summary_bytes, full_graph_bytes, full_graph_rows(engine_kwargs) if full_graph_bytes else 0)
+
+
+def hot_window_engine_args(config: TierKVConfig, summary_bytes: int = 0, full_graph_bytes: int = 0) -> dict:
+    """vLLM engine arguments of the hot-window pool: backend CUSTOM, a KV pool of the GPU budget
+    minus the staging ring and `summary_bytes` (the sparse policy's key summaries,
+    `sparse_summary_bytes`), prefill chunks of `scheduler.prefill_chunk_tokens`, vLLM's async
+    scheduling as `scheduler.vllm_async_scheduling` says (off by default). full_graph_bytes: what the
+    full decode graph keeps for a quantized CPU tier's codes and scales (`full_graph_packed_bytes`),
+    also out of the budget."""
+    from tierkv.integrations.vllm import hot_window
+
+    split = split_budget(config, config.cache.gpu_budget_bytes, summary_bytes, full_graph_bytes)
+    if split.pool_bytes <= 0:
+        raise ConfigError("cache.gpu_budget_bytes", config.cache.gpu_budget_bytes,
+                          f"must exceed {split.reserved_text()}: the rest is vLLM's hot-window pool")
+    hot_window.register()
+    return dict(attention_config={"backend": "CUSTOM"}, kv_cache_memory_bytes=split.pool_bytes, enable_prefix_caching=False,
+                max_num_batched_tokens=config.scheduler.prefill_chunk_tokens,
+                async_scheduling=config.scheduler.vllm_async_scheduling)
+
+
+def require_plugin_installed(entry_points=None) -> None:
+    """Tensor-parallel workers are separate processes: vLLM registers the hot-window backend there
+    only through the `vllm.general_plugins` entry point of an installed tierkv."""
+    if entry_points is None:
+        from importlib.metadata import entry_points as installed
+
+        entry_points = installed(group="vllm.general_plugins")
+    if not any(ep.value == PLUGIN_ENTRY_POINT for ep in entry_points):
+        raise RuntimeError("tensor_parallel_size > 1 with the hot window needs tierkv installed (pip install "
+                           "tierkv-runtime, or pip install -e . in a checkout) so that vLLM's worker processes load "
+                           f"its plugin {PLUGIN_ENTRY_POINT!r}; or pass hot_window=False")
