@@ -58,3 +58,18 @@ def test_planted_key_sits_at_its_depth_in_a_document_of_the_asked_length():
         at = text.index(f"pass key is {case.answer}") / len(text)
         assert abs(at - depth) < 0.15, (depth, at)
         assert 800 <= len(case.prompt_ids) <= 900
+
+
+def test_the_main_jobs_config_takes_tierkv_environment_overrides(tmp_path):
+    """TIERKV_* variables reach the main job's config as they reach every config; a bad one is refused
+    naming its key (the environment is passed, not read from the process, so the test leaks nothing)."""
+    from tierkv.config import ConfigError
+    from tierkv.demo_real import demo_config
+
+    plain = demo_config(1 << 20, str(tmp_path), env={})
+    assert plain.scheduler.policy == "exact" and plain.scheduler.cpu_far_reads == "direct"
+    changed = demo_config(1 << 20, str(tmp_path), env={"TIERKV_SCHEDULER__POLICY": "sparse",
+                                                      "TIERKV_SCHEDULER__CPU_FAR_READS": "staged"})
+    assert changed.scheduler.policy == "sparse" and changed.scheduler.cpu_far_reads == "staged"
+    with pytest.raises(ConfigError, match="scheduler.cpu_far_reads"):
+        demo_config(1 << 20, str(tmp_path), env={"TIERKV_SCHEDULER__CPU_FAR_READS": "sideways"})

@@ -38,9 +38,11 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * element
 
 
-def demo_config(prompt_kv_bytes: int, disk_path: str) -> TierKVConfig:
+def demo_config(prompt_kv_bytes: int, disk_path: str, env=None) -> TierKVConfig:
     """A GPU budget of 1/8 of the prompt's KV (staging 1/16 beside it), a CPU tier that holds the
-    request with room to spare, and a disk tier under it."""
+    request with room to spare, and a disk tier under it; any key overridden by TIERKV_* variables of
+    `env` (the process environment when None), as every config is (e.g.
+    TIERKV_SCHEDULER__POLICY=sparse python -m tierkv.demo)."""
     return load_config({
         "model": {"name": SHORTCUT},
         "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // 8,
@@ -51,7 +53,7 @@ def demo_config(prompt_kv_bytes: int, disk_path: str) -> TierKVConfig:
                       "prefill_chunk_tokens": 512},
         "storage": {"secret_file": "~/.config/tierkv/secret", "create_secret_file": True},  # seals the disk tier
         "metrics": {"enabled": True},
-    }, env={})
+    }, env=env)
 
 
 def run_real_model(args, model, tokenizer, model_id: str) -> int:
