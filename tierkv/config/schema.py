@@ -132,7 +132,7 @@ class SchedulerConfig:
     sparse_selection: str = field(default="per_layer", metadata=doc(
         "sparse: 'per_layer' reads one selection of far blocks for all heads of a layer; 'per_kv_head' lets each "
         "KV head read its own sparse_token_budget tokens (the same keys per head, better chosen: KL to dense "
-        "attention 39% lower on real text, retrieval unchanged, benchmarks/RESULTS.md 'Selection rules'); the "
+        "attention 27-39% lower on real text, retrieval unchanged, benchmarks/RESULTS.md 'Selection rules'); the "
         "default keeps the CPU's selection the GPU's; per_kv_head is built where "
         "far blocks are read in place (a CPU device, cpu_far_reads: direct); on a GPU it would copy single heads' "
         "slices, not built, and is refused there", choices=("per_layer", "per_kv_head")))

@@ -96,21 +96,22 @@ class LinkBase:
             replies = op()
         except self._link_errors as exc:
             self._mark_down(node, exc)
-            return [Unavailable(f"{node}: {self.last_error}")] * num_keys
+            return [Unavailable(self.last_error)] * num_keys
         except self._redis_error as exc:
-            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
-            logger.warning("%s: redis error from %s: %s", self.tier_name, node, self.last_error)
+            self.last_error = redact_text(f"{node}: {type(exc).__name__}: {exc}")  # which node, whatever redis-py says
+            logger.warning("%s: redis error from %s", self.tier_name, self.last_error)
             self._on_error()
-            return [KeyFailed(f"{node}: {self.last_error}")] * num_keys
+            return [KeyFailed(self.last_error)] * num_keys
         if self.health.mark_up(node):
             logger.info("%s: redis at %s is reachable again", self.tier_name, node)
         return replies
 
     def _mark_down(self, node: str, exc: BaseException) -> None:
-        self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
+        # the node leads: redis-py's message names it for a refused connection, not for a broken pipe
+        self.last_error = redact_text(f"{node}: {type(exc).__name__}: {exc}")
         if self.health.mark_down(node):
             logger.warning("%s: redis at %s unreachable, retry in %.1fs: %s",
-                           self.tier_name, node, self.health.retry_interval_s, self.last_error)
+                           self.tier_name, redact_text(node), self.health.retry_interval_s, self.last_error)
         self._on_error()
 
     def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str]) -> list[Any]:
