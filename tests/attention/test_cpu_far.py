@@ -267,3 +267,41 @@ def test_direct_decode_reads_far_blocks_in_place_and_counts_them():
         seq.finish()
     finally:
         rt.close()
+
+
+def test_the_runtime_counts_blocks_read_in_place_in_its_stats():
+    """stats()["scheduler"] says how far blocks are read and counts the in-place reads over every sequence;
+    a staged runtime says staged and counts none."""
+    def runtime(far_reads: str) -> KVRuntime:
+        config = load_config({
+            "cache": {"block_tokens": 4, "gpu_budget_bytes": 6 * LAYERS * 2 * 2 * 4 * 8 * 4, "sink_tokens": 4,
+                      "window_tokens": 8},
+            "tiers": [{"kind": "cpu", "capacity_bytes": 64 * LAYERS * 2 * 2 * 4 * 8 * 4}],
+            "scheduler": {"cpu_far_reads": far_reads},
+        }, env={})
+        return KVRuntime(config, num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu",
+                         model_id="stats-in-place")
+
+    for far_reads, want in (("direct", "in_place"), ("staged", "staged")):
+        rt = runtime(far_reads)
+        try:
+            reads = []
+            for _ in range(2):
+                seq = rt.new_sequence()
+                k = torch.randn(40, 2, 8)
+                for layer in range(LAYERS):
+                    seq.append(layer, k, k)
+                    seq.attend(layer, torch.randn(40, 4, 8), 0.3)
+                for layer in range(LAYERS):  # one decode step: 10 old full blocks per layer
+                    seq.append(layer, k[:1], k[:1])
+                    seq.attend(layer, torch.randn(1, 4, 8), 0.3)
+                seq.finish()
+                stats = rt.stats()["scheduler"]
+                reads.append(stats["blocks_read_in_place"])
+            assert stats["far_reads"] == want
+            if want == "in_place":
+                assert reads[0] > 0 and reads[1] > reads[0]  # every sequence's reads, added up
+            else:
+                assert reads == [0, 0] and stats["chunks_streamed"] > 0
+        finally:
+            rt.close()

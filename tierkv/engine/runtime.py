@@ -12,7 +12,7 @@ import threading
 import torch
 
 from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
-from tierkv.attention.cpu_far import reads_in_place
+from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.config import ConfigError, TierKVConfig
 from tierkv.block_io import BlockIO
 from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, check_fits_device, parse_budget
@@ -71,6 +71,9 @@ class KVRuntime:
         self.chain = build_tiers(config.tiers, self.layout, pin_memory=self.device.type == "cuda",
                                  storage=config.storage)
         self.cpu: CpuTier = self.chain.tiers[0]
+        # a CPU device reads far blocks where they lie in the CPU tier (scheduler.cpu_far_reads: direct)
+        self.far_in_place = (InPlaceFarReads(self.cpu) if reads_in_place(scheduler.cpu_far_reads, self.device)
+                             else None)
         self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
         self.prefetch_metrics = PrefetchRecorder(num_layers)  # the streamer reports every chunk here
         self.io = BlockIO(self.engine, self.cpu)
@@ -226,6 +229,9 @@ class KVRuntime:
                 "bytes_discarded": streamer.bytes_discarded,
                 "stalls": streamer.num_stalls + cached.get("cache_stalled_rows", 0),
                 "far_cache_copied_bytes": cached.get("cache_copied_bytes", 0),
+                # a CPU device: far (and resident) blocks attended in the CPU tier's slab, no copy
+                "far_reads": "in_place" if self.far_in_place is not None else "staged",
+                "blocks_read_in_place": self.far_in_place.num_blocks_read if self.far_in_place is not None else 0,
             },
             "model": {**self.identity.stats(), "block_fingerprint": self.fingerprint},
             "layout": {"block_tokens": self.layout.block_tokens, "block_bytes": self.layout.num_bytes,

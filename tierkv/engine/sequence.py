@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
-from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
 from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
@@ -61,10 +60,9 @@ class SequenceKV:
                                          bound_weight=runtime.config.scheduler.sparse_bound_weight)
                           if sparse else None)
         self._is_sparse_step = False
-        scheduler = runtime.config.scheduler
-        # a CPU device: far blocks are attended in the CPU tier's slab, no staging, no predictor (tierkv.attention.cpu_far)
-        self.far_in_place = (InPlaceFarReads(runtime.cpu)
-                             if reads_in_place(scheduler.cpu_far_reads, runtime.device) else None)
+        # a CPU device: far blocks are attended in the CPU tier's slab, no staging, no predictor (the
+        # runtime's `InPlaceFarReads`, tierkv.attention.cpu_far: its buffer and count serve every sequence)
+        self.far_in_place = runtime.far_in_place
         # the far part of a sparse decode step: one policy per predictor (tierkv.engine.predictors); read in
         # place, predictor 'none' (the predictors exist to hide copies)
         self.predictor = predictor_for(runtime, sparse and self.far_in_place is None)
