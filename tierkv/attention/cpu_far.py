@@ -63,46 +63,34 @@ class InPlaceFarReads:
         there is no key. Blocks [Hkv, k]: KV head h reads its own row (`sparse_selection: per_kv_head`),
         every head the same number of keys."""
         slots = self._slots(layer_slots, blocks)
-        if slots.dim() == 2:
-            return self._attend_per_kv_head(q, slots, scale, fresh)
-        num_blocks, num_fresh = slots.numel(), 0 if fresh is None else fresh.shape[1]
+        if slots.dim() == 2 and slots.shape[0] != self._keys.shape[1]:
+            raise ValueError(f"per-KV-head blocks: {slots.shape[0]} rows for {self._keys.shape[1]} KV heads")
+        num_blocks, num_fresh = slots.shape[-1], 0 if fresh is None else fresh.shape[1]
         if num_blocks == 0 and num_fresh == 0:
             return None
-        self.num_blocks_read += num_blocks
+        self.num_blocks_read += slots.numel()
         T = self.block_tokens
         keys = self._buffer(num_blocks + -(-num_fresh // T))
-        pool = self._pool(slots)
-        if num_blocks:  # [num_slots, 2, Hkv, T, D] viewed heads first -> keys[:, :, :num_blocks], one copy
-            source, index = (self.tier.slab, slots) if pool is None else (pool, torch.arange(num_blocks))
-            torch.index_select(source.permute(1, 2, 0, 3, 4), 2, index, out=keys[:, :, :num_blocks])
+        if num_blocks:
+            self._gather(slots, keys[:, :, :num_blocks])
         flat = keys.flatten(2, 3)  # [2, Hkv, capacity * T, D], a view
         if num_fresh:
             flat[:, :, num_blocks * T : num_blocks * T + num_fresh] = fresh.transpose(1, 2)
         kv = flat[:, :, : num_blocks * T + num_fresh].transpose(1, 2)  # [2, num_keys, Hkv, D] views
         return contiguous_partial_attention(q, kv[0], kv[1], scale=scale)
 
-    def _attend_per_kv_head(self, q: torch.Tensor, slots: torch.Tensor, scale: float,
-                             fresh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`attend` with slots int64 [Hkv, k]: KV head h's keys are the blocks of slots[h], then `fresh`."""
-        num_kv_heads, num_blocks = slots.shape
-        if num_kv_heads != self._keys.shape[1]:
-            raise ValueError(f"per-KV-head blocks: {num_kv_heads} rows for {self._keys.shape[1]} KV heads")
-        num_fresh = 0 if fresh is None else fresh.shape[1]
-        if num_blocks == 0 and num_fresh == 0:
-            return None
-        self.num_blocks_read += slots.numel()
-        T = self.block_tokens
-        keys = self._buffer(num_blocks + -(-num_fresh // T))
-        pool = self._pool(slots.flatten())  # a quantized tier: row h's blocks at h * k ..
-        for h in range(num_kv_heads):
-            source, index = ((self.tier.slab, slots[h]) if pool is None
-                             else (pool, torch.arange(h * num_blocks, (h + 1) * num_blocks)))
-            torch.index_select(source.select(2, h).transpose(0, 1), 1, index, out=keys[:, h, :num_blocks])
-        flat = keys.flatten(2, 3)
-        if num_fresh:
-            flat[:, :, num_blocks * T : num_blocks * T + num_fresh] = fresh.transpose(1, 2)
-        kv = flat[:, :, : num_blocks * T + num_fresh].transpose(1, 2)
-        return contiguous_partial_attention(q, kv[0], kv[1], scale=scale)
+    def _gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """The blocks of `slots` into out [2, Hkv, k, T, D]: slots [k] for every KV head in one copy, or
+        [Hkv, k], row h for KV head h; from the slab as it is, or a quantized tier's dequantized blocks."""
+        pool = self._pool(slots.flatten())  # a quantized tier: the listed blocks in order, dequantized
+        positions = torch.arange(slots.numel()).view(slots.shape)
+        if slots.dim() == 1:  # [num_slots, 2, Hkv, T, D] viewed heads first -> out, one copy
+            source, index = (self.tier.slab, slots) if pool is None else (pool, positions)
+            torch.index_select(source.permute(1, 2, 0, 3, 4), 2, index, out=out)
+            return
+        for h in range(slots.shape[0]):
+            source, index = (self.tier.slab, slots[h]) if pool is None else (pool, positions[h])
+            torch.index_select(source.select(2, h).transpose(0, 1), 1, index, out=out[:, h])
 
     def _slots(self, layer_slots: torch.Tensor, blocks: range | torch.Tensor) -> torch.Tensor:
         """int64 CPU-tier slots of the listed blocks ([num_blocks], or [Hkv, k] for per-head rows)."""
