@@ -28,13 +28,7 @@ from tierkv.storage.cpu import CpuTier
 LAYERS = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only contend for a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def dense64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

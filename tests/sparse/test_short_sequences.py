@@ -110,13 +110,7 @@ VARIANTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors of a few hundred elements: intra-op threads only contend for a shared CPU (6x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def runtime_for(shape: Shape, variant: Variant) -> KVRuntime:
