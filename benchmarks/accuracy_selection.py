@@ -43,25 +43,36 @@ NAME = "tierkv_selection"
 _RUN: dict = {}  # the rule the registered attention function applies (set per forward)
 
 
-def _selection(rule: str, weight: float, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor, far: range,
-               k: int, block_tokens: int) -> torch.Tensor:
+def _summaries(keys: torch.Tensor, block_tokens: int, weight: float):
+    """tierkv's `BlockSummaries` (one layer, scoring with `weight`) of every full block of keys [H_kv, L, D]:
+    made once per attention call, as tierkv keeps them, and read over each step's far range."""
+    from tierkv.sparse import BlockSummaries
+
+    num_kv, L, D = keys.shape
+    n = L // block_tokens
+    blocks = keys[:, : n * block_tokens].reshape(num_kv, n, block_tokens, D).transpose(0, 1)     # [n, H_kv, T, D]
+    summaries = BlockSummaries(1, num_kv, D, torch.float32, keys.device, bound_weight=weight)
+    summaries.put(0, 0, torch.cat([blocks.amax(dim=2), blocks.amin(dim=2)], dim=-1))
+    return summaries
+
+
+def _selection(rule: str, summaries, q: torch.Tensor, probs: torch.Tensor, far: range, k: int,
+               block_tokens: int) -> torch.Tensor:
     """The far blocks each query head reads: int64 [H, k] (0-based within `far`). q [H, D] after rotary,
-    keys [H_kv, L, D], probs [H, L] the true softmax of this step (oracles only)."""
-    from tierkv.sparse import BlockSummaries, select_far_blocks_per_kv_head
+    summaries: `_summaries` of the keys (rules weight, kv_group), probs [H, L] the true softmax of this
+    step (oracles)."""
+    from tierkv.sparse import select_far_blocks_per_kv_head
 
     H, T = q.shape[0], block_tokens
     if rule.startswith("oracle"):
         mass = probs[:, far.start * T : far.stop * T].reshape(H, len(far), T).sum(-1)       # [H, nf]
         return (mass.topk(k, dim=1).indices if rule == "oracle_head"
                 else mass.mean(0).topk(k).indices.expand(H, k))
-    num_kv, _, D = keys.shape
-    blocks = keys[:, far.start * T : far.stop * T].reshape(num_kv, len(far), T, D).transpose(0, 1)  # [nf, H_kv, T, D]
-    summaries = BlockSummaries(1, num_kv, D, torch.float32, keys.device, bound_weight=weight)
-    summaries.put(0, 0, torch.cat([blocks.amax(dim=2), blocks.amin(dim=2)], dim=-1))
     if rule == "weight":  # tierkv's selection: the same call its sparse decode makes
-        return summaries.upper_bounds(0, q, range(len(far))).topk(k).indices.expand(H, k)
+        return summaries.upper_bounds(0, q, far).topk(k).indices.expand(H, k)
     if rule == "kv_group":  # tierkv's scheduler.sparse_selection: per_kv_head
-        per_kv_head = select_far_blocks_per_kv_head(summaries, 0, q, range(len(far)), k)         # [H_kv, k]
+        per_kv_head = select_far_blocks_per_kv_head(summaries, 0, q, far, k) - far.start        # [H_kv, k]
+        num_kv = per_kv_head.shape[0]
         return per_kv_head.repeat_interleave(H // num_kv, dim=0)
     raise ValueError(f"rule {rule!r}: expected weight, kv_group, oracle or oracle_head")
 
@@ -83,6 +94,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     expanded_v = value[0].float().repeat_interleave(H // num_kv, dim=0)
     scores = torch.einsum("hcd,hld->hcl", q, expanded_k) * scaling                           # [H, C, L]
     visible = torch.zeros(H, C, L, dtype=torch.bool, device=query.device)
+    rule = _RUN["rule"]
+    summaries = None if rule.startswith("oracle") else _summaries(keys, T, _RUN["weight"])
     for i in range(C):
         t0 = L - C + i
         visible[:, i, : t0 + 1] = True
@@ -90,7 +103,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if len(far) <= k:
             continue
         probs = torch.softmax(scores[:, i, : t0 + 1], dim=-1)
-        chosen = _selection(_RUN["rule"], _RUN["weight"], q[:, i], keys, probs, far, k, T)
+        chosen = _selection(rule, summaries, q[:, i], probs, far, k, T)
         kept = torch.zeros(H, len(far), dtype=torch.bool, device=query.device).scatter_(1, chosen, True)
         visible[:, i, far.start * T : far.stop * T] = kept.repeat_interleave(T, dim=1)
     out = torch.einsum("hcl,hld->hcd", torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), expanded_v)
