@@ -100,6 +100,26 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
     assert hits[2] >= (steps - 2) * LAYERS * k and hits[1] < hits[2]
 
 
+def full_body_equals_eager(far, full, windows: dict, rows, q: torch.Tensor, shifted: torch.Tensor,
+                           seqused: torch.Tensor, meta, window: int, msg: str) -> None:
+    """Each layer's output of `FullDecodeRows.attend` for the m = len(rows) real rows (q [n, HQ, D], n
+    padded) equals the eager step's: the window's near part over the block table `shifted` [m, width]
+    merged with FarKV's eager far part."""
+    from tierkv.attention import merge_partials
+
+    m = len(rows)
+    n = q.shape[0]
+    for layer, win in windows.items():
+        near = win(q[:m], shifted.to(torch.int32), seqused, meta.query_start_loc[: m + 1], window + BS)
+        saved, far.graphs = far.graphs, None  # the eager path, same FarKV
+        far_parts = far.attend(layer, q[:m], 0.3)
+        far.graphs = saved
+        want = merge_partials([near, far_parts])[0]
+        got = torch.full((n, HQ, D), float("nan"))
+        full.attend(got, layer, q, 0.3, win, meta)
+        torch.testing.assert_close(got[:m], want, rtol=1e-5, atol=1e-6, msg=f"{msg} layer {layer}")
+
+
 def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch):
     """What vLLM would capture for its full decode graph (`far_full.FullDecodeRows.attend`): per-row
     inputs written before the step (far counts, cache sets, the tables' and slot lists' addresses),
@@ -109,7 +129,6 @@ def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch)
     it cannot serve, and counts the read blocks of the steps it does."""
     from types import SimpleNamespace
 
-    from tierkv.attention import merge_partials
     from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows
 
     fake_graphs(monkeypatch)
@@ -136,15 +155,7 @@ def test_the_full_decode_graph_body_equals_the_eager_step(tmp_path, monkeypatch)
             q = torch.randn(n, HQ, D)
             shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + 8) for r in rows])
             seqused = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in rows], dtype=torch.int32)
-            for layer, win in windows.items():
-                near = win(q[:3], shifted.to(torch.int32), seqused, meta.query_start_loc[:4], window + BS)
-                saved, far.graphs = far.graphs, None  # the eager path, same FarKV
-                far_parts = far.attend(layer, q[:3], 0.3)
-                far.graphs = saved
-                want = merge_partials([near, far_parts])[0]
-                got = torch.full((n, HQ, D), float("nan"))
-                full.attend(got, layer, q, 0.3, win, meta)
-                torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-6, msg=f"step {step} layer {layer}")
+            full_body_equals_eager(far, full, windows, rows, q, shifted, seqused, meta, window, f"step {step}")
             far.end_step()
             for req in position:
                 position[req] += 1

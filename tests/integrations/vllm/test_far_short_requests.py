@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from tests.integrations.vllm.test_connector import BS, LAYERS, NAMES  # noqa: E402
+from tests.integrations.vllm.test_far_graphed_caches import full_body_equals_eager  # noqa: E402
 from tests.integrations.vllm.test_hot_window import D, HQ, _Window, computed_far, fake_graphs  # noqa: E402
 
 
@@ -62,7 +63,6 @@ def test_the_full_decode_body_serves_requests_shorter_than_a_selection(tmp_path,
     with one far block, a row with none and a padded row equal the eager step."""
     from types import SimpleNamespace
 
-    from tierkv.attention import merge_partials
     from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows
 
     fake_graphs(monkeypatch)
@@ -85,15 +85,7 @@ def test_the_full_decode_body_serves_requests_shorter_than_a_selection(tmp_path,
         shifted = torch.stack([torch.arange(r.num_far_blocks, r.num_far_blocks + width).clamp(max=blocks - 1)
                                for r in rows])
         seqused = torch.tensor([r.num_computed + 1 - r.num_far_blocks * BS for r in rows], dtype=torch.int32)
-        for layer, win in windows.items():
-            near = win(q[:2], shifted.to(torch.int32), seqused, meta.query_start_loc[:3], window + BS)
-            saved, far.graphs = far.graphs, None  # the eager path, same FarKV
-            far_parts = far.attend(layer, q[:2], 0.3)
-            far.graphs = saved
-            want = merge_partials([near, far_parts])[0]
-            got = torch.full((n, HQ, D), float("nan"))
-            full.attend(got, layer, q, 0.3, win, meta)
-            torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-6, msg=f"layer {layer}")
+        full_body_equals_eager(far, full, windows, rows, q, shifted, seqused, meta, window, "short tables")
         far.end_step()
         assert LAYERS == len(windows)
     finally:
