@@ -93,7 +93,7 @@ class ClusterLink(LinkBase):
              redirected: Callable[[Any, int], Any]) -> list[Any]:
         cluster = self._client()
         if cluster is None:
-            return [Unavailable(f"{TOPOLOGY}: {self.last_error}")] * len(names)
+            return [Unavailable(self.last_error)] * len(names)  # "topology: ...", as _mark_down names it
         self._refresh_if_asked(cluster)
         results: list[Any] = [None] * len(names)
         for node, indices in self._by_node(cluster, names, results).items():
