@@ -154,6 +154,8 @@ def run_realtext(model, tokenizer, args, disk: str, recall_rows: list[dict] | No
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     rows = []
     for num_tokens in args.realtext_tokens:
+        if _out_of_time("realtext", num_tokens):
+            break
         need = num_tokens + args.realtext_continuation
         stream = (ids * (need // len(ids) + 1))[:need]
         prompt, continuation = stream[:num_tokens], stream[num_tokens:]
@@ -181,6 +183,8 @@ def run_exact(model, tokenizer, args, disk: str) -> list[dict]:
 
     rows, stop = [], _stop_ids(tokenizer)
     for num_tokens in args.exact_tokens:
+        if _out_of_time("exact", num_tokens):
+            break
         ids = passkey_case(tokenizer, num_tokens, 0.5, seed=0).prompt_ids
         ref_tokens, ref_logits = dense_greedy(model, ids, args.new_tokens, stop, chunk_tokens=PREFILL_CHUNK)
         kv = _kv_bytes(model, len(ids))
@@ -213,6 +217,8 @@ def run_retrieval(model, tokenizer, args, disk: str, recall_rows: list[dict] | N
         for num_tokens in args.retrieval_tokens:
             for depth in args.depths:
                 for seed in args.seeds:
+                    if _out_of_time("retrieval", f"{task} {num_tokens} depth {depth} seed {seed}"):
+                        return rows
                     case = makers[task](tokenizer, num_tokens, depth, seed)
                     ids = case.prompt_with_prefix(tokenizer)
                     base = {"task": task, "context_tokens": num_tokens, "prompt_tokens": len(ids), "depth": depth,
@@ -300,6 +306,18 @@ def _kv_bytes(model, num_tokens: int) -> int:
     return kv_bytes_per_token(model) * num_tokens
 
 
+STOPPED: list[str] = []  # the cases not started because --time-limit-s ran out
+DEADLINE: float | None = None
+
+
+def _out_of_time(part: str, case) -> bool:
+    """True (and the case noted in STOPPED) once --time-limit-s has passed: no new case starts."""
+    if DEADLINE is None or time.monotonic() < DEADLINE:
+        return False
+    STOPPED.append(f"{part} {case}")
+    return True
+
+
 def _stop_ids(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
@@ -336,6 +354,8 @@ def parse_args(argv=None):
     p.add_argument("--sparse-selection", default=SELECTION, choices=("per_layer", "per_kv_head"),
                    help="scheduler.sparse_selection of every sparse run (per_kv_head: a CPU device only)")
     p.add_argument("--disk-path", default="/tmp/tierkv-bench-accuracy")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="start no new case after this many seconds; the JSON lists the first case not run")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-<device>.json)")
     args = p.parse_args(argv)
     if args.quick:
@@ -359,6 +379,8 @@ def main(argv=None) -> dict:
     global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION, BOUND_WEIGHT, SELECTION  # one run, one cache shape
     SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION = args.sink_tokens, args.window_tokens, args.sparse_gpu_fraction
     BOUND_WEIGHT, SELECTION = args.bound_weight, args.sparse_selection
+    global DEADLINE
+    DEADLINE = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     model, tokenizer, model_id = load_real_model(args.device)
     recall = [] if args.recall else None
     results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick,
@@ -381,6 +403,9 @@ def main(argv=None) -> dict:
         for line in results["recall_summary"]:
             print("recall", {k: line[k] for k in ("task", "context_tokens", "token_budget", "cases", "mean_recall",
                                                    "lowest_recall_layers")})
+    if STOPPED:
+        results["stopped_early"] = {"time_limit_s": args.time_limit_s, "first_cases_not_run": STOPPED}
+        print("time limit reached; not run:", STOPPED)
     device = next(model.parameters()).device.type
     out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-{device}{'-quick' if args.quick else ''}.json"
     return write_results(out, results)

@@ -35,7 +35,7 @@ class Session:
         self.out.mkdir(parents=True, exist_ok=True)
         self.pin = ["taskset", "-c", args.pin_cores] if args.pin_cores else []
 
-    def run(self, cmd: list[str], log: str, timeout_s: int, tail: int = 15, keep: str | None = None,
+    def run(self, cmd: list[str], log: str, timeout_s: int, tail: int = 15, keep: str | tuple[str, ...] | None = None,
             env: dict | None = None) -> int:
         """Run `cmd` (killed after timeout_s), its output to --out/log; print the last `tail` lines
         (only those starting with `keep` when given, vLLM's log noise left out)."""
@@ -109,6 +109,20 @@ def far_sparse(s):
 def save_step(s):
     return s.bench("bench_save_step.py", "--storage-dtype", s.args.storage_dtype or "float8_e4m3fn", "--gpu-busy-ms", "200",
                    "--out", f"{s.out}/save-step-h200.json", log="save-step.log", timeout_s=120, tail=4)
+
+
+def accuracy(s):
+    """bench_accuracy.py on the real model (SmolLM2-135M GGUF) on cuda: exact, retrieval and real text,
+    the grid of --accuracy-args, no new case after --accuracy-limit-s."""
+    return s.bench("bench_accuracy.py", "--device", "cuda", "--time-limit-s", str(s.args.accuracy_limit_s),
+                   *_split(s.args.accuracy_args), "--out", f"{s.out}/accuracy-h200.json", log="accuracy.log",
+                   timeout_s=int(s.args.accuracy_limit_s) + 240, tail=60,
+                   keep=("summary", "exact", "time limit", "Traceback", "Error"))
+
+
+def sealed(s):
+    return s.bench("bench_sealed_path.py", "--device", "cuda", "--layers", "8", "--context", "32768",
+                   "--out", f"{s.out}/sealed-path-h200.json", log="sealed-path.log", timeout_s=240, tail=6)
 
 
 def sparse(s):
@@ -222,6 +236,7 @@ for _step, _doc in [(tests, "every GPU test"), (quant_tests, "the quantized tier
                     (graph_tests, "GPU tests of graphs, far-block caches, bound kernel, rows attention, save, needles"),
                     (sparse_tests, "the query predictor's GPU tests"), (quant, "bench_quant.py"),
                     (bounds, "bench_bounds.py: the key bound kernel, 1 and 10 rows"),
+                    (sealed, "bench_sealed_path.py: a prefix from a plain, sealed and encrypted disk tier to the GPU"),
                     (exact, "bench_exact.py at 128k (--transfer-backends: rows per backend)"),
                     (sweep, "sweep_transfer.py (--extra adds flags, e.g. --contended)"),
                     (far_sparse, "bench_far_sparse.py: the hot window's sparse far path alone, eager and graphed"),
@@ -236,7 +251,7 @@ for _step, _doc in [(tests, "every GPU test"), (quant_tests, "the quantized tier
 STEPS = {
     "tests": tests, "quant-tests": quant_tests, "graph-tests": graph_tests, "sparse-tests": sparse_tests,
     "isolated-tests": isolated_tests, "quant": quant, "bounds": bounds, "exact": exact, "sweep": sweep,
-    "far-sparse": far_sparse, "save-step": save_step, "sparse": sparse, "sparse-runs": sparse_runs,
+    "far-sparse": far_sparse, "accuracy": accuracy, "sealed": sealed, "save-step": save_step, "sparse": sparse, "sparse-runs": sparse_runs,
     "vllm-model8b": vllm_model8b, "vllm-check": vllm_check, "vllm-table": vllm_table, "vllm-ab": vllm_ab,
     "vllm-compiled-quant": vllm_compiled_quant, "vllm-sparse-check": vllm_sparse_check,
     **{f"vllm-{m}": vllm_row(f"tierkv-{m}" if m.startswith("sparse") else m)
@@ -265,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparse-runs", default="cache:3:32 cache:4:32 none:1:0", help="sparse-runs: predictor:selections:margin ...")
     p.add_argument("--extra", default="", help="flags added to bench_sparse.py (sparse, sparse-runs) or sweep_transfer.py")
     p.add_argument("--prefill-chunks", default="32768")
+    p.add_argument("--accuracy-args", default="", help="flags added to bench_accuracy.py (accuracy)")
+    p.add_argument("--accuracy-limit-s", type=float, default=300, help="accuracy: no new case after this")
     p.add_argument("--transfer-backends", default="auto", help="exact: rows per transfer backend, e.g. 'auto memcpy_batch'")
     p.add_argument("--far-rows", default="1 4")
     p.add_argument("--storage-dtype", default=None, help="save-step / vllm-ab sparse rows: the CPU tier's storage dtype")

@@ -196,3 +196,15 @@ def test_retrieval_table_compares_each_mode_with_dense_on_the_same_cases():
     sparse = next(line for line in lines if "| sparse |" in line)
     # 3 cases (one error); of the 2 scored, 0% found against dense's 50% on the same cases; 1 of 2 texts equal
     assert "| 3 | 1 | 0% | 50% | -50 | 50% | passkey@0, passkey@0.5 |" in sparse
+
+
+@pytest.mark.real_model
+def test_a_spent_time_limit_starts_no_case_and_the_json_says_which_were_not_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_accuracy, "STOPPED", [])
+    out = tmp_path / "accuracy.json"
+    record = bench_accuracy.main(["--quick", "--time-limit-s", "0", "--out", str(out),
+                                  "--disk-path", str(tmp_path / "disk")])
+    results = record["results"]
+    assert results["exact"] == [] and results["retrieval"] == []
+    assert results["stopped_early"] == {"time_limit_s": 0.0,
+                                        "first_cases_not_run": ["exact 512", "retrieval passkey 512 depth 0.5 seed 0"]}

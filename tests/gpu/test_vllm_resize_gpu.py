@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+pytest.importorskip("vllm", reason="needs vLLM (the GPU machine's bundle: ../shared/device/vllm)")
 
 from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere, resize_config  # noqa: E402
 from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
