@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,7 +78,11 @@ def during(llm, prompt: list[int], tokens: int, budget: int, reference: list[int
             time.sleep(0.001)
         time.sleep(0.5)  # well into the request
         started = time.perf_counter()
-        llm.set_gpu_budget(budget, timeout_s=900)
+        try:
+            llm.set_gpu_budget(budget, timeout_s=900)
+        except Exception as exc:  # a refusal or failure is the row's result
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            return
         result["applied_after_s"] = time.perf_counter() - started
         result["applied_during_request"] = core.scheduler.has_unfinished_requests()
 
@@ -102,8 +107,8 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str)
     prompts = [[rng.randrange(3, 32000) for _ in range(context)] for _ in range(2)]
     llm = TieredLLM(model_dir, config, backend="vllm", max_model_len=context + decode_tokens + 64, max_num_seqs=1,
                     gpu_memory_utilization=0.9, skip_tokenizer_init=True, enable_prefix_caching=False)
+    rows: dict = {"policy": policy, "context": context, "decode_tokens": decode_tokens, "phases": []}
     try:
-        rows: dict = {"policy": policy, "context": context, "decode_tokens": decode_tokens, "phases": []}
         first = decode_row(llm, prompts[0], decode_tokens, None)
         reference = first["tokens"]
         rows["phases"].append({"phase": "2GiB start", **first})
@@ -118,6 +123,9 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str)
         rows["phases"].append({"phase": "0.5GiB during", **during(llm, prompts[1], decode_tokens, SMALL, second)})
         rows["phases"].append({"phase": "2GiB during", **during(llm, prompts[1], decode_tokens, BIG, second)})
         rows["stats"] = llm.stats()["gpu"]
+    except Exception:  # the phases so far and the failure go to the JSON: one device call, no second try
+        rows["error"] = traceback.format_exc()
+        print(rows["error"], file=sys.stderr)
     finally:
         llm.close()
     for phase in rows["phases"]:
