@@ -44,7 +44,8 @@ class InPlaceFarReads:
         # a plain tier holds bit-identical copies of the resident blocks too (every full block is written
         # back): they are read from the slab in the same call; a quantized tier's copies are lossy
         self.reads_resident = tier.quant_format is None
-        self.num_blocks_read = 0  # block reads served from the slab in place (all layers)
+        self.num_blocks_read = 0  # block reads served from the slab in place (all layers), in whole blocks:
+        # per-KV-head selections read Hkv slices of a block per block counted, the same bytes as per layer
         # keys then values, heads first, reused by every call: [2, Hkv, capacity_blocks, T, D], the KV dtype
         self._keys = torch.empty((2, layout.num_kv_heads, 0, layout.block_tokens, layout.head_dim), dtype=layout.dtype)
 
@@ -68,7 +69,7 @@ class InPlaceFarReads:
         num_blocks, num_fresh = slots.shape[-1], 0 if fresh is None else fresh.shape[1]
         if num_blocks == 0 and num_fresh == 0:
             return None
-        self.num_blocks_read += slots.numel()
+        self.num_blocks_read += num_blocks
         T = self.block_tokens
         keys = self._buffer(num_blocks + -(-num_fresh // T))
         if num_blocks:
