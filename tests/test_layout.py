@@ -182,26 +182,68 @@ def test_no_two_module_names_differ_by_an_added_letter():
     assert [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if one_letter_added(a, b)] == []
 
 
-HOST_ONLY_MODULES = ("tierkv.scheduler.plan",)  # deciding: plain Python, no device work
+HOST_ONLY_PACKAGE = "tierkv.scheduler"  # deciding: plain Python, no device work
+DEVICE_MODULES = ("torch", "numpy", "triton", "cupy")
+DEVICE_SIDE = "tierkv.transfer"  # the doing side: streams, events, copies, device tensors
+DEVICE_ATTRIBUTES = {"cuda", "to", "pin_memory", "record_stream", "wait_event", "wait_stream", "synchronize"}
+DEVICE_KEYWORDS = {"device", "non_blocking", "pin_memory"}
 
 
-def test_host_side_plans_import_neither_torch_nor_the_transfer_side():
-    """A module that only decides (the step plan) cannot create a device tensor or launch a copy:
-    it imports neither torch nor `tierkv.transfer`, not even inside a function; its index lists
-    reach the device through `tierkv.transfer.step_indices`."""
+def host_only_offences(source: str, module: str, is_package: bool = False) -> list[str]:
+    """What in `source` could reach a device: an import of torch, numpy, triton, cupy or
+    `tierkv.transfer` (inside functions too), a device method or attribute (`.cuda`, `.to(...)`,
+    `.pin_memory()`, stream and event calls) or a `device=` / `non_blocking=` / `pin_memory=`
+    argument."""
+    tree = ast.parse(source)
+    names = set()
+    for node in _all_imports(tree.body):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        else:
+            base = _absolute(node, module, is_package)
+            names.update([base] + [f"{base}.{a.name}" for a in node.names])
+    offences = sorted(f"import {n}" for n in names if n.split(".")[0] in DEVICE_MODULES
+                      or n == DEVICE_SIDE or n.startswith(DEVICE_SIDE + "."))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in DEVICE_ATTRIBUTES:
+            offences.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.keyword) and node.arg in DEVICE_KEYWORDS:
+            offences.append(f"line {node.lineno}: {node.arg}=")
+    return offences
+
+
+def test_the_host_only_check_sees_every_kind_of_device_work():
+    """The checker itself: each planted piece of device work is found, plain host code is not."""
+    planted = {
+        "import torch": "import torch",
+        "import numpy.linalg": "import numpy.linalg",
+        "def f():\n    from tierkv.transfer.device import to_device_no_sync": "import tierkv.transfer.device",
+        "from tierkv import transfer": "import tierkv.transfer",
+        "from ..transfer import lookahead": "import tierkv.transfer.lookahead",
+        "def f(t):\n    return t.cuda()": "line 2: .cuda",
+        "def f(t, d):\n    return t.to(d)": "line 2: .to",
+        "x = make(3, device='cuda')": "line 1: device=",
+        "def f(t):\n    return t.pin_memory()": "line 2: .pin_memory",
+        "def f(s, e):\n    s.wait_event(e)": "line 2: .wait_event",
+    }
+    for source, offence in planted.items():
+        assert offence in host_only_offences(source, "tierkv.scheduler.x"), source
+    clean = "from tierkv.scheduler.plan import StepPlan\nfrom typing import TYPE_CHECKING\nx = range(3)\n"
+    assert host_only_offences(clean, "tierkv.scheduler.x") == []
+
+
+def test_the_scheduler_decides_on_the_host_only():
+    """Every module of `tierkv.scheduler` (the step plan, the staging ring's chunk order) is plain
+    Python: it imports neither torch (nor numpy, triton, cupy) nor `tierkv.transfer`, not even inside
+    a function, and calls nothing that moves data to a device; its decisions reach the device through
+    `tierkv.transfer` (`step_indices`, `lookahead`)."""
     files = module_files()
+    modules = sorted(m for m in files if m == HOST_ONLY_PACKAGE or m.startswith(HOST_ONLY_PACKAGE + "."))
+    assert {"tierkv.scheduler.plan", "tierkv.scheduler.staging_ring"} <= set(modules)
     offenders = {}
-    for module in HOST_ONLY_MODULES:
+    for module in modules:
         path = files[module]
-        names = set()
-        for node in _all_imports(ast.parse(path.read_text(), str(path)).body):
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            else:
-                source = _absolute(node, module, path.name == "__init__.py")
-                names.update([source] + [f"{source}.{a.name}" for a in node.names])
-        bad = sorted(n for n in names if n.split(".")[0] in ("torch", "numpy", "triton", "cupy")
-                     or n == "tierkv.transfer" or n.startswith("tierkv.transfer."))
-        if bad:
-            offenders[module] = bad
+        found = host_only_offences(path.read_text(), module, path.name == "__init__.py")
+        if found:
+            offenders[module] = found
     assert offenders == {}

@@ -128,7 +128,7 @@ def test_a_decode_step_on_cpu_by_default_and_under_the_exact_policy_runs_eagerly
 def test_no_gc_turns_the_collector_off_for_a_capture_and_back_on_after_an_error():
     import gc
 
-    from tierkv.sparse.step_graphs import no_gc
+    from tierkv.sparse.graph_capture import no_gc
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="capture failed"):

@@ -408,7 +408,7 @@ class TestOnGpu:
 
 
 def test_mean_run_bytes_counts_runs_where_both_slots_advance_by_one():
-    from tierkv.transfer.engine import mean_run_bytes
+    from tierkv.transfer.copy_backend import mean_run_bytes
 
     t = torch.tensor
     assert mean_run_bytes(t([3, 4, 5, 9]), t([0, 1, 2, 3]), 10) == 4 * 10 / 2      # src breaks after 5

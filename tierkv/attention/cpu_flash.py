@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from tierkv.attention import reference
+from tierkv.attention import contract, reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -95,7 +95,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_p
     n, num_heads, head_dim = q.shape
     m = k.shape[1]
     if n == 0 or m == 0:
-        return reference.empty_result(n, num_heads, head_dim, q.device)
+        return contract.empty_result(n, num_heads, head_dim, q.device)
     if q_positions is None:
         return _unmasked(q, k, v, scale)
     q_positions = q_positions.long()
@@ -128,7 +128,7 @@ def contiguous_partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.contiguous_partial_attention`` through the flash kernel: float32 out [num_q,
     num_heads, head_dim], lse [num_q, num_heads]."""
-    reference.check_contiguous_args(q, k, v, q_positions, k_positions)
+    contract.check_contiguous_args(q, k, v, q_positions, k_positions)
     return _attend(q, k.transpose(0, 1), v.transpose(0, 1), scale, q_positions, k_positions)
 
 
@@ -145,11 +145,11 @@ def paged_partial_attention(
     """``reference.paged_partial_attention`` through the flash kernel: the blocks are gathered
     heads-first in one copy (half the time of a gather then a permuting copy), tokens past each
     block's fill are dropped."""
-    reference.check_paged_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens, q_positions)
+    contract.check_paged_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens, q_positions)
     num_kv_heads, block_tokens, head_dim = kv_pool.shape[2], kv_pool.shape[3], kv_pool.shape[4]
     num_blocks = block_slots.shape[0]
     if num_blocks == 0 or q.shape[0] == 0:
-        return reference.empty_result(q.shape[0], q.shape[1], q.shape[2], q.device)
+        return contract.empty_result(q.shape[0], q.shape[1], q.shape[2], q.device)
     # one copy, heads first: [2, Hkv, num_slots, T, D] view -> [2, Hkv, nb, T, D] -> [2, Hkv, nb * T, D]
     kv = kv_pool.permute(1, 2, 0, 3, 4).index_select(2, block_slots.long())
     kv = kv.reshape(2, num_kv_heads, num_blocks * block_tokens, head_dim)
@@ -172,9 +172,9 @@ def paged_rows_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query over blocks of its own, no causal mask: ``paged_partial_attention`` row by row."""
-    reference.check_rows_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens)
+    contract.check_rows_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens)
     if q.shape[0] == 0:
-        return reference.empty_result(0, q.shape[1], q.shape[2], q.device)
+        return contract.empty_result(0, q.shape[1], q.shape[2], q.device)
     parts = [paged_partial_attention(q[i : i + 1], kv_pool, block_slots[i], block_start_pos[i], block_num_tokens[i],
                                      scale=scale) for i in range(q.shape[0])]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -8,10 +8,12 @@ Primitives:
     return ``(out, lse)``.
   - ``contiguous_partial_attention``: the same over plain ``[num_k, kv_heads, dim]``
     tensors with explicit key positions.
+  - ``paged_rows_attention``: each query over blocks of its own, row by row.
   - ``merge_partials``: exact log-sum-exp merge of ``(out, lse)`` pairs.
-  - ``check_paged_args`` / ``check_contiguous_args``: shape and dtype validation
-    shared with the Triton launchers (no host sync: values are never read).
-  - ``empty_result`` / ``stack_parts``: small helpers shared with the launchers.
+  - ``merge_two_into``: the merge of two parts written into an existing output.
+
+Argument checks and the empty result are the backends' shared contract
+(``tierkv.attention.contract``).
 
 Mask rule: the key at absolute position ``p`` is visible to query ``i`` iff
 ``p <= q_positions[i]``; ``q_positions=None`` means no causal mask. A query row
@@ -24,77 +26,11 @@ from collections.abc import Sequence
 
 import torch
 
+from tierkv.attention.contract import (check_contiguous_args, check_merge_two_args, check_paged_args,
+                                       check_rows_args, empty_result, stack_parts)
+
 # Upper bound on the float32 score tensor built per key chunk, in elements.
 _MAX_SCORE_ELEMENTS = 1 << 25
-
-
-def check_paged_args(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    block_slots: torch.Tensor,
-    block_start_pos: torch.Tensor,
-    block_num_tokens: torch.Tensor,
-    q_positions: torch.Tensor | None,
-) -> None:
-    """Raise ``ValueError`` on inconsistent shapes, dtypes or devices."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_q, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if kv_pool.dim() != 5 or kv_pool.shape[1] != 2:
-        raise ValueError(
-            "kv_pool must be [num_slots, 2, num_kv_heads, block_tokens, head_dim], "
-            f"got shape {tuple(kv_pool.shape)}"
-        )
-    if kv_pool.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head_dim mismatch: q {q.shape[-1]}, kv_pool {kv_pool.shape[-1]}")
-    if kv_pool.dtype != q.dtype or kv_pool.device != q.device:
-        raise ValueError(f"kv_pool is {kv_pool.dtype} on {kv_pool.device}, q is {q.dtype} on {q.device}")
-    _check_gqa(q.shape[1], kv_pool.shape[2])
-    num_blocks = block_slots.shape[0] if block_slots.dim() == 1 else None
-    for name, t in (("block_slots", block_slots), ("block_start_pos", block_start_pos),
-                    ("block_num_tokens", block_num_tokens)):
-        _check_index_vector(name, t, num_blocks, q.device)
-    if q_positions is not None:
-        _check_index_vector("q_positions", q_positions, q.shape[0], q.device)
-
-
-def check_contiguous_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor | None,
-    k_positions: torch.Tensor | None,
-) -> None:
-    """Raise ``ValueError`` on inconsistent shapes, dtypes or devices."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_q, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(
-            f"k and v must both be [num_k, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head_dim mismatch: q {q.shape[-1]}, k {k.shape[-1]}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
-    _check_gqa(q.shape[1], k.shape[1])
-    if q_positions is not None:
-        _check_index_vector("q_positions", q_positions, q.shape[0], q.device)
-    if k_positions is not None:
-        _check_index_vector("k_positions", k_positions, k.shape[0], q.device)
-
-
-def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-
-
-def _check_index_vector(name: str, t: torch.Tensor, length: int | None, device: torch.device) -> None:
-    if t.dim() != 1 or (length is not None and t.shape[0] != length):
-        raise ValueError(f"{name} must be 1-D of length {length}, got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, q is on {device}")
 
 
 def _attend(
@@ -124,14 +60,6 @@ def _attend(
     return out.reshape(num_q, num_heads, head_dim), lse.reshape(num_q, num_heads)
 
 
-def empty_result(
-    num_q: int, num_heads: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out = 0 float32 [num_q, num_heads, head_dim], lse = -inf float32 [num_q, num_heads]."""
-    out = torch.zeros(num_q, num_heads, head_dim, dtype=torch.float32, device=device)
-    lse = torch.full((num_q, num_heads), float("-inf"), dtype=torch.float32, device=device)
-    return out, lse
-
 
 def _visible(
     k_positions: torch.Tensor,          # int [num_k]
@@ -150,8 +78,10 @@ def _visible(
     return visible
 
 
+
 def _keys_per_chunk(num_q: int, num_heads: int) -> int:
     return max(1, _MAX_SCORE_ELEMENTS // max(1, num_q * num_heads))
+
 
 
 def contiguous_partial_attention(
@@ -181,6 +111,7 @@ def contiguous_partial_attention(
     if not parts:
         return empty_result(num_q, num_heads, head_dim, q.device)
     return parts[0] if len(parts) == 1 else merge_partials(parts)
+
 
 
 def paged_partial_attention(
@@ -219,23 +150,6 @@ def paged_partial_attention(
     return parts[0] if len(parts) == 1 else merge_partials(parts)
 
 
-def check_rows_args(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    block_slots: torch.Tensor,
-    block_start_pos: torch.Tensor,
-    block_num_tokens: torch.Tensor,
-) -> None:
-    """`check_paged_args` for block lists of one row per query ([num_q, num_blocks] each)."""
-    for name, t in (("block_slots", block_slots), ("block_start_pos", block_start_pos),
-                    ("block_num_tokens", block_num_tokens)):
-        if t.dim() != 2 or t.shape != block_slots.shape or t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} must be [num_q, num_blocks] = [{q.shape[0]}, n] like block_slots "
-                             f"{tuple(block_slots.shape)}, got {tuple(t.shape)}")
-    check_paged_args(q, kv_pool, block_slots[0] if q.shape[0] else block_slots.reshape(-1),
-                     block_start_pos[0] if q.shape[0] else block_start_pos.reshape(-1),
-                     block_num_tokens[0] if q.shape[0] else block_num_tokens.reshape(-1), None)
-
 
 def paged_rows_attention(
     q: torch.Tensor,                # [num_q, num_heads, head_dim]
@@ -256,6 +170,7 @@ def paged_rows_attention(
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+
 def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact LSE merge of ``(out, lse)`` pairs with identical shapes.
 
@@ -272,39 +187,10 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     return out, row_max + torch.log(total)
 
 
-def stack_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate and stack parts into float32 ``[P, ..., dim]`` and ``[P, ...]``."""
-    if len(parts) == 0:
-        raise ValueError("merge_partials needs at least one (out, lse) part, got none")
-    out0, lse0 = parts[0]
-    if out0.shape[:-1] != lse0.shape:
-        raise ValueError(f"out shape {tuple(out0.shape)} does not match lse shape {tuple(lse0.shape)}")
-    for i, (out, lse) in enumerate(parts):
-        if out.shape != out0.shape or lse.shape != lse0.shape:
-            raise ValueError(
-                f"part {i} has shapes {tuple(out.shape)}, {tuple(lse.shape)}; "
-                f"part 0 has {tuple(out0.shape)}, {tuple(lse0.shape)}"
-            )
-    outs = torch.stack([out.float() for out, _ in parts])
-    lses = torch.stack([lse.float() for _, lse in parts])
-    return outs, lses
-
-
-def check_merge_two_args(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
-                         second: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """output [n, H, D]; each part (out [n, H, D], lse [n, H]); head dims contiguous."""
-    for name, (out, lse) in (("first", first), ("second", second)):
-        if out.shape != output.shape or lse.shape != output.shape[:2]:
-            raise ValueError(f"merge_two_into: {name} part has shapes {tuple(out.shape)}, {tuple(lse.shape)}; "
-                             f"output has {tuple(output.shape)}")
-        if out.stride(-1) != 1:
-            raise ValueError(f"merge_two_into: the {name} part's head dim must be contiguous")
-    if output.stride(-1) != 1:
-        raise ValueError("merge_two_into: the output's head dim must be contiguous")
-
 
 def merge_two_into(output: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
                    second: tuple[torch.Tensor, torch.Tensor]) -> None:
     """output [n, H, D] (any float dtype) = the LSE merge of two (out, lse) parts, in place."""
     check_merge_two_args(output, first, second)
     output.copy_(merge_partials([first, second])[0])
+

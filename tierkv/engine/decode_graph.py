@@ -37,7 +37,7 @@ import torch
 
 from tierkv.engine.graph_step import GraphStep
 from tierkv.transfer.device import to_device_no_sync
-from tierkv.sparse.step_graphs import no_gc
+from tierkv.sparse.graph_capture import no_gc
 
 logger = logging.getLogger(__name__)
 

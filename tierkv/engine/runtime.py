@@ -19,7 +19,7 @@ from tierkv.budget_change import BudgetChange, BudgetRefused, HotWindowLost, che
 from tierkv.engine.elastic import resize_hot_window
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.model_identity import ModelIdentity
-from tierkv.scheduler import LookaheadStreamer
+from tierkv.transfer.lookahead import LookaheadStreamer
 from tierkv.engine.sequence import CapacityError, SequenceKV
 from tierkv.sparse.block_cache import cache_slots_per_layer
 from tierkv.storage import build_tiers

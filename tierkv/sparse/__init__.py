@@ -9,6 +9,8 @@ Engine-agnostic (no vLLM import); the transformers engine and the vLLM integrati
     row_caches         per-row far-block caches of the graphed step (predictor `cache`, vLLM rows)
     step               the sparse step of many rows: select, fetch, far attention (device work only)
     step_graphs        that step captured in CUDA graphs per layer and set of rows, with the merge
+    row_graph          one such graph: what it bakes in (row_key), its static inputs and outputs
+    graph_capture      capturing one CUDA graph beside the compute stream (also the decode graph's no_gc)
     prefetch_margin    next-step prefetch of the blocks ranked just below the selection
     predict_previous   predictor `previous`: each layer's last selection, copied ahead
     predict_query      predictor `query`: the next layers' selection from the hidden state

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tierkv.scheduler import StagedChunk
+from tierkv.transfer.lookahead import StagedChunk
 from tierkv.transfer.device import to_device_no_sync
 
 

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from tierkv.scheduler import StagedChunk
+from tierkv.transfer.lookahead import StagedChunk
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.summaries import select_far_blocks_on_device
 from tierkv.sparse.block_cache import FarBlockCache, gather_pairs

@@ -2,8 +2,8 @@
 attention of every decoding row of the step, captured once and replayed each step until the rows
 or their inputs move.
 
-Primitives: `NearInputs`, `SparseStepGraphs` (`servable`, `key`,
-`near_buffer`, `attend`, `near_inputs_for`, `attend_whole`, `forget`, `stats`), `no_gc`.
+Primitives: `SparseStepGraphs` (`servable`, `key`, `near_buffer`, `attend`, `near_inputs_for`,
+`attend_whole`, `forget`, `stats`).
 
 Under vLLM's eager forward the sparse far path of a decoding row costs about 1.4 ms of host time
 per layer (some 30 launches and their Python, results/profile-vllm-sparse-h200-04f0bf7.txt)
@@ -40,82 +40,27 @@ go the eager way (`FarKV.attend_parts`): far blocks without a summary, rows past
 row's request needs a cache set of its own), engines without the copy kernel, CPU. A capture
 that fails turns the graphs off for the engine's life (logged, counted); the eager path gives the
 same result. All graphs draw on one memory pool and replay on the compute stream in order, one at
-a time. A graph's scratch may lie where another graph, captured later into the same pool, keeps
-scratch of its own (a recapture breaks the capture order), so what must outlive a replay, the
-inputs and outputs, is allocated outside the pool: inputs copied in before a replay, outputs
-written inside the graph. A pool
-whose graphs were all freed cannot take another capture; the next capture opens a new one.
+a time (`tierkv.sparse.graph_capture` says why their inputs and outputs lie outside it); what a
+graph bakes in and holds is `tierkv.sparse.row_graph`.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from tierkv.attention import merge_two_into
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.sparse.far_source import FarSource
+from tierkv.sparse.graph_capture import capture_graph
 from tierkv.sparse.row_caches import RowCaches
+from tierkv.sparse.row_graph import NearInputs, RowGraph, row_key, static_inputs
 from tierkv.sparse.step import packed_buffers, sparse_rows_body
 
 logger = logging.getLogger(__name__)
 
 GRAPHS_PER_LAYER = 4  # sets of rows whose graphs a layer keeps
-
-
-@contextlib.contextmanager
-def no_gc():
-    """Python's cyclic garbage collector off for a CUDA graph capture: collected objects that free CUDA
-    memory or events (a pinned buffer, a stream) on the capturing thread would invalidate the capture."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _row_key(req, layer: int) -> tuple:
-    """What a graph bakes in for one row: its request's summary table and pinned-slot buffer of the
-    layer (address, size) and its far-block cache set. Not the request: another one holding the
-    same buffers (passed on when the first finished, `FarKV.reuses_buffers`) replays the same graph;
-    a new buffer means a new capture."""
-    table, slots = req.far_summaries.tables[layer], req.pinned_slots_dev[layer]
-    return table.data_ptr(), table.shape[0], slots.data_ptr(), slots.numel(), req.cache.index
-
-
-@dataclass
-class NearInputs:
-    """Static inputs of the window part when a step's graphs run it too (`attend_whole`), shared by
-    every layer's graph of one set of rows and written once per step: each row's block table past its
-    far blocks [m, C] and key count [m] (int32, as vLLM's), and query offsets 0..m (int32 [m + 1])."""
-
-    table: torch.Tensor
-    seqused_k: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-
-
-@dataclass
-class _Graph:
-    key: tuple              # what it baked in: per row the request and its summary table and pinned-slot
-                            # buffer (address, size); the scale; for a whole graph, the window part's too
-    graph: torch.cuda.CUDAGraph
-    q: torch.Tensor         # static inputs: the rows' queries [m, H, D], far counts (int64 [m]) and, unless
-    num_far: torch.Tensor   #   the graph runs the window part itself, near parts (out [m, H, D], lse float32
-    near_out: torch.Tensor | None  # [m, H]); near_out is what the vLLM backend hands FlashAttention as its
-    near_lse: torch.Tensor | None  # output when every row of the step is graphed
-    out: torch.Tensor       # static outputs, valid until the next replay: the rows' attention, near and
-    ids: torch.Tensor       #   far merged [m, H, D] (the output's dtype); their selections [m, k]
-    far_counts: list[int]   # the values num_far holds
-    request_ids: tuple[str, ...]  # the rows' requests, in order
-    row_inputs: tuple       # their far-block cache sets, summary tables' and slot lists' addresses (int64 [m]
-                            #   each), static
-    near_inputs: NearInputs | None = None  # a whole graph's window inputs (kept alive with it)
 
 
 class SparseStepGraphs:
@@ -131,7 +76,7 @@ class SparseStepGraphs:
         self.packed = packed_buffers(source, device, self.max_rows) if self.max_rows else None
         # per layer, the graphs of the last GRAPHS_PER_LAYER sets of rows, least recently used first: a
         # batch that alternates between a few sets (a request joining, vLLM reordering) recaptures once each
-        self.graphs: dict[int, OrderedDict[tuple, _Graph]] = {}
+        self.graphs: dict[int, OrderedDict[tuple, RowGraph]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.side_stream = torch.cuda.Stream(device)  # captures run here
         self.enabled = self.max_rows > 0
@@ -158,7 +103,7 @@ class SparseStepGraphs:
     @staticmethod
     def key(layer: int, rows: list[tuple[str, object, int]], scale: float) -> tuple:
         """What a layer's graph for decoding rows (req_id, request, far blocks) bakes in."""
-        return tuple(_row_key(req, layer) for _, req, _ in rows), scale
+        return tuple(row_key(req, layer) for _, req, _ in rows), scale
 
     def near_buffer(self, layer: int, key: tuple) -> torch.Tensor | None:
         """The static near output of the layer's graph for `key`, if one is kept: FlashAttention may
@@ -187,7 +132,7 @@ class SparseStepGraphs:
         entry.near_lse.copy_(near_lse)
         return self._replay(entry, q, counts)
 
-    def _kept(self, layer: int, key: tuple, capture) -> _Graph | None:
+    def _kept(self, layer: int, key: tuple, capture) -> RowGraph | None:
         """The layer's graph for `key`, made most recently used; else `capture()`'s, kept in place of
         the least recently used past GRAPHS_PER_LAYER (None when the capture failed)."""
         kept = self.graphs.setdefault(layer, OrderedDict())
@@ -202,7 +147,7 @@ class SparseStepGraphs:
             kept[key] = entry
         return entry
 
-    def _replay(self, entry: _Graph, q: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, entry: RowGraph, q: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         entry.q.copy_(q)
         if entry.far_counts != counts:  # change once per block of decoded tokens: a copy saved otherwise
             entry.num_far.copy_(to_device_no_sync(counts, entry.num_far.device))
@@ -266,20 +211,11 @@ class SparseStepGraphs:
 
     def _capture(self, layer: int, rows: list[tuple[str, object, int]], q_rows: torch.Tensor, out_dtype: torch.dtype,
                  counts: list[int], key: tuple, scale: float, near_parts: tuple | None = None,
-                 window: tuple | None = None) -> _Graph | None:
+                 window: tuple | None = None) -> RowGraph | None:
         """A graph for decoding rows: near_parts (out, lse), the rows' near parts copied into static
         inputs before each replay; or window (the backend's FlashAttention, its NearInputs, the key
         count bound), the window part run inside the graph."""
-        # the static inputs and the merged output, outside the graphs' pool
-        q = q_rows.clone()
-        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-        far_counts = torch.tensor(counts, dtype=torch.int64, device=q.device)
-        # the rows' cache sets, and the addresses of their summary tables and slot lists (the key holds
-        # them: fixed for the graph's life)
-        row_inputs = tuple(torch.tensor(values, dtype=torch.int64, device=q.device) for values in (
-            [req.cache.index for _, req, _ in rows],
-            [req.far_summaries.tables[layer].data_ptr() for _, req, _ in rows],
-            [req.pinned_slots_dev[layer].data_ptr() for _, req, _ in rows]))
+        q, out, far_counts, row_inputs = static_inputs(layer, rows, q_rows, out_dtype, counts)
         near_out = near_lse = inputs = None
         if window is None:
             near_out, near_lse = (t.contiguous().clone() for t in near_parts)
@@ -301,8 +237,8 @@ class SparseStepGraphs:
             self.prefetch.counters.copy_(counted)
         if recorded is None:
             return None
-        return _Graph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
-                      tuple(r[0] for r in rows), row_inputs, inputs)
+        return RowGraph(key, recorded[0], q, far_counts, near_out, near_lse, out, recorded[1], counts,
+                        tuple(r[0] for r in rows), row_inputs, inputs)
 
     def _record(self, body, whole: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Run `body` once, then capture it: (graph, its static ids output); None if the capture failed
@@ -310,41 +246,30 @@ class SparseStepGraphs:
         (the split graphs, with the window part run by the backend, serve from then on)."""
         if not any(self.graphs.values()):  # every graph of the pool freed (requests finished): the pool is gone
             self.pool = torch.cuda.graph_pool_handle()
-        current, side = torch.cuda.current_stream(), self.side_stream
-        side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
-                first = body()  # first run outside the capture: kernels built, workspaces set
-            ids = torch.empty_like(first)  # outside the pool, on the compute stream
-            with torch.cuda.stream(side):
-                # capture_begin/end rather than torch.cuda.graph, which synchronizes and empties the
-                # allocator's cache on entry: captures recur as the batch changes
-                graph = torch.cuda.CUDAGraph()
-                with no_gc():
-                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    try:
-                        ids.copy_(body())
-                    finally:
-                        graph.capture_end()
-            current.wait_stream(side)
+            graph, ids = capture_graph(body, self.pool, self.side_stream)
         except Exception:  # nothing was returned from here: the caller's fallback gives the same result
-            current.wait_stream(side)
-            if whole:
-                logger.exception("tierkv hot window: capturing a sparse decode graph with the window part failed; "
-                                 "the backend runs the window part from now on")
-                self.whole_enabled = False
-                for kept in self.graphs.values():
-                    for key in [key for key, entry in kept.items() if entry.near_inputs is not None]:
-                        del kept[key]
-                self.counts["whole_capture_errors"] += 1
-                return None
-            logger.exception("tierkv hot window: capturing a sparse decode graph failed; sparse rows run eagerly")
-            self.enabled = False
-            self.graphs.clear()
-            self.counts["graph_capture_errors"] += 1
+            self._capture_failed(whole)
             return None
         self.counts["graph_captures"] += 1
         return graph, ids
+
+    def _capture_failed(self, whole: bool) -> None:
+        """Log the capture error being handled and turn off what it concerns: the whole graphs (the
+        split graphs, with the window part run by the backend, serve from then on) or all graphs."""
+        if whole:
+            logger.exception("tierkv hot window: capturing a sparse decode graph with the window part failed; "
+                             "the backend runs the window part from now on")
+            self.whole_enabled = False
+            for kept in self.graphs.values():
+                for key in [key for key, entry in kept.items() if entry.near_inputs is not None]:
+                    del kept[key]
+            self.counts["whole_capture_errors"] += 1
+            return
+        logger.exception("tierkv hot window: capturing a sparse decode graph failed; sparse rows run eagerly")
+        self.enabled = False
+        self.graphs.clear()
+        self.counts["graph_capture_errors"] += 1
 
     def forget(self, req_id: str) -> None:
         """Drop the graphs that serve a finished request (whose buffers no other request will hold)."""

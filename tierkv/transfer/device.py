@@ -1,6 +1,6 @@
 """Device tensor helpers shared by both engines.
 
-Primitives: `to_device_no_sync`, `append_at`.
+Primitives: `to_device_no_sync`, `append_at`, `pin_if_cuda`.
 """
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ def append_at(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.T
         buffer = grown
     buffer[start:end] = values
     return buffer
+
+
+def pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
+    """`t` in pinned memory when CUDA is available (a copy unless already pinned), else `t`."""
+    if t.device.type != "cpu":
+        raise ValueError(f"t: expected a CPU tensor, got one on {t.device}")
+    if torch.cuda.is_available() and not t.is_pinned():
+        return t.pin_memory()
+    return t

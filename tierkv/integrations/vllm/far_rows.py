@@ -54,7 +54,7 @@ from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.optional_kernel import fallbacks as kernel_fallbacks
-from tierkv.scheduler.lookahead import LookaheadStreamer
+from tierkv.transfer.lookahead import LookaheadStreamer
 from tierkv.sparse.request_summaries import KeySummaries, SelectionOverlap
 from tierkv.sparse.step_graphs import SparseStepGraphs
 

@@ -5,7 +5,7 @@ Primitives: `cache_stats`, `streaming_stats`. No vLLM import.
 """
 from __future__ import annotations
 
-from tierkv.scheduler.lookahead import LookaheadStreamer
+from tierkv.transfer.lookahead import LookaheadStreamer
 from tierkv.sparse.row_caches import RowCaches
 
 _NO_CACHES = {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cache_sets": 0, "cache_bytes": 0,

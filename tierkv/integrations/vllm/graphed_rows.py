@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.transfer.device import to_device_no_sync
-from tierkv.sparse.step_graphs import NearInputs
+from tierkv.sparse.row_graph import NearInputs
 
 
 def rows_of(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -1,12 +1,10 @@
 """The lookahead streamer: copies non-resident blocks of layers L+1..L+d while layer L computes.
 
-Primitives: `LookaheadStreamer` (`plan`, `run`, `chunks_for_layer`), `StagedChunk`.
+Primitives: `LookaheadStreamer` (`plan`, `run`, `chunks_for_layer`, `fetch_now`), `StagedChunk`.
 
-The staging ring has R regions. Chunks are numbered across layers (g = layer * C + c); chunk g
-goes to region g % R once chunk g - R has been consumed:
-
-    copy stream:    [g0][g1][g2][g3] ... each copy waits for the event "region free"
-    compute stream:      att(g0)  att(g1)  att(g2) ... each waits for its own copy's event
+Which chunk goes to which staging region, and when its copy may be issued, is decided on the host
+by `tierkv.scheduler.staging_ring.ChunkRing`; this module does it: the copies, the events that
+order them against attention, and the device tensors attention reads.
 
 `run()` only enqueues copies (no host sync); `chunks_for_layer(L)` makes the compute stream
 wait on each chunk's copy and nothing else. A chunk that was not copied ahead of its
@@ -21,8 +19,9 @@ from typing import Iterator
 import torch
 
 from tierkv.scheduler.plan import StepPlan
-from tierkv.transfer.device import to_device_no_sync
+from tierkv.scheduler.staging_ring import ChunkRing
 from tierkv.storage.gpu import GpuBlockPool
+from tierkv.transfer.device import to_device_no_sync
 
 
 @dataclass
@@ -57,17 +56,16 @@ class LookaheadStreamer:
         self._region_free_event: list = [None] * self.pool.num_regions
         self._carried: list[tuple[int, range, torch.Tensor, object]] = []  # (layer, blocks, src slots, handle)
         self._is_decode = False
+        self._ring = ChunkRing(pool.num_regions, pool.region_blocks)
         self._chunk_meta_key: tuple | None = None
         self._chunk_meta_cached: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
-        self._chunks: list[tuple[int, range]] = []  # (layer, block range) per global chunk
+        self._ring.clear()
         self._cpu_slots: list[torch.Tensor] = []
         self._handles: list = []
         self._chunk_meta: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._num_issued = 0
-        self._num_consumed = 0
         self._after = None
 
     def plan(self, step: StepPlan, cpu_slots_per_layer: list[torch.Tensor], block_tokens: int, after=None) -> None:
@@ -78,26 +76,22 @@ class LookaheadStreamer:
         """
         self._reset()
         self._after = after
-        region = self.pool.region_blocks
         streamed = step.streamed_blocks
-        per_layer = [range(s, min(s + region, streamed.stop)) for s in range(streamed.start, streamed.stop, region)]
+        self._ring.lay_out(streamed, len(cpu_slots_per_layer))
         device = self.pool.staging.device
         # (start_pos, num_tokens) of each chunk of a layer; the staging region is chosen per chunk.
         # Read-only on the device, so a step with the same chunks (most decode steps) reuses them.
-        meta_key = (streamed.start, streamed.stop, region, block_tokens)
+        meta_key = (streamed.start, streamed.stop, self.pool.region_blocks, block_tokens)
         if meta_key != self._chunk_meta_key:
             self._chunk_meta_key = meta_key
             self._chunk_meta_cached = [
                 (to_device_no_sync(torch.arange(r.start, r.stop) * block_tokens, device),
                  to_device_no_sync(torch.full((len(r),), block_tokens), device))
-                for r in per_layer
+                for r in self._ring.block_ranges
             ]
         self._chunk_meta = self._chunk_meta_cached
         self._cpu_slots = cpu_slots_per_layer
-        offset = streamed.start
-        self._chunks = [(layer, range(r.start - offset, r.stop - offset))
-                        for layer in range(len(cpu_slots_per_layer)) for r in per_layer]
-        self._handles = [None] * len(self._chunks)
+        self._handles = [None] * len(self._ring.chunks)
         self._is_decode = step.num_new_tokens == 1
         self._adopt_carried()
 
@@ -107,12 +101,12 @@ class LookaheadStreamer:
         copies into their regions queue behind them on the same copy stream."""
         carried, self._carried = self._carried, []
         for g, (layer, blocks, src, handle) in enumerate(carried):
-            if (g >= len(self._chunks) or self._chunks[g] != (layer, blocks)
+            if (g >= len(self._ring.chunks) or self._ring.chunks[g] != (layer, blocks)
                     or not torch.equal(self._cpu_slots[layer][blocks.start : blocks.stop], src)):
                 self._discard(carried[g:])
                 return
             self._handles[g] = handle
-            self._num_issued = g + 1
+            self._ring.num_issued = g + 1
             self.num_chunks_carried += 1
 
     def _carry_into_next_step(self) -> None:
@@ -120,8 +114,8 @@ class LookaheadStreamer:
         region) of the same plan, which the next decode step reads again unless the window moved,
         so the copy stream does not idle while the host finishes this step and starts the next."""
         self._carried = []
-        for g in range(min(self.pool.num_regions, len(self._chunks))):
-            layer, blocks = self._chunks[g]
+        for g in range(min(self.pool.num_regions, len(self._ring.chunks))):
+            layer, blocks = self._ring.chunks[g]
             src = self._cpu_slots[layer][blocks.start : blocks.stop]
             # only the region's previous reader to wait for: these blocks were streamed this step
             self._carried.append((layer, blocks, src, self._gather_chunk(g, waits_for_plan=False)))
@@ -132,13 +126,9 @@ class LookaheadStreamer:
 
     def run(self, through_layer: int) -> None:
         """Enqueue copies for chunks of layers <= through_layer while a staging region is free."""
-        while (
-            self._num_issued < len(self._chunks)
-            and self._chunks[self._num_issued][0] <= through_layer
-            and self._num_issued < self._num_consumed + self.pool.num_regions
-        ):
-            self._issue(self._num_issued)
-            self._num_issued += 1
+        while (g := self._ring.next_to_issue(through_layer)) is not None:
+            self._issue(g)
+            self._ring.num_issued += 1
 
     def _issue(self, g: int) -> None:
         self._handles[g] = self._gather_chunk(g, waits_for_plan=True)
@@ -146,8 +136,8 @@ class LookaheadStreamer:
     def _gather_chunk(self, g: int, *, waits_for_plan: bool):
         """Enqueue chunk g's copy into its staging region once the region's last reader is done
         (and, with `waits_for_plan`, once the plan's `after` has happened); counted as streamed."""
-        layer, blocks = self._chunks[g]
-        region = g % self.pool.num_regions
+        layer, blocks = self._ring.chunks[g]
+        region = self._ring.region_of(g)
         waits = (self._region_free_event[region], self._after if waits_for_plan else None)
         handle = self.io.gather(self._cpu_slots[layer][blocks.start : blocks.stop], self.pool.staging,
                                 self._region_slots_host[region][: len(blocks)], after=[e for e in waits if e is not None])
@@ -194,7 +184,7 @@ class LookaheadStreamer:
         device = self.pool.staging.device
         region_blocks = self.pool.region_blocks
         for piece, start in enumerate(range(0, cpu_slots.numel(), region_blocks)):
-            region = piece % self.pool.num_regions
+            region = self._ring.region_of(piece)
             count = min(region_blocks, cpu_slots.numel() - start)
             waits = [e for e in (self._region_free_event[region], after, self.engine.record_compute_event()) if e is not None]
             start_s = time.perf_counter()
@@ -222,8 +212,8 @@ class LookaheadStreamer:
         """Each streamed chunk of `layer`, ready to read on the current stream once yielded."""
         per_layer = self.chunks_per_layer
         for c in range(per_layer):
-            g = layer * per_layer + c
-            is_late = g >= self._num_issued
+            g = self._ring.chunk_index(layer, c)
+            is_late = g >= self._ring.num_issued
             wait_s = None
             if is_late:  # not prefetched: fetch now and count it
                 self.num_stalls += 1
@@ -233,11 +223,11 @@ class LookaheadStreamer:
                     wait_s = time.perf_counter() - start
             self.wait_for_chunk(self._handles[g], layer, is_late=is_late, host_wait_s=wait_s)
             start_pos, num_tokens = self._chunk_meta[c]
-            region = g % self.pool.num_regions
+            region = self._ring.region_of(g)
             yield StagedChunk(self._region_slots[region][: num_tokens.numel()], start_pos, num_tokens)
             self.engine.release_event(self._region_free_event[region])
             self._region_free_event[region] = self.engine.record_compute_event()
-            self._num_consumed += 1
+            self._ring.num_consumed += 1
             self.run(through_layer=layer + self.lookahead_layers)
         if self._is_decode and layer == len(self._cpu_slots) - 1 and per_layer:
             self._carry_into_next_step()
