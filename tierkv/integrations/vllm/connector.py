@@ -200,7 +200,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         per_run = max(1, SAVE_RUN_BYTES // (num_blocks * self.store.layout.num_bytes))
         start, summarize_s = 0, 0.0
-        self.store.save_host_s = [0.0, 0.0]
+        self.store.saves.host_s = [0.0, 0.0]
         while start < len(todo):
             stop = start + 1
             while stop < len(todo) and stop - start < per_run and todo[stop][0] == todo[stop - 1][0] + 1:
@@ -236,7 +236,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         if summarize_s is not None:  # where the block-completing step's host time goes
             self.store.save_step_ms.append(tuple(round(1e3 * s, 3) for s in (
-                *self.store.save_host_s, summarize_s, time.perf_counter() - polled, time.perf_counter() - started)))
+                *self.store.saves.host_s, summarize_s, time.perf_counter() - polled, time.perf_counter() - started)))
         # the step's host ms in this connector's hooks (start_load_kv, save_kv_layer, wait_for_save): where a
         # slow step's time went, ours or vLLM's (`VllmKVStore.stats`' step_connector_ms)
         self._hook_s[2] = time.perf_counter() - started

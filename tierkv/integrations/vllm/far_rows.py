@@ -79,7 +79,7 @@ class FarKV:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
         store.hot_window = self  # its stats() reports ours
-        store.keep_saves_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
+        store.saves.keep_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
