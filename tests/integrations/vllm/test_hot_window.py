@@ -36,7 +36,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
-from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
+from tierkv.integrations.vllm.connector_scheduler import TierKVMetadata  # noqa: E402
 from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
