@@ -7,7 +7,7 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
     far:  `FarKV.attend_into` over the blocks vLLM freed, streamed from the CPU tier; prefill
           chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
-    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; the
+    out:  the LSE merge of the two (`far_attention.merge_with_near`: one pass for a single prefill row; the
           sparse decode rows served by a CUDA graph merge inside it; when the graphs serve every
           row of the step, they run the near FlashAttention too (`_WindowAttention`), so a
           layer's attention costs the host a query copy, a replay and an output copy)
@@ -22,7 +22,7 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.integrations.vllm.far_rows import profiled
+from tierkv.integrations.vllm.far_attention import profiled
 from tierkv.integrations.vllm.graphed_rows import rows_of
 from tierkv.integrations.vllm.hot_window import _STATE, current_step, full_decode_graphs, full_rows
 
