@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierkv.storage import disk_io
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.codec import CorruptBlock
 from tierkv.storage.disk import DiskTier
@@ -107,17 +108,17 @@ def test_header_checksum_kinds_and_versions_are_checked():
 def test_cached_bytes_sees_the_page_cache_without_reading(tmp_path):
     path = tmp_path / "file"
     path.write_bytes(os.urandom(1 << 20))
-    modes = seg.ReadModes()
+    modes = disk_io.ReadModes()
     fd = os.open(path, os.O_RDONLY)
     try:
-        if seg.cached_bytes(fd, 0, 1 << 20, modes) is None:
+        if disk_io.cached_bytes(fd, 0, 1 << 20, modes) is None:
             pytest.skip("cachestat(2) is not available on this kernel")
-        assert seg.cached_bytes(fd, 4096, 8192, modes) == 8192  # just written: cached
+        assert disk_io.cached_bytes(fd, 4096, 8192, modes) == 8192  # just written: cached
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if seg.cached_bytes(fd, 0, 1 << 20, modes) != 0:
+        if disk_io.cached_bytes(fd, 0, 1 << 20, modes) != 0:
             pytest.skip("this filesystem keeps the pages (tmpfs)")
-        assert seg.cached_bytes(fd, 0, 1 << 20, modes) == 0  # asking did not read them in
+        assert disk_io.cached_bytes(fd, 0, 1 << 20, modes) == 0  # asking did not read them in
     finally:
         os.close(fd)
 
@@ -131,12 +132,12 @@ def test_cold_get_reads_the_device_without_filling_the_page_cache(layout, tmp_pa
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if seg.cached_bytes(fd, 0, path.stat().st_size, tier._modes) != 0:
+            if disk_io.cached_bytes(fd, 0, path.stat().st_size, tier._modes) != 0:
                 pytest.skip("no cachestat(2), or this filesystem keeps the pages")
             got = tier.get_many([key_of(i) for i in range(40)])
             assert all(torch.equal(g, b) for g, b in zip(got, blocks))
             if tier._modes.is_direct_ok:  # O_DIRECT, and no readahead started by a RWF_NOWAIT probe
-                assert seg.cached_bytes(fd, 0, path.stat().st_size, tier._modes) == 0
+                assert disk_io.cached_bytes(fd, 0, path.stat().st_size, tier._modes) == 0
         finally:
             os.close(fd)
 

@@ -8,8 +8,7 @@ import threading
 import pytest
 import torch
 
-from tierkv.storage import disk_reads
-from tierkv.storage import disk_segments as seg
+from tierkv.storage import disk_io, disk_reads
 from tierkv.storage.disk import DiskTier
 
 CAPACITY_BYTES = 64 << 20
@@ -40,7 +39,7 @@ def flip_payload_byte(tier: DiskTier, key: str) -> None:
 def from_device(monkeypatch):
     """Every read goes to the device (cachestat says nothing is cached), in pieces of PIECE_BYTES;
     yields the ids of the threads that checked blocks."""
-    monkeypatch.setattr(seg, "cached_bytes", lambda *args: 0)
+    monkeypatch.setattr(disk_io, "cached_bytes", lambda *args: 0)
     monkeypatch.setattr(disk_reads, "_MIN_PIECE_BYTES", PIECE_BYTES)
     monkeypatch.setattr(disk_reads, "_MAX_PIECE_BYTES", PIECE_BYTES)
     checked_on: set[int] = set()
@@ -74,7 +73,7 @@ def test_corrupt_block_mid_batch_from_the_device_is_a_counted_miss_and_the_rest_
 
 def test_failed_device_read_mid_batch_fails_the_rest_of_its_run_only(layout, tmp_path, from_device, monkeypatch):
     keys, blocks = [key_of(i) for i in range(20)], [make_block(layout, i) for i in range(20)]
-    read_at, calls = seg.read_at, []
+    read_at, calls = disk_io.read_at, []
 
     def failing_second(*args):
         calls.append(args[2])
@@ -84,19 +83,19 @@ def test_failed_device_read_mid_batch_fails_the_rest_of_its_run_only(layout, tmp
 
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, num_io_threads=2) as tier:
         tier.put_many(keys, blocks)
-        monkeypatch.setattr(seg, "read_at", failing_second)
+        monkeypatch.setattr(disk_io, "read_at", failing_second)
         got = tier.get_many(keys)
         first_piece = sum(g is not None for g in got)
         assert 0 < first_piece < 20 and all(g is None for g in got[first_piece:])  # one segment: one run
         assert all(torch.equal(g, b) for g, b in zip(got[:first_piece], blocks))
         assert tier.counters["errors"] == 20 - first_piece and tier.counters["corrupt_blocks"] == 0
-        monkeypatch.setattr(seg, "read_at", read_at)
+        monkeypatch.setattr(disk_io, "read_at", read_at)
         assert all(torch.equal(g, b) for g, b in zip(tier.get_many(keys), blocks))  # kept: a read error drops nothing
 
 
 def test_page_cache_misses_found_while_copying_are_read_from_the_device(layout, tmp_path, monkeypatch):
     keys, blocks = [key_of(i) for i in range(200)], [make_block(layout, i) for i in range(200)]
-    read_cached, read_at, calls = seg.read_cached, seg.read_at, {"cached": 0, "device": 0}
+    read_cached, read_at, calls = disk_io.read_cached, disk_io.read_at, {"cached": 0, "device": 0}
 
     def missing_second(*args):
         calls["cached"] += 1
@@ -108,9 +107,9 @@ def test_page_cache_misses_found_while_copying_are_read_from_the_device(layout, 
 
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, num_io_threads=2) as tier:
         tier.put_many(keys, blocks)  # 2.4 MiB: copied a MiB at a time
-        monkeypatch.setattr(seg, "cached_bytes", lambda *args: None)  # a kernel without cachestat
-        monkeypatch.setattr(seg, "read_cached", missing_second)
-        monkeypatch.setattr(seg, "read_at", counted)
+        monkeypatch.setattr(disk_io, "cached_bytes", lambda *args: None)  # a kernel without cachestat
+        monkeypatch.setattr(disk_io, "read_cached", missing_second)
+        monkeypatch.setattr(disk_io, "read_at", counted)
         got = tier.get_many(keys)
         assert calls["cached"] >= 2 and calls["device"] >= 1
         assert all(torch.equal(g, b) for g, b in zip(got, blocks))
@@ -125,7 +124,7 @@ def test_records_with_larger_headers_share_a_batch_bit_exact(layout, tmp_path, m
         tier.put_many(keys, blocks)
         assert {tier._index[k].header_num_bytes for k in keys} == {4096, 8192}
         if where == "device":
-            monkeypatch.setattr(seg, "cached_bytes", lambda *args: 0)
+            monkeypatch.setattr(disk_io, "cached_bytes", lambda *args: 0)
             monkeypatch.setattr(disk_reads, "_MIN_PIECE_BYTES", PIECE_BYTES)
         got = tier.get_many(keys)
         assert all(torch.equal(g.view(torch.int16), b.view(torch.int16)) for g, b in zip(got, blocks))

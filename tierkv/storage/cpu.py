@@ -9,8 +9,8 @@ GPU transfer engine uses:
     slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
     tier.release(keys)
 
-    slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present:
-          `tierkv.storage.pinned_slab`, which locks no more host memory than it uses)
+    slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
+          quantized or not, and how it is pinned: `tierkv.storage.cpu_slab`)
 
 A pinned block is never evicted; a put that finds every slot pinned fails (ok=False).
 
@@ -31,9 +31,9 @@ from typing import Sequence
 import torch
 
 from tierkv.blocks import BlockLayout
-from tierkv.quant import dequantize_blocks, quantize_blocks
 from tierkv.storage.base import PutResult, StorageTier
-from tierkv.storage.pinned_slab import allocate_slab
+from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
+
 
 class CpuTier(StorageTier):
     kind = "cpu"
@@ -45,22 +45,13 @@ class CpuTier(StorageTier):
         `capacity_bytes` then holds about twice the bf16 blocks."""
         super().__init__(name, layout, capacity_bytes)
         self.quant_format = quant_format
-        self.slot_bytes = layout.num_bytes if quant_format is None else layout.num_bytes // layout.dtype.itemsize
-        if quant_format is not None:
-            self.slot_bytes += 2 * layout.num_kv_heads * 4
+        self.slot_bytes = slot_num_bytes(layout, quant_format)
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots < 1:
-            raise ValueError(
-                f"{name}: capacity {capacity_bytes} bytes holds no block of {self.slot_bytes} bytes"
-            )
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self.is_pinned = pin_memory
-        # slab: [num_slots, 2, H, T, D] in the KV dtype, or uint8 codes with scales [num_slots, 2, H] float32
-        slab_dtype = layout.dtype if quant_format is None else torch.uint8
-        self.slab = allocate_slab((self.num_slots, *layout.shape), slab_dtype, pin_memory, name)
-        self.scales = (torch.empty((self.num_slots, 2, layout.num_kv_heads), dtype=torch.float32, pin_memory=pin_memory)
-                       if quant_format is not None else None)
+            raise ValueError(f"{name}: capacity {capacity_bytes} bytes holds no block of {self.slot_bytes} bytes")
+        self.is_pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._contents = CpuSlab(name, layout, self.num_slots, quant_format, self.is_pinned)
+        self.slab, self.scales = self._contents.slab, self._contents.scales  # cpu_slab: shapes and dtypes
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
         self._pending: dict[str, int] = {}  # prepared, not yet complete
         self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
@@ -131,27 +122,14 @@ class CpuTier(StorageTier):
         )  # fmt: skip
         return results
 
-    # -- slot contents (quantized or not) ---------------------------------------------------------
+    # -- slot contents (cpu_slab: quantized or not) ---------------------------------------------
     def read_slots(self, slots: Sequence[int]) -> torch.Tensor:
         """Blocks in the KV dtype: [len(slots), 2, H, T, D], a fresh tensor."""
-        index = torch.as_tensor(list(slots), dtype=torch.int64)
-        if self.quant_format is None:
-            return self.slab.index_select(0, index)
-        return dequantize_blocks(self.slab.index_select(0, index), self.scales.index_select(0, index),
-                                 self.quant_format, self.layout.dtype)
+        return self._contents.read(slots)
 
     def write_slots(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """blocks [len(slots), 2, H, T, D] in the KV dtype -> the slots (quantized if the tier is)."""
-        if self.quant_format is None:
-            if len(slots) == 1:
-                self.slab[slots[0]].copy_(blocks[0])
-            else:
-                self.slab.index_copy_(0, torch.as_tensor(list(slots), dtype=torch.int64), blocks)
-            return
-        index = torch.as_tensor(list(slots), dtype=torch.int64)
-        codes, scales = quantize_blocks(blocks, self.quant_format)
-        self.slab.index_copy_(0, index, codes)
-        self.scales.index_copy_(0, index, scales)
+        self._contents.write(slots, blocks)
 
     def remove(self, key: str) -> bool:
         with self._lock:

@@ -2,7 +2,7 @@
 
 Primitives: `DiskTier`.
 
-    <path>/<16 hex digits>.seg   a segment: records appended in order (format: disk_segments)
+    <path>/<16 hex digits>.seg   a segment: records appended in order (format: disk_segments, system calls: disk_io)
     <path>/lru.order             the LRU order at the last close; a hint for the next start
 
 DiskTier owns the StorageTier contract, the LRU policy (what to evict, what a put may skip) and
@@ -12,7 +12,7 @@ what a failed read means; the rest lives beside it, each in its own module:
                         scan (disk_scan) and lru.order
     disk_segment_files  SegmentFiles: the directory, appends to the active segment, punched holes,
                         deleted or replaced segments found and forgotten
-    disk_reads          BatchReader: a batch of records into one read buffer (disk_buffers), checked
+    disk_reads          BatchReader: a batch of records into one read buffer (disk_read_batch), checked
     disk_threads        IOThreads: large batches spread over a few threads
     disk_files          the private directory and files (0700/0600, O_EXCL, O_NOFOLLOW)
 
@@ -39,8 +39,10 @@ from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.disk_buffers import ReadBufferPool
-from tierkv.storage.disk_index import ORDER_FILE, DiskIndex
-from tierkv.storage.disk_reads import SEGMENT_GONE, SEGMENT_REPLACED, BatchReader, Entry
+from tierkv.storage.disk_index import ORDER_FILE, DiskIndex, Entry, save_order
+from tierkv.storage.disk_io import ReadModes
+from tierkv.storage.disk_read_batch import SEGMENT_GONE, SEGMENT_REPLACED
+from tierkv.storage.disk_reads import BatchReader
 from tierkv.storage.disk_segment_files import SegmentFiles
 from tierkv.storage.disk_threads import IOThreads
 
@@ -73,9 +75,7 @@ class DiskTier(StorageTier):
         segment_bytes: int | None = None, read_buffer_bytes: int = _READ_BUFFER_BYTES,
     ):  # fmt: skip
         if not isinstance(capacity_bytes, int) or capacity_bytes < layout.num_bytes:
-            raise ValueError(
-                f"{name}: capacity_bytes={capacity_bytes!r}; must be at least one block ({layout.num_bytes})"
-            )
+            raise ValueError(f"{name}: capacity_bytes={capacity_bytes!r}; must be at least one block ({layout.num_bytes})")
         if num_io_threads is not None and num_io_threads < 1:
             raise ValueError(f"{name}: num_io_threads={num_io_threads!r}; must be >= 1 or None")
         if segment_bytes is not None and segment_bytes < 1:
@@ -92,7 +92,7 @@ class DiskTier(StorageTier):
             name, self.path, layout, self.counters, index=self._index, index_lock=self._lock,
             segment_bytes=self.segment_bytes, fsync=fsync, spread=self._spread,
         )  # fmt: skip
-        self._modes = seg.ReadModes()
+        self._modes = ReadModes()
         self._buffers = ReadBufferPool(read_buffer_bytes)
         self._reader = BatchReader(
             layout, self._files.open_segment, self._buffers, self._modes, self._spread, self._threads.checker
@@ -180,7 +180,7 @@ class DiskTier(StorageTier):
             self._files.close()
             order = self._index.keys()
         try:
-            seg.save_order(os.path.join(self.path, ORDER_FILE), order)
+            save_order(os.path.join(self.path, ORDER_FILE), order)
         except OSError as exc:
             self._io_error("save order", str(self.path), exc)
 

@@ -1,6 +1,6 @@
 """The disk tier's index: where each block's record lies, in LRU order, and what each segment holds.
 
-Primitives: `DiskIndex`, `ORDER_FILE`.
+Primitives: `DiskIndex`, `Entry`, `save_order`, `load_order`, `ORDER_FILE`, `segment_path`.
 
     key -> Entry (segment, offset, sizes, payload checksum), least recently used first
     segment id -> number of live records (a segment left with none is deleted)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,11 +28,27 @@ from tierkv.storage import disk_files as files
 from tierkv.storage import disk_scan
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
-from tierkv.storage.disk_reads import Entry
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
 ORDER_FILE = "lru.order"
 SEGMENT_SUFFIX = ".seg"
+_ORDER_MAGIC = b"TKVO"
+_CRC = struct.Struct("<I")
+
+
+class Entry:
+    """Where a block's record lives: what the index keeps per block."""
+
+    __slots__ = (
+        "segment_id", "offset", "header_num_bytes", "record_num_bytes", "checksum_kind", "payload_checksum",
+        "header_end", "header_checksum",
+    )  # fmt: skip
+
+    def __init__(self, segment_id: int, offset: int, h: seg.RecordHeader):
+        self.segment_id, self.offset = segment_id, offset
+        self.header_num_bytes, self.record_num_bytes = h.header_num_bytes, h.record_num_bytes
+        self.checksum_kind, self.payload_checksum = h.checksum_kind, h.payload_checksum
+        self.header_end, self.header_checksum = h.header_end, h.header_checksum  # the header's own ends at header_end
 
 
 class DiskIndex:
@@ -161,7 +178,7 @@ class DiskIndex:
         except (OSError, ValueError) as exc:
             raise TierError(f"{self.name}: cannot scan {str(path)!r}: {exc}") from exc
         order_path = os.path.join(path, ORDER_FILE)
-        for key in reversed(seg.load_order(order_path)):  # the last clean close's order; newer records stay newest
+        for key in reversed(load_order(order_path)):  # the last clean close's order; newer records stay newest
             if key in self._entries:
                 self._entries.move_to_end(key, last=False)
         disk_scan.unlink_quietly(order_path)
@@ -194,3 +211,31 @@ class DiskIndex:
 def segment_path(directory: str | os.PathLike, segment_id: int) -> str:
     """Where segment `segment_id` lives: `<directory>/<16 hex digits>.seg`."""
     return os.path.join(directory, f"{segment_id:016x}{SEGMENT_SUFFIX}")
+
+
+def save_order(path: str, keys: list[str]) -> None:
+    """Write `keys` (oldest first) to `path` atomically: magic, count, (u16 length, key)*, CRC-32."""
+    parts = [_ORDER_MAGIC, struct.pack("<I", len(keys))]
+    for key in keys:
+        key_bytes = key.encode()
+        parts += [struct.pack("<H", len(key_bytes)), key_bytes]
+    body = b"".join(parts)
+    files.write_private_file(path, body + _CRC.pack(seg.checksum(seg.CRC32, body)))  # a fresh 0600 file, renamed: no symlink is followed
+
+
+def load_order(path: str) -> list[str]:
+    """The keys `save_order` wrote, or [] when the file is missing or damaged (it is only a hint)."""
+    try:
+        data = files.read_private_file(path)
+    except OSError:
+        return []
+    if len(data) < 12 or data[:4] != _ORDER_MAGIC:
+        return []
+    if seg.checksum(seg.CRC32, data[:-4]) != _CRC.unpack_from(data, len(data) - 4)[0]:
+        return []
+    (count,), offset, keys = struct.unpack_from("<I", data, 4), 8, []
+    for _ in range(count):
+        (length,) = struct.unpack_from("<H", data, offset)
+        keys.append(data[offset + 2 : offset + 2 + length].decode(errors="replace"))
+        offset += 2 + length
+    return keys

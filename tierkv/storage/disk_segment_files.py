@@ -35,10 +35,10 @@ from typing import Callable
 from tierkv.blocks import BlockLayout, dtype_name
 from tierkv.metrics.counters import TierCounters
 from tierkv.storage import disk_files as files
+from tierkv.storage import disk_io
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
-from tierkv.storage.disk_index import DiskIndex, segment_path
-from tierkv.storage.disk_reads import Entry
+from tierkv.storage.disk_index import DiskIndex, Entry, segment_path
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
 _CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
@@ -130,7 +130,7 @@ class SegmentFiles:
                     header = seg.encode_header(keys[i], self._dtype_name, self._shape, payloads[i].nbytes, digest)
                     headers.append(header)
                     views += [memoryview(headers[-1].data), payloads[i], self._pad]
-                seg.write_at(fd, views, offsets[chunk[0]])
+                disk_io.write_at(fd, views, offsets[chunk[0]])
             return headers
 
         headers = self._spread(write_part, list(range(len(keys))))
@@ -166,7 +166,7 @@ class SegmentFiles:
             self.active_id = segment_id
             self._index.add_segment(segment_id, files.file_identity(self._active_fd))
         if self.fsync:
-            _sync_directory(str(self.path))
+            disk_io.sync_directory(str(self.path))
         return self._active_fd, 0
 
     def _roll_over_if_lost(self) -> bool:
@@ -247,13 +247,7 @@ class SegmentFiles:
         except OSError as exc:
             return self._io_error("open", path, exc)
         try:
-            for entry in entries:
-                try:
-                    seg.punch(fd, entry.offset, entry.record_num_bytes)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                        raise
-                    os.pwrite(fd, bytes(entry.header_num_bytes), entry.offset)  # no scan will find it
+            disk_io.punch_records(fd, [(e.offset, e.record_num_bytes, e.header_num_bytes) for e in entries])
         except OSError as exc:
             self._io_error("punch", path, exc)
         finally:
@@ -294,11 +288,3 @@ class SegmentFiles:
 
 def _position(entry: Entry) -> tuple[int, int]:
     return entry.segment_id, entry.offset
-
-
-def _sync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

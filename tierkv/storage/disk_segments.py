@@ -1,8 +1,8 @@
-"""The disk tier's on-disk format: records appended to segment files, and the I/O on them.
+"""The disk tier's on-disk format: records appended to segment files.
 
 Primitives: `RecordHeader`, `encode_header`, `parse_header`, `checksum`, `CHECKSUM_FUNCTIONS`,
-`header_region_bytes`, `scan_segment`, `write_at`,
-`ReadModes`, `read_cached`, `cached_bytes`, `read_at`, `punch`, `save_order`, `load_order`, `ALIGN`.
+`header_region_bytes`, `scan_segment`, `round_up`, `UnverifiableRecord`, `ALIGN`. The system calls
+on segment files: disk_io.
 
 A segment file (`<path>/<16 hex digits>.seg`) is a sequence of records, each starting at a
 multiple of ALIGN (4096) bytes; a removed record is a hole punched over its whole range:
@@ -33,10 +33,7 @@ straight into a caller's buffer.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import functools
-import mmap
 import os
 import struct
 from typing import NamedTuple
@@ -51,7 +48,6 @@ except ImportError:  # same values, slower
     from zlib import crc32
 
 from tierkv.storage.codec import CorruptBlock
-from tierkv.storage.disk_files import read_private_file, write_private_file
 
 ALIGN = 4096
 MAGIC = b"TKVS"
@@ -59,15 +55,12 @@ FORMAT_VERSION = 2
 CRC32, XXH3_64 = 1, 2  # checksum kinds
 CHECKSUM_KIND = XXH3_64 if xxhash is not None else CRC32  # what new records use
 MAX_KEY_BYTES = 0xFFFF
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FIXED = {1: struct.Struct("<4sHHQIBB"), 2: struct.Struct("<4sHHQQBBB")}  # per format version
 _CHECKSUM_STRUCT = {CRC32: struct.Struct("<I"), XXH3_64: struct.Struct("<Q")}
 CHECKSUM_FUNCTIONS = {CRC32: crc32}  # kind -> function of a buffer
 if xxhash is not None:
     CHECKSUM_FUNCTIONS[XXH3_64] = xxhash.xxh3_64_intdigest
 CHECKSUM_BYTES = {CRC32: 4, XXH3_64: 8}  # kind -> bytes of the header's own checksum
-_CRC = _CHECKSUM_STRUCT[CRC32]
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 class UnverifiableRecord(CorruptBlock):
@@ -209,161 +202,8 @@ def scan_segment(
     return records, valid_end, False
 
 
-def write_at(fd: int, views: list[memoryview], offset: int) -> None:
-    """Write `views` in order from `offset` with os.pwritev, at most IOV_MAX buffers a call."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        written = os.pwritev(fd, views[:IOV_MAX], offset)
-        if written == 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += written
-        while views and written >= views[0].nbytes:
-            written -= views.pop(0).nbytes
-        if written:
-            views[0] = views[0][written:]
-
-
 def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int | None = None) -> int:
     """The padded header region encode_header makes for this key and layout (version 2)."""
     kind = CHECKSUM_KIND if kind is None else kind
     head = _FIXED[2].size + 4 * ndim + len(dtype_name) + len(key.encode()) + _CHECKSUM_STRUCT[kind].size
     return round_up(head)
-
-
-class ReadModes:
-    """Which ways of reading this kernel and filesystem support; a mode that fails with ENOSYS,
-    EINVAL or EOPNOTSUPP is switched off for the life of the tier."""
-
-    def __init__(self) -> None:
-        self.is_nowait_ok = hasattr(os, "RWF_NOWAIT")
-        self.is_direct_ok = hasattr(os, "O_DIRECT")
-        self.is_cachestat_ok = _syscall is not None
-
-
-def read_cached(fd: int, views: list[memoryview], offset: int, modes: ReadModes) -> int:
-    """Fill `views` from `offset` with what the page cache holds (preadv RWF_NOWAIT); returns the
-    bytes read: all of them when the range is cached, else fewer (0 where RWF_NOWAIT is unsupported).
-
-    Ask `cached_bytes` first where it works: RWF_NOWAIT on a page cache miss still starts
-    readahead, I/O that would race an O_DIRECT read of the same range that follows.
-    """
-    if not modes.is_nowait_ok:
-        return 0
-    try:
-        return os.preadv(fd, views[:IOV_MAX], offset, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return 0
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        modes.is_nowait_ok = False
-        return 0
-
-
-def cached_bytes(fd: int, offset: int, num_bytes: int, modes: ReadModes) -> int | None:
-    """Bytes of the page-aligned range held in the page cache, asked without reading (cachestat,
-    Linux 6.5+); None where the kernel lacks it."""
-    if not modes.is_cachestat_ok:
-        return None
-    page = mmap.PAGESIZE
-    first = offset // page * page
-    span = _CachestatRange(first, offset + num_bytes - first)
-    stat = _Cachestat()
-    if _syscall(_SYS_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
-        if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-            return None  # a passing failure: let RWF_NOWAIT decide this time
-        modes.is_cachestat_ok = False
-        return None
-    return min(num_bytes, stat.nr_cache * page - (offset - first))
-
-
-def read_at(fd: int, views: list[memoryview], offset: int, modes: ReadModes, direct_fd: int | None) -> int:
-    """Fill `views` in order from `offset`, waiting for the device; returns the bytes read (fewer only at end of file).
-
-    With `direct_fd` (an O_DIRECT fd of the same file; the caller passes it only when every
-    buffer's address and size and `offset` are multiples of ALIGN) the bytes bypass the page
-    cache, else they go through it; O_DIRECT refused with EINVAL is switched off in `modes`.
-    """
-    views, num_read = list(views), 0
-    while views:
-        use_direct = direct_fd is not None and modes.is_direct_ok and num_read % ALIGN == 0
-        try:
-            n = os.preadv(direct_fd if use_direct else fd, views[:IOV_MAX], offset + num_read)
-        except OSError as exc:
-            if not use_direct or exc.errno != errno.EINVAL:
-                raise
-            modes.is_direct_ok = False
-            continue
-        if n == 0:
-            break
-        num_read += n
-        _advance(views, n)
-    return num_read
-
-
-def _advance(views: list[memoryview], num_bytes: int) -> None:
-    while views and num_bytes >= views[0].nbytes:
-        num_bytes -= views.pop(0).nbytes
-    if num_bytes:
-        views[0] = views[0][num_bytes:]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_fallocate = getattr(_libc, "fallocate", None)
-if _fallocate is not None:
-    _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-_SYS_CACHESTAT = 451  # the same on every architecture (asm-generic numbers from 424 on)
-_syscall = getattr(_libc, "syscall", None) if os.uname().sysname == "Linux" else None
-if _syscall is not None:
-    _syscall.restype = ctypes.c_long
-    _syscall.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-
-
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]  # fmt: skip
-
-
-def punch(fd: int, offset: int, num_bytes: int) -> None:
-    """Free the bytes of a removed record (they read as zeros after); raises OSError,
-    errno EOPNOTSUPP where the filesystem cannot punch holes."""
-    if _fallocate is None:
-        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
-    if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, num_bytes) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
-_ORDER_MAGIC = b"TKVO"
-
-
-def save_order(path: str, keys: list[str]) -> None:
-    """Write `keys` (oldest first) to `path` atomically: magic, count, (u16 length, key)*, CRC-32."""
-    parts = [_ORDER_MAGIC, struct.pack("<I", len(keys))]
-    for key in keys:
-        key_bytes = key.encode()
-        parts += [struct.pack("<H", len(key_bytes)), key_bytes]
-    body = b"".join(parts)
-    write_private_file(path, body + _CRC.pack(crc32(body)))  # a fresh 0600 file, renamed: no symlink is followed
-
-
-def load_order(path: str) -> list[str]:
-    """The keys `save_order` wrote, or [] when the file is missing or damaged (it is only a hint)."""
-    try:
-        data = read_private_file(path)
-    except OSError:
-        return []
-    if len(data) < 12 or data[:4] != _ORDER_MAGIC or crc32(data[:-4]) != _CRC.unpack_from(data, len(data) - 4)[0]:
-        return []
-    (count,), offset, keys = struct.unpack_from("<I", data, 4), 8, []
-    for _ in range(count):
-        (length,) = struct.unpack_from("<H", data, offset)
-        keys.append(data[offset + 2 : offset + 2 + length].decode(errors="replace"))
-        offset += 2 + length
-    return keys

@@ -148,7 +148,7 @@ def test_blocks_the_cpu_tier_cannot_take_go_to_the_disk_tier_unchanged(tmp_path)
         held = store.extend_hashes([], list(range(2 * BS)), 2)
         store.save_layer(0, caches[NAMES[0]], [BlockSpan("held", [0, 1], held)])
         store.poll(wait=True)
-        assert store.pin_for_reader(store.keys(held, 0)) is not None  # a reader holds them
+        assert store.saves.pin_for_reader(store.keys(held, 0)) is not None  # a reader holds them
         hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(2 * BS)], 2)
         spans = [BlockSpan("new", [5, 9], hashes)]
         blocks = store.save_layers(list(range(LAYERS)), [caches[n] for n in NAMES], spans)

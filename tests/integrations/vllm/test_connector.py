@@ -29,7 +29,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 from tierkv.config import ConfigError  # noqa: E402
 from tierkv.integrations.vllm import kv_transfer_config  # noqa: E402
-from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
+from tierkv.integrations.vllm.connector_scheduler import TierKVMetadata  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, PagedLayout  # noqa: E402
 from tierkv.llm_totals import RequestTotals  # noqa: E402
 

@@ -36,7 +36,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
-from tierkv.integrations.vllm.connector import TierKVConnector, TierKVMetadata  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
+from tierkv.integrations.vllm.connector_scheduler import TierKVMetadata  # noqa: E402
 from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
@@ -200,10 +201,11 @@ def test_prefill_rows_attend_each_staging_chunk_with_the_given_dense_kernel(tmp_
 
 
 @pytest.mark.parametrize("rows", [["p"], ["d", "p"]])
-def test_merge_into_equals_merging_the_assembled_far_part(tmp_path, rows):
-    """The backend's merge (`merge_into`): one pass over near and every far chunk when the step is
+def test_merge_with_near_equals_merging_the_assembled_far_part(tmp_path, rows):
+    """The backend's merge (`far_attention.merge_with_near`): one pass over near and every far chunk when the step is
     one row, the assembled far part otherwise; both equal the two-stage merge of near with `attend`."""
     from tierkv.attention import merge_partials
+    from tierkv.integrations.vllm.far_attention import assemble_rows, merge_with_near
 
     lengths = {r: n for r, n in {"p": 20 * BS + 7, "d": 12 * BS}.items() if r in rows}
     new_tokens = {"p": 9, "d": 1}
@@ -220,8 +222,8 @@ def test_merge_into_equals_merging_the_assembled_far_part(tmp_path, rows):
             parts = far.attend_parts(layer, q, 0.3)
             assert sorted(parts) == list(range(len(rows))) and max(len(p) for p in parts.values()) > 1  # chunks to merge
             got = torch.full((n, HQ, D), float("nan"), dtype=torch.bfloat16)
-            far.merge_into(got, *near, parts)
-            want = merge_partials([near, far._assemble(parts, q.shape, q.device)])[0]
+            merge_with_near(got, *near, far.rows, parts)
+            want = merge_partials([near, assemble_rows(far.rows, parts, q.shape, q.device)])[0]
             torch.testing.assert_close(got, want.to(torch.bfloat16))
         far.end_step()
     finally:
@@ -234,6 +236,7 @@ def test_attend_into_writes_the_merge_of_near_and_far(tmp_path, rows):
     """What the backend calls (`attend_into`) writes, for every row, the merge of its near part with
     its far blocks; a row without far blocks ("s", shorter than the window) gets its near part."""
     from tierkv.attention import merge_partials
+    from tierkv.integrations.vllm.far_attention import assemble_rows, merge_with_near
 
     lengths = {r: n for r, n in {"p": 20 * BS + 7, "d": 12 * BS, "s": BS}.items() if r in rows}
     new_tokens = {"p": 9, "d": 1, "s": 1}
@@ -1504,7 +1507,7 @@ def test_profiler_ranges_are_entered_only_while_a_profiler_runs():
     """The backend names its far part in a profiler's trace, and costs nothing when none runs."""
     import contextlib
 
-    from tierkv.integrations.vllm.far_rows import profiled
+    from tierkv.integrations.vllm.far_attention import profiled
 
     assert isinstance(profiled("tierkv.far"), contextlib.nullcontext)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

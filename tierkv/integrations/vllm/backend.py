@@ -7,7 +7,7 @@ Primitives: `HotWindowBackend`, `HotWindowImpl`, `HotWindowMetadataBuilder`.
           past its far blocks (`HotWindowStep.near`), causal, returning the LSE
     far:  `FarKV.attend_into` over the blocks vLLM freed, streamed from the CPU tier; prefill
           chunks attend each staging chunk with the same FlashAttention kernel (`_dense`)
-    out:  the LSE merge of the two (`FarKV.merge_into`: one pass for a single prefill row; the
+    out:  the LSE merge of the two (`far_attention.merge_with_near`: one pass for a single prefill row; the
           sparse decode rows served by a CUDA graph merge inside it; when the graphs serve every
           row of the step, they run the near FlashAttention too (`_WindowAttention`), so a
           layer's attention costs the host a query copy, a replay and an output copy)
@@ -22,7 +22,7 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends import flash_attn as fa
 
-from tierkv.integrations.vllm.far_rows import profiled
+from tierkv.integrations.vllm.far_attention import profiled
 from tierkv.integrations.vllm.graphed_rows import rows_of
 from tierkv.integrations.vllm.hot_window import _STATE, current_step, full_decode_graphs, full_rows
 
@@ -43,15 +43,7 @@ class HotWindowImpl(fa.FlashAttentionImpl):
                 output_block_scale=None):
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("tierkv hot window: fused output quantization is not supported")
-        if self.attn_type != AttentionType.DECODER or attn_metadata.use_cascade or self.dcp_world_size > 1:
-            raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
-        if fa.is_quantized_kv_cache(self.kv_cache_dtype):
-            raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
-        if self.alibi_slopes is not None or self.logits_soft_cap:
-            raise NotImplementedError("tierkv hot window: ALiBi and logit soft-capping are not applied to far blocks; "
-                                      "this model needs a full pool (tierkv without the hot window)")
+        self._check_supported(attn_metadata, output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
         step = current_step()
         full = full_rows()
@@ -92,6 +84,18 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             near_lse = near_lse if near_lse.shape[1] == n else near_lse[:, :n]
             step.far.attend_into(out, layer_index, q, near_out, near_lse.transpose(0, 1), self.scale, dense=self._dense)
         return output
+
+    def _check_supported(self, attn_metadata, output_scale, output_block_scale) -> None:
+        """NotImplementedError naming what the hot window does not serve (the far part would ignore it)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tierkv hot window: fused output quantization is not supported")
+        if self.attn_type != AttentionType.DECODER or attn_metadata.use_cascade or self.dcp_world_size > 1:
+            raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
+        if fa.is_quantized_kv_cache(self.kv_cache_dtype):
+            raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
+        if self.alibi_slopes is not None or self.logits_soft_cap:
+            raise NotImplementedError("tierkv hot window: ALiBi and logit soft-capping are not applied to far blocks; "
+                                      "this model needs a full pool (tierkv without the hot window)")
 
     def _window(self, layer, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "_WindowAttention":
         """The layer's window part (FlashAttention over vLLM's pool), as the forward and a step graph

@@ -2,7 +2,7 @@
 the CPU tier (then disk, Redis), and prompt prefixes found in any tier are loaded back layer by
 layer instead of being prefilled again.
 
-Primitives: `TierKVConnector`, `TierKVMetadata`.
+Primitives: `TierKVConnector` (its scheduler side and `TierKVMetadata`: connector_scheduler).
 
     scheduler side (one per engine)                       worker side (one per GPU worker)
     get_num_new_matched_tokens: prefix blocks held in     start_load_kv: pin the blocks in the CPU
@@ -21,7 +21,6 @@ layer by layer). A block that left every tier between lookup and load is reporte
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,10 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import config_from_kv_transfer
+from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
-from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore
+from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
 
 SAVE_RUN_BYTES = 32 << 20  # the most blocks (in the engine's dtype) that wait_for_save reads out at once
@@ -48,30 +48,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-
-@dataclass
-class TierKVMetadata(KVConnectorMetadata):
-    """What the worker does in one step; pickled from the scheduler to the workers."""
-
-    loads: list[BlockSpan] = field(default_factory=list)
-    saves: list[BlockSpan] = field(default_factory=list)
-    # hot window only: every scheduled request's (tokens before the step, tokens in it), the block
-    # hashes learnt since the last step (req_id, first block, hashes), requests that finished
-    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)
-    hashes: list[tuple[str, int, list[str]]] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _RequestState:
-    request: Any
-    hashes: list[str] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    next_block_to_save: int = 0
-    hashes_sent: int = 0
-    load_range: tuple[int, int] | None = None
-    pending_load: BlockSpan | None = None
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -91,7 +67,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank = tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
         self._far: FarKV | None = None
-        self._requests: dict[str, _RequestState] = {}
+        self._scheduler = ConnectorScheduler(self.block_size, self.hot_window, lambda: self.store)
         self._hook_s = [0.0, 0.0, 0.0]  # this step's seconds in start_load_kv, save_kv_layer, wait_for_save
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._full: FullDecodeRows | None = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs
@@ -200,7 +176,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         per_run = max(1, SAVE_RUN_BYTES // (num_blocks * self.store.layout.num_bytes))
         start, summarize_s = 0, 0.0
-        self.store.save_host_s = [0.0, 0.0]
+        self.store.saves.host_s = [0.0, 0.0]
         while start < len(todo):
             stop = start + 1
             while stop < len(todo) and stop - start < per_run and todo[stop][0] == todo[stop - 1][0] + 1:
@@ -236,7 +212,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         if summarize_s is not None:  # where the block-completing step's host time goes
             self.store.save_step_ms.append(tuple(round(1e3 * s, 3) for s in (
-                *self.store.save_host_s, summarize_s, time.perf_counter() - polled, time.perf_counter() - started)))
+                *self.store.saves.host_s, summarize_s, time.perf_counter() - polled, time.perf_counter() - started)))
         # the step's host ms in this connector's hooks (start_load_kv, save_kv_layer, wait_for_save): where a
         # slow step's time went, ours or vLLM's (`VllmKVStore.stats`' step_connector_ms)
         self._hook_s[2] = time.perf_counter() - started
@@ -257,101 +233,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._store = None
             release_store(self._store_key)
 
-    # -- scheduler side -------------------------------------------------------------------------------
+    # -- scheduler side (connector_scheduler) --------------------------------------------------------
     def on_new_request(self, request: "Request") -> None:
-        self._state(request)
-
-    def _state(self, request: "Request") -> _RequestState:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
-        return state
+        self._scheduler.state(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._state(request)
-        prompt = request.prompt_token_ids or []
-        start = num_computed_tokens // self.block_size
-        end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
-        state.load_range = None
-        if end <= start:
-            return 0, False
-        hashes = self.store.extend_hashes(state.hashes, prompt, end)
-        found = self.store.present_prefix(hashes[start:end])
-        if found == 0:
-            return 0, False
-        state.load_range = (start, start + found)
-        return start * self.block_size + found * self.block_size - num_computed_tokens, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        state = self._state(request)
-        if num_external_tokens <= 0 or state.load_range is None:
-            state.load_range = None
-            return
-        start, end = state.load_range
-        row = blocks.blocks[0]
-        # under the hot window vLLM gives the prefix's blocks before the window the null block:
-        # only the window is loaded into its pool, the far part reads the rest from the tiers
-        keep = [i for i in range(start, min(end, len(row))) if not row[i].is_null]
-        state.pending_load = BlockSpan(request.request_id, [row[i].block_id for i in keep], [state.hashes[i] for i in keep])
-        state.next_block_to_save = max(state.next_block_to_save, end)  # already held by the tiers
-        state.load_range = None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = TierKVMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = list(new.block_ids[0])
-            if state.pending_load is not None:
-                meta.loads.append(state.pending_load)
-                state.pending_load = None
-            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-            self._add_hot_window(meta, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_ids is not None:
-                state.block_ids = list(new_ids[0])
-            elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
-            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-            self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
-        if self.hot_window is not None:
-            meta.finished = sorted(scheduler_output.finished_req_ids)
-        return meta
-
-    def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
-        """The worker's far/near split needs each request's position and the hashes of its full blocks."""
-        if self.hot_window is None or num_new <= 0:
-            return
-        meta.scheduled[state.request.request_id] = (num_computed, num_new)
-        hashes = self.store.extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)
-        if len(hashes) > state.hashes_sent:
-            meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))
-            state.hashes_sent = len(hashes)
-
-    def _add_saves(self, meta: TierKVMetadata, state: _RequestState, computed_after_step: int) -> None:
-        tokens = state.request.all_token_ids
-        full = min(computed_after_step, len(tokens)) // self.block_size
-        full = min(full, len(state.block_ids))
-        first = state.next_block_to_save
-        if full <= first:
-            return
-        hashes = self.store.extend_hashes(state.hashes, tokens, full)
-        stored = self.store.stored_mask(hashes[first:full])
-        todo = [b for b, held in zip(range(first, full), stored) if not held]
-        if todo:
-            meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],
-                                        [hashes[b] for b in todo]))
-        state.next_block_to_save = full
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        self._scheduler.request_finished(request)
         return False, None
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):

@@ -102,10 +102,10 @@ class FarPins:
         return len(hashes)
 
     def _pin_layer(self, req_id: str, keys: list[str], layer: int, first: int, num_blocks: int) -> list[int]:
-        slots = self.store.pin_for_reader(keys)
+        slots = self.store.saves.pin_for_reader(keys)
         if slots is None:  # a save still in flight: let it land and look again
             self.store.poll(wait=True)
-            slots = self.store.pin_for_reader(keys)
+            slots = self.store.saves.pin_for_reader(keys)
         if slots is None:
             held = self.store.num_held(keys)
             raise RuntimeError(
@@ -122,9 +122,9 @@ class FarPins:
     def release(self, req: FarRequest) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became far."""
         for keys in req.pinned_keys:
-            self.store.unpin(keys)
-        if self.store.keep_saves_pinned:
+            self.store.saves.unpin(keys)
+        if self.store.saves.keep_pinned:
             self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
             first = len(req.pinned_keys[0]) if req.pinned_keys else 0
             for layer in range(self.store.num_layers):
-                self.store.release_saved_pins(self.store.keys(req.hashes[first:], layer))
+                self.store.saves.release_pins(self.store.keys(req.hashes[first:], layer))

@@ -1,9 +1,10 @@
 """Far KV under vLLM's hot-window pool: the blocks vLLM no longer holds, read back from the tiers.
 
-Primitives: `profiled`, `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`,
-`attend`, `attend_into`, `attend_whole`, `near_out_buffer`, `attend_parts`, `merge_into`, `end_step`,
-`stats`). No vLLM import: tested on CPU with the PyTorch reference attention. The decoding rows
-the CUDA graphs serve go through `tierkv.integrations.vllm.graphed_rows`.
+Primitives: `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`, `attend`, `attend_into`,
+`attend_whole`, `near_out_buffer`, `attend_parts`, `end_step`, `stats`). No vLLM import: tested on
+CPU with the PyTorch reference attention. The decoding rows the CUDA graphs serve go through
+`tierkv.integrations.vllm.graphed_rows`, the others' partial attentions and merges through
+`far_attention`; the counters are read by `far_stats`.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -21,8 +22,7 @@ lookahead streamer copies it through the staging ring chunk by chunk, layers L+1
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
 min/max, kept on the device from the copies the connector saves by `request_summaries.KeySummaries`),
-fetched once selected;
-prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
+fetched once selected; prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
 is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
 steps select; a few missing ones (at most a selection's worth: window blocks vLLM loaded from
 the tiers that became far) are fetched and summarized before the selection. How the staging is
@@ -37,34 +37,25 @@ far, until it finishes): `far_requests`.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Sequence
 
 import torch
-from torch.profiler import record_function
 
-from tierkv.attention import merge_partials, paged_partial_attention
-from tierkv.attention.flash import MIN_QUERIES, can_use_flash, flash_partial_attention, gather_blocks
+from tierkv.attention import paged_partial_attention
+from tierkv.integrations.vllm.far_attention import assemble_rows, chunk_partial, merge_with_near, profiled
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
 from tierkv.integrations.vllm.far_staging import split_staging
-from tierkv.integrations.vllm.far_stats import cache_stats, streaming_stats
+from tierkv.integrations.vllm.far_stats import cache_stats, far_kv_stats
 from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.metrics.prefetch import PrefetchRecorder
-from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.transfer.lookahead import LookaheadStreamer
 from tierkv.sparse.request_summaries import KeySummaries, SelectionOverlap
 from tierkv.sparse.step_graphs import SparseStepGraphs
 
 logger = logging.getLogger(__name__)
-
-
-def profiled(name: str):
-    """A named range in a running torch profiler's trace, nothing otherwise: entering a
-    `record_function` costs 30-60 us of host time even with no profiler running."""
-    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class FarKV:
@@ -79,7 +70,7 @@ class FarKV:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
         store.hot_window = self  # its stats() reports ours
-        store.keep_saves_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
+        store.saves.keep_pinned = True  # saved blocks stay pinned until they become far (no re-pinning)
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
@@ -188,29 +179,7 @@ class FarKV:
         float32 (out [num_tokens, H, D], lse [num_tokens, H]), lse -inf for rows without far
         blocks; None when no row of this step has any. `dense`: as in `attend_parts`."""
         parts = self.attend_parts(layer, q, scale, dense)
-        return None if parts is None else self._assemble(parts, q.shape, q.device)
-
-    def _assemble(self, parts: dict, shape: torch.Size, device) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.zeros(shape, dtype=torch.float32, device=device)
-        lse = torch.full(shape[:2], float("-inf"), dtype=torch.float32, device=device)
-        for i, row_parts in parts.items():
-            row = self.rows[i]
-            o, l = row_parts[0] if len(row_parts) == 1 else merge_partials(row_parts)
-            out[row.q_start : row.q_end] = o
-            lse[row.q_start : row.q_end] = l
-        return out, lse
-
-    def merge_into(self, output: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor, parts: dict) -> None:
-        """output [n, H, D] (any dtype) = the LSE merge of the near part (near_out [n, H, D], near_lse
-        [n, H]) with `attend_parts`' far parts. A step of one row (a prefill chunk) merges near and
-        every far chunk in one pass; other steps assemble the far rows first."""
-        n = near_out.shape[0]
-        if len(parts) == 1:
-            (i, row_parts), = parts.items()
-            if (self.rows[i].q_start, self.rows[i].q_end) == (0, n):
-                output.copy_(merge_partials([(near_out, near_lse), *row_parts])[0])
-                return
-        output.copy_(merge_partials([(near_out, near_lse), self._assemble(parts, near_out.shape, near_out.device)])[0])
+        return None if parts is None else assemble_rows(self.rows, parts, q.shape, q.device)
 
     def near_out_buffer(self, layer: int, num_tokens: int, scale: float) -> torch.Tensor | None:
         """Where the near part of `layer` may be written ([num_tokens, H, D]): the static input of the
@@ -236,7 +205,7 @@ class FarKV:
         """output [n, H, D] = the step's attention of q [n, H, D] at `layer`: the near part (near_out
         [n, H, D], near_lse [n, H]) merged with the far blocks. The step's sparse decode rows that
         the CUDA graphs serve replay the layer's one graph, which merges their far parts with their
-        near parts too; the rest go through `attend_parts` and `merge_into`."""
+        near parts too; the rest go through `attend_parts` and `far_attention.merge_with_near`."""
         started = time.perf_counter()
         captures = self.graphs.counts["graph_captures"] if self.graphs is not None else 0
         graphed = self.graphed.attend_rows(layer, q, near_out, near_lse, output.dtype, scale)
@@ -244,19 +213,14 @@ class FarKV:
         if len(served) < q.shape[0]:  # rows left (graphed rows are decoding rows: one query each)
             parts = self.attend_parts(layer, q, scale, dense, skip=set(served))
             if parts:
-                self.merge_into(output, near_out, near_lse, parts)
+                merge_with_near(output, near_out, near_lse, self.rows, parts)
             else:
                 output.copy_(near_out)
-        if graphed is not None:  # after the rest: merge_into wrote every row
+        if graphed is not None:  # after the rest: merge_with_near wrote every row
             plan, replayed = graphed
             self.graphed.write_rows(output, plan, replayed[0])
-        self.note_host(started, not self._pieces and (self.graphs is None
-                                                       or self.graphs.counts["graph_captures"] == captures))
-
-    def note_host(self, started: float, steady: bool) -> None:
-        """A layer call's host time (from `started`) into its step's total, and into the decode median
-        when `steady`: no streamed chunks, no capture, no check."""
-        self.host.note_layer(started, steady)
+        self.host.note_layer(started, not self._pieces and (self.graphs is None
+                                                            or self.graphs.counts["graph_captures"] == captures))
 
     def attend_parts(self, layer: int, q: torch.Tensor, scale: float, dense=None,
                      skip=()) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -264,53 +228,49 @@ class FarKV:
         partial results (out [rows, H, D], lse [rows, H]), one per staging chunk or fetch; None when
         no row of this step has any. A caller merging them with its own part saves a merge pass.
 
-        dense: `(q [n, H, D], k, v [m, Hkv, D], scale) -> (out, lse)` without a mask, for rows of
-        at least `MIN_QUERIES` queries (prefill chunks), over each staging chunk gathered into
-        contiguous K and V; the vLLM backend passes vLLM's own FlashAttention. Without it such rows
-        use PyTorch's fused kernels on CUDA and the paged reference elsewhere. skip: sparse rows
-        served elsewhere (`attend_into`'s graphs)."""
+        dense: the kernel for rows of many queries (prefill chunks), as `far_attention.chunk_partial`
+        takes it. skip: sparse rows served elsewhere (`attend_into`'s graphs)."""
         if not self._pieces and not self.sparse_rows:
             return None
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._attend_streamed(layer, q, scale, dense, parts)
+        for i in self.sparse_rows:  # fetched once selected: each piece counts as a stall
+            if i not in skip:
+                self._attend_selected(i, layer, q, scale, parts)
+        return parts
+
+    def _attend_streamed(self, layer: int, q: torch.Tensor, scale: float, dense, parts: dict) -> None:
+        """Into `parts`: the rows' partial attentions over this layer's staging chunks, in order."""
         staging = self.pool.staging
         for c, chunk in enumerate(self.streamer.chunks_for_layer(layer)):  # run to its end: it records events
             for i, first, end in self._pieces[c]:
                 row = self.rows[i]
-                q_row = q[row.q_start : row.q_end]
-                slots = chunk.slots[first:end]
-                if dense is not None and q_row.shape[0] >= MIN_QUERIES:
-                    k, v = gather_blocks(staging, slots)
-                    part = dense(q_row, k, v, scale)
-                elif can_use_flash(q_row):
-                    k, v = gather_blocks(staging, slots)
-                    part = flash_partial_attention(q_row, k, v, scale=scale, causal=False)
-                else:
-                    part = paged_partial_attention(q_row, staging, slots, chunk.start_pos[first:end],
-                                                   chunk.num_tokens[first:end], scale=scale)
-                parts.setdefault(i, []).append(part)
+                parts.setdefault(i, []).append(chunk_partial(q[row.q_start : row.q_end], staging, chunk, first, end,
+                                                             scale, dense))  # fmt: skip
                 self.counts["far_blocks_read"] += end - first
-                if self.sparse_blocks is not None:
-                    self.key_summaries.summarize_staged(row, layer, c * self.pool.region_blocks + first - self._offsets[i], staging, slots)
-        for i in self.sparse_rows:  # fetched once selected: each piece counts as a stall
-            row = self.rows[i]
-            req = self.requests[row.req_id]
-            q_row = q[row.q_start : row.q_end]
-            if i in skip:
-                continue
-            if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
-                with profiled("tierkv.sparse.summarize"):
-                    self.key_summaries.summarize_missing(row, req, layer)
-            with profiled("tierkv.sparse.select"):
-                ids = self.key_summaries.select(req, layer, q_row[0], row.num_far_blocks)
-                self.overlap.note(self.counts["steps"], req.previous, layer, ids)
-                slots = req.pinned_slots_dev[layer].index_select(0, ids)
-            self.count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
-            with profiled("tierkv.sparse.fetch_attend"):
-                fetcher = self.sparse_streamer
-                for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
-                    parts.setdefault(i, []).append(paged_partial_attention(
-                        q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
-        return parts
+                if self.sparse_blocks is not None:  # the row's block index of the chunk's first block here
+                    index = c * self.pool.region_blocks + first - self._offsets[i]
+                    self.key_summaries.summarize_staged(row, layer, index, staging, chunk.slots[first:end])
+
+    def _attend_selected(self, i: int, layer: int, q: torch.Tensor, scale: float, parts: dict) -> None:
+        """Into `parts`: sparse row i's partial attentions over its selected far blocks of `layer`,
+        fetched once selected (its missing key summaries made first)."""
+        row = self.rows[i]
+        req = self.requests[row.req_id]
+        q_row = q[row.q_start : row.q_end]
+        if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
+            with profiled("tierkv.sparse.summarize"):
+                self.key_summaries.summarize_missing(row, req, layer)
+        with profiled("tierkv.sparse.select"):
+            ids = self.key_summaries.select(req, layer, q_row[0], row.num_far_blocks)
+            self.overlap.note(self.counts["steps"], req.previous, layer, ids)
+            slots = req.pinned_slots_dev[layer].index_select(0, ids)
+        self.count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
+        with profiled("tierkv.sparse.fetch_attend"):
+            fetcher = self.sparse_streamer
+            for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
+                parts.setdefault(i, []).append(paged_partial_attention(
+                    q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
 
     def count_selections(self, num_selected: int, num_resident: int, num_rows: int) -> None:
         """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks,
@@ -336,30 +296,7 @@ class FarKV:
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
-        prefetch = self.recorder.snapshot()
-        full = self.full.stats() if self.full is not None else None  # one read of the prefetch's counters
-        cache = self.cache_stats((full or {}).get("prefetch_copied", 0))
-        counts = self.counts
-        reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
-        return {"window_tokens": self.window_tokens, **counts, "requests": len(self.requests),
-                "sparse_fetched_reads": counts["sparse_selected_reads"] - cache["cache_hits"], **cache,
-                **streaming_stats(self.streamer, self.sparse_streamer, cache,
-                                  self.graphs.packed_bytes if self.graphs is not None else 0),
-                "policy": "sparse" if self.sparse_blocks else "exact",
-                "selection_overlap": self.overlap.value(),
-                # GPU hit rate at attention time of sparse decode rows: reads of resident blocks (vLLM's pool)
-                # and of far blocks their cache held, over all reads
-                "gpu_hit_rate": (counts["sparse_resident_reads"] + cache["cache_hits"]) / reads if reads else None,
-                "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
-                "full_decode_graphs": full,
-                "summary_bytes": sum(r.summaries.num_bytes for r in self.requests.values() if r.summaries is not None)
-                + self.key_summaries.spare_bytes,  # held for the next requests too
-                **self.host.stats(),  # decode_host_us_per_layer, step_host_ms
-                "whole_check_max_abs": (self.graphed.whole_check.item() if self.graphed.whole_check is not None
-                                        else None),
-                "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch,
-                # kernels that failed to build or launch and fell back to PyTorch (same output, slower)
-                "kernel_fallbacks": kernel_fallbacks()}
+        return far_kv_stats(self)
 
     def close(self) -> None:
         for req_id in list(self.requests):

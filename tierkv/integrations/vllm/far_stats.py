@@ -1,10 +1,11 @@
-"""The hot window's far-path counters of what moved: through the staging ring, the eager sparse
-fetches' regions and the graphed rows' far-block caches. Reads only.
+"""The hot window's far-path counters: what moved through the staging ring, the eager sparse
+fetches' regions and the graphed rows' far-block caches, and `FarKV.stats` as a whole. Reads only.
 
-Primitives: `cache_stats`, `streaming_stats`. No vLLM import.
+Primitives: `far_kv_stats`, `cache_stats`, `streaming_stats`. No vLLM import.
 """
 from __future__ import annotations
 
+from tierkv.optional_kernel import fallbacks as kernel_fallbacks
 from tierkv.transfer.lookahead import LookaheadStreamer
 from tierkv.sparse.row_caches import RowCaches
 
@@ -42,3 +43,31 @@ def streaming_stats(streamer: LookaheadStreamer, sparse_streamer: LookaheadStrea
             "chunks_carried": streamer.num_chunks_carried,
             "chunks_discarded": streamer.num_chunks_discarded,
             "staging_bytes": sum(s.pool.staging_bytes for s in streamers) + cache["cache_bytes"] + packed_bytes}
+
+
+def far_kv_stats(far) -> dict:
+    """`FarKV.stats`: a far-block reader's counters (`far`: a `far_rows.FarKV`)."""
+    prefetch = far.recorder.snapshot()
+    full = far.full.stats() if far.full is not None else None  # one read of the prefetch's counters
+    cache = far.cache_stats((full or {}).get("prefetch_copied", 0))
+    counts = far.counts
+    reads = counts["sparse_resident_reads"] + counts["sparse_selected_reads"]
+    return {"window_tokens": far.window_tokens, **counts, "requests": len(far.requests),
+            "sparse_fetched_reads": counts["sparse_selected_reads"] - cache["cache_hits"], **cache,
+            **streaming_stats(far.streamer, far.sparse_streamer, cache,
+                              far.graphs.packed_bytes if far.graphs is not None else 0),
+            "policy": "sparse" if far.sparse_blocks else "exact",
+            "selection_overlap": far.overlap.value(),
+            # GPU hit rate at attention time of sparse decode rows: reads of resident blocks (vLLM's pool)
+            # and of far blocks their cache held, over all reads
+            "gpu_hit_rate": (counts["sparse_resident_reads"] + cache["cache_hits"]) / reads if reads else None,
+            "cuda_graphs": far.graphs.stats() if far.graphs is not None else None,
+            "full_decode_graphs": full,
+            "summary_bytes": sum(r.summaries.num_bytes for r in far.requests.values() if r.summaries is not None)
+            + far.key_summaries.spare_bytes,  # held for the next requests too
+            **far.host.stats(),  # decode_host_us_per_layer, step_host_ms
+            "whole_check_max_abs": (far.graphed.whole_check.item() if far.graphed.whole_check is not None
+                                    else None),
+            "wait_s": sum(prefetch.get("layers", {}).get("wait_s", [])), "prefetch": prefetch,
+            # kernels that failed to build or launch and fell back to PyTorch (same output, slower)
+            "kernel_fallbacks": kernel_fallbacks()}

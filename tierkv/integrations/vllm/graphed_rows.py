@@ -135,7 +135,7 @@ class GraphedRows:
                 diff = (split[0].float() - replayed[0].float()).abs().max()
                 self.whole_check = diff if self.whole_check is None else torch.maximum(self.whole_check, diff)
         output.copy_(replayed[0])
-        far.note_host(started, graphs.counts["graph_captures"] == captures and near is None)
+        far.host.note_layer(started, graphs.counts["graph_captures"] == captures and near is None)
         return True
 
     def attend_rows(self, layer: int, q: torch.Tensor, near_out: torch.Tensor, near_lse: torch.Tensor,

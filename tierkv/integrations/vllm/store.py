@@ -1,12 +1,13 @@
 """What a vLLM engine's tierkv connector keeps: tiers, transfer engine, and the layer-wise moves
 between vLLM's paged KV cache and the CPU tier. No vLLM import: tested on CPU with plain tensors.
 
-Primitives: `VllmKVStore` (`PagedLayout`, `BlockSpan`, `layer_order` from paged_layout).
+Primitives: `VllmKVStore` (`PagedLayout`, `BlockSpan`, `layer_order` from paged_layout; the saves
+in store_saves, the loads in store_loads).
 
     vLLM paged cache of one layer (FlashAttention, logical view):  [num_blocks, H, T, 2 * D]
     tierkv block:                                                  [2, H, T, D]   (K, V)
 
-    save (per layer, in the forward that computed the blocks):
+    save (per layer, in the forward that computed the blocks; store_saves):
         kv_cache[block_ids] --copy on the compute stream--> private [n, 2, H, T, D]
             --D2H on the copy stream--> CPU-tier slots (prepared, pinned)
         later, once the copy has landed: slots become visible to lookups (poll)
@@ -14,8 +15,7 @@ Primitives: `VllmKVStore` (`PagedLayout`, `BlockSpan`, `layer_order` from paged_
         CPU-tier slots (pinned by acquire) --H2D--> fresh [n, 2, H, T, D] --> kv_cache[block_ids]
 
 The private copy means vLLM may free or reuse a saved block as soon as the forward returns:
-nothing reads vLLM's cache after the step. In-flight save bytes are bounded by
-`scheduler.staging_bytes`; past it the oldest save is waited for.
+nothing reads vLLM's cache after the step.
 
 One store per engine (store_registry.shared_store, keyed by vLLM's engine id): the scheduler-side and
 the worker-side connector of an in-process engine share it, so prefix lookups see the CPU tier. A
@@ -24,7 +24,6 @@ scheduler in another process gets a lookup-only store over the shared tiers (dis
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from typing import Sequence
 
@@ -34,11 +33,11 @@ from tierkv.block_io import BlockIO
 from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import ModelIdentity
-from tierkv.transfer.device import to_device_no_sync
 from tierkv.storage import build_tiers
 from tierkv.transfer import configured_engine
 from tierkv.integrations.vllm.paged_layout import BlockSpan, PagedLayout, layer_order
 from tierkv.integrations.vllm.store_loads import LayerLoads
+from tierkv.integrations.vllm.store_saves import LayerSaves
 
 __all__ = ["BlockSpan", "PagedLayout", "VllmKVStore", "layer_order"]
 
@@ -67,19 +66,14 @@ class VllmKVStore:
                       if tiers else None)
         self.paged = PagedLayout(layout)
         self.lookahead = max(1, config.scheduler.lookahead_layers)
-        self.max_inflight_save_bytes = config.scheduler.staging_bytes
         if not lookup_only:
             self.cpu = self.chain.tiers[0]
             self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
             self.io = BlockIO(self.engine, self.cpu)
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
         self._lock = threading.RLock()
-        self._pending_saves: list[tuple[object, list[str], int, list[int]]] = []   # (handle, keys, bytes, slots)
-        # hot window: landed saves stay pinned in the CPU tier until the far-block reader takes the
-        # pins over (the blocks become far) or gives them back (its request ends): key -> slot
-        self.keep_saves_pinned = False
-        self.saved_pins: dict[str, int] = {}
         self.loads = LayerLoads(self, self._lock)  # a step's prefix loads into vLLM's cache (store_loads)
+        self.saves = LayerSaves(self, self._lock)  # a step's saves out of it, and the hot window's pins (store_saves)
         self.hot_window = None   # the hot window's far-block reader (far.FarKV), set by the connector
         self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
                        "lookups": 0, "lookup_hit_blocks": 0}
@@ -88,7 +82,6 @@ class VllmKVStore:
         # per step that saved blocks after a full graph's replay, the host ms of wait_for_save's parts: the
         # reads from vLLM's pool, the tier (quantization, slots, D2H), the key summaries, the poll, and the whole hook
         self.save_step_ms: deque[tuple[float, float, float, float, float]] = deque(maxlen=128)
-        self.save_host_s = [0.0, 0.0]  # save_layers' host seconds since the caller last took them: reads, tier
 
     # -- addresses -------------------------------------------------------------------------------
     def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
@@ -168,45 +161,7 @@ class VllmKVStore:
         after the forward): one read per layer, then one quantization, one slot reservation and
         one D2H for all of them, so the host's calls do not grow with the layers. Returns the
         private copy [len(layers), n, 2, H, T, D], None if the spans hold no block."""
-        if len(kvs) != len(layers):
-            raise ValueError(f"save_layers: {len(layers)} layers but {len(kvs)} KV caches; one cache per layer")
-        block_ids = [b for s in spans for b in s.block_ids]
-        if not block_ids or not layers:
-            return None
-        hashes = [h for s in spans for h in s.hashes]
-        keys = [key for layer in layers for key in self.keys(hashes, layer)]   # layer-major, as the blocks
-        started = time.perf_counter()
-        ids = to_device_no_sync(block_ids, kvs[0].device)
-        if len(kvs) == 1:
-            blocks = self.paged.read(kvs[0], ids).unsqueeze(0)                # private copy, compute stream
-        else:
-            blocks = self.paged.read_layers(kvs, ids)
-        flat = blocks.flatten(0, 1)
-        read = time.perf_counter()
-        self.save_host_s[0] += read - started
-        with self._lock:
-            slots, evicted = self.cpu.prepare_put(keys)
-            self.chain.spill(0, evicted)
-            ok = [i for i, s in enumerate(slots) if s is not None]
-            refused = [i for i, s in enumerate(slots) if s is None]
-            if ok:
-                chosen = flat if len(ok) == len(keys) else flat[torch.tensor(ok, device=flat.device)]
-                handle = self.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
-                self._pending_saves.append((handle, [keys[i] for i in ok], len(ok) * self.layout.num_bytes,
-                                            [slots[i] for i in ok]))
-                self.counts["blocks_saved"] += len(ok)
-        if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
-            self.counts["save_fallbacks"] += len(refused)
-            index = torch.tensor(refused, device=flat.device)
-            self.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
-        self._bound_inflight_saves()
-        self.save_host_s[1] += time.perf_counter() - read
-        return blocks
-
-    def _bound_inflight_saves(self) -> None:
-        while sum(p[2] for p in self._pending_saves) > self.max_inflight_save_bytes and len(self._pending_saves) > 1:
-            self._pending_saves[0][0].synchronize()
-            self.poll()
+        return self.saves.save_layers(layers, kvs, spans)
 
     def begin_loads(self, spans: Sequence[BlockSpan]) -> None:
         """Plan this step's loads and start the first `lookahead` layers' H2D copies (store_loads)."""
@@ -217,43 +172,9 @@ class VllmKVStore:
         self.loads.finish_layer(layer)
         self.poll()
 
-    def take_saved_pins(self, keys: Sequence[str]) -> list[int | None]:
-        """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
-        with self._lock:
-            return [self.saved_pins.pop(k, None) for k in keys]
-
-    def pin_for_reader(self, keys: Sequence[str]) -> list[int] | None:
-        """CPU-tier slots of `keys`, pinned for a reader who gives them back with `unpin`: pins of
-        landed saves taken over, the rest pinned (promoted from lower tiers if needed). None, with
-        nothing pinned, if some block is in no tier (a save still in flight: `poll(wait=True)`)."""
-        slots = self.take_saved_pins(keys)
-        rest = [i for i, s in enumerate(slots) if s is None]
-        if not rest:
-            return slots
-        with self._lock:
-            acquired = self.chain.acquire_many([keys[i] for i in rest])
-            if acquired is None:  # hand the taken pins back, unchanged
-                self.saved_pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
-                return None
-        for i, slot in zip(rest, acquired):
-            slots[i] = slot
-        return slots
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        """Give back pins from `pin_for_reader`."""
-        with self._lock:
-            self.cpu.release(keys)
-
     def num_held(self, keys: Sequence[str]) -> int:
         """How many of `keys` some tier holds."""
         return sum(where is not None for where in self.chain.locate_many(keys))
-
-    def release_saved_pins(self, keys: Sequence[str]) -> None:
-        """Give back the pins of landed saves nobody took (blocks that never became far)."""
-        with self._lock:
-            held = [k for k in keys if self.saved_pins.pop(k, None) is not None]
-            if held:
-                self.cpu.release(held)
 
     def take_load_errors(self) -> set[int]:
         return self.loads.take_errors()
@@ -263,19 +184,7 @@ class VllmKVStore:
         if self.lookup_only:
             return
         with self._lock:
-            still = []
-            for pending in self._pending_saves:
-                handle, keys, _, slots = pending
-                if wait:
-                    handle.synchronize()
-                if wait or handle.is_done():
-                    self.cpu.complete_put(keys, keep_pinned=self.keep_saves_pinned)
-                    self.chain.write_through(keys)
-                    if self.keep_saves_pinned:
-                        self.saved_pins.update(zip(keys, slots))
-                else:
-                    still.append(pending)
-            self._pending_saves = still
+            self.saves.poll(wait)
             self.loads.poll(wait)
 
     # -- lifecycle -------------------------------------------------------------------------------------

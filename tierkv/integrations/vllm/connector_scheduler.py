@@ -1,0 +1,157 @@
+"""The scheduler side of tierkv's vLLM connector: which prefix blocks the tiers hold, and each
+step's metadata for the workers.
+
+Primitives: `ConnectorScheduler`, `TierKVMetadata`.
+
+    get_num_new_matched_tokens   prefix blocks held in every layer by some tier (beyond vLLM's own cache)
+    update_state_after_alloc     where vLLM put them: the step's loads
+    build_connector_meta         loads, and each request's blocks that become full in this step
+                                 (saves); under the hot window, every scheduled request's position,
+                                 the block hashes learnt since the last step and the finished requests
+
+No vLLM object is built here, but the metadata is a vLLM `KVConnectorMetadata`: needs vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from tierkv.integrations.vllm.paged_layout import BlockSpan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from tierkv.integrations.vllm.store import VllmKVStore
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """What the worker does in one step; pickled from the scheduler to the workers."""
+
+    loads: list[BlockSpan] = field(default_factory=list)
+    saves: list[BlockSpan] = field(default_factory=list)
+    # hot window only: every scheduled request's (tokens before the step, tokens in it), the block
+    # hashes learnt since the last step (req_id, first block, hashes), requests that finished
+    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    hashes: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    hashes: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_block_to_save: int = 0
+    hashes_sent: int = 0
+    load_range: tuple[int, int] | None = None
+    pending_load: BlockSpan | None = None
+
+
+class ConnectorScheduler:
+    """The connector's scheduler-side state: one `_RequestState` per request it was told of.
+
+    block_size: vLLM's tokens per block. hot_window: the window's tokens, None without one.
+    store: the engine's store (a lookup store where the scheduler runs apart from the workers),
+    made on first use.
+    """
+
+    def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore]):
+        self.block_size, self.hot_window, self._store = block_size, hot_window, store
+        self._requests: dict[str, _RequestState] = {}
+
+    def state(self, request: "Request") -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self.state(request)
+        prompt = request.prompt_token_ids or []
+        start = num_computed_tokens // self.block_size
+        end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
+        state.load_range = None
+        if end <= start:
+            return 0, False
+        hashes = self._store().extend_hashes(state.hashes, prompt, end)
+        found = self._store().present_prefix(hashes[start:end])
+        if found == 0:
+            return 0, False
+        state.load_range = (start, start + found)
+        return start * self.block_size + found * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        state = self.state(request)
+        if num_external_tokens <= 0 or state.load_range is None:
+            state.load_range = None
+            return
+        start, end = state.load_range
+        row = blocks.blocks[0]
+        # under the hot window vLLM gives the prefix's blocks before the window the null block:
+        # only the window is loaded into its pool, the far part reads the rest from the tiers
+        keep = [i for i in range(start, min(end, len(row))) if not row[i].is_null]
+        state.pending_load = BlockSpan(request.request_id, [row[i].block_id for i in keep], [state.hashes[i] for i in keep])
+        state.next_block_to_save = max(state.next_block_to_save, end)  # already held by the tiers
+        state.load_range = None
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
+        meta = TierKVMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.pending_load is not None:
+                meta.loads.append(state.pending_load)
+                state.pending_load = None
+            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._add_hot_window(meta, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        if self.hot_window is not None:
+            meta.finished = sorted(scheduler_output.finished_req_ids)
+        return meta
+
+    def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
+        """The worker's far/near split needs each request's position and the hashes of its full blocks."""
+        if self.hot_window is None or num_new <= 0:
+            return
+        meta.scheduled[state.request.request_id] = (num_computed, num_new)
+        hashes = self._store().extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)
+        if len(hashes) > state.hashes_sent:
+            meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))
+            state.hashes_sent = len(hashes)
+
+    def _add_saves(self, meta: TierKVMetadata, state: _RequestState, computed_after_step: int) -> None:
+        tokens = state.request.all_token_ids
+        full = min(computed_after_step, len(tokens)) // self.block_size
+        full = min(full, len(state.block_ids))
+        first = state.next_block_to_save
+        if full <= first:
+            return
+        hashes = self._store().extend_hashes(state.hashes, tokens, full)
+        stored = self._store().stored_mask(hashes[first:full])
+        todo = [b for b, held in zip(range(first, full), stored) if not held]
+        if todo:
+            meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],
+                                        [hashes[b] for b in todo]))
+        state.next_block_to_save = full
+
+    def request_finished(self, request: "Request") -> None:
+        self._requests.pop(request.request_id, None)

@@ -1,0 +1,143 @@
+"""A step's saves out of vLLM's paged cache into the CPU tier, and the pins of landed saves.
+
+Primitives: `LayerSaves`. No vLLM import.
+
+    save_layers(layers, kvs, spans)   kv_cache[block_ids] --copy on the compute stream--> private
+                                      [len(layers), n, 2, H, T, D] --D2H on the copy stream-->
+                                      CPU-tier slots (prepared, pinned)
+    poll()                            once the copy has landed: the slots become visible to lookups
+                                      and are written through to the tiers below
+
+The private copy means vLLM may free or reuse a saved block as soon as the forward returns. In-flight
+save bytes are bounded by `scheduler.staging_bytes`; past it the oldest save is waited for. A block
+the CPU tier refuses (every slot pinned, or the block is being written) goes to the tiers below.
+
+Under the hot window (`keep_pinned`), landed saves stay pinned in the CPU tier until the far-block
+reader takes the pins over (`pin_for_reader`: the blocks become far) or gives them back
+(`release_pins`: its request ends), so a block that becomes far is never pinned twice.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from tierkv.integrations.vllm.paged_layout import BlockSpan
+from tierkv.transfer.device import to_device_no_sync
+
+
+class LayerSaves:
+    """The saves of a `VllmKVStore` (a worker's): reads its keys, tiers, block I/O and paged layout;
+    counts blocks_saved and save_fallbacks in its counts. lock: the store's, held where the tiers
+    are touched."""
+
+    def __init__(self, store, lock):
+        self.store, self._lock = store, lock
+        self.max_inflight_bytes = store.config.scheduler.staging_bytes
+        self._pending: list[tuple[object, list[str], int, list[int]]] = []  # (handle, keys, bytes, slots)
+        self.keep_pinned = False  # set by the hot window's far-block reader
+        self._pins: dict[str, int] = {}  # landed saves kept pinned: key -> CPU-tier slot
+        self.host_s = [0.0, 0.0]  # save_layers' host seconds since the caller last took them: reads, tier
+
+    def save_layers(self, layers: Sequence[int], kvs: Sequence[torch.Tensor],
+                    spans: Sequence[BlockSpan]) -> torch.Tensor | None:
+        """Copy this step's full blocks of `layers` out of vLLM's caches (`kvs`, one per layer) and
+        start their D2H: one read per layer, then one slot reservation and one D2H for all of them.
+        Returns the private copy [len(layers), n, 2, H, T, D], None if the spans hold no block."""
+        if len(kvs) != len(layers):
+            raise ValueError(f"save_layers: {len(layers)} layers but {len(kvs)} KV caches; one cache per layer")
+        block_ids = [b for s in spans for b in s.block_ids]
+        if not block_ids or not layers:
+            return None
+        store = self.store
+        hashes = [h for s in spans for h in s.hashes]
+        keys = [key for layer in layers for key in store.keys(hashes, layer)]   # layer-major, as the blocks
+        started = time.perf_counter()
+        ids = to_device_no_sync(block_ids, kvs[0].device)
+        if len(kvs) == 1:
+            blocks = store.paged.read(kvs[0], ids).unsqueeze(0)                # private copy, compute stream
+        else:
+            blocks = store.paged.read_layers(kvs, ids)
+        flat = blocks.flatten(0, 1)
+        read = time.perf_counter()
+        self.host_s[0] += read - started
+        self._start_d2h(keys, flat)
+        self._bound_inflight()
+        self.host_s[1] += time.perf_counter() - read
+        return blocks
+
+    def _start_d2h(self, keys: list[str], flat: torch.Tensor) -> None:
+        """flat [len(keys), 2, H, T, D] into prepared CPU-tier slots; blocks refused a slot to the tiers below."""
+        store = self.store
+        with self._lock:
+            slots, evicted = store.cpu.prepare_put(keys)
+            store.chain.spill(0, evicted)
+            ok = [i for i, s in enumerate(slots) if s is not None]
+            refused = [i for i, s in enumerate(slots) if s is None]
+            if ok:
+                chosen = flat if len(ok) == len(keys) else flat[torch.tensor(ok, device=flat.device)]
+                handle = store.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
+                self._pending.append((handle, [keys[i] for i in ok], len(ok) * store.layout.num_bytes,
+                                      [slots[i] for i in ok]))  # fmt: skip
+                store.counts["blocks_saved"] += len(ok)
+        if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
+            store.counts["save_fallbacks"] += len(refused)
+            index = torch.tensor(refused, device=flat.device)
+            store.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
+
+    def _bound_inflight(self) -> None:
+        while sum(p[2] for p in self._pending) > self.max_inflight_bytes and len(self._pending) > 1:
+            self._pending[0][0].synchronize()
+            self.store.poll()
+
+    def poll(self, wait: bool) -> None:
+        """Make landed saves visible (all of them when `wait`). Caller holds the store's lock."""
+        still = []
+        for pending in self._pending:
+            handle, keys, _, slots = pending
+            if wait:
+                handle.synchronize()
+            if wait or handle.is_done():
+                self.store.cpu.complete_put(keys, keep_pinned=self.keep_pinned)
+                self.store.chain.write_through(keys)
+                if self.keep_pinned:
+                    self._pins.update(zip(keys, slots))
+            else:
+                still.append(pending)
+        self._pending = still
+
+    # -- pins of landed saves (hot window) ---------------------------------------------------------
+    def take_pins(self, keys: Sequence[str]) -> list[int | None]:
+        """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
+        with self._lock:
+            return [self._pins.pop(k, None) for k in keys]
+
+    def pin_for_reader(self, keys: Sequence[str]) -> list[int] | None:
+        """CPU-tier slots of `keys`, pinned for a reader who gives them back with `unpin`: pins of
+        landed saves taken over, the rest pinned (promoted from lower tiers if needed). None, with
+        nothing pinned, if some block is in no tier (a save still in flight: `poll(wait=True)`)."""
+        slots = self.take_pins(keys)
+        rest = [i for i, s in enumerate(slots) if s is None]
+        if not rest:
+            return slots
+        with self._lock:
+            acquired = self.store.chain.acquire_many([keys[i] for i in rest])
+            if acquired is None:  # hand the taken pins back, unchanged
+                self._pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+                return None
+        for i, slot in zip(rest, acquired):
+            slots[i] = slot
+        return slots
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Give back pins from `pin_for_reader`."""
+        with self._lock:
+            self.store.cpu.release(keys)
+
+    def release_pins(self, keys: Sequence[str]) -> None:
+        """Give back the pins of landed saves nobody took (blocks that never became far)."""
+        with self._lock:
+            held = [k for k in keys if self._pins.pop(k, None) is not None]
+            if held:
+                self.store.cpu.release(held)
