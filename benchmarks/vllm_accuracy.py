@@ -70,31 +70,40 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
     write_results(out, results)
     failed = 0
     for context in grid.context_tokens:
-        group = [i for i, p in enumerate(prompts) if p.row["context_tokens"] == context]
+        group = [i for i, p in enumerate(prompts) if p.row["context_tokens"] == context and "error" not in p.row]
         start = time.perf_counter()
-        try:
-            completions = engine.generate([prompts[i].ids for i in group])
-        except Exception as exc:
-            failed += 1
-            error = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            for i in group:
-                results["prompts"][i]["error"] = error
-        else:
-            for i, completion in zip(group, completions):
-                decoded = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-                results["prompts"][i].update(token_ids=completion.token_ids, text=completion.text, decoded=decoded,
-                                             correct=score(prompts[i].row["answer"], decoded),
-                                             top2_logprobs=completion.top2_logprobs)
+        error = _generate_group(engine, tokenizer, prompts, group, results["prompts"])
+        failed += error is not None
         wall_s = round(time.perf_counter() - start, 2)
         correct = sum(bool(results["prompts"][i].get("correct")) for i in group)
         results["groups"].append({"context_tokens": context, "prompts": len(group), "wall_s": wall_s})
         results["engine_stats"] = _stats(engine)
         write_results(out, results)
         print(f"[{mode}] {context} tokens: {correct}/{len(group)} correct, {wall_s} s"
-              + (f", error {results['prompts'][group[0]]['error']}" if "error" in results["prompts"][group[0]] else ""),
-              flush=True)
+              + (f", FAILED: {error}" if error else ""), flush=True)
     return 1 if failed else 0
+
+
+def _generate_group(engine, tokenizer, prompts: list, group: list[int], rows: list[dict]) -> str | None:
+    """One generate call over prompts[i] for i in `group`; each rows[i] gets its completion and score,
+    or the call's error (returned too, None when it worked)."""
+    if not group:
+        return None
+    try:
+        completions = engine.generate([prompts[i].ids for i in group])
+        if len(completions) != len(group):
+            raise RuntimeError(f"{len(completions)} completions for {len(group)} prompts")
+    except Exception as exc:
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"
+        for i in group:
+            rows[i]["error"] = error
+        return error
+    for i, completion in zip(group, completions):
+        decoded = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        rows[i].update(token_ids=completion.token_ids, text=completion.text, decoded=decoded,
+                       correct=score(prompts[i].row["answer"], decoded), top2_logprobs=completion.top2_logprobs)
+    return None
 
 
 def _failed(results: dict, out: Path, mode: str, stage: str, exc: BaseException) -> int:

@@ -35,6 +35,11 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(DTYPES)}")
     source = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(**source, dtype=DTYPES[dtype]).eval()
+    if model.dtype != DTYPES[dtype]:  # a transformers that spells it torch_dtype (4.x before 4.56); not
+        # model.to(dtype), which would also round the float32 rotary inv_freq buffer and change the logits
+        model = AutoModelForCausalLM.from_pretrained(**source, torch_dtype=DTYPES[dtype]).eval()
+    if model.dtype != DTYPES[dtype]:
+        raise RuntimeError(f"transformers loaded {gguf_path.name} as {model.dtype}, not the {dtype} asked for")
     tokenizer = AutoTokenizer.from_pretrained(**source)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,9 @@ class Prompt:
 
 def build_prompts(tokenizer, grid: Grid, max_prompt_tokens: int) -> list[Prompt]:
     """One prompt per case of `grid`, built as bench_accuracy.run_retrieval builds them (same makers,
-    same `prompt_with_prefix`). ValueError naming the case when a prompt is longer than
-    `max_prompt_tokens` (max_model_len less the generated tokens), or an unknown task."""
+    same `prompt_with_prefix`). A prompt longer than `max_prompt_tokens` (max_model_len less the
+    generated tokens) has an "error" in its row, naming its length, and is not to be run (the others
+    are). ValueError for an unknown task."""
     from tierkv.longdoc import multikey_case, passkey_case
 
     makers = {"passkey": passkey_case, "multikey": multikey_case}
@@ -55,9 +56,8 @@ def build_prompts(tokenizer, grid: Grid, max_prompt_tokens: int) -> list[Prompt]
                     row = {"task": task, "context_tokens": num_tokens, "prompt_tokens": len(ids), "depth": depth,
                            "seed": seed, "answer": case.answer, "source": case.source}
                     if len(ids) > max_prompt_tokens:
-                        raise ValueError(f"{task} at {num_tokens} tokens, depth {depth}, seed {seed}: the prompt has "
-                                         f"{len(ids)} tokens, over the {max_prompt_tokens} that leave room for the "
-                                         "answer within max_model_len")
+                        row["error"] = (f"the prompt has {len(ids)} tokens, over the {max_prompt_tokens} that leave "
+                                        "room for the answer within max_model_len")
                     prompts.append(Prompt(ids, row))
     return prompts
 

@@ -133,8 +133,10 @@ def test_the_full_grid_fits_max_model_len_and_a_too_long_prompt_is_named(folder_
     longest = max(len(p.ids) for p in prompts)
     assert 8000 < longest <= MAX_MODEL_LEN - NEW_TOKENS
     assert all(p.row["prompt_tokens"] == len(p.ids) and p.row["answer"].isdigit() for p in prompts)
-    with pytest.raises(ValueError, match=r"passkey at 2048 tokens, depth 0.1, seed 0: the prompt has \d+ tokens"):
-        build_prompts(folder_tokenizer, FULL, 2048)
+    assert all("error" not in p.row for p in prompts)
+    short = build_prompts(folder_tokenizer, Grid((1000, 2048), (0.5,), (0,), ("passkey",)), 2048)
+    assert "error" not in short[0].row  # only the prompt past the limit is marked, and not run
+    assert short[1].row["error"].startswith(f"the prompt has {len(short[1].ids)} tokens, over the 2048")
     with pytest.raises(ValueError, match="tasks: got"):
         build_prompts(folder_tokenizer, Grid((512,), (0.5,), (0,), ("haystack",)), MAX_MODEL_LEN)
 
@@ -260,3 +262,142 @@ def test_each_engine_is_built_greedy_and_read_in_order(tmp_path, monkeypatch, mo
         assert seen["max_num_batched_tokens"] == config["scheduler"]["prefill_chunk_tokens"]
         assert engine.stats()["requests"]
         assert seen.get("max_num_seqs") == (1 if mode == "tierkv-sparse" else None)
+
+
+# -- run: every length in its own try, the JSON written as it goes ---------------------------------------
+
+@pytest.mark.real_model
+def test_run_keeps_the_lengths_that_worked_and_records_the_one_that_failed(converted, folder_tokenizer, monkeypatch,
+                                                                            tmp_path):
+    grid = Grid(context_tokens=(512, 700, 1500), depths=(0.5,), seeds=(0,))
+    prompts = build_prompts(folder_tokenizer, grid, MAX_MODEL_LEN)
+    answers = {tuple(p.ids): p.row["answer"] for p in prompts}
+    calls = []
+
+    def generate(batch):
+        calls.append(len(batch))
+        if len(batch[0]) > 650:
+            raise RuntimeError("the engine died at 700")
+        right = folder_tokenizer(" " + answers[tuple(batch[0])], add_special_tokens=False)["input_ids"]
+        return [Completion(right, "vllm text", [[-0.1, -1.0]]), Completion([28, 29], "no", [[-0.3, -0.4]])]
+
+    monkeypatch.setattr(vllm_accuracy, "SMOKE", grid)
+    monkeypatch.setattr(vllm_accuracy, "MAX_MODEL_LEN", 1200)  # the 1500-token prompts do not fit: marked, not run
+    monkeypatch.setattr(vllm_accuracy, "start_engine", lambda mode, model_dir, config: Engine(generate, lambda: {"n": 1}))
+    rc = vllm_accuracy.run("tierkv-exact", converted[1], str(tmp_path), smoke=True)
+    assert rc == 1 and calls == [2, 2]  # one call per length: passkey and multikey together
+    record = json.loads((tmp_path / "vllm-acc-smoke-tierkv-exact.json").read_text())
+    assert record["command"] and record["git_commit"] is not None and record["date"] and record["device"]
+    results = record["results"]
+    assert results["config"]["scheduler"]["prefill_chunk_tokens"] == 512 and results["engine_stats"] == {"n": 1}
+    first, second = [p for p in results["prompts"] if p["context_tokens"] == 512]
+    assert first["correct"] is True and first["decoded"].strip() == first["answer"] and first["text"] == "vllm text"
+    assert second["correct"] is False and second["token_ids"] == [28, 29] and second["top2_logprobs"] == [[-0.3, -0.4]]
+    failed = [p for p in results["prompts"] if p["context_tokens"] == 700]
+    assert len(failed) == 2 and all(p["error"] == "RuntimeError: the engine died at 700" for p in failed)
+    assert all("token_ids" not in p for p in failed)
+    too_long = [p for p in results["prompts"] if p["context_tokens"] == 1500]
+    assert len(too_long) == 2 and all(p["error"].startswith("the prompt has") and "token_ids" not in p for p in too_long)
+    assert [(g["context_tokens"], g["prompts"]) for g in results["groups"]] == [(512, 2), (700, 2), (1500, 0)]
+
+
+@pytest.mark.real_model
+def test_run_records_an_engine_that_does_not_start(converted, monkeypatch, tmp_path):
+    def refuse(mode, model_dir, config):
+        raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(vllm_accuracy, "start_engine", refuse)
+    assert vllm_accuracy.run("tierkv-sparse", converted[1], str(tmp_path), smoke=True, sparse_token_budget=256) == 1
+    results = json.loads((tmp_path / "vllm-acc-smoke-tierkv-sparse.json").read_text())["results"]
+    assert results["error"] == "start: RuntimeError: no GPU" and len(results["prompts"]) == 2
+    assert results["config"]["scheduler"]["sparse_token_budget"] == 256
+    assert vllm_accuracy.table(str(tmp_path), smoke=True) == 0
+
+
+# -- table ---------------------------------------------------------------------------------------------
+
+def _prompt(task, context, depth, seed, tokens, correct, top2=None):
+    row = {"task": task, "context_tokens": context, "depth": depth, "seed": seed, "answer": "12345"}
+    if tokens is None:
+        return {**row, "error": "RuntimeError: x"}
+    return {**row, "token_ids": tokens, "correct": correct, "top2_logprobs": top2 or [[-0.1, -2.0]] * len(tokens)}
+
+
+def _runs():
+    plain = {"prompts": [_prompt("passkey", 2048, 0.1, 0, [1, 2, 3], True),
+                         _prompt("passkey", 2048, 0.5, 0, [1, 2, 4], False, [[-0.1, -2.0], [-0.2, -0.25], [-0.1, -3.0]]),
+                         _prompt("multikey", 2048, 0.1, 0, [5, 6], True),
+                         _prompt("passkey", 4096, 0.1, 0, [7], True),
+                         _prompt("passkey", 4096, 0.5, 0, None, None)]}
+    exact = {"prompts": [_prompt("passkey", 2048, 0.1, 0, [1, 2, 3], True),
+                         _prompt("passkey", 2048, 0.5, 0, [1, 9, 4], True),
+                         _prompt("multikey", 2048, 0.1, 0, [5, 6], True),
+                         _prompt("passkey", 4096, 0.1, 0, None, None),
+                         _prompt("passkey", 4096, 0.5, 0, [8], False)]}
+    return plain, exact
+
+
+def test_accuracy_counts_correct_and_errors_per_length_and_task():
+    plain, exact = _runs()
+    assert accuracy_rows(plain) == [
+        {"context_tokens": 2048, "task": "multikey", "cases": 1, "correct": 1, "errors": 0},
+        {"context_tokens": 2048, "task": "passkey", "cases": 2, "correct": 1, "errors": 0},
+        {"context_tokens": 4096, "task": "passkey", "cases": 2, "correct": 1, "errors": 1}]
+    assert [r["correct"] for r in accuracy_rows(exact)] == [1, 2, 0]
+
+
+def test_token_match_counts_identical_prompts_and_names_the_first_difference():
+    plain, exact = _runs()
+    match = token_match(plain, exact)
+    # compared: prompts both completed (4096/0.1 failed in exact, 4096/0.5 in plain)
+    assert match["identical"] == 2 and match["compared"] == 3
+    first = match["first_difference"]
+    assert (first["task"], first["context_tokens"], first["depth"], first["step"]) == ("passkey", 2048, 0.5, 1)
+    assert first["plain_top2_margin"] == pytest.approx(0.05)
+    assert token_match(plain, plain) == {"identical": 4, "compared": 4, "first_difference": None}
+    shorter = {"prompts": [_prompt("passkey", 2048, 0.1, 0, [1, 2], True)]}  # stopped early: differs at step 2
+    assert token_match(plain, shorter)["first_difference"]["step"] == 2
+    assert token_match(plain, shorter)["first_difference"]["plain_top2_margin"] == pytest.approx(1.9)
+
+
+def test_table_prints_accuracy_and_token_matches_and_exits_zero(tmp_path, capsys):
+    plain, exact = _runs()
+    for mode, results in (("plain", plain), ("tierkv-exact", exact), ("tierkv-sparse", {"error": "start: X", "prompts": []})):
+        (tmp_path / f"vllm-acc-{mode}.json").write_text(json.dumps({"results": results}))
+    assert vllm_accuracy.main(["table", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "tierkv-exact token ids equal to plain: 2/3 prompts; first difference: passkey 2048 depth 0.5 seed 0, step 1" in text
+    assert "tierkv-sparse  engine error: start: X" in text
+    lines = [line.split() for line in text.splitlines()]
+    assert ["plain", "4096", "passkey", "1/1", "1"] in lines and ["tierkv-exact", "2048", "passkey", "2/2", "0"] in lines
+    assert format_table({"plain": plain}).count("\n") == 3  # header and three rows, no match line without a tierkv mode
+
+
+# -- arguments and the step runner ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "dense", "{d}", "{d}"], "argument mode: invalid choice: 'dense'"),
+    (["run", "plain", "{d}/nothing", "{d}"], "no config.json there"),
+    (["convert", "{d}/missing.gguf", "{d}/out"], "GGUF: got '{d}/missing.gguf'; expected an existing .gguf file"),
+    (["convert", "{d}/config.json", "{d}/out"], "expected an existing .gguf file"),
+    (["table", "{d}/nothing"], "OUTDIR: got '{d}/nothing'; not a directory"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--sparse-token-budget", "96"], "--sparse-token-budget: got 96"),
+    (["all", "{d}/m.gguf", "{d}", "--timeout-s", "0"], "--timeout-s: got 0.0; must be positive"),
+    (["run", "plain", "{d}"], "the following arguments are required: out_dir"),
+])
+def test_bad_arguments_are_refused(tmp_path, capsys, argv, message):
+    _checkpoint(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    with pytest.raises(SystemExit) as exit_:
+        vllm_accuracy.parse_args([a.format(d=tmp_path) for a in argv])
+    assert exit_.value.code == 2
+    assert message.format(d=tmp_path) in capsys.readouterr().err
+
+
+def test_run_steps_goes_on_past_a_failing_and_a_hanging_step():
+    python = sys.executable
+    done = vllm_accuracy.run_steps([([python, "-c", "raise SystemExit(3)"], 30),
+                                    ([python, "-c", "import time; time.sleep(60)"], 1),
+                                    ([python, "-c", "pass"], 30)])
+    assert [d["rc"] for d in done] == [3, "timeout", 0]
+    assert done[1]["wall_s"] < 30
