@@ -53,7 +53,7 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
     out = run_file(out_dir, mode, smoke)
     results = {"mode": mode, "model_dir": os.path.abspath(model_dir), "max_model_len": MAX_MODEL_LEN,
                "new_tokens": NEW_TOKENS, "grid": asdict(grid), "engine_kwargs": engine_kwargs(mode), "config": None,
-               "error": None, "groups": [], "prompts": []}
+               "stage": "start", "error": None, "groups": [], "prompts": []}
     print(f"[{mode}] {out}", flush=True)
     try:
         from transformers import AutoTokenizer
@@ -62,15 +62,19 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
         prompts = build_prompts(tokenizer, grid, MAX_MODEL_LEN - NEW_TOKENS)
         results["prompts"] = [dict(p.row) for p in prompts]
         if mode != "plain":
-            results["config"] = tierkv_config(mode, KvShape.of_checkpoint(model_dir), sparse_token_budget)
+            shape = KvShape.of_checkpoint(model_dir)
+            results["config"] = tierkv_config(mode, shape, sparse_token_budget)
+            results["gpu_budget_of_request_kv"] = results["config"]["cache"]["gpu_budget_bytes"] / shape.request_kv_bytes
+        write_results(out, results)  # a start that hangs and is killed still leaves the prompts and the stage
         print(f"[{mode}] {len(prompts)} prompts; starting the engine", flush=True)
         engine = start_engine(mode, model_dir, results["config"])
     except Exception as exc:
         return _failed(results, out, mode, "start", exc)
-    write_results(out, results)
     failed = 0
     for context in grid.context_tokens:
         group = [i for i, p in enumerate(prompts) if p.row["context_tokens"] == context and "error" not in p.row]
+        results["stage"] = f"generate {context}"
+        write_results(out, results)
         start = time.perf_counter()
         error = _generate_group(engine, tokenizer, prompts, group, results["prompts"])
         failed += error is not None
@@ -81,6 +85,8 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
         write_results(out, results)
         print(f"[{mode}] {context} tokens: {correct}/{len(group)} correct, {wall_s} s"
               + (f", FAILED: {error}" if error else ""), flush=True)
+    results["stage"] = "done"
+    write_results(out, results)
     return 1 if failed else 0
 
 
@@ -110,7 +116,7 @@ def _failed(results: dict, out: Path, mode: str, stage: str, exc: BaseException)
     traceback.print_exc()
     results["error"] = f"{stage}: {type(exc).__name__}: {exc}"
     write_results(out, results)
-    print(f"[{mode}] FAILED at {stage}: {results['error']}", flush=True)
+    print(f"[{mode}] FAILED: {results['error']}", flush=True)
     return 1
 
 

@@ -70,6 +70,8 @@ def format_table(runs: dict[str, dict]) -> str:
     for mode, results in runs.items():
         if results.get("error"):
             lines.append(f"{mode:<14} engine error: {results['error']}")
+        elif results.get("stage", "done") != "done":
+            lines.append(f"{mode:<14} stopped at stage: {results['stage']} (killed or timed out)")
         for row in accuracy_rows(results):
             scored = row["cases"] - row["errors"]
             lines.append(f"{mode:<14} {row['context_tokens']:>7} {row['task']:<9} "

@@ -299,6 +299,7 @@ def test_run_keeps_the_lengths_that_worked_and_records_the_one_that_failed(conve
     too_long = [p for p in results["prompts"] if p["context_tokens"] == 1500]
     assert len(too_long) == 2 and all(p["error"].startswith("the prompt has") and "token_ids" not in p for p in too_long)
     assert [(g["context_tokens"], g["prompts"]) for g in results["groups"]] == [(512, 2), (700, 2), (1500, 0)]
+    assert results["stage"] == "done" and 0 < results["gpu_budget_of_request_kv"] <= 1 / 8
 
 
 @pytest.mark.real_model
@@ -310,6 +311,7 @@ def test_run_records_an_engine_that_does_not_start(converted, monkeypatch, tmp_p
     assert vllm_accuracy.run("tierkv-sparse", converted[1], str(tmp_path), smoke=True, sparse_token_budget=256) == 1
     results = json.loads((tmp_path / "vllm-acc-smoke-tierkv-sparse.json").read_text())["results"]
     assert results["error"] == "start: RuntimeError: no GPU" and len(results["prompts"]) == 2
+    assert results["stage"] == "start"
     assert results["config"]["scheduler"]["sparse_token_budget"] == 256
     assert vllm_accuracy.table(str(tmp_path), smoke=True) == 0
 
@@ -362,7 +364,8 @@ def test_token_match_counts_identical_prompts_and_names_the_first_difference():
 
 def test_table_prints_accuracy_and_token_matches_and_exits_zero(tmp_path, capsys):
     plain, exact = _runs()
-    for mode, results in (("plain", plain), ("tierkv-exact", exact), ("tierkv-sparse", {"error": "start: X", "prompts": []})):
+    runs = (("plain", plain), ("tierkv-exact", exact), ("tierkv-sparse", {"error": "start: X", "prompts": []}))
+    for mode, results in runs:
         (tmp_path / f"vllm-acc-{mode}.json").write_text(json.dumps({"results": results}))
     assert vllm_accuracy.main(["table", str(tmp_path)]) == 0
     text = capsys.readouterr().out
@@ -371,6 +374,8 @@ def test_table_prints_accuracy_and_token_matches_and_exits_zero(tmp_path, capsys
     lines = [line.split() for line in text.splitlines()]
     assert ["plain", "4096", "passkey", "1/1", "1"] in lines and ["tierkv-exact", "2048", "passkey", "2/2", "0"] in lines
     assert format_table({"plain": plain}).count("\n") == 3  # header and three rows, no match line without a tierkv mode
+    killed = format_table({"tierkv-exact": {**exact, "stage": "generate 4096"}})
+    assert "tierkv-exact   stopped at stage: generate 4096 (killed or timed out)" in killed
 
 
 # -- arguments and the step runner ---------------------------------------------------------------------
