@@ -10,8 +10,13 @@ On the GPU machine (vLLM 0.26, transformers, the `gguf` package; no internet), o
     python benchmarks/vllm_accuracy.py run tierkv-exact $O/model $O
     python benchmarks/vllm_accuracy.py run tierkv-sparse $O/model $O
     python benchmarks/vllm_accuracy.py table $O
-  or all five, each step in its own process with a time limit (a failing or hanging step loses only itself):
+  (`;` between the runs, not `&&`: a mode that fails exits 1 and the next should still run), or all five,
+  each step in its own process killed at --timeout-s (a failing or hanging step loses only itself; at most
+  five times the limit in all):
     python benchmarks/vllm_accuracy.py all $G $O [--smoke] [--timeout-s 150]
+  A first check: the same with --smoke on run, table and all (two prompts at 1024 tokens).
+Expected time on the H200: convert about 20 s, each run the engine's start (under a minute) and well under
+a minute of generation (48 prompts, about 240k prompt tokens; the tierkv modes one request at a time).
 
 convert  GGUF -> a folder vLLM loads (benchmarks/vllm_accuracy_convert.py: both names of the tied embedding).
 run      MODE (plain | tierkv-exact | tierkv-sparse; benchmarks/vllm_accuracy_engines.py says how each is built)
@@ -19,7 +24,9 @@ run      MODE (plain | tierkv-exact | tierkv-sparse; benchmarks/vllm_accuracy_en
          6144 and 8000 document tokens, depths 0.1/0.5/0.9, seeds 0 and 1 (48 prompts, max_model_len 8192),
          greedy, 16 new tokens, one vLLM generate call per context length. --smoke: two prompts at 1024 tokens
          (files vllm-acc-smoke-MODE.json). Writes OUTDIR/vllm-acc-MODE.json (command, git commit, date, device)
-         after the engine starts and after every length, so a crash or a kill keeps what was done; per prompt:
+         before the engine starts and before and after every length, its `stage` naming how far it got, so a
+         crash or a kill keeps what was done; a length whose generate call raises records the error in its
+         prompts and the next length still runs; per prompt:
          task, tokens, depth, seed, expected answer, text, token ids, top-2 logprobs, correct. Exit 1 when
          anything failed (the error is in the JSON), else 0.
 table    accuracy per mode x length x task; per tierkv mode, prompts whose token ids equal plain's (exit 0).

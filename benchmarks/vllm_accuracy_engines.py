@@ -6,7 +6,8 @@ Primitives: `MODES`, `KvShape`, `tierkv_config`, `start_engine` (-> `Engine`), `
   plain          vllm.LLM, full KV pool, prefix caching off, FlashAttention
   tierkv-exact   TieredLLM(backend="vllm"), exact policy: configs/vllm-128k.yaml's hot window scaled from a
                  131072-token request to one of MAX_MODEL_LEN tokens (GPU budget 1/8 of its KV, staging a
-                 quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks)
+                 quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks),
+                 one request at a time (`engine_kwargs` says why)
   tierkv-sparse  the same scaling of configs/vllm-128k-sparse.yaml (64-token blocks, policy sparse, the sparse
                  step's CUDA graphs, a far-block cache of one selection per layer, max_num_seqs 1); the
                  budget holds vLLM's pool, the staging that keeps the cache and the key summaries of one
@@ -85,11 +86,14 @@ def tierkv_config(mode: str, shape: KvShape, sparse_token_budget: int = SPARSE_T
 
 
 def engine_kwargs(mode: str) -> dict:
-    """vLLM arguments beside the model and the tierkv config (the sparse budget holds one request's summaries)."""
+    """vLLM arguments beside the model and the tierkv config. The tierkv modes run one request at a time
+    (max_num_seqs 1): the sparse budget holds one request's summaries, and the exact pool (48 blocks)
+    holds one request's window and prefill chunk (41 blocks) but not two, where vLLM would preempt one
+    request for another, a path this run is not about."""
     common = dict(max_model_len=MAX_MODEL_LEN, enforce_eager=True, gpu_memory_utilization=0.3)
     if mode == "plain":
         return dict(common, enable_prefix_caching=False, attention_config={"backend": "FLASH_ATTN"})
-    return dict(common, max_num_seqs=1) if mode == "tierkv-sparse" else common
+    return dict(common, max_num_seqs=1)
 
 
 @dataclass(frozen=True)

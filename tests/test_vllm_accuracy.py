@@ -185,7 +185,8 @@ def _check_fits(model_dir: str, mode: str) -> dict:
     if sched.policy == "sparse":
         k, block_bytes = sched.sparse_token_budget // config.cache.block_tokens, shape.block_bytes(config.cache.block_tokens)
         assert cache_rows(1, 1, sched.staging_bytes, 2 * k * block_bytes, shape.num_layers, k, block_bytes, 0) == (1, True, None)
-        assert args.summary_reserved_bytes > 0 and args.kwargs["max_num_seqs"] == 1
+        assert args.summary_reserved_bytes > 0
+    assert args.kwargs["max_num_seqs"] == 1
     return {"budget": config.cache.gpu_budget_bytes, "request": shape.request_kv_bytes}
 
 
@@ -261,7 +262,7 @@ def test_each_engine_is_built_greedy_and_read_in_order(tmp_path, monkeypatch, mo
         assert seen["block_size"] == config["cache"]["block_tokens"]
         assert seen["max_num_batched_tokens"] == config["scheduler"]["prefill_chunk_tokens"]
         assert engine.stats()["requests"]
-        assert seen.get("max_num_seqs") == (1 if mode == "tierkv-sparse" else None)
+        assert seen["max_num_seqs"] == 1
 
 
 # -- run: every length in its own try, the JSON written as it goes ---------------------------------------
