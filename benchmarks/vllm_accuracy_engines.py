@@ -1,0 +1,135 @@
+"""The three engines of benchmarks/vllm_accuracy.py and the tierkv configs they run, sized from the
+checkpoint's config.json (no GPU needed to build the configs; the engines need one).
+
+Primitives: `MODES`, `KvShape`, `tierkv_config`, `start_engine` (-> `Engine`), `Completion`.
+
+  plain          vllm.LLM, full KV pool, prefix caching off, FlashAttention
+  tierkv-exact   TieredLLM(backend="vllm"), exact policy: configs/vllm-128k.yaml's hot window scaled from a
+                 131072-token request to one of MAX_MODEL_LEN tokens (GPU budget 1/8 of its KV, staging a
+                 quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks),
+                 one request at a time (`engine_kwargs` says why)
+  tierkv-sparse  the same scaling of configs/vllm-128k-sparse.yaml (64-token blocks, policy sparse, the sparse
+                 step's CUDA graphs, a far-block cache of one selection per layer, max_num_seqs 1); the
+                 budget holds vLLM's pool, the staging that keeps the cache and the key summaries of one
+                 request; the far tokens per step are --sparse-token-budget (the shipped 2048 is 1/64 of
+                 128k: 128 tokens, two blocks, at 8k)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+MODES = ("plain", "tierkv-exact", "tierkv-sparse")
+MAX_MODEL_LEN = 8192
+NEW_TOKENS = 16
+BUDGET_FRACTION = 8                      # the shipped 2 GiB of a 16 GiB 128k request (Llama-3.1-8B)
+WINDOW_TOKENS = MAX_MODEL_LEN // 64       # the shipped 2048 of 131072
+PREFILL_CHUNK_TOKENS = MAX_MODEL_LEN // 16  # the shipped 8192 of 131072
+SPARSE_TOKEN_BUDGET = 512                # 8 blocks of 64: 1/4 of a 2k context, 1/16 of 8k
+CPU_TIER_REQUESTS = 8                    # the CPU tier holds this many max_model_len requests' KV
+
+
+@dataclass(frozen=True)
+class KvShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str) -> "KvShape":
+        from tierkv.model_shape import checkpoint_shape
+
+        shape = checkpoint_shape(model_dir)
+        return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+
+    def block_bytes(self, block_tokens: int) -> int:
+        """K and V of one block in one layer."""
+        return 2 * self.num_kv_heads * block_tokens * self.head_dim * self.dtype_bytes
+
+    @property
+    def request_kv_bytes(self) -> int:
+        """K and V of one MAX_MODEL_LEN-token request over all layers."""
+        return self.num_layers * self.block_bytes(MAX_MODEL_LEN)
+
+
+def tierkv_config(mode: str, shape: KvShape, sparse_token_budget: int = SPARSE_TOKEN_BUDGET) -> dict:
+    """The tierkv config of `mode` ('tierkv-exact' or 'tierkv-sparse'); ValueError for another mode or
+    a sparse token budget that is not a positive multiple of the 64-token block."""
+    request = shape.request_kv_bytes
+    cpu = [{"kind": "cpu", "capacity_bytes": CPU_TIER_REQUESTS * request}]
+    if mode == "tierkv-exact":
+        budget = request // BUDGET_FRACTION
+        return {"cache": {"block_tokens": 16, "window_tokens": WINDOW_TOKENS, "gpu_budget_bytes": budget},
+                "tiers": cpu, "scheduler": {"lookahead_layers": 2, "staging_bytes": budget // 4,
+                                            "prefill_chunk_tokens": PREFILL_CHUNK_TOKENS}}
+    if mode != "tierkv-sparse":
+        raise ValueError(f"mode: got {mode!r}; a tierkv config exists for: tierkv-exact, tierkv-sparse")
+    block = 64
+    if sparse_token_budget < block or sparse_token_budget % block:
+        raise ValueError(f"--sparse-token-budget: got {sparse_token_budget}; a positive multiple of the {block}-token block")
+    from tierkv.integrations.vllm.resize_plan import window_blocks
+    from tierkv.sparse.request_summaries import summary_bytes_per_request
+    from tierkv.sparse.row_caches import staging_for_caches
+
+    k, block_bytes = sparse_token_budget // block, shape.block_bytes(block)
+    staging = staging_for_caches(1, 1, 2 * k * block_bytes, shape.num_layers, k, block_bytes, 0)
+    pool = window_blocks(WINDOW_TOKENS, PREFILL_CHUNK_TOKENS, MAX_MODEL_LEN, block) * block_bytes * shape.num_layers
+    summaries = summary_bytes_per_request(MAX_MODEL_LEN, block, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                          shape.dtype_bytes)
+    return {"cache": {"block_tokens": block, "window_tokens": WINDOW_TOKENS,
+                      "gpu_budget_bytes": pool + staging + summaries},
+            "tiers": cpu, "scheduler": {"lookahead_layers": 2, "staging_bytes": staging,
+                                        "prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "policy": "sparse",
+                                        "sparse_token_budget": sparse_token_budget, "sparse_cuda_graphs": True,
+                                        "sparse_cache_selections": 1}}
+
+
+def engine_kwargs(mode: str) -> dict:
+    """vLLM arguments beside the model and the tierkv config. The tierkv modes run one request at a time
+    (max_num_seqs 1): the sparse budget holds one request's summaries, and the exact pool (48 blocks)
+    holds one request's window and prefill chunk (41 blocks) but not two, where vLLM would preempt one
+    request for another, a path this run is not about."""
+    common = dict(max_model_len=MAX_MODEL_LEN, enforce_eager=True, gpu_memory_utilization=0.3)
+    if mode == "plain":
+        return dict(common, enable_prefix_caching=False, attention_config={"backend": "FLASH_ATTN"})
+    return dict(common, max_num_seqs=1)
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str | None                  # vLLM's detokenized text
+    top2_logprobs: list[list[float]]  # per generated token, the two largest logprobs
+
+
+@dataclass
+class Engine:
+    generate: Callable[[list[list[int]]], list[Completion]]  # prompts' token ids -> one completion each, in order
+    stats: Callable[[], dict]                                 # tierkv's stats (empty for plain vLLM)
+
+
+def start_engine(mode: str, model_dir: str, config: dict | None) -> Engine:
+    """Start `mode`'s engine in this process (one engine per process: vLLM's in-process engine is not
+    torn down); greedy decoding of NEW_TOKENS tokens, stopping at the model's EOS."""
+    if mode == "plain":
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=model_dir, **engine_kwargs(mode))
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=2)
+
+        def generate(batch: list[list[int]]) -> list[Completion]:
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+            return [Completion(list(o.outputs[0].token_ids), o.outputs[0].text,
+                               [sorted((x.logprob for x in step.values()), reverse=True)[:2]
+                                for step in (o.outputs[0].logprobs or [])]) for o in outs]
+        return Engine(generate, dict)
+    from tierkv import TieredLLM
+    from tierkv.sampling import SamplingParams as TierSampling
+
+    tiered = TieredLLM(model_dir, config, backend="vllm", **engine_kwargs(mode))
+
+    def generate_tiered(batch: list[list[int]]) -> list[Completion]:
+        outs = tiered.generate(batch, TierSampling(max_new_tokens=NEW_TOKENS))
+        return [Completion(list(o.token_ids), o.text, o.stats.get("top2_logprobs", [])) for o in outs]
+    return Engine(generate_tiered, tiered.stats)
