@@ -147,7 +147,7 @@ def sparse_runs(s):
 
 # -- vLLM steps -----------------------------------------------------------------------------------------
 def vllm_model8b(s):
-    return s.bench("bench_vllm.py", "model", s.args.model_dir, "--layers", "32", "--qk-bias-std", s.args.qk_bias_std,
+    return s.bench("bench_vllm.py", "model", s.args.model_dir, "--layers", str(s.args.model_layers), "--qk-bias-std", s.args.qk_bias_std,
                    log="model8b.log", timeout_s=200, tail=1)
 
 
@@ -167,6 +167,21 @@ def vllm_row(mode: str):
         return s.bench("bench_vllm.py", *args, log=f"bench-{mode}{'-' + tag if tag else ''}.log", timeout_s=240, keep="{")
     step.__doc__ = f"bench_vllm.py run {mode} (--vllm-args adds flags)"
     return step
+
+
+def vllm_accuracy_convert(s):
+    """The SmolLM2 GGUF ($SMOLLM2_GGUF) -> a folder vLLM loads, under --vacc-dir (no vLLM needed)."""
+    return s.bench("vllm_accuracy.py", "convert", os.environ.get("SMOLLM2_GGUF", ""), f"{s.args.vacc_dir}/model",
+                   log="vacc-convert.log", timeout_s=200, tail=5)
+
+
+def vllm_accuracy(s):
+    """vllm_accuracy.py run plain, tierkv-exact, tierkv-sparse on the converted folder, then its table."""
+    rc = 0
+    for mode in ("plain", "tierkv-exact", "tierkv-sparse"):
+        rc = max(rc, s.bench("vllm_accuracy.py", "run", mode, f"{s.args.vacc_dir}/model", str(s.out),
+                             log=f"vacc-{mode}.log", timeout_s=170, tail=4))
+    return max(rc, s.bench("vllm_accuracy.py", "table", str(s.out), log="vacc-table.log", timeout_s=60, tail=40))
 
 
 def vllm_table(s): return s.bench("bench_vllm.py", "table", f"{s.out}/bv", log="vllm-table.log", timeout_s=60, tail=60)
@@ -225,10 +240,11 @@ def vllm_batch_ab(s):
 
 def vllm_resize(s):
     """The vLLM pool resized 2 -> 0.5 -> 2 GiB between and during requests at 128k (exact, sparse), and its GPU test."""
-    rc = s.run([PY, "-m", "pytest", "-x", "-q", "-m", "gpu", "tests/gpu/test_vllm_resize_gpu.py"], "resize-tests.log", 500)
+    rc = s.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/gpu/test_vllm_resize_gpu.py", *_split(s.args.resize_tests)],
+               "resize-tests.log", 300)
     for policy in ("exact", "sparse"):
         rc = max(rc, s.bench("bench_vllm_resize.py", "run", s.args.model_dir, f"{s.out}/resize", "--policy", policy,
-                             log=f"resize-{policy}.log", timeout_s=580, keep="{"))
+                             log=f"resize-{policy}.log", timeout_s=s.args.resize_limit_s, tail=30))
     return rc
 
 
@@ -259,7 +275,7 @@ STEPS = {
     **{f"vllm-batch-{m}": batch_row(m if m == "plain" else f"tierkv-{m}") for m in ("plain", "sparse", "sparse-graphs")},
     "vllm-batch-sparse-graphs-fp8": batch_row("tierkv-sparse-graphs", "--storage-dtype", "float8_e4m3fn", "--requests", "10"),
     "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table,
-    "vllm-resize": vllm_resize,
+    "vllm-resize": vllm_resize, "vllm-accuracy-convert": vllm_accuracy_convert, "vllm-accuracy": vllm_accuracy,
 }
 GROUPS = {  # the rows issue 33 asks to re-measure after a restructuring, against RESULTS.md
     "default": ["tests", "quant", "sparse", "exact"],
@@ -275,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/tierkv-gpu-out"), help="where logs and rows go ($OUT)")
     p.add_argument("--no-pack", action="store_true", help="leave more than 8 result files unpacked")
     p.add_argument("--model-dir", default="/tmp/m8", help="the vLLM steps' model (built by vllm-model8b)")
+    p.add_argument("--resize-tests", default="", help="vllm-resize: more test paths run with its GPU test")
+    p.add_argument("--resize-limit-s", type=int, default=240, help="vllm-resize: each policy's benchmark")
+    p.add_argument("--vacc-dir", default="/tmp/vacc", help="vllm-accuracy: where the converted model lives")
+    p.add_argument("--model-layers", type=int, default=32, help="vllm-model8b: layers of the 8B-shaped model")
     p.add_argument("--qk-bias-std", default="0", help="vllm-model8b: 16 gives the queries a stable direction")
     p.add_argument("--sparse-predictor", default="previous", choices=("previous", "none", "query", "cache"))
     p.add_argument("--sparse-runs", default="cache:3:32 cache:4:32 none:1:0", help="sparse-runs: predictor:selections:margin ...")
