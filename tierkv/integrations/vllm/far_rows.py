@@ -21,19 +21,16 @@ Per step the far blocks of all requests form one list per layer (request after r
 lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
 computes. Under `scheduler.policy: sparse` a decoding request instead attends the
 `sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
-min/max, kept on the device from the copies the connector saves by `request_summaries.KeySummaries`),
-fetched once selected; prefill stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served)
-is streamed exactly, as prefill is, once: the streamed chunks leave the summaries, and its next
-steps select; a few missing ones (at most a selection's worth: window blocks vLLM loaded from
-the tiers that became far) are fetched and summarized before the selection. How the staging is
-divided (streamed chunks, sparse fetches, the graphed rows' caches): `far_staging`.
+min/max kept on the device by `request_summaries.KeySummaries`), fetched once selected; prefill
+stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served) is streamed
+exactly once, which leaves the summaries; a few missing ones (window blocks loaded from the tiers that
+became far) are fetched and summarized before the selection. The staging's split: `far_staging`.
 
 Under the sparse policy with the engine's max_model_len known, a finished request's key summaries
 and device slot lists (allocated once at that length) pass to the next request, so the CUDA graphs
 captured for the one replay for the other (`reuses_buffers`).
 
-A request's hashes and its pins in the CPU tier (from its saves or the step its blocks become
-far, until it finishes): `far_requests`.
+A request's hashes and its CPU-tier pins (from its saves until it finishes): `far_requests`.
 """
 from __future__ import annotations
 
