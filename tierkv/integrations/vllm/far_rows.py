@@ -30,7 +30,7 @@ Under the sparse policy with the engine's max_model_len known, a finished reques
 and device slot lists (allocated once at that length) pass to the next request, so the CUDA graphs
 captured for the one replay for the other (`reuses_buffers`).
 
-A request's hashes and its CPU-tier pins (from its saves until it finishes): `far_requests`.
+A request's hashes and CPU-tier pins (from its saves or the step its blocks become far): `far_requests`.
 """
 from __future__ import annotations
 
