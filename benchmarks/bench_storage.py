@@ -430,7 +430,30 @@ def bench_auth(keys: list[str], blocks: list[torch.Tensor], args) -> list[dict]:
         for k in keys * 64:
             sealer.name(k)
         rows[-1]["name_us_per_key"] = (time.perf_counter() - start) / (64 * len(keys)) * 1e6
+        rows += _sealed_tier_rows(sealer, mode, keys, blocks, args)
     return rows
+
+
+def _sealed_tier_rows(sealer, mode: str, keys: list[str], blocks: list[torch.Tensor], args) -> list[dict]:
+    """SealedTier.put_many / get_many of the whole batch on its sealing threads against the same
+    tier on one thread (inner tier: CPU memory, so the sealer is what is timed)."""
+    from tierkv.storage.cpu import CpuTier
+    from tierkv.storage.sealed import SEAL_THREADS, SealedTier
+
+    num_bytes = len(blocks) * LAYOUT.num_bytes
+    tiers = [SealedTier(CpuTier("cpu", sealer.sealed_layout, 2 * len(blocks) * sealer.num_bytes, pin_memory=False),
+                        LAYOUT, sealer, seal_threads=threads) for threads in (SEAL_THREADS, 1)]
+    try:
+        rows = []
+        for op, run in (("put_many", lambda t: t.put_many(keys, blocks)), ("get_many", lambda t: t.get_many(keys))):
+            tiers[0].put_many(keys, blocks), tiers[1].put_many(keys, blocks)
+            times = side_by_side(lambda: run(tiers[0]), lambda: run(tiers[1]), args.reps)
+            rows.append(make_row("auth", f"SealedTier {op} {mode}", num_bytes, times, "the same on one thread",
+                                 mode=mode, seal_threads=SEAL_THREADS if tiers[0]._pool is not None else 1))
+        return rows
+    finally:
+        for tier in tiers:
+            tier.close()
 
 
 def _has_hiredis() -> bool:

@@ -283,3 +283,28 @@ def test_quantized_tiers_are_sealed_too(tmp_path, fmt):
                                                                       dtype=torch.uint8))
     assert tier.get("k/L0") is None and tier.counters["auth_failures"] == 1
     chain.close()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(forged=st.sets(st.integers(0, 7)), threads=st.sampled_from([1, 4]), encrypt=st.booleans())
+def test_a_batch_opened_on_sealing_threads_keeps_order_and_misses_only_the_forged(tmp_path_factory, forged, threads,
+                                                                                  encrypt):
+    sealer = BlockSealer(SECRET_A, LAYOUT, encrypt=encrypt)
+    inner = DiskTier("disk", sealer.sealed_layout, 64 * sealer.num_bytes, tmp_path_factory.mktemp("batch"))
+    tier = SealedTier(inner, LAYOUT, sealer, seal_threads=threads)
+    try:
+        keys = [f"k{i}/L0" for i in range(8)]
+        blocks = [random_block() for _ in keys]
+        assert all(r.ok for r in tier.put_many(keys, blocks))
+        for i in forged:  # a genuine value of another key under this key's name: a replay
+            other = (i + 1) % 8
+            inner.put(sealer.name(keys[i]), inner.get(sealer.name(keys[other])))
+        got = tier.get_many(keys)
+        for i, (block, found) in enumerate(zip(blocks, got)):
+            if i in forged:
+                assert found is None
+            else:
+                assert found is not None and torch.equal(found.view(torch.uint8), block.view(torch.uint8))
+        assert tier.counters["auth_failures"] == len(forged)
+    finally:
+        tier.close()
