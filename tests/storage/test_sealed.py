@@ -97,9 +97,11 @@ def test_truncated_values_are_misses_never_blocks(make_sealed, kind):
     assert tier.put("k/L0", random_block()).ok
     name = tier.sealer.name("k/L0")
     sealed = raw_store(tier).get(name).reshape(-1)
-    # truncated, then padded back to the stored size so the store itself accepts it
+    # truncated, then padded back to the stored size so the store itself accepts it; the padding is the
+    # complement of what was cut (zeros would equal the original wherever it held zeros: a byte of the
+    # tag is 0 one time in 256, and the "truncated" value would then be the genuine one)
     for keep in (0, 64, 256, sealed.numel() - 32, sealed.numel() - 1):
-        cut = torch.zeros_like(sealed)
+        cut = 255 - sealed
         cut[:keep] = sealed[:keep]
         raw_store(tier).put(name, cut.view(tier.sealer.sealed_layout.shape))
         assert tier.get("k/L0") is None
