@@ -371,8 +371,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from tierkv.demo_real import load_real_model
-
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -381,6 +379,16 @@ def main(argv=None) -> dict:
     BOUND_WEIGHT, SELECTION = args.bound_weight, args.sparse_selection
     global DEADLINE
     DEADLINE = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
+    STOPPED.clear()
+    try:
+        return _run(args)
+    finally:  # the deadline is this run's: later calls in the process (tests) start without one
+        DEADLINE = None
+
+
+def _run(args) -> dict:
+    from tierkv.demo_real import load_real_model
+
     model, tokenizer, model_id = load_real_model(args.device)
     recall = [] if args.recall else None
     results = {"model": model_id, "dtype": str(next(model.parameters()).dtype), "quick": args.quick,
@@ -404,7 +412,7 @@ def main(argv=None) -> dict:
             print("recall", {k: line[k] for k in ("task", "context_tokens", "token_budget", "cases", "mean_recall",
                                                    "lowest_recall_layers")})
     if STOPPED:
-        results["stopped_early"] = {"time_limit_s": args.time_limit_s, "first_cases_not_run": STOPPED}
+        results["stopped_early"] = {"time_limit_s": args.time_limit_s, "first_cases_not_run": list(STOPPED)}
         print("time limit reached; not run:", STOPPED)
     device = next(model.parameters()).device.type
     out = args.out or Path(__file__).resolve().parent / "results" / f"accuracy-{device}{'-quick' if args.quick else ''}.json"

@@ -199,8 +199,7 @@ def test_retrieval_table_compares_each_mode_with_dense_on_the_same_cases():
 
 
 @pytest.mark.real_model
-def test_a_spent_time_limit_starts_no_case_and_the_json_says_which_were_not_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_accuracy, "STOPPED", [])
+def test_a_spent_time_limit_starts_no_case_and_the_json_says_which_were_not_run(tmp_path):
     out = tmp_path / "accuracy.json"
     record = bench_accuracy.main(["--quick", "--time-limit-s", "0", "--out", str(out),
                                   "--disk-path", str(tmp_path / "disk")])
@@ -208,3 +207,4 @@ def test_a_spent_time_limit_starts_no_case_and_the_json_says_which_were_not_run(
     assert results["exact"] == [] and results["retrieval"] == []
     assert results["stopped_early"] == {"time_limit_s": 0.0,
                                         "first_cases_not_run": ["exact 512", "retrieval passkey 512 depth 0.5 seed 0"]}
+    assert bench_accuracy.DEADLINE is None  # the limit was that run's: a later run in this process has none

@@ -47,8 +47,15 @@ def tokens(llm, ids) -> list[int]:
     return llm.generate([ids], max_new_tokens=TOKENS, ignore_eos=True)[0].token_ids
 
 
+def repeat_tokens(llm, ids) -> list[int]:
+    """Tokens of a repeat of `ids` (its prefix served by the tiers, as every later run of it is): the
+    first run computes the prompt and attends its last chunk in another order (other bf16 rounding)."""
+    llm.generate([ids], max_new_tokens=1, ignore_eos=True)
+    return tokens(llm, ids)
+
+
 def test_a_shrink_between_requests_frees_the_pool_for_another_process_and_tokens_stay(llm):
-    reference = tokens(llm, prompt(1))
+    reference = repeat_tokens(llm, prompt(1))
     pool_before = llm.stats()["gpu"]["pool_bytes"]
     free_before = free_elsewhere()
     started = time.perf_counter()
@@ -70,22 +77,23 @@ GiB_QUARTER = 1 << 28
 @pytest.mark.parametrize("budget", [SMALL, BIG])
 def test_a_change_during_a_request_applies_at_a_step_boundary_and_tokens_stay(llm, budget):
     llm.set_gpu_budget(BIG if budget == SMALL else SMALL)
-    reference = tokens(llm, prompt(2))
+    reference = repeat_tokens(llm, prompt(2))
     core, applied = llm.resizer.core, {}
+    during_before = llm.stats()["gpu"]["changes_during_requests"]
 
     def change():
         while not core.scheduler.has_unfinished_requests():
             time.sleep(0.001)
         llm.set_gpu_budget(budget, timeout_s=300)
-        applied["during"] = core.scheduler.has_unfinished_requests()
+        applied["during"] = core.scheduler.has_unfinished_requests()  # still running when it applied
 
     thread = threading.Thread(target=change)
     thread.start()
     out = tokens(llm, prompt(2))
     thread.join()
     assert out == reference and llm.stats()["gpu"]["budget_bytes"] == budget and "during" in applied
-    if budget == BIG:  # a grow never waits for blocks
-        assert llm.stats()["gpu"]["changes_during_requests"] >= 1
+    if budget == BIG:  # a grow never waits for blocks: it applies at a boundary of the running request
+        assert llm.stats()["gpu"]["changes_during_requests"] == during_before + 1
 
 
 def test_a_budget_too_small_for_one_window_is_refused_and_the_engine_goes_on(llm):

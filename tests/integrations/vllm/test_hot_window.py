@@ -1799,3 +1799,25 @@ def test_full_graph_rows_reserved_must_cover_the_rows_vllm_resolves():
     check_full_graph_rows(0, vllm(10, 512))  # nothing reserved (bf16 tier, eager): nothing to cover
     with pytest.raises(RuntimeError, match=r"reserved for 16 rows.*resolved its largest captured batch to 32"):
         check_full_graph_rows(16, vllm(10, 32))
+
+
+def test_close_outside_inference_mode_resets_buffers_made_inside_it(tmp_path):
+    """vLLM runs the model, and so makes tierkv's device buffers (key summaries, slot lists), under
+    torch.inference_mode; the engine's shutdown closes the connector outside it. Closing must still
+    finish every request (seen on the H200: 'Inplace update to inference tensor outside InferenceMode'
+    from the summaries' reset at shutdown)."""
+    with torch.inference_mode():
+        far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=4 * BS, window=2 * BS, num_blocks=42,
+                                                   plant=[3, 9, 20], max_model_len=64 * BS)
+        far.begin_step([("r", 42 * BS, 1)])
+        for name in NAMES:
+            layer = store.layer_index[name]
+            far.prefetch(layer)
+            far.attend(layer, q, 0.3)
+        far.end_step()
+    try:
+        assert far.reuses_buffers and torch.is_inference(far.requests["r"].summaries._flags_dev)
+        far.close()
+        assert not far.requests and far.key_summaries.spare_bytes > 0  # reset and kept, as the engine does
+    finally:
+        store.close()

@@ -4,6 +4,8 @@ failure half-way leaving the old pool. The runner and engine core are small name
 what a GPU runner and an EngineCore carry (neither constructs without a GPU)."""
 from __future__ import annotations
 
+import threading
+import time
 from functools import partial
 from types import SimpleNamespace
 
@@ -100,8 +102,9 @@ def test_a_worker_failure_half_way_leaves_the_old_tensors_bound(where):
     assert [t.data_ptr() for t in runner.kv_caches] == [before[n].data_ptr() for n in NAMES]
 
 
-def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE"):
-    """(PoolResizer, engine core, worker, steps run) over vLLM's KVCacheManager and a CPU worker."""
+def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: float = 0.0):
+    """(PoolResizer, engine core, worker, steps run) over vLLM's KVCacheManager and a CPU worker;
+    each step takes step_s seconds."""
     manager, worker, steps = manager_of(num_blocks), worker_of(num_blocks), []
     scheduler = SimpleNamespace(kv_cache_manager=manager, running=[])
     scheduler.has_unfinished_requests = lambda: bool(scheduler.running)
@@ -110,7 +113,7 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE"):
         model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
         compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
     core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
-                           step_fn=lambda: steps.append(len(steps)),
+                           step_fn=lambda: (time.sleep(step_s), steps.append(len(steps))),
                            collective_rpc=lambda fn, args=(): [fn(worker, *args)])
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
     split = partial(split_budget, config)
@@ -263,3 +266,54 @@ def test_the_control_endpoint_reaches_the_vllm_resize_and_maps_its_refusals(tmp_
     assert post(staging + 20 * BYTES_PER_BLOCK).startswith("200") and resizer.num_blocks == 20
     assert post(staging + 2 * BYTES_PER_BLOCK).startswith("409") and resizer.num_blocks == 20
     assert post("lots").startswith("400")
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_a_change_made_while_the_engine_steps_back_to_back_applies_at_a_boundary_during_the_request(tmp_path, grow):
+    """The engine's thread runs steps back to back (each holding the step lock, as vLLM's loop does);
+    a change from another thread applies at a boundary while the request still runs, not once the
+    engine goes idle (a caller blocked on the step lock lost it to the loop at every boundary: seen on
+    the H200, where a grow made during a 16k request applied only after the request finished)."""
+    resizer, core, _, steps, staging = engine_of(tmp_path, num_blocks=40, step_s=0.002)
+    manager = core.scheduler.kv_cache_manager
+    req = request("a", 5 * BS)
+    assert manager.allocate_slots(req, 5 * BS) is not None
+    core.scheduler.running = [req]
+    stop = threading.Event()
+
+    def engine_loop():  # vLLM's loop: the wrapped step, again and again, while the request runs
+        while not stop.is_set():
+            core.step_fn()
+
+    thread = threading.Thread(target=engine_loop)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        new_blocks = 60 if grow else 20
+        started = time.perf_counter()
+        assert resizer.wait(resizer.set_gpu_budget(staging + new_blocks * BYTES_PER_BLOCK), timeout_s=5.0)
+        took = time.perf_counter() - started
+    finally:
+        stop.set()
+        thread.join()
+    assert took < 1.0 and len(steps) > 10
+    assert resizer.num_blocks == new_blocks and resizer.stats()["changes_during_requests"] == 1
+
+
+def test_a_change_left_pending_when_the_engine_goes_idle_is_applied_by_the_waiting_caller(tmp_path):
+    resizer, core, _, steps, staging = engine_of(tmp_path, num_blocks=40)
+    in_step, step_over = threading.Event(), threading.Event()
+
+    def a_step_on_the_engine_thread():  # holds the step lock, as a running step does
+        with resizer._step_lock:
+            in_step.set()
+            step_over.wait()
+
+    engine = threading.Thread(target=a_step_on_the_engine_thread)
+    engine.start()
+    in_step.wait()
+    change = resizer.set_gpu_budget(staging + 30 * BYTES_PER_BLOCK)  # queued for the step's boundary
+    assert not change.is_done and resizer.stats()["pending_budget_bytes"] == change.budget_bytes
+    step_over.set()  # the step ends without running the wrapper's boundary, and the engine goes idle
+    engine.join()
+    assert resizer.wait(change, timeout_s=1.0) and resizer.num_blocks == 30 and steps == []

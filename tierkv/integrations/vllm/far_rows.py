@@ -26,9 +26,8 @@ stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers 
 exactly once, which leaves the summaries; a few missing ones (window blocks loaded from the tiers that
 became far) are fetched and summarized before the selection. The staging's split: `far_staging`.
 
-Under the sparse policy with the engine's max_model_len known, a finished request's key summaries
-and device slot lists (allocated once at that length) pass to the next request, so the CUDA graphs
-captured for the one replay for the other (`reuses_buffers`).
+With max_model_len known, a finished sparse request's key summaries and device slot lists (sized for
+it) pass to the next request, and the graphs captured for one replay for the other (`reuses_buffers`).
 
 A request's hashes and CPU-tier pins (from its saves or the step its blocks become far): `far_requests`.
 """
@@ -295,6 +294,7 @@ class FarKV:
         copies that did not hide behind compute), per layer in `prefetch["layers"]["wait_s"]`."""
         return far_kv_stats(self)
 
+    @torch.inference_mode()  # the device buffers, made under vLLM's inference mode, are reset in place
     def close(self) -> None:
         for req_id in list(self.requests):
             self.finish(req_id)

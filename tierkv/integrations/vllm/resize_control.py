@@ -9,11 +9,15 @@ Primitives: `PoolResizer` (`set_gpu_budget`, `stats`), `engine_core_of`, `missin
                                  BlockPool (resize_blocks); a failure leaves the old pool working
 
 A step boundary is the wrapper this class puts around the engine core's `step_fn` (this engine
-only): it holds a lock for the step, so a change applies only between steps, and it tries a
-pending change before and after each step. Policy "step_boundary": a grow applies at the next
-boundary; a shrink at the first boundary where the block ids it drops are free (at the latest
-when the running requests finish). Under vLLM's async scheduling a step leaves work in flight:
-there changes wait until the engine is idle. `stats()` shows the policy and any pending change.
+only): it holds the step lock for the step, so a change applies only between steps, and it tries a
+pending change before and after each step. `set_gpu_budget` never waits for that lock: it refuses
+what needs no engine state at once, queues the change under a short lock of its own, and applies it
+itself only when the step lock is free (between steps or requests); otherwise the engine's thread
+applies it at the next boundary (a caller blocked on the step lock would lose it to the engine loop
+step after step, and wait for the whole request). Policy "step_boundary": a grow applies at the next
+boundary; a shrink at the first boundary where the block ids it drops are free (at the latest when
+the running requests finish). Under vLLM's async scheduling a step leaves work in flight: there
+changes wait until the engine is idle. `stats()` shows the policy and any pending change.
 """
 from __future__ import annotations
 
@@ -74,8 +78,9 @@ class PoolResizer:
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
-        self._lock = threading.RLock()
-        self._pending: tuple[ResizePlan, list[BudgetChange]] | None = None
+        self._step_lock = threading.RLock()  # held for each engine step and each resize
+        self._plan_lock = threading.Lock()   # guards _pending; never held across a step
+        self._pending: tuple[int, list[BudgetChange]] | None = None  # budget bytes, the changes it resolves
         self.held_blocks = 0  # block ids a pending shrink waits for
         self.counts = {"budget_changes": 0, "budget_refusals": 0, "returned_bytes": 0, "taken_bytes": 0,
                        "changes_during_requests": 0}
@@ -84,7 +89,7 @@ class PoolResizer:
         step = core.step_fn
 
         def step_at_boundary():
-            with self._lock:
+            with self._step_lock:
                 self._apply_pending()
                 result = step()
                 self._apply_pending()
@@ -98,23 +103,35 @@ class PoolResizer:
 
     def set_gpu_budget(self, budget) -> BudgetChange:
         """Plan `budget` (bytes or "1GiB"); refuse now (ValueError, BudgetRefused: nothing changes) or
-        return the change, applied at once between steps or queued for a step boundary."""
-        with self._lock:
+        return the change, applied at once between steps or queued for the next step boundary."""
+        with self._plan_lock:
             try:
                 if self.graphs:
                     raise BudgetRefused(parse_budget(budget), "vLLM captured CUDA graphs over its pool's addresses: resizing needs an "
                                    "eager engine (enforce_eager=True, TieredLLM's default)")
-                plan = plan_resize(budget, self._split_fn, bytes_per_block=self.bytes_per_block,
-                                   old_num_blocks=self.num_blocks, window_blocks_per_request=self.window_blocks,
-                                   max_num_seqs=self.max_num_seqs, running=self.running_requests())
+                budget_bytes = self._plan(budget, running=()).budget_bytes  # what needs no engine state
             except (ValueError, BudgetRefused) as exc:
                 self._record_refusal(exc)
                 raise
-            change = BudgetChange(plan.budget_bytes)
+            change = BudgetChange(budget_bytes)
             replaced = self._pending[1] if self._pending is not None else []
-            self._pending = (plan, replaced + [change])
-            self._apply_pending()
+            self._pending = (budget_bytes, replaced + [change])
+        refused = self._apply_if_between_steps()
+        if refused is not None and change.is_done:  # refused for the running requests, before any change
+            raise refused
         return change
+
+    def wait(self, change: BudgetChange, timeout_s: float | None) -> bool:
+        """Until `change` is applied (True), refused (raises it) or timeout_s passes (False); applies a
+        change left pending by an engine that went idle meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._apply_if_between_steps()
+            left = None if deadline is None else deadline - time.monotonic()
+            if change.wait(0.005 if left is None else max(0.0, min(0.005, left))):
+                return True
+            if left is not None and left <= 0:
+                return False
 
     def running_requests(self) -> list[RunningRequest]:
         """vLLM's running requests with the pool blocks they hold."""
@@ -125,19 +142,41 @@ class PoolResizer:
             out.append(RunningRequest(req.request_id, ids, min(self.window_blocks, -(-length // self.block_tokens) + 1)))
         return out
 
-    def _apply_pending(self) -> None:
-        if self._pending is None:
-            return
-        plan, changes = self._pending
-        scheduler = self.core.scheduler
-        busy = scheduler.has_unfinished_requests()
-        if busy and self.core.batch_queue is not None:  # async scheduling: work of the last step still in flight
-            return
-        held = held_tail_block_ids(self.manager.block_pool, plan.new_num_blocks) if plan.is_shrink else []
-        self.held_blocks = len(held)
-        if held:
-            return
-        self._pending = None
+    def _plan(self, budget, running) -> ResizePlan:
+        return plan_resize(budget, self._split_fn, bytes_per_block=self.bytes_per_block, old_num_blocks=self.num_blocks,
+                           window_blocks_per_request=self.window_blocks, max_num_seqs=self.max_num_seqs, running=running)
+
+    def _apply_if_between_steps(self) -> BaseException | None:
+        if not self._step_lock.acquire(blocking=False):  # a step runs: its thread applies at the boundary
+            return None
+        try:
+            return self._apply_pending()
+        finally:
+            self._step_lock.release()
+
+    def _apply_pending(self) -> BaseException | None:
+        """With the step lock held: the pending change planned against the running requests, then
+        applied, held (a shrink over blocks in use) or refused (returned, its changes resolved)."""
+        with self._plan_lock:
+            if self._pending is None:
+                return None
+            budget_bytes, changes = self._pending
+            busy = self.core.scheduler.has_unfinished_requests()
+            if busy and self.core.batch_queue is not None:  # async scheduling: work of the last step still in flight
+                return None
+            try:
+                plan = self._plan(budget_bytes, self.running_requests())
+            except (ValueError, BudgetRefused) as exc:
+                self._pending = None
+                self._record_refusal(exc)
+                for change in changes:
+                    change.resolve(exc)
+                return exc
+            held = held_tail_block_ids(self.manager.block_pool, plan.new_num_blocks) if plan.is_shrink else []
+            self.held_blocks = len(held)
+            if held:
+                return None
+            self._pending = None
         try:
             self._resize(plan.new_num_blocks)
         except Exception as exc:  # the old pool is back in force (see _resize)
@@ -146,12 +185,13 @@ class PoolResizer:
             self._record_refusal(refused)
             for change in changes:
                 change.resolve(refused)
-            return
+            return None
         self.budget_bytes = plan.budget_bytes
         self.counts["budget_changes"] += 1
         self.counts["changes_during_requests"] += busy
         for change in changes:
             change.resolve()
+        return None
 
     def _resize(self, new_num_blocks: int) -> None:
         """Workers' tensors, then the BlockPool; either failing leaves the old pool in every place."""
@@ -190,6 +230,6 @@ class PoolResizer:
         return {"budget_bytes": self.budget_bytes, "pool_blocks": self.num_blocks,
                 "pool_bytes": self.num_blocks * self.bytes_per_block, "staging_bytes": split.staging_bytes,
                 "summary_bytes": split.summary_bytes, "full_graph_bytes": split.full_graph_bytes,
-                "resize_policy": POLICY, "pending_budget_bytes": pending[0].budget_bytes if pending else None,
+                "resize_policy": POLICY, "pending_budget_bytes": pending[0] if pending else None,
                 "pending_held_blocks": self.held_blocks if pending else 0, **self.counts,
                 "last_budget_refusal": self.last_refusal, "last_resize_s": self.last_resize_s}

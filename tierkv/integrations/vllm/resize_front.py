@@ -40,6 +40,6 @@ def apply_gpu_budget(resizer: PoolResizer | None, why_not: str | None, budget: i
     if resizer is None:
         raise NotImplementedError(f"backend='vllm': {why_not}")
     change = resizer.set_gpu_budget(budget)
-    if wait and not change.wait(timeout_s):
+    if wait and not resizer.wait(change, timeout_s):
         raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s "
                            "(a shrink waits for the running requests' blocks past the new pool)")
