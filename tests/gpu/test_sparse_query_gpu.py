@@ -34,7 +34,7 @@ def greedy(model, predictor: str, ids: list[int], num_new: int, **scheduler):
             logits = model(torch.tensor([[tokens[-1]]], device="cuda"), **kwargs).logits[0, -1]
             all_logits.append(logits)
         reads = cache.seq.read_stats()
-        query = cache.seq.predictor.query
+        query = getattr(cache.seq.predictor, "query", None)  # the query predictor's lookahead (none: no such part)
         cache.finish()
         stats = runtime.stats()
         stats["transfer"]["h2d_bytes"] -= before
