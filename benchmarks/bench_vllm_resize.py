@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import write_results  # noqa: E402
+
 GiB, MiB = 1 << 30, 1 << 20
 BIG, SMALL = 2 * GiB, GiB // 2
 
@@ -137,8 +139,7 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str)
     finally:
         for phase in rows["phases"]:
             phase.pop("tokens", None)
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"bench-vllm-resize-{policy}.json").write_text(json.dumps(rows, indent=1))  # before close
+        write_results(Path(out, f"bench-vllm-resize-{policy}.json"), rows, command=" ".join(sys.argv))  # before close
         print(json.dumps(rows, indent=1), flush=True)
         llm.close()
     return rows
