@@ -44,18 +44,21 @@ COPIES = ("TransferEngine.gather_h2d (copy; blocks)", "TransferEngine.scatter_d2
 
 class Meter:
     """Calls, seconds and items of methods wrapped on live objects (items: by default the length of
-    the first argument, the keys or hashes a batched call takes)."""
+    the first argument, the keys or hashes a batched call takes), and when the first call began."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[float]] = {}
+        self.rows: dict[str, list[float]] = {}  # label -> [calls, seconds, items, first call's start]
+        self._since = time.perf_counter()
 
     def wrap(self, owner, attr: str, label: str, items=None) -> None:
         original = getattr(owner, attr)
-        row = self.rows.setdefault(label, [0, 0.0, 0])
+        row = self.rows.setdefault(label, [0, 0.0, 0, None])
 
         def wrapped(*args, **kwargs):
             started = time.perf_counter()
             result = original(*args, **kwargs)
+            if row[3] is None:
+                row[3] = started
             row[0] += 1
             row[1] += time.perf_counter() - started
             row[2] += items(args, result) if items else (len(args[0]) if args and hasattr(args[0], "__len__") else 0)
@@ -64,10 +67,12 @@ class Meter:
         setattr(owner, attr, wrapped)
 
     def take(self) -> dict[str, dict]:
-        """The rows since the last take, then zeroed."""
-        out = {k: {"calls": int(c), "s": round(s, 6), "items": int(n)} for k, (c, s, n) in self.rows.items() if c}
+        """The rows since the last take (first_s: when the first call began, after that take), then zeroed."""
+        out = {k: {"calls": int(c), "s": round(s, 6), "items": int(n), "first_s": round(first - self._since, 6)}
+               for k, (c, s, n, first) in self.rows.items() if c}
         for row in self.rows.values():
-            row[:] = [0, 0.0, 0]
+            row[:] = [0, 0.0, 0, None]
+        self._since = time.perf_counter()
         return out
 
 
@@ -126,7 +131,10 @@ def measured_run(engine: PrefixEngine, meter: Meter, req_id: str, prompt: list[i
     wall = time.perf_counter() - started
     after, meters = counters(engine), meter.take()
     device_s = sum(meters[name]["s"] for name in MATHS + COPIES if name in meters)
+    streamed = meters.get("LookaheadStreamer.run")
     run = {"req_id": req_id, "matched_tokens": matched, "wall_s": round(wall, 6),
+           # host time before the far part's first copy could start (the copies queue behind it on the GPU)
+           "first_far_copy_s": streamed["first_s"] if streamed else None,
            "host_s": round(wall - device_s, 6),  # the wall less the far part's maths and the block copies
            "phases_s": {k: round(v, 6) for k, v in phases.seconds.items()}, "meters": meters,
            "counts": {k: after[k] - before[k] for k in after}, "metadata_bytes": engine.meta_bytes[num_meta:]}
@@ -191,6 +199,8 @@ def table(result: dict) -> str:
         lines.append(f"{name:<40}" + "".join(f"{run['phases_s'].get(name, 0.0):12.4f}" for run in runs))
     lines.append(f"{'wall':<40}" + "".join(f"{run['wall_s']:12.4f}" for run in runs))
     lines.append(f"{'wall less far maths and copies (host)':<40}" + "".join(f"{run['host_s']:12.4f}" for run in runs))
+    lines.append(f"{'first far copy issued after':<40}" + "".join(
+        f"{run['first_far_copy_s']:12.4f}" if run["first_far_copy_s"] is not None else f"{'-':>12}" for run in runs))
     last = result["repeats"][-1] if result["repeats"] else result["profiled"]
     lines.append("\nlast repeat, tierkv functions (calls, s, items):")
     for name, row in sorted(last["meters"].items(), key=lambda item: -item[1]["s"]):

@@ -65,6 +65,7 @@ def test_a_repeated_prefix_touches_the_blocks_its_length_implies(tokens, block_t
         copied = (far + prefix_blocks - far) * layers + region * (ahead - counts["chunks_adopted"])  # far, window, ahead
         assert meters["TransferEngine.gather_h2d (copy; blocks)"]["items"] == copied
         assert 0 < run["host_s"] <= run["wall_s"]
+        assert 0 < run["first_far_copy_s"] < run["wall_s"]  # begin_step's copies, after the lookup and the pins
         assert len(run["metadata_bytes"]) == 1  # one engine step: the prefix's last tokens
     assert "start_load_kv" in result["profiled"]["cprofile"]["cumulative"]
     # the repeat's pins are given back at the next step, with the saves' pins of its blocks never far
