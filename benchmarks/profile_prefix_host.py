@@ -2,7 +2,9 @@
 everything tierkv does for it, with vLLM's calls driven in vLLM's order (`prefix_host_engine`).
 
     python benchmarks/profile_prefix_host.py [--tokens 100000] [--block-tokens 64] [--layers 32]
-        [--kv-heads 8] [--head-dim 128] [--query-heads 32] [--repeats 2] [--out PATH]
+        [--kv-heads 8] [--head-dim 128] [--query-heads 32] [--cpu-tokens 393216] [--repeats 2] [--out PATH]
+
+    python benchmarks/profile_prefix_host.py --kv-heads 1 --head-dim 8 --block-tokens 16   # the H200 run's blocks
 
 A first request of `--tokens` prefix tokens plus one is prefilled in chunks (its saves fill the CPU
 tier); then the same prefix with another last token is run `--repeats` times, timed per phase
@@ -10,7 +12,8 @@ tier); then the same prefix with another last token is run `--repeats` times, ti
 allocation and the metadata's pickling), and once more under cProfile. Each repeat's first step
 also carries the previous request's finish, as in `bench_vllm.py`'s repeated-prefix rows. The
 block counts are the 8B run's; `--kv-heads 1 --head-dim 8` keeps the tensors (and memory) small
-without changing them. The phase times are this CPU's, not the H200 host's: read the shares and
+without changing them (the 8B shape's CPU tier would take some 48 GiB: the script refuses a shape
+the host's memory cannot hold). The phase times are this CPU's, not the H200 host's: read the shares and
 what grows with the blocks, not the seconds.
 
 Writes JSON (benchmarks/_common.write_results): the shape, per-run phase seconds, the calls,
@@ -210,6 +213,23 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def host_bytes(shape: Shape) -> int:
+    """Host bytes the run allocates: the CPU tier's slab, vLLM's pool of every layer, the staging ring."""
+    return (shape.cpu_tokens // shape.block_tokens * shape.layers + shape.pool_blocks * shape.layers
+            + shape.staging_blocks) * shape.block_bytes
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=100_000, help="prefix tokens (the prompt has one more)")
@@ -220,17 +240,27 @@ def main() -> int:
     parser.add_argument("--query-heads", type=int, default=None, help="default 4 per KV head (the 8B model's GQA)")
     parser.add_argument("--window-tokens", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--cpu-tokens", type=int, default=3 * 131072,
+                        help="the CPU tier's capacity in tokens of every layer (bench_vllm's: 3 x 128k)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/profile-prefix-host.json")
     args = parser.parse_args()
-    for name in ("tokens", "block_tokens", "layers", "kv_heads", "head_dim", "window_tokens", "chunk_tokens"):
+    for name in ("tokens", "block_tokens", "layers", "kv_heads", "head_dim", "window_tokens", "chunk_tokens",
+                 "cpu_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be at least 1")
     if args.tokens <= args.window_tokens:
         parser.error(f"--tokens {args.tokens} must exceed --window-tokens {args.window_tokens}: else nothing is far")
     shape = Shape(layers=args.layers, block_tokens=args.block_tokens, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   query_heads=args.query_heads or 4 * args.kv_heads, window_tokens=args.window_tokens,
-                  chunk_tokens=args.chunk_tokens)
+                  chunk_tokens=args.chunk_tokens, cpu_tokens=args.cpu_tokens)
+    if args.cpu_tokens < args.tokens + 1:
+        parser.error(f"--cpu-tokens {args.cpu_tokens} must hold the prompt's {args.tokens + 1} tokens: the repeat pins them all")
+    needed, available = host_bytes(shape), _available_bytes()
+    if available is not None and needed > 0.8 * available:
+        parser.error(f"this shape allocates about {needed / 2**30:.1f} GiB of KV on the host ({available / 2**30:.1f} GiB "
+                     "available): lower --kv-heads or --head-dim (--kv-heads 1 --head-dim 8 keeps the block counts), "
+                     "or --cpu-tokens")
     result = profile(shape, args.tokens, max(0, args.repeats))
     write_results(args.out, result)
     print(table(result))

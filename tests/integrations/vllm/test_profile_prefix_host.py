@@ -88,3 +88,6 @@ def test_the_script_writes_json_and_prints_the_phase_table(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/profile_prefix_host.py", "--tokens", "512", "--window-tokens", "512"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--window-tokens 512" in bad.stderr
+    huge = subprocess.run([sys.executable, "benchmarks/profile_prefix_host.py", "--head-dim", "1000000"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert huge.returncode != 0 and "lower --kv-heads or --head-dim" in huge.stderr
