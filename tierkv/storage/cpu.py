@@ -33,6 +33,7 @@ import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.cpu_blocks import BlockLayers
 from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
 
 
@@ -58,6 +59,20 @@ class CpuTier(StorageTier):
         self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
         self._pins: Counter[str] = Counter()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
+
+    def index_blocks(self, num_layers: int) -> None:
+        """Keep, per block hash, how many of layers [0, num_layers) are visible (`cpu_blocks`), so
+        `held_prefix` answers per block in one probe; from now on, over what is visible now."""
+        with self._lock:
+            self._blocks = BlockLayers(num_layers)
+            self._blocks.add_many(self._slot_of)
+
+    def held_prefix(self, hashes: Sequence[str], suffix: str = "") -> int | None:
+        """How many leading `hashes` are visible for every layer (keys `block_keys(hashes, layer,
+        suffix)`); None unless `index_blocks` was called."""
+        with self._lock:
+            return None if self._blocks is None else self._blocks.held_prefix(hashes, suffix)
 
     # -- StorageTier contract --------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -115,6 +130,8 @@ class CpuTier(StorageTier):
                 if result.ok:
                     self.write_slots([slot], block.unsqueeze(0))
                     self._slot_of[key] = slot
+                    if self._blocks is not None:
+                        self._blocks.add_many((key,))
                 results.append(result)
         num_stored = sum(r.ok for r in results)
         self.counters.add(
@@ -136,13 +153,15 @@ class CpuTier(StorageTier):
         with self._lock:
             if key not in self._slot_of or self._pins[key] > 0:
                 return False
-            self._free_slots.append(self._slot_of.pop(key))
+            self._free_slots.append(self._drop(key))
         self.counters.add(removes=1)
         return True
 
     def close(self) -> None:
         with self._lock:
             self._slot_of.clear()
+            if self._blocks is not None:
+                self._blocks.clear()
             self._pending.clear()
             self._prepare_s.clear()
             self._pins.clear()
@@ -186,6 +205,8 @@ class CpuTier(StorageTier):
                 self._slot_of[key] = self._pending.pop(key)
                 if not keep_pinned:
                     self._unpin(key)
+            if self._blocks is not None:
+                self._blocks.add_many(keys)
         if prepared_s is not None:
             self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
@@ -253,16 +274,22 @@ class CpuTier(StorageTier):
         if key in self._slot_of:
             if self._pins[key] > 0:
                 return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader"), None
-            slot = self._slot_of.pop(key)
+            slot = self._drop(key)
         elif self._free_slots:
             slot = self._free_slots.pop()
         else:
             victim = self._lru_unpinned()
             if victim is None:
                 return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
-            slot = self._slot_of.pop(victim)
+            slot = self._drop(victim)
             evicted.append((victim, self.read_slots([slot])[0]))
         return PutResult(ok=True, evicted=evicted), slot
+
+    def _drop(self, key: str) -> int:
+        """Take a visible key out of the index (and the per-block counts); returns its slot. Lock held."""
+        if self._blocks is not None:
+            self._blocks.remove(key)
+        return self._slot_of.pop(key)
 
     def _lru_unpinned(self) -> str | None:
         """The least recently used unpinned key, None if every block is pinned. Lock held.
