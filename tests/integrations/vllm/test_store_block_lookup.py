@@ -113,3 +113,71 @@ def test_a_block_held_for_some_layers_ends_the_prefix_wherever_the_rest_is():
             assert store.present_prefix(HASHES) == 3 and store.cpu.held_prefix(HASHES) == 1
         finally:
             store.close()
+
+
+def old_pin_for_reader(saves, keys):
+    """LayerSaves.pin_for_reader and take_pins as they were: key by key."""
+    with saves._lock:
+        slots = [saves._pins.pop(k, None) for k in keys]
+    rest = [i for i, s in enumerate(slots) if s is None]
+    if not rest:
+        return slots
+    with saves._lock:
+        acquired = saves.store.chain.acquire_many([keys[i] for i in rest])
+        if acquired is None:
+            saves._pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+            return None
+    for i, slot in zip(rest, acquired):
+        slots[i] = slot
+    return slots
+
+
+pin_cell = st.tuples(st.integers(0, 2), st.integers(0, 1))  # few keys: the ops meet on the same ones
+pin_ops = st.lists(st.one_of(
+    st.tuples(st.just("cpu"), st.lists(pin_cell, min_size=1, max_size=8)),
+    st.tuples(st.just("disk"), st.lists(pin_cell, min_size=1, max_size=8)),
+    st.tuples(st.just("land"), st.lists(pin_cell, max_size=8)),      # saves landed and kept pinned
+    st.tuples(st.just("read"), st.lists(pin_cell, max_size=8)),      # the far reader pins
+    st.tuples(st.just("unpin"), st.lists(pin_cell, max_size=8)),
+    st.tuples(st.just("release_saves"), st.lists(pin_cell, max_size=8)),
+), min_size=1, max_size=25)
+
+
+def apply_pin(store: VllmKVStore, op: tuple, new: bool):
+    kind, cells = op
+    keys = list(dict.fromkeys(store.keys([ALL[b]], layer)[0] for b, layer in cells))
+    if kind in ("cpu", "disk"):
+        store.chain.put_many(keys, [torch.zeros(LAYOUT.shape) for _ in keys], start=0 if kind == "cpu" else 1)
+        store.chain.flush()
+        return None
+    if kind == "land":
+        keys = [k for k in keys if k not in store.saves._pins]
+        slots = store.cpu.acquire(keys)
+        store.saves._pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+        return slots
+    if kind == "read":
+        return store.saves.pin_for_reader(keys) if new else old_pin_for_reader(store.saves, keys)
+    if kind == "unpin":
+        return store.saves.unpin(keys)
+    return store.saves.release_pins(keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=pin_ops, cpu_blocks=st.integers(2, 16))
+def test_far_pins_match_the_per_key_logic_and_balance_to_zero(ops, cpu_blocks):
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        stores = [make_store(Path(a), cpu_blocks, 0, 1), make_store(Path(b), cpu_blocks, 0, 1)]
+        try:
+            for op in ops:
+                assert apply_pin(stores[0], op, True) == apply_pin(stores[1], op, False), op
+                new, old = (s.cpu for s in stores)
+                assert list(new._slot_of.items()) == list(old._slot_of.items()), op
+                assert dict(new._pins) == dict(old._pins) and stores[0].saves._pins == stores[1].saves._pins, op
+            for store in stores:  # every pin given back: nothing stays pinned
+                store.saves.release_pins(list(store.saves._pins))
+                for key, count in list(store.cpu._pins.items()):
+                    store.cpu.release([key] * count)
+                assert not store.cpu._pins and not store.saves._pins
+        finally:
+            for store in stores:
+                store.close()
