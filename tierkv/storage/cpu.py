@@ -8,6 +8,8 @@ GPU transfer engine uses:
     tier.complete_put(keys)          # visible to lookups, unpinned
     slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
     tier.release(keys)
+    tier.index_blocks(num_layers)    # per block hash, the layers held (cpu_blocks), kept from now on
+    n = tier.held_prefix(hashes)     # leading blocks held for every layer: one probe per block
 
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
           quantized or not, and how it is pinned: `tierkv.storage.cpu_slab`)
