@@ -46,7 +46,7 @@ cell = st.tuples(st.integers(0, len(ALL) - 1), st.integers(0, LAYERS - 1))
 ops_st = st.lists(st.one_of(
     st.tuples(st.just("cpu"), st.lists(cell, min_size=1, max_size=8)),    # put in the CPU tier (evicts to disk)
     st.tuples(st.just("disk"), st.lists(cell, min_size=1, max_size=8)),   # put on disk only
-    st.tuples(st.just("foreign"), st.lists(st.tuples(cell, st.sampled_from(["/L0{}", "/L{}0", "/L+{}", "/L-{}"])),
+    st.tuples(st.just("foreign"), st.lists(st.tuples(cell, st.sampled_from(["/L0{}", "/L{}0", "/L+{}", "/L-{}", f"/L{LAYERS}"])),
                                            min_size=1, max_size=4)),  # keys no store builds, in the CPU tier
     st.tuples(st.just("remove_cpu"), cell),
     st.tuples(st.just("remove_all"), cell),
