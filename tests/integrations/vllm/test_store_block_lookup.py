@@ -26,7 +26,8 @@ ALL = HASHES + ODD
 def make_store(root: Path, cpu_blocks: int, tp_rank: int, tp_size: int) -> VllmKVStore:
     block_bytes = LAYOUT.num_bytes
     (root / "tierkv.yaml").write_text("\n".join([
-        "cache:", f"  block_tokens: {BS}", "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
+        "cache:", f"  block_tokens: {BS}",
+        "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
         "  - kind: disk", f"    path: {root / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}", "    trusted: true",
         "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {64 * block_bytes}"]) + "\n")
     return VllmKVStore(load_config(str(root / "tierkv.yaml"), env={}), LAYOUT, NAMES, "m", "cpu",
@@ -42,12 +43,12 @@ def per_key_prefix(store: VllmKVStore, hashes: list[str]) -> int:
     return len(hashes)
 
 
+FOREIGN = ["/L0{}", "/L{}0", "/L+{}", "/L-{}", f"/L{LAYERS}"]  # keys no store builds (put in the CPU tier)
 cell = st.tuples(st.integers(0, len(ALL) - 1), st.integers(0, LAYERS - 1))
 ops_st = st.lists(st.one_of(
     st.tuples(st.just("cpu"), st.lists(cell, min_size=1, max_size=8)),    # put in the CPU tier (evicts to disk)
     st.tuples(st.just("disk"), st.lists(cell, min_size=1, max_size=8)),   # put on disk only
-    st.tuples(st.just("foreign"), st.lists(st.tuples(cell, st.sampled_from(["/L0{}", "/L{}0", "/L+{}", "/L-{}", f"/L{LAYERS}"])),
-                                           min_size=1, max_size=4)),  # keys no store builds, in the CPU tier
+    st.tuples(st.just("foreign"), st.lists(st.tuples(cell, st.sampled_from(FOREIGN)), min_size=1, max_size=4)),
     st.tuples(st.just("remove_cpu"), cell),
     st.tuples(st.just("remove_all"), cell),
     st.tuples(st.just("pin"), st.lists(cell, max_size=8)),
