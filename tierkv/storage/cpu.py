@@ -241,19 +241,18 @@ class CpuTier(StorageTier):
 
     def release(self, keys: Sequence[str]) -> None:
         """One pin of each key given back (a key without a pin is left alone; a key listed twice
-        gives back two). Distinct keys, the usual batch, go in C-level passes: every count popped,
-        the few above one put back less one."""
+        gives back two). One C-level pass pops every count: exact when none was above one, a key
+        listed twice included (its second pop finds nothing, as its second unpin would). Else the
+        counts go back and the keys are unpinned one by one."""
         with self._lock:
             pins = self._pins
-            if len(set(keys)) != len(keys):
-                for key in keys:
-                    self._unpin(key)
-                return
             counts = list(map(pins.pop, keys, repeat(0)))
             if max(counts, default=0) > 1:
                 for key, count in zip(keys, counts):
-                    if count > 1:
-                        pins[key] = count - 1
+                    if count:  # a key listed twice: its first pop holds the count
+                        pins[key] = count
+                for key in keys:
+                    self._unpin(key)
 
     # -- internals ---------------------------------------------------------------------------
     def _allocate(self, key: str) -> PutResult:

@@ -28,7 +28,8 @@ def make_store(root: Path, cpu_blocks: int, tp_rank: int, tp_size: int) -> VllmK
     (root / "tierkv.yaml").write_text("\n".join([
         "cache:", f"  block_tokens: {BS}",
         "tiers:", "  - kind: cpu", f"    capacity_bytes: {cpu_blocks * block_bytes}",
-        "  - kind: disk", f"    path: {root / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}", "    trusted: true",
+        "  - kind: disk", f"    path: {root / 'disk'}", f"    capacity_bytes: {4096 * block_bytes}",
+        "    trusted: true",
         "scheduler:", "  lookahead_layers: 1", f"  staging_bytes: {64 * block_bytes}"]) + "\n")
     return VllmKVStore(load_config(str(root / "tierkv.yaml"), env={}), LAYOUT, NAMES, "m", "cpu",
                        tp_rank=tp_rank, tp_size=tp_size)
