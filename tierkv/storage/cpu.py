@@ -64,15 +64,14 @@ class CpuTier(StorageTier):
         self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
 
     def index_blocks(self, num_layers: int) -> None:
-        """Keep, per block hash, how many of layers [0, num_layers) are visible (`cpu_blocks`), so
-        `held_prefix` answers per block in one probe; from now on, over what is visible now."""
+        """From now on, count per block hash the visible layers in [0, num_layers) (`cpu_blocks`)."""
         with self._lock:
             self._blocks = BlockLayers(num_layers)
             self._blocks.add_many(self._slot_of)
 
     def held_prefix(self, hashes: Sequence[str], suffix: str = "") -> int | None:
-        """How many leading `hashes` are visible for every layer (keys `block_keys(hashes, layer,
-        suffix)`); None unless `index_blocks` was called."""
+        """Leading `hashes` visible in every layer (keys `block_keys(hashes, layer, suffix)`), one
+        probe per block; None unless `index_blocks` was called."""
         with self._lock:
             return None if self._blocks is None else self._blocks.held_prefix(hashes, suffix)
 
@@ -223,10 +222,9 @@ class CpuTier(StorageTier):
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups.
-        Each hit becomes the most recently used block, in key order (a key listed twice is pinned
-        twice). A long prefix pins some 200k keys per request: the lookups, LRU bumps and pin counts
-        run as C-level passes over the batch (`map`, `Counter.update`), no Python code per key.
-        Records one "get" latency sample for the batch."""
+        Hits become the most recently used blocks, in key order (a key listed twice is pinned twice).
+        A long prefix pins some 200k keys per request: lookups, LRU bumps and pin counts are C-level
+        passes (`map`, `Counter.update`). Records one "get" latency sample for the batch."""
         start = time.perf_counter()
         with self._lock:
             slot_of = self._slot_of
