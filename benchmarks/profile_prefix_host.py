@@ -91,6 +91,7 @@ def instrument(engine: PrefixEngine) -> Meter:
     meter.wrap(store, "begin_loads", "VllmKVStore.begin_loads (spans)")
     meter.wrap(store, "finish_layer_load", "VllmKVStore.finish_layer_load", lambda a, r: 0)
     meter.wrap(store, "poll", "VllmKVStore.poll", lambda a, r: 0)
+    meter.wrap(store.cpu, "held_prefix", "CpuTier.held_prefix (hashes)")
     meter.wrap(store.chain, "locate_many", "StorageChain.locate_many (keys)")
     meter.wrap(store.chain, "acquire_many", "StorageChain.acquire_many (keys pinned)")
     meter.wrap(store.cpu, "release", "CpuTier.release (keys unpinned)")

@@ -184,6 +184,8 @@ class TierChain:
         """
         first = self.tiers[0]
         slots = first.acquire(keys)
+        if None not in slots:  # all in the first tier: the usual case
+            return slots
         pinned = [k for k, s in zip(keys, slots) if s is not None]
         lower = [i for i, s in enumerate(slots) if s is None]
         if not lower:

@@ -8,6 +8,8 @@ GPU transfer engine uses:
     tier.complete_put(keys)          # visible to lookups, unpinned
     slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
     tier.release(keys)
+    tier.index_blocks(num_layers)    # per block hash, the layers held (cpu_blocks), kept from now on
+    n = tier.held_prefix(hashes)     # leading blocks held for every layer: one probe per block
 
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
           quantized or not, and how it is pinned: `tierkv.storage.cpu_slab`)
@@ -25,13 +27,15 @@ Latency (`counters`, histograms "get" and "put", one sample per batched call):
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
+from itertools import repeat
 from typing import Sequence
 
 import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.cpu_blocks import BlockLayers
 from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
 
 
@@ -57,6 +61,19 @@ class CpuTier(StorageTier):
         self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
         self._pins: Counter[str] = Counter()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
+
+    def index_blocks(self, num_layers: int) -> None:
+        """From now on, count per block hash the visible layers in [0, num_layers) (`cpu_blocks`)."""
+        with self._lock:
+            self._blocks = BlockLayers(num_layers)
+            self._blocks.add_many(self._slot_of)
+
+    def held_prefix(self, hashes: Sequence[str], suffix: str = "") -> int | None:
+        """Leading `hashes` visible in every layer (keys `block_keys(hashes, layer, suffix)`), one
+        probe per block; None unless `index_blocks` was called."""
+        with self._lock:
+            return None if self._blocks is None else self._blocks.held_prefix(hashes, suffix)
 
     # -- StorageTier contract --------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -114,6 +131,8 @@ class CpuTier(StorageTier):
                 if result.ok:
                     self.write_slots([slot], block.unsqueeze(0))
                     self._slot_of[key] = slot
+                    if self._blocks is not None:
+                        self._blocks.add_many((key,))
                 results.append(result)
         num_stored = sum(r.ok for r in results)
         self.counters.add(
@@ -135,13 +154,15 @@ class CpuTier(StorageTier):
         with self._lock:
             if key not in self._slot_of or self._pins[key] > 0:
                 return False
-            self._free_slots.append(self._slot_of.pop(key))
+            self._free_slots.append(self._drop(key))
         self.counters.add(removes=1)
         return True
 
     def close(self) -> None:
         with self._lock:
             self._slot_of.clear()
+            if self._blocks is not None:
+                self._blocks.clear()
             self._pending.clear()
             self._prepare_s.clear()
             self._pins.clear()
@@ -185,6 +206,8 @@ class CpuTier(StorageTier):
                 self._slot_of[key] = self._pending.pop(key)
                 if not keep_pinned:
                     self._unpin(key)
+            if self._blocks is not None:
+                self._blocks.add_many(keys)
         if prepared_s is not None:
             self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
@@ -199,27 +222,35 @@ class CpuTier(StorageTier):
 
     def acquire(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups.
-        (A long prefix pins some 50k keys per request: the loop keeps to local names.)
-        Records one "get" latency sample for the batch."""
+        Hits become the most recently used blocks, in key order (a key listed twice is pinned twice).
+        A long prefix pins some 200k keys per request: lookups, LRU bumps and pin counts are C-level
+        passes (`map`, `Counter.update`). Records one "get" latency sample for the batch."""
         start = time.perf_counter()
         with self._lock:
             slot_of = self._slot_of
-            slots = [slot_of.get(k) for k in keys]
-            pins, pinned, bump = self._pins, self._pins.get, slot_of.move_to_end
-            num_hits = 0
-            for key, slot in zip(keys, slots):
-                if slot is not None:
-                    bump(key)
-                    pins[key] = pinned(key, 0) + 1  # not Counter's +=: its __missing__ runs in Python, per key
-                    num_hits += 1
+            slots = list(map(slot_of.get, keys))
+            hits = keys if None not in slots else [k for k, s in zip(keys, slots) if s is not None]
+            deque(map(slot_of.move_to_end, hits), maxlen=0)  # LRU bump, in key order
+            self._pins.update(hits)  # Counter.update counts an iterable in C
+            num_hits = len(hits)
         self.counters.observe_latency("get", time.perf_counter() - start)
         self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
         return slots
 
     def release(self, keys: Sequence[str]) -> None:
+        """One pin of each key given back (a key without a pin is left alone; a key listed twice
+        gives back two). One C-level pass pops every count: exact when none was above one, a key
+        listed twice included (its second pop finds nothing, as its second unpin would). Else the
+        counts go back and the keys are unpinned one by one."""
         with self._lock:
-            for key in keys:
-                self._unpin(key)
+            pins = self._pins
+            counts = list(map(pins.pop, keys, repeat(0)))
+            if max(counts, default=0) > 1:
+                for key, count in zip(keys, counts):
+                    if count:  # a key listed twice: its first pop holds the count
+                        pins[key] = count
+                for key in keys:
+                    self._unpin(key)
 
     # -- internals ---------------------------------------------------------------------------
     def _allocate(self, key: str) -> PutResult:
@@ -242,16 +273,22 @@ class CpuTier(StorageTier):
         if key in self._slot_of:
             if self._pins[key] > 0:
                 return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader"), None
-            slot = self._slot_of.pop(key)
+            slot = self._drop(key)
         elif self._free_slots:
             slot = self._free_slots.pop()
         else:
             victim = self._lru_unpinned()
             if victim is None:
                 return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
-            slot = self._slot_of.pop(victim)
+            slot = self._drop(victim)
             evicted.append((victim, self.read_slots([slot])[0]))
         return PutResult(ok=True, evicted=evicted), slot
+
+    def _drop(self, key: str) -> int:
+        """Take a visible key out of the index (and the per-block counts); returns its slot. Lock held."""
+        if self._blocks is not None:
+            self._blocks.remove(key)
+        return self._slot_of.pop(key)
 
     def _lru_unpinned(self) -> str | None:
         """The least recently used unpinned key, None if every block is pinned. Lock held.

@@ -58,7 +58,9 @@ def test_a_repeated_prefix_touches_the_blocks_its_length_implies(tokens, block_t
         # CPU slots, so this step uses them
         assert counts["chunks_adopted"] in (0, ahead)
         assert counts["chunks_streamed"] == chunks * layers - counts["chunks_adopted"] + ahead
-        assert meters["StorageChain.locate_many (keys)"]["items"] == prefix_blocks * layers  # the lookup, every layer
+        # the lookup: one probe per block in the CPU tier, which holds every layer of the prefix; no key by key
+        assert meters["CpuTier.held_prefix (hashes)"]["items"] == prefix_blocks
+        assert "StorageChain.locate_many (keys)" not in meters
         assert meters["FarPins.pin (blocks per layer)"]["items"] == far
         assert meters["FarKV.add_hashes (hashes)"]["items"] == prefix_blocks
         assert meters["far_attention.chunk_partial (maths; blocks)"]["items"] == far * layers

@@ -68,6 +68,8 @@ class VllmKVStore:
         self.lookahead = max(1, config.scheduler.lookahead_layers)
         if not lookup_only:
             self.cpu = self.chain.tiers[0]
+            if hasattr(self.cpu, "index_blocks"):  # lookups per block, not per key (present_prefix)
+                self.cpu.index_blocks(self.num_layers)
             self.engine = configured_engine(self.device, config.scheduler.transfer_backend)
             self.io = BlockIO(self.engine, self.cpu)
         self.kv_caches: list[torch.Tensor | None] = [None] * self.num_layers
@@ -121,15 +123,31 @@ class VllmKVStore:
             return 0
         self.poll(wait=True)  # saves that have landed count
         with self._lock:
-            first = self._held(hashes, 0)
-            n = next((i for i, held in enumerate(first) if not held), len(hashes))
-            for layer in range(1, self.num_layers):
-                if n == 0:
-                    break
-                held = self._held(hashes[:n], layer)
-                n = next((i for i, h in enumerate(held) if not h), n)
+            n = self._cpu_prefix(hashes)
+            if n < len(hashes):  # the rest key by key, through every tier
+                n += self._prefix_per_key(hashes[n:])
             self.counts["lookups"] += 1
             self.counts["lookup_hit_blocks"] += n
+        return n
+
+    def _cpu_prefix(self, hashes: Sequence[str]) -> int:
+        """Leading blocks the CPU tier holds for every layer, one probe per block where it counts
+        them (`CpuTier.index_blocks`); 0 where it does not, or is not consulted (a lookup store,
+        an unhealthy tier: the per-key path skips it too)."""
+        if self.lookup_only or not self.cpu.is_healthy or not hasattr(self.cpu, "held_prefix"):
+            return 0
+        suffix = "" if self.tp_size == 1 else f"/R{self.tp_rank}of{self.tp_size}"
+        return self.cpu.held_prefix(hashes, suffix) or 0
+
+    def _prefix_per_key(self, hashes: Sequence[str]) -> int:
+        """Leading blocks some tier holds for every layer, layer by layer over every key."""
+        first = self._held(hashes, 0)
+        n = next((i for i, held in enumerate(first) if not held), len(hashes))
+        for layer in range(1, self.num_layers):
+            if n == 0:
+                break
+            held = self._held(hashes[:n], layer)
+            n = next((i for i, h in enumerate(held) if not h), n)
         return n
 
     def stored_mask(self, hashes: Sequence[str]) -> list[bool]:

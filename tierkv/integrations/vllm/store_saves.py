@@ -19,6 +19,7 @@ reader takes the pins over (`pin_for_reader`: the blocks become far) or gives th
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from typing import Sequence
 
 import torch
@@ -111,13 +112,17 @@ class LayerSaves:
     def take_pins(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
         with self._lock:
-            return [self._pins.pop(k, None) for k in keys]
+            pins = self._pins
+            return list(map(pins.pop, keys, repeat(None))) if pins else [None] * len(keys)
 
     def pin_for_reader(self, keys: Sequence[str]) -> list[int] | None:
         """CPU-tier slots of `keys`, pinned for a reader who gives them back with `unpin`: pins of
         landed saves taken over, the rest pinned (promoted from lower tiers if needed). None, with
         nothing pinned, if some block is in no tier (a save still in flight: `poll(wait=True)`)."""
         slots = self.take_pins(keys)
+        if slots.count(None) == len(slots):  # none taken over (a repeated prefix's far blocks): pin them all
+            with self._lock:
+                return self.store.chain.acquire_many(keys)
         rest = [i for i, s in enumerate(slots) if s is None]
         if not rest:
             return slots
