@@ -16,13 +16,9 @@ GPU transfer engine uses:
 
 A pinned block is never evicted; a put that finds every slot pinned fails (ok=False).
 
-Latency (`counters`, histograms "get" and "put", one sample per batched call):
-
-    get   get_many (lookups and the copy out of the slab), and acquire (lookups and pins of the
-          blocks an H2D gather will read)
-    put   put_many (the copy into the slab and the index), and a two-phase put: prepare_put's
-          time plus complete_put's for the batch. The copies the transfer engine runs between
-          them (D2H scatter, H2D gather) are not tier time: they are in the transfer figures.
+Latency histograms (`counters`, one sample per batched call): "get" = get_many and acquire,
+"put" = put_many and prepare_put + complete_put; the copies the transfer engine runs between
+them are transfer time, not tier time.
 """
 from __future__ import annotations
 
