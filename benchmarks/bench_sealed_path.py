@@ -34,17 +34,6 @@ MODES = {"plain": dict(trusted=True), "mac": dict(), "mac+encrypt": dict(encrypt
 SECRET = "bench-sealed-path-secret-0123456789"
 
 
-def tiny_llama(device: str):
-    """A small random Llama (CPU tests): 2 layers, 2 KV heads of 64."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
-                         eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).to(device).eval()
-
-
 def engine_config(disk_dir: str, mode: str, kv_per_token: int, context: int, block_tokens: int) -> dict:
     return {"cache": {"block_tokens": block_tokens, "gpu_budget_bytes": max(kv_per_token * context // 8, 64 << 20)},
             "tiers": [{"kind": "cpu", "capacity_bytes": kv_per_token * (context + 4 * block_tokens)},
@@ -78,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=8, help="layers of the 8B-shaped model (cuda)")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU tests)")
+    p.add_argument("--tiny", action="store_true", help="the demo's random model with 2 layers (CPU tests)")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=4)
@@ -87,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.tiny:
-        model = tiny_llama(args.device)
+        from tierkv.demo import tiny_llama  # the main job's random fallback model, 2 layers
+        model = tiny_llama(num_layers=2).to(args.device)
     else:
         from benchmarks.models import llama_8b_shaped
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

@@ -116,8 +116,8 @@ class PoolResizer:
             change = BudgetChange(budget_bytes)
             replaced = self._pending[1] if self._pending is not None else []
             self._pending = (budget_bytes, replaced + [change])
-        refused = self._apply_if_between_steps()
-        if refused is not None and change.is_done:  # refused for the running requests, before any change
+        refused = self._apply_if_between_steps()  # refused for the running requests: before any change
+        if refused is not None:
             raise refused
         return change
 
