@@ -78,7 +78,9 @@ def kv_bytes_per_token(layers: int) -> int:
     return 2 * layers * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2
 
 
-MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
+MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full",
+         "tierkv-shipped")
+SHIPPED_SPARSE = Path(__file__).resolve().parents[1] / "configs" / "vllm-128k-sparse.yaml"
 HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 # sparse: the same 2 GiB (one eighth of a 128k request's 16 GiB) now also holds the key summaries
@@ -110,6 +112,17 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                   enforce_eager=not compiled,
                   tensor_parallel_size=tp,
                   skip_tokenizer_init=True, attention_config={"backend": "FLASH_ATTN"})
+    if mode == "tierkv-shipped":  # configs/vllm-128k-sparse.yaml as shipped (it starts vLLM compiled), a CPU tier only
+        import yaml
+
+        from tierkv import TieredLLM
+
+        shipped = yaml.safe_load(SHIPPED_SPARSE.read_text())
+        config = {**shipped, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072,
+                                        "storage_dtype": storage_dtype}]}
+        hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching", "enforce_eager")}
+        llm = TieredLLM(model_dir, config, backend="vllm", max_num_seqs=1, **hot)
+        return llm.engine, llm
     if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full"):  # the hot window: 2048 tokens per request in vLLM's pool
         from tierkv import TieredLLM
 
@@ -163,8 +176,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         mode = f"{mode}@{transfer_backend}"  # its own row and file
     if storage_dtype != "auto":
         mode = f"{mode}@{storage_dtype}"
-    if compiled:
-        mode = f"{mode}@compiled"
+    if compiled or mode.startswith("tierkv-shipped"):
+        mode = f"{mode}@compiled"  # the shipped sparse config runs compiled: against plain@compiled
     if tag:
         mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     cache_config = llm.llm_engine.vllm_config.cache_config
@@ -593,6 +606,10 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         if mode == "tierkv-sparse-full" and not args.compiled:
             parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
+        if mode == "tierkv-shipped" and (args.compiled or args.async_scheduling or args.prefetch_margin
+                                         or args.transfer_backend != "auto"):
+            parser.error("MODE tierkv-shipped: the shipped config's own settings (it runs compiled; no --compiled, "
+                         "--async-scheduling, --prefetch-margin or --transfer-backend)")
         if args.async_scheduling and not mode.startswith("tierkv"):
             parser.error(f"--async-scheduling: tierkv modes only (MODE {mode} runs vLLM's own default)")
         if args.prefetch_margin and mode != "tierkv-sparse-full":

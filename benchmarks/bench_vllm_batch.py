@@ -3,7 +3,11 @@
     python benchmarks/bench_vllm_batch.py run MODE DIR OUT [--kv-gib 60] [--requests N] [--new-tokens N]
         [--storage-dtype float8_e4m3fn]   (tierkv: the CPU tier's storage, one byte per value: twice the requests)
     python benchmarks/bench_vllm_batch.py table OUT
-    MODE: plain | tierkv-sparse | tierkv-sparse-graphs | tierkv-sparse-full (--compiled)     (DIR: the model of bench_vllm.py model)
+    MODE: plain | tierkv-sparse | tierkv-sparse-graphs | tierkv-sparse-full (--compiled) | tierkv-shipped
+          (DIR: the model of bench_vllm.py model)
+
+tierkv-shipped runs configs/vllm-128k-sparse.yaml as shipped (compiled, its own scheduler settings, sized for the
+batch by TieredLLM), only the GPU budget (--kv-gib) and the CPU tier (host-sized, --storage-dtype) set here.
 
 Issue 4's batch target (sparse mode at least 3x all-in-GPU's aggregate tokens/s at the same GPU
 memory for KV). One engine per process. Plain vLLM gets a KV pool of exactly `--kv-gib`
@@ -37,7 +41,8 @@ from benchmarks.bench_vllm import (  # noqa: E402
     kv_bytes_per_token, overlap_text)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
-MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full")
+MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full", "tierkv-shipped")
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "vllm-128k-sparse.yaml"
 MAX_MODEL_LEN = 131072
 PREFILL_STEPS_PER_REQUEST = 32  # new tokens per request that outlast the batch's prefills (--new-tokens default)
 
@@ -102,6 +107,15 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     from tierkv import TieredLLM
 
     per_request = host_bytes_per_request(layers, storage_dtype)
+    cpu_tier = {"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30), "storage_dtype": storage_dtype}
+    if mode == "tierkv-shipped":  # the file's settings; TieredLLM starts vLLM compiled and sizes the rows itself
+        import yaml
+
+        shipped = yaml.safe_load(SHIPPED.read_text())
+        config = {**shipped, "cache": {**shipped["cache"], "gpu_budget_bytes": kv_bytes}, "tiers": [cpu_tier]}
+        common = {k: v for k, v in common.items() if k not in ("enable_prefix_caching", "enforce_eager")}
+        tiered = TieredLLM(model_dir, config, backend="vllm", **common)
+        return tiered.engine, tiered
     # the budget holds vLLM's pool, staging and the key summaries TieredLLM reserves for
     # max_num_seqs = requests (SPARSE_HOT_WINDOW: 64-token blocks, 256 MiB per request)
     config = {"cache": {**SPARSE_HOT_WINDOW["cache"], "gpu_budget_bytes": kv_bytes},
@@ -119,8 +133,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
                             # so the chunk stays whole (halved, each chunk streams the far KV twice as often:
                             # prefill 186 s against 121 s at 27c4110); TieredLLM checks the pool before vLLM starts
                             "vllm_async_scheduling": async_scheduling},
-              "tiers": [{"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30),
-                         "storage_dtype": storage_dtype}]}
+              "tiers": [cpu_tier]}
     common = {k: v for k, v in common.items() if k != "enable_prefix_caching"}
     tiered = TieredLLM(model_dir, config, backend="vllm", **common)
     return tiered.engine, tiered
@@ -149,8 +162,8 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
             mode = f"{mode}@margin{prefetch_margin}"
         if async_scheduling:
             mode = f"{mode}@async"  # vLLM's async scheduling (plain vLLM has it on by default)
-    if compiled:
-        mode = f"{mode}@compiled"  # against plain@compiled
+    if compiled or mode.startswith("tierkv-shipped"):
+        mode = f"{mode}@compiled"  # against plain@compiled (the shipped config runs compiled)
     if tag:
         mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
@@ -310,6 +323,10 @@ def main() -> int:
     mode, model_dir, out = args.rest
     if mode not in MODES:
         parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
+    if mode == "tierkv-shipped" and (args.cache_selections != 1 or args.async_scheduling or args.prefetch_margin
+                                     or args.compiled):
+        parser.error("MODE tierkv-shipped: the shipped config's own settings (no --cache-selections, "
+                     "--async-scheduling, --prefetch-margin or --compiled)")
     if mode == "tierkv-sparse-full" and not args.compiled:
         parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

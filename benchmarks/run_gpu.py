@@ -238,6 +238,29 @@ def vllm_batch_ab(s):
     return vllm_batch_table(s)
 
 
+def vllm_batch_shipped(s):
+    """plain --compiled, then configs/vllm-128k-sparse.yaml as shipped (tierkv-shipped: compiled by the config,
+    rows sized by TieredLLM) over an fp8 CPU tier, 10 requests, --repeats pairs (--batch-args: e.g. --kv-gib 48
+    where 60 GiB of KV and the weights do not fit the card); then the table."""
+    bb = f"{s.out}/bb"
+    for r in range(1, s.args.repeats + 1):
+        s.bench("bench_vllm_batch.py", "run", "plain", s.args.model_dir, bb, "--compiled", "--tag", f"r{r}",
+                *_split(s.args.batch_args), log=f"batch-plain-r{r}.log", timeout_s=240, keep="{")
+        s.bench("bench_vllm_batch.py", "run", "tierkv-shipped", s.args.model_dir, bb, "--storage-dtype", "float8_e4m3fn",
+                "--requests", "10", "--tag", f"r{r}", *_split(s.args.batch_args), log=f"batch-shipped-r{r}.log",
+                timeout_s=500, keep="{")
+    return vllm_batch_table(s)
+
+
+def vllm_shipped(s):
+    """Batch 1 at 128k: plain --compiled, then configs/vllm-128k-sparse.yaml as shipped (tierkv-shipped), --repeats
+    pairs, 160 decoded tokens, no prefix run; then the table."""
+    for r in range(1, s.args.repeats + 1):
+        for mode, extra in (("plain", ("--compiled",)), ("tierkv-shipped", ())):
+            vllm_row(mode)(s, f"r{r}", (*extra, "--decode-tokens", "160", "--context", "130880", "--no-prefix"))
+    return vllm_table(s)
+
+
 def vllm_resize(s):
     """The vLLM pool resized 2 -> 0.5 -> 2 GiB between and during requests at 128k (exact, sparse), and its GPU test."""
     rc = s.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/gpu/test_vllm_resize_gpu.py", *_split(s.args.resize_tests)],
@@ -274,7 +297,8 @@ STEPS = {
        for m in ("plain", "tierkv", "sparse", "sparse-graphs", "offloading", "lmcache")},
     **{f"vllm-batch-{m}": batch_row(m if m == "plain" else f"tierkv-{m}") for m in ("plain", "sparse", "sparse-graphs")},
     "vllm-batch-sparse-graphs-fp8": batch_row("tierkv-sparse-graphs", "--storage-dtype", "float8_e4m3fn", "--requests", "10"),
-    "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table,
+    "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table, "vllm-batch-shipped": vllm_batch_shipped,
+    "vllm-shipped": vllm_shipped,
     "vllm-resize": vllm_resize, "vllm-accuracy-convert": vllm_accuracy_convert, "vllm-accuracy": vllm_accuracy,
 }
 GROUPS = {  # the rows issue 33 asks to re-measure after a restructuring, against RESULTS.md

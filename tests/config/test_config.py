@@ -12,7 +12,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "long-128k.yaml", "redis.yaml", "vllm-128k.yaml",
-                                  "vllm-128k-sparse.yaml", "vllm-128k-sparse-fast.yaml", "long-128k-sparse.yaml"])
+                                  "vllm-128k-sparse.yaml", "long-128k-sparse.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name, env={})
     assert config.tiers[0].kind == "cpu"
@@ -136,7 +136,8 @@ def test_missing_or_broken_file(tmp_path):
 
 def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_request():
     """configs/vllm-128k-sparse.yaml as FarKV sizes it for Llama-3.1-8B (32 layers, 8 KV heads of
-    128, bf16): one decoding row with a far-block cache per layer, no warning, within its staging."""
+    128, bf16) as written: one decoding row with a far-block cache per layer, no warning, within its
+    staging (more rows: vllm_rows_from_batch raises it, tests/integrations/vllm/test_shipped_configs.py)."""
     from tierkv.sparse.row_caches import cache_rows
 
     config = load_config(CONFIGS / "vllm-128k-sparse.yaml", env={})
@@ -147,7 +148,7 @@ def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_re
     rows, per_layer, warning = cache_rows(1, sched.sparse_cache_selections, sched.staging_bytes, eager, 32, k,
                                           block_bytes, 0)
     assert (rows, per_layer, warning) == (1, True, None)
-    # four requests at once do not keep selections in this staging: the warning says what would
+    # four requests at once do not keep selections in the staging as written: the warning says what would
     rows, per_layer, warning = cache_rows(4, sched.sparse_cache_selections, sched.staging_bytes, eager, 32, k,
                                           block_bytes, 0)
     assert (rows, per_layer) == (4, False) and "raise it to" in warning

@@ -184,6 +184,12 @@ class SchedulerConfig:
         "full decode graph (window, selection, fetch and far attention of every row), with per-row inputs written "
         "before each step and the step's saves after it; other steps run piecewise as before. Needs compiled vLLM and "
         "max_num_seqs (TieredLLM adds it to vLLM's capture sizes)"))
+    vllm_rows_from_batch: bool = field(default=False, metadata=doc(
+        "sparse CUDA graphs under TieredLLM(backend='vllm'): size the graphed rows by the engine's max_num_seqs at "
+        "start-up: sparse_graph_rows rises to max_num_seqs and staging_bytes to what every row's far-block caches "
+        "of sparse_cache_selections selections need beside the eager regions (plus 64 MiB for the streamed chunks), "
+        "out of cache.gpu_budget_bytes; off: both as written (rows past sparse_graph_rows run eagerly, rows the "
+        "staging cannot hold copy every selected block each step)"))
     vllm_async_scheduling: bool = field(default=False, metadata=doc(
         "under vLLM's hot window: let vLLM schedule and prepare step N+1 while the GPU runs step N (its async "
         "scheduling, on by default in plain vLLM); a block completed by a token still being sampled is saved one "

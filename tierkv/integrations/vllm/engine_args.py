@@ -64,7 +64,9 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     """vLLM's arguments for TieredLLM: the connector (loading `config_file`), and with `hot_window`
     its pool, the sparse policy's reservations and, under `scheduler.sparse_full_graphs` in a
     compiled engine, the capture sizes. `engine_kwargs` (the user's) win over all but the hot
-    window's own keys (ValueError naming them)."""
+    window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
+    for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise."""
+    engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
     kwargs = dict(
         model=os.fspath(model),
         kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model)),
@@ -98,6 +100,13 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
     return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
                             reserved.full_graph_reserved_rows)
+
+
+def default_enforce_eager(config: TierKVConfig, hot_window: bool) -> bool:
+    """TieredLLM's enforce_eager when the caller gives none: compiled (False) where the hot window's
+    sparse step runs inside vLLM's full decode graph (`scheduler.sparse_full_graphs`, which needs a
+    compiled engine), eager otherwise (the connector's per-layer hooks run between vLLM's pieces)."""
+    return not (hot_window and full_graphs_configured(config))
 
 
 def _sparse_reservations(model, config: TierKVConfig, max_model_len: int, engine_kwargs: dict) -> TieredEngineArgs:

@@ -9,7 +9,10 @@ backend="vllm".
     out = llm.generate([ids_or_text], SamplingParams(max_new_tokens=64))
 
 The engine runs in-process (the scheduler and the worker share one tier chain) and eagerly
-(the connector's per-layer hooks run outside CUDA graphs).
+(the connector's per-layer hooks run outside CUDA graphs), or compiled where the config puts the
+sparse step inside vLLM's full decode graph (`scheduler.sparse_full_graphs`); `enforce_eager` given
+wins. Under `scheduler.vllm_rows_from_batch` the sparse graphs' rows and their staging are sized for
+`max_num_seqs` before vLLM starts (`batch_sizing`).
 
 With `hot_window=True` (the default) vLLM's KV pool holds only each request's last
 `cache.window_tokens` tokens: the pool is `cache.gpu_budget_bytes` minus the staging ring
@@ -42,6 +45,7 @@ from tierkv.config.load import to_dict
 from tierkv.llm import TieredLLM, config_of, generate_inputs
 from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.sampling import RequestOutput, SamplingParams
+from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
 from tierkv.integrations.vllm.engine_args import tiered_engine_args
 from tierkv.integrations.vllm.pool_sizing import check_full_graph_rows
 from tierkv.integrations.vllm.resize_front import apply_gpu_budget, pool_resizer
@@ -70,6 +74,8 @@ class VllmTieredLLM(TieredLLM):
 
         self.hot_window = hot_window
         try:  # a bad argument or a failed start leaves no config file behind
+            if hot_window:
+                self._use_config(size_rows_for_batch(model, self.config, engine_kwargs))
             args = tiered_engine_args(model, self.config, self.config_file, engine_kwargs, hot_window=hot_window,
                                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                       enable_prefix_caching=enable_prefix_caching)
@@ -162,6 +168,17 @@ class VllmTieredLLM(TieredLLM):
         if owned and os.path.exists(owned):
             os.unlink(owned)
 
+    def _use_config(self, config: TierKVConfig) -> None:
+        """Run with `config` in place of the loaded one (sizes TieredLLM worked out): a file of its own
+        for the connector to load, removed at close like any config file written here."""
+        if config is self.config:
+            return
+        owned, self._owned_config_file = self._owned_config_file, None
+        if owned and os.path.exists(owned):
+            os.unlink(owned)
+        self.config, self.config_file = config, _write_config(config)
+        self._owned_config_file = self.config_file
+
     def __enter__(self) -> "VllmTieredLLM":
         return self
 
@@ -174,7 +191,13 @@ def _config_file(config) -> tuple[TierKVConfig, str, str | None]:
     if isinstance(config, (str, os.PathLike)):
         return load_config(config), os.fspath(config), None
     loaded = config_of(config)
+    path = _write_config(loaded)
+    return loaded, path, path
+
+
+def _write_config(config: TierKVConfig) -> str:
+    """A YAML file of `config` (a new temporary path) for the connector to load."""
     handle, path = tempfile.mkstemp(prefix="tierkv-vllm-", suffix=".yaml")
     with os.fdopen(handle, "w") as f:
-        yaml.safe_dump(to_dict(loaded), f)
-    return loaded, path, path
+        yaml.safe_dump(to_dict(config), f)
+    return path
