@@ -1623,7 +1623,7 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     """scheduler.sparse_full_graphs under compiled vLLM: the engine's capture sizes hold max_num_seqs
     (vLLM keeps full decode graphs only up to it, so a full batch of a size off its default list would
     find none and run piecewise); a compilation_config of the user's, an eager engine or the flag off
-    leave vLLM's defaults; max_num_seqs is required."""
+    leave vLLM's defaults; max_num_seqs is required; the flag alone starts the engine compiled."""
     from tierkv.integrations.vllm.engine_args import tiered_engine_args
     from tierkv.integrations.vllm.pool_sizing import full_decode_capture_sizes
 
@@ -1644,7 +1644,10 @@ def test_full_decode_graphs_capture_max_num_seqs(tmp_path):
     args = engine_kwargs(True, max_num_seqs=10, enforce_eager=False)
     assert args["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 10, 16]}
     assert "compilation_config" not in engine_kwargs(False, max_num_seqs=10, enforce_eager=False)
-    assert "compilation_config" not in engine_kwargs(True, max_num_seqs=10)  # eager (TieredLLM's default)
+    assert "compilation_config" not in engine_kwargs(True, max_num_seqs=10, enforce_eager=True)  # an eager engine
+    # not told, TieredLLM starts compiled for the full decode graph (and eagerly without it)
+    assert engine_kwargs(True, max_num_seqs=10)["compilation_config"] == args["compilation_config"]
+    assert engine_kwargs(False, max_num_seqs=10)["enforce_eager"] is True
     own = {"cudagraph_capture_sizes": [1, 10]}
     assert engine_kwargs(True, max_num_seqs=10, enforce_eager=False, compilation_config=own)["compilation_config"] is own
 
