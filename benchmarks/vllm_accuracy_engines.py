@@ -8,8 +8,9 @@ Primitives: `MODES`, `KvShape`, `tierkv_config`, `start_engine` (-> `Engine`), `
                  131072-token request to one of MAX_MODEL_LEN tokens (GPU budget 1/8 of its KV, staging a
                  quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks),
                  one request at a time (`engine_kwargs` says why)
-  tierkv-sparse  the same scaling of configs/vllm-128k-sparse.yaml (64-token blocks, policy sparse, the sparse
-                 step's CUDA graphs, a far-block cache of one selection per layer, max_num_seqs 1); the
+  tierkv-sparse  the same scaling of configs/vllm-128k-sparse.yaml's sparse policy, eager (64-token blocks, the
+                 sparse step's CUDA graphs, a far-block cache of one selection per layer, max_num_seqs 1; not the
+                 file's full decode graph, async scheduling or prefetch margin, which need a compiled vLLM); the
                  budget holds vLLM's pool, the staging that keeps the cache and the key summaries of one
                  request; the far tokens per step are --sparse-token-budget (the shipped 2048 is 1/64 of
                  128k: 128 tokens, two blocks, at 8k)
