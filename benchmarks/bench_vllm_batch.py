@@ -19,7 +19,7 @@ engine is stepped to the end; rows: requests, GPU bytes for KV (tierkv: pool + s
 summaries), time until every request has its first token, and the aggregate decode rate over
 the steps in which every request decoded one token (`full_batch_tokens_per_s`; prefill chunks are
 interleaved with the first requests' decode before that, so `--new-tokens` must outlast the
-prefills: by default 32 steps per request plus 128). A row without such steps says so in the table. `decode_tokens_per_s` (the tokens after every request's first token,
+prefills: by default each request's chunked-prefill steps, 131072 / vLLM's max_num_batched_tokens, plus 128). A row without such steps says so in the table. `decode_tokens_per_s` (the tokens after every request's first token,
 over the time left) is kept; it mixes in the finishing tail.
 """
 from __future__ import annotations
@@ -44,7 +44,14 @@ from benchmarks.models import LLAMA_8B  # noqa: E402
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full", "tierkv-shipped")
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "vllm-128k-sparse.yaml"
 MAX_MODEL_LEN = 131072
-PREFILL_STEPS_PER_REQUEST = 32  # new tokens per request that outlast the batch's prefills (--new-tokens default)
+FULL_BATCH_STEPS = 128  # decode steps of the whole batch the --new-tokens default leaves after the prefills
+
+
+def default_new_tokens(requests: int, chunk_tokens: int) -> int:
+    """New tokens per request that outlast the batch's prefills: the first request decodes one token per
+    step while the others prefill (a 128k prompt takes 131072 / chunk_tokens chunked-prefill steps, with
+    vLLM's max_num_batched_tokens as the chunk), then FULL_BATCH_STEPS steps in which every request decodes."""
+    return -(-MAX_MODEL_LEN // max(1, chunk_tokens)) * requests + FULL_BATCH_STEPS
 
 
 def host_requests(per_request_bytes: int) -> int:
@@ -166,12 +173,11 @@ def run(mode: str, model_dir: str, out: str, kv_gib: float, requests: int | None
         mode = f"{mode}@compiled"  # against plain@compiled (the shipped config runs compiled)
     if tag:
         mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
-    # the first request decodes while the others prefill (up to 32 chunked-prefill steps each at
-    # 128k); 128 tokens more give the steps in which the whole batch decodes
-    new_tokens = new_tokens or PREFILL_STEPS_PER_REQUEST * requests + 128
-    context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     llm, tiered = engine(mode.split("@")[0], model_dir, kv_bytes, requests, layers, storage_dtype, cache_selections,
                          compiled, async_scheduling, prefetch_margin)
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    new_tokens = new_tokens or default_new_tokens(requests, chunk)
+    context = MAX_MODEL_LEN - max(64, new_tokens)  # prompt + generated tokens fit max_model_len
     cache_config = llm.llm_engine.vllm_config.cache_config
     pool_bytes = cache_config.num_gpu_blocks * cache_config.block_size * kv_bytes_per_token(layers)
     rng = random.Random(0)
@@ -298,7 +304,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="default: what the pool (plain) or host RAM (tierkv) holds")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="per request; enough that the first request still decodes once the last one's prefill is "
-                             f"done (default {PREFILL_STEPS_PER_REQUEST} per request + 128)")
+                             f"done (default: the prefill steps of a 128k prompt per request + {FULL_BATCH_STEPS})")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--cache-selections", type=int, default=1,
                         help="tierkv graphs: scheduler.sparse_cache_selections, selections each request's far-block cache "
