@@ -105,7 +105,7 @@ def margin_staging_bytes(layers: int) -> int:
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
            storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False,
-           prefetch_margin: int = 0):
+           prefetch_margin: int = 0, block_tokens: int | None = None):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
     # makes vLLM capture piecewise, its attention runs between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
@@ -132,6 +132,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                              "storage_dtype": storage_dtype}]}
         config["scheduler"] = {**config["scheduler"], "transfer_backend": transfer_backend,
                                "vllm_async_scheduling": async_scheduling}
+        if block_tokens:  # vLLM's block_size too: fewer, larger blocks (a 100k prefix's keys and pins / 4 at 64)
+            config["cache"] = {**config["cache"], "block_tokens": block_tokens}
         if async_scheduling:  # two batches in flight: half the prefill chunk keeps the same pool
             config["scheduler"]["prefill_chunk_tokens"] //= 2
         if sparse:
@@ -160,14 +162,16 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
-        sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0) -> None:
+        sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling,
-                         prefetch_margin)
+                         prefetch_margin, block_tokens)
+    if block_tokens:
+        mode = f"{mode}@b{block_tokens}"  # tierkv's (and vLLM's) block size, its own row
     if prefetch_margin:
         mode = f"{mode}@margin{prefetch_margin}"  # the next-step prefetch, caches of two selections
     if async_scheduling:
@@ -594,6 +598,8 @@ def main() -> int:
                         help="tierkv-sparse-full: scheduler.sparse_prefetch_margin, blocks per layer ranked below each "
                              "selection fetched for the next step on a side stream, with caches of two selections "
                              "(row MODE@marginN; the same 2 GiB: smaller prefill chunks)")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="MODE tierkv: cache.block_tokens, vLLM's block_size too (default 16; row tierkv@bN)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
     parser.add_argument("--profile-steps", type=int, nargs="*", default=None,
                         help="engine steps of the 128k request to profile (e.g. 8 9 for prefill chunks, 20 21 for decode)")
@@ -606,6 +612,8 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         if mode == "tierkv-sparse-full" and not args.compiled:
             parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
+        if args.block_tokens is not None and (mode != "tierkv" or args.block_tokens < 1):
+            parser.error(f"--block-tokens {args.block_tokens}: MODE tierkv only (the exact hot window), at least 1")
         if mode == "tierkv-shipped" and (args.compiled or args.async_scheduling or args.prefetch_margin
                                          or args.transfer_backend != "auto"):
             parser.error("MODE tierkv-shipped: the shipped config's own settings (it runs compiled; no --compiled, "
@@ -623,7 +631,8 @@ def main() -> int:
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
-            sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin)
+            sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
+            block_tokens=args.block_tokens)
     else:
         table(args.rest[0])
     return 0

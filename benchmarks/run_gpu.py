@@ -169,6 +169,13 @@ def vllm_row(mode: str):
     return step
 
 
+def vllm_tierkv_b64(s):
+    """bench_vllm.py run tierkv --block-tokens 64: the exact hot window with 64-token blocks (a 100k prefix's keys
+    and pins / 4; row tierkv@b64, --vllm-args adds flags, e.g. --vllm-args=--profile-prefix)."""
+    return s.bench("bench_vllm.py", "run", "tierkv", s.args.model_dir, f"{s.out}/bv", "--block-tokens", "64",
+                   *_split(s.args.vllm_args), log="bench-tierkv-b64.log", timeout_s=240, keep="{")
+
+
 def vllm_accuracy_convert(s):
     """The SmolLM2 GGUF ($SMOLLM2_GGUF) -> a folder vLLM loads, under --vacc-dir (no vLLM needed)."""
     return s.bench("vllm_accuracy.py", "convert", os.environ.get("SMOLLM2_GGUF", ""), f"{s.args.vacc_dir}/model",
@@ -298,7 +305,7 @@ STEPS = {
     **{f"vllm-batch-{m}": batch_row(m if m == "plain" else f"tierkv-{m}") for m in ("plain", "sparse", "sparse-graphs")},
     "vllm-batch-sparse-graphs-fp8": batch_row("tierkv-sparse-graphs", "--storage-dtype", "float8_e4m3fn", "--requests", "10"),
     "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table, "vllm-batch-shipped": vllm_batch_shipped,
-    "vllm-shipped": vllm_shipped,
+    "vllm-shipped": vllm_shipped, "vllm-tierkv-b64": vllm_tierkv_b64,
     "vllm-resize": vllm_resize, "vllm-accuracy-convert": vllm_accuracy_convert, "vllm-accuracy": vllm_accuracy,
 }
 GROUPS = {  # the rows issue 33 asks to re-measure after a restructuring, against RESULTS.md
