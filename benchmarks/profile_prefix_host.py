@@ -95,6 +95,8 @@ def instrument(engine: PrefixEngine) -> Meter:
     meter.wrap(store.chain, "locate_many", "StorageChain.locate_many (keys)")
     meter.wrap(store.chain, "acquire_many", "StorageChain.acquire_many (keys pinned)")
     meter.wrap(store.cpu, "release", "CpuTier.release (keys unpinned)")
+    meter.wrap(store.cpu, "acquire_blocks", "CpuTier.acquire_blocks (blocks pinned whole)")
+    meter.wrap(store.cpu, "release_blocks", "CpuTier.release_blocks (blocks unpinned)")
     meter.wrap(store.saves, "take_pins", "LayerSaves.take_pins (keys)")
     meter.wrap(store.saves, "release_pins", "LayerSaves.release_pins (keys)")
     meter.wrap(far, "finish", "FarKV.finish (requests)", lambda a, r: 1)

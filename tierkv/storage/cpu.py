@@ -10,6 +10,8 @@ GPU transfer engine uses:
     tier.release(keys)
     tier.index_blocks(num_layers)    # per block hash, the layers held (cpu_blocks), kept from now on
     n = tier.held_prefix(hashes)     # leading blocks held for every layer: one probe per block
+    rows = tier.acquire_blocks(groups)   # [blocks, layers] slots, each block pinned whole (cpu_block_pins)
+    tier.release_blocks(groups)
 
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
           quantized or not, and how it is pinned: `tierkv.storage.cpu_slab`)
@@ -25,14 +27,18 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict, deque
 from itertools import repeat
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.cpu_block_pins import BlockPins
 from tierkv.storage.cpu_blocks import BlockLayers
 from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class CpuTier(StorageTier):
@@ -58,12 +64,16 @@ class CpuTier(StorageTier):
         self._pins: Counter[str] = Counter()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
+        self._block_pins: BlockPins | None = None  # whole-block read pins (`acquire_blocks`)
 
     def index_blocks(self, num_layers: int) -> None:
         """From now on, count per block hash the visible layers in [0, num_layers) (`cpu_blocks`)."""
         with self._lock:
+            if self._block_pins is not None and self._block_pins.pins:
+                raise RuntimeError(f"{self.name}: index_blocks while whole blocks are pinned")
             self._blocks = BlockLayers(num_layers)
-            self._blocks.add_many(self._slot_of)
+            self._blocks.add_many(self._slot_of.items())
+            self._block_pins = BlockPins(self._blocks)
 
     def held_prefix(self, hashes: Sequence[str], suffix: str = "") -> int | None:
         """Leading `hashes` visible in every layer (keys `block_keys(hashes, layer, suffix)`), one
@@ -128,7 +138,7 @@ class CpuTier(StorageTier):
                     self.write_slots([slot], block.unsqueeze(0))
                     self._slot_of[key] = slot
                     if self._blocks is not None:
-                        self._blocks.add_many((key,))
+                        self._blocks.add_many(((key, slot),))
                 results.append(result)
         num_stored = sum(r.ok for r in results)
         self.counters.add(
@@ -148,7 +158,7 @@ class CpuTier(StorageTier):
 
     def remove(self, key: str) -> bool:
         with self._lock:
-            if key not in self._slot_of or self._pins[key] > 0:
+            if key not in self._slot_of or self._pinned(key):
                 return False
             self._free_slots.append(self._drop(key))
         self.counters.add(removes=1)
@@ -162,6 +172,8 @@ class CpuTier(StorageTier):
             self._pending.clear()
             self._prepare_s.clear()
             self._pins.clear()
+            if self._block_pins is not None:
+                self._block_pins.clear()
             self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
     @property
@@ -203,7 +215,7 @@ class CpuTier(StorageTier):
                 if not keep_pinned:
                     self._unpin(key)
             if self._blocks is not None:
-                self._blocks.add_many(keys)
+                self._blocks.add_many(zip(keys, map(self._slot_of.__getitem__, keys)))
         if prepared_s is not None:
             self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
         self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
@@ -248,7 +260,33 @@ class CpuTier(StorageTier):
                 for key in keys:
                     self._unpin(key)
 
+    def acquire_blocks(self, groups: Sequence[str]) -> "np.ndarray | None":
+        """Slots [len(groups), num_layers] of blocks visible in every layer (`index_blocks`; a group is a
+        block hash plus its key suffix), each block pinned whole until `release_blocks`; None, with
+        nothing pinned, when the index is off or some block is not held in every layer (use
+        `acquire`). One probe and one count per block, not per key; its keys count as hits, and as
+        used when released (`cpu_block_pins`)."""
+        start = time.perf_counter()
+        with self._lock:
+            rows = self._blocks.slot_rows(groups) if self._blocks is not None else None
+            if rows is None:
+                return None
+            self._block_pins.pin(groups)
+        self.counters.observe_latency("get", time.perf_counter() - start)
+        self.counters.record_lookups(rows.size, 0, rows.size * self.slot_bytes)
+        return rows
+
+    def release_blocks(self, groups: Sequence[str]) -> None:
+        """One whole-block pin of each group given back (a group without one is left alone)."""
+        with self._lock:
+            if self._block_pins is not None:
+                self._block_pins.release(groups)
+
     # -- internals ---------------------------------------------------------------------------
+    def _pinned(self, key: str) -> bool:
+        """Whether a reader or a pending write pins key, by its own pin or its whole block's. Lock held."""
+        return self._pins.get(key, 0) > 0 or (self._block_pins is not None and self._block_pins.holds(key))
+
     def _allocate(self, key: str) -> PutResult:
         """Reserve a pinned pending slot for key (see `_take_slot`). Lock held."""
         result, slot = self._take_slot(key)
@@ -267,7 +305,7 @@ class CpuTier(StorageTier):
             return PutResult(ok=False, error=f"{self.name}: block {key} is already being written"), None
         evicted = []
         if key in self._slot_of:
-            if self._pins[key] > 0:
+            if self._pinned(key):
                 return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader"), None
             slot = self._drop(key)
         elif self._free_slots:
@@ -282,9 +320,11 @@ class CpuTier(StorageTier):
 
     def _drop(self, key: str) -> int:
         """Take a visible key out of the index (and the per-block counts); returns its slot. Lock held."""
+        slot = self._slot_of.pop(key)
         if self._blocks is not None:
             self._blocks.remove(key)
-        return self._slot_of.pop(key)
+            self._block_pins.forget(key)
+        return slot
 
     def _lru_unpinned(self) -> str | None:
         """The least recently used unpinned key, None if every block is pinned. Lock held.
@@ -293,12 +333,16 @@ class CpuTier(StorageTier):
         run at the old end (the far blocks of a long request) is stepped over once, not on every
         eviction. When every visible block is pinned (each pinned key is visible or pending), there is
         nothing to find: no walk, so a full tier of running requests' blocks refuses puts at once."""
-        slot_of, pins = self._slot_of, self._pins
-        if len(pins) - len(self._pending) >= len(slot_of):
+        slot_of, pins, whole = self._slot_of, self._pins, self._block_pins
+        pinned = len(pins) - len(self._pending)
+        if whole is not None:  # blocks pinned whole: their keys are not in `pins` (a lower bound of both)
+            pinned = max(pinned, whole.lower_bound_pinned_keys())
+        if pinned >= len(slot_of):
             return None
-        for _ in range(len(slot_of)):
+        # each turn returns, or moves a pinned key, or uses up one of at most len(slot_of) second chances
+        for _ in range(2 * len(slot_of) + 1):
             key = next(iter(slot_of))
-            if pins[key] <= 0:
+            if pins.get(key, 0) <= 0 and not (whole is not None and (whole.holds(key) or whole.second_chance(key))):
                 return key
             slot_of.move_to_end(key)
         return None

@@ -62,6 +62,10 @@ def test_a_repeated_prefix_touches_the_blocks_its_length_implies(tokens, block_t
         assert meters["CpuTier.held_prefix (hashes)"]["items"] == prefix_blocks
         assert "StorageChain.locate_many (keys)" not in meters
         assert meters["FarPins.pin (blocks per layer)"]["items"] == far
+        # the far blocks are pinned whole, one count per block for every layer, not key by key
+        assert meters["CpuTier.acquire_blocks (blocks pinned whole)"]["items"] == far
+        # key by key only the window's blocks, loaded into vLLM's pool
+        assert meters["StorageChain.acquire_many (keys pinned)"]["items"] == (prefix_blocks - far) * layers
         assert meters["FarKV.add_hashes (hashes)"]["items"] == prefix_blocks
         assert meters["far_attention.chunk_partial (maths; blocks)"]["items"] == far * layers
         copied = (far + prefix_blocks - far) * layers + region * (ahead - counts["chunks_adopted"])  # far, window, ahead
@@ -73,7 +77,7 @@ def test_a_repeated_prefix_touches_the_blocks_its_length_implies(tokens, block_t
     # the repeat's pins are given back at the next step, with the saves' pins of its blocks never far
     finish = result["last_finish"]["meters"]
     assert finish["FarKV.finish (requests)"]["items"] == 1
-    assert finish["CpuTier.release (keys unpinned)"]["items"] >= far * layers
+    assert finish["CpuTier.release_blocks (blocks unpinned)"]["items"] == far
 
 
 def test_the_script_writes_json_and_prints_the_phase_table(tmp_path):

@@ -31,7 +31,8 @@ from tierkv.transfer.device import append_at, to_device_no_sync
 class FarRequest:
     hashes: list[str] = field(default_factory=list)            # chained hashes of its full blocks
     index: dict[str, int] = field(default_factory=dict)        # hash -> block index
-    pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier
+    pinned_keys: list[list[str]] = field(default_factory=list)  # per layer, keys pinned in the CPU tier one by one
+    pinned_groups: list[str] = field(default_factory=list)      # blocks pinned whole (every layer) in the CPU tier
     pinned_slots: list[torch.Tensor] = field(default_factory=list)  # per layer, int64 CPU-tier slots of those keys
     # sparse policy only
     pinned_slots_dev: list[torch.Tensor] = field(default_factory=list)  # the same slots on the device, in a
@@ -90,16 +91,27 @@ class FarPins:
             raise RuntimeError(f"request {req_id}: {num_blocks} far blocks needed, but the hashes of only "
                                f"{len(req.hashes)} were sent; the connector's metadata is out of step")
         hashes = req.hashes[first:num_blocks]
+        groups = self.store.block_groups(hashes)
+        rows = self.store.saves.pin_blocks_for_reader(groups)  # whole blocks: one pin each, not one per key
+        if rows is not None:
+            req.pinned_groups.extend(groups)
+            columns = torch.from_numpy(rows.T.copy())  # [layers, blocks]
+            for layer in range(num_layers):
+                self._add_slots(req, layer, first, columns[layer])
+            return len(hashes)
         for layer in range(num_layers):
             keys = self.store.keys(hashes, layer)
             slots = self._pin_layer(req_id, keys, layer, first, num_blocks)
             req.pinned_keys[layer].extend(keys)
-            new = torch.tensor(slots, dtype=torch.int64)
-            req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
-            if self.device_slots:
-                req.pinned_slots_dev[layer] = append_at(req.pinned_slots_dev[layer], first,
-                                                        to_device_no_sync(new, self.store.device))  # fmt: skip
+            self._add_slots(req, layer, first, torch.tensor(slots, dtype=torch.int64))
         return len(hashes)
+
+    def _add_slots(self, req: FarRequest, layer: int, first: int, new: torch.Tensor) -> None:
+        """Slots of `layer`'s blocks first.. (int64, CPU) appended to the request's, and to its device copy."""
+        req.pinned_slots[layer] = torch.cat([req.pinned_slots[layer], new])
+        if self.device_slots:
+            req.pinned_slots_dev[layer] = append_at(req.pinned_slots_dev[layer], first,
+                                                    to_device_no_sync(new, self.store.device))  # fmt: skip
 
     def _pin_layer(self, req_id: str, keys: list[str], layer: int, first: int, num_blocks: int) -> list[int]:
         slots = self.store.saves.pin_for_reader(keys)
@@ -121,10 +133,12 @@ class FarPins:
 
     def release(self, req: FarRequest) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became far."""
+        if req.pinned_groups:
+            self.store.saves.unpin_blocks(req.pinned_groups)
         for keys in req.pinned_keys:
             self.store.saves.unpin(keys)
         if self.store.saves.keep_pinned:
             self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
-            first = len(req.pinned_keys[0]) if req.pinned_keys else 0
+            first = req.pinned_slots[0].numel() if req.pinned_slots else 0  # blocks pinned for reading
             for layer in range(self.store.num_layers):
                 self.store.saves.release_pins(self.store.keys(req.hashes[first:], layer))

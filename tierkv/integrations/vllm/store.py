@@ -105,6 +105,13 @@ class VllmKVStore:
             return block_keys(hashes, layer)
         return block_keys(hashes, layer, f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}")
 
+    def block_groups(self, hashes: Sequence[str]) -> list[str]:
+        """The CPU tier's names of blocks `hashes`, all layers at once (`cpu_blocks`: hash + this rank's suffix)."""
+        if self.tp_size == 1:
+            return list(hashes)
+        suffix = f"/R{self.tp_rank}of{self.tp_size}"
+        return [h + suffix for h in hashes]
+
     def _lookup_keys(self, hashes: Sequence[str], layer: int) -> list[list[str]]:
         """Keys to find for a block to count as held: this rank's on a worker, every rank's on a lookup store."""
         ranks = range(self.tp_size) if self.lookup_only else [self.tp_rank]

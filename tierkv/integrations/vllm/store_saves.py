@@ -135,6 +135,22 @@ class LayerSaves:
             slots[i] = slot
         return slots
 
+    def pin_blocks_for_reader(self, groups: Sequence[str]):
+        """CPU-tier slots [len(groups), layers] of whole blocks (`CpuTier.acquire_blocks`: one pin per
+        block, given back with `unpin_blocks`), while no landed save holds a pin (those are per key and
+        would have to be found key by key, as `pin_for_reader` does); None, nothing pinned, otherwise
+        or when some block is not in the CPU tier in every layer."""
+        acquire = getattr(self.store.cpu, "acquire_blocks", None)
+        with self._lock:
+            if self._pins or acquire is None:
+                return None
+            return acquire(groups)
+
+    def unpin_blocks(self, groups: Sequence[str]) -> None:
+        """Give back pins from `pin_blocks_for_reader`."""
+        with self._lock:
+            self.store.cpu.release_blocks(groups)
+
     def unpin(self, keys: Sequence[str]) -> None:
         """Give back pins from `pin_for_reader`."""
         with self._lock:
