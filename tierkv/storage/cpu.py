@@ -10,7 +10,7 @@ GPU transfer engine uses:
     tier.release(keys)
     tier.index_blocks(num_layers)    # per block hash, the layers held (cpu_blocks), kept from now on
     n = tier.held_prefix(hashes)     # leading blocks held for every layer: one probe per block
-    rows = tier.acquire_blocks(groups)   # [blocks, layers] slots, each block pinned whole (cpu_block_pins)
+    rows = tier.acquire_blocks(groups)   # [blocks, layers] slots, each block pinned whole (cpu_pins)
     tier.release_blocks(groups)
 
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
@@ -33,7 +33,7 @@ import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.base import PutResult, StorageTier
-from tierkv.storage.cpu_block_pins import BlockPins
+from tierkv.storage.cpu_pins import BlockPins, TierPins
 from tierkv.storage.cpu_blocks import BlockLayers
 from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
 
@@ -61,19 +61,19 @@ class CpuTier(StorageTier):
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # visible blocks, LRU first
         self._pending: dict[str, int] = {}  # prepared, not yet complete
         self._prepare_s: dict[str, float] = {}  # pending key -> seconds its batch's prepare_put took
-        self._pins: Counter[str] = Counter()
+        self._pin_state = TierPins()  # cpu_pins: per-key and whole-block pins, the eviction walk
+        self._pins: Counter[str] = self._pin_state.keys
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
-        self._block_pins: BlockPins | None = None  # whole-block read pins (`acquire_blocks`)
 
     def index_blocks(self, num_layers: int) -> None:
         """From now on, count per block hash the visible layers in [0, num_layers) (`cpu_blocks`)."""
         with self._lock:
-            if self._block_pins is not None and self._block_pins.pins:
+            if self._pin_state.blocks is not None and self._pin_state.blocks.pins:
                 raise RuntimeError(f"{self.name}: index_blocks while whole blocks are pinned")
             self._blocks = BlockLayers(num_layers)
             self._blocks.add_many(self._slot_of.items())
-            self._block_pins = BlockPins(self._blocks)
+            self._pin_state.blocks = BlockPins(self._blocks)
 
     def held_prefix(self, hashes: Sequence[str], suffix: str = "") -> int | None:
         """Leading `hashes` visible in every layer (keys `block_keys(hashes, layer, suffix)`), one
@@ -172,8 +172,8 @@ class CpuTier(StorageTier):
             self._pending.clear()
             self._prepare_s.clear()
             self._pins.clear()
-            if self._block_pins is not None:
-                self._block_pins.clear()
+            if self._pin_state.blocks is not None:
+                self._pin_state.blocks.clear()
             self._free_slots = list(range(self.num_slots - 1, -1, -1))
 
     @property
@@ -265,13 +265,13 @@ class CpuTier(StorageTier):
         block hash plus its key suffix), each block pinned whole until `release_blocks`; None, with
         nothing pinned, when the index is off or some block is not held in every layer (use
         `acquire`). One probe and one count per block, not per key; its keys count as hits, and as
-        used when released (`cpu_block_pins`)."""
+        used when released (`cpu_pins`)."""
         start = time.perf_counter()
         with self._lock:
             rows = self._blocks.slot_rows(groups) if self._blocks is not None else None
             if rows is None:
                 return None
-            self._block_pins.pin(groups)
+            self._pin_state.blocks.pin(groups)
         self.counters.observe_latency("get", time.perf_counter() - start)
         self.counters.record_lookups(rows.size, 0, rows.size * self.slot_bytes)
         return rows
@@ -279,13 +279,13 @@ class CpuTier(StorageTier):
     def release_blocks(self, groups: Sequence[str]) -> None:
         """One whole-block pin of each group given back (a group without one is left alone)."""
         with self._lock:
-            if self._block_pins is not None:
-                self._block_pins.release(groups)
+            if self._pin_state.blocks is not None:
+                self._pin_state.blocks.release(groups)
 
     # -- internals ---------------------------------------------------------------------------
     def _pinned(self, key: str) -> bool:
         """Whether a reader or a pending write pins key, by its own pin or its whole block's. Lock held."""
-        return self._pins.get(key, 0) > 0 or (self._block_pins is not None and self._block_pins.holds(key))
+        return self._pin_state.pinned(key)
 
     def _allocate(self, key: str) -> PutResult:
         """Reserve a pinned pending slot for key (see `_take_slot`). Lock held."""
@@ -323,35 +323,12 @@ class CpuTier(StorageTier):
         slot = self._slot_of.pop(key)
         if self._blocks is not None:
             self._blocks.remove(key)
-            self._block_pins.forget(key)
+            self._pin_state.blocks.forget(key)
         return slot
 
     def _lru_unpinned(self) -> str | None:
-        """The least recently used unpinned key, None if every block is pinned. Lock held.
-
-        Pinned blocks met on the way are in use, so they move to the recent end: a long-pinned
-        run at the old end (the far blocks of a long request) is stepped over once, not on every
-        eviction. When every visible block is pinned (each pinned key is visible or pending), there is
-        nothing to find: no walk, so a full tier of running requests' blocks refuses puts at once."""
-        slot_of, pins, whole = self._slot_of, self._pins, self._block_pins
-        pinned = len(pins) - len(self._pending)
-        if whole is not None:  # blocks pinned whole: their keys are not in `pins` (a lower bound of both)
-            pinned = max(pinned, whole.lower_bound_pinned_keys())
-        if pinned >= len(slot_of):
-            return None
-        # each turn returns, or moves a pinned key, or uses up one of at most len(slot_of) second chances
-        for _ in range(2 * len(slot_of) + 1):
-            key = next(iter(slot_of))
-            if pins.get(key, 0) <= 0 and not (whole is not None and (whole.holds(key) or whole.second_chance(key))):
-                return key
-            slot_of.move_to_end(key)
-        return None
+        """The least recently used unpinned key, None if every block is pinned (`TierPins.lru_unpinned`). Lock held."""
+        return self._pin_state.lru_unpinned(self._slot_of, len(self._pending))
 
     def _unpin(self, key: str) -> None:
-        """One pin of key given back (a key without a pin is left alone). Plain dict operations, not
-        Counter arithmetic: a finished long request gives back some 50k pins."""
-        count = self._pins.get(key, 0) - 1
-        if count > 0:
-            self._pins[key] = count
-        else:
-            self._pins.pop(key, None)
+        self._pin_state.unpin(key)

@@ -1,8 +1,11 @@
-"""Whole-block read pins of the CPU tier: a block pinned in every layer with one count, not one per key.
+"""Who holds the CPU tier's blocks, and which block an eviction takes: per-key pins (readers and pending
+writes), whole-block read pins (a block pinned in every layer with one count, not one per key), and the
+least-recently-used walk that steps over both.
 
-Primitives: `BlockPins` (pin, release, holds, lower_bound_pinned_keys, second_chance, forget, clear). Used
-under the tier's lock by `CpuTier.acquire_blocks` / `release_blocks`; blocks are the groups of
-`cpu_blocks.BlockLayers` (hash + rank suffix), all of whose `num_layers` keys are visible when pinned.
+Primitives: `TierPins` (keys, blocks, pinned, unpin, lru_unpinned), `BlockPins` (pin, release, holds,
+lower_bound_pinned_keys, second_chance, forget, clear). Used under the tier's lock by `CpuTier`; blocks are
+the groups of `cpu_blocks.BlockLayers` (hash + rank suffix), all of whose `num_layers` keys are visible
+when pinned whole.
 
     pins[group]    read pins of the whole block: none of its keys is evicted or replaced while > 0
     chances[group] after a release, how many of its keys an eviction walk still moves to the recent
@@ -14,9 +17,56 @@ per key it is 200k lookups, LRU moves and pin counts.
 """
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 from tierkv.storage.cpu_blocks import BlockLayers
+
+
+class TierPins:
+    """keys: pins per key (a Counter the tier updates in C-level passes); blocks: whole-block pins, once
+    the tier indexes its blocks (`CpuTier.index_blocks`)."""
+
+    def __init__(self):
+        self.keys: Counter[str] = Counter()
+        self.blocks: BlockPins | None = None
+
+    def pinned(self, key: str) -> bool:
+        """Whether a reader or a pending write pins key, by its own pin or its whole block's."""
+        return self.keys.get(key, 0) > 0 or (self.blocks is not None and self.blocks.holds(key))
+
+    def unpin(self, key: str) -> None:
+        """One pin of key given back (a key without a pin is left alone). Plain dict operations, not
+        Counter arithmetic: a finished long request gives back some 50k pins."""
+        count = self.keys.get(key, 0) - 1
+        if count > 0:
+            self.keys[key] = count
+        else:
+            self.keys.pop(key, None)
+
+    def lru_unpinned(self, slot_of: OrderedDict, num_pending: int) -> str | None:
+        """The least recently used unpinned key of `slot_of` (visible keys, LRU first), None if every
+        one is pinned.
+
+        Pinned blocks met on the way are in use, so they move to the recent end: a long-pinned run at
+        the old end (the far blocks of a long request) is stepped over once, not on every eviction; so
+        do keys of a block released after a whole-block read, once each (their second chance). When
+        every visible key is pinned (each pinned key is visible or pending: the larger of the two
+        counts is a lower bound), there is nothing to find: no walk, so a full tier of running
+        requests' blocks refuses puts at once."""
+        keys, whole = self.keys, self.blocks
+        pinned = len(keys) - num_pending
+        if whole is not None:
+            pinned = max(pinned, whole.lower_bound_pinned_keys())
+        if pinned >= len(slot_of):
+            return None
+        # each turn returns, or moves a pinned key, or uses up one of at most len(slot_of) second chances
+        for _ in range(2 * len(slot_of) + 1):
+            key = next(iter(slot_of))
+            if keys.get(key, 0) <= 0 and not (whole is not None and (whole.holds(key) or whole.second_chance(key))):
+                return key
+            slot_of.move_to_end(key)
+        return None
 
 
 class BlockPins:

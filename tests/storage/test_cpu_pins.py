@@ -1,4 +1,4 @@
-"""Whole-block pins of the CPU tier (`CpuTier.acquire_blocks` / `release_blocks`, `cpu_block_pins`) on random
+"""Whole-block pins of the CPU tier (`CpuTier.acquire_blocks` / `release_blocks`, `cpu_pins`) on random
 sequences of puts, evictions, removes, per-key pins and whole-block pins: a pinned block keeps every layer
 in the slots it was given until released, the slots are the ones the keys hold, a block not held in every
 layer is refused whole, and nothing stays pinned after the releases."""
