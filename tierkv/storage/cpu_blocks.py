@@ -1,7 +1,7 @@
 """Per block, how many layers a tier's visible keys hold and in which slots: one dict probe answers
 "is this block held for every layer" (and gives its slots) instead of one probe per layer.
 
-Primitives: `BlockLayers` (add_many, remove, clear, held_prefix, slot_rows).
+Primitives: `BlockLayers` (add_many, remove, clear, held_prefix, slot_rows), `block_group`.
 
     key  <hash>/L<layer><suffix>      (`tierkv.blocks.block_key` + an optional "/R<rank>of<size>")
     group <hash><suffix>              counts[group] = how many of layers [0, num_layers) are held
@@ -17,6 +17,13 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import numpy as np
+
+
+def block_group(key: str) -> str:
+    """The block a key `<hash>/L<layer><suffix>` is one layer of: `<hash><suffix>` (the layer not checked)."""
+    head, _, rest = key.partition("/")
+    _, slash, suffix = rest.partition("/")
+    return head + slash + suffix
 
 
 class BlockLayers:

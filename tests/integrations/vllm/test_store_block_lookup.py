@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tierkv.blocks import BlockLayout
@@ -183,3 +183,88 @@ def test_far_pins_match_the_per_key_logic_and_balance_to_zero(ops, cpu_blocks):
         finally:
             for store in stores:
                 store.close()
+
+
+def _recount(saves) -> dict[str, int]:
+    from tierkv.storage.cpu_blocks import block_group
+
+    counts: dict[str, int] = {}
+    for key in saves._pins:
+        counts[block_group(key)] = counts.get(block_group(key), 0) + 1
+    return counts
+
+
+block_ops = st.lists(st.one_of(
+    st.tuples(st.just("cpu"), st.lists(pin_cell, min_size=1, max_size=8)),
+    st.tuples(st.just("cpu_blocks"), st.lists(st.integers(0, len(HASHES) - 1), min_size=1, max_size=3)),
+    st.tuples(st.just("disk"), st.lists(pin_cell, min_size=1, max_size=8)),
+    st.tuples(st.just("land"), st.lists(pin_cell, max_size=8)),
+    st.tuples(st.just("read"), st.lists(pin_cell, max_size=8)),
+    st.tuples(st.just("cpu_blocks"), st.lists(st.integers(0, 2), min_size=1, max_size=2)),
+    st.tuples(st.just("read_blocks"), st.lists(st.integers(0, 2), min_size=1, max_size=2)),
+    st.tuples(st.just("read_blocks"), st.lists(st.integers(0, 2), min_size=1, max_size=2)),
+    st.tuples(st.just("read_blocks"), st.lists(st.integers(0, len(ALL) - 1), min_size=1, max_size=3)),
+    st.tuples(st.just("release_saves"), st.lists(pin_cell, max_size=8)),
+), min_size=1, max_size=25)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=block_ops, cpu_blocks=st.integers(4, 24), tp=st.sampled_from([(0, 1), (1, 2)]))
+def test_whole_block_reads_never_double_pin_a_landed_save_and_balance_to_zero(ops, cpu_blocks, tp):
+    """Far blocks pinned whole (`pin_blocks_for_reader`) beside landed saves' pins and per-key reads: a block
+    with a landed save still pinned is refused whole (its pin is taken over key by key, or it would be pinned
+    twice and one pin lost), a block not in the CPU tier in every layer too, a hash with "/" is never named
+    as a whole block; the slots given are the keys' own; the per-block count of landed pins stays exact;
+    and once every reader and save gives its pins back nothing stays pinned."""
+    with tempfile.TemporaryDirectory() as root:
+        store = make_store(Path(root), cpu_blocks, *tp)
+        readers: list[list[str]] = []  # per-key reads to give back
+        whole: list[str] = []          # blocks pinned whole to give back
+        try:
+            for kind, arg in ops:
+                if kind == "cpu_blocks":  # every layer of a few blocks, as a save of a whole block would
+                    keys = [store.keys([HASHES[b]], layer)[0] for b in arg for layer in range(LAYERS)]
+                    store.chain.put_many(keys, [torch.zeros(LAYOUT.shape)] * len(keys))
+                    store.chain.flush()
+                elif kind == "land":
+                    keys = list(dict.fromkeys(store.keys([ALL[b]], layer)[0] for b, layer in arg))
+                    keys = [k for k in keys if k not in store.saves._pins]
+                    slots = store.cpu.acquire(keys)
+                    landed = [(k, s) for k, s in zip(keys, slots) if s is not None]
+                    store.saves._pins.update(landed)
+                    store.saves._count_blocks([k for k, _ in landed], 1)
+                elif kind == "read":
+                    keys = list(dict.fromkeys(store.keys([ALL[b]], layer)[0] for b, layer in arg))
+                    if store.saves.pin_for_reader(keys) is not None:
+                        readers.append(keys)
+                elif kind == "read_blocks":
+                    hashes = [ALL[b] for b in arg]
+                    groups = store.block_groups(hashes)
+                    if any("/" in h for h in hashes):
+                        assert groups is None
+                        continue
+                    keys = [[store.keys([h], layer)[0] for layer in range(LAYERS)] for h in hashes]
+                    saved = any(k in store.saves._pins for row in keys for k in row)
+                    in_cpu = all(store.cpu.contains(k) for row in keys for k in row)
+                    rows = store.saves.pin_blocks_for_reader(groups)
+                    event("pinned whole" if rows is not None else "refused: a landed save" if saved else "refused")
+                    assert (rows is not None) == (in_cpu and not saved)
+                    if rows is not None:
+                        whole.extend(groups)
+                        for row, row_keys in zip(rows.tolist(), keys):
+                            slots = store.cpu.acquire(row_keys)
+                            store.cpu.release(row_keys)
+                            assert row == slots
+                elif kind == "release_saves":
+                    keys = list(dict.fromkeys(store.keys([ALL[b]], layer)[0] for b, layer in arg))
+                    store.saves.release_pins(keys)
+                else:
+                    apply_pin(store, (kind, arg), True)
+                assert store.saves._pin_blocks == _recount(store.saves)
+            store.saves.release_pins(list(store.saves._pins))
+            for keys in readers:
+                store.saves.unpin(keys)
+            store.saves.unpin_blocks(whole)
+            assert not store.cpu._pins and not store.cpu._pin_state.blocks.pins and not store.saves._pin_blocks
+        finally:
+            store.close()

@@ -92,7 +92,7 @@ class FarPins:
                                f"{len(req.hashes)} were sent; the connector's metadata is out of step")
         hashes = req.hashes[first:num_blocks]
         groups = self.store.block_groups(hashes)
-        rows = self.store.saves.pin_blocks_for_reader(groups)  # whole blocks: one pin each, not one per key
+        rows = self.store.saves.pin_blocks_for_reader(groups) if groups is not None else None  # one pin per block
         if rows is not None:
             req.pinned_groups.extend(groups)
             columns = torch.from_numpy(rows.T.copy())  # [layers, blocks]

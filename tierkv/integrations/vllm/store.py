@@ -105,11 +105,12 @@ class VllmKVStore:
             return block_keys(hashes, layer)
         return block_keys(hashes, layer, f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}")
 
-    def block_groups(self, hashes: Sequence[str]) -> list[str]:
-        """The CPU tier's names of blocks `hashes`, all layers at once (`cpu_blocks`: hash + this rank's suffix)."""
-        if self.tp_size == 1:
-            return list(hashes)
-        suffix = f"/R{self.tp_rank}of{self.tp_size}"
+    def block_groups(self, hashes: Sequence[str]) -> list[str] | None:
+        """The CPU tier's names of blocks `hashes`, all layers at once (`cpu_blocks`: hash + this rank's
+        suffix); None when some hash has a "/" (its keys read as another block's: name them key by key)."""
+        if any("/" in h for h in hashes):
+            return None
+        suffix = "" if self.tp_size == 1 else f"/R{self.tp_rank}of{self.tp_size}"
         return [h + suffix for h in hashes]
 
     def _lookup_keys(self, hashes: Sequence[str], layer: int) -> list[list[str]]:

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from tierkv.integrations.vllm.paged_layout import BlockSpan
+from tierkv.storage.cpu_blocks import block_group
 from tierkv.transfer.device import to_device_no_sync
 
 
@@ -39,6 +40,7 @@ class LayerSaves:
         self._pending: list[tuple[object, list[str], int, list[int]]] = []  # (handle, keys, bytes, slots)
         self.keep_pinned = False  # set by the hot window's far-block reader
         self._pins: dict[str, int] = {}  # landed saves kept pinned: key -> CPU-tier slot
+        self._pin_blocks: dict[str, int] = {}  # block (hash + suffix) -> its keys in _pins
         self.host_s = [0.0, 0.0]  # save_layers' host seconds since the caller last took them: reads, tier
 
     def save_layers(self, layers: Sequence[int], kvs: Sequence[torch.Tensor],
@@ -104,6 +106,7 @@ class LayerSaves:
                 self.store.chain.write_through(keys)
                 if self.keep_pinned:
                     self._pins.update(zip(keys, slots))
+                    self._count_blocks(keys, 1)
             else:
                 still.append(pending)
         self._pending = still
@@ -113,7 +116,11 @@ class LayerSaves:
         """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
         with self._lock:
             pins = self._pins
-            return list(map(pins.pop, keys, repeat(None))) if pins else [None] * len(keys)
+            if not pins:
+                return [None] * len(keys)
+            slots = list(map(pins.pop, keys, repeat(None)))
+            self._count_blocks([k for k, s in zip(keys, slots) if s is not None], -1)
+            return slots
 
     def pin_for_reader(self, keys: Sequence[str]) -> list[int] | None:
         """CPU-tier slots of `keys`, pinned for a reader who gives them back with `unpin`: pins of
@@ -129,7 +136,9 @@ class LayerSaves:
         with self._lock:
             acquired = self.store.chain.acquire_many([keys[i] for i in rest])
             if acquired is None:  # hand the taken pins back, unchanged
-                self._pins.update((k, s) for k, s in zip(keys, slots) if s is not None)
+                taken = [(k, s) for k, s in zip(keys, slots) if s is not None]
+                self._pins.update(taken)
+                self._count_blocks([k for k, _ in taken], 1)
                 return None
         for i, slot in zip(rest, acquired):
             slots[i] = slot
@@ -137,12 +146,13 @@ class LayerSaves:
 
     def pin_blocks_for_reader(self, groups: Sequence[str]):
         """CPU-tier slots [len(groups), layers] of whole blocks (`CpuTier.acquire_blocks`: one pin per
-        block, given back with `unpin_blocks`), while no landed save holds a pin (those are per key and
-        would have to be found key by key, as `pin_for_reader` does); None, nothing pinned, otherwise
-        or when some block is not in the CPU tier in every layer."""
+        block, given back with `unpin_blocks`), when no landed save of these blocks holds a pin (those
+        are per key: `pin_for_reader` takes them over); None, nothing pinned, otherwise or when some
+        block is not in the CPU tier in every layer."""
         acquire = getattr(self.store.cpu, "acquire_blocks", None)
         with self._lock:
-            if self._pins or acquire is None:
+            saved = self._pin_blocks
+            if acquire is None or (saved and any(g in saved for g in groups)):
                 return None
             return acquire(groups)
 
@@ -161,4 +171,16 @@ class LayerSaves:
         with self._lock:
             held = [k for k in keys if self._pins.pop(k, None) is not None]
             if held:
+                self._count_blocks(held, -1)
                 self.store.cpu.release(held)
+
+    def _count_blocks(self, keys: Sequence[str], delta: int) -> None:
+        """Keep `_pin_blocks` (per block, its keys holding a landed save's pin) in step with `_pins`. Lock held."""
+        counts = self._pin_blocks
+        for key in keys:
+            group = block_group(key)
+            count = counts.get(group, 0) + delta
+            if count > 0:
+                counts[group] = count
+            else:
+                counts.pop(group, None)
