@@ -108,7 +108,8 @@ class PoolResizer:
             try:
                 if self.graphs:
                     raise BudgetRefused(parse_budget(budget), "vLLM captured CUDA graphs over its pool's addresses: resizing needs an "
-                                   "eager engine (enforce_eager=True, TieredLLM's default)")
+                                   "eager engine (pass enforce_eager=True; TieredLLM starts compiled only for "
+                                   "scheduler.sparse_full_graphs, as configs/vllm-128k-sparse.yaml sets)")
                 budget_bytes = self._plan(budget, running=()).budget_bytes  # what needs no engine state
             except (ValueError, BudgetRefused) as exc:
                 self._record_refusal(exc)
