@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.integrations.vllm.test_resize_plan import (
-    BS, BYTES_PER_BLOCK, D, H, NAMES, SPEC, groups, manager_of, pool_state, request, write_config)
+    BS, BYTES_PER_BLOCK, D, FIXED_STAGING, H, NAMES, SPEC, groups, manager_of, pool_state, request, write_config)
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor  # noqa: E402
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
@@ -115,7 +115,7 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: floa
     core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
                            step_fn=lambda: (time.sleep(step_s), steps.append(len(steps))),
                            collective_rpc=lambda fn, args=(): [fn(worker, *args)])
-    config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
+    config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8, scheduler_lines=FIXED_STAGING))
     split = partial(split_budget, config)
     budget = config.scheduler.staging_bytes + num_blocks * BYTES_PER_BLOCK
     return PoolResizer(core, split, budget), core, worker, steps, config.scheduler.staging_bytes

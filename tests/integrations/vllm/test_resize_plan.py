@@ -32,6 +32,7 @@ from tests.integrations.vllm.test_hot_window import write_config  # noqa: E402
 WINDOW = 4 * BS
 SPEC = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=WINDOW)
 BYTES_PER_BLOCK = SPEC.page_size_bytes * len(NAMES)
+FIXED_STAGING = ("staging_follows_budget: false",)  # the pool's bookkeeping alone (the ring's share: test_resize_staging)
 WINDOW_BLOCKS = window_blocks(WINDOW, 2 * BS, 4096, BS)
 
 
@@ -63,7 +64,7 @@ def plan(budget, config, running=(), max_num_seqs=1, old=64):
 
 @pytest.fixture
 def config(tmp_path):
-    return load_config(write_config(tmp_path, window=WINDOW, staging_blocks=8))
+    return load_config(write_config(tmp_path, window=WINDOW, staging_blocks=8, scheduler_lines=FIXED_STAGING))
 
 
 @settings(max_examples=60, deadline=None)
@@ -71,7 +72,8 @@ def config(tmp_path):
 def test_the_resize_split_and_block_count_equal_the_start_up_ones(tmp_path_factory, extra_blocks, spare):
     """The budget's pool is what hot_window_engine_args gives vLLM at start-up, and its block count
     what vLLM's own get_kv_cache_config_from_groups makes of that pool."""
-    config = load_config(write_config(tmp_path_factory.mktemp("c"), window=WINDOW, staging_blocks=8))
+    config = load_config(write_config(tmp_path_factory.mktemp("c"), window=WINDOW, staging_blocks=8,
+                                      scheduler_lines=FIXED_STAGING))
     budget = config.scheduler.staging_bytes + extra_blocks * BYTES_PER_BLOCK + spare
     config.cache.gpu_budget_bytes = budget
     start_pool = hot_window_engine_args(config)["kv_cache_memory_bytes"]
@@ -114,7 +116,8 @@ def test_a_pool_below_the_running_requests_is_refused_with_the_sizes(config):
        running=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 30)), max_size=8))
 def test_any_budget_is_planned_at_its_block_count_or_refused_for_a_stated_reason(tmp_path_factory, budget_blocks,
                                                                                 max_num_seqs, running):
-    config = load_config(write_config(tmp_path_factory.mktemp("c"), window=WINDOW, staging_blocks=8))
+    config = load_config(write_config(tmp_path_factory.mktemp("c"), window=WINDOW, staging_blocks=8,
+                                      scheduler_lines=FIXED_STAGING))
     reqs = [RunningRequest(str(i), tuple(range(100 * i + 1, 100 * i + 1 + held)), need)
             for i, (held, need) in enumerate(running)]
     budget = config.scheduler.staging_bytes + budget_blocks * BYTES_PER_BLOCK

@@ -55,13 +55,15 @@ logger = logging.getLogger(__name__)
 
 
 class FarKV:
-    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1):
+    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1,
+                 staging_bytes: int | None = None):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
         timed by the GPU. max_model_len: the engine's longest request; under the sparse policy it
         bounds each request's key summaries (`summary_bytes_per_request`). max_rows: the engine's
         decoding rows per step at most (vLLM's max_num_seqs): the sparse policy's CUDA graphs give
-        each a selection's worth of staging, within half of `scheduler.staging_bytes`."""
+        each a selection's worth of staging, within half of `scheduler.staging_bytes`. staging_bytes: the
+        device buffers' bytes when not `scheduler.staging_bytes` (a run-time resize's, `make_ring`)."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
@@ -70,7 +72,7 @@ class FarKV:
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
-        staging = split_staging(store, max_rows)  # the device buffers, carved from scheduler.staging_bytes
+        staging = split_staging(store, max_rows, staging_bytes)  # the device buffers, carved from the staging bytes
         if staging.warning:
             logger.warning("tierkv hot window: %s", staging.warning)
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
@@ -288,6 +290,15 @@ class FarKV:
             self.host.end_step()
         self.rows, self._pieces, self.sparse_rows = [], [], []
         self.graphed.reset()
+
+    def use_ring(self, pool) -> None:
+        """Between steps, exact policy: stream through `pool` (`far_staging.exact_ring`, a run-time resize's
+        ring) from the next step on; the old ring's chunks copied ahead are dropped, and copied again."""
+        if self.sparse_blocks is not None:
+            raise RuntimeError("the sparse policy's staging holds the far-block caches its CUDA graphs captured: "
+                               "it keeps its start-up size")
+        self.pool = pool
+        self.streamer = LookaheadStreamer(self.store.io, pool, self.store.lookahead, recorder=self.recorder)
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far

@@ -1,6 +1,6 @@
 """How the hot window's far path divides `scheduler.staging_bytes` between its device buffers.
 
-Primitives: `FarStaging`, `split_staging`. No vLLM import.
+Primitives: `FarStaging`, `split_staging`, `exact_ring`, `exact_ring_bytes`. No vLLM import.
 
     staging_bytes = main ring (streamed chunks, copied layers ahead; at least lookahead + 1 regions)
                   + eager sparse regions: 2 x min(k, staging blocks / 4) blocks          (sparse only)
@@ -36,13 +36,32 @@ class FarStaging:
     warning: str | None               # why the caches keep less than one selection per layer, if they do
 
 
-def split_staging(store, max_rows: int) -> FarStaging:
+def exact_ring_bytes(store, staging_bytes: int) -> int:
+    """The bytes `exact_ring(store, staging_bytes)` allocates (whole blocks per region; ConfigError when
+    `staging_bytes` holds not one block per region)."""
+    regions = max(2, store.lookahead + 1)
+    region_blocks = staging_bytes // (store.layout.num_bytes * regions)
+    if region_blocks < 1:
+        raise ConfigError("scheduler.staging_bytes", staging_bytes,
+                          f"must hold at least {regions} blocks of {store.layout.num_bytes} bytes, one per staging region")
+    return regions * region_blocks * store.layout.num_bytes
+
+
+def exact_ring(store, staging_bytes: int) -> GpuBlockPool:
+    """The exact policy's one buffer: the main ring of `staging_bytes` (what `split_staging` makes for it)."""
+    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, max(2, store.lookahead + 1),
+                        store.device)
+
+
+def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
-    at most this many and at most scheduler.sparse_graph_rows.
+    at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve, when not
+    scheduler.staging_bytes (an exact engine resized at run time).
     """
-    scheduler, layout, staging_bytes = store.config.scheduler, store.layout, store.config.scheduler.staging_bytes
+    scheduler, layout = store.config.scheduler, store.layout
+    staging_bytes = scheduler.staging_bytes if staging_bytes is None else staging_bytes
     block_tokens = layout.block_tokens
     if scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer":
         raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,

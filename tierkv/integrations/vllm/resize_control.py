@@ -179,7 +179,7 @@ class PoolResizer:
                 return None
             self._pending = None
         try:
-            self._resize(plan.new_num_blocks)
+            self._resize(plan)
         except Exception as exc:  # the old pool is back in force (see _resize)
             refused = BudgetRefused(plan.budget_bytes, f"{type(exc).__name__}: {exc}; the pool stays "
                                                        f"{self.num_blocks} blocks ({format_bytes(self.budget_bytes)} budget)")
@@ -194,28 +194,31 @@ class PoolResizer:
             change.resolve()
         return None
 
-    def _resize(self, new_num_blocks: int) -> None:
-        """Workers' tensors, then the BlockPool; either failing leaves the old pool in every place."""
-        old = self.num_blocks
+    def _resize(self, plan) -> None:
+        """Workers' tensors (and an exact hot window's staging ring, when the split moves it), then the
+        BlockPool; either failing leaves the old pool in every place."""
+        new_num_blocks, old = plan.new_num_blocks, self.num_blocks
+        old_staging = self._split_fn(self.budget_bytes).staging_bytes
+        staging = plan.split.staging_bytes if plan.split.staging_bytes != old_staging else None
         started = time.perf_counter()
         try:
-            results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks,))
+            results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks, staging))
         except Exception:
-            self._restore_workers(old)  # under tensor parallelism some workers may have resized
+            self._restore_workers(old, old_staging)  # under tensor parallelism some workers may have resized
             raise
         try:
             resize_block_pool(self.manager, new_num_blocks)
         except Exception:
-            self._restore_workers(old)
+            self._restore_workers(old, old_staging)
             raise
         self.core.vllm_config.cache_config.num_gpu_blocks = new_num_blocks
         freed = sum(r["old_bytes"] - r["new_bytes"] for r in results)
         self.counts["returned_bytes" if freed >= 0 else "taken_bytes"] += abs(freed)
         self.last_resize_s = time.perf_counter() - started
 
-    def _restore_workers(self, num_blocks: int) -> None:
+    def _restore_workers(self, num_blocks: int, staging_bytes: int) -> None:
         try:
-            self.core.collective_rpc(resize_worker_kv, args=(num_blocks,))
+            self.core.collective_rpc(resize_worker_kv, args=(num_blocks, staging_bytes))
         except Exception:  # a worker still at the old size is the one that failed: it kept its tensors
             logger.exception("tierkv: restoring the workers' KV tensors to %d blocks failed", num_blocks)
 

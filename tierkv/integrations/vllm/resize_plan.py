@@ -1,11 +1,11 @@
 """Run-time resize of the vLLM hot-window pool, the bookkeeping half: what a new GPU budget means
 in vLLM blocks, and whether it is refused, decided before anything changes. No vLLM import, no CUDA.
 
-Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too),
+Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too), `staging_for_budget`,
 `window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
 
-    budget ──split_budget──> staging ring + key summaries + full-graph codes (fixed reservations)
-                             + vLLM's pool = the rest
+    budget ──split_budget──> staging ring (exact policy: its start-up share of a smaller budget)
+                             + key summaries + full-graph codes (fixed) + vLLM's pool = the rest
     vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
 
 Refusals (BudgetRefused, sizes named): the budget does not exceed the fixed reservations; the pool
@@ -49,8 +49,19 @@ class BudgetSplit:
 
 def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_bytes: int = 0) -> BudgetSplit:
     """The split of `budget_bytes` for an engine of tierkv `config` (a TierKVConfig): the one
-    `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after."""
-    return BudgetSplit(budget_bytes, config.scheduler.staging_bytes, summary_bytes, full_graph_bytes)
+    `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after (`staging_for_budget`)."""
+    return BudgetSplit(budget_bytes, staging_for_budget(config, budget_bytes), summary_bytes, full_graph_bytes)
+
+
+def staging_for_budget(config, budget_bytes: int) -> int:
+    """The staging ring of a budget: `scheduler.staging_bytes` at the start-up budget
+    (`cache.gpu_budget_bytes`) and above; under the exact policy (`scheduler.staging_follows_budget`) a smaller budget keeps the ring's
+    share of it (a run-time shrink re-makes the ring, `FarKV.make_ring`), at least one byte; the sparse
+    policy's staging holds the far-block caches its CUDA graphs captured, and stays."""
+    staging, start = config.scheduler.staging_bytes, config.cache.gpu_budget_bytes
+    if config.scheduler.policy != "exact" or not config.scheduler.staging_follows_budget or budget_bytes >= start:
+        return staging
+    return max(1, staging * budget_bytes // start)
 
 
 def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int, block_tokens: int) -> int:

@@ -11,6 +11,8 @@ Primitives: `resized_kv_caches` (no vLLM: allocate, copy the kept blocks), `resi
        the connector's registered caches (its store reads and saves through them), the hot-window
        backend's cached views
     4. drop the old tensors, torch.cuda.empty_cache(): the bytes go back to the driver
+    (with staging_bytes, the exact hot window's staging ring is re-made the same way: allocated in 1,
+    bound in 3, the old one dropped in 4)
 
 Runs between engine steps only (the caller's step-boundary lock): no forward reads a tensor
 being replaced. Refuses engines whose CUDA graphs captured the pool's addresses.
@@ -81,12 +83,18 @@ def resized_config(kv_cache_config, new_num_blocks: int):
     return config
 
 
-def resize_worker_kv(worker, new_num_blocks: int) -> dict:
+def resize_worker_kv(worker, new_num_blocks: int, staging_bytes: int | None = None) -> dict:
     """collective_rpc body: give this worker's model runner KV tensors of `new_num_blocks` blocks,
-    the kept blocks' contents copied. Returns {"old_bytes", "new_bytes", "seconds"} of this GPU."""
+    the kept blocks' contents copied, and, with `staging_bytes`, the exact hot window's staging ring
+    that size (`TierKVConnector.prepare_staging`: allocated before anything is bound). Returns
+    {"old_bytes", "new_bytes", "seconds"} of this GPU's KV tensors."""
     started = time.perf_counter()
     runner = worker.model_runner
+    bind_ring = _prepare_ring(staging_bytes)  # an OOM here changes nothing
     if runner.kv_cache_config.num_blocks == new_num_blocks:  # (a restore after a failure elsewhere)
+        if bind_ring is not None:
+            bind_ring()
+            _release(runner)
         return {"old_bytes": 0, "new_bytes": 0, "seconds": time.perf_counter() - started}
     if getattr(runner, "cross_layers_kv_cache", None) is not None or getattr(runner, "shared_kv_cache_layers", None):
         raise RuntimeError("a KV pool shared across layers cannot be resized at run time")
@@ -104,6 +112,8 @@ def resize_worker_kv(worker, new_num_blocks: int) -> dict:
         raise
     old_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in old_caches.values()}.values())
     _bind(runner, config, new_caches)  # 3.
+    if bind_ring is not None:
+        bind_ring()
     del old_caches
     _release(runner)  # 4.
     new_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in new_caches.values()}.values())
@@ -126,6 +136,18 @@ def _bind(runner, config, new_caches: dict[str, torch.Tensor]) -> None:
             forget()
     if has_kv_transfer_group():
         get_kv_transfer_group().register_kv_caches(new_caches)
+
+
+def _prepare_ring(staging_bytes: int | None):
+    """The tierkv connector's new staging ring, allocated, and the callable that binds it (None: no change)."""
+    if staging_bytes is None:
+        return None
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    prepare = getattr(get_kv_transfer_group(), "prepare_staging", None)
+    return prepare(staging_bytes) if prepare is not None else None
 
 
 def _release(runner) -> None:

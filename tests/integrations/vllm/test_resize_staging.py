@@ -1,0 +1,148 @@
+"""The exact hot window's staging ring follows a run-time GPU budget (`scheduler.staging_follows_budget`):
+the split gives the ring its start-up share of a smaller budget, the resize re-makes the ring between steps
+(`TierKVConnector.prepare_staging`, allocated before anything is bound), and the far part read through the
+new ring equals dense attention over the same blocks; the sparse policy's staging keeps its size."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import random
+import weakref
+
+import pytest
+import torch
+
+from tests.integrations.vllm.test_hot_window import (  # noqa: E402
+    BS, HQ, NAMES, NUM_BLOCKS, _Runner, dense, hot_kv_cache_config, make_request, schedule, vllm_config, write_config)
+from tests.integrations.vllm.test_connector import D, H  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+
+from tierkv.config import ConfigError, load_config  # noqa: E402
+from tierkv.integrations.vllm import hot_window  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
+from tierkv.integrations.vllm.far_staging import exact_ring_bytes  # noqa: E402
+from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
+from tierkv.integrations.vllm.resize_plan import split_budget, staging_for_budget  # noqa: E402
+from tierkv.integrations.vllm.store import BlockSpan  # noqa: E402
+
+GIB = 1 << 30
+
+
+def _config(policy: str = "exact", follows: bool = True):
+    config = load_config({"cache": {"gpu_budget_bytes": "2GiB"},
+                          "scheduler": {"policy": policy, "staging_bytes": "512MiB", "staging_follows_budget": follows}},
+                         env={})
+    return config
+
+
+@pytest.mark.parametrize("budget,want", [(2 * GIB, 512 << 20), (GIB, 256 << 20), (GIB // 2, 128 << 20),
+                                         (4 * GIB, 512 << 20), (1, 1)])
+def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget(budget, want):
+    assert staging_for_budget(_config(), budget) == want
+    assert split_budget(_config(), budget).staging_bytes == want
+    # kept as written: the flag off, or the sparse policy (its graphs captured the caches in the staging)
+    assert staging_for_budget(_config(follows=False), budget) == 512 << 20
+    assert staging_for_budget(_config("sparse"), budget) == 512 << 20
+
+
+def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_failure(tmp_path, monkeypatch):
+    """A shrink sends the workers the ring of the new split, a grow back the start-up one; a failure in
+    vLLM's block pool after the workers resized sends them the old pool and the old ring again."""
+    from tests.integrations.vllm.test_resize_apply import engine_of
+    from tierkv.integrations.vllm import resize_control
+    from tierkv.budget_change import BudgetRefused
+
+    resizer, core, _, _, staging = engine_of(tmp_path)
+    config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
+    start = resizer.budget_bytes
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_budget_bytes=start))
+    resizer._split_fn = lambda b: split_budget(config, b)
+    sent = []
+    rpc = core.collective_rpc
+    core.collective_rpc = lambda fn, args=(): (sent.append(args), rpc(fn, args))[1]
+    resizer.set_gpu_budget(start // 2).wait(0)
+    assert sent[-1] == (resizer.num_blocks, staging * (start // 2) // start)
+    resizer.set_gpu_budget(start).wait(0)
+    assert sent[-1] == (resizer.num_blocks, staging)
+
+    def broken(manager, n):
+        raise RuntimeError("block pool")
+    monkeypatch.setattr(resize_control, "resize_block_pool", broken)
+    with pytest.raises(BudgetRefused, match="block pool"):
+        resizer.set_gpu_budget(start // 2).wait(0)
+    assert sent[-2][1] == staging * (start // 2) // start and sent[-1][1] == staging  # restored
+
+
+@pytest.mark.parametrize("ring_blocks", [2, 3, 12])
+def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, ring_blocks):
+    """An exact hot window started with a 5-block ring, re-made at `ring_blocks` blocks before a repeated
+    prefix's step: the ring has the new size, the far blocks stream through it in as many chunks as it
+    needs, and the far part equals dense attention over the saved blocks."""
+    window = 4 * BS
+    config_file = write_config(tmp_path, window=window, staging_blocks=5)
+    kv_config = hot_kv_cache_config(window)
+    engine = vllm_config(config_file)
+    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
+    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    worker.register_kv_caches(caches)
+    store = worker.store
+    block_bytes = store.layout.num_bytes
+    prompt = [random.randrange(1000) for _ in range(10 * BS + 3)]
+    hashes = store.extend_hashes([], prompt, 10)
+    saved_ids = list(range(40, 50))
+    try:
+        for name in NAMES:
+            store.save_layer(store.layer_index[name], caches[name], [BlockSpan("earlier", saved_ids, hashes)])
+        store.poll(wait=True)
+        original = {n: store.paged.read(caches[n], torch.tensor(saved_ids)) for n in NAMES}
+        far = worker._far
+        assert far.pool.staging_bytes == 4 * block_bytes  # 5 blocks in 2 regions: 2 each
+        bind = worker.prepare_staging(ring_blocks * block_bytes)
+        assert bind is not None and far.pool.staging_bytes == 4 * block_bytes  # allocated, not yet bound
+        bind()
+        assert far.pool.staging_bytes == exact_ring_bytes(store, ring_blocks * block_bytes)
+        assert worker.prepare_staging(ring_blocks * block_bytes) is None  # already that size
+        req = make_request("again", prompt)
+        matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
+        manager = KVCacheManager(kv_config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
+                                 max_in_flight_tokens=256, enable_caching=False)
+        assert manager.allocate_slots(req, len(prompt) - matched, num_external_computed_tokens=matched) is not None
+        row = manager.get_blocks(req.request_id)
+        scheduler.update_state_after_alloc(req, row, matched)
+        meta = pickle.loads(pickle.dumps(scheduler.build_connector_meta(schedule(req, row.get_block_ids()[0], matched))))
+        runner = _Runner(["again"])
+        hot_window._STATE["runner"] = weakref.ref(runner)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        step = hot_window.current_step()
+        first_resident = far_blocks(matched, window, BS)
+        q = torch.randn(len(prompt) - matched, HQ, D)
+        for name in NAMES:
+            worker.wait_for_layer_load(name)
+            out_far, lse_far = step.far.attend(store.layer_index[name], q, 0.3)
+            want_out, want_lse = dense(q, original[name][:first_resident], 0.3)
+            torch.testing.assert_close(out_far.double(), want_out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse_far.double(), want_lse, rtol=1e-5, atol=1e-5)
+        region = far.pool.region_blocks
+        assert far.streamer.num_chunks_streamed == -(-first_resident // region) * len(NAMES)
+        worker.wait_for_save()
+    finally:
+        hot_window._STATE["runner"] = None
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp_path):
+    window = 4 * BS
+    engine = vllm_config(write_config(tmp_path, window=window, staging_blocks=5))
+    worker = TierKVConnector(engine, KVConnectorRole.WORKER, hot_kv_cache_config(window))
+    worker.register_kv_caches({n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES})
+    try:
+        before = worker._far.pool
+        with pytest.raises(ConfigError, match="scheduler.staging_bytes"):
+            worker.prepare_staging(worker.store.layout.num_bytes)  # one block for two regions
+        assert worker._far.pool is before
+    finally:
+        worker.shutdown()
