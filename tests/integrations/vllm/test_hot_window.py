@@ -448,17 +448,14 @@ def _checkpoint(tmp_path, **fields) -> str:
     return str(tmp_path)
 
 
-def test_tieredllm_sparse_engine_reserves_summaries_at_the_length_vllm_runs_with(tmp_path, monkeypatch):
-    """TieredLLM(backend="vllm") under the sparse policy: vLLM's pool is the budget minus staging and
-    the summaries of max_num_seqs requests, and without max_model_len vLLM is given the checkpoint's
-    max_position_embeddings, the length the summaries were reserved for."""
+def fake_vllm_llm(monkeypatch) -> dict:
+    """vllm.LLM replaced by a stand-in with what VllmTieredLLM reads of vLLM's engine; returns the dict
+    its constructor's keyword arguments go into. TieredLLM's environment variables restored after."""
     import vllm
-
-    from tierkv.integrations.vllm.llm import VllmTieredLLM
 
     given = {}
 
-    class FakeLLM:  # what VllmTieredLLM reads of vLLM's engine
+    class FakeLLM:
         def __init__(self, **kwargs):
             given.update(kwargs)
             transfer = SimpleNamespace(engine_id="fake-engine")
@@ -470,6 +467,16 @@ def test_tieredllm_sparse_engine_reserves_summaries_at_the_length_vllm_runs_with
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):  # set by TieredLLM: restored after
         monkeypatch.setenv(name, "0")
+    return given
+
+
+def test_tieredllm_sparse_engine_reserves_summaries_at_the_length_vllm_runs_with(tmp_path, monkeypatch):
+    """TieredLLM(backend="vllm") under the sparse policy: vLLM's pool is the budget minus staging and
+    the summaries of max_num_seqs requests, and without max_model_len vLLM is given the checkpoint's
+    max_position_embeddings, the length the summaries were reserved for."""
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+
+    given = fake_vllm_llm(monkeypatch)
     model = _checkpoint(tmp_path, max_position_embeddings=32768)
     config = {"cache": {"block_tokens": 64, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"policy": "sparse", "staging_bytes": "256MiB"}}

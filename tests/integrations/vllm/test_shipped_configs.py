@@ -117,27 +117,12 @@ def test_tieredllm_hands_the_connector_the_sized_config_and_removes_it_at_close(
     with the sized staging and rows (the user's file untouched), vLLM's pool is the budget less that
     staging and the summaries, and close removes the copy."""
     import os
-    from types import SimpleNamespace
 
-    import vllm
-
+    from tests.integrations.vllm.test_hot_window import fake_vllm_llm
     from tierkv.integrations.vllm.llm import VllmTieredLLM
 
-    given = {}
-
-    class FakeLLM:  # what VllmTieredLLM reads of vLLM's engine
-        def __init__(self, **kwargs):
-            given.update(kwargs)
-            transfer = SimpleNamespace(engine_id="fake-engine")
-            core = SimpleNamespace(shutdown=lambda: None)
-            parallel = SimpleNamespace(tensor_parallel_size=1)
-            self.llm_engine = SimpleNamespace(engine_core=core, vllm_config=SimpleNamespace(
-                kv_transfer_config=transfer, parallel_config=parallel))
-
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    given = fake_vllm_llm(monkeypatch)
     monkeypatch.setattr("tierkv.integrations.vllm.llm.check_full_graph_rows", lambda rows, vllm_config: None)
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):  # set by TieredLLM: restored after
-        monkeypatch.setenv(name, "0")
     monkeypatch.setenv("TIERKV_CACHE__GPU_BUDGET_BYTES", "6GiB")
     monkeypatch.setenv("HOME", str(tmp_path))  # the disk tier and the secret file of the shipped config
     model = _checkpoint(tmp_path)
