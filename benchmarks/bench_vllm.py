@@ -105,7 +105,7 @@ def margin_staging_bytes(layers: int) -> int:
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
            storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False,
-           prefetch_margin: int = 0, block_tokens: int | None = None):
+           prefetch_margin: int = 0, block_tokens: int | None = None, shipped_set: dict | None = None):
     # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
     # makes vLLM capture piecewise, its attention runs between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
@@ -120,6 +120,9 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
         shipped = yaml.safe_load(SHIPPED_SPARSE.read_text())
         config = {**shipped, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072,
                                         "storage_dtype": storage_dtype}]}
+        for key, value in (shipped_set or {}).items():  # --shipped-set: a variant of the file (issue 35's prefill options)
+            section, name = key.split(".")
+            config[section] = {**config[section], name: yaml.safe_load(value)}
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching", "enforce_eager")}
         llm = TieredLLM(model_dir, config, backend="vllm", max_num_seqs=1, **hot)
         return llm.engine, llm
@@ -162,14 +165,17 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
-        sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None) -> None:
+        sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
+        shipped_set: dict | None = None) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling,
-                         prefetch_margin, block_tokens)
+                         prefetch_margin, block_tokens, shipped_set)
+    for key, value in (shipped_set or {}).items():  # a variant of the shipped file: its own row
+        mode = f"{mode}@{key.split('.')[1]}{''.join(c for c in value if c.isalnum())}"
     if block_tokens:
         mode = f"{mode}@b{block_tokens}"  # tierkv's (and vLLM's) block size, its own row
     if prefetch_margin:
@@ -598,6 +604,9 @@ def main() -> int:
                         help="tierkv-sparse-full: scheduler.sparse_prefetch_margin, blocks per layer ranked below each "
                              "selection fetched for the next step on a side stream, with caches of two selections "
                              "(row MODE@marginN; the same 2 GiB: smaller prefill chunks)")
+    parser.add_argument("--shipped-set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                        help="MODE tierkv-shipped: keys over the shipped file, e.g. scheduler.prefill_chunk_tokens=6144 "
+                             "scheduler.vllm_async_scheduling=false (row tierkv-shipped@KEYVALUE...)")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="MODE tierkv: cache.block_tokens, vLLM's block_size too (default 16; row tierkv@bN)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
@@ -612,6 +621,12 @@ def main() -> int:
             parser.error(f"MODE: got {mode!r}; one of {', '.join(MODES)}")
         if mode == "tierkv-sparse-full" and not args.compiled:
             parser.error("MODE tierkv-sparse-full: needs --compiled (vLLM's full decode graph)")
+        shipped_set = dict(item.split("=", 1) for item in args.shipped_set if "=" in item)
+        if len(shipped_set) != len(args.shipped_set) or any(
+                k.count(".") != 1 or k.split(".")[0] not in ("cache", "scheduler") for k in shipped_set):
+            parser.error(f"--shipped-set {args.shipped_set}: SECTION.KEY=VALUE items, SECTION cache or scheduler")
+        if shipped_set and mode != "tierkv-shipped":
+            parser.error("--shipped-set: MODE tierkv-shipped only")
         if args.block_tokens is not None and (mode != "tierkv" or args.block_tokens < 1):
             parser.error(f"--block-tokens {args.block_tokens}: MODE tierkv only (the exact hot window), at least 1")
         if mode == "tierkv-shipped" and (args.compiled or args.async_scheduling or args.prefetch_margin
@@ -632,7 +647,7 @@ def main() -> int:
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
-            block_tokens=args.block_tokens)
+            block_tokens=args.block_tokens, shipped_set=shipped_set)
     else:
         table(args.rest[0])
     return 0
