@@ -1,7 +1,7 @@
 """Per block, how many layers a tier's visible keys hold and in which slots: one dict probe answers
 "is this block held for every layer" (and gives its slots) instead of one probe per layer.
 
-Primitives: `BlockLayers` (add_many, remove, clear, held_prefix, slot_rows), `block_group`.
+Primitives: `BlockLayers` (add_many, remove, clear, held_prefix, slot_rows), `block_group`, `split_key`.
 
     key  <hash>/L<layer><suffix>      (`tierkv.blocks.block_key` + an optional "/R<rank>of<size>")
     group <hash><suffix>              counts[group] = how many of layers [0, num_layers) are held
@@ -19,11 +19,17 @@ from typing import Iterable, Sequence
 import numpy as np
 
 
+def split_key(key: str) -> tuple[str, str]:
+    """(group, layer name) of a key `<hash>/L<layer><suffix>`: (`<hash><suffix>`, `L<layer>`), the name
+    not checked (a key without "/" gives ("key", ""))."""
+    head, _, rest = key.partition("/")
+    name, slash, suffix = rest.partition("/")
+    return head + slash + suffix, name
+
+
 def block_group(key: str) -> str:
     """The block a key `<hash>/L<layer><suffix>` is one layer of: `<hash><suffix>` (the layer not checked)."""
-    head, _, rest = key.partition("/")
-    _, slash, suffix = rest.partition("/")
-    return head + slash + suffix
+    return split_key(key)[0]
 
 
 class BlockLayers:
@@ -37,9 +43,8 @@ class BlockLayers:
 
     def group(self, key: str) -> str | None:
         """The block a key is one layer of (hash + suffix), None for a key not in block-key form."""
-        head, _, rest = key.partition("/")
-        name, slash, suffix = rest.partition("/")
-        return head + slash + suffix if name in self._layer_of else None
+        group, name = split_key(key)
+        return group if name in self._layer_of else None
 
     def add_many(self, items: Iterable[tuple[str, int]]) -> None:
         """(key, slot) of keys that became visible (each one not visible before). `group` inlined: a
@@ -59,12 +64,10 @@ class BlockLayers:
 
     def remove(self, key: str) -> None:
         """A visible key that is no longer."""
-        head, _, rest = key.partition("/")
-        name, slash, suffix = rest.partition("/")
+        group, name = split_key(key)
         layer = self._layer_of.get(name)
         if layer is None:
             return
-        group = head + slash + suffix
         count = self.counts[group] - 1
         if count:
             self.counts[group] = count

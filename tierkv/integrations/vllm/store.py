@@ -101,17 +101,19 @@ class VllmKVStore:
 
     def keys(self, hashes: Sequence[str], layer: int, rank: int | None = None) -> list[str]:
         """Keys of blocks `hashes` of `layer` for tensor-parallel rank `rank` (this store's by default)."""
-        if self.tp_size == 1:
-            return block_keys(hashes, layer)
-        return block_keys(hashes, layer, f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}")
+        return block_keys(hashes, layer, self._rank_suffix(rank))
 
     def block_groups(self, hashes: Sequence[str]) -> list[str] | None:
         """The CPU tier's names of blocks `hashes`, all layers at once (`cpu_blocks`: hash + this rank's
         suffix); None when some hash has a "/" (its keys read as another block's: name them key by key)."""
         if any("/" in h for h in hashes):
             return None
-        suffix = "" if self.tp_size == 1 else f"/R{self.tp_rank}of{self.tp_size}"
+        suffix = self._rank_suffix()
         return [h + suffix for h in hashes]
+
+    def _rank_suffix(self, rank: int | None = None) -> str:
+        """What keys of tensor-parallel rank `rank` (this store's by default) end with: "" without TP."""
+        return "" if self.tp_size == 1 else f"/R{self.tp_rank if rank is None else rank}of{self.tp_size}"
 
     def _lookup_keys(self, hashes: Sequence[str], layer: int) -> list[list[str]]:
         """Keys to find for a block to count as held: this rank's on a worker, every rank's on a lookup store."""
@@ -144,8 +146,7 @@ class VllmKVStore:
         an unhealthy tier: the per-key path skips it too)."""
         if self.lookup_only or not self.cpu.is_healthy or not hasattr(self.cpu, "held_prefix"):
             return 0
-        suffix = "" if self.tp_size == 1 else f"/R{self.tp_rank}of{self.tp_size}"
-        return self.cpu.held_prefix(hashes, suffix) or 0
+        return self.cpu.held_prefix(hashes, self._rank_suffix()) or 0
 
     def _prefix_per_key(self, hashes: Sequence[str]) -> int:
         """Leading blocks some tier holds for every layer, layer by layer over every key."""
