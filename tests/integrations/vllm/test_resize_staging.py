@@ -21,7 +21,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from tierkv.config import ConfigError, load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
 from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
-from tierkv.integrations.vllm.far_staging import exact_ring_bytes  # noqa: E402
+from tierkv.integrations.vllm.far_staging import main_ring_bytes  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.resize_plan import split_budget, staging_for_budget  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan  # noqa: E402
@@ -102,7 +102,7 @@ def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, 
         bind = worker.prepare_staging(ring_blocks * block_bytes)
         assert bind is not None and far.pool.staging_bytes == 4 * block_bytes  # allocated, not yet bound
         bind()
-        assert far.pool.staging_bytes == exact_ring_bytes(store, ring_blocks * block_bytes)
+        assert far.pool.staging_bytes == main_ring_bytes(store, ring_blocks * block_bytes)
         assert worker.prepare_staging(ring_blocks * block_bytes) is None  # already that size
         req = make_request("again", prompt)
         matched, _ = scheduler.get_num_new_matched_tokens(req, 0)

@@ -36,7 +36,7 @@ from tierkv.integrations.vllm.config import config_from_kv_transfer
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
 from tierkv.integrations.vllm.far_rows import FarKV
-from tierkv.integrations.vllm.far_staging import exact_ring, exact_ring_bytes
+from tierkv.integrations.vllm.far_staging import main_ring, main_ring_bytes
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
 from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
@@ -119,9 +119,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Run-time resize of an exact hot window's staging ring: the new ring allocated now (an OOM
         raises, nothing changed), bound by the returned callable; None when there is nothing to change
         (no hot window, or the ring already this size). Between engine steps only (`resize_worker`)."""
-        if self._far is None or self._far.pool.staging_bytes == exact_ring_bytes(self.store, staging_bytes):
+        if self._far is None or self._far.pool.staging_bytes == main_ring_bytes(self.store, staging_bytes):
             return None
-        ring = exact_ring(self.store, staging_bytes)
+        ring = main_ring(self.store, staging_bytes)
         return lambda: self._far.use_ring(ring)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -79,9 +79,8 @@ class FarKV:
         self.sparse_blocks = staging.sparse_blocks
         self.source = staging.source  # what the engine-agnostic sparse step reads of the far blocks (sparse.step)
         self.row_caches = staging.row_caches
-        self.pool = staging.pool
         self.recorder = PrefetchRecorder(store.num_layers)
-        self.streamer = LookaheadStreamer(store.io, self.pool, store.lookahead, recorder=self.recorder)
+        self._stream_through(staging.pool)  # self.pool, self.streamer
         self.sparse_streamer = (LookaheadStreamer(store.io, staging.sparse_pool, store.lookahead, recorder=self.recorder)
                                 if staging.sparse_pool is not None else None)  # fmt: skip
         self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
@@ -292,11 +291,15 @@ class FarKV:
         self.graphed.reset()
 
     def use_ring(self, pool) -> None:
-        """Between steps, exact policy: stream through `pool` (`far_staging.exact_ring`, a run-time resize's
+        """Between steps, exact policy: stream through `pool` (`far_staging.main_ring`, a run-time resize's
         ring) from the next step on; the old ring's chunks copied ahead are dropped, and copied again."""
         if self.sparse_blocks is not None:
             raise RuntimeError("the sparse policy's staging holds the far-block caches its CUDA graphs captured: "
                                "it keeps its start-up size")
+        self._stream_through(pool)
+
+    def _stream_through(self, pool) -> None:
+        """The main ring and the lookahead streamer that copies chunks through it."""
         self.pool = pool
         self.streamer = LookaheadStreamer(self.store.io, pool, self.store.lookahead, recorder=self.recorder)
 

@@ -1,6 +1,6 @@
 """How the hot window's far path divides `scheduler.staging_bytes` between its device buffers.
 
-Primitives: `FarStaging`, `split_staging`, `exact_ring`, `exact_ring_bytes`. No vLLM import.
+Primitives: `FarStaging`, `split_staging`, `main_ring`, `main_ring_bytes`. No vLLM import.
 
     staging_bytes = main ring (streamed chunks, copied layers ahead; at least lookahead + 1 regions)
                   + eager sparse regions: 2 x min(k, staging blocks / 4) blocks          (sparse only)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tierkv.config import ConfigError
 from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches, cache_rows
-from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan, staging_region_blocks
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,22 @@ class FarStaging:
     warning: str | None               # why the caches keep less than one selection per layer, if they do
 
 
-def exact_ring_bytes(store, staging_bytes: int) -> int:
-    """The bytes `exact_ring(store, staging_bytes)` allocates (whole blocks per region; ConfigError when
-    `staging_bytes` holds not one block per region)."""
-    regions = max(2, store.lookahead + 1)
-    region_blocks = staging_bytes // (store.layout.num_bytes * regions)
-    if region_blocks < 1:
-        raise ConfigError("scheduler.staging_bytes", staging_bytes,
-                          f"must hold at least {regions} blocks of {store.layout.num_bytes} bytes, one per staging region")
-    return regions * region_blocks * store.layout.num_bytes
-
-
-def exact_ring(store, staging_bytes: int) -> GpuBlockPool:
-    """The exact policy's one buffer: the main ring of `staging_bytes` (what `split_staging` makes for it)."""
-    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, max(2, store.lookahead + 1),
+def main_ring(store, staging_bytes: int) -> GpuBlockPool:
+    """The ring the lookahead streamer copies chunks through: `staging_bytes` in at least lookahead + 1
+    regions (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_ring`)."""
+    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, _ring_regions(store),
                         store.device)
+
+
+def main_ring_bytes(store, staging_bytes: int) -> int:
+    """The bytes `main_ring(store, staging_bytes)` allocates (whole blocks per region; ConfigError when
+    `staging_bytes` holds not one block per region), without allocating them."""
+    regions = _ring_regions(store)
+    return regions * staging_region_blocks(store.layout.num_bytes, staging_bytes, regions) * store.layout.num_bytes
+
+
+def _ring_regions(store) -> int:
+    return max(2, store.lookahead + 1)
 
 
 def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
@@ -90,9 +91,7 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> Far
     if row_caches is not None and store.cpu.quant_format is not None:
         packed_bytes = graph_rows * sparse_blocks * store.cpu.slot_bytes
     cache_bytes = row_caches.num_bytes if row_caches is not None else 0
-    pool = GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0),
-                        staging_bytes - sparse_bytes - packed_bytes - cache_bytes, max(2, store.lookahead + 1),
-                        store.device)  # fmt: skip
+    pool = main_ring(store, staging_bytes - sparse_bytes - packed_bytes - cache_bytes)
     sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
                    if sparse_bytes else None)  # fmt: skip
     return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, warning)
