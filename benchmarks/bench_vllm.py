@@ -92,15 +92,16 @@ SPARSE_HOT_WINDOW = {"cache": {**HOT_WINDOW["cache"], "block_tokens": 64},
                                    "sparse_token_budget": 2048}}
 
 
-def margin_staging_bytes(layers: int) -> int:
+def margin_staging_bytes(model_dir: str) -> int:
     """scheduler.staging_bytes for one request's far-block cache of two selections per layer (what
-    `--prefetch-margin` needs, tierkv.sparse.row_caches) with the eager regions, plus 64 MiB."""
-    from tierkv.sparse.row_caches import staging_for_caches
+    `--prefetch-margin` needs) with the eager regions, plus 64 MiB: TieredLLM's batch sizing for one row
+    (`tierkv.integrations.vllm.batch_sizing.graphed_staging_need`, from the checkpoint's shape)."""
+    from tierkv.config import load_config
+    from tierkv.integrations.vllm.batch_sizing import graphed_staging_need
 
-    block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
-    k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
-    block_bytes = kv_bytes_per_token(1) * block_tokens
-    return staging_for_caches(1, 2, 2 * k * block_bytes, layers, k, block_bytes, 0) + (64 << 20)
+    config = load_config({"cache": SPARSE_HOT_WINDOW["cache"],
+                          "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cache_selections": 2}}, env={})
+    return graphed_staging_need(model_dir, config, 1, {})
 
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
@@ -146,7 +147,7 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
             # caches of two selections (256 MiB more staging at 32 layers) inside the same 2 GiB: vLLM's pool
             # shrinks to 1 GiB, which holds the window and two 2048-token chunks in flight (async) or one of 4096
             config["scheduler"].update(sparse_cache_selections=2, sparse_prefetch_margin=prefetch_margin,
-                                       staging_bytes=margin_staging_bytes(layers),
+                                       staging_bytes=margin_staging_bytes(model_dir),
                                        prefill_chunk_tokens=2048 if async_scheduling else 4096)
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching")}
         if sparse:

@@ -78,19 +78,18 @@ def host_bytes_per_request(layers: int, storage_dtype: str) -> int:
     return per_request // 2 + blocks * 2 * LLAMA_8B["num_key_value_heads"] * 4
 
 
-def graphed_staging_bytes(requests: int, layers: int, storage_dtype: str, cache_selections: int = 1) -> int:
+def graphed_staging_bytes(model_dir: str, requests: int, storage_dtype: str, cache_selections: int = 1) -> int:
     """scheduler.staging_bytes for `requests` graphed rows: SPARSE_HOT_WINDOW's, or more where their
-    far-block caches (`cache_selections` selections per layer each, bf16; a quantized tier's code
-    buffers beside them) with the eager regions need it (tierkv.sparse.row_caches), plus 64 MiB."""
-    from tierkv.units import parse_bytes
-    from tierkv.sparse.row_caches import staging_for_caches
+    far-block caches (`cache_selections` selections per layer each; a quantized tier's code buffers
+    beside them) with the eager regions need it: what TieredLLM's batch sizing computes
+    (`tierkv.integrations.vllm.batch_sizing.graphed_staging_need`, from the checkpoint's shape)."""
+    from tierkv.config import load_config
+    from tierkv.integrations.vllm.batch_sizing import graphed_staging_need
 
-    block_tokens = SPARSE_HOT_WINDOW["cache"]["block_tokens"]
-    k = SPARSE_HOT_WINDOW["scheduler"]["sparse_token_budget"] // block_tokens
-    block_bytes = kv_bytes_per_token(1) * block_tokens
-    codes = 0 if storage_dtype in ("auto", "bfloat16") else k * (block_bytes // 2 + 2 * LLAMA_8B["num_key_value_heads"] * 4)
-    needed = staging_for_caches(requests, cache_selections, 2 * k * block_bytes, layers, k, block_bytes, codes)
-    return max(parse_bytes(SPARSE_HOT_WINDOW["scheduler"]["staging_bytes"]), needed + (64 << 20))
+    config = load_config({"cache": SPARSE_HOT_WINDOW["cache"],
+                          "scheduler": {**SPARSE_HOT_WINDOW["scheduler"], "sparse_cache_selections": cache_selections},
+                          "tiers": [{"kind": "cpu", "capacity_bytes": "1GiB", "storage_dtype": storage_dtype}]}, env={})
+    return max(config.scheduler.staging_bytes, graphed_staging_need(model_dir, config, requests, {}))
 
 
 def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int, storage_dtype: str = "auto",
@@ -131,7 +130,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
                             # tierkv-sparse-full: the rows' sparse step inside vLLM's full decode graph
                             "sparse_full_graphs": mode == "tierkv-sparse-full",
                             "sparse_graph_rows": requests,
-                            "staging_bytes": graphed_staging_bytes(requests, layers, storage_dtype, cache_selections),
+                            "staging_bytes": graphed_staging_bytes(model_dir, requests, storage_dtype, cache_selections),
                             "sparse_cache_selections": cache_selections,
                             # the blocks ranked below each selection, fetched for the next step on a side stream
                             "sparse_prefetch_margin": prefetch_margin,
