@@ -530,13 +530,9 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     window = 4 * BS
-    config_file = write_config(tmp_path, window=window, staging_blocks=5)
+    # one engine: its scheduler side sees the worker's CPU tier
+    worker, scheduler, caches = hot_connectors(tmp_path, window=window, staging_blocks=5)
     kv_config = hot_kv_cache_config(window)
-    engine = vllm_config(config_file)  # one engine: its scheduler side sees the worker's CPU tier
-    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
-    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    worker.register_kv_caches(caches)
     store = worker.store
     prompt = [random.randrange(1000) for _ in range(10 * BS + 3)]
     hashes = store.extend_hashes([], prompt, 10)
@@ -789,18 +785,22 @@ def test_a_prefill_streaming_unsummarized_far_blocks_summarizes_them(tmp_path):
         store.close()
 
 
-def sparse_connectors(tmp_path):
-    """A worker and a scheduler connector under the sparse policy (a 2-block window), and the worker's
-    vLLM pools: (worker, scheduler, caches). Shut both down after."""
-    window = 2 * BS
-    config_file = write_config(tmp_path, window=window, staging_blocks=6, sparse_tokens=2 * BS)
-    engine = vllm_config(config_file)
+def hot_connectors(tmp_path, *, window: int, staging_blocks: int, **config):
+    """A worker and a scheduler connector of one engine under the hot window (`write_config`'s other
+    settings in `config`), and the worker's vLLM pools: (worker, scheduler, caches). Shut both down after."""
+    engine = vllm_config(write_config(tmp_path, window=window, staging_blocks=staging_blocks, **config))
     kv_config = hot_kv_cache_config(window)
     worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
     scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
     caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
     worker.register_kv_caches(caches)
     return worker, scheduler, caches
+
+
+def sparse_connectors(tmp_path):
+    """A worker and a scheduler connector under the sparse policy (a 2-block window), and the worker's
+    vLLM pools: (worker, scheduler, caches). Shut both down after."""
+    return hot_connectors(tmp_path, window=2 * BS, staging_blocks=6, sparse_tokens=2 * BS)
 
 
 def step_one_request(worker, scheduler, caches, hooks: bool) -> None:

@@ -13,14 +13,12 @@ import pytest
 import torch
 
 from tests.integrations.vllm.test_hot_window import (  # noqa: E402
-    BS, HQ, NAMES, NUM_BLOCKS, _Runner, dense, hot_kv_cache_config, make_request, schedule, vllm_config, write_config)
-from tests.integrations.vllm.test_connector import D, H  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+    BS, HQ, NAMES, _Runner, dense, hot_connectors, hot_kv_cache_config, make_request, schedule, write_config)
+from tests.integrations.vllm.test_connector import D  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 
 from tierkv.config import ConfigError, load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
-from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
 from tierkv.integrations.vllm.far_staging import main_ring_bytes  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.resize_plan import split_budget, staging_for_budget  # noqa: E402
@@ -80,13 +78,8 @@ def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, 
     prefix's step: the ring has the new size, the far blocks stream through it in as many chunks as it
     needs, and the far part equals dense attention over the saved blocks."""
     window = 4 * BS
-    config_file = write_config(tmp_path, window=window, staging_blocks=5)
+    worker, scheduler, caches = hot_connectors(tmp_path, window=window, staging_blocks=5)
     kv_config = hot_kv_cache_config(window)
-    engine = vllm_config(config_file)
-    worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
-    scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
-    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
-    worker.register_kv_caches(caches)
     store = worker.store
     block_bytes = store.layout.num_bytes
     prompt = [random.randrange(1000) for _ in range(10 * BS + 3)]
@@ -135,10 +128,7 @@ def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, 
 
 
 def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp_path):
-    window = 4 * BS
-    engine = vllm_config(write_config(tmp_path, window=window, staging_blocks=5))
-    worker = TierKVConnector(engine, KVConnectorRole.WORKER, hot_kv_cache_config(window))
-    worker.register_kv_caches({n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES})
+    worker, scheduler, _ = hot_connectors(tmp_path, window=4 * BS, staging_blocks=5)
     try:
         before = worker._far.pool
         with pytest.raises(ConfigError, match="scheduler.staging_bytes"):
@@ -146,3 +136,4 @@ def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp
         assert worker._far.pool is before
     finally:
         worker.shutdown()
+        scheduler.shutdown()
