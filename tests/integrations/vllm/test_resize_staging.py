@@ -19,7 +19,6 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 
 from tierkv.config import ConfigError, load_config  # noqa: E402
 from tierkv.integrations.vllm import hot_window  # noqa: E402
-from tierkv.integrations.vllm.far_staging import main_ring_bytes  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.resize_plan import split_budget, staging_for_budget  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan  # noqa: E402
@@ -95,7 +94,7 @@ def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, 
         bind = worker.prepare_staging(ring_blocks * block_bytes)
         assert bind is not None and far.pool.staging_bytes == 4 * block_bytes  # allocated, not yet bound
         bind()
-        assert far.pool.staging_bytes == main_ring_bytes(store, ring_blocks * block_bytes)
+        assert far.pool.staging_bytes == 2 * (ring_blocks // 2) * block_bytes  # whole blocks in each of 2 regions
         assert worker.prepare_staging(ring_blocks * block_bytes) is None  # already that size
         req = make_request("again", prompt)
         matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
@@ -134,6 +133,24 @@ def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp
         with pytest.raises(ConfigError, match="scheduler.staging_bytes"):
             worker.prepare_staging(worker.store.layout.num_bytes)  # one block for two regions
         assert worker._far.pool is before
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_the_sparse_staging_is_never_remade(tmp_path):
+    """The sparse policy's split keeps its staging, so its workers are asked for the same size (nothing to
+    do); a different size is refused before anything is allocated (its caches sit in captured graphs)."""
+    from tests.integrations.vllm.test_hot_window import sparse_connectors
+
+    worker, scheduler, _ = sparse_connectors(tmp_path)
+    try:
+        far, staging = worker._far, worker.store.config.scheduler.staging_bytes
+        before = far.pool
+        assert worker.prepare_staging(staging) is None
+        with pytest.raises(RuntimeError, match="sparse policy's staging"):
+            worker.prepare_staging(staging // 2)
+        assert far.pool is before and far.staging_bytes == staging
     finally:
         worker.shutdown()
         scheduler.shutdown()

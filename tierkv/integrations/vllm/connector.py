@@ -36,7 +36,6 @@ from tierkv.integrations.vllm.config import config_from_kv_transfer
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
 from tierkv.integrations.vllm.far_rows import FarKV
-from tierkv.integrations.vllm.far_staging import main_ring, main_ring_bytes
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
 from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
@@ -118,11 +117,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def prepare_staging(self, staging_bytes: int):
         """Run-time resize of an exact hot window's staging ring: the new ring allocated now (an OOM
         raises, nothing changed), bound by the returned callable; None when there is nothing to change
-        (no hot window, or the ring already this size). Between engine steps only (`resize_worker`)."""
-        if self._far is None or self._far.pool.staging_bytes == main_ring_bytes(self.store, staging_bytes):
-            return None
-        ring = main_ring(self.store, staging_bytes)
-        return lambda: self._far.use_ring(ring)
+        (no hot window, or the staging already this size). Between engine steps only (`resize_worker`)."""
+        ring = self._far.make_ring(staging_bytes) if self._far is not None else None
+        return None if ring is None else (lambda: self._far.use_ring(ring, staging_bytes))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         started = time.perf_counter()

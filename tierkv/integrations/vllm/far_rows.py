@@ -42,7 +42,7 @@ import torch
 from tierkv.attention import paged_partial_attention
 from tierkv.integrations.vllm.far_attention import assemble_rows, chunk_partial, merge_with_near, profiled
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
-from tierkv.integrations.vllm.far_staging import split_staging
+from tierkv.integrations.vllm.far_staging import main_ring, split_staging
 from tierkv.integrations.vllm.far_stats import cache_stats, far_kv_stats
 from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
@@ -55,15 +55,13 @@ logger = logging.getLogger(__name__)
 
 
 class FarKV:
-    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1,
-                 staging_bytes: int | None = None):
+    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
         timed by the GPU. max_model_len: the engine's longest request; under the sparse policy it
         bounds each request's key summaries (`summary_bytes_per_request`). max_rows: the engine's
         decoding rows per step at most (vLLM's max_num_seqs): the sparse policy's CUDA graphs give
-        each a selection's worth of staging, within half of `scheduler.staging_bytes`. staging_bytes: the
-        device buffers' bytes when not `scheduler.staging_bytes` (a run-time resize's, `make_ring`)."""
+        each a selection's worth of staging, within half of `scheduler.staging_bytes`."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens: got {window_tokens}; the hot window needs at least one token")
         self.store = store
@@ -72,7 +70,8 @@ class FarKV:
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
-        staging = split_staging(store, max_rows, staging_bytes)  # the device buffers, carved from the staging bytes
+        staging = split_staging(store, max_rows)  # the device buffers, carved from scheduler.staging_bytes
+        self.staging_bytes = store.config.scheduler.staging_bytes  # what they were carved from (`make_ring`)
         if staging.warning:
             logger.warning("tierkv hot window: %s", staging.warning)
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
@@ -290,13 +289,22 @@ class FarKV:
         self.rows, self._pieces, self.sparse_rows = [], [], []
         self.graphed.reset()
 
-    def use_ring(self, pool) -> None:
-        """Between steps, exact policy: stream through `pool` (`far_staging.main_ring`, a run-time resize's
-        ring) from the next step on; the old ring's chunks copied ahead are dropped, and copied again."""
+    def make_ring(self, staging_bytes: int):
+        """A run-time resize's main ring of `staging_bytes` (`far_staging.main_ring`), allocated, not yet
+        used; None when the staging already is that size. Exact policy only (RuntimeError: the sparse
+        policy's staging holds the far-block caches its CUDA graphs captured); ConfigError when too small."""
+        if staging_bytes == self.staging_bytes:
+            return None
         if self.sparse_blocks is not None:
             raise RuntimeError("the sparse policy's staging holds the far-block caches its CUDA graphs captured: "
                                "it keeps its start-up size")
+        return main_ring(self.store, staging_bytes)
+
+    def use_ring(self, pool, staging_bytes: int) -> None:
+        """Between steps: stream through `pool` (from `make_ring(staging_bytes)`) from the next step on; the
+        old ring's chunks copied ahead are dropped, and copied again."""
         self._stream_through(pool)
+        self.staging_bytes = staging_bytes
 
     def _stream_through(self, pool) -> None:
         """The main ring and the lookahead streamer that copies chunks through it."""

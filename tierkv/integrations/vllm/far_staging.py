@@ -1,6 +1,6 @@
 """How the hot window's far path divides `scheduler.staging_bytes` between its device buffers.
 
-Primitives: `FarStaging`, `split_staging`, `main_ring`, `main_ring_bytes`. No vLLM import.
+Primitives: `FarStaging`, `split_staging`, `main_ring`. No vLLM import.
 
     staging_bytes = main ring (streamed chunks, copied layers ahead; at least lookahead + 1 regions)
                   + eager sparse regions: 2 x min(k, staging blocks / 4) blocks          (sparse only)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tierkv.config import ConfigError
 from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches, cache_rows
-from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan, staging_region_blocks
+from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
 
 @dataclass(frozen=True)
@@ -39,30 +39,17 @@ class FarStaging:
 def main_ring(store, staging_bytes: int) -> GpuBlockPool:
     """The ring the lookahead streamer copies chunks through: `staging_bytes` in at least lookahead + 1
     regions (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_ring`)."""
-    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, _ring_regions(store),
+    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, max(2, store.lookahead + 1),
                         store.device)
 
 
-def main_ring_bytes(store, staging_bytes: int) -> int:
-    """The bytes `main_ring(store, staging_bytes)` allocates (whole blocks per region; ConfigError when
-    `staging_bytes` holds not one block per region), without allocating them."""
-    regions = _ring_regions(store)
-    return regions * staging_region_blocks(store.layout.num_bytes, staging_bytes, regions) * store.layout.num_bytes
-
-
-def _ring_regions(store) -> int:
-    return max(2, store.lookahead + 1)
-
-
-def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
+def split_staging(store, max_rows: int) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
-    at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve, when not
-    scheduler.staging_bytes (an exact engine resized at run time).
+    at most this many and at most scheduler.sparse_graph_rows.
     """
-    scheduler, layout = store.config.scheduler, store.layout
-    staging_bytes = scheduler.staging_bytes if staging_bytes is None else staging_bytes
+    scheduler, layout, staging_bytes = store.config.scheduler, store.layout, store.config.scheduler.staging_bytes
     block_tokens = layout.block_tokens
     if scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer":
         raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,

@@ -199,10 +199,9 @@ class PoolResizer:
         BlockPool; either failing leaves the old pool in every place."""
         new_num_blocks, old = plan.new_num_blocks, self.num_blocks
         old_staging = self._split_fn(self.budget_bytes).staging_bytes
-        staging = plan.split.staging_bytes if plan.split.staging_bytes != old_staging else None
         started = time.perf_counter()
-        try:
-            results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks, staging))
+        try:  # (the workers leave a staging of this size as it is)
+            results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks, plan.split.staging_bytes))
         except Exception:
             self._restore_workers(old, old_staging)  # under tensor parallelism some workers may have resized
             raise
