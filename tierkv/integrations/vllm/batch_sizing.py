@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 
 from tierkv.config import TierKVConfig
-from tierkv.integrations.vllm.pool_sizing import checkpoint_shape, engine_dtype_bytes, rank_kv_heads
+from tierkv.integrations.vllm.pool_sizing import (checkpoint_shape, engine_dtype_bytes, quantized_block_bytes,
+                                                  rank_kv_heads)
 from tierkv.sparse.row_caches import staging_for_caches
 
 STREAM_RESERVE = 64 << 20  # the main ring's regions for streamed chunks beside the caches (as measured on the GPU)
-QUANTIZED = ("int8", "float8_e4m3fn")
 
 
 def graphed_staging_need(model_dir, config: TierKVConfig, rows: int, engine_kwargs: dict) -> int:
@@ -32,12 +32,9 @@ def graphed_staging_need(model_dir, config: TierKVConfig, rows: int, engine_kwar
     shape = checkpoint_shape(model_dir)
     scheduler, tokens = config.scheduler, config.cache.block_tokens
     kv_heads = rank_kv_heads(shape, engine_kwargs)
-    values = 2 * kv_heads * tokens * shape["head_dim"]  # one block of one layer, K and V
-    block_bytes = values * engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"])
+    block_bytes = 2 * kv_heads * tokens * shape["head_dim"] * engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"])
     k = max(1, scheduler.sparse_token_budget // tokens)
-    cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
-    quantized = cpu is not None and cpu.storage_dtype in QUANTIZED
-    codes = k * (values + 2 * kv_heads * 4) if quantized else 0  # one byte per value, a float32 scale per head
+    codes = k * quantized_block_bytes(shape, config, engine_kwargs)  # a quantized tier's code buffers (0: none)
     eager = 2 * k * block_bytes  # the eager sparse fetches' two regions
     needed = staging_for_caches(rows, max(1, scheduler.sparse_cache_selections), eager, shape["num_hidden_layers"], k,
                                 block_bytes, codes)

@@ -4,7 +4,7 @@ start-up check), the sparse policy's key summaries, and the full decode graph's 
 
 Primitives: `checkpoint_shape`, `hot_window_pool_need`, `check_hot_window_pool`, `sparse_summary_bytes`,
 `sparse_max_model_len`, `full_decode_capture_sizes`, `full_graph_rows`, `check_full_graph_rows`,
-`full_graph_packed_bytes`, `rank_kv_heads`, `engine_dtype_bytes`. No vLLM import (the connector's
+`full_graph_packed_bytes`, `quantized_block_bytes`, `rank_kv_heads`, `engine_dtype_bytes`. No vLLM import (the connector's
 `graph_rows` is read after the engine starts).
 """
 from __future__ import annotations
@@ -125,12 +125,21 @@ def full_graph_packed_bytes(model_dir, config: TierKVConfig, engine_kwargs: dict
     shape = checkpoint_shape(model_dir)
     tokens, margin = config.cache.block_tokens, config.scheduler.sparse_prefetch_margin
     lists = rows * margin * shape["num_hidden_layers"] * 2 * 8  # int64 sources and targets per layer
+    per_block = quantized_block_bytes(shape, config, engine_kwargs)
+    if not per_block:
+        return lists
+    return lists + rows * (max(1, config.scheduler.sparse_token_budget // tokens) + margin) * per_block
+
+
+def quantized_block_bytes(shape: dict, config: TierKVConfig, engine_kwargs: dict) -> int:
+    """Bytes of one block of one layer on each GPU in the CPU tier's quantized form (`storage_dtype` int8 or
+    float8_e4m3fn: one-byte codes, a float32 scale per K/V and head), what the device keeps to dequantize it;
+    0 when the CPU tier stores the KV dtype. shape: `checkpoint_shape`."""
     cpu = config.tiers[0] if config.tiers and config.tiers[0].kind == "cpu" else None
     if cpu is None or cpu.storage_dtype not in ("int8", "float8_e4m3fn"):
-        return lists
+        return 0
     kv_heads = rank_kv_heads(shape, engine_kwargs)
-    per_block = 2 * kv_heads * tokens * shape["head_dim"] + 2 * kv_heads * 4  # one-byte codes, a float32 scale per head
-    return lists + rows * (max(1, config.scheduler.sparse_token_budget // tokens) + margin) * per_block
+    return 2 * kv_heads * config.cache.block_tokens * shape["head_dim"] + 2 * kv_heads * 4
 
 
 def sparse_summary_bytes(model_dir, config: TierKVConfig, max_model_len: int | None, engine_kwargs: dict) -> int:
