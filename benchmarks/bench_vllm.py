@@ -104,6 +104,18 @@ def margin_staging_bytes(model_dir: str) -> int:
     return graphed_staging_need(model_dir, config, 1, {})
 
 
+def shipped_sparse_config(tier: dict, sets: dict | None = None) -> dict:
+    """configs/vllm-128k-sparse.yaml as shipped, with `tier` as its only tier and `sets` ("section.key":
+    value) over its keys."""
+    import yaml
+
+    config = {**yaml.safe_load(SHIPPED_SPARSE.read_text()), "tiers": [tier]}
+    for key, value in (sets or {}).items():
+        section, name = key.split(".")
+        config[section] = {**config[section], name: value}
+    return config
+
+
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
            storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False,
            prefetch_margin: int = 0, block_tokens: int | None = None, shipped_set: dict | None = None):
@@ -118,12 +130,9 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
 
         from tierkv import TieredLLM
 
-        shipped = yaml.safe_load(SHIPPED_SPARSE.read_text())
-        config = {**shipped, "tiers": [{"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072,
-                                        "storage_dtype": storage_dtype}]}
-        for key, value in (shipped_set or {}).items():  # --shipped-set: a variant of the file (issue 35's prefill options)
-            section, name = key.split(".")
-            config[section] = {**config[section], name: yaml.safe_load(value)}
+        tier = {"kind": "cpu", "capacity_bytes": 3 * kv_bytes_per_token(layers) * 131072, "storage_dtype": storage_dtype}
+        # --shipped-set: a variant of the file (issue 35's prefill options)
+        config = shipped_sparse_config(tier, {key: yaml.safe_load(value) for key, value in (shipped_set or {}).items()})
         hot = {k: v for k, v in common.items() if k not in ("attention_config", "enable_prefix_caching", "enforce_eager")}
         llm = TieredLLM(model_dir, config, backend="vllm", max_num_seqs=1, **hot)
         return llm.engine, llm

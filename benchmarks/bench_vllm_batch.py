@@ -38,11 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vllm import (  # noqa: E402
     SPARSE_HOT_WINDOW, _start_profiler, _stop_profiler, _write_profile, baseline, connector_lines, file_mode,
-    kv_bytes_per_token, overlap_text)
+    kv_bytes_per_token, overlap_text, shipped_sparse_config)
 from benchmarks.models import LLAMA_8B  # noqa: E402
 
 MODES = ("plain", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full", "tierkv-shipped")
-SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "vllm-128k-sparse.yaml"
 MAX_MODEL_LEN = 131072
 FULL_BATCH_STEPS = 128  # decode steps of the whole batch the --new-tokens default leaves after the prefills
 
@@ -115,10 +114,7 @@ def engine(mode: str, model_dir: str, kv_bytes: int, requests: int, layers: int,
     per_request = host_bytes_per_request(layers, storage_dtype)
     cpu_tier = {"kind": "cpu", "capacity_bytes": requests * per_request + (1 << 30), "storage_dtype": storage_dtype}
     if mode == "tierkv-shipped":  # the file's settings; TieredLLM starts vLLM compiled and sizes the rows itself
-        import yaml
-
-        shipped = yaml.safe_load(SHIPPED.read_text())
-        config = {**shipped, "cache": {**shipped["cache"], "gpu_budget_bytes": kv_bytes}, "tiers": [cpu_tier]}
+        config = shipped_sparse_config(cpu_tier, {"cache.gpu_budget_bytes": kv_bytes})
         common = {k: v for k, v in common.items() if k not in ("enable_prefix_caching", "enforce_eager")}
         tiered = TieredLLM(model_dir, config, backend="vllm", **common)
         return tiered.engine, tiered
