@@ -235,27 +235,26 @@ def vllm_batch_table(s): return s.bench("bench_vllm_batch.py", "table", f"{s.out
 def vllm_batch_ab(s):
     """--repeats pairs: plain --compiled, then --batch-mode over an fp8 CPU tier (10 requests; --batch-args,
     default --compiled), each against the plain row of its pair; then the table."""
-    bb = f"{s.out}/bb"
-    for r in range(1, s.args.repeats + 1):
-        s.bench("bench_vllm_batch.py", "run", "plain", s.args.model_dir, bb, "--compiled", "--tag", f"r{r}",
-                log=f"batch-plain-r{r}.log", timeout_s=200, keep="{")
-        s.bench("bench_vllm_batch.py", "run", s.args.batch_mode, s.args.model_dir, bb, "--storage-dtype", "float8_e4m3fn",
-                "--requests", "10", "--tag", f"r{r}", *_split(s.args.batch_args or "--compiled"),
-                log=f"batch-{s.args.batch_mode}-r{r}.log", timeout_s=500, keep="{")
-    return vllm_batch_table(s)
+    return _batch_pairs(s, s.args.batch_mode, (), _split(s.args.batch_args or "--compiled"), plain_timeout_s=200)
 
 
 def vllm_batch_shipped(s):
     """plain --compiled, then configs/vllm-128k-sparse.yaml as shipped (tierkv-shipped: compiled by the config,
-    rows sized by TieredLLM) over an fp8 CPU tier, 10 requests, --repeats pairs (--batch-args: e.g. --kv-gib 48
-    where 60 GiB of KV and the weights do not fit the card); then the table."""
+    rows sized by TieredLLM) over an fp8 CPU tier, 10 requests, --repeats pairs (--batch-args, to both rows: e.g.
+    --kv-gib 48 where 60 GiB of KV and the weights do not fit the card); then the table."""
+    both = _split(s.args.batch_args)
+    return _batch_pairs(s, "tierkv-shipped", both, both, plain_timeout_s=240)
+
+
+def _batch_pairs(s, mode: str, plain_args, tierkv_args, plain_timeout_s: int) -> int:
+    """--repeats pairs of bench_vllm_batch.py rows (plain --compiled, then `mode` over an fp8 CPU tier with 10
+    requests), tagged r1, r2, ...; then the table."""
     bb = f"{s.out}/bb"
     for r in range(1, s.args.repeats + 1):
         s.bench("bench_vllm_batch.py", "run", "plain", s.args.model_dir, bb, "--compiled", "--tag", f"r{r}",
-                *_split(s.args.batch_args), log=f"batch-plain-r{r}.log", timeout_s=240, keep="{")
-        s.bench("bench_vllm_batch.py", "run", "tierkv-shipped", s.args.model_dir, bb, "--storage-dtype", "float8_e4m3fn",
-                "--requests", "10", "--tag", f"r{r}", *_split(s.args.batch_args), log=f"batch-shipped-r{r}.log",
-                timeout_s=500, keep="{")
+                *plain_args, log=f"batch-plain-r{r}.log", timeout_s=plain_timeout_s, keep="{")
+        s.bench("bench_vllm_batch.py", "run", mode, s.args.model_dir, bb, "--storage-dtype", "float8_e4m3fn",
+                "--requests", "10", "--tag", f"r{r}", *tierkv_args, log=f"batch-{mode}-r{r}.log", timeout_s=500, keep="{")
     return vllm_batch_table(s)
 
 
