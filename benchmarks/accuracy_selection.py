@@ -22,6 +22,7 @@ Rules (--rules):
   oracle       the k blocks holding the most true attention mass (mean over query heads): the best any
                one-selection-per-layer rule can do
   oracle_head  the k blocks of most mass per query head: the best any k-blocks-per-head rule can do
+--dense-layers 0,1 makes those layers read every far block under any rule (Quest keeps its first two layers dense).
 Against one dense SDPA forward: top-1 agreement, mean KL(dense || rule) in nats, perplexity ratio.
 `check_against_tierkv` shows the `weight` rule is tierkv's own sparse decode (tests/test_accuracy_selection.py).
 """
@@ -100,7 +101,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         t0 = L - C + i
         visible[:, i, : t0 + 1] = True
         far = layout.far_blocks(t0)
-        if len(far) <= k:
+        if len(far) <= k or module.layer_idx in _RUN["dense_layers"]:
             continue
         probs = torch.softmax(scores[:, i, : t0 + 1], dim=-1)
         chosen = _selection(rule, summaries, q[:, i], probs, far, k, T)
@@ -112,7 +113,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 @torch.no_grad()
 def rule_logits(model, prompt: list[int], continuation: list[int], layout: FarLayout, k: int, rule: str,
-                weight: float) -> torch.Tensor:
+                weight: float, dense_layers: tuple[int, ...] = ()) -> torch.Tensor:
     """Logits [len(continuation), vocab] (float32, CPU): row i predicts continuation[i] (row 0 from the prefill)."""
     from transformers import AttentionInterface, DynamicCache
 
@@ -127,7 +128,7 @@ def rule_logits(model, prompt: list[int], continuation: list[int], layout: FarLa
         cache = DynamicCache(config=model.config)
         kwargs = cache_kwargs(model, cache)
         first = model(input_ids=torch.tensor([prompt], device=device), logits_to_keep=1, **kwargs).logits[0, -1]
-        _RUN.update(prefill=False, layout=layout, k=k, rule=rule, weight=weight)
+        _RUN.update(prefill=False, layout=layout, k=k, rule=rule, weight=weight, dense_layers=set(dense_layers))
         rest = model(input_ids=torch.tensor([continuation[:-1]], device=device), **kwargs).logits[0]
         return torch.cat([first[None], rest]).float().cpu()
     finally:
@@ -189,10 +190,11 @@ def run(model, tokenizer, args) -> list[dict]:
         runs = [(rule, w) for rule in args.rules for w in (args.weights if rule in ("weight", "kv_group") else [None])]
         for rule, weight in runs:
             start = time.perf_counter()
-            got = rule_logits(model, prompt, continuation, layout, budget // layout.block_tokens, rule, weight)
+            got = rule_logits(model, prompt, continuation, layout, budget // layout.block_tokens, rule, weight,
+                              args.dense_layers)
             row = {"source": source, "offset_tokens": offset, "context_tokens": context, "continuation_tokens": len(continuation),
                    "token_budget": budget, "front_blocks": layout.num_front_blocks,
-                   "window_blocks": layout.num_window_blocks, "rule": rule,
+                   "window_blocks": layout.num_window_blocks, "rule": rule, "dense_layers": list(args.dense_layers),
                    "bound_weight": weight if rule in ("weight", "kv_group") else None,
                    **compare_logits(got, reference, continuation), "seconds": time.perf_counter() - start}
             print(f"{offset:>5} {context:>6} {budget:>5} {rule:>11} {row['bound_weight'] if row['bound_weight'] is not None else '-':>4} "
@@ -232,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=int, default=4, help="token budget = context / N far tokens")
     p.add_argument("--weights", type=floats, default=[1.0, 0.5, 0.0], help="bound weights of rule 'weight'")
     p.add_argument("--rules", type=lambda s: s.split(","), default=["weight", "kv_group", "oracle", "oracle_head"])
+    p.add_argument("--dense-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(),
+                   help="layers that read every far block (comma-separated indices)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--disk-path", default="/tmp/tierkv-accuracy-selection")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy-selection-<device>.json)")
