@@ -185,10 +185,11 @@ class SchedulerConfig:
         "before each step and the step's saves after it; other steps run piecewise as before. Needs compiled vLLM and "
         "max_num_seqs (TieredLLM adds it to vLLM's capture sizes)"))
     staging_follows_budget: bool = field(default=True, metadata=doc(
-        "exact policy under vLLM's hot window: a run-time GPU budget below cache.gpu_budget_bytes "
-        "(set_gpu_budget) shrinks staging_bytes in proportion, and a grow restores it up to staging_bytes, so the "
-        "ring's memory goes back with the pool's; false keeps staging_bytes at any budget. The sparse policy's "
-        "staging holds the far-block caches its CUDA graphs captured and keeps its size either way"))
+        "under vLLM's hot window: a run-time GPU budget below cache.gpu_budget_bytes (set_gpu_budget) shrinks "
+        "staging_bytes in proportion, and a grow restores it up to staging_bytes, so the staging's memory (the ring; "
+        "under the sparse policy also its eager regions and far-block caches, re-made empty, the step graphs "
+        "captured again) goes back with the pool's; false keeps staging_bytes at any budget. Kept either way with "
+        "sparse_full_graphs (vLLM's captured graphs hold the caches)"))
     vllm_rows_from_batch: bool = field(default=False, metadata=doc(
         "sparse CUDA graphs under TieredLLM(backend='vllm'): size the graphed rows by the engine's max_num_seqs at "
         "start-up: sparse_graph_rows rises to max_num_seqs and staging_bytes to what every row's far-block caches "

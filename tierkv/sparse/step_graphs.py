@@ -271,6 +271,13 @@ class SparseStepGraphs:
         self.graphs.clear()
         self.counts["graph_capture_errors"] += 1
 
+    def carry_on_from(self, previous: "SparseStepGraphs") -> None:
+        """Take over the counters of the graphs this instance replaces (a run-time staging resize: the
+        old graphs baked the old far-block caches), and stay off where a capture failed there."""
+        self.counts = {name: self.counts[name] + previous.counts[name] for name in self.counts}
+        self.enabled = self.enabled and previous.enabled
+        self.whole_enabled = self.whole_enabled and previous.whole_enabled
+
     def forget(self, req_id: str) -> None:
         """Drop the graphs that serve a finished request (whose buffers no other request will hold)."""
         for kept in self.graphs.values():

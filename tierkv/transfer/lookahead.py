@@ -61,6 +61,14 @@ class LookaheadStreamer:
         self._chunk_meta_cached: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._reset()
 
+    COUNTERS = ("num_stalls", "num_chunks_streamed", "bytes_streamed", "num_chunks_carried", "num_chunks_discarded",
+                "bytes_discarded")
+
+    def carry_counts(self, previous: "LookaheadStreamer") -> None:
+        """Count on from `previous` (the streamer this one replaces over a re-made staging ring)."""
+        for name in self.COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(previous, name))
+
     def _reset(self) -> None:
         self._ring.clear()
         self._cpu_slots: list[torch.Tensor] = []

@@ -100,6 +100,56 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
     assert hits[2] >= (steps - 2) * LAYERS * k and hits[1] < hits[2]
 
 
+def test_a_staging_resize_remakes_the_far_block_caches_and_the_outputs_stay(tmp_path, monkeypatch):
+    """A run-time staging resize between decode steps (`FarKV.make_staging` / `use_staging`): from 128
+    blocks (a selection per layer kept for 5 rows) to 24 (2 rows, nothing kept) and back. The requests'
+    cache sets are emptied, the graphs captured again over the new caches, every step's output equals
+    the eager path's and is the same as before the resize for the same queries, and the counters carry on."""
+    fake_graphs(monkeypatch)
+    k = 4
+    block_bytes = None
+    store, _, far = computed_far(tmp_path, ("a", "b"), max_rows=5, staging_blocks=128)
+    try:
+        block_bytes = store.layout.num_bytes
+        rows = [("a", 27 * BS, 1), ("b", 26 * BS, 1)]
+        q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(3))
+
+        def step() -> list[torch.Tensor]:
+            far.begin_step(rows)
+            near = (torch.ones(2, HQ, D), torch.zeros(2, HQ))
+            outs = []
+            for name in NAMES:
+                got = torch.full((2, HQ, D), float("nan"))
+                far.attend_into(got, store.layer_index[name], q, *near, 0.3)
+                outs.append(got)
+            far.end_step()
+            return outs
+
+        first = step()
+        decode_step_equals_eager(far, store, rows, q)
+        reads = 2 * LAYERS * k
+        for staging_blocks, sets, per_layer in ((24, 2, False), (128, 5, True)):
+            captured = far.stats()["cuda_graphs"]["graph_captures"]
+            done = far.stats()["cache_hits"] + far.stats()["cache_misses"]
+            new = far.make_staging(staging_blocks * block_bytes)
+            assert far.row_caches.num_sets != sets  # allocated, not yet used
+            far.use_staging(new, staging_blocks * block_bytes)
+            assert far.row_caches.num_sets == sets and far.row_caches.per_layer == per_layer
+            assert all(req.cache is None for req in far.requests.values())
+            assert far.stats()["staging_bytes"] <= staging_blocks * block_bytes
+            for got, want in zip(step(), first):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            decode_step_equals_eager(far, store, rows, q)
+            stats = far.stats()
+            assert stats["cache_hits"] + stats["cache_misses"] == done + 2 * reads  # counted on, not reset
+            assert stats["cuda_graphs"]["graph_captures"] == captured + LAYERS  # captured again, once per layer
+            assert stats["cuda_graphs"]["graph_replays"] >= 4 * LAYERS
+        assert far.make_staging(128 * block_bytes) is None  # already that size
+    finally:
+        far.close()
+        store.close()
+
+
 def full_body_equals_eager(far, full, windows: dict, rows, q: torch.Tensor, shifted: torch.Tensor,
                            seqused: torch.Tensor, meta, window: int, msg: str) -> None:
     """Each layer's output of `FullDecodeRows.attend` for the m = len(rows) real rows (q [n, HQ, D], n

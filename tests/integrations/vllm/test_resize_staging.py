@@ -1,7 +1,9 @@
 """The exact hot window's staging ring follows a run-time GPU budget (`scheduler.staging_follows_budget`):
-the split gives the ring its start-up share of a smaller budget, the resize re-makes the ring between steps
+the split gives the staging its start-up share of a smaller budget, the resize re-makes it between steps
 (`TierKVConnector.prepare_staging`, allocated before anything is bound), and the far part read through the
-new ring equals dense attention over the same blocks; the sparse policy's staging keeps its size."""
+new ring equals dense attention over the same blocks. The sparse policy's staging (ring, eager regions,
+far-block caches) is re-made too, except under the full decode graph; its outputs across re-made caches:
+tests/integrations/vllm/test_far_graphed_caches.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +28,10 @@ from tierkv.integrations.vllm.store import BlockSpan  # noqa: E402
 GIB = 1 << 30
 
 
-def _config(policy: str = "exact", follows: bool = True):
+def _config(policy: str = "exact", follows: bool = True, full_graphs: bool = False):
     config = load_config({"cache": {"gpu_budget_bytes": "2GiB"},
-                          "scheduler": {"policy": policy, "staging_bytes": "512MiB", "staging_follows_budget": follows}},
+                          "scheduler": {"policy": policy, "staging_bytes": "512MiB", "staging_follows_budget": follows,
+                                        "sparse_full_graphs": full_graphs}},
                          env={})
     return config
 
@@ -38,9 +41,10 @@ def _config(policy: str = "exact", follows: bool = True):
 def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget(budget, want):
     assert staging_for_budget(_config(), budget) == want
     assert split_budget(_config(), budget).staging_bytes == want
-    # kept as written: the flag off, or the sparse policy (its graphs captured the caches in the staging)
+    assert staging_for_budget(_config("sparse"), budget) == want  # ring, eager regions and caches re-made
+    # kept as written: the flag off, or the sparse step inside vLLM's full decode graph (which holds the caches)
     assert staging_for_budget(_config(follows=False), budget) == 512 << 20
-    assert staging_for_budget(_config("sparse"), budget) == 512 << 20
+    assert staging_for_budget(_config("sparse", full_graphs=True), budget) == 512 << 20
 
 
 def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_failure(tmp_path, monkeypatch):
@@ -138,19 +142,29 @@ def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp
         scheduler.shutdown()
 
 
-def test_the_sparse_staging_is_never_remade(tmp_path):
-    """The sparse policy's split keeps its staging, so its workers are asked for the same size (nothing to
-    do); a different size is refused before anything is allocated (its caches sit in captured graphs)."""
+def test_the_sparse_staging_is_remade_but_not_under_the_full_decode_graph(tmp_path):
+    """The sparse policy's workers re-make ring and eager regions at a new size (allocated first, bound by
+    the returned callable); with the full decode graph's rows present a different size is refused
+    before anything is allocated (vLLM's captured graphs hold the caches)."""
     from tests.integrations.vllm.test_hot_window import sparse_connectors
 
     worker, scheduler, _ = sparse_connectors(tmp_path)
     try:
         far, staging = worker._far, worker.store.config.scheduler.staging_bytes
-        before = far.pool
+        block_bytes = worker.store.layout.num_bytes
         assert worker.prepare_staging(staging) is None
-        with pytest.raises(RuntimeError, match="sparse policy's staging"):
-            worker.prepare_staging(staging // 2)
-        assert far.pool is before and far.staging_bytes == staging
+        before = far.pool, far.sparse_streamer
+        bind = worker.prepare_staging(staging * 2)
+        assert (far.pool, far.sparse_streamer) == before  # allocated, not yet bound
+        bind()
+        assert far.staging_bytes == staging * 2 and far.pool is not before[0] and far.sparse_streamer is not before[1]
+        assert far.stats()["staging_bytes"] <= staging * 2
+        assert far.stats()["staging_bytes"] > staging - block_bytes  # it did grow: more than the old split held
+        far.full = object()  # FullDecodeRows sets itself here
+        with pytest.raises(RuntimeError, match="full decode graph"):
+            worker.prepare_staging(staging)
+        assert far.staging_bytes == staging * 2
+        far.full = None
     finally:
         worker.shutdown()
         scheduler.shutdown()

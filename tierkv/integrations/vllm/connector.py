@@ -115,11 +115,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 hot_window.set_full(self._full)
 
     def prepare_staging(self, staging_bytes: int):
-        """Run-time resize of an exact hot window's staging ring: the new ring allocated now (an OOM
-        raises, nothing changed), bound by the returned callable; None when there is nothing to change
-        (no hot window, or the staging already this size). Between engine steps only (`resize_worker`)."""
-        ring = self._far.make_ring(staging_bytes) if self._far is not None else None
-        return None if ring is None else (lambda: self._far.use_ring(ring, staging_bytes))
+        """Run-time resize of the hot window's staging (the exact policy's ring; the sparse policy's ring,
+        eager regions and far-block caches): the new buffers allocated now (an OOM raises, nothing
+        changed), bound by the returned callable; None when there is nothing to change (no hot window, or
+        the staging already this size). Between engine steps only (`resize_worker`)."""
+        staging = self._far.make_staging(staging_bytes) if self._far is not None else None
+        return None if staging is None else (lambda: self._far.use_staging(staging, staging_bytes))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         started = time.perf_counter()

@@ -42,7 +42,7 @@ import torch
 from tierkv.attention import paged_partial_attention
 from tierkv.integrations.vllm.far_attention import assemble_rows, chunk_partial, merge_with_near, profiled
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
-from tierkv.integrations.vllm.far_staging import main_ring, split_staging
+from tierkv.integrations.vllm.far_staging import FarStaging, split_staging
 from tierkv.integrations.vllm.far_stats import cache_stats, far_kv_stats
 from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
@@ -80,8 +80,10 @@ class FarKV:
         self.row_caches = staging.row_caches
         self.recorder = PrefetchRecorder(store.num_layers)
         self._stream_through(staging.pool)  # self.pool, self.streamer
-        self.sparse_streamer = (LookaheadStreamer(store.io, staging.sparse_pool, store.lookahead, recorder=self.recorder)
-                                if staging.sparse_pool is not None else None)  # fmt: skip
+        self.sparse_streamer = self._streamer_over(staging.sparse_pool, None)
+        self.max_rows = max_rows  # what a run-time resize's staging is split for (`make_staging`)
+        # the far-block caches' counters (hits, misses, stalled rows) of caches a resize dropped
+        self._retired_cache_counts = torch.zeros(3, dtype=torch.int64)
         self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
@@ -281,7 +283,7 @@ class FarKV:
         """The far-block caches' counters (far_stats.cache_stats: one device sync; zeros without caches)
         and the H2D bytes their copies moved (the store's `bytes_moved` adds them to the transfer
         engine's). prefetched: the blocks the next-step prefetch copied into the caches. Reads only."""
-        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched)
+        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched, self._retired_cache_counts.tolist())
 
     def end_step(self) -> None:
         if self.rows:
@@ -289,27 +291,51 @@ class FarKV:
         self.rows, self._pieces, self.sparse_rows = [], [], []
         self.graphed.reset()
 
-    def make_ring(self, staging_bytes: int):
-        """A run-time resize's main ring of `staging_bytes` (`far_staging.main_ring`), allocated, not yet
-        used; None when the staging already is that size. Exact policy only (RuntimeError: the sparse
-        policy's staging holds the far-block caches its CUDA graphs captured); ConfigError when too small."""
+    def make_staging(self, staging_bytes: int) -> FarStaging | None:
+        """A run-time resize's device buffers carved from `staging_bytes` (`far_staging.split_staging`: the
+        main ring and, under the sparse policy, the eager regions and the graphed rows' far-block caches),
+        allocated, not yet used; None when the staging already is that size. RuntimeError under the full
+        decode graph (its rows' buffers and vLLM's captured graphs hold the caches); ConfigError when too small."""
         if staging_bytes == self.staging_bytes:
             return None
-        if self.sparse_blocks is not None:
-            raise RuntimeError("the sparse policy's staging holds the far-block caches its CUDA graphs captured: "
-                               "it keeps its start-up size")
-        return main_ring(self.store, staging_bytes)
+        if self.full is not None:
+            raise RuntimeError("the sparse step inside vLLM's full decode graph holds the far-block caches of its "
+                               "staging: the staging keeps its start-up size (scheduler.sparse_full_graphs)")
+        return split_staging(self.store, self.max_rows, staging_bytes)
 
-    def use_ring(self, pool, staging_bytes: int) -> None:
-        """Between steps: stream through `pool` (from `make_ring(staging_bytes)`) from the next step on; the
-        old ring's chunks copied ahead are dropped, and copied again."""
-        self._stream_through(pool)
+    def use_staging(self, staging: FarStaging, staging_bytes: int) -> None:
+        """Between steps: read the far blocks through `staging` (from `make_staging(staging_bytes)`) from the
+        next step on, the old buffers dropped. Chunks the old ring copied ahead are copied again; under the
+        sparse policy every request's far-block cache set is emptied (its next selections copy what they
+        read: the same blocks and results) and the step graphs, which baked the old buffers, are captured
+        again. Counters carry on across the change."""
+        if staging.warning:
+            logger.warning("tierkv hot window: %s", staging.warning)
+        old_sparse, old_graphs = self.sparse_streamer, self.graphs
+        self._stream_through(staging.pool)
+        self.sparse_streamer = self._streamer_over(staging.sparse_pool, old_sparse)
+        if self.row_caches is not None:
+            self._retired_cache_counts += self.row_caches.counters.cpu()
+        for req in self.requests.values():
+            req.cache = None
+        self.row_caches = staging.row_caches
+        self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
+        if self.graphs is not None and old_graphs is not None:
+            self.graphs.carry_on_from(old_graphs)
         self.staging_bytes = staging_bytes
 
     def _stream_through(self, pool) -> None:
-        """The main ring and the lookahead streamer that copies chunks through it."""
+        """The main ring and the lookahead streamer that copies chunks through it (counting on from the last one)."""
         self.pool = pool
-        self.streamer = LookaheadStreamer(self.store.io, pool, self.store.lookahead, recorder=self.recorder)
+        self.streamer = self._streamer_over(pool, getattr(self, "streamer", None))
+
+    def _streamer_over(self, pool, previous: LookaheadStreamer | None) -> LookaheadStreamer | None:
+        if pool is None:
+            return None
+        streamer = LookaheadStreamer(self.store.io, pool, self.store.lookahead, recorder=self.recorder)
+        if previous is not None:
+            streamer.carry_counts(previous)
+        return streamer
 
     def stats(self) -> dict:
         """Counters; `wait_s` is the time compute waited for far chunks (the part of the far

@@ -43,13 +43,16 @@ def main_ring(store, staging_bytes: int) -> GpuBlockPool:
                         store.device)
 
 
-def split_staging(store, max_rows: int) -> FarStaging:
+def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
-    at most this many and at most scheduler.sparse_graph_rows.
+    at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve them from
+    (default scheduler.staging_bytes; a run-time resize passes its share of the new budget,
+    `resize_plan.staging_for_budget`).
     """
-    scheduler, layout, staging_bytes = store.config.scheduler, store.layout, store.config.scheduler.staging_bytes
+    scheduler, layout = store.config.scheduler, store.layout
+    staging_bytes = scheduler.staging_bytes if staging_bytes is None else staging_bytes
     block_tokens = layout.block_tokens
     if scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer":
         raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,

@@ -13,13 +13,15 @@ _NO_CACHES = {"cache_hits": 0, "cache_misses": 0, "cache_stalled_rows": 0, "cach
               "cache_copied_bytes": 0}  # fmt: skip
 
 
-def cache_stats(row_caches: RowCaches | None, slot_bytes: int, prefetched: int = 0) -> dict:
+def cache_stats(row_caches: RowCaches | None, slot_bytes: int, prefetched: int = 0,
+                retired: list[int] | None = None) -> dict:
     """The far-block caches' counters (one device sync; zeros without caches), and the H2D bytes
     their copies moved: slot_bytes per block (the block, or a quantized tier's codes and scales).
-    prefetched: the blocks the next-step prefetch copied into the caches (its `prefetch_copied`)."""
-    if row_caches is None:
-        return dict(_NO_CACHES)
-    stats = row_caches.stats()
+    prefetched: the blocks the next-step prefetch copied into the caches (its `prefetch_copied`).
+    retired: the hits, misses and stalled rows of caches a run-time resize dropped (`FarKV.use_staging`)."""
+    stats = dict(_NO_CACHES) if row_caches is None else row_caches.stats()
+    for name, count in zip(("cache_hits", "cache_misses", "cache_stalled_rows"), retired or ()):
+        stats[name] += count
     # the next-step prefetch's copies (scheduler.sparse_prefetch_margin) cross PCIe into the same caches
     stats["cache_copied_bytes"] = (stats["cache_misses"] + prefetched) * slot_bytes
     return stats

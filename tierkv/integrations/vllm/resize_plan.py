@@ -4,7 +4,7 @@ in vLLM blocks, and whether it is refused, decided before anything changes. No v
 Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too), `staging_for_budget`,
 `window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
 
-    budget ──split_budget──> staging ring (exact policy: its start-up share of a smaller budget)
+    budget ──split_budget──> staging (its start-up share of a smaller budget, scheduler.staging_follows_budget)
                              + key summaries + full-graph codes (fixed) + vLLM's pool = the rest
     vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
 
@@ -54,12 +54,15 @@ def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_b
 
 
 def staging_for_budget(config, budget_bytes: int) -> int:
-    """The staging ring of a budget: `scheduler.staging_bytes` at the start-up budget
-    (`cache.gpu_budget_bytes`) and above; under the exact policy (`scheduler.staging_follows_budget`) a smaller budget keeps the ring's
-    share of it (a run-time shrink re-makes the ring, `FarKV.make_ring`), at least one byte; the sparse
-    policy's staging holds the far-block caches its CUDA graphs captured, and stays."""
+    """The staging of a budget: `scheduler.staging_bytes` at the start-up budget (`cache.gpu_budget_bytes`)
+    and above; with `scheduler.staging_follows_budget` a smaller budget keeps the staging's share of it (a
+    run-time shrink re-makes the exact policy's ring, or the sparse policy's ring, eager regions and
+    far-block caches: `FarKV.make_staging`), at least one byte. Kept as written under the sparse step inside
+    vLLM's full decode graph (its rows' buffers hold the caches' addresses)."""
+    from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
+
     staging, start = config.scheduler.staging_bytes, config.cache.gpu_budget_bytes
-    if config.scheduler.policy != "exact" or not config.scheduler.staging_follows_budget or budget_bytes >= start:
+    if not config.scheduler.staging_follows_budget or budget_bytes >= start or full_graphs_configured(config):
         return staging
     return max(1, staging * budget_bytes // start)
 
