@@ -50,13 +50,17 @@ def free_elsewhere() -> int:
 
 
 def timed_resize(llm, budget: int) -> dict:
-    before_stats, before_free = llm.stats()["gpu"], free_elsewhere()
+    before_stats, before_free = llm.stats(), free_elsewhere()
     started = time.perf_counter()
     llm.set_gpu_budget(budget)
     seconds = time.perf_counter() - started
-    after_free, after = free_elsewhere(), llm.stats()["gpu"]
-    expected = before_stats["pool_bytes"] - after["pool_bytes"]
+    after_free, after_stats = free_elsewhere(), llm.stats()
+    after = after_stats["gpu"]
+    staging = [s.get("hot_window", {}).get("staging_bytes", 0) for s in (before_stats, after_stats)]
+    # the pool's bytes and the staging's (the ring; sparse: its eager regions and far-block caches too)
+    expected = before_stats["gpu"]["pool_bytes"] - after["pool_bytes"] + staging[0] - staging[1]
     return {"budget_bytes": budget, "resize_s": seconds, "pool_blocks": after["pool_blocks"],
+            "staging_bytes": staging[1],
             "vllm_num_gpu_blocks": llm.engine.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "expected_freed_bytes": expected, "freed_elsewhere_bytes": after_free - before_free,
             "freed_fraction": (after_free - before_free) / expected if expected else None}
