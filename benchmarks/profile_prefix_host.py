@@ -146,7 +146,21 @@ def measured_run(engine: PrefixEngine, meter: Meter, req_id: str, prompt: list[i
            "counts": {k: after[k] - before[k] for k in after}, "metadata_bytes": engine.meta_bytes[num_meta:]}
     if profiler is not None:
         run["cprofile"] = {order: _listing(profiler, order) for order in ("tottime", "cumulative")}
+        run["cprofile"]["hooks_cumulative_s"] = _cumulative(profiler, HOOKS)
     return run
+
+
+HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_num_new_matched_tokens",
+         "build_connector_meta")  # the connector's entry points vLLM calls
+
+
+def _cumulative(profiler: cProfile.Profile, names: tuple[str, ...]) -> dict[str, float]:
+    """Cumulative seconds of the functions named `names` (summed over files), whatever their rank in the listing."""
+    totals: dict[str, float] = {}
+    for (_, _, name), (_, _, _, cumulative, _) in pstats.Stats(profiler).stats.items():
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + cumulative
+    return totals
 
 
 def _listing(profiler: cProfile.Profile, order: str, top: int = 30) -> str:
