@@ -5,7 +5,8 @@ Primitives: `load_prefix(seq, token_ids) -> num_tokens_loaded`.
     prompt blocks:  [b0][b1][b2][b3][b4]..[partial]
     found in tiers:  cpu cpu disk redis  -     -> m = 4 blocks (every layer must be found)
     lower-tier hits are promoted into the CPU tier, all m*L blocks pinned for the sequence,
-    and the resident ones (front and window) gathered to the GPU in one batch.
+    and the resident ones (front and window) gathered to the GPU in one batch. A block found but
+    unreadable (corrupt, its tier gone since) cuts the prefix there: the blocks before it are used.
 
 At least one prompt token is always left to compute, so the model yields logits.
 """
@@ -36,9 +37,16 @@ def load_prefix(seq: "SequenceKV", token_ids: list[int]) -> int:
     if m == 0:
         return 0
     flat = [keys[layer][b] for layer in range(num_layers) for b in range(m)]
-    slots = rt.chain.acquire_many(flat)
-    if slots is None:
+    got = rt.chain.acquire_available(flat)  # a block found above may still be unreadable (corrupt, tier down)
+    by_layer = [got[layer * m : (layer + 1) * m] for layer in range(num_layers)]
+    kept = next((b for b in range(m) if any(layer_slots[b] is None for layer_slots in by_layer)), m)
+    unused = [flat[j] for j, s in enumerate(got) if s is not None and j % m >= kept]  # pinned past the cut
+    if unused:
+        rt.chain.tiers[0].release(unused)
+    if kept == 0:
         return 0
+    m = kept  # the prefix up to the first block some layer could not read; the rest is recomputed
+    slots = [s for layer_slots in by_layer for s in layer_slots[:m]]
     _install(seq, keys, slots, m)
     seq.token_ids = list(token_ids)
     for layer in range(num_layers):

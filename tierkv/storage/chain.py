@@ -180,30 +180,40 @@ class TierChain:
 
         Blocks already in the first tier are pinned before any promotion, so promotions cannot
         evict them. Returns their slots (release them with `tiers[0].release`), or None with
-        nothing left pinned when some block is in no tier.
+        nothing left pinned when some block is in no tier (or none could give it back readable).
         """
+        slots = self.acquire_available(keys)
+        if None in slots:
+            self.tiers[0].release([k for k, s in zip(keys, slots) if s is not None])
+            return None
+        return slots
+
+    def acquire_available(self, keys: Sequence[str]) -> list[int | None]:
+        """As `acquire_many`, but pins what it can: a slot per key some tier gave back readable, None
+        for a key no tier holds any more or whose block failed its checks there (counted by that tier,
+        and dropped), or every lower-tier key when the first tier cannot hold them all pinned. The
+        caller releases the slots it got (`tiers[0].release`)."""
         first = self.tiers[0]
-        slots = first.acquire(keys)
-        if None not in slots:  # all in the first tier: the usual case
-            return slots
-        pinned = [k for k, s in zip(keys, slots) if s is not None]
+        slots: list[int | None] = list(first.acquire(keys))
         lower = [i for i, s in enumerate(slots) if s is None]
-        if not lower:
+        if not lower:  # all in the first tier: the usual case
             return slots
-        lower_keys = [keys[i] for i in lower]
-        blocks = self.get_many(lower_keys, promote=False, start=1)  # tier 0 just missed them
-        new_slots, evicted = first.prepare_put(lower_keys) if all(b is not None for b in blocks) else ([None], [])
+        blocks = self.get_many([keys[i] for i in lower], promote=False, start=1)  # tier 0 just missed them
+        readable = [(i, b) for i, b in zip(lower, blocks) if b is not None]
+        if not readable:
+            return slots
+        readable_keys = [keys[i] for i, _ in readable]
+        new_slots, evicted = first.prepare_put(readable_keys)
         self.spill(0, evicted)
         if any(s is None for s in new_slots):
-            first.abort_put([k for k, s in zip(lower_keys, new_slots) if s is not None])
-            first.release(pinned)
-            return None
-        first.write_slots(new_slots, torch.stack(blocks))
-        for i, slot in zip(lower, new_slots):
+            first.abort_put([k for k, s in zip(readable_keys, new_slots) if s is not None])
+            return slots
+        first.write_slots(new_slots, torch.stack([b for _, b in readable]))
+        for (i, _), slot in zip(readable, new_slots):
             slots[i] = slot
-        first.complete_put(lower_keys, keep_pinned=True)
+        first.complete_put(readable_keys, keep_pinned=True)
         with self._lock:
-            self.num_promoted += len(lower_keys)
+            self.num_promoted += len(readable_keys)
         return slots
 
     def locate_many(self, keys: Sequence[str]) -> list[int | None]:
