@@ -88,6 +88,23 @@ def test_blocks_spread_over_every_node_and_round_trip(layout, make_tier, redis_c
     assert tier.is_healthy and tier.down_nodes == []
 
 
+def test_a_key_of_another_redis_type_on_a_node_is_a_counted_corrupt_miss_and_deleted(layout, make_tier,
+                                                                                       redis_cluster):
+    """A node's GET answers WRONGTYPE for a key holding a list: counted as a corrupt block (not a link error)
+    and deleted, so the block can be stored again; the other keys are hits."""
+    tier = make_tier()
+    keys = [key_of(i) for i in range(6)]
+    tier.put_many(keys, [make_block(layout, i) for i in range(6)])
+    name = tier._redis_key(keys[2])
+    node = redis_cluster.client(spread(tier, redis_cluster, [keys[2]])[0])
+    node.delete(name)
+    node.rpush(name, b"x")
+    got = tier.get_many(keys)
+    assert got[2] is None and all(got[i] is not None for i in range(6) if i != 2)
+    assert tier.counters["corrupt_blocks"] == 1 and tier.counters["errors"] == 0
+    assert not node.exists(name)
+
+
 def test_capacity_and_namespace_as_on_one_server(layout, make_tier):
     tier = make_tier(capacity_bytes=4 * layout.num_bytes)
     other = make_tier(namespace="cluster-other-" + uuid.uuid4().hex[:8])

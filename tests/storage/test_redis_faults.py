@@ -102,6 +102,24 @@ def test_corrupt_value_is_a_counted_miss_and_deleted(layout, make_tier, raw, red
     assert tier.is_healthy
 
 
+@pytest.mark.parametrize("kind", ["list", "hash"])
+def test_a_key_of_another_redis_type_is_a_counted_corrupt_miss_and_deleted(layout, make_tier, raw, redis_namespace,
+                                                                           kind):
+    """MGET answers nil for a key holding a list or a hash: not a plain miss (EXISTS says it is there, so a
+    write-through would never store the block again) but a corrupt value, counted and deleted."""
+    tier = make_tier()
+    keys = [key_of(i) for i in range(4)]
+    tier.put_many(keys, [make_block(layout, i) for i in range(4)])
+    name = f"{redis_namespace}:{keys[1]}"
+    raw.delete(name)
+    raw.rpush(name, b"x") if kind == "list" else raw.hset(name, "f", b"x")
+    got = tier.get_many(keys + [key_of(99)])  # and one key that is simply missing
+    assert got[1] is None and got[4] is None and all(got[i] is not None for i in (0, 2, 3))
+    assert tier.counters["corrupt_blocks"] == 1 and tier.counters["misses"] == 2
+    assert not raw.exists(name) and tier.contains_many(keys) == [True, False, True, True]
+    assert tier.counters["errors"] == 0 and tier.is_healthy
+
+
 def test_namespaces_are_isolated(layout, make_tier, redis_namespace):
     ours, theirs = make_tier(), make_tier(namespace=redis_namespace + "-other")
     ours.put(key_of(1), make_block(layout, 1))

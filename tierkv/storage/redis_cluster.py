@@ -66,7 +66,7 @@ class ClusterLink(LinkBase):
                          lambda cluster, i: cluster.execute_command("GET", names[i]))
 
     def per_key(self, command: str, names: Sequence[str]) -> list[Any]:
-        wire = {"exists": "EXISTS", "delete": "DEL"}[command]
+        wire = {"exists": "EXISTS", "delete": "DEL", "type": "TYPE"}[command]
         return self._run(names, lambda client, sub: self._per_key_pipeline(client, command, sub),
                          lambda cluster, i: cluster.execute_command(wire, names[i]))
 

@@ -20,7 +20,8 @@ the tier stays healthy while any primary is up); meanwhile calls for it answer a
 (misses, PutResult(ok=False), False) without touching the network. Each failed or skipped
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
 the next call tries again and a success marks the node up. A value that fails to decode is a
-miss, counted as `corrupt_blocks`, and deleted.
+miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
+list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
 
 Capacity: this client keeps an LRU of the keys it wrote and, with `capacity_bytes` set,
 deletes the oldest once they pass capacity_bytes // layout.num_bytes blocks; evicted data is
@@ -107,11 +108,13 @@ class RedisTier(StorageTier):
         self._check_open()
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
-            answered, corrupt = [], []
+            answered, corrupt, nil, wrong_type = [], [], [], []
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
-                self._count_key_errors(values)
+                wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
+                self._count_key_errors([v for v in values if not _is_wrong_type(v)])
                 answered += [i for i, v in enumerate(values, start) if not isinstance(v, Exception)]
+                nil += [i for i, v in enumerate(values, start) if v is None]
                 found = [(i, v) for i, v in enumerate(values, start) if isinstance(v, (bytes, bytearray))]
                 for (i, value), row in zip(found, self.layout.empty(len(found)).unbind(0)):
                     try:
@@ -120,6 +123,13 @@ class RedisTier(StorageTier):
                     except CorruptBlock as exc:
                         logger.warning("%s: dropping corrupt value: %s", self.name, exc)
                         corrupt.append(keys[i])
+            if nil:  # MGET answers nil for a missing key and for a key of another Redis type alike
+                types = self._per_key("type", [keys[i] for i in nil])
+                wrong_type += [i for i, t in zip(nil, types) if t not in (0, b"none", "none")]
+            if wrong_type:
+                logger.warning("%s: dropping %d key(s) that hold a value of another Redis type (not a block), e.g. %s",
+                               self.name, len(wrong_type), self._redis_key(keys[wrong_type[0]]))
+                corrupt += [keys[i] for i in wrong_type]
             num_hits = sum(b is not None for b in blocks)
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
             self._touch([keys[i] for i in answered if blocks[i] is not None])
@@ -239,6 +249,11 @@ class RedisTier(StorageTier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"{self.name}: tier is closed")
+
+
+def _is_wrong_type(reply: Any) -> bool:
+    """A WRONGTYPE error reply: the key holds a list, hash, ... where a block's string value belongs."""
+    return isinstance(reply, Exception) and str(reply).startswith("WRONGTYPE")
 
 
 def _check_params(name, layout, capacity_bytes, namespace, ttl_s, timeout_s, retry_interval_s) -> None:
