@@ -18,6 +18,7 @@ chunks) and decode tokens with their rate in tok/s (from DECODE_PROGRESS_MIN_TOK
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import time
@@ -29,8 +30,10 @@ from tierkv.config.load import to_dict
 from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.metrics import runtime_reads
 from tierkv.engine.prefix import load_prefix
-from tierkv.prompts import normalize_prompts, token_ids
+from tierkv.prompts import PromptError, normalize_prompts, token_ids
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
+
+logger = logging.getLogger(__name__)
 
 DECODE_PROGRESS_MIN_TOKENS = 16  # show_progress: a decode bar (tok/s) once max_new_tokens reaches this
 BACKENDS = {  # backend name -> "module:class" of its TieredLLM subclass (None: TieredLLM itself)
@@ -50,6 +53,17 @@ def backend_class(backend: str) -> type["TieredLLM"]:
     if not (isinstance(cls, type) and issubclass(cls, TieredLLM)):
         raise TypeError(f"backend {backend!r}: {BACKENDS[backend]} is not a TieredLLM subclass")
     return cls
+
+
+def warn_past_positions(model, request: int, num_tokens: int) -> None:
+    """Log a warning when a request runs past the model's max_position_embeddings (positions it was
+    not trained on: the model runs, as under transformers, but its output may degrade)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and num_tokens > limit:
+        logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "
+                       "max_position_embeddings=%d: positions beyond it were not trained on", request, num_tokens,
+                       limit)
 
 
 class TieredLLM:
@@ -83,11 +97,18 @@ class TieredLLM:
         no_text = None if self.tokenizer is not None else "a text prompt needs a tokenizer; pass token ids or tokenizer="
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self.vocab_size, text_error=no_text)
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
+        from tierkv.integrations.hf import span_problem
+
+        span = getattr(self.runtime, "attention_span", None)
         for i, ids in enumerate(requests):  # refuse before doing any work
             try:
                 self.runtime.check_fits(len(ids) + sampling.max_new_tokens)
             except ValueError as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
+            if span is not None and len(ids) + sampling.max_new_tokens > span[0]:
+                raise PromptError(f"request {i}: {len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                                  f"= {len(ids) + sampling.max_new_tokens}; {span_problem(span)}")
+            warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
         return [self._run_one(ids, sampling) for ids in requests]
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:

@@ -64,6 +64,10 @@ class TieredLayer(CacheLayerMixin):
                 f"TieredCache holds one sequence; got a batch of {key_states.shape[0]} "
                 "(TieredLLM.generate runs a batch of requests one after another)"
             )
+        span = getattr(self.seq.rt, "attention_span", None)
+        if span is not None and self.seq.num_tokens[self.layer_idx] + key_states.shape[2] > span[0]:
+            raise ValueError(f"{span_problem(span)}; this sequence reaches "
+                             f"{self.seq.num_tokens[self.layer_idx] + key_states.shape[2]} tokens")
         self.seq.append(self.layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         setattr(key_states, _LAYER_ATTR, self)
         return key_states, value_states
@@ -112,8 +116,8 @@ def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if attention_mask is not None:
         raise ValueError("TieredCache holds one unpadded sequence; got an attention mask with padding "
                          "(run padded batches one request at a time, as TieredLLM.generate does)")
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("tierkv attention does not implement sliding-window layers yet")
+    # a sliding window or an attention chunk is honoured by keeping sequences within it (TieredLayer.update,
+    # attention_span): there every earlier token is inside the window, and full attention is the layer's
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("tierkv attention does not implement logit soft-capping or attention sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -211,6 +215,32 @@ def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
     model._tierkv_query_hooks = True
 
 
+def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
+    """(tokens, setting) when some layers of `model` attend only part of the context: a sliding window
+    (Mistral, Qwen2 with use_sliding_window, Gemma's sliding layers) or chunked attention (Llama 4's
+    attention_chunk_size). tierkv attends every earlier token, which is those layers' own attention only
+    while a sequence stays within that many tokens; None when every layer attends the whole context."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(text, "layer_types", None)
+    spans = []
+    window = getattr(text, "sliding_window", None)
+    has_sliding = (any(t == "sliding_attention" for t in layer_types) if layer_types
+                   else getattr(text, "use_sliding_window", True) is not False)
+    if isinstance(window, int) and window > 0 and has_sliding:
+        spans.append((window, f"sliding_window={window}"))
+    chunk = getattr(text, "attention_chunk_size", None)
+    has_chunked = any(t == "chunked_attention" for t in layer_types) if layer_types else True
+    if isinstance(chunk, int) and chunk > 0 and has_chunked:
+        spans.append((chunk, f"attention_chunk_size={chunk}"))
+    return min(spans) if spans else None
+
+
+def span_problem(span: tuple[int, str]) -> str:
+    tokens, setting = span
+    return (f"the model's {setting}: some of its layers attend only part of the context, tierkv attends all of it, "
+            f"which is the same only for sequences of at most {tokens} tokens (prompt and new tokens)")
+
+
 def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: str | None = None) -> KVRuntime:
     """A KVRuntime shaped like `model`'s KV cache, on the model's device and dtype.
 
@@ -237,6 +267,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     model.set_attn_implementation(ATTN_NAME)
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
                         model_id=identity, **shape)
+    runtime.attention_span = attention_span(model)  # sequences are held within it (TieredLayer.update)
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime

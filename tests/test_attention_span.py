@@ -1,0 +1,101 @@
+"""Models whose layers attend only part of the context (a sliding window: Mistral, Qwen2 with
+use_sliding_window; chunked attention: Llama 4): tierkv attends every earlier token, which is their
+attention exactly while a sequence stays within the window or chunk. Within it, tokens equal
+transformers'; past it, TieredLLM refuses the request before any work, naming the setting, and a
+TieredCache used directly refuses to grow past it (never a silently different attention)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.models import reference_greedy
+from tierkv.config import load_config
+from tierkv.integrations.hf import attention_span
+from tierkv.llm import TieredLLM
+from tierkv.prompts import PromptError
+
+
+def _pair(cls, config):
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    for param in model.parameters():
+        param.data.normal_(0, 0.2)
+    reference = cls(copy.deepcopy(config)).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.set_attn_implementation("sdpa")
+    return model, reference
+
+
+def _models():
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, eos_token_id=None, bos_token_id=None)
+    yield "mistral", tf.MistralForCausalLM, tf.MistralConfig(**common, sliding_window=48), 48
+    yield "qwen2", tf.Qwen2ForCausalLM, tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=40,
+                                                       max_window_layers=0), 40
+    if hasattr(tf, "Llama4TextConfig"):
+        cfg = tf.Llama4TextConfig(**{**common, "num_hidden_layers": 4}, intermediate_size_mlp=64, num_local_experts=2,
+                                  attention_chunk_size=32, pad_token_id=None)
+        yield "llama4", tf.Llama4ForCausalLM, cfg, 32
+
+
+MODELS = list(_models())
+
+
+def _config(tmp_path):
+    block_bytes = 2 * 2 * 4 * 16 * 4
+    return load_config({"model": {"name": "span"},
+                        "cache": {"block_tokens": 4, "gpu_budget_bytes": 4 * 6 * block_bytes, "sink_tokens": 4,
+                                  "window_tokens": 8},
+                        "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block_bytes}],
+                        "scheduler": {"lookahead_layers": 1, "staging_bytes": 128 * block_bytes,
+                                      "prefill_chunk_tokens": 16}}, env={})
+
+
+@pytest.mark.parametrize("name,cls,config,span", MODELS, ids=[m[0] for m in MODELS])
+def test_within_the_span_tokens_equal_transformers_and_past_it_the_request_is_refused(tmp_path, name, cls, config,
+                                                                                       span):
+    model, reference = _pair(cls, config)
+    assert attention_span(model)[0] == span
+    ids = torch.randint(0, 256, (span - 8,), generator=torch.Generator().manual_seed(1)).tolist()
+    want, _ = reference_greedy(reference, ids, 8)
+    with TieredLLM(model, _config(tmp_path), show_progress=False) as llm:
+        assert llm.generate([ids], max_new_tokens=8, ignore_eos=True)[0].token_ids == want
+        before = llm.stats()["requests"]["requests"]
+        with pytest.raises(PromptError, match=f"request 0: {span - 8} prompt tokens .* at most {span} tokens"):
+            llm.generate([ids], max_new_tokens=9, ignore_eos=True)
+        with pytest.raises(PromptError, match="sliding_window|attention_chunk_size"):
+            llm.generate([ids + ids], max_new_tokens=1)
+        assert before == 1 and llm.stats()["requests"]["requests"] == before  # refused before any work
+
+
+def test_models_that_attend_the_whole_context_have_no_span():
+    import transformers as tf
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1)
+    assert attention_span(tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))) is None
+    assert attention_span(tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, use_sliding_window=False))) is None
+    assert attention_span(tf.LlamaForCausalLM(tf.LlamaConfig(**common))) is None
+
+
+def test_a_tiered_cache_used_directly_refuses_to_grow_past_the_span(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tierkv.integrations.hf import TieredCache, forward_kwargs, runtime_for_model
+
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24)
+    model, _ = _pair(MistralForCausalLM, config)
+    runtime = runtime_for_model(model, _config(tmp_path))
+    cache = TieredCache(runtime)
+    try:
+        model(torch.tensor([list(range(20))]), **forward_kwargs(model, cache))
+        with pytest.raises(ValueError, match="sliding_window=24.*reaches 25 tokens"):
+            model(torch.tensor([list(range(5))]), **forward_kwargs(model, cache))
+    finally:
+        cache.finish()
+        runtime.close()
