@@ -79,10 +79,11 @@ class TieredLLM:
         self.config = config_of(config)
         _check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device, gguf_file)
-        from tierkv.integrations.hf import forward_kwargs, runtime_for_model
+        from tierkv.integrations.hf import forward_kwargs, length_dependent_rotary, runtime_for_model
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
         self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
+        self._length_rotary = length_dependent_rotary(self.model)  # rope dynamic / longrope (`_prefill`)
         self.show_progress = show_progress
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.totals = RequestTotals(("prompt_tokens", "prefix_tokens", "generated_tokens", "prefill_s", "decode_s"))
@@ -166,7 +167,9 @@ class TieredLLM:
         cache = TieredCache(rt, ids)
         try:
             start = time.perf_counter()
-            num_prefix = load_prefix(cache.seq, ids)
+            # a length-dependent rotary embedding rotates keys by the request's length: blocks of another
+            # request are not this one's keys (RotaryForLength), so nothing is reused for such a model
+            num_prefix = load_prefix(cache.seq, ids) if not self._length_rotary else 0
             logits = self._prefill(cache, ids, num_prefix)
             prefill_s = _elapsed(start, rt.device)
             generated, reason, decode_s = self._decode(cache, logits, sampling)
@@ -193,10 +196,13 @@ class TieredLLM:
         todo = len(ids) - start
         progress = _progress(todo, self.show_progress and todo > 4 * chunk, "prefill")
         logits = None
-        for pos in range(start, len(ids), chunk):
-            piece = torch.tensor([ids[pos : pos + chunk]], device=device)
-            logits = self.model(input_ids=piece, logits_to_keep=1, **self._cache_kwargs(cache)).logits[0, -1]
-            progress.update(piece.shape[1])
+        from tierkv.integrations.hf import RotaryForLength
+
+        with RotaryForLength(self._length_rotary if todo > chunk else [], len(ids)):
+            for pos in range(start, len(ids), chunk):
+                piece = torch.tensor([ids[pos : pos + chunk]], device=device)
+                logits = self.model(input_ids=piece, logits_to_keep=1, **self._cache_kwargs(cache)).logits[0, -1]
+                progress.update(piece.shape[1])
         progress.close()
         return logits
 

@@ -235,6 +235,50 @@ def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
     return min(spans) if spans else None
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies chosen by the forward's longest position
+
+
+def length_dependent_rotary(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The rotary-embedding modules of `model` whose frequencies depend on the longest position of the
+    forward they run in (rope_type dynamic or longrope): a prompt run in chunks would rotate its first
+    chunks' keys for a shorter sequence than one forward over the whole prompt does."""
+    found = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if hasattr(module, "inv_freq") and any(t in LENGTH_DEPENDENT_ROPE for t in types):
+            found.append(module)
+    return found
+
+
+class RotaryForLength:
+    """While active, each of `modules` computes its cos/sin as for one forward over positions
+    [0, length) and hands each call its positions' rows: a prompt prefilled in chunks is rotated as
+    transformers rotates it in one forward (the decode steps after it need nothing: one token's forward
+    sees its whole length, as transformers' own does)."""
+
+    def __init__(self, modules: list[torch.nn.Module], length: int):
+        self.modules, self.length = modules, length
+
+    def __enter__(self) -> "RotaryForLength":
+        for module in self.modules:
+            original = module.forward
+
+            def forward(x, position_ids, *args, _original=original, **kwargs):
+                whole = torch.arange(self.length, device=position_ids.device).expand(position_ids.shape[0], -1)
+                cos, sin = _original(x, whole, *args, **kwargs)
+                index = position_ids.to(torch.int64)
+                rows = index.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
+                return cos.gather(1, rows), sin.gather(1, rows)
+
+            module.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            del module.forward  # the class's forward again
+
+
 def span_problem(span: tuple[int, str]) -> str:
     tokens, setting = span
     return (f"the model's {setting}: some of its layers attend only part of the context, tierkv attends all of it, "
