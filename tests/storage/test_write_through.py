@@ -88,3 +88,44 @@ def test_a_second_process_reuses_the_first_ones_prefix(tmp_path):
     first, second = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
     assert first["prefix"] == 0 and second["prefix"] == 148
     assert second["tokens"] == first["tokens"]
+
+
+def test_blocks_a_down_tier_missed_are_written_when_it_is_back_and_counted_when_it_never_is(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """While the write-through tier is down its blocks are deferred (counted), written at the first
+    write-through after it is back, so a new runtime reuses that prefix; still down at close: counted
+    as failed, and a warning names the tier."""
+    from tierkv.storage.disk import DiskTier
+
+    up = {"disk": True}
+    monkeypatch.setattr(DiskTier, "is_healthy", property(lambda self: up["disk"]))
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, seed=6)
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    a, c = (torch.randint(0, 512, (203,), generator=gen).tolist() for _ in range(2))
+    with TieredLLM(model, config_for(tmp_path), show_progress=False) as llm:
+        up["disk"] = False
+        (first,) = llm.generate([a], max_new_tokens=4)
+        llm.runtime.chain.flush()
+        chain = llm.stats()["chain"]
+        assert chain["written_through"] == 0 and chain["write_through_deferred"] == 2 * 51
+        assert chain["write_through_backlog"] == 2 * 51
+        up["disk"] = True
+        llm.generate([c], max_new_tokens=4)  # its write-through takes the backlog along
+        llm.runtime.chain.flush()
+        chain = llm.stats()["chain"]
+        assert chain["written_through"] == 2 * 2 * 51 and chain["write_through_backlog"] == 0
+        assert chain["write_through_failed"] == 0
+    with TieredLLM(twin, config_for(tmp_path), show_progress=False) as second:
+        (again,) = second.generate([a], max_new_tokens=4)
+    assert again.token_ids == first.token_ids and again.stats["prefix_tokens"] == 200
+
+    (tmp_path / "down").mkdir()
+    llm = TieredLLM(copy.deepcopy(twin), config_for(tmp_path / "down"), show_progress=False)
+    up["disk"] = False
+    llm.generate([c], max_new_tokens=4)
+    chain_obj = llm.runtime.chain
+    with caplog.at_level("WARNING", logger="tierkv.storage.chain"):
+        llm.close()
+    assert chain_obj.snapshot()["chain"]["write_through_failed"] == 2 * 51
+    assert any("never reached" in r.getMessage() and "disk" in r.getMessage() for r in caplog.records)

@@ -15,11 +15,15 @@ goes to the tier after it; only a block no tier accepts is dropped, and that is 
 Write-through: tiers marked `write_through` (persistent ones: disk, Redis) also receive every
 content-addressed block as soon as it lands in tier 0, on the same background pool, so a later
 process finds the prefix there even when tier 0 never evicted it. `flush` and `close` wait for
-those writes.
+those writes. A write-through tier that is down defers them (`write_through_deferred`): they are
+written at the first write-through after it is back, or at `close` (whatever tier 0 still holds;
+what it no longer holds, or a tier still down at close, counts in `write_through_failed`).
 """
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -27,6 +31,11 @@ import torch
 
 from tierkv.redact import redact_text
 from tierkv.storage.base import PutResult, StorageTier
+
+
+logger = logging.getLogger(__name__)
+
+WRITE_THROUGH_BACKLOG_KEYS = 1 << 16  # per tier: keys kept for a tier that is down (older ones counted failed)
 
 
 class TierChain:
@@ -41,6 +50,9 @@ class TierChain:
         self.write_through_tiers = [i for i, flag in enumerate(flags) if flag and i > 0]
         self.num_written_through = 0
         self.num_write_through_failed = 0
+        self.num_write_through_deferred = 0
+        # per write-through tier: keys it missed while down, written when it is back (oldest first, bounded)
+        self._backlog: dict[int, OrderedDict[str, None]] = {i: OrderedDict() for i in self.write_through_tiers}
         if hasattr(self.tiers[-1], "return_evicted"):  # nothing below the last tier: do not read evictions back
             self.tiers[-1].return_evicted = False
         self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
@@ -110,9 +122,13 @@ class TierChain:
                         del self._in_flight[key]
 
     def write_through(self, keys: Sequence[str]) -> None:
-        """Copy these tier-0 blocks to every write-through tier that lacks them, in the background."""
-        if not self.write_through_tiers or not keys:
+        """Copy these tier-0 blocks to every write-through tier that lacks them, in the background; a tier
+        that is down gets them (and earlier ones it missed) at a later call once it is back."""
+        if not self.write_through_tiers or not (keys or any(self._backlog.values())):
             return
+        self.write_through_keys(keys)
+
+    def write_through_keys(self, keys: Sequence[str]) -> None:
         with self._lock:
             future = self._executor.submit(self._write_through_now, list(keys))
             self._futures.add(future)
@@ -121,11 +137,29 @@ class TierChain:
     def _write_through_now(self, keys: list[str]) -> None:
         try:
             first = self.tiers[0]
-            found = first.peek_many(keys) if hasattr(first, "peek_many") else first.get_many(keys)
-            present = [(k, b) for k, b in zip(keys, found) if b is not None]
             for index in self.write_through_tiers:
-                tier = self.tiers[index]
-                if not present or not tier.is_healthy:
+                tier, backlog = self.tiers[index], self._backlog[index]
+                with self._lock:
+                    if not tier.is_healthy:  # deferred: written once it is back (a later call, or close)
+                        for key in keys:
+                            backlog[key] = None
+                        self.num_write_through_deferred += len(keys)
+                        while len(backlog) > WRITE_THROUGH_BACKLOG_KEYS:
+                            backlog.popitem(last=False)
+                            self.num_write_through_failed += 1
+                        continue
+                    deferred = list(backlog)
+                    backlog.clear()
+                fresh = set(keys)
+                todo_keys = deferred + [k for k in keys if k not in set(deferred)]
+                found = first.peek_many(todo_keys) if hasattr(first, "peek_many") else first.get_many(todo_keys)
+                present = [(k, b) for k, b in zip(todo_keys, found) if b is not None]
+                gone = [k for k, b in zip(todo_keys, found) if b is None and k not in fresh]
+                if gone:  # deferred blocks tier 0 no longer holds: lost to this tier unless a spill brought them
+                    lost = sum(not held for held in tier.contains_many(gone))
+                    with self._lock:
+                        self.num_write_through_failed += lost
+                if not present:
                     continue
                 held = tier.contains_many([k for k, _ in present])
                 todo = [(k, b) for (k, b), is_held in zip(present, held) if not is_held]
@@ -141,6 +175,11 @@ class TierChain:
             with self._lock:
                 self.spill_errors.append(f"write-through {type(exc).__name__}: {exc}")
                 self.num_write_through_failed += len(keys)
+
+    def catch_up(self) -> None:
+        """Write the blocks a write-through tier missed while down, if it is back (in the background)."""
+        if any(self._backlog.values()):
+            self.write_through_keys([])
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
@@ -257,7 +296,14 @@ class TierChain:
                 future.result()
 
     def close(self) -> None:
+        self.catch_up()  # the blocks a write-through tier missed while down, if it is back now
         self.flush()
+        lost = {self.tiers[i].name: len(b) for i, b in self._backlog.items() if b}
+        if lost:  # still down: those blocks live only in this process's tiers, which close now
+            with self._lock:
+                self.num_write_through_failed += sum(lost.values())
+            logger.warning("write-through: %s never reached (down until close); a later process recomputes them",
+                           ", ".join(f"{n} blocks for {name}" for name, n in lost.items()))
         self._executor.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
@@ -269,5 +315,7 @@ class TierChain:
                 "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors[-10:]),
                 "written_through": self.num_written_through,
                 "write_through_failed": self.num_write_through_failed,
+                "write_through_deferred": self.num_write_through_deferred,
+                "write_through_backlog": sum(len(b) for b in self._backlog.values()),
             }
         return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}
