@@ -45,6 +45,7 @@ from tierkv.storage.disk_read_batch import SEGMENT_GONE, SEGMENT_REPLACED
 from tierkv.storage.disk_reads import BatchReader
 from tierkv.storage.disk_segment_files import SegmentFiles
 from tierkv.storage.disk_threads import IOThreads
+from tierkv.storage.log_limit import LimitedWarning
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class DiskTier(StorageTier):
         if segment_bytes is not None and segment_bytes < 1:
             raise ValueError(f"{name}: segment_bytes={segment_bytes!r}; must be >= 1 or None")
         super().__init__(name, layout, capacity_bytes)
+        # a failing directory or a run of corrupt records repeats per block: one line per 10 s with the count
+        self._error_log, self._drop_log = LimitedWarning(logger), LimitedWarning(logger)
         self.path = Path(path).expanduser()
         self.return_evicted = return_evicted
         self.fsync = fsync
@@ -255,7 +258,8 @@ class DiskTier(StorageTier):
                 if failure.startswith(("open failed", "read failed")):
                     self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
                     continue
-                logger.warning("%s: dropping block %s (segment %x): %s", self.name, key, entry.segment_id, failure)
+                self._drop_log.note("%s: dropping corrupt block(s); latest %s (segment %x): %s", self.name, key,
+                                    entry.segment_id, failure)
                 self.counters.add(corrupt_blocks=1)
                 dropped.append(self._index.pop(key))
         self._files.drop_records(dropped)
@@ -283,7 +287,7 @@ class DiskTier(StorageTier):
         return self._threads.spread(fn, xs, self.layout.num_bytes)
 
     def _io_error(self, op: str, path: str, exc: OSError) -> None:
-        logger.warning("%s: %s %s failed: %s", self.name, op, path, exc)
+        self._error_log.note("%s: I/O failed (counted in errors); latest: %s %s: %s", self.name, op, path, exc)
         self.counters.add(errors=1)
 
     def _check_open(self) -> None:

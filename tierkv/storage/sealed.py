@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
@@ -30,6 +29,7 @@ import torch
 from tierkv.blocks import BlockLayout
 from tierkv.storage.auth import AuthFailure, BlockSealer
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.wrapped import WrappedTier
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ class SealedTier(WrappedTier):
         super().__init__(inner, layout)
         self.sealer = sealer
         self.log_interval_s = log_interval_s
-        self._unlogged_failures = 0
-        self._last_log_s: float | None = None
+        self._failure_log = LimitedWarning(logger, log_interval_s)
         # HMAC releases the GIL; AES-GCM does not (threads would only add overhead there)
         threads = 1 if sealer.encrypt else max(1, seal_threads)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierkv-seal") if threads > 1 else None
@@ -121,11 +120,5 @@ class SealedTier(WrappedTier):
 
     def _note_failure(self, exc: AuthFailure) -> None:
         """Log the first failure, then at most one line per log_interval_s with the count since."""
-        now = time.monotonic()
-        with self._lock:
-            self._unlogged_failures += 1
-            if self._last_log_s is not None and now - self._last_log_s < self.log_interval_s:
-                return
-            count, self._unlogged_failures, self._last_log_s = self._unlogged_failures, 0, now
-        logger.warning("%s: %d stored block(s) failed authentication and were dropped as misses; latest: %s",
-                       self.name, count, exc)
+        self._failure_log.note("%s: stored block(s) failed authentication and were dropped as misses; latest: %s",
+                               self.name, exc)
