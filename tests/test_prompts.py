@@ -272,3 +272,12 @@ def test_vllm_backend_checks_prompts_before_the_engine_sees_them():
     with pytest.raises(PromptError, match=r"request 1: token 0 is 512; token ids are ints in \[0, 512\)"):
         llm.generate([[1], [VOCAB]], max_new_tokens=2)
     assert len(seen) == 2
+
+
+def test_text_with_a_lone_surrogate_is_refused_naming_where():
+    import pytest
+
+    from tierkv.prompts import PromptError, normalize_prompts
+
+    with pytest.raises(PromptError, match=r"request 1: the text is not valid Unicode at character 1"):
+        normalize_prompts(["fine", "a\ud800b"], vocab_size=10)

@@ -63,3 +63,25 @@ def test_outputs_have_vllms_shape_and_stops_follow_vllm(tmp_path):
         (stopped,) = llm.generate([prompt], max_tokens=6, stop_token_ids=[stop])
         first = free.token_ids.index(stop)
         assert stopped.token_ids == free.token_ids[:first + 1] and stopped.outputs[0].finish_reason == "stop"
+
+
+def test_settings_past_what_sampling_can_take_are_refused_by_name():
+    import pytest
+
+    from tierkv.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=r"seed: got 18446744073709551616; must be in \[0, 18446744073709551615\]"):
+        SamplingParams(seed=2**64)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams().max_new_tokens == 64 and SamplingParams(max_tokens=3).max_new_tokens == 3
+
+
+def test_a_near_zero_temperature_samples_the_top_token():
+    import torch
+
+    from tierkv.sampling import SamplingParams, sample_next
+
+    logits = torch.tensor([1.0, 3.0, 2.5, -1e4])
+    for temperature in (1e-39, 1e-300, 1e-20):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert sample_next(logits, params, torch.Generator().manual_seed(0)) == 1

@@ -260,6 +260,10 @@ def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: d
     elif sampling_kwargs:
         raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
     sampling = SamplingParams.coerce(sampling)  # tierkv's or vLLM's SamplingParams; TypeError otherwise
+    for i, token in enumerate(sampling.stop_token_ids or ()):
+        if vocab_size is not None and token >= vocab_size:
+            raise ValueError(f"stop_token_ids[{i}]: got {token}; the model's vocabulary has {vocab_size} ids "
+                             f"(0..{vocab_size - 1})")
     return sampling, normalize_prompts(prompts, vocab_size=vocab_size, text_error=text_error)
 
 

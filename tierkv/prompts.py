@@ -57,6 +57,11 @@ def normalize_prompts(prompts: Any, *, vocab_size: int | None, text_error: str |
                 raise PromptError(f"request {index}: {text_error}")
             if not prompt:
                 raise PromptError(f"request {index}: the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
+                raise PromptError(f"request {index}: the text is not valid Unicode at character {exc.start} "
+                                  f"({prompt[exc.start:exc.end]!r}: {exc.reason})") from None
             out.append(prompt)
         else:
             out.append(token_ids(prompt, index=index, vocab_size=vocab_size))

@@ -42,7 +42,7 @@ class SamplingParams:
                     lambda v: v >= 0, optional=False)
         _check_int("top_k", self.top_k, minimum=1)
         _check_real("top_p", self.top_p, "must be in (0, 1] or None", lambda v: 0 < v <= 1)
-        _check_int("seed", self.seed, minimum=0)
+        _check_int("seed", self.seed, minimum=0, maximum=2**64 - 1)  # torch.Generator's seed range
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids: got {self.stop_token_ids!r}; a list of token ids or None")
@@ -86,14 +86,15 @@ def sampling_from_kwargs(kwargs: dict) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _check_int(name: str, value, *, minimum: int, optional: bool = True) -> None:
+def _check_int(name: str, value, *, minimum: int, optional: bool = True, maximum: int | None = None) -> None:
     if value is None and optional:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: got {value!r} ({type(value).__name__}); must be an int"
                         + (" or None" if optional else ""))
-    if value < minimum:
-        raise ValueError(f"{name}: got {value}; must be >= {minimum}" + (" or None" if optional else ""))
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: got {value}; must be {bound}" + (" or None" if optional else ""))
 
 
 def _check_real(name: str, value, allowed: str, ok, *, optional: bool = True) -> None:
@@ -138,7 +139,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """logits: [vocab] float -> one token id."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
+    # shifted by the largest logit first: a near-zero temperature gives 0 for the top and -inf or a large
+    # negative number for the rest (a greedy-like choice), never inf - inf = nan
+    logits = logits.double()  # a temperature below float32's range (1e-300) stays > 0
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k is not None:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
