@@ -9,7 +9,7 @@ Primitives: `convert_scalar`, `check_value`, `check_path`, `expand_path`, the li
     *_bytes          a size with units (tierkv.units), whole bytes, at most MAX_BYTES
     path, *_path     a path: no NUL, components of at most 255 bytes, at most 4095 bytes in all,
                      '~user' only for a user that exists
-    choices=(...)    one of them;  check="..."  a named check (writable_dir, redis_url, non_empty)
+    choices=(...)    one of them;  check="..."  a named check (writable_dir, writable_file, redis_url, non_empty)
 """
 from __future__ import annotations
 
@@ -103,15 +103,35 @@ def _check_range(value: int | float, keypath: str, name: str, meta: Mapping) -> 
         raise ConfigError(keypath, value, f"must be at most {shown}")
 
 
-def check_writable_dir(value: str, keypath: str) -> None:
-    probe = check_path(value, keypath)
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")  # writable to root by os.access, yet no directory or file can be made there
+
+
+def check_writable_dir(value: str, keypath: str, probe: str | None = None) -> None:
+    """`value` (or, for a file, its directory `probe`) can be made or is a writable directory."""
+    probe = check_path(value, keypath) if probe is None else probe
     while not os.path.lexists(probe):
         parent = os.path.dirname(probe.rstrip("/")) if probe.rstrip("/") else "/"
         probe = parent or "."
     if not os.path.isdir(probe):
         raise ConfigError(keypath, value, f"expected a directory; {probe} is not one")
+    real = os.path.realpath(probe)
+    if any(real == root or real.startswith(root + "/") for root in PSEUDO_FILE_SYSTEMS):
+        raise ConfigError(keypath, value, f"expected a writable directory; {real} is on the kernel's "
+                                          f"{real.split('/')[1]} pseudo file system, which holds no files")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(keypath, value, f"expected a writable directory; {probe} is not writable")
+
+
+def check_writable_file(value: str, keypath: str) -> None:
+    """A file to append to: not a directory, writable if it exists, else in a directory that can hold it."""
+    path = check_path(value, keypath)
+    if os.path.isdir(path):
+        raise ConfigError(keypath, value, "expected a file; it is a directory")
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(keypath, value, "expected a writable file; it is not writable")
+        return
+    check_writable_dir(value, keypath, probe=os.path.dirname(path.rstrip("/")) or ".")
 
 
 def check_non_empty(value: str, keypath: str) -> None:
@@ -120,7 +140,8 @@ def check_non_empty(value: str, keypath: str) -> None:
 
 
 def _checks() -> dict:
-    return {"writable_dir": check_writable_dir, "redis_url": check_redis_url, "non_empty": check_non_empty,
+    return {"writable_dir": check_writable_dir, "writable_file": check_writable_file, "redis_url": check_redis_url,
+            "non_empty": check_non_empty,
             "secret": check_secret}
 
 

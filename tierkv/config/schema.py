@@ -220,7 +220,8 @@ class MetricsConfig:
 
     enabled: bool = field(default=True, metadata=doc("keep counters"))
     prometheus_port: int | None = field(default=None, metadata=doc("serve /metrics on this port", min_value=1, max_value=65535))
-    jsonl_path: str | None = field(default=None, metadata=doc("append snapshots to this file"))
+    jsonl_path: str | None = field(default=None, metadata=doc("append snapshots to this file (~ expanded)",
+                                                              check="writable_file"))
     snapshot_interval_s: float = field(default=1.0, metadata=doc("seconds between JSONL snapshots", min_value=1e-3))
     history_bytes: int = field(default=8 * 1024**2, metadata=doc(
         "memory for the snapshot lines kept in the process (what /api/snapshots and the live dashboard serve), "

@@ -52,7 +52,7 @@ class MetricsRecorder:
         self._live_reads = live_reads
         self._clock = clock
         self.run_id = uuid.uuid4().hex[:12]
-        self.jsonl_path = Path(jsonl_path) if jsonl_path is not None else None
+        self.jsonl_path = Path(jsonl_path).expanduser() if jsonl_path is not None else None
         self._lock = threading.RLock()
         self._history = History(history_bytes, history)
         self._seq = 0
