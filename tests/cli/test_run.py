@@ -103,6 +103,10 @@ def test_bad_token_id_files_exit_2_and_name_the_token(checkpoint, config_path, t
     (["run", "--demo", "--prompt-tokens", "1.5"], "--prompt-tokens: '1.5' is 1.5 tokens"),
     (["run", "--demo", "--top-p", "2"], "top_p: got 2.0"),
     (["run", "--demo", "--config", "/no/such.yaml"], "config_file"),
+    (["run", "--demo", "--prometheus-port", "70000"], "--prometheus-port 70000: config key 'metrics.prometheus_port'"),
+    (["run", "--demo", "--prometheus-port", "-1"], "--prometheus-port -1: config key 'metrics.prometheus_port'"),
+    (["run", "--demo", "--jsonl", "/tmp"], "--jsonl /tmp: config key 'metrics.jsonl_path': got '/tmp'; expected a file"),
+    (["run", "--demo", "--report", "/proc/r.html"], "--report /proc/r.html: config key 'metrics.jsonl_path'"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(capsys, argv, message):
     assert main(argv) == 2
@@ -156,3 +160,10 @@ def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
             "--max-new-tokens", "3", "--quiet"]
     assert main(argv) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_a_prompt_file_that_is_not_utf8_exits_2_naming_it(tmp_path, capsys):
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"ok\xff\xfe")
+    assert main(["run", "--demo", "--prompt-file", str(path)]) == 2
+    assert f"--prompt-file: {path} is not UTF-8 text (byte 2: b'\\xff')" in capsys.readouterr().err

@@ -58,11 +58,7 @@ def run_generate(args) -> int:
                                   top_p=args.top_p, seed=args.seed if args.temperature > 0 else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    config = load_config(args.config if args.config or not args.demo else _demo_config())
-    if args.jsonl or args.report:
-        config.metrics.jsonl_path = args.jsonl or str(Path(args.report).with_suffix(".jsonl"))
-    if args.prometheus_port is not None:
-        config.metrics.prometheus_port = args.prometheus_port
+    config = _with_flags(load_config(args.config if args.config or not args.demo else _demo_config()), args)
     llm = _make_llm(args, config)
     with llm:
         if llm.metrics.url and not args.quiet:
@@ -84,6 +80,30 @@ def run_generate(args) -> int:
     return 0
 
 
+def _with_flags(config, args):
+    """The config with --jsonl / --report / --prometheus-port written into its metrics section, checked by the
+    config's own rules (UsageError naming the flag)."""
+    from tierkv.cli.errors import UsageError
+    from tierkv.config import ConfigError, load_config
+    from tierkv.config.load import to_dict
+
+    metrics, flags = {}, []
+    if args.jsonl or args.report:
+        metrics["jsonl_path"] = args.jsonl or str(Path(args.report).with_suffix(".jsonl"))
+        flags.append(f"--jsonl {args.jsonl}" if args.jsonl else f"--report {args.report}")
+    if args.prometheus_port is not None:
+        metrics["prometheus_port"] = args.prometheus_port
+        flags.append(f"--prometheus-port {args.prometheus_port}")
+    if not metrics:
+        return config
+    values = to_dict(config)
+    values["metrics"] = {**values.get("metrics", {}), **metrics}
+    try:
+        return load_config(values, env={})
+    except ConfigError as exc:
+        raise UsageError(f"{' / '.join(flags)}: {exc}") from None
+
+
 def _read_prompt(args) -> str | list | int:
     """Text, token ids, or the length of a random prompt to make once the vocabulary is known."""
     from tierkv.cli.errors import UsageError
@@ -95,6 +115,9 @@ def _read_prompt(args) -> str | list | int:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise UsageError(f"--prompt-file: cannot read {args.prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"--prompt-file: {args.prompt_file} is not UTF-8 text (byte {exc.start}: "
+                             f"{exc.object[exc.start:exc.start + 1]!r})") from None
         try:
             value = json.loads(text)
         except ValueError:
