@@ -50,7 +50,7 @@ def test_bad_model_arguments_name_what_is_wrong(model, gguf_file, message):
 
 def test_gguf_file_with_a_gguf_path_is_refused(tmp_path):
     path = tmp_path / "m.gguf"
-    path.write_bytes(b"")
+    path.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic: resolve checks it
     with pytest.raises(ValueError, match="a .gguf file already"):
         resolve_checkpoint(str(path), gguf_file="m.gguf")
     assert resolve_checkpoint(str(path)) == CheckpointSource(str(tmp_path), "m.gguf")
@@ -70,3 +70,36 @@ def test_tiered_llm_loads_the_shortcut_with_its_tokenizer_and_answers(tmp_path):
         ids = llm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         (out,) = llm.generate([ids], max_new_tokens=12)
     assert "Paris" in out.text
+
+
+def test_a_directory_or_file_that_is_no_checkpoint_is_refused_naming_it(tmp_path):
+    import pytest
+
+    from tierkv.model_loading import resolve_checkpoint
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="the directory has no config.json"):
+        resolve_checkpoint(str(tmp_path / "empty"), None)
+    (tmp_path / "fake.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"fake.gguf is not a GGUF file \(it starts with b''"):
+        resolve_checkpoint(str(tmp_path / "fake.gguf"), None)
+    (tmp_path / "empty" / "x.gguf").write_bytes(b"PK\x03\x04")
+    with pytest.raises(ValueError, match="x.gguf is not a GGUF file"):
+        resolve_checkpoint(str(tmp_path / "empty"), "x.gguf")
+
+
+def test_device_and_gguf_file_beside_a_loaded_model_or_a_missing_cuda_are_refused(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from tests.models import build
+    from tierkv.llm import TieredLLM
+
+    model, _ = build("llama")
+    with pytest.raises(ValueError, match="device: got 'cpu' with a loaded model"):
+        TieredLLM(model, None, device="cpu")
+    with pytest.raises(ValueError, match="gguf_file: got 'x.gguf' with a loaded model"):
+        TieredLLM(model, None, gguf_file="x.gguf")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on the CPU machine, before any loading
+    with pytest.raises(ValueError, match="device: got 'cuda'; this machine has no CUDA device"):
+        TieredLLM("/no/such/checkpoint", None, device="cuda")

@@ -132,7 +132,7 @@ class TieredLLM:
         Only `cache.gpu_budget_bytes` can change while the model is loaded; a change to any other
         key raises ValueError naming it (those need a new TieredLLM), and nothing is applied.
         """
-        new = config if isinstance(config, TierKVConfig) else load_config(config)
+        new = config_of(config)  # a TierKVConfig, a YAML path or a dict (TypeError naming what it got)
         old_flat, new_flat = _flatten(to_dict(self.config)), _flatten(to_dict(new))
         changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
         fixed = [k for k in changed if k != "cache.gpu_budget_bytes"]
@@ -279,9 +279,16 @@ def config_of(config) -> TierKVConfig:
 def _check_device_and_tokenizer(device, tokenizer) -> None:
     if device is not None:
         try:
-            torch.device(device)
+            parsed = torch.device(device)
         except (RuntimeError, TypeError, ValueError):
             raise ValueError(f"device: got {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+        if parsed.type == "cuda":  # before loading anything
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise ValueError(f"device: got {device!r}; this machine has no CUDA device (torch "
+                                 f"{torch.__version__}{'' if torch.version.cuda else ', built without CUDA'})")
+            if parsed.index is not None and parsed.index >= count:
+                raise ValueError(f"device: got {device!r}; this machine has {count} CUDA device(s)")
     if tokenizer is not None and not callable(tokenizer):
         raise TypeError(f"tokenizer: got {type(tokenizer).__name__}; expected a transformers tokenizer (callable)")
 
@@ -305,6 +312,12 @@ def _load_model(model, tokenizer, device: str | None, gguf_file: str | None = No
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
+        for name, value in (("device", device), ("gguf_file", gguf_file)):
+            if value is not None:  # a loaded model stays where it is: say so rather than ignore the argument
+                raise ValueError(f"{name}: got {value!r} with a loaded model; {name} applies only when TieredLLM "
+                                 f"loads a checkpoint (move the model with model.to(...) before passing it)"
+                                 if name == "device" else f"{name}: got {value!r} with a loaded model; it names the "
+                                 "file to load from a checkpoint directory")
         return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
     from tierkv.model_loading import load_checkpoint
 

@@ -64,6 +64,7 @@ def resolve_checkpoint(model: str | os.PathLike, gguf_file: str | None = None) -
         if gguf_file is not None:
             raise ValueError(f"gguf_file: got {gguf_file!r} with model {name!r}, a .gguf file already; pass one")
         path = os.path.abspath(name)
+        check_gguf_file(path)
         return CheckpointSource(os.path.dirname(path), os.path.basename(path))
     if not os.path.isdir(name):
         raise ValueError(f"model: got {name!r}; not a local checkpoint directory, a .gguf file or one of: "
@@ -71,7 +72,20 @@ def resolve_checkpoint(model: str | os.PathLike, gguf_file: str | None = None) -
     directory = os.path.abspath(name)
     if gguf_file is not None and not os.path.isfile(os.path.join(directory, gguf_file)):
         raise ValueError(f"gguf_file: got {gguf_file!r}; no such file in {directory}")
+    if gguf_file is None and not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"model: got {name!r}; the directory has no config.json (a transformers checkpoint "
+                         f"directory has one; for a GGUF file pass its path or gguf_file=)")
+    if gguf_file is not None:
+        check_gguf_file(os.path.join(directory, gguf_file))
     return CheckpointSource(directory, gguf_file)
+
+
+def check_gguf_file(path: str) -> None:
+    """ValueError naming `path` unless it starts with GGUF's magic bytes (an empty or other file)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"model: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
 
 
 def shortcut_source(name: str) -> CheckpointSource:
