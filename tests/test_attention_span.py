@@ -99,3 +99,45 @@ def test_a_tiered_cache_used_directly_refuses_to_grow_past_the_span(tmp_path):
     finally:
         cache.finish()
         runtime.close()
+
+
+@pytest.mark.parametrize("arch", ["Bloom", "GPTNeo", "XGLM", "DeepseekV3"])
+def test_models_tierkv_cannot_serve_are_refused_naming_why(tmp_path, arch):
+    import transformers as tf
+
+    from tierkv.integrations.hf import runtime_for_model
+
+    small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    config = {"Bloom": lambda: tf.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=2),
+              "GPTNeo": lambda: tf.GPTNeoConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2,
+                                                attention_types=[[["global"], 2]]),
+              "XGLM": lambda: tf.XGLMConfig(vocab_size=128, d_model=32, num_layers=2, attention_heads=2, ffn_dim=32),
+              "DeepseekV3": lambda: tf.DeepseekV3Config(**small, intermediate_size=32, moe_intermediate_size=16,
+                                                        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16,
+                                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                                        n_routed_experts=2, num_experts_per_tok=1,
+                                                        first_k_dense_replace=2)}[arch]()
+    model = getattr(tf, f"{arch}ForCausalLM")(config)
+    why = "multi-head latent attention" if arch == "DeepseekV3" else "computes its attention itself"
+    with pytest.raises(ValueError, match=why):
+        runtime_for_model(model, _config(tmp_path))
+
+
+def test_the_query_predictor_needs_a_q_projection(tmp_path):
+    import transformers as tf
+
+    from tierkv.config import ConfigError
+    from tierkv.integrations.hf import install_query_projector
+
+    model = tf.Phi3ForCausalLM(tf.Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
+    with pytest.raises(ConfigError, match="Phi3Attention lacks"):
+        install_query_projector(model, None)
+
+
+def test_a_sparse_budget_below_one_block_is_refused():
+    from tierkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sparse_token_budget.*whole far blocks of cache.block_tokens \\(16\\)"):
+        load_config({"cache": {"block_tokens": 16}, "scheduler": {"policy": "sparse", "sparse_token_budget": 8}},
+                    env={})

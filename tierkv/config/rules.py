@@ -11,6 +11,16 @@ def check_config(config) -> None:
     """Raise ConfigError for the first rule a `TierKVConfig` breaks."""
     _check_tier_order(config)
     _check_prefetch_margin(config)
+    _check_sparse_budget(config)
+
+
+def _check_sparse_budget(config) -> None:
+    """Sparse decode reads whole blocks: a budget below one block would read no far block at all."""
+    scheduler, block_tokens = config.scheduler, config.cache.block_tokens
+    if scheduler.policy == "sparse" and scheduler.sparse_token_budget < block_tokens:
+        raise ConfigError("scheduler.sparse_token_budget", scheduler.sparse_token_budget,
+                          f"sparse decode reads whole far blocks of cache.block_tokens ({block_tokens}) tokens: "
+                          f"give at least one block's worth (budgets are rounded down to whole blocks)")
 
 
 def _check_tier_order(config) -> None:

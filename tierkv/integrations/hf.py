@@ -207,12 +207,46 @@ def _observe_layer_input(layer_idx: int):
 def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
     """Give `runtime` the model's `QueryProjector` and hook the decoder layers (once per model)."""
     layers = _decoder_layers(model)
+    fused = [type(layer.self_attn).__name__ for layer in layers if not hasattr(getattr(layer, "self_attn", None), "q_proj")]
+    if fused:
+        from tierkv.config import ConfigError
+
+        raise ConfigError("scheduler.predictor", "query", f"the query predictor projects queries with each "
+                          f"attention's q_proj, which {fused[0]} lacks (q, k and v fused, or no self_attn): use "
+                          f"predictor 'previous', 'cache' or 'none'")
     runtime.query_projector = QueryProjector(layers, runtime.layout.head_dim)
     if getattr(model, "_tierkv_query_hooks", False):
         return
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(_observe_layer_input(i), with_kwargs=True)
     model._tierkv_query_hooks = True
+
+
+def check_attention_path(model: PreTrainedModel) -> None:
+    """ValueError naming the model when tierkv cannot serve its attention: a model that computes attention
+    itself instead of through transformers' attention functions (ALL_ATTENTION_FUNCTIONS: Bloom, MPT, GPT-Neo,
+    XGLM), whose layers would read only the keys of the current step, or multi-head latent attention
+    (kv_lora_rank: DeepSeek V2/V3), whose cached keys and values differ in width."""
+    import sys
+
+    name = type(model).__name__
+    sources = []
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is None or not cls.__module__.startswith("transformers.models."):
+            continue
+        try:
+            sources.append(inspect.getsource(module))
+        except (OSError, TypeError):  # no source to read: nothing to tell
+            return
+    if sources and not any("ALL_ATTENTION_FUNCTIONS" in source for source in sources):
+        raise ValueError(f"model: {name} computes its attention itself, not through transformers' attention "
+                         f"functions, so tierkv cannot serve its KV cache; models whose attention goes through them "
+                         f"(Llama, Qwen2, Mistral, Phi-3, GPT-NeoX and most recent ones) are supported")
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"model: {name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its "
+                         f"cached keys and values differ in width, which tierkv's blocks do not hold")
 
 
 def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
@@ -296,6 +330,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
         raise TypeError(f"model: got {type(model).__name__}; expected a loaded transformers PreTrainedModel")
     if not isinstance(config, TierKVConfig):
         raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig (tierkv.config.load_config)")
+    check_attention_path(model)
     identity = model_identity(model, config.model.name, model_id)  # checks model_id's type
     shape = model_kv_shape(model)
     for key, value in shape.items():
