@@ -138,3 +138,22 @@ def test_a_cpu_capacity_below_one_block_is_a_config_error_when_tiers_are_built()
     with pytest.raises(ConfigError) as info:
         build_tiers(config.tiers, LAYOUT, pin_memory=False)
     assert info.value.key == "tiers[0]" and "holds no block" in str(info.value)
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_with_its_line(tmp_path):
+    import pytest
+
+    from tierkv.config import ConfigError, load_config
+
+    for text, key, line in (("cache: {block_tokens: 16}\ncache: {block_tokens: 32}\n", "cache", 2),
+                            ("cache:\n  block_tokens: 16\n  window_tokens: 64\n  block_tokens: 32\n", "block_tokens", 4),
+                            ("tiers:\n  - {kind: cpu, capacity_bytes: 1GiB, kind: disk}\n", "kind", 2)):
+        path = tmp_path / "dup.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"key '{key}' given twice in one mapping \\(line {line}\\)"):
+            load_config(str(path), env={})
+    # the same key in different mappings, in a list of mappings, or as a value, is fine
+    path.write_text("cache: {block_tokens: 16}\nscheduler: {staging_bytes: 1MiB}\ntiers:\n"
+                    "  - {kind: cpu, capacity_bytes: 1GiB}\n  - {kind: disk, path: " + str(tmp_path / "d") +
+                    ", capacity_bytes: 1GiB, trusted: true}\nmodel: {name: kind}\n")
+    assert load_config(str(path), env={}).tiers[1].kind == "disk"

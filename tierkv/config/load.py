@@ -37,16 +37,30 @@ class _TooDeep(Exception):
     pass
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
 def _yaml_load(text: str) -> object:
-    """yaml.safe_load, refusing documents nested deeper than MAX_DEPTH before building them."""
-    depth = 0
+    """yaml.safe_load, refusing documents nested deeper than MAX_DEPTH before building them, and a key
+    given twice in one mapping (YAML would keep the last silently)."""
+    frames: list[list] = []  # per open collection: [is_mapping, keys seen, next scalar is a key]
     for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionStartEvent)) and frames:
+            frame = frames[-1]
+            if frame[0]:
+                if frame[2] and isinstance(event, yaml.ScalarEvent):
+                    if event.value in frame[1]:
+                        line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+                        raise _DuplicateKey(f"key {event.value!r} given twice in one mapping (line {line})")
+                    frame[1].add(event.value)
+                frame[2] = not frame[2]
         if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
+            frames.append([isinstance(event, yaml.MappingStartEvent), set(), True])
+            if len(frames) > MAX_DEPTH:
                 raise _TooDeep(f"nested deeper than {MAX_DEPTH} levels")
         elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
+            frames.pop()
     return yaml.load(text, Loader=_LOADER)
 
 
@@ -128,6 +142,8 @@ def _read_yaml(path: Path) -> dict:
         data = _yaml_load(text)
     except (RecursionError, _TooDeep):
         raise ConfigError("config_file", str(path), f"expected valid YAML nested at most {MAX_DEPTH} levels") from None
+    except _DuplicateKey as exc:
+        raise ConfigError("config_file", str(path), f"expected each key once: {exc}") from None
     except _YAML_ERRORS as exc:
         raise ConfigError("config_file", str(path), f"expected valid YAML ({exc})") from None
     if data is None:
@@ -181,7 +197,7 @@ def _set_path(data: dict, defaults: object, parts: list[str], var: str, raw: str
 def _parse_env_value(raw: str) -> object:
     try:
         return _yaml_load(raw)
-    except (*_YAML_ERRORS, _TooDeep):
+    except (*_YAML_ERRORS, _TooDeep, _DuplicateKey):
         return raw
 
 
