@@ -71,7 +71,8 @@ def test_a_budget_that_holds_everything_streams_nothing(capsys):
     (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "lots"], "cannot read 'lots' as a size"),
     (["--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "1MiB"],
      "--gpu-budget 1MiB: holds 0 blocks"),
-    (["--model-config", "llama-3.1-8b", "--context", "1k", "--h2d-gbps", "0"], "must be positive"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--h2d-gbps", "0"], "--h2d-gbps: got 0.0; must be a finite number > 0"),
+    (["--model-config", "llama-3.1-8b", "--context", "1k", "--h2d-gbps", "nan"], "--h2d-gbps: got nan"),
     (["--model-config", "llama-3.1-8b", "--context", "1k", "--config", "/no/such.yaml"], "config_file"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(capsys, args, message):

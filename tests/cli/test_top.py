@@ -62,6 +62,7 @@ def test_a_file_that_is_not_metrics_is_named(tmp_path, capsys):
     (["top", "--jsonl", "/no/such.jsonl", "--once"], "no such file"),
     (["top", "--endpoint", "127.0.0.1:1", "--once"], "expected http://host:port"),
     (["top", "--jsonl", "x", "--interval", "0"], "--interval: got 0.0"),
+    (["top", "--jsonl", "x", "--interval", "nan"], "--interval: got nan; must be a finite number > 0"),
 ])
 def test_bad_arguments_exit_2(capsys, argv, message):
     assert main(argv) == 2

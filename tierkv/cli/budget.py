@@ -52,8 +52,9 @@ def _reply(raw: bytes, url: str) -> dict:
 
 def run_budget(args) -> int:
     from tierkv.budget_change import parse_budget
-    from tierkv.cli.errors import UsageError
+    from tierkv.cli.errors import UsageError, check_positive
 
+    check_positive("--timeout", args.timeout)
     try:
         num_bytes = parse_budget(args.size)
     except ValueError as exc:

@@ -198,7 +198,7 @@ def add_parser(commands) -> None:
 
 
 def run_plan(args) -> int:
-    from tierkv.cli.errors import UsageError
+    from tierkv.cli.errors import UsageError, check_positive
     from tierkv.config import ConfigError, load_config
     from tierkv.units import parse_bytes, parse_tokens
 
@@ -211,8 +211,9 @@ def run_plan(args) -> int:
         pool = parse_bytes(args.vllm_kv_pool) if args.vllm_kv_pool is not None else None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if budget is not None and budget <= 0 or pool is not None and pool <= 0 or args.h2d_gbps <= 0:
-        raise UsageError("--gpu-budget, --vllm-kv-pool and --h2d-gbps must be positive")
+    if budget is not None and budget <= 0 or pool is not None and pool <= 0:
+        raise UsageError("--gpu-budget and --vllm-kv-pool must be positive")
+    check_positive("--h2d-gbps", args.h2d_gbps)  # nan too
     config = load_config(args.config)
     if budget is not None:
         config.cache.gpu_budget_bytes = budget

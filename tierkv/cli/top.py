@@ -31,11 +31,10 @@ def add_parser(commands) -> None:
 
 
 def run_top(args) -> int:
-    from tierkv.cli.errors import UsageError
+    from tierkv.cli.errors import UsageError, check_positive
     from tierkv.metrics.sources import EndpointSource, JsonlSource, SourceError
 
-    if args.interval <= 0:
-        raise UsageError(f"--interval: got {args.interval}; must be positive")
+    check_positive("--interval", args.interval)  # nan too: time.sleep(nan) fails after the first frame
     try:
         source = JsonlSource(args.jsonl) if args.jsonl else EndpointSource(args.endpoint)
     except SourceError as exc:
