@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.metrics.workload import BLOCK_BYTES, make_llm, run_workload
+from tests.metrics.workload import BLOCK_BYTES, make_config, make_llm, run_workload
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
@@ -125,3 +125,14 @@ def test_a_busy_port_names_the_config_key_and_leaves_nothing_running(tmp_path):
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=rf"metrics.prometheus_port: cannot listen on 127.0.0.1:{port}"):
             make_llm(tmp_path, prometheus_port=port)
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "999.1.1.1"])  # TEST-NET-1 (no local interface), not an address
+def test_a_host_nothing_can_listen_on_names_metrics_host(tmp_path, host):
+    from tests.models import build
+    from tierkv.llm import TieredLLM
+
+    config = make_config(tmp_path, prometheus_port=free_port())
+    config.metrics.host = host
+    with pytest.raises(OSError, match=rf"metrics.host: cannot listen on {host}:"):
+        TieredLLM(build("llama")[0], config, show_progress=False)

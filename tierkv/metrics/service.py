@@ -10,11 +10,16 @@ Primitives: `MetricsService` (`from_config`, `record_request`, `close`, `url`).
 """
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Callable, Mapping
 
 from tierkv.config import MetricsConfig
 from tierkv.metrics.control import BudgetControl
 from tierkv.metrics.recorder import LiveReads, MetricsRecorder
+
+# bind() errors that mean the host, not the port, is wrong (EADDRINUSE and EACCES stay the port's)
+_ADDRESS_ERRNOS = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
 
 
 class MetricsService:
@@ -41,8 +46,10 @@ class MetricsService:
 
                 try:
                     server = start_metrics_server(recorder, config.prometheus_port, host, control)
-                except OSError as exc:
-                    raise OSError(exc.errno, f"metrics.prometheus_port: cannot listen on {host}:{config.prometheus_port}"
+                except OSError as exc:  # name the key at fault: an address no interface has, or a port in use
+                    key = ("metrics.host" if exc.errno in _ADDRESS_ERRNOS or isinstance(exc, socket.gaierror)
+                           else "metrics.prometheus_port")
+                    raise OSError(exc.errno, f"{key}: cannot listen on {host}:{config.prometheus_port}"
                                              f" ({exc.strerror})") from None
             if config.jsonl_path is not None or server is not None:
                 recorder.start(config.snapshot_interval_s)
