@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 class FarKV:
+    _retired_cache_counts: tuple[int, int, int] = (0, 0, 0)  # the caches' counters a staging resize dropped
+
     def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
@@ -82,8 +84,6 @@ class FarKV:
         self._stream_through(staging.pool)  # self.pool, self.streamer
         self.sparse_streamer = self._streamer_over(staging.sparse_pool, None)
         self.max_rows = max_rows  # what a run-time resize's staging is split for (`make_staging`)
-        # the far-block caches' counters (hits, misses, stalled rows) of caches a resize dropped
-        self._retired_cache_counts = torch.zeros(3, dtype=torch.int64)
         self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
@@ -283,7 +283,7 @@ class FarKV:
         """The far-block caches' counters (far_stats.cache_stats: one device sync; zeros without caches)
         and the H2D bytes their copies moved (the store's `bytes_moved` adds them to the transfer
         engine's). prefetched: the blocks the next-step prefetch copied into the caches. Reads only."""
-        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched, self._retired_cache_counts.tolist())
+        return cache_stats(self.row_caches, self.store.cpu.slot_bytes, prefetched, list(self._retired_cache_counts))
 
     def end_step(self) -> None:
         if self.rows:
@@ -314,8 +314,9 @@ class FarKV:
         old_sparse, old_graphs = self.sparse_streamer, self.graphs
         self._stream_through(staging.pool)
         self.sparse_streamer = self._streamer_over(staging.sparse_pool, old_sparse)
-        if self.row_caches is not None:
-            self._retired_cache_counts += self.row_caches.counters.cpu()
+        if self.row_caches is not None:  # its hits, misses and stalled rows go on counting in cache_stats
+            self._retired_cache_counts = tuple(a + b for a, b in zip(self._retired_cache_counts,
+                                                                     self.row_caches.counters.tolist()))
         for req in self.requests.values():
             req.cache = None
         self.row_caches = staging.row_caches
