@@ -157,3 +157,19 @@ def test_a_key_given_twice_in_one_mapping_is_refused_with_its_line(tmp_path):
                     "  - {kind: cpu, capacity_bytes: 1GiB}\n  - {kind: disk, path: " + str(tmp_path / "d") +
                     ", capacity_bytes: 1GiB, trusted: true}\nmodel: {name: kind}\n")
     assert load_config(str(path), env={}).tiers[1].kind == "disk"
+
+
+def test_two_disk_tiers_on_one_directory_and_a_control_without_an_endpoint_are_refused(tmp_path):
+    import pytest
+
+    from tierkv.config import ConfigError, load_config
+
+    disk = {"kind": "disk", "capacity_bytes": "1GiB", "trusted": True}
+    tiers = [{"kind": "cpu", "capacity_bytes": "1GiB"}, {**disk, "path": str(tmp_path / "a")},
+             {**disk, "path": str(tmp_path / "a") + "/"}]
+    with pytest.raises(ConfigError, match=r"tiers\[2\].path.*tiers\[1\] already uses that directory"):
+        load_config({"tiers": tiers}, env={})
+    tiers[2]["path"] = str(tmp_path / "b")
+    assert len(load_config({"tiers": tiers}, env={}).tiers) == 3
+    with pytest.raises(ConfigError, match="metrics.control_enabled.*set metrics.prometheus_port too"):
+        load_config({"metrics": {"control_enabled": True, "control_token": "t" * 32}}, env={})

@@ -12,6 +12,30 @@ def check_config(config) -> None:
     _check_tier_order(config)
     _check_prefetch_margin(config)
     _check_sparse_budget(config)
+    _check_disk_paths(config)
+    _check_control(config)
+
+
+def _check_disk_paths(config) -> None:
+    """Two disk tiers on one directory would each count the other's blocks against their capacity."""
+    import os
+
+    seen: dict[str, int] = {}
+    for i, tier in enumerate(config.tiers):
+        if tier.kind != "disk":
+            continue
+        path = os.path.realpath(os.path.expanduser(tier.path))
+        if path in seen:
+            raise ConfigError(f"tiers[{i}].path", tier.path, f"tiers[{seen[path]}] already uses that directory; "
+                              "give each disk tier its own")
+        seen[path] = i
+
+
+def _check_control(config) -> None:
+    metrics = config.metrics
+    if metrics.control_enabled and metrics.prometheus_port is None:
+        raise ConfigError("metrics.control_enabled", True, "the budget control is served on the metrics endpoint: "
+                          "set metrics.prometheus_port too")
 
 
 def _check_sparse_budget(config) -> None:
