@@ -194,7 +194,8 @@ def run(model, tokenizer, args) -> list[dict]:
                               args.dense_layers)
             row = {"source": source, "offset_tokens": offset, "context_tokens": context, "continuation_tokens": len(continuation),
                    "token_budget": budget, "front_blocks": layout.num_front_blocks,
-                   "window_blocks": layout.num_window_blocks, "rule": rule, "dense_layers": list(args.dense_layers),
+                   "window_blocks": layout.num_window_blocks, "block_tokens": layout.block_tokens, "rule": rule,
+                   "dense_layers": list(args.dense_layers),
                    "bound_weight": weight if rule in ("weight", "kv_group") else None,
                    **compare_logits(got, reference, continuation), "seconds": time.perf_counter() - start}
             print(f"{offset:>5} {context:>6} {budget:>5} {rule:>11} {row['bound_weight'] if row['bound_weight'] is not None else '-':>4} "
@@ -234,6 +235,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=int, default=4, help="token budget = context / N far tokens")
     p.add_argument("--weights", type=floats, default=[1.0, 0.5, 0.0], help="bound weights of rule 'weight'")
     p.add_argument("--rules", type=lambda s: s.split(","), default=["weight", "kv_group", "oracle", "oracle_head"])
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="cache.block_tokens of the layout (default bench_accuracy's 16): finer blocks, finer selection")
     p.add_argument("--dense-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(),
                    help="layers that read every far block (comma-separated indices)")
     p.add_argument("--threads", type=int, default=None)
@@ -246,6 +249,10 @@ def main(argv=None) -> dict:
     from tierkv.model_loading import load_checkpoint
 
     args = parse_args(argv)
+    if args.block_tokens is not None:
+        from benchmarks import bench_accuracy
+
+        bench_accuracy.BLOCK_TOKENS = args.block_tokens  # the layout and config of every rule below
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, _ = load_checkpoint("smollm2-135m", None, args.device)

@@ -12,7 +12,7 @@ import torch
 
 from tests.models import reference_greedy
 from tierkv.config import load_config
-from tierkv.integrations.hf import attention_span
+from tierkv.integrations.model_support import attention_span
 from tierkv.llm import TieredLLM
 from tierkv.prompts import PromptError
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.models import reference_greedy
 from tierkv.config import load_config
-from tierkv.integrations.hf import length_dependent_rotary
+from tierkv.integrations.model_support import length_dependent_rotary
 from tierkv.llm import TieredLLM
 
 ROPES = {"dynamic": ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, 64),

@@ -79,7 +79,8 @@ class TieredLLM:
         self.config = config_of(config)
         _check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device, gguf_file)
-        from tierkv.integrations.hf import forward_kwargs, length_dependent_rotary, runtime_for_model
+        from tierkv.integrations.hf import forward_kwargs, runtime_for_model
+        from tierkv.integrations.model_support import length_dependent_rotary
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
         self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
@@ -98,7 +99,7 @@ class TieredLLM:
         no_text = None if self.tokenizer is not None else "a text prompt needs a tokenizer; pass token ids or tokenizer="
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self.vocab_size, text_error=no_text)
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
-        from tierkv.integrations.hf import span_problem
+        from tierkv.integrations.model_support import span_problem
 
         span = getattr(self.runtime, "attention_span", None)
         for i, ids in enumerate(requests):  # refuse before doing any work
@@ -196,7 +197,7 @@ class TieredLLM:
         todo = len(ids) - start
         progress = _progress(todo, self.show_progress and todo > 4 * chunk, "prefill")
         logits = None
-        from tierkv.integrations.hf import RotaryForLength
+        from tierkv.integrations.model_support import RotaryForLength
 
         with RotaryForLength(self._length_rotary if todo > chunk else [], len(ids)):
             for pos in range(start, len(ids), chunk):

@@ -185,7 +185,8 @@ class KVRuntime:
     def new_sequence(self, token_ids: list[int] | None = None) -> SequenceKV:
         with self._budget_lock:
             if self.active is not None and not self.active.is_finished:
-                raise RuntimeError(f"sequence {self.active.seq_id} is still running; finish it first (TieredCache.finish(), or SequenceKV.finish())")
+                raise RuntimeError(f"sequence {self.active.seq_id} is still running; finish it first "
+                                   "(TieredCache.finish(), or SequenceKV.finish())")
             self._apply_locked(None)
             self.active = SequenceKV(self, token_ids)
         return self.active

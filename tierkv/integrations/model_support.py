@@ -1,0 +1,114 @@
+"""What a transformers model's attention must be for tierkv to serve it exactly, checked when a runtime is
+made for it (`hf.runtime_for_model`), and the adjustment a length-dependent rotary embedding needs.
+
+Primitives: `check_attention_path`, `attention_span`, `span_problem`, `length_dependent_rotary`,
+`RotaryForLength`.
+
+    attention through transformers' attention functions     required (else refused, naming the model)
+    multi-head latent attention (kv_lora_rank)               refused
+    a sliding window / chunked attention (W tokens)          served for sequences of at most W tokens
+    rope_type dynamic / longrope                             a chunked prefill rotated as one forward
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+
+
+def check_attention_path(model: PreTrainedModel) -> None:
+    """ValueError naming the model when tierkv cannot serve its attention: a model that computes attention
+    itself instead of through transformers' attention functions (ALL_ATTENTION_FUNCTIONS: Bloom, MPT, GPT-Neo,
+    XGLM), whose layers would read only the keys of the current step, or multi-head latent attention
+    (kv_lora_rank: DeepSeek V2/V3), whose cached keys and values differ in width."""
+    import sys
+
+    name = type(model).__name__
+    sources = []
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is None or not cls.__module__.startswith("transformers.models."):
+            continue
+        try:
+            sources.append(inspect.getsource(module))
+        except (OSError, TypeError):  # no source to read: nothing to tell
+            return
+    if sources and not any("ALL_ATTENTION_FUNCTIONS" in source for source in sources):
+        raise ValueError(f"model: {name} computes its attention itself, not through transformers' attention "
+                         f"functions, so tierkv cannot serve its KV cache; models whose attention goes through them "
+                         f"(Llama, Qwen2, Mistral, Phi-3, GPT-NeoX and most recent ones) are supported")
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"model: {name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its "
+                         f"cached keys and values differ in width, which tierkv's blocks do not hold")
+
+
+def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
+    """(tokens, setting) when some layers of `model` attend only part of the context: a sliding window
+    (Mistral, Qwen2 with use_sliding_window, Gemma's sliding layers) or chunked attention (Llama 4's
+    attention_chunk_size). tierkv attends every earlier token, which is those layers' own attention only
+    while a sequence stays within that many tokens; None when every layer attends the whole context."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(text, "layer_types", None)
+    spans = []
+    window = getattr(text, "sliding_window", None)
+    has_sliding = (any(t == "sliding_attention" for t in layer_types) if layer_types
+                   else getattr(text, "use_sliding_window", True) is not False)
+    if isinstance(window, int) and window > 0 and has_sliding:
+        spans.append((window, f"sliding_window={window}"))
+    chunk = getattr(text, "attention_chunk_size", None)
+    has_chunked = any(t == "chunked_attention" for t in layer_types) if layer_types else True
+    if isinstance(chunk, int) and chunk > 0 and has_chunked:
+        spans.append((chunk, f"attention_chunk_size={chunk}"))
+    return min(spans) if spans else None
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary frequencies chosen by the forward's longest position
+
+
+def length_dependent_rotary(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The rotary-embedding modules of `model` whose frequencies depend on the longest position of the
+    forward they run in (rope_type dynamic or longrope): a prompt run in chunks would rotate its first
+    chunks' keys for a shorter sequence than one forward over the whole prompt does."""
+    found = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if hasattr(module, "inv_freq") and any(t in LENGTH_DEPENDENT_ROPE for t in types):
+            found.append(module)
+    return found
+
+
+class RotaryForLength:
+    """While active, each of `modules` computes its cos/sin as for one forward over positions
+    [0, length) and hands each call its positions' rows: a prompt prefilled in chunks is rotated as
+    transformers rotates it in one forward (the decode steps after it need nothing: one token's forward
+    sees its whole length, as transformers' own does)."""
+
+    def __init__(self, modules: list[torch.nn.Module], length: int):
+        self.modules, self.length = modules, length
+
+    def __enter__(self) -> "RotaryForLength":
+        for module in self.modules:
+            original = module.forward
+
+            def forward(x, position_ids, *args, _original=original, **kwargs):
+                whole = torch.arange(self.length, device=position_ids.device).expand(position_ids.shape[0], -1)
+                cos, sin = _original(x, whole, *args, **kwargs)
+                index = position_ids.to(torch.int64)
+                rows = index.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
+                return cos.gather(1, rows), sin.gather(1, rows)
+
+            module.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            del module.forward  # the class's forward again
+
+
+def span_problem(span: tuple[int, str]) -> str:
+    tokens, setting = span
+    return (f"the model's {setting}: some of its layers attend only part of the context, tierkv attends all of it, "
+            f"which is the same only for sequences of at most {tokens} tokens (prompt and new tokens)")
