@@ -143,3 +143,49 @@ def test_sparse_predictor_cache_with_a_prefetch_margin_through_tiered_llm(tmp_pa
     assert tokens["cache"] == tokens["none"]
     assert stats["scheduler"]["stalls"] > 0 and stats["scheduler"]["far_cache_copied_bytes"] > 0
     assert stats["prefetch"]["precision"] is not None
+
+
+def test_a_closed_tieredllm_refuses_work_and_close_waits_for_the_running_request():
+    import threading
+    import time
+
+    import pytest
+
+    import tierkv.llm as llm_module
+    from tests.models import build
+    from tierkv.llm import TieredLLM
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2)
+    llm = TieredLLM(model, {"cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * 1024, "sink_tokens": 4,
+                                      "window_tokens": 8},
+                            "tiers": [{"kind": "cpu", "capacity_bytes": "16MiB"}],
+                            "scheduler": {"lookahead_layers": 1, "staging_bytes": 8192, "prefill_chunk_tokens": 64}},
+                    show_progress=False)
+    want = llm.generate([list(range(1, 40))], max_new_tokens=6)[0].token_ids
+    sample, started, closed = llm_module.sample_next, threading.Event(), {}
+
+    def slow(logits, params, generator):
+        started.set()
+        time.sleep(0.05)
+        return sample(logits, params, generator)
+
+    llm_module.sample_next = slow
+    try:
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("tokens", llm.generate([list(range(1, 40))],
+                                                                                         max_new_tokens=6)))
+        worker.start()
+        started.wait(10)
+        closer = threading.Thread(target=lambda: (llm.close(), closed.setdefault("at", time.monotonic())))
+        closer.start()
+        worker.join(30)
+        closer.join(30)
+    finally:
+        llm_module.sample_next = sample
+    assert out["tokens"][0].token_ids == want  # the running request ended whole before close released anything
+    assert "at" in closed
+    with pytest.raises(RuntimeError, match="this TieredLLM is closed"):
+        llm.generate([list(range(1, 40))], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="this TieredLLM is closed"):
+        llm.set_gpu_budget("1MiB")
+    llm.close()  # twice is fine

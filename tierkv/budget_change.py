@@ -35,6 +35,9 @@ class HotWindowLost(RuntimeError):
     """A resize failed and so did rebuilding the old pool: the running sequence cannot go on."""
 
 
+MAX_BUDGET_BYTES = 2**50  # 1 PiB, the config's largest size too
+
+
 def parse_budget(value: object) -> int:
     """Bytes in a budget value (int or size string); ValueError naming the value and what is allowed."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -47,6 +50,9 @@ def parse_budget(value: object) -> int:
         raise ValueError(f"budget: {exc}") from None
     if num_bytes <= 0:
         raise ValueError(f"budget: got {value!r}; must be positive")
+    if num_bytes > MAX_BUDGET_BYTES:  # no device is that large, and formatting it would overflow a float
+        shown = value if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise ValueError(f"budget: got {shown}; at most {MAX_BUDGET_BYTES} bytes (1 PiB)")
     return num_bytes
 
 

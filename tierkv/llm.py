@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -77,6 +78,7 @@ class TieredLLM:
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.config = config_of(config)
+        self._closed, self._request_lock = False, threading.RLock()
         _check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device, gguf_file)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
@@ -97,6 +99,7 @@ class TieredLLM:
         integer tensor or array), a batch of those or a 2-D [batch, n] tensor, or a tokenizer's output
         (`tierkv.prompts`); bad ones raise PromptError (a ValueError) naming request and token, before any work."""
         no_text = None if self.tokenizer is not None else "a text prompt needs a tokenizer; pass token ids or tokenizer="
+        self._check_open()
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self.vocab_size, text_error=no_text)
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
         from tierkv.integrations.model_support import span_problem
@@ -111,7 +114,9 @@ class TieredLLM:
                 raise PromptError(f"request {i}: {len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
                                   f"= {len(ids) + sampling.max_new_tokens}; {span_problem(span)}")
             warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
-        return [self._run_one(ids, sampling) for ids in requests]
+        with self._request_lock:  # one request at a time; close() waits for the running one
+            self._check_open()
+            return [self._run_one(ids, sampling) for ids in requests]
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
         """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; outputs do not change.
@@ -123,6 +128,7 @@ class TieredLLM:
         `stats()["gpu"]["budget_refusals"]` either way. With `wait`, blocks until the change took
         effect (a running request applies it at its next forward step).
         """
+        self._check_open()
         change = self.runtime.set_gpu_budget(budget)
         if wait and not change.wait(timeout_s):
             raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s")
@@ -149,8 +155,19 @@ class TieredLLM:
         return {"requests": self.totals.as_dict(), **self.runtime.stats()}
 
     def close(self) -> None:
-        self.metrics.close()
-        self.runtime.close()
+        """Refuse new requests, wait for a running one (another thread's) to end, then release the tiers,
+        the GPU pool and the metrics endpoint. Idempotent."""
+        self._closed = True
+        with self._request_lock:
+            if getattr(self, "_released", False):
+                return
+            self._released = True
+            self.metrics.close()
+            self.runtime.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("this TieredLLM is closed: make a new one to generate")
 
     def __enter__(self) -> "TieredLLM":
         return self

@@ -222,3 +222,12 @@ def test_reload_config_with_an_impossible_budget_changes_nothing(monkeypatch, ll
     with pytest.raises(BudgetRefused):
         llm.reload_config(data)
     assert llm.config.cache.gpu_budget_bytes == budget(SLOTS) and llm.runtime.residency.slots_per_layer == SLOTS
+
+
+def test_a_budget_past_any_device_is_a_value_error_not_an_overflow():
+    from tierkv.budget_change import parse_budget
+
+    for value in (10**400, "99999999999999999999TiB", 2**50 + 1):
+        with pytest.raises(ValueError, match=r"at most 1125899906842624 bytes \(1 PiB\)"):
+            parse_budget(value)
+    assert parse_budget(2**50) == 2**50

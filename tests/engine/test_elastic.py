@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -91,9 +92,41 @@ def test_tiered_llm_budget_change_while_a_request_runs_gives_the_same_tokens():
         llm.set_gpu_budget(LAYERS * 9 * BLOCK_BYTES)                  # between requests: applied at once
         assert llm.runtime.residency.slots_per_layer == 9
         (again,) = llm.generate([prompt], max_new_tokens=30)
+        with pytest.raises(ValueError, match="budget: got 0"):
+            llm.set_gpu_budget(0)
+        with pytest.raises(ValueError, match="cannot read '-1GiB' as a size"):
+            llm.set_gpu_budget("-1GiB")
     assert outputs[0].token_ids == expected
     assert again.token_ids == expected
-    with pytest.raises(ValueError, match="budget: got 0"):
-        llm.set_gpu_budget(0)
-    with pytest.raises(ValueError, match="cannot read '-1GiB' as a size"):
-        llm.set_gpu_budget("-1GiB")
+
+
+def test_a_change_made_after_the_last_step_applies_when_the_request_finishes(monkeypatch):
+    """set_gpu_budget from another thread while the request samples its last token: the request finishes
+    at the old size and the change applies as it ends (wait=True returns, the engine is idle at the new
+    size), not at the next request."""
+    import tierkv.llm as llm_module
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2)
+    llm = TieredLLM(model, config(), show_progress=False)
+    sample, calls, done = llm_module.sample_next, [], {}
+
+    def last_token_resizes(logits, params, generator):
+        calls.append(1)
+        if len(calls) == params.max_new_tokens:  # the last token: no forward step follows
+            thread = threading.Thread(target=lambda: done.setdefault(
+                "ok", llm.set_gpu_budget(LAYERS * 9 * BLOCK_BYTES, wait=True, timeout_s=20) or True))
+            thread.start()
+            thread.join(0.3)  # it cannot apply while the request holds its sequence
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(llm_module, "sample_next", last_token_resizes)
+    try:
+        llm.generate([list(range(1, 60))], max_new_tokens=5)
+        deadline = time.monotonic() + 20
+        while "ok" not in done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done.get("ok") is True
+        assert llm.runtime.config.cache.gpu_budget_bytes == LAYERS * 9 * BLOCK_BYTES
+        assert llm.runtime._pending_budget is None
+    finally:
+        llm.close()

@@ -134,6 +134,18 @@ class KVRuntime:
         change = self._last_budget_change
         return True if change is None else change._done.wait(timeout_s)
 
+    def apply_pending_requested(self) -> None:
+        """When a sequence ends: apply a change someone asked for after its last forward step (a pool rebuild
+        after a lost hot window waits for the next sequence, as before). Never raises: a failure is refused,
+        logged and counted as any other."""
+        with self._budget_lock:
+            if self._pending_budget is None or not self._pending_budget[2]:
+                return
+            try:
+                self._apply_locked(None)
+            except HotWindowLost:  # recorded; the next sequence rebuilds the pool
+                pass
+
     def apply_pending_budget(self, seq: SequenceKV | None) -> None:
         """Called between forward steps: swap in a pending hot-window size, if any. A resize that
         fails is refused (the old pool stays, the sequence goes on) unless the old pool is lost."""

@@ -296,3 +296,5 @@ class SequenceKV:
         keys = [k for layer_keys in self.block_keys for k in layer_keys]
         self.rt.cpu.release(keys)
         self.rt.cpu.remove_many([k for k in keys if k.startswith("anon-")])
+        # a budget change made after this sequence's last forward step would otherwise wait for the next one
+        self.rt.apply_pending_requested()

@@ -97,6 +97,7 @@ class VllmTieredLLM(TieredLLM):
         transformers backend; vLLM batches the prompts."""
         from vllm import SamplingParams as VllmSampling
 
+        self._check_open()
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self._vocab_size())
         inputs = [prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt} for prompt in batch]
         params = VllmSampling(
@@ -151,6 +152,7 @@ class VllmTieredLLM(TieredLLM):
         at once when idle; during requests at the next step boundary, a shrink once the block ids it
         drops are free (`stats()["gpu"]`: resize_policy, pending_budget_bytes). With `wait`, blocks
         until applied (TimeoutError after timeout_s) and raises a refusal met when applying."""
+        self._check_open()
         apply_gpu_budget(self.resizer, self._resize_error, budget, wait=wait, timeout_s=timeout_s)
 
     def reload_config(self, config) -> list[str]:
@@ -158,6 +160,7 @@ class VllmTieredLLM(TieredLLM):
                                   "run-time changes exist on the transformers backend")
 
     def close(self) -> None:
+        self._closed = True  # generate refuses from now on (TieredLLM._check_open)
         metrics, self.metrics = getattr(self, "metrics", None), None
         if metrics is not None:
             metrics.close()
