@@ -130,6 +130,12 @@ class SimulatedCrash(BaseException):
     """The process dies: no except-OSError cleanup runs."""
 
 
+def process_died(tier: DiskTier) -> None:
+    """What the kernel does for a dead process: its lock on the directory's live file goes (disk_peers),
+    so the next tier on the directory starts alone and repairs it."""
+    tier._files.peers.close()
+
+
 def test_failed_append_is_cut_away_and_old_value_stays(layout, tmp_path, monkeypatch):
     key = key_of(1)
     old, new = make_block(layout, 1), make_block(layout, 2)
@@ -171,6 +177,7 @@ def test_crash_mid_append_leaves_no_torn_block_after_restart(layout, tmp_path, m
     monkeypatch.setattr(os, "pwritev", crashing_pwritev)
     with pytest.raises(SimulatedCrash):
         tier.put(key, new)  # dies with part of the new record written
+    process_died(tier)
     monkeypatch.setattr(os, "pwritev", real_pwritev)
     assert torn_bytes(tmp_path) == num_bytes[torn_at]
 
@@ -196,6 +203,7 @@ def test_crash_after_append_before_indexing_serves_the_new_block(layout, tmp_pat
     monkeypatch.setattr(tier, "_commit", crashing_commit)
     with pytest.raises(SimulatedCrash):
         tier.put(key, make_block(layout, 2))  # the whole record is in the file
+    process_died(tier)
     with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as restarted:
         assert torch.equal(restarted.get(key), make_block(layout, 2))  # the later record of a key wins
         assert restarted.used_bytes == layout.num_bytes

@@ -20,9 +20,12 @@ A put of bytes the tier holds under that key (same checksum, the usual case for 
 keys) writes nothing and only refreshes the block's LRU position. A block that fails its checks
 when read is a miss, counted (corrupt_blocks) and dropped. Capacity, used_bytes and the byte
 counters count block bytes (layout.num_bytes each); a record on disk also holds its 4 KiB header
-region and padding to 4 KiB. One DiskTier should own a directory: two live tiers on one path
-(tensor-parallel ranks) each append to segments of their own, see the other's blocks only as
-found at start, and never serve wrong bytes (reads check key and checksum).
+region and padding to 4 KiB. Two live tiers on one path (tensor-parallel ranks, two processes)
+each append to segments of their own, see the other's blocks only as found at start, and never
+serve wrong bytes (reads check key and checksum); neither destroys the other's blocks
+(`disk_peers`: start-up repairs wait for a start with no other live tier, and a tier punches and
+deletes only in its own segments while another lives; a record its writer evicted is counted as
+lost_blocks{removed_by_peer}, not corrupt).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from tierkv.storage.disk_segment_files import SegmentFiles
 from tierkv.storage.disk_threads import IOThreads
 from tierkv.storage.log_limit import LimitedWarning
 
+PUNCHED = "not a record header (magic b'\\x00\\x00\\x00\\x00'"  # a record's header after a punch: zeros
 logger = logging.getLogger(__name__)
 
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
@@ -182,6 +186,7 @@ class DiskTier(StorageTier):
         with self._files.lock, self._lock:
             self._files.close()
             order = self._index.keys()
+        self._files.peers.close()
         try:
             save_order(os.path.join(self.path, ORDER_FILE), order)
         except OSError as exc:
@@ -258,10 +263,14 @@ class DiskTier(StorageTier):
                 if failure.startswith(("open failed", "read failed")):
                     self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
                     continue
+                dropped.append(self._index.pop(key))
+                if failure.startswith(PUNCHED) and self._files.is_peers_segment(entry.segment_id):
+                    # punched out by the live tier that wrote it (its eviction): gone, not damaged
+                    self.counters.add_for_reason("lost_blocks", "removed_by_peer")
+                    continue
                 self._drop_log.note("%s: dropping corrupt block(s); latest %s (segment %x): %s", self.name, key,
                                     entry.segment_id, failure)
                 self.counters.add(corrupt_blocks=1)
-                dropped.append(self._index.pop(key))
         self._files.drop_records(dropped)
         if lost:
             with self._files.lock:
@@ -270,13 +279,17 @@ class DiskTier(StorageTier):
 
     # -- start-up --------------------------------------------------------------------------
     def _load_index(self) -> None:
-        """Index the segments found (disk_index), drop what they hold beyond capacity, delete empty ones."""
-        self._files.next_segment_id, dropped = self._index.load(self.path)
+        """Index the segments found (disk_index), drop what they hold beyond capacity, delete empty ones.
+        With another live tier on the directory the files are left as they are (its active segment may
+        look torn, its records superseded): what this tier drops it only forgets."""
+        repair = not self._files.peers.others_live()
+        self._files.next_segment_id, dropped = self._index.load(self.path, repair=repair)
         with self._lock:
             over = self._index.evict_over(self.max_blocks)  # capacity shrank since the last run
         self.counters.add(evictions=len(over))
-        self._files.drop_records(dropped + [entry for _, entry in over])
-        self._files.delete_empty()
+        self._files.drop_records(dropped + [entry for _, entry in over], change_files=repair)
+        if repair:
+            self._files.delete_empty()
 
     # -- helpers ---------------------------------------------------------------------------
     def _segment_path(self, segment_id: int) -> str:

@@ -163,18 +163,20 @@ class DiskIndex:
         return entries, dead
 
     # -- start-up --------------------------------------------------------------------------
-    def load(self, path: Path) -> tuple[int, list[Entry]]:
+    def load(self, path: Path, *, repair: bool = True) -> tuple[int, list[Entry]]:
         """Index the segments under `path`, oldest first, then in the saved LRU order.
 
         Returns (the next free segment id, records to punch: superseded or of another layout).
-        TierError when the directory cannot be scanned.
+        TierError when the directory cannot be scanned. repair False (another live tier uses the
+        directory): no file is changed (old-format files and torn tails stay).
         """
         dropped: list[Entry] = []
         try:
-            disk_scan.remove_old_format(path, ORDER_FILE)
+            if repair:
+                disk_scan.remove_old_format(path, ORDER_FILE)
             ids = sorted(int(p.stem, 16) for p in path.glob(f"*{SEGMENT_SUFFIX}") if disk_scan.is_segment_stem(p.stem))
             for segment_id in ids:
-                dropped += self._index_segment(segment_id, segment_path(path, segment_id))
+                dropped += self._index_segment(segment_id, segment_path(path, segment_id), repair)
         except (OSError, ValueError) as exc:
             raise TierError(f"{self.name}: cannot scan {str(path)!r}: {exc}") from exc
         order_path = os.path.join(path, ORDER_FILE)
@@ -184,10 +186,10 @@ class DiskIndex:
         disk_scan.unlink_quietly(order_path)
         return (ids[-1] + 1 if ids else 0), dropped
 
-    def _index_segment(self, segment_id: int, path: str) -> list[Entry]:
+    def _index_segment(self, segment_id: int, path: str, repair: bool = True) -> list[Entry]:
         """Index a segment's whole records (disk_scan counts and logs what it drops); returns those
         superseded or of another layout, to punch, counted as scan_dropped_records too."""
-        found = disk_scan.scan_segment_file(path, self.name, self.counters)
+        found = disk_scan.scan_segment_file(path, self.name, self.counters, cut_tail=repair)
         if found is None:
             return []
         self._identities[segment_id] = found.identity

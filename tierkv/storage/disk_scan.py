@@ -34,8 +34,9 @@ class SegmentScan(NamedTuple):
     identity: files.FileIdentity
 
 
-def scan_segment_file(path: str, tier_name: str, counters: TierCounters) -> SegmentScan | None:
-    """Scan one segment, cutting a torn tail off the file; None when the file is skipped."""
+def scan_segment_file(path: str, tier_name: str, counters: TierCounters, *, cut_tail: bool = True) -> SegmentScan | None:
+    """Scan one segment, cutting a torn tail off the file (cut_tail False: another live tier may be
+    appending there; the tail is left and not counted); None when the file is skipped."""
     fd = _open_for_scan(path, tier_name, counters)
     if fd is None:
         return None
@@ -43,7 +44,7 @@ def scan_segment_file(path: str, tier_name: str, counters: TierCounters) -> Segm
     try:
         size = os.fstat(fd).st_size
         records, end, is_partly_unreadable = seg.scan_segment(fd, size, damaged)
-        if end < size:
+        if end < size and cut_tail:
             _cut_tail(fd, path, end, size, tier_name, counters)
         identity = files.file_identity(fd)
     finally:

@@ -20,6 +20,10 @@ Loss. A segment deleted or replaced while the tier runs (a tmp cleaner) is forgo
 blocks (lost_blocks, by reason), found before each append and on reads; appends go to a new
 segment, in a directory made again (and checked, disk_files) if it is gone.
 
+Peers. Other live tiers on the directory (`disk_peers`): while one runs, this tier punches and
+deletes only in segments it created, and the start-up repairs wait for a start with no other
+live tier (the tier's `_load_index`).
+
 Locks: `lock` guards the active segment; the tier's lock (index_lock) the index; `lock` is taken first.
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tierkv.storage import disk_io
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk_index import DiskIndex, Entry, segment_path
+from tierkv.storage.disk_peers import DirectoryPeers
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
 _CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
@@ -70,6 +75,9 @@ class SegmentFiles:
         self.next_segment_id = 0
         self._active_fd: int | None = None
         self._open_directory()
+        # other live tiers on this directory: their segments, and start-up repairs, are not ours to change
+        self.peers = DirectoryPeers(self.path)
+        self.own_segments: set[int] = set()  # the segments this tier created (it may punch and delete them)
 
     def segment_path(self, segment_id: int) -> str:
         return segment_path(self.path, segment_id)
@@ -162,6 +170,7 @@ class SegmentFiles:
             except FileExistsError:
                 continue
         self.active_size = 0
+        self.own_segments.add(segment_id)
         with self._index_lock:
             self.active_id = segment_id
             self._index.add_segment(segment_id, files.file_identity(self._active_fd))
@@ -216,20 +225,31 @@ class SegmentFiles:
                        self.segment_path(segment_id), reason.split("_")[1], len(lost))  # fmt: skip
         self.counters.add_for_reason("lost_blocks", reason, len(lost))
 
-    def drop_records(self, entries: list[Entry]) -> None:
-        """Punch out records that left the index; delete segments left with no live record."""
+    def drop_records(self, entries: list[Entry], *, change_files: bool = True) -> None:
+        """Punch out records that left the index; delete segments left with no live record. While
+        another live tier uses the directory, only in segments this tier created (the others' are only
+        forgotten); change_files False: forget only."""
         if not entries:
             return
         with self.lock, self._index_lock:  # an emptied active segment is retired too: unlinked, not punched
             entries, dead = self._index.release(entries)
             if self.active_id in dead:
                 self.close()
+        if not change_files:
+            return
+        if self.peers.others_live():
+            dead = {s for s in dead if s in self.own_segments}
+            entries = [e for e in entries if e.segment_id in self.own_segments]
         for segment_id in dead:
             self._unlink(self.segment_path(segment_id))
         by_segment = itertools.groupby(sorted((e for e in entries if e.segment_id not in dead), key=_position),
                                        key=lambda e: e.segment_id)  # fmt: skip
         for segment_id, group in by_segment:
             self._punch_all(segment_id, list(group))
+
+    def is_peers_segment(self, segment_id: int) -> bool:
+        """Whether another live tier may have written (and may punch) segment `segment_id`."""
+        return segment_id not in self.own_segments and self.peers.others_live()
 
     def delete_empty(self) -> None:
         """Delete the segments that hold no live record (at start: all of theirs were dropped)."""
