@@ -73,3 +73,24 @@ def test_the_main_jobs_config_takes_tierkv_environment_overrides(tmp_path):
     assert changed.scheduler.policy == "sparse" and changed.scheduler.cpu_far_reads == "staged"
     with pytest.raises(ConfigError, match="scheduler.cpu_far_reads"):
         demo_config(1 << 20, str(tmp_path), env={"TIERKV_SCHEDULER__CPU_FAR_READS": "sideways"})
+
+
+def test_a_short_prompts_budget_holds_the_sinks_and_the_window(tmp_path):
+    from tierkv.demo_real import demo_budget, demo_config
+
+    per_token = 45 * 1024  # SmolLM2 in float32
+    budget, why = demo_budget(122 * per_token, per_token)  # 1/8 would hold less than 4 blocks per layer
+    assert why.startswith("the least") and budget == 4 * 16 * per_token
+    config = demo_config(122 * per_token, str(tmp_path), env={}, gpu_budget_bytes=budget)
+    assert config.cache.gpu_budget_bytes == budget
+    assert demo_budget(4096 * per_token, per_token) == (4096 * per_token // 8, "1/8 of the prompt's KV")
+
+
+@pytest.mark.parametrize("argv,message", [(["--new-tokens", "0"], "--new-tokens: got 0; at least 1"),
+                                          (["--random-model", "--prompt-tokens", "0"], "--prompt-tokens: got 0")])
+def test_counts_below_one_exit_2_before_loading(capsys, argv, message):
+    from tierkv.demo import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens: got {args.tokens}; at least 64")
     if not 0.0 <= args.depth <= 1.0:
         parser.error(f"--depth: got {args.depth}; must be in [0, 1]")
+    if args.new_tokens < 1:
+        parser.error(f"--new-tokens: got {args.new_tokens}; at least 1")
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens: got {args.prompt_tokens}; at least 1")
     if not args.random_model:
         from tierkv.demo_real import load_real_model, run_real_model
 

@@ -38,14 +38,25 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * element
 
 
-def demo_config(prompt_kv_bytes: int, disk_path: str, env=None) -> TierKVConfig:
-    """A GPU budget of 1/8 of the prompt's KV (staging 1/16 beside it), a CPU tier that holds the
-    request with room to spare, and a disk tier under it; any key overridden by TIERKV_* variables of
-    `env` (the process environment when None), as every config is (e.g.
+def demo_budget(prompt_kv_bytes: int, kv_bytes_per_token: int) -> tuple[int, str]:
+    """The demo's GPU budget and how it was chosen: 1/8 of the prompt's KV, or, for a prompt too short for
+    that to hold the sink and window blocks (and the block being filled) of every layer, that minimum."""
+    blocks = -(-SINK_TOKENS // BLOCK_TOKENS) + -(-WINDOW_TOKENS // BLOCK_TOKENS) + 1
+    minimum = blocks * BLOCK_TOKENS * kv_bytes_per_token
+    if prompt_kv_bytes // 8 >= minimum:
+        return prompt_kv_bytes // 8, "1/8 of the prompt's KV"
+    return minimum, "the least that holds the sinks and the window: the prompt is short for 1/8"
+
+
+def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes: int | None = None) -> TierKVConfig:
+    """A GPU budget of 1/8 of the prompt's KV (or `gpu_budget_bytes`; staging 1/16 beside it), a CPU tier
+    that holds the request with room to spare, and a disk tier under it; any key overridden by TIERKV_*
+    variables of `env` (the process environment when None), as every config is (e.g.
     TIERKV_SCHEDULER__POLICY=sparse python -m tierkv.demo)."""
     return load_config({
         "model": {"name": SHORTCUT},
-        "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // 8,
+        "cache": {"block_tokens": BLOCK_TOKENS,
+                  "gpu_budget_bytes": prompt_kv_bytes // 8 if gpu_budget_bytes is None else gpu_budget_bytes,
                   "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
         "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
                   {"kind": "disk", "path": disk_path, "capacity_bytes": 4 * prompt_kv_bytes}],
@@ -64,13 +75,14 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
     case = passkey_case(tokenizer, args.tokens, args.depth, args.seed)
     per_token = kv_bytes_per_token(model)
     prompt_kv = per_token * len(case.prompt_ids)
-    config = demo_config(prompt_kv, args.disk_path)
+    budget, why = demo_budget(prompt_kv, per_token)
+    config = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget)
     device = next(model.parameters()).device
     print(f"model: {model_id}\n  {model.config.num_hidden_layers} layers, KV {format_bytes(per_token)} per token "
           f"({next(model.parameters()).dtype}, {device})")
     print(f"document: {args.tokens} tokens of {case.source}, a pass key planted at {100 * args.depth:.0f}% depth; "
           f"prompt {len(case.prompt_ids)} tokens (chat template), KV {format_bytes(prompt_kv)}")
-    print(f"GPU budget: {format_bytes(config.cache.gpu_budget_bytes)} (1/8 of the prompt's KV) + staging "
+    print(f"GPU budget: {format_bytes(config.cache.gpu_budget_bytes)} ({why}) + staging "
           f"{format_bytes(config.scheduler.staging_bytes)}; CPU tier {format_bytes(config.tiers[0].capacity_bytes)}; "
           f"disk tier {config.tiers[1].path}")
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
