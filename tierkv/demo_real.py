@@ -50,7 +50,8 @@ def demo_budget(prompt_kv_bytes: int, kv_bytes_per_token: int) -> tuple[int, str
 
 def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes: int | None = None) -> TierKVConfig:
     """A GPU budget of 1/8 of the prompt's KV (or `gpu_budget_bytes`; staging 1/16 beside it), a CPU tier
-    that holds the request with room to spare, and a disk tier under it; any key overridden by TIERKV_*
+    that holds the request with room to spare, and a disk tier under it (4x the prompt's KV, at least
+    1 GiB); any key overridden by TIERKV_*
     variables of `env` (the process environment when None), as every config is (e.g.
     TIERKV_SCHEDULER__POLICY=sparse python -m tierkv.demo)."""
     return load_config({
@@ -59,7 +60,8 @@ def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes
                   "gpu_budget_bytes": prompt_kv_bytes // 8 if gpu_budget_bytes is None else gpu_budget_bytes,
                   "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
         "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
-                  {"kind": "disk", "path": disk_path, "capacity_bytes": 4 * prompt_kv_bytes}],
+                  # at least 1 GiB: a shorter run on the same directory keeps the longer runs' blocks
+                  {"kind": "disk", "path": disk_path, "capacity_bytes": max(4 * prompt_kv_bytes, 1 << 30)}],
         "scheduler": {"policy": "exact", "lookahead_layers": 1, "staging_bytes": prompt_kv_bytes // 16,
                       "prefill_chunk_tokens": 512},
         "storage": {"secret_file": "~/.config/tierkv/secret", "create_secret_file": True},  # seals the disk tier
