@@ -85,3 +85,15 @@ def test_exactly_one_source(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
+
+
+def test_unusable_sources_and_outputs_exit_2_naming_them(jsonl, tmp_path, capsys):
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"binary\x00\xff")
+    cases = [(["dashboard", "--jsonl", str(binary), "--html", str(tmp_path / "o.html")], "no snapshot lines to report"),
+             (["dashboard", "--jsonl", str(jsonl), "--html", str(tmp_path)], "--html: cannot write"),
+             (["dashboard", "--jsonl", str(tmp_path), "--html", str(tmp_path / "o.html")], "a directory (expected a JSONL"),
+             (["top", "--jsonl", str(tmp_path), "--once"], "a directory (expected a JSONL")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

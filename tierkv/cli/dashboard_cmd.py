@@ -48,8 +48,14 @@ def run_dashboard(args) -> int:
     except SourceError as exc:
         raise UsageError(str(exc)) from None
     if args.html:
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(static_page(lines, source=source.description))
+        if not lines:  # a file without one whole snapshot line (binary, empty, still being written)
+            raise UsageError(f"{source.description}: no snapshot lines to report (expected a JSONL written by a tierkv "
+                             "metrics recorder)")
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(static_page(lines, source=source.description))
+        except OSError as exc:
+            raise UsageError(f"--html: cannot write {args.html}: {exc.strerror or exc}") from None
         print(f"tierkv dashboard: wrote {args.html} ({len(lines)} snapshots from {source.description})", file=sys.stderr)
         return 0
     try:

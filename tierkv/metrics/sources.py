@@ -28,7 +28,8 @@ class JsonlSource:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
-            raise SourceError(f"{self.path}: no such file (expected a JSONL written by a tierkv metrics recorder)")
+            what = "a directory" if self.path.is_dir() else "no such file" if not self.path.exists() else "not a file"
+            raise SourceError(f"{self.path}: {what} (expected a JSONL written by a tierkv metrics recorder)")
         self.description = str(self.path)
         self._lines: list[dict] = []
         self._offset = 0
