@@ -136,6 +136,7 @@ def test_whole_directory_deleted_while_running(layout, tmp_path):
         assert same(tier.get(key_of(3)), make_block(layout, 3))
         assert tier.get_many([key_of(i) for i in range(3)]) == [None] * 3
         assert tier.counters["lost_blocks"] == 3 and tier.used_bytes == layout.num_bytes
+        assert (root / tier._files.peers.name).exists()  # announced again in the new directory (disk_peers)
         check_still_works(tier, layout)
     with DiskTier("disk", layout, CAPACITY_BYTES, root) as tier:
         assert same(tier.get(key_of(3)), make_block(layout, 3))

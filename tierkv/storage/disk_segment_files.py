@@ -163,6 +163,8 @@ class SegmentFiles:
         if files.directory_identity(str(self.path)) != self._directory_identity:  # deleted (a tmp cleaner) or swapped
             logger.warning("%s: directory %s was deleted or replaced; making or checking it again", self.name, self.path)
             self._open_directory()
+            self.peers.close()  # its live file went with the directory: announce this tier in the new one
+            self.peers = DirectoryPeers(self.path)
         while self._active_fd is None:  # another tier on this path may have taken the id: try the next
             segment_id, self.next_segment_id = self.next_segment_id, self.next_segment_id + 1
             try:
