@@ -18,7 +18,6 @@ chunks) and decode tokens with their rate in tok/s (from DECODE_PROGRESS_MIN_TOK
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 import threading
@@ -26,15 +25,14 @@ import time
 
 import torch
 
-from tierkv.config import TierKVConfig, load_config
+from tierkv.config import TierKVConfig
 from tierkv.config.load import to_dict
 from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.metrics import runtime_reads
 from tierkv.engine.prefix import load_prefix
-from tierkv.prompts import PromptError, normalize_prompts, token_ids
-from tierkv.sampling import RequestOutput, SamplingParams, sample_next, sampling_from_kwargs
-
-logger = logging.getLogger(__name__)
+from tierkv.prompts import PromptError, token_ids
+from tierkv.llm_inputs import check_device_and_tokenizer, config_of, generate_inputs, load_model, warn_past_positions
+from tierkv.sampling import RequestOutput, SamplingParams, sample_next
 
 DECODE_PROGRESS_MIN_TOKENS = 16  # show_progress: a decode bar (tok/s) once max_new_tokens reaches this
 BACKENDS = {  # backend name -> "module:class" of its TieredLLM subclass (None: TieredLLM itself)
@@ -56,17 +54,6 @@ def backend_class(backend: str) -> type["TieredLLM"]:
     return cls
 
 
-def warn_past_positions(model, request: int, num_tokens: int) -> None:
-    """Log a warning when a request runs past the model's max_position_embeddings (positions it was
-    not trained on: the model runs, as under transformers, but its output may degrade)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and num_tokens > limit:
-        logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "
-                       "max_position_embeddings=%d: positions beyond it were not trained on", request, num_tokens,
-                       limit)
-
-
 class TieredLLM:
     def __new__(cls, model=None, config=None, backend: str = "transformers", *args, **kwargs):
         # TieredLLM(..., backend="vllm") is a VllmTieredLLM; Python then runs that class's __init__
@@ -79,8 +66,8 @@ class TieredLLM:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.config = config_of(config)
         self._closed, self._request_lock = False, threading.RLock()
-        _check_device_and_tokenizer(device, tokenizer)
-        self.model, self.tokenizer, model_id = _load_model(model, tokenizer, device, gguf_file)
+        check_device_and_tokenizer(device, tokenizer)
+        self.model, self.tokenizer, model_id = load_model(model, tokenizer, device, gguf_file)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
         from tierkv.integrations.model_support import length_dependent_rotary
 
@@ -268,49 +255,6 @@ def _flatten(data, prefix: str = "") -> dict:
     return {prefix[:-1]: data}
 
 
-def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict, *, vocab_size: int | None,
-                    text_error: str | None = None) -> tuple[SamplingParams, list[str | list[int]]]:
-    """`generate()`'s arguments as (sampling settings, one entry per request: text or checked token
-    ids), for every backend: prompts in any form `tierkv.prompts.normalize_prompts` accepts;
-    settings as SamplingParams or keywords, not both. Raises before any work."""
-    if sampling is None:
-        sampling = sampling_from_kwargs(sampling_kwargs)
-    elif sampling_kwargs:
-        raise ValueError("pass either sampling=SamplingParams(...) or keyword settings, not both")
-    sampling = SamplingParams.coerce(sampling)  # tierkv's or vLLM's SamplingParams; TypeError otherwise
-    for i, token in enumerate(sampling.stop_token_ids or ()):
-        if vocab_size is not None and token >= vocab_size:
-            raise ValueError(f"stop_token_ids[{i}]: got {token}; the model's vocabulary has {vocab_size} ids "
-                             f"(0..{vocab_size - 1})")
-    return sampling, normalize_prompts(prompts, vocab_size=vocab_size, text_error=text_error)
-
-
-def config_of(config) -> TierKVConfig:
-    """The `config` argument of a TieredLLM, loaded: a TierKVConfig, a YAML path, a dict or None."""
-    if isinstance(config, TierKVConfig):
-        return config
-    if config is not None and not isinstance(config, (str, os.PathLike, dict)):
-        raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig, a YAML path, a dict or None")
-    return load_config(config)
-
-
-def _check_device_and_tokenizer(device, tokenizer) -> None:
-    if device is not None:
-        try:
-            parsed = torch.device(device)
-        except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"device: got {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from None
-        if parsed.type == "cuda":  # before loading anything
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if count == 0:
-                raise ValueError(f"device: got {device!r}; this machine has no CUDA device (torch "
-                                 f"{torch.__version__}{'' if torch.version.cuda else ', built without CUDA'})")
-            if parsed.index is not None and parsed.index >= count:
-                raise ValueError(f"device: got {device!r}; this machine has {count} CUDA device(s)")
-    if tokenizer is not None and not callable(tokenizer):
-        raise TypeError(f"tokenizer: got {type(tokenizer).__name__}; expected a transformers tokenizer (callable)")
-
-
 def _elapsed(start: float, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -322,21 +266,3 @@ def _progress(total: int, enabled: bool, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="tok", desc=desc, disable=not enabled, file=sys.stderr)
-
-
-def _load_model(model, tokenizer, device: str | None, gguf_file: str | None = None):
-    """A loaded model, or a checkpoint (directory, .gguf file, shortcut: tierkv.model_loading) loaded on
-    `device` (CUDA when present)."""
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        for name, value in (("device", device), ("gguf_file", gguf_file)):
-            if value is not None:  # a loaded model stays where it is: say so rather than ignore the argument
-                raise ValueError(f"{name}: got {value!r} with a loaded model; {name} applies only when TieredLLM "
-                                 f"loads a checkpoint (move the model with model.to(...) before passing it)"
-                                 if name == "device" else f"{name}: got {value!r} with a loaded model; it names the "
-                                 "file to load from a checkpoint directory")
-        return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
-    from tierkv.model_loading import load_checkpoint
-
-    return load_checkpoint(model, tokenizer, device, gguf_file)

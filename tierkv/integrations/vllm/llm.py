@@ -42,7 +42,8 @@ import yaml
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config.load import to_dict
-from tierkv.llm import TieredLLM, config_of, generate_inputs
+from tierkv.llm import TieredLLM
+from tierkv.llm_inputs import config_of, generate_inputs
 from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.sampling import RequestOutput, SamplingParams
 from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
