@@ -84,3 +84,26 @@ def test_a_corrupt_block_cuts_the_prefix_there_and_tokens_stay(model, tmp_path, 
         assert llm.generate([a], max_new_tokens=8)[0].stats["prefix_tokens"] == 200
     finally:
         llm.close()
+
+
+def test_under_the_sparse_policy_a_prompts_last_token_is_prefill(model, tmp_path):
+    """A prompt's last token run alone (after a reused prefix, or as a one-token last chunk) is prefill,
+    exact: the same prompt twice gives the same tokens, the second time from the tiers, and the first
+    token equals exact mode's."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 512, (65,), generator=gen).tolist()  # 64-token chunks: the last chunk is one token
+    exact = make_llm(model, tmp_path / "exact", cpu_blocks=4096)
+    want_first = exact.generate([prompt], max_new_tokens=1)[0].token_ids
+    exact.close()
+    probe = make_llm(model, tmp_path / "probe", cpu_blocks=4096)
+    config = probe.config
+    probe.close()
+    sparse_config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, policy="sparse", sparse_token_budget=8, predictor="none"))
+    with TieredLLM(model, sparse_config, show_progress=False) as llm:
+        first = llm.generate([prompt], max_new_tokens=6)[0]
+        again = llm.generate([prompt], max_new_tokens=6)[0]
+    assert first.token_ids[:1] == want_first
+    assert again.stats["prefix_tokens"] == 64 and again.token_ids == first.token_ids

@@ -65,6 +65,14 @@ class BlockLayout:
         return torch.empty((num_blocks, *self.shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
 
 
+def lossy_path(first_tier_storage_dtype: str) -> dict:
+    """The fingerprint's extra fields for a chain whose first (CPU) tier stores blocks quantized: every block
+    the lower tiers get passed through it, so their copies are lossy too, whatever their own storage dtype; an
+    engine whose first tier keeps blocks exact must never take them for its own. {} when it keeps them exact
+    (the addresses of exact chains stay as they were)."""
+    return {} if first_tier_storage_dtype == "auto" else {"first_tier_storage": first_tier_storage_dtype}
+
+
 def model_fingerprint(model_id: str, num_layers: int, layout: BlockLayout, extra: dict | None = None) -> str:
     """A short digest naming everything that makes KV bytes incompatible between two runs."""
     fields = {

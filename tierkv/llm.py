@@ -106,7 +106,9 @@ class TieredLLM:
             return [self._run_one(ids, sampling) for ids in requests]
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
-        """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; outputs do not change.
+        """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; exact mode's outputs do not
+        change (the sparse policy attends the hot window's resident blocks besides its selection, so its tokens
+        follow the budget).
 
         Shrinking returns the memory to the driver. A change that cannot be applied is refused and
         the running request goes on at the old budget: a bad value, sinks + window that do not fit

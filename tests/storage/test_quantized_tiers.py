@@ -98,3 +98,36 @@ def test_chain_spills_into_a_quantized_disk_and_promotes_back(fmt, tmp_path):
         assert chain.snapshot()["chain"]["dropped"] == 0
     finally:
         chain.close()
+
+
+def test_blocks_that_passed_a_quantized_cpu_tier_are_never_an_exact_chains(tmp_path):
+    """A CPU tier storing fp8 writes its (lossy) blocks through to an 'auto' disk tier: an engine whose
+    CPU tier keeps blocks exact must not reuse them (its addresses differ: blocks.lossy_path), while
+    another fp8 engine on the same directory does."""
+    from tests.models import build
+    from tierkv.config import load_config
+    from tierkv.llm import TieredLLM
+
+    block = 2 * 2 * 4 * 16 * 4
+
+    def config(disk, cpu_dtype):
+        return load_config({"model": {"name": "lossy-path"},
+                            "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * block, "sink_tokens": 4,
+                                      "window_tokens": 8},
+                            "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block, "storage_dtype": cpu_dtype},
+                                      {"kind": "disk", "path": str(disk), "capacity_bytes": "64MiB", "trusted": True}],
+                            "scheduler": {"lookahead_layers": 1, "staging_bytes": 8 * block,
+                                          "prefill_chunk_tokens": 64}}, env={})
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, seed=1)
+    prompt = torch.randint(0, 512, (257,), generator=torch.Generator().manual_seed(3)).tolist()
+    shared, fresh = tmp_path / "shared", tmp_path / "fresh"
+    with TieredLLM(model, config(shared, "float8_e4m3fn"), show_progress=False) as lossy:
+        lossy.generate([prompt], max_new_tokens=4)
+    with TieredLLM(model, config(fresh, "auto"), show_progress=False) as exact:
+        want = exact.generate([prompt], max_new_tokens=4)[0].token_ids
+    with TieredLLM(model, config(shared, "auto"), show_progress=False) as exact:
+        got = exact.generate([prompt], max_new_tokens=4)[0]
+    assert got.stats["prefix_tokens"] == 0 and got.token_ids == want
+    with TieredLLM(model, config(shared, "float8_e4m3fn"), show_progress=False) as lossy:
+        assert lossy.generate([prompt], max_new_tokens=4)[0].stats["prefix_tokens"] == 256

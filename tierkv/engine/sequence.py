@@ -41,6 +41,9 @@ class SequenceKV:
         self.rt = runtime
         self.seq_id = uuid.uuid4().hex[:16]
         self.token_ids: list[int] = list(token_ids or [])  # known tokens, for content keys
+        # the prompt's length when given: every step within it is prefill, exact under any policy (a prompt's
+        # last token after a reused prefix, or a one-token last chunk, is no decode step)
+        self.prompt_tokens = len(self.token_ids)
         num_layers = runtime.num_layers
         self.num_tokens = [0] * num_layers
         self.cpu_slots: list[list[int]] = [[] for _ in range(num_layers)]
@@ -109,7 +112,8 @@ class SequenceKV:
         self._step = step
         self._step_index = step_indices(step, rt.device)
         self.num_resident_reads += len(step.resident_blocks) * rt.num_layers
-        self._is_sparse_step = self.summaries is not None and n == 1
+        is_decode = n == 1 and self.num_tokens[0] >= self.prompt_tokens  # a generated token, not the prompt's
+        self._is_sparse_step = self.summaries is not None and is_decode
         if self._is_sparse_step:  # blocks are chosen per layer at attention time
             rt.streamer.clear()
             self.predictor.begin_step(self, step.streamed_blocks, self._last_d2h)

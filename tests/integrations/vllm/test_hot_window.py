@@ -402,6 +402,7 @@ def test_connector_sends_positions_hashes_and_finished_requests_under_the_hot_wi
         meta = pickle.loads(pickle.dumps(connector.build_connector_meta(out)))
         assert isinstance(meta, TierKVMetadata)
         assert meta.scheduled == {"r1": (0, 5 * BS + 3)} and meta.finished == []
+        assert meta.prompt_steps == ["r1"]  # the prompt's prefill: exact under any policy
         assert [len(s.block_ids) for s in meta.saves] == [5]
         assert meta.hashes == [("r1", 0, meta.saves[0].hashes)]  # the blocks this step fills, sent once
         req.num_computed_tokens = 5 * BS + 3
@@ -413,6 +414,7 @@ def test_connector_sends_positions_hashes_and_finished_requests_under_the_hot_wi
         out2.num_scheduled_tokens, out2.finished_req_ids = {"r1": 1}, {"r0"}
         meta2 = connector.build_connector_meta(out2)
         assert meta2.scheduled == {"r1": (5 * BS + 3, 1)} and meta2.finished == ["r0"] and meta2.hashes == []
+        assert meta2.prompt_steps == []  # a generated token: decode
     finally:
         connector.shutdown()
 
@@ -555,7 +557,7 @@ def test_a_repeated_prefix_loads_only_the_window_and_reads_the_rest_from_the_tie
         first_resident = far_blocks(matched, window, BS)
         (load,) = meta.loads
         assert load.hashes == hashes[first_resident:10] and 0 not in load.block_ids
-        assert meta.scheduled == {"again": (matched, len(prompt) - matched)}
+        assert meta.scheduled == {"again": (matched, len(prompt) - matched)} and meta.prompt_steps == ["again"]
         runner = _Runner(["again"])
         hot_window._STATE["runner"] = weakref.ref(runner)
         worker.bind_connector_metadata(meta)
@@ -618,6 +620,28 @@ def test_sparse_with_a_budget_covering_the_context_equals_exact(tmp_path):
             torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
         assert far.stats()["sparse_selections"] == LAYERS
+    finally:
+        far.close()
+        store.close()
+
+
+def test_a_prompts_last_token_is_prefill_exact_under_the_sparse_policy(tmp_path):
+    """A one-token step within the prompt (its last token after a cached prefix, a one-token last chunk) is
+    prefill: with the request in the step's prompt_steps it streams every far block exactly, where the same
+    step as decode reads only the selection."""
+    window = 2 * BS
+    far, store, caches, ids, q = _sparse_setup(tmp_path, sparse_tokens=2 * BS, window=window, num_blocks=30)
+    try:
+        (row,) = far.begin_step([("r", 30 * BS, 1)], prompt_steps={"r"})
+        assert far.sparse_rows == [] and row.num_far_blocks == far_blocks(30 * BS, window, BS)
+        for name in NAMES:
+            out, lse = far.attend(store.layer_index[name], q, 0.3)
+            want_out, want_lse = dense(q, store.paged.read(caches[name], torch.tensor(ids[: row.num_far_blocks])), 0.3)
+            torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+        far.end_step()
+        far.begin_step([("r", 30 * BS, 1)])  # the same step as a generated token: sparse
+        assert far.sparse_rows == [0]
     finally:
         far.close()
         store.close()

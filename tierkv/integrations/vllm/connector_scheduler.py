@@ -37,6 +37,9 @@ class TierKVMetadata(KVConnectorMetadata):
     # hot window only: every scheduled request's (tokens before the step, tokens in it), the block
     # hashes learnt since the last step (req_id, first block, hashes), requests that finished
     scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # scheduled requests whose step lies within their prompt: prefill, exact under any policy (a prompt's
+    # last token after a cached prefix is a one-token step, and no decode step)
+    prompt_steps: list[str] = field(default_factory=list)
     hashes: list[tuple[str, int, list[str]]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
@@ -133,6 +136,8 @@ class ConnectorScheduler:
         if self.hot_window is None or num_new <= 0:
             return
         meta.scheduled[state.request.request_id] = (num_computed, num_new)
+        if num_computed + num_new <= getattr(state.request, "num_prompt_tokens", 0):
+            meta.prompt_steps.append(state.request.request_id)
         hashes = self._store().extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)
         if len(hashes) > state.hashes_sent:
             meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))

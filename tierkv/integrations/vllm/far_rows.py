@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -96,6 +96,7 @@ class FarKV:
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self.requests: dict[str, FarRequest] = {}
         self.rows: list[FarRow] = []
+        self.prompt_steps: frozenset[str] = frozenset()  # this step's rows that are prefill (begin_step)
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
         self.sparse_rows: list[int] = []
         # sparse decode rows' block reads at attention time: resident (vLLM's pool) and selected far blocks
@@ -134,8 +135,9 @@ class FarKV:
         self.pins.release(req)
 
     # -- steps ------------------------------------------------------------------------------------
-    def begin_step(self, rows: Sequence[tuple[str, int, int]]) -> list[FarRow]:
-        """rows: (req_id, tokens before the step, tokens in the step) in the step's token order.
+    def begin_step(self, rows: Sequence[tuple[str, int, int]], prompt_steps: Collection[str] = ()) -> list[FarRow]:
+        """rows: (req_id, tokens before the step, tokens in the step) in the step's token order;
+        prompt_steps: the requests whose step lies within their prompt (exact even when one token long).
         Pins what became far, lays out the streamed chunks (far_step) and starts the first layers' copies."""
         started = time.perf_counter()
         rows = step_rows(rows, self.window_tokens, self.block_tokens)
@@ -146,8 +148,9 @@ class FarKV:
             self.counts["blocks_pinned"] += self.pins.pin(row.req_id, req, row.num_far_blocks) * self.store.num_layers
         self.rows = rows
         self.graphed.reset()
-        is_sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and self.key_summaries.is_selectable(r)
-                     for r in rows]  # fmt: skip
+        self.prompt_steps = frozenset(prompt_steps)
+        is_sparse = [self.sparse_blocks is not None and r.q_end - r.q_start == 1 and r.req_id not in self.prompt_steps
+                     and self.key_summaries.is_selectable(r) for r in rows]  # fmt: skip
         layout = lay_out_step(rows, is_sparse, self.pool.region_blocks)
         self.sparse_rows, self._offsets, self._pieces = layout.sparse_rows, layout.offsets, layout.pieces
         far_reqs = [(self.requests[r.req_id], n) for r, n in zip(rows, layout.streamed) if n]

@@ -98,11 +98,11 @@ class FullDecodeRows:
     def write(self, rows: Sequence) -> bool:
         """Before a step that vLLM replays from a full decode graph: each batch row's (`FarRow`, in the
         batch's order) inputs into the buffers (one copy). False, with the buffers unchanged, when the
-        body cannot serve the step: a row that is not a single decoding token, more rows than
-        buffers, or a row with far blocks whose request the graphs cannot serve (not all of them
+        body cannot serve the step: a row that is not a single decoding token (a prompt's last token is
+        prefill), more rows than buffers, or a row with far blocks whose request the graphs cannot serve (not all of them
         summarized, or no cache set left)."""
         far = self.far
-        if len(rows) > self.max_rows or any(r.q_end - r.q_start != 1 for r in rows):
+        if len(rows) > self.max_rows or any(r.q_end - r.q_start != 1 or r.req_id in far.prompt_steps for r in rows):
             self.counts["full_steps_refused"] += 1
             return False
         served = []
