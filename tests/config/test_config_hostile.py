@@ -173,3 +173,22 @@ def test_two_disk_tiers_on_one_directory_and_a_control_without_an_endpoint_are_r
     assert len(load_config({"tiers": tiers}, env={}).tiers) == 3
     with pytest.raises(ConfigError, match="metrics.control_enabled.*set metrics.prometheus_port too"):
         load_config({"metrics": {"control_enabled": True, "control_token": "t" * 32}}, env={})
+
+
+def test_secrets_never_show_in_a_configs_repr_or_in_a_misspelt_keys_error():
+    import pytest
+
+    from tierkv.config import ConfigError, load_config
+
+    secret, password, token = "S3cretS3cretS3cret", "PwPwPw1234", "T0kenT0kenT0kenT0kenT0kenT0ken12"
+    config = load_config({"storage": {"secret": secret},
+                          "tiers": [{"kind": "cpu", "capacity_bytes": "1GiB"},
+                                    {"kind": "redis", "url": f"redis://:{password}@127.0.0.1:1/0"}],
+                          "metrics": {"control_token": token}}, env={})
+    for shown in (repr(config), str(config), repr(config.storage), repr(config.tiers), repr(config.metrics)):
+        assert secret not in shown and password not in shown and token not in shown
+    assert "gpu_budget_bytes=" in repr(config.cache)  # the rest is shown as before
+    for section, key in (("metrics", "control_tokn"), ("storage", "secrt")):
+        with pytest.raises(ConfigError) as info:
+            load_config({section: {key: token}}, env={})
+        assert token not in str(info.value) and "did you mean" in str(info.value)

@@ -212,3 +212,17 @@ def test_server_down_at_construction_starts_unhealthy(layout):
         assert not tier.is_healthy and tier.counters["errors"] == 1
         assert tier.get(key_of(1)) is None and not tier.put(key_of(1), make_block(layout, 1)).ok
         assert "Connection" in tier.last_error
+
+
+def test_a_namespace_of_corrupt_values_logs_one_line(layout, make_tier, raw, redis_namespace, caplog):
+    import logging
+
+    tier = make_tier()
+    keys = [key_of(i) for i in range(12)]
+    tier.put_many(keys, [make_block(layout, i) for i in range(12)])
+    for key in keys:
+        raw.set(f"{redis_namespace}:{key}", b"garbage")
+    with caplog.at_level(logging.WARNING, logger="tierkv.storage.redis_tier"):
+        assert tier.get_many(keys) == [None] * 12
+    assert tier.counters["corrupt_blocks"] == 12
+    assert len([r for r in caplog.records if "corrupt value" in r.getMessage()]) == 1

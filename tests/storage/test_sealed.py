@@ -310,3 +310,37 @@ def test_a_batch_opened_on_sealing_threads_keeps_order_and_misses_only_the_forge
         assert tier.counters["auth_failures"] == len(forged)
     finally:
         tier.close()
+
+
+def test_a_secret_file_another_user_owns_or_can_replace_is_refused(tmp_path, monkeypatch):
+    """Whoever owns the secret file (or a symlink to it, or its directory), or can replace it in a directory
+    writable by others, knows the secret: refused. Ownership is seen through os.geteuid (the tests run as
+    one user: as root the file is given to another uid, otherwise this process's uid reads as another)."""
+    import os
+
+    path = tmp_path / "secret"
+    path.write_text("from-a-file-0123456789\n")
+    path.chmod(0o600)
+    config = load_config({}, env={"TIERKV_STORAGE__SECRET_FILE": str(path)})
+    assert load_secret(config.storage) == b"from-a-file-0123456789"
+    real = os.geteuid()
+    if real == 0:  # root: give the file to another user
+        os.chown(path, 4242, -1)
+        owner = 4242
+    else:  # this user's file, read as another user's
+        monkeypatch.setattr(os, "geteuid", lambda: real + 4242)
+        owner = real
+    with pytest.raises(ConfigError, match=f"the file is owned by uid {owner}"):
+        load_secret(config.storage)
+    monkeypatch.setattr(os, "geteuid", lambda: real)
+    if real == 0:
+        os.chown(path, 0, -1)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit: anyone can rename the file away and put theirs
+    moved = shared / "secret"
+    path.rename(moved)
+    with pytest.raises(ConfigError, match="its directory is writable by group or others"):
+        load_secret(load_config({}, env={"TIERKV_STORAGE__SECRET_FILE": str(moved)}).storage)
+    shared.chmod(0o1777)  # sticky, as /tmp: only the owner may replace it
+    assert load_secret(load_config({}, env={"TIERKV_STORAGE__SECRET_FILE": str(moved)}).storage)

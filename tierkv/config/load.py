@@ -23,7 +23,7 @@ import yaml
 from tierkv.config.errors import ConfigError
 from tierkv.config.fields import check_value, convert_scalar
 from tierkv.configs import resolve_config_path
-from tierkv.redact import redact_tree
+from tierkv.redact import MASK, is_secret_key, redact_tree
 
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
@@ -218,7 +218,9 @@ def build_section(cls: type, data: object, prefix: str, errors: list[ConfigError
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            collect.append(ConfigError(keypath, raw, f"unknown key; {hint}allowed keys: {', '.join(fields)}"))
+            # a misspelt secret key is still a secret: its value is shown only where no close key is one
+            shown = MASK if any(is_secret_key(name) for name in close) else raw
+            collect.append(ConfigError(keypath, shown, f"unknown key; {hint}allowed keys: {', '.join(fields)}"))
             continue
         try:
             kwargs[key] = _convert(hints[key], raw, keypath, fields[key], collect)

@@ -19,6 +19,19 @@ from tierkv.config.errors import ConfigError
 from tierkv.config.rules import check_config
 
 
+class _Shown:
+    """A config section's repr with its secrets masked (secret-named fields, URL passwords), as
+    `shown_dict` shows it: a logged config or a traceback's locals never carry them."""
+
+    def __repr__(self) -> str:
+        from dataclasses import asdict
+
+        from tierkv.redact import redact_tree
+
+        fields_shown = ", ".join(f"{k}={v!r}" for k, v in redact_tree(asdict(self)).items())
+        return f"{type(self).__name__}({fields_shown})"
+
+
 def doc(text: str, **extra: object) -> dict:
     """Field metadata: a docstring and optional `choices` / `min_value` / `max_value` / `check` / `kinds`.
 
@@ -28,8 +41,8 @@ def doc(text: str, **extra: object) -> dict:
     return {"doc": text, **extra}
 
 
-@dataclass
-class ModelConfig:
+@dataclass(repr=False)
+class ModelConfig(_Shown):
     """Shape of the model's KV cache; None fields are taken from the model at start-up."""
 
     name: str = field(default="unnamed-model", metadata=doc("model id, part of every block's address"))
@@ -40,8 +53,8 @@ class ModelConfig:
                                                          choices=("auto", "bfloat16", "float16", "float32")))
 
 
-@dataclass
-class CacheConfig:
+@dataclass(repr=False)
+class CacheConfig(_Shown):
     """The GPU hot window."""
 
     block_tokens: int = field(default=16, metadata=doc("tokens per KV block", min_value=1))
@@ -53,8 +66,8 @@ class CacheConfig:
 STORAGE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "float8_e4m3fn")
 
 
-@dataclass
-class CpuTierConfig:
+@dataclass(repr=False)
+class CpuTierConfig(_Shown):
     """Pinned host memory: a slab of block slots with LRU eviction into the next tier."""
 
     kind: str = field(default="cpu", metadata=doc("tier kind", choices=("cpu",)))
@@ -62,8 +75,8 @@ class CpuTierConfig:
     storage_dtype: str = field(default="auto", metadata=doc("dtype blocks are stored in", choices=STORAGE_DTYPES))
 
 
-@dataclass
-class DiskTierConfig:
+@dataclass(repr=False)
+class DiskTierConfig(_Shown):
     """Checksummed block files on a local (NVMe) path."""
 
     kind: str = field(default="disk", metadata=doc("tier kind", choices=("disk",)))
@@ -79,8 +92,8 @@ class DiskTierConfig:
         "encrypt blocks at rest (AES-256-GCM keyed by storage.secret) besides authenticating them"))
 
 
-@dataclass
-class RedisTierConfig:
+@dataclass(repr=False)
+class RedisTierConfig(_Shown):
     """Redis, shared across processes and hosts."""
 
     kind: str = field(default="redis", metadata=doc("tier kind", choices=("redis",)))
@@ -105,8 +118,8 @@ class RedisTierConfig:
         "encrypt blocks at rest (AES-256-GCM keyed by storage.secret) besides authenticating them"))
 
 
-@dataclass
-class StorageConfig:
+@dataclass(repr=False)
+class StorageConfig(_Shown):
     """The deployment's secret: authenticates (and names) blocks in the disk and Redis tiers."""
 
     secret: str | None = field(default=None, metadata=doc(
@@ -121,8 +134,8 @@ TierConfig = Union[CpuTierConfig, DiskTierConfig, RedisTierConfig]
 TIER_CONFIG_KINDS: dict[str, type] = {"cpu": CpuTierConfig, "disk": DiskTierConfig, "redis": RedisTierConfig}
 
 
-@dataclass
-class SchedulerConfig:
+@dataclass(repr=False)
+class SchedulerConfig(_Shown):
     """The lookahead prefetch scheduler."""
 
     policy: str = field(default="exact", metadata=doc("which far blocks attention reads", choices=("exact", "sparse")))
@@ -214,8 +227,8 @@ class SchedulerConfig:
         choices=("auto", "cupy", "memcpy_batch", "adaptive", "torch_uva", "copy_loop")))
 
 
-@dataclass
-class MetricsConfig:
+@dataclass(repr=False)
+class MetricsConfig(_Shown):
     """Counters, the Prometheus endpoint and JSONL snapshots."""
 
     enabled: bool = field(default=True, metadata=doc("keep counters"))
@@ -244,8 +257,8 @@ def _default_tiers() -> list:
     return [CpuTierConfig()]
 
 
-@dataclass
-class TierKVConfig:
+@dataclass(repr=False)
+class TierKVConfig(_Shown):
     """Everything tierkv needs; `tiers` is the ordered list of tiers below the GPU."""
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata=doc("KV shape of the model"))

@@ -192,10 +192,26 @@ def load_secret(storage: "StorageConfig") -> bytes | None:
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError("storage.secret_file", str(path),
                           f"must not be accessible by group or others (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+    _check_owned(path, info)
     if len(data) < _MIN_SECRET_BYTES:
         raise ConfigError("storage.secret_file", str(path), f"expected at least {_MIN_SECRET_BYTES} bytes of secret, "
                           f"found {len(data)}")
     return data
+
+
+def _check_owned(path: Path, info: os.stat_result) -> None:
+    """The secret file, a symlink naming it, and the directory holding it are this user's (or root's), and
+    the directory is not writable by others: whoever owns or can replace the file knows the secret."""
+    me = os.geteuid()
+    link = path.lstat()
+    parent = path.resolve().parent.stat()
+    for what, st in (("the file", info), ("the symlink", link), ("its directory", parent)):
+        if st.st_uid not in (me, 0):
+            raise ConfigError("storage.secret_file", str(path), f"{what} is owned by uid {st.st_uid}, not by this "
+                              f"user ({me}) or root: its owner knows the secret")
+    if parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
+        raise ConfigError("storage.secret_file", str(path), f"its directory is writable by group or others (mode "
+                          f"{stat.S_IMODE(parent.st_mode):o}): another user could replace the file")
 
 
 def _create_secret_file(path: Path) -> None:

@@ -43,6 +43,7 @@ from tierkv.redact import redact_text
 from tierkv.redis_url import is_cluster_url, parse_cluster_url, single_url_problem
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.codec import CorruptBlock, decode_block_into, encode_block
+from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.redis_link import KeyFailed, SingleLink, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class RedisTier(StorageTier):
         self.max_blocks = None if capacity_bytes is None else capacity_bytes // layout.num_bytes
         self._written: OrderedDict[str, float | None] = OrderedDict()  # key -> expiry, oldest first
         self._closed = False
+        self._corrupt_log = LimitedWarning(logger)  # a namespace full of bad values: one line per 10 s
         self._link.ping()  # a dead server starts us unhealthy; never raises
 
     # -- StorageTier ---------------------------------------------------------------------
@@ -121,14 +123,14 @@ class RedisTier(StorageTier):
                         decode_block_into(keys[i], value, row)
                         blocks[i] = row
                     except CorruptBlock as exc:
-                        logger.warning("%s: dropping corrupt value: %s", self.name, exc)
+                        self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
             if nil:  # MGET answers nil for a missing key and for a key of another Redis type alike
                 types = self._per_key("type", [keys[i] for i in nil])
                 wrong_type += [i for i, t in zip(nil, types) if t not in (0, b"none", "none")]
             if wrong_type:
-                logger.warning("%s: dropping %d key(s) that hold a value of another Redis type (not a block), e.g. %s",
-                               self.name, len(wrong_type), self._redis_key(keys[wrong_type[0]]))
+                self._corrupt_log.note("%s: dropping key(s) that hold a value of another Redis type (not a block), "
+                                       "e.g. %s", self.name, self._redis_key(keys[wrong_type[0]]))
                 corrupt += [keys[i] for i in wrong_type]
             num_hits = sum(b is not None for b in blocks)
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
