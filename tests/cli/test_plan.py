@@ -99,3 +99,27 @@ def test_help_states_what_the_suffixes_mean(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "1M = 1048576" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_quantized_cpu_tier_holds_and_streams_slots_not_blocks(tmp_path, capsys):
+    import json
+
+    config = tmp_path / "q.yaml"
+    config.write_text("cache: {block_tokens: 16, gpu_budget_bytes: 3GiB, sink_tokens: 64, window_tokens: 1024}\n"
+                      "tiers:\n  - {kind: cpu, capacity_bytes: 48GiB, storage_dtype: int8}\n")
+    plain = tmp_path / "p.yaml"
+    plain.write_text(config.read_text().replace(", storage_dtype: int8", ""))
+    plans = []
+    for path in (plain, config):
+        assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "128k", "--config", str(path), "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    exact, int8 = plans
+    assert exact["cpu"]["slot_bytes"] == exact["block_bytes"]
+    assert int8["cpu"]["slot_bytes"] < exact["block_bytes"] * 0.6  # one byte per bf16 value, plus scales
+    assert int8["decode_step"]["streamed_bytes"] < exact["decode_step"]["streamed_bytes"] * 0.6
+    assert int8["cpu"]["bytes_needed"] == int8["cpu"]["blocks_needed"] * int8["cpu"]["slot_bytes"]
+
+
+def test_a_size_that_cannot_be_read_names_its_flag(capsys):
+    assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "1.5GiBx"]) == 2
+    assert "--gpu-budget: cannot read '1.5GiBx'" in capsys.readouterr().err

@@ -77,7 +77,8 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small."""
     from tierkv.blocks import BlockLayout, dtype_from_name
     from tierkv.scheduler.plan import plan_step
-    from tierkv.storage.gpu import plan_residency
+    from tierkv.storage.cpu_slab import slot_num_bytes
+    from tierkv.storage.gpu import plan_residency, staging_region_blocks
 
     cache, sched = config.cache, config.scheduler
     T, L = cache.block_tokens, shape.num_layers
@@ -85,20 +86,17 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     block = layout.num_bytes
     residency = plan_residency(layout, L, cache.gpu_budget_bytes, cache.sink_tokens, cache.window_tokens)
     num_regions = max(2, sched.lookahead_layers + 1)
-    region_blocks = sched.staging_bytes // (block * num_regions)
-    if region_blocks < 1:
-        from tierkv.config import ConfigError
-
-        raise ConfigError("scheduler.staging_bytes", sched.staging_bytes,
-                          f"must hold at least {num_regions} blocks of {block} bytes, one per staging region")
+    region_blocks = staging_region_blocks(layout, sched.staging_bytes, num_regions)  # the runtime's check and words
     step = plan_step(residency, T, context, 1)  # the decode step after `context` tokens
     num_blocks = -(-context // T)
     sink_blocks = -(-cache.sink_tokens // T)
     front = min(residency.num_front_blocks, num_blocks)
     streamed = len(step.streamed_blocks)
-    streamed_bytes = streamed * L * block
-    cpu_blocks_needed = num_blocks * L
     cpu = config.tiers[0]
+    # a quantized CPU tier holds (and PCIe carries) a block's codes and scales, not the block
+    slot = slot_num_bytes(layout, None if cpu.storage_dtype == "auto" else cpu.storage_dtype)
+    streamed_bytes = streamed * L * slot
+    cpu_blocks_needed = num_blocks * L
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
     return {
         "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
@@ -112,8 +110,8 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
             "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
             "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block,
         },
-        "cpu": {"capacity_bytes": cpu.capacity_bytes, "blocks_needed": cpu_blocks_needed,
-                "bytes_needed": cpu_blocks_needed * block, "fits": cpu_blocks_needed <= cpu.capacity_bytes // block},
+        "cpu": {"capacity_bytes": cpu.capacity_bytes, "blocks_needed": cpu_blocks_needed, "slot_bytes": slot,
+                "bytes_needed": cpu_blocks_needed * slot, "fits": cpu_blocks_needed <= cpu.capacity_bytes // slot},
         "lower_tiers": [{"kind": t.kind, "capacity_bytes": t.capacity_bytes} for t in config.tiers[1:]],
         "decode_step": {"streamed_blocks_per_layer": streamed, "streamed_bytes": streamed_bytes,
                         "h2d_gbps": h2d_gbps, "pcie_floor_s": streamed_bytes / (h2d_gbps * 1e9)},
@@ -206,11 +204,13 @@ def run_plan(args) -> int:
         context = parse_tokens(args.context)
     except ValueError as exc:
         raise UsageError(f"--context: {exc}") from None
-    try:
-        budget = parse_bytes(args.gpu_budget) if args.gpu_budget is not None else None
-        pool = parse_bytes(args.vllm_kv_pool) if args.vllm_kv_pool is not None else None
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    sizes = {}
+    for flag, text in (("--gpu-budget", args.gpu_budget), ("--vllm-kv-pool", args.vllm_kv_pool)):
+        try:
+            sizes[flag] = parse_bytes(text) if text is not None else None
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    budget, pool = sizes["--gpu-budget"], sizes["--vllm-kv-pool"]
     if budget is not None and budget <= 0 or pool is not None and pool <= 0:
         raise UsageError("--gpu-budget and --vllm-kv-pool must be positive")
     check_positive("--h2d-gbps", args.h2d_gbps)  # nan too

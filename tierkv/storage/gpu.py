@@ -63,6 +63,18 @@ def plan_residency(layout: BlockLayout, num_layers: int, budget_bytes: int, sink
     return ResidencyPlan(num_front_blocks=slots_per_layer - window_blocks, num_window_blocks=window_blocks)
 
 
+def staging_region_blocks(layout: BlockLayout, staging_bytes: int, num_regions: int) -> int:
+    """Blocks in each of the staging ring's `num_regions` regions; ConfigError when fewer than one."""
+    region_blocks = staging_bytes // (layout.num_bytes * num_regions)
+    if region_blocks < 1:
+        raise ConfigError(
+            "scheduler.staging_bytes", staging_bytes,
+            f"must hold at least {num_regions} blocks of {format_bytes(layout.num_bytes)} "
+            f"({format_bytes(num_regions * layout.num_bytes)}), one per staging region",
+        )
+    return region_blocks
+
+
 class GpuBlockPool:
     """Resident slots for every layer and the staging ring, allocated once on `device`."""
 
@@ -72,13 +84,7 @@ class GpuBlockPool:
         self.residency = residency
         self.num_layers = num_layers
         self.device = torch.device(device)
-        self.region_blocks = staging_bytes // (layout.num_bytes * num_regions)
-        if self.region_blocks < 1:
-            raise ConfigError(
-                "scheduler.staging_bytes", staging_bytes,
-                f"must hold at least {num_regions} blocks of {format_bytes(layout.num_bytes)} "
-                f"({format_bytes(num_regions * layout.num_bytes)}), one per staging region",
-            )
+        self.region_blocks = staging_region_blocks(layout, staging_bytes, num_regions)
         self.num_regions = num_regions
         # resident: [num_layers, slots_per_layer, 2, num_kv_heads, block_tokens, head_dim]
         self.resident = torch.zeros((num_layers, residency.slots_per_layer, *layout.shape), dtype=layout.dtype, device=device)
