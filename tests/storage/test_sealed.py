@@ -344,3 +344,15 @@ def test_a_secret_file_another_user_owns_or_can_replace_is_refused(tmp_path, mon
         load_secret(load_config({}, env={"TIERKV_STORAGE__SECRET_FILE": str(moved)}).storage)
     shared.chmod(0o1777)  # sticky, as /tmp: only the owner may replace it
     assert load_secret(load_config({}, env={"TIERKV_STORAGE__SECRET_FILE": str(moved)}).storage)
+
+
+def test_an_inline_secret_counts_bytes_without_surrounding_whitespace_and_made_directories_are_private(tmp_path):
+    import stat
+
+    with pytest.raises(ConfigError, match="at least 16 bytes besides surrounding whitespace, got 5"):
+        load_config({"storage": {"secret": "       short        "}}, env={})
+    assert load_config({"storage": {"secret": "é" * 8}}, env={})  # 16 bytes in UTF-8
+    path = tmp_path / "a" / "b" / "c" / "secret"
+    load_secret(load_config({"storage": {"secret_file": str(path), "create_secret_file": True}}, env={}).storage)
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700

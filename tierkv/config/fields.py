@@ -146,5 +146,7 @@ def _checks() -> dict:
 
 
 def check_secret(value: str, keypath: str) -> None:
-    if len(value) < 16:  # the value itself is never echoed back
-        raise ConfigError(keypath, "<hidden>", f"expected at least 16 characters, got {len(value)}")
+    """At least 16 bytes (UTF-8) besides whitespace at either end, as a secret file's content is read."""
+    size = len(value.strip().encode("utf-8", "surrogatepass"))
+    if size < 16:  # the value itself is never echoed back
+        raise ConfigError(keypath, "<hidden>", f"expected at least 16 bytes besides surrounding whitespace, got {size}")

@@ -123,7 +123,7 @@ class StorageConfig(_Shown):
     """The deployment's secret: authenticates (and names) blocks in the disk and Redis tiers."""
 
     secret: str | None = field(default=None, metadata=doc(
-        "the secret itself (at least 16 characters); prefer secret_file or TIERKV_STORAGE__SECRET", check="secret"))
+        "the secret itself (at least 16 bytes besides surrounding whitespace); prefer secret_file or TIERKV_STORAGE__SECRET", check="secret"))
     secret_file: str | None = field(default=None, metadata=doc(
         "file holding the secret (~ expanded; must not be readable by group or others)", check="non_empty"))
     create_secret_file: bool = field(default=False, metadata=doc(

@@ -218,7 +218,9 @@ def _create_secret_file(path: Path) -> None:
     """A random 256-bit secret (hex) in a new file of mode 0600, linked into place whole, so a
     concurrent creator never reads a partial file; the first one linked wins."""
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        missing = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
+        for directory in reversed(missing):  # every directory made here is private, not only the last
+            directory.mkdir(mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".secret-")  # mode 0600
         try:
             with os.fdopen(fd, "w") as f:
