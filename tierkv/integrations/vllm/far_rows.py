@@ -73,18 +73,15 @@ class FarKV:
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
         staging = split_staging(store, max_rows)  # the device buffers, carved from scheduler.staging_bytes
-        self.staging_bytes = store.config.scheduler.staging_bytes  # what they were carved from (`make_ring`)
-        if staging.warning:
-            logger.warning("tierkv hot window: %s", staging.warning)
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
         self.sparse_blocks = staging.sparse_blocks
         self.source = staging.source  # what the engine-agnostic sparse step reads of the far blocks (sparse.step)
-        self.row_caches = staging.row_caches
         self.recorder = PrefetchRecorder(store.num_layers)
-        self._stream_through(staging.pool)  # self.pool, self.streamer
-        self.sparse_streamer = self._streamer_over(staging.sparse_pool, None)
         self.max_rows = max_rows  # what a run-time resize's staging is split for (`make_staging`)
-        self.graphs = SparseStepGraphs(self.source, self.row_caches) if staging.is_graphed else None
+        self.requests: dict[str, FarRequest] = {}
+        self.streamer = self.sparse_streamer = self.row_caches = self.graphs = None
+        # the main ring (self.pool, self.streamer), the eager sparse regions, the far-block caches, the step graphs
+        self.use_staging(staging, store.config.scheduler.staging_bytes)
         # sparse with max_model_len known: a finished request's summary tables and device slot lists,
         # allocated once at max_model_len's blocks, go to the next request at the same addresses, so the
         # CUDA graphs captured for the one serve the other (a graph bakes addresses, not requests)
@@ -94,7 +91,6 @@ class FarKV:
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
         self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (full_graph_rows.FullDecodeRows)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
-        self.requests: dict[str, FarRequest] = {}
         self.rows: list[FarRow] = []
         self.prompt_steps: frozenset[str] = frozenset()  # this step's rows that are prefill (begin_step)
         self._pieces: list[list[tuple[int, int, int]]] = []   # per chunk: (row index, first, end) in the chunk
@@ -307,16 +303,17 @@ class FarKV:
         return split_staging(self.store, self.max_rows, staging_bytes)
 
     def use_staging(self, staging: FarStaging, staging_bytes: int) -> None:
-        """Between steps: read the far blocks through `staging` (from `make_staging(staging_bytes)`) from the
-        next step on, the old buffers dropped. Chunks the old ring copied ahead are copied again; under the
-        sparse policy every request's far-block cache set is emptied (its next selections copy what they
-        read: the same blocks and results) and the step graphs, which baked the old buffers, are captured
-        again. Counters carry on across the change."""
+        """Read the far blocks through `staging` (carved from `staging_bytes`: at start-up, or between steps
+        from `make_staging`) from the next step on, the old buffers dropped. Chunks the old ring copied ahead
+        are copied again; under the sparse policy every request's far-block cache set is emptied (its next
+        selections copy what they read: the same blocks and results) and the step graphs, which baked the
+        old buffers, are captured again. Counters carry on across the change."""
         if staging.warning:
             logger.warning("tierkv hot window: %s", staging.warning)
-        old_sparse, old_graphs = self.sparse_streamer, self.graphs
-        self._stream_through(staging.pool)
-        self.sparse_streamer = self._streamer_over(staging.sparse_pool, old_sparse)
+        old_graphs = self.graphs
+        self.pool = staging.pool
+        self.streamer = self._streamer_over(staging.pool, self.streamer)
+        self.sparse_streamer = self._streamer_over(staging.sparse_pool, self.sparse_streamer)
         if self.row_caches is not None:  # its hits, misses and stalled rows go on counting in cache_stats
             self._retired_cache_counts = tuple(a + b for a, b in zip(self._retired_cache_counts,
                                                                      self.row_caches.counters.tolist()))
@@ -328,12 +325,8 @@ class FarKV:
             self.graphs.carry_on_from(old_graphs)
         self.staging_bytes = staging_bytes
 
-    def _stream_through(self, pool) -> None:
-        """The main ring and the lookahead streamer that copies chunks through it (counting on from the last one)."""
-        self.pool = pool
-        self.streamer = self._streamer_over(pool, getattr(self, "streamer", None))
-
     def _streamer_over(self, pool, previous: LookaheadStreamer | None) -> LookaheadStreamer | None:
+        """A lookahead streamer copying chunks through `pool` (None without one), counting on from `previous`."""
         if pool is None:
             return None
         streamer = LookaheadStreamer(self.store.io, pool, self.store.lookahead, recorder=self.recorder)
