@@ -126,9 +126,6 @@ class TierChain:
         that is down gets them (and earlier ones it missed) at a later call once it is back."""
         if not self.write_through_tiers or not (keys or any(self._backlog.values())):
             return
-        self.write_through_keys(keys)
-
-    def write_through_keys(self, keys: Sequence[str]) -> None:
         with self._lock:
             future = self._executor.submit(self._write_through_now, list(keys))
             self._futures.add(future)
@@ -137,6 +134,7 @@ class TierChain:
     def _write_through_now(self, keys: list[str]) -> None:
         try:
             first = self.tiers[0]
+            peeked: dict[str, torch.Tensor | None] = {}  # tier 0's blocks, read once for every write-through tier
             for index in self.write_through_tiers:
                 tier, backlog = self.tiers[index], self._backlog[index]
                 with self._lock:
@@ -151,8 +149,12 @@ class TierChain:
                     deferred = list(backlog)
                     backlog.clear()
                 fresh = set(keys)
-                todo_keys = deferred + [k for k in keys if k not in set(deferred)]
-                found = first.peek_many(todo_keys) if hasattr(first, "peek_many") else first.get_many(todo_keys)
+                todo_keys = list(dict.fromkeys(deferred + keys))  # each once, the deferred ones first
+                unread = [k for k in todo_keys if k not in peeked]
+                if unread:
+                    read = first.peek_many(unread) if hasattr(first, "peek_many") else first.get_many(unread)
+                    peeked.update(zip(unread, read))
+                found = [peeked[k] for k in todo_keys]
                 present = [(k, b) for k, b in zip(todo_keys, found) if b is not None]
                 gone = [k for k, b in zip(todo_keys, found) if b is None and k not in fresh]
                 if gone:  # deferred blocks tier 0 no longer holds: lost to this tier unless a spill brought them
@@ -175,11 +177,6 @@ class TierChain:
             with self._lock:
                 self.spill_errors.append(f"write-through {type(exc).__name__}: {exc}")
                 self.num_write_through_failed += len(keys)
-
-    def catch_up(self) -> None:
-        """Write the blocks a write-through tier missed while down, if it is back (in the background)."""
-        if any(self._backlog.values()):
-            self.write_through_keys([])
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
@@ -296,7 +293,7 @@ class TierChain:
                 future.result()
 
     def close(self) -> None:
-        self.catch_up()  # the blocks a write-through tier missed while down, if it is back now
+        self.write_through([])  # the blocks a write-through tier missed while down, if it is back now
         self.flush()
         lost = {self.tiers[i].name: len(b) for i, b in self._backlog.items() if b}
         if lost:  # still down: those blocks live only in this process's tiers, which close now
