@@ -50,7 +50,6 @@ from tierkv.storage.disk_segment_files import SegmentFiles
 from tierkv.storage.disk_threads import IOThreads
 from tierkv.storage.log_limit import LimitedWarning
 
-PUNCHED = "not a record header (magic b'\\x00\\x00\\x00\\x00'"  # a record's header after a punch: zeros
 logger = logging.getLogger(__name__)
 
 _READ_BUFFER_BYTES = 64 << 20  # freed get_many results kept for the next reads
@@ -264,7 +263,7 @@ class DiskTier(StorageTier):
                     self._io_error("read", self._segment_path(entry.segment_id), OSError(failure))
                     continue
                 dropped.append(self._index.pop(key))
-                if failure.startswith(PUNCHED) and self._files.is_peers_segment(entry.segment_id):
+                if failure.startswith(seg.ZEROED_HEADER) and self._files.is_peers_segment(entry.segment_id):
                     # punched out by the live tier that wrote it (its eviction): gone, not damaged
                     self.counters.add_for_reason("lost_blocks", "removed_by_peer")
                     continue

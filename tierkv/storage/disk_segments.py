@@ -127,6 +127,9 @@ def _shape_and_name(shape: tuple[int, ...], name: bytes) -> bytes:
     return struct.pack(f"<{len(shape)}I", *shape) + name
 
 
+ZEROED_HEADER = "not a record header (magic b'\\x00\\x00\\x00\\x00'"  # how parse_header names a punched one
+
+
 def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     """The header at the start of `data` (format version 1 or 2); raises CorruptBlock, also when `data` is too short."""
     view = memoryview(data)
