@@ -11,6 +11,7 @@ import os
 import torch
 
 from tierkv.config import TierKVConfig, load_config
+from tierkv.model_shape import text_config
 from tierkv.prompts import normalize_prompts
 from tierkv.sampling import SamplingParams, sampling_from_kwargs
 
@@ -20,7 +21,7 @@ logger = logging.getLogger("tierkv.llm")
 def warn_past_positions(model, request: int, num_tokens: int) -> None:
     """Log a warning when a request runs past the model's max_position_embeddings (positions it was
     not trained on: the model runs, as under transformers, but its output may degrade)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and num_tokens > limit:
         logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "

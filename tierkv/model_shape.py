@@ -1,7 +1,7 @@
 """The KV shape of a transformers model, read from its config: one parser for a checkpoint's
 config.json, a loaded model's config object, and `tierkv plan --model-config`.
 
-Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `checkpoint_shape`.
+Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `checkpoint_shape`, `text_config`.
 
     config (or its text_config, for a multimodal model)     ModelShape
       num_hidden_layers, num_attention_heads             -> num_layers, num_heads (positive ints)
@@ -39,7 +39,8 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
-def _text_config(cfg: Any) -> Any:
+def text_config(cfg: Any) -> Any:
+    """The language model's part of a config (a multimodal one's text_config), as a dict or a config object."""
     if isinstance(cfg, dict):
         return cfg.get("text_config") or cfg
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -48,7 +49,7 @@ def _text_config(cfg: Any) -> Any:
 def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     """The shape of a config given as a dict (config.json) or a transformers config object; ValueError
     naming `source`, the key and its value when a needed entry is missing or not a positive integer."""
-    text = _text_config(cfg)
+    text = text_config(cfg)
     for key in ("num_hidden_layers", "num_attention_heads"):
         value = _get(text, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

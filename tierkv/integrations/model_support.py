@@ -16,6 +16,8 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
+from tierkv.model_shape import text_config
+
 
 def check_attention_path(model: PreTrainedModel) -> None:
     """ValueError naming the model when tierkv cannot serve its attention: a model that computes attention
@@ -38,7 +40,7 @@ def check_attention_path(model: PreTrainedModel) -> None:
         raise ValueError(f"model: {name} computes its attention itself, not through transformers' attention "
                          f"functions, so tierkv cannot serve its KV cache; models whose attention goes through them "
                          f"(Llama, Qwen2, Mistral, Phi-3, GPT-NeoX and most recent ones) are supported")
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     if getattr(text, "kv_lora_rank", None):
         raise ValueError(f"model: {name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its "
                          f"cached keys and values differ in width, which tierkv's blocks do not hold")
@@ -49,7 +51,7 @@ def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
     (Mistral, Qwen2 with use_sliding_window, Gemma's sliding layers) or chunked attention (Llama 4's
     attention_chunk_size). tierkv attends every earlier token, which is those layers' own attention only
     while a sequence stays within that many tokens; None when every layer attends the whole context."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     layer_types = getattr(text, "layer_types", None)
     spans = []
     window = getattr(text, "sliding_window", None)
