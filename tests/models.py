@@ -22,15 +22,35 @@ def build(arch: str, *, num_heads: int = 8, num_kv_heads: int = 2, head_dim: int
         config, cls = MistralConfig(**common, sliding_window=None), MistralForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
+    return pair(cls, config, seed)
+
+
+def pair(cls, config, seed: int | None = None):
+    """A (model, reference) pair of model class `cls` built from transformers `config`, identical weights
+    (random, larger than the default init: sharper attention, real tests); the reference keeps stock attention."""
     if seed is not None:
         torch.manual_seed(seed)
     model = cls(config).eval()
-    for param in model.parameters():  # larger weights than the default init: sharper attention, real tests
+    for param in model.parameters():
         param.data.normal_(0, 0.2)
     reference = cls(copy.deepcopy(config)).eval()
     reference.load_state_dict(model.state_dict())
     reference.set_attn_implementation("sdpa")
     return model, reference
+
+
+def small_config(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, prefill_chunk_tokens: int):
+    """A tierkv config for these small float32 models: 4-token blocks, 4 sink and 8 window tokens, 6 GPU
+    slots per layer, a CPU tier of 4096 blocks, staging of 128 blocks."""
+    from tierkv.config import load_config
+
+    block_bytes = 2 * num_kv_heads * 4 * head_dim * 4
+    return load_config({"model": {"name": name},
+                        "cache": {"block_tokens": 4, "gpu_budget_bytes": num_layers * 6 * block_bytes, "sink_tokens": 4,
+                                  "window_tokens": 8},
+                        "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block_bytes}],
+                        "scheduler": {"lookahead_layers": 1, "staging_bytes": 128 * block_bytes,
+                                      "prefill_chunk_tokens": prefill_chunk_tokens}}, env={})
 
 
 @torch.no_grad()

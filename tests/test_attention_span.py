@@ -5,27 +5,14 @@ transformers'; past it, TieredLLM refuses the request before any work, naming th
 TieredCache used directly refuses to grow past it (never a silently different attention)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from tests.models import reference_greedy
+from tests.models import pair, reference_greedy, small_config
 from tierkv.config import load_config
 from tierkv.integrations.model_support import attention_span
 from tierkv.llm import TieredLLM
 from tierkv.prompts import PromptError
-
-
-def _pair(cls, config):
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    for param in model.parameters():
-        param.data.normal_(0, 0.2)
-    reference = cls(copy.deepcopy(config)).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.set_attn_implementation("sdpa")
-    return model, reference
 
 
 def _models():
@@ -46,19 +33,13 @@ MODELS = list(_models())
 
 
 def _config(tmp_path):
-    block_bytes = 2 * 2 * 4 * 16 * 4
-    return load_config({"model": {"name": "span"},
-                        "cache": {"block_tokens": 4, "gpu_budget_bytes": 4 * 6 * block_bytes, "sink_tokens": 4,
-                                  "window_tokens": 8},
-                        "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block_bytes}],
-                        "scheduler": {"lookahead_layers": 1, "staging_bytes": 128 * block_bytes,
-                                      "prefill_chunk_tokens": 16}}, env={})
+    return small_config("span", num_layers=4, num_kv_heads=2, head_dim=16, prefill_chunk_tokens=16)
 
 
 @pytest.mark.parametrize("name,cls,config,span", MODELS, ids=[m[0] for m in MODELS])
 def test_within_the_span_tokens_equal_transformers_and_past_it_the_request_is_refused(tmp_path, name, cls, config,
                                                                                        span):
-    model, reference = _pair(cls, config)
+    model, reference = pair(cls, config, seed=0)
     assert attention_span(model)[0] == span
     ids = torch.randint(0, 256, (span - 8,), generator=torch.Generator().manual_seed(1)).tolist()
     want, _ = reference_greedy(reference, ids, 8)
@@ -89,7 +70,7 @@ def test_a_tiered_cache_used_directly_refuses_to_grow_past_the_span(tmp_path):
 
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24)
-    model, _ = _pair(MistralForCausalLM, config)
+    model, _ = pair(MistralForCausalLM, config, seed=0)
     runtime = runtime_for_model(model, _config(tmp_path))
     cache = TieredCache(runtime)
     try:

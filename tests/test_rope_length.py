@@ -5,13 +5,10 @@ transformers at every step whatever `scheduler.prefill_chunk_tokens`; and no pre
 requests of such a model (its keys depend on the request's length)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from tests.models import reference_greedy
-from tierkv.config import load_config
+from tests.models import pair, reference_greedy, small_config
 from tierkv.integrations.model_support import length_dependent_rotary
 from tierkv.llm import TieredLLM
 
@@ -28,24 +25,11 @@ def _pair(rope: str):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          max_position_embeddings=max_positions, rope_parameters=parameters, eos_token_id=None,
                          bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    for param in model.parameters():
-        param.data.normal_(0, 0.2)
-    reference = LlamaForCausalLM(copy.deepcopy(config)).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.set_attn_implementation("sdpa")
-    return model, reference
+    return pair(LlamaForCausalLM, config, seed=0)
 
 
 def _config(tmp_path, chunk: int):
-    block_bytes = 2 * 2 * 4 * 32 * 4
-    return load_config({"model": {"name": "rope"},
-                        "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 6 * block_bytes, "sink_tokens": 4,
-                                  "window_tokens": 8},
-                        "tiers": [{"kind": "cpu", "capacity_bytes": 4096 * block_bytes}],
-                        "scheduler": {"lookahead_layers": 1, "staging_bytes": 128 * block_bytes,
-                                      "prefill_chunk_tokens": chunk}}, env={})
+    return small_config("rope", num_layers=2, num_kv_heads=2, head_dim=32, prefill_chunk_tokens=chunk)
 
 
 @pytest.mark.parametrize("rope", list(ROPES))

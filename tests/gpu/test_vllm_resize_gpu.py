@@ -24,16 +24,22 @@ from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
 CONTEXT, TOKENS = 16_000, 24
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def resizable_engine(tmp_path_factory, policy: str, **engine_args):
+    """A TieredLLM under vLLM of the 8-layer model with the hot window of `bench_vllm_resize.resize_config`
+    for `policy`, one request at a time, at CONTEXT tokens."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from tierkv.llm import TieredLLM
 
     model = str(tmp_path_factory.mktemp("model"))
     build_model(model)
-    config = resize_config(str(tmp_path_factory.mktemp("out")), "exact", kv_per_token(), CONTEXT)
-    engine = TieredLLM(model, config, backend="vllm", max_model_len=CONTEXT + 256, max_num_seqs=1,
-                       gpu_memory_utilization=0.5, skip_tokenizer_init=True, enable_prefix_caching=False)
+    config = resize_config(str(tmp_path_factory.mktemp("out")), policy, kv_per_token(), CONTEXT)
+    return TieredLLM(model, config, backend="vllm", max_model_len=CONTEXT + 256, max_num_seqs=1,
+                     gpu_memory_utilization=0.5, skip_tokenizer_init=True, enable_prefix_caching=False, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = resizable_engine(tmp_path_factory, "exact")
     yield engine
     engine.close()
 

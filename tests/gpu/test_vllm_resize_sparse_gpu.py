@@ -5,8 +5,6 @@ caches, and greedy tokens do not change; a grow restores the start-up staging. T
 benchmarks/vllm_check.py at a 16k context, in a module of its own (one engine per module)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,22 +14,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 pytest.importorskip("vllm", reason="needs vLLM (the GPU machine's bundle: ../shared/device/vllm)")
 
-from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere, resize_config  # noqa: E402
-from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
-from tests.gpu.test_vllm_resize_gpu import CONTEXT, prompt, repeat_tokens, tokens  # noqa: E402
+from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere  # noqa: E402
+from tests.gpu.test_vllm_resize_gpu import prompt, repeat_tokens, resizable_engine, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def sparse_llm(tmp_path_factory):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from tierkv.llm import TieredLLM
-
-    model = str(tmp_path_factory.mktemp("model"))
-    build_model(model)
-    config = resize_config(str(tmp_path_factory.mktemp("out")), "sparse", kv_per_token(), CONTEXT)
-    engine = TieredLLM(model, config, backend="vllm", max_model_len=CONTEXT + 256, max_num_seqs=1,
-                       gpu_memory_utilization=0.5, skip_tokenizer_init=True, enable_prefix_caching=False,
-                       enforce_eager=True)
+    engine = resizable_engine(tmp_path_factory, "sparse", enforce_eager=True)
     yield engine
     engine.close()
 
