@@ -20,11 +20,13 @@ def _check_disk_paths(config) -> None:
     """Two disk tiers on one directory would each count the other's blocks against their capacity."""
     import os
 
+    from tierkv.config.paths import expand_path
+
     seen: dict[str, int] = {}
     for i, tier in enumerate(config.tiers):
         if tier.kind != "disk":
             continue
-        path = os.path.realpath(os.path.expanduser(tier.path))
+        path = os.path.realpath(expand_path(tier.path, f"tiers[{i}].path"))
         if path in seen:
             raise ConfigError(f"tiers[{i}].path", tier.path, f"tiers[{seen[path]}] already uses that directory; "
                               "give each disk tier its own")

@@ -24,11 +24,7 @@ class _Shown:
     `shown_dict` shows it: a logged config or a traceback's locals never carry them."""
 
     def __repr__(self) -> str:
-        from dataclasses import asdict
-
-        from tierkv.redact import redact_tree
-
-        fields_shown = ", ".join(f"{k}={v!r}" for k, v in redact_tree(asdict(self)).items())
+        fields_shown = ", ".join(f"{k}={v!r}" for k, v in loader.shown_dict(self).items())
         return f"{type(self).__name__}({fields_shown})"
 
 
