@@ -41,8 +41,9 @@ def kv_bytes_per_token(model) -> int:
 def demo_budget(prompt_kv_bytes: int, kv_bytes_per_token: int) -> tuple[int, str]:
     """The demo's GPU budget and how it was chosen: 1/8 of the prompt's KV, or, for a prompt too short for
     that to hold the sink and window blocks (and the block being filled) of every layer, that minimum."""
-    blocks = -(-SINK_TOKENS // BLOCK_TOKENS) + -(-WINDOW_TOKENS // BLOCK_TOKENS) + 1
-    minimum = blocks * BLOCK_TOKENS * kv_bytes_per_token
+    from tierkv.storage.gpu import min_resident_blocks
+
+    minimum = min_resident_blocks(BLOCK_TOKENS, SINK_TOKENS, WINDOW_TOKENS) * BLOCK_TOKENS * kv_bytes_per_token
     if prompt_kv_bytes // 8 >= minimum:
         return prompt_kv_bytes // 8, "1/8 of the prompt's KV"
     return minimum, "the least that holds the sinks and the window: the prompt is short for 1/8"

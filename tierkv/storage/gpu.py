@@ -48,12 +48,21 @@ class ResidencyPlan:
         return range(self.num_front_blocks, max(self.num_front_blocks, num_blocks - self.num_window_blocks))
 
 
+def window_blocks_of(block_tokens: int, window_tokens: int) -> int:
+    """GPU blocks per layer the recent window takes: its tokens, plus the block being filled."""
+    return -(-window_tokens // block_tokens) + 1
+
+
+def min_resident_blocks(block_tokens: int, sink_tokens: int, window_tokens: int) -> int:
+    """The fewest GPU blocks per layer a hot window holds: its sink blocks and its window's."""
+    return -(-sink_tokens // block_tokens) + window_blocks_of(block_tokens, window_tokens)
+
+
 def plan_residency(layout: BlockLayout, num_layers: int, budget_bytes: int, sink_tokens: int, window_tokens: int) -> ResidencyPlan:
     """Split the budget; raises ConfigError when sinks + window do not fit."""
     slots_per_layer = budget_bytes // (layout.num_bytes * num_layers)
-    sink_blocks = -(-sink_tokens // layout.block_tokens)
-    window_blocks = -(-window_tokens // layout.block_tokens) + 1  # +1: the block being filled
-    needed = sink_blocks + window_blocks
+    window_blocks = window_blocks_of(layout.block_tokens, window_tokens)
+    needed = min_resident_blocks(layout.block_tokens, sink_tokens, window_tokens)
     if slots_per_layer < needed:
         raise ConfigError(
             "cache.gpu_budget_bytes", budget_bytes,
