@@ -1,6 +1,6 @@
 """GPU tier: block slots on the device, sized by a byte budget, plus a staging ring.
 
-Primitives: `GpuBlockPool`, `ResidencyPlan`.
+Primitives: `GpuBlockPool`, `ResidencyPlan`, `plan_residency`, `min_resident_blocks`, `staging_region_blocks`.
 
 The budget is split evenly across layers. Within a layer's slots, exact mode keeps the
 first blocks (sinks, then a cache of far blocks) and a ring of the most recent blocks:
