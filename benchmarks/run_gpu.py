@@ -65,7 +65,7 @@ def _split(text: str) -> list[str]:
 
 
 # -- steps: each takes the session, returns an exit code ---------------------------------------------
-def tests(s): return s.pytest(["tests"], "gpu-tests.log", 300)
+def tests(s): return s.pytest(["tests"], "gpu-tests.log", 540)
 def quant_tests(s): return s.pytest(["tests/gpu/test_quant_gpu.py"], "gpu-tests-quant.log", 200, "-s")
 def graph_tests(s): return s.pytest(GRAPH_TESTS, "gpu-tests-graphs.log", 330)
 def sparse_tests(s): return s.pytest(["tests/gpu/test_sparse_query_gpu.py"], "gpu-tests-sparse.log", 200, "-s")

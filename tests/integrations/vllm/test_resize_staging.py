@@ -14,6 +14,8 @@ import weakref
 import pytest
 import torch
 
+pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+
 from tests.integrations.vllm.test_hot_window import (  # noqa: E402
     BS, HQ, NAMES, _Runner, dense, hot_connectors, hot_kv_cache_config, make_request, schedule, write_config)
 from tests.integrations.vllm.test_connector import D  # noqa: E402
