@@ -19,9 +19,15 @@ Rules (--rules):
   kv_group     the same score at each --weights w, k blocks per KV head (each KV head its own selection:
                tierkv's `scheduler.sparse_selection: per_kv_head`, built where far blocks are read in
                place, a CPU device)
+  kv_adaptive  k x H_kv (KV head, block) pairs as oracle_kv_adaptive picks them, each pair's mass estimated
+               from the summaries' score of each query head (softmax of the scores against the exactly
+               scored front and window tokens)
   oracle       the k blocks holding the most true attention mass (mean over query heads): the best any
                one-selection-per-layer rule can do
   oracle_head  the k blocks of most mass per query head: the best any k-blocks-per-head rule can do
+  oracle_kv_adaptive  the k x H_kv (KV head, block) pairs of most mass (summed over each KV head's query
+               heads), any number per KV head: the same blocks read as per-KV-head selection, the budget
+               moved between a layer's KV heads (Ada-KV's idea), the best such a rule can do
 --dense-layers 0,1 makes those layers read every far block under any rule (Quest keeps its first two layers dense).
 Against one dense SDPA forward: top-1 agreement, mean KL(dense || rule) in nats, perplexity ratio.
 `check_against_tierkv` shows the `weight` rule is tierkv's own sparse decode (tests/test_accuracy_selection.py).
@@ -29,6 +35,7 @@ Against one dense SDPA forward: top-1 agreement, mean KL(dense || rule) in nats,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,6 +48,7 @@ from benchmarks._common import write_results  # noqa: E402
 from benchmarks.accuracy_recall import FarLayout  # noqa: E402
 
 NAME = "tierkv_selection"
+SCORED = ("weight", "kv_group", "kv_adaptive")  # the rules that score blocks by their key summaries (--weights)
 _RUN: dict = {}  # the rule the registered attention function applies (set per forward)
 
 
@@ -58,8 +66,8 @@ def _summaries(keys: torch.Tensor, block_tokens: int, weight: float):
 
 
 def _selection(rule: str, summaries, q: torch.Tensor, probs: torch.Tensor, far: range, k: int,
-               block_tokens: int) -> torch.Tensor:
-    """The far blocks each query head reads: int64 [H, k] (0-based within `far`). q [H, D] after rotary,
+               block_tokens: int, num_kv: int, near: dict) -> torch.Tensor:
+    """The far blocks each query head reads: int64 [H, k] (0-based within `far`), or a bool mask [H, nf]. q [H, D] after rotary,
     summaries: `_summaries` of the keys (rules weight, kv_group), probs [H, L] the true softmax of this
     step (oracles)."""
     from tierkv.sparse import select_far_blocks_per_kv_head
@@ -67,15 +75,28 @@ def _selection(rule: str, summaries, q: torch.Tensor, probs: torch.Tensor, far: 
     H, T = q.shape[0], block_tokens
     if rule.startswith("oracle"):
         mass = probs[:, far.start * T : far.stop * T].reshape(H, len(far), T).sum(-1)       # [H, nf]
+        if rule == "oracle_kv_adaptive":  # k x H_kv (KV head, block) pairs of most mass, any number per KV head
+            group = mass.reshape(num_kv, H // num_kv, len(far)).sum(1)                        # [H_kv, nf]
+            chosen = group.flatten().topk(k * num_kv).indices
+            kept = torch.zeros(num_kv * len(far), dtype=torch.bool, device=q.device)
+            kept[chosen] = True
+            return kept.reshape(num_kv, len(far)).repeat_interleave(H // num_kv, dim=0)      # a mask [H, nf]
         return (mass.topk(k, dim=1).indices if rule == "oracle_head"
                 else mass.mean(0).topk(k).indices.expand(H, k))
+    if rule == "kv_adaptive":  # each (query head, block)'s mass estimated from its bound, summed per KV head
+        bounds = summaries.head_bounds(0, q, far) * near["scaling"] + math.log(T)             # [H, nf]
+        lse = torch.logaddexp(bounds.logsumexp(1, keepdim=True), near["lse"][:, None])
+        group = (bounds - lse).exp().reshape(num_kv, H // num_kv, len(far)).sum(1)            # [H_kv, nf]
+        kept = torch.zeros(num_kv * len(far), dtype=torch.bool, device=q.device)
+        kept[group.flatten().topk(k * num_kv).indices] = True
+        return kept.reshape(num_kv, len(far)).repeat_interleave(H // num_kv, dim=0)
     if rule == "weight":  # tierkv's selection: the same call its sparse decode makes
         return summaries.upper_bounds(0, q, far).topk(k).indices.expand(H, k)
     if rule == "kv_group":  # tierkv's scheduler.sparse_selection: per_kv_head
         per_kv_head = select_far_blocks_per_kv_head(summaries, 0, q, far, k) - far.start        # [H_kv, k]
         num_kv = per_kv_head.shape[0]
         return per_kv_head.repeat_interleave(H // num_kv, dim=0)
-    raise ValueError(f"rule {rule!r}: expected weight, kv_group, oracle or oracle_head")
+    raise ValueError(f"rule {rule!r}: expected weight, kv_group, kv_adaptive, oracle, oracle_head or oracle_kv_adaptive")
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -104,8 +125,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if len(far) <= k or module.layer_idx in _RUN["dense_layers"]:
             continue
         probs = torch.softmax(scores[:, i, : t0 + 1], dim=-1)
-        chosen = _selection(rule, summaries, q[:, i], probs, far, k, T)
-        kept = torch.zeros(H, len(far), dtype=torch.bool, device=query.device).scatter_(1, chosen, True)
+        row = scores[:, i, : t0 + 1]
+        near = {"scaling": scaling, "lse": torch.logaddexp(row[:, : far.start * T].logsumexp(-1),
+                                                           row[:, far.stop * T :].logsumexp(-1))}
+        chosen = _selection(rule, summaries, q[:, i], probs, far, k, T, num_kv, near)
+        kept = (chosen if chosen.dtype == torch.bool
+                else torch.zeros(H, len(far), dtype=torch.bool, device=query.device).scatter_(1, chosen, True))
         visible[:, i, far.start * T : far.stop * T] = kept.repeat_interleave(T, dim=1)
     out = torch.einsum("hcl,hld->hcd", torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), expanded_v)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
@@ -187,7 +212,7 @@ def run(model, tokenizer, args) -> list[dict]:
         reference = dense_teacher_forced(model, prompt, continuation)
         layout = layout_for(model, context, args.continuation, args.disk_path)
         budget = context // args.budget_fraction
-        runs = [(rule, w) for rule in args.rules for w in (args.weights if rule in ("weight", "kv_group") else [None])]
+        runs = [(rule, w) for rule in args.rules for w in (args.weights if rule in SCORED else [None])]
         for rule, weight in runs:
             start = time.perf_counter()
             got = rule_logits(model, prompt, continuation, layout, budget // layout.block_tokens, rule, weight,
@@ -196,7 +221,7 @@ def run(model, tokenizer, args) -> list[dict]:
                    "token_budget": budget, "front_blocks": layout.num_front_blocks,
                    "window_blocks": layout.num_window_blocks, "block_tokens": layout.block_tokens, "rule": rule,
                    "dense_layers": list(args.dense_layers),
-                   "bound_weight": weight if rule in ("weight", "kv_group") else None,
+                   "bound_weight": weight if rule in SCORED else None,
                    **compare_logits(got, reference, continuation), "seconds": time.perf_counter() - start}
             print(f"{offset:>5} {context:>6} {budget:>5} {rule:>11} {row['bound_weight'] if row['bound_weight'] is not None else '-':>4} "
                   f"top-1 {100 * row['top1_agreement']:5.1f}%  KL {row['mean_kl']:.4f}  "
@@ -233,7 +258,7 @@ def parse_args(argv=None):
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--offsets", type=ints, default=[0], help="where in the text each context starts (tokens)")
     p.add_argument("--budget-fraction", type=int, default=4, help="token budget = context / N far tokens")
-    p.add_argument("--weights", type=floats, default=[1.0, 0.5, 0.0], help="bound weights of rule 'weight'")
+    p.add_argument("--weights", type=floats, default=[1.0, 0.5, 0.0], help="bound weights of the bound-scored rules")
     p.add_argument("--rules", type=lambda s: s.split(","), default=["weight", "kv_group", "oracle", "oracle_head"])
     p.add_argument("--block-tokens", type=int, default=None,
                    help="cache.block_tokens of the layout (default bench_accuracy's 16): finer blocks, finer selection")
