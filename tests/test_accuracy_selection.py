@@ -41,3 +41,24 @@ def test_oracles_and_rules_run_and_a_too_long_context_is_refused(smollm2, tmp_pa
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= -1e-6 and row["perplexity_ratio"] > 0
     with pytest.raises(ValueError, match="the text has"):
         run(model, tokenizer, parse_args(["--contexts", "100000", "--disk-path", str(tmp_path)]))
+
+
+def test_the_adaptive_rules_move_reads_between_kv_heads_at_the_same_total():
+    """oracle_kv_adaptive reads k x H_kv (KV head, block) pairs: all of them in the KV head whose query heads
+    hold the far mass; kv_adaptive reads as many, scored from the summaries (expanded to the query heads)."""
+    from benchmarks.accuracy_selection import _selection, _summaries
+
+    H, num_kv, T, nf, k = 4, 2, 4, 6, 2
+    far = range(1, 1 + nf)
+    probs = torch.zeros(H, (1 + nf + 1) * T)
+    probs[:2, T : T + nf * T] = torch.linspace(1, 2, nf * T)  # KV head 0's query heads: every far block has mass
+    probs[2:, 0] = 1.0                                        # KV head 1's: all on the first (front) token
+    near = {"scaling": 0.125, "lse": torch.zeros(H)}
+    mask = _selection("oracle_kv_adaptive", None, torch.zeros(H, 8), probs, far, k, T, num_kv, near)
+    assert mask.dtype == torch.bool and mask.shape == (H, nf)
+    assert mask[0].sum() == k * num_kv and not mask[2].any() and torch.equal(mask[0], mask[1])
+    assert mask[0].tolist() == [False, False, True, True, True, True]  # the most mass: the last blocks
+    keys = torch.randn(num_kv, (1 + nf + 1) * T, 8)
+    mask = _selection("kv_adaptive", _summaries(keys, T, 0.5), torch.randn(H, 8), probs, far, k, T, num_kv, near)
+    assert mask.shape == (H, nf) and int(mask[::2].sum()) == k * num_kv
+    assert torch.equal(mask[0], mask[1]) and torch.equal(mask[2], mask[3])
