@@ -123,3 +123,76 @@ def test_a_quantized_cpu_tier_holds_and_streams_slots_not_blocks(tmp_path, capsy
 def test_a_size_that_cannot_be_read_names_its_flag(capsys):
     assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "1k", "--gpu-budget", "1.5GiBx"]) == 2
     assert "--gpu-budget: cannot read '1.5GiBx'" in capsys.readouterr().err
+
+
+def _llama_8b_dir(tmp_path) -> str:
+    """A checkpoint directory of Llama-3.1-8B's shape (config.json only)."""
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128,
+             "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("config_name, max_num_seqs, budget", [
+    ("vllm-128k", 1, None), ("vllm-128k", 8, None), ("vllm-128k-sparse", 1, None), ("vllm-128k-sparse", 4, None),
+    ("vllm-128k-sparse", 10, "60GiB"), ("long-128k-sparse", 2, None)])
+def test_the_vllm_backend_splits_the_budget_as_the_engine_does(capsys, tmp_path, config_name, max_num_seqs, budget):
+    """--backend vllm: the GPU held is the budget, and vLLM's pool, the staging and the sparse
+    reservations are the ones TieredLLM(backend="vllm") starts the engine with."""
+    pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+    from tierkv.config import ConfigError, load_config
+    from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+    from tierkv.units import parse_bytes
+
+    model = _llama_8b_dir(tmp_path)
+    plan = plan_json(capsys, "--model-config", model, "--context", "131072", "--config", config_name,
+                     "--backend", "vllm", "--max-num-seqs", str(max_num_seqs), *(["--gpu-budget", budget] if budget else []))
+    config = load_config(config_name)
+    if budget:
+        config.cache.gpu_budget_bytes = parse_bytes(budget)
+    g = plan["gpu"]
+    try:  # as TieredLLM(backend="vllm") starts the engine
+        config = size_rows_for_batch(model, config, {"max_num_seqs": max_num_seqs})
+        engine = tiered_engine_args(model, config, "unused.yaml", {"max_num_seqs": max_num_seqs}, hot_window=True,
+                                    max_model_len=131072, gpu_memory_utilization=0.9, enable_prefix_caching=False)
+    except ConfigError:  # the engine refuses this budget at start-up: so does the plan
+        assert g["fits"] is False and g["held_bytes"] == config.cache.gpu_budget_bytes
+        return
+    assert g["pool_bytes"] == engine.kwargs["kv_cache_memory_bytes"]
+    assert g["summary_bytes"] == engine.summary_reserved_bytes
+    assert g["full_graph_bytes"] == engine.full_graph_reserved_bytes
+    assert g["pool_bytes"] + g["staging_bytes"] + g["summary_bytes"] + g["full_graph_bytes"] == g["held_bytes"]
+    assert g["held_bytes"] == config.cache.gpu_budget_bytes and g["fits"] is True
+    assert g["staging_bytes"] == config.scheduler.staging_bytes  # raised for the batch where the config asks
+    assert g["compiled"] is (not engine.kwargs["enforce_eager"])
+    sparse = config.scheduler.policy == "sparse"
+    assert (g["summary_bytes"] > 0) is sparse
+    streamed = plan["decode_step"]["streamed_blocks_per_layer"]
+    far = 131072 // config.cache.block_tokens - config.cache.window_tokens // config.cache.block_tokens
+    assert streamed == (config.scheduler.sparse_token_budget // config.cache.block_tokens if sparse else far)
+
+
+def test_the_vllm_backend_says_when_the_engine_would_refuse_the_budget(capsys, tmp_path):
+    """A budget whose pool cannot hold one request's window: the engine's start-up check refuses it,
+    and the plan says DOES NOT FIT; the transformers plan of the same numbers holds budget + staging."""
+    pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+    from tierkv.config import ConfigError, load_config
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+
+    model = _llama_8b_dir(tmp_path)
+    config = load_config("vllm-128k")
+    config.cache.gpu_budget_bytes = 1 << 30
+    with pytest.raises(ConfigError, match="needs"):
+        tiered_engine_args(model, config, "unused.yaml", {"max_num_seqs": 1}, hot_window=True, max_model_len=131072,
+                           gpu_memory_utilization=0.9, enable_prefix_caching=False)
+    assert main(["plan", "--model-config", model, "--context", "128k", "--config", "vllm-128k", "--gpu-budget",
+                 "1GiB", "--backend", "vllm"]) == 0
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT: the engine refuses to start" in text and "GPU KV held 1.00 GiB: the budget" in text
+    plan = plan_json(capsys, "--model-config", model, "--context", "128k", "--config", "vllm-128k",
+                     "--gpu-budget", "1GiB")
+    assert plan["backend"] == "transformers" and plan["gpu"]["staging_bytes"] > 0
+    assert main(["plan", "--model-config", model, "--context", "128k", "--backend", "vllm", "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs: got 0" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 Primitives: `KVShape`, `PRESETS`, `load_shape`, `make_plan`, `format_plan` (token counts: `tierkv.units.parse_tokens`).
 
     tierkv plan --model-config llama-3.1-8b --context 128k --gpu-budget 2GiB [--config YAML]
-                [--h2d-gbps 55] [--vllm-kv-pool 20GiB] [--json]
+                [--h2d-gbps 55] [--vllm-kv-pool 20GiB] [--backend vllm [--max-num-seqs N]] [--json]
 
 Exact mode reads every block of every layer at every step; blocks that are not resident in the
 GPU hot window are streamed over PCIe, so bytes streamed / H2D bandwidth is a floor on the time
@@ -13,10 +13,12 @@ request fits in it (16-token blocks, every layer).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tierkv.cli.plan_vllm import vllm_gpu_plan, vllm_streamed_blocks, vllm_tier_rows
 from tierkv.model_shape import model_shape, read_config_json
 from tierkv.units import TOKEN_UNITS_HELP
 
@@ -73,8 +75,9 @@ def _dtype(name: str) -> str:
 
 
 def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT_H2D_GBPS,
-              vllm_kv_pool_bytes: int | None = None) -> dict:
-    """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small."""
+              vllm_kv_pool_bytes: int | None = None, backend: str = "transformers", max_num_seqs: int = 1) -> dict:
+    """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small.
+    backend "vllm": the GPU part is the vLLM hot-window engine's split of the budget (`plan_vllm`)."""
     from tierkv.blocks import BlockLayout, dtype_from_name
     from tierkv.scheduler.plan import plan_step
     from tierkv.storage.cpu_slab import slot_num_bytes
@@ -91,25 +94,29 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     num_blocks = -(-context // T)
     sink_blocks = -(-cache.sink_tokens // T)
     front = min(residency.num_front_blocks, num_blocks)
-    streamed = len(step.streamed_blocks)
+    streamed = len(step.streamed_blocks) if backend == "transformers" else vllm_streamed_blocks(config, context)
     cpu = config.tiers[0]
     # a quantized CPU tier holds (and PCIe carries) a block's codes and scales, not the block
     slot = slot_num_bytes(layout, None if cpu.storage_dtype == "auto" else cpu.storage_dtype)
     streamed_bytes = streamed * L * slot
     cpu_blocks_needed = num_blocks * L
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
-    return {
-        "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
-        "kv_bytes": context * shape.kv_bytes_per_token, "block_tokens": T, "block_bytes": block,
-        "blocks_per_layer": num_blocks, "num_layers": L,
-        "gpu": {
+    gpu = vllm_gpu_plan(shape, context, config, max_num_seqs) if backend == "vllm" else {
             "budget_bytes": cache.gpu_budget_bytes,
             "sink_blocks": min(sink_blocks, front), "far_cache_blocks": max(0, front - sink_blocks),
             "window_blocks": residency.num_window_blocks, "slots_per_layer": residency.slots_per_layer,
             "resident_bytes": residency.slots_per_layer * L * block,
             "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
             "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block,
-        },
+        }
+    if backend == "vllm":
+        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - vllm_streamed_blocks(
+            dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy="exact")), context)
+    return {
+        "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
+        "kv_bytes": context * shape.kv_bytes_per_token, "block_tokens": T, "block_bytes": block,
+        "blocks_per_layer": num_blocks, "num_layers": L, "backend": backend, "policy": sched.policy,
+        "gpu": gpu,
         "cpu": {"capacity_bytes": cpu.capacity_bytes, "blocks_needed": cpu_blocks_needed, "slot_bytes": slot,
                 "bytes_needed": cpu_blocks_needed * slot, "fits": cpu_blocks_needed <= cpu.capacity_bytes // slot},
         "lower_tiers": [{"kind": t.kind, "capacity_bytes": t.capacity_bytes} for t in config.tiers[1:]],
@@ -125,7 +132,9 @@ def format_plan(plan: dict) -> str:
     from tierkv.units import format_bytes as fb
 
     m, g, d, v = plan["model"], plan["gpu"], plan["decode_step"], plan["vllm"]
-    held = g["resident_bytes"] + g["staging_bytes"]
+    held = _held_bytes(g)
+    mode = ("sparse, at most: the selection before the far-block caches' hits" if plan["policy"] == "sparse"
+            and plan["backend"] == "vllm" else "exact mode")
     rows = [
         f"model       {m['name']}: {plan['num_layers']} layers x {m['num_kv_heads']} KV heads x {m['head_dim']} dims,"
         f" {m['kv_dtype']} -> {fb(plan['kv_bytes_per_token'])} of KV per token",
@@ -135,7 +144,7 @@ def format_plan(plan: dict) -> str:
     if m.get("max_context") and plan["context_tokens"] > m["max_context"]:
         rows.append(f"warning     the model's max_position_embeddings is {m['max_context']} (longer needs rope scaling)")
     rows += ["", *_tier_rows(plan), "",
-             f"decode step (exact mode) at {plan['context_tokens']} tokens: {g['resident_blocks_per_layer_at_decode']}"
+             f"decode step ({mode}) at {plan['context_tokens']} tokens: {g['resident_blocks_per_layer_at_decode']}"
              f" blocks per layer read from the GPU, {d['streamed_blocks_per_layer']} streamed",
              f"  H2D per step  {fb(d['streamed_bytes'])}"]
     floor = d["pcie_floor_s"]
@@ -160,23 +169,35 @@ def _tier_rows(plan: dict) -> list[str]:
     def row(tier: str, part: str, count: int, unit: str, num_bytes: int, what: str) -> str:
         return f"  {tier:<5}{part:<11}{count:>7} {unit:<8}{fb(num_bytes):>12}   {what}"
 
-    rows = [f"tier layout (per layer, every layer alike; bytes for all {L} layers)",
+    rows = [f"tier layout (per layer, every layer alike; bytes for all {L} layers)"]
+    if plan["backend"] == "vllm":
+        rows = [*vllm_tier_rows(plan), "", *rows]
+    else:
+        rows += [
             row("GPU", "sinks", g["sink_blocks"], "blocks", g["sink_blocks"] * B * L, "first tokens, always resident"),
             row("GPU", "far cache", g["far_cache_blocks"], "blocks", g["far_cache_blocks"] * B * L, "the next oldest blocks"),
             row("GPU", "window", g["window_blocks"], "blocks", g["window_blocks"] * B * L,
                 "most recent tokens + the block being filled"),
-            row("GPU", "staging", g["staging_regions"], "regions", g["staging_bytes"], "ring the streamed blocks pass through"),
-            row("CPU", "all blocks", plan["blocks_per_layer"], "blocks", c["bytes_needed"],
+            row("GPU", "staging", g["staging_regions"], "regions", g["staging_bytes"], "ring the streamed blocks pass through")]
+    rows += [row("CPU", "all blocks", plan["blocks_per_layer"], "blocks", c["bytes_needed"],
                 f"every full block is written back; tier 0 holds {fb(c['capacity_bytes'])}: "
                 + ("fits" if c["fits"] else "DOES NOT FIT, the request is refused (raise tiers[0].capacity_bytes)"))]
     for tier in plan["lower_tiers"]:
         rows.append(f"  {tier['kind']:<5}{'spill':<11}{'':>7} {'':<8}"
                     f"{fb(tier['capacity_bytes']) if tier['capacity_bytes'] else 'server policy':>12}"
                     "   blocks of earlier requests, for prefix reuse")
-    held = g["resident_bytes"] + g["staging_bytes"]
-    rows.append(f"GPU KV held {fb(held)} = resident {fb(g['resident_bytes'])} (budget {fb(g['budget_bytes'])})"
-                f" + staging {fb(g['staging_bytes'])}")
+    if plan["backend"] == "vllm":
+        rows.append(f"GPU KV held {fb(g['held_bytes'])}: the budget, everything above inside it")
+    else:
+        rows.append(f"GPU KV held {fb(_held_bytes(g))} = resident {fb(g['resident_bytes'])} (budget"
+                    f" {fb(g['budget_bytes'])}) + staging {fb(g['staging_bytes'])}")
     return rows
+
+
+def _held_bytes(gpu: dict) -> int:
+    """GPU bytes the engine holds: under vLLM the budget (staging inside it), else the resident
+    blocks plus the staging ring beside them."""
+    return gpu["held_bytes"] if gpu.get("backend") == "vllm" else gpu["resident_bytes"] + gpu["staging_bytes"]
 
 
 def add_parser(commands) -> None:
@@ -191,6 +212,11 @@ def add_parser(commands) -> None:
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV dtype (default: the model's)")
     p.add_argument("--h2d-gbps", type=float, default=DEFAULT_H2D_GBPS, help="host-to-GPU bandwidth, GB/s (default 55)")
     p.add_argument("--vllm-kv-pool", metavar="SIZE", help="GPU KV pool vLLM would have, e.g. 20GiB")
+    p.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
+                   help="the engine: transformers (TieredLLM's default) or vllm (the hot-window pool, whose budget "
+                        "holds the staging and the sparse reservations)")
+    p.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
+                   help="--backend vllm: requests at once (the sparse key summaries are kept for each)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(handler=run_plan)
 
@@ -214,12 +240,15 @@ def run_plan(args) -> int:
     if budget is not None and budget <= 0 or pool is not None and pool <= 0:
         raise UsageError("--gpu-budget and --vllm-kv-pool must be positive")
     check_positive("--h2d-gbps", args.h2d_gbps)  # nan too
+    if args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs: got {args.max_num_seqs}; it must be at least 1")
     config = load_config(args.config)
     if budget is not None:
         config.cache.gpu_budget_bytes = budget
     shape = load_shape(args.model_config, args.kv_dtype)
     try:
-        plan = make_plan(shape, context, config, h2d_gbps=args.h2d_gbps, vllm_kv_pool_bytes=pool)
+        plan = make_plan(shape, context, config, h2d_gbps=args.h2d_gbps, vllm_kv_pool_bytes=pool,
+                         backend=args.backend, max_num_seqs=args.max_num_seqs)
     except ConfigError as exc:
         if exc.key == "cache.gpu_budget_bytes" and budget is not None:
             raise UsageError(f"--gpu-budget {args.gpu_budget}: {exc.allowed}") from None

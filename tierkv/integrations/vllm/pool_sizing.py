@@ -174,7 +174,11 @@ def sparse_max_model_len(model_dir, max_model_len: int | None, shape: dict | Non
 def checkpoint_shape(model_dir) -> dict:
     """num_hidden_layers, num_key_value_heads, head_dim, max_position_embeddings (None when
     absent), dtype_bytes (4 for float32, else 2) and sliding_window (the model's own, None when
-    absent or turned off) of a checkpoint directory's config.json (`tierkv.model_shape`)."""
+    absent or turned off) of a checkpoint directory's config.json (`tierkv.model_shape`). A dict
+    of these keys passes through: every function here takes a model directory or its shape
+    (`tierkv plan` sizes an engine for a preset that has no directory)."""
+    if isinstance(model_dir, dict):
+        return model_dir
     try:
         shape = model_shape.checkpoint_shape(model_dir)
     except ValueError as e:

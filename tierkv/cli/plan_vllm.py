@@ -1,0 +1,80 @@
+"""`tierkv plan --backend vllm`: the GPU budget of a vLLM hot-window engine as the engine splits it
+at start-up (`resize_plan.split_budget`, the sizes of `pool_sizing`), not the transformers engine's
+layout. Under vLLM the budget holds everything: the staging ring, the sparse policy's key summaries
+and the full decode graph's codes come out of it, and vLLM's pool takes the rest, shared by the
+running requests (each holds its window of `cache.window_tokens` plus the prefill tokens in flight).
+
+Primitives: `vllm_gpu_plan`, `vllm_streamed_blocks`, `vllm_tier_rows`.
+"""
+from __future__ import annotations
+
+
+def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
+    """The GPU part of `make_plan` for a vLLM engine of `max_num_seqs` requests of `context` tokens
+    (max_model_len), compiled or eager and with the staging sized for the batch as TieredLLM starts it."""
+    from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
+    from tierkv.integrations.vllm.engine_args import default_enforce_eager
+    from tierkv.integrations.vllm.pool_sizing import full_graph_packed_bytes, hot_window_pool_need, sparse_summary_bytes
+    from tierkv.integrations.vllm.resize_plan import split_budget
+
+    dtype_bytes = 4 if shape.kv_dtype == "float32" else 2
+    dims = {"num_hidden_layers": shape.num_layers, "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "max_position_embeddings": shape.max_context, "dtype_bytes": dtype_bytes,
+            "sliding_window": None}
+    sched = config.scheduler
+    engine = {"max_num_seqs": max_num_seqs, "max_model_len": context, "dtype": shape.kv_dtype,
+              "max_num_batched_tokens": sched.prefill_chunk_tokens, "async_scheduling": sched.vllm_async_scheduling,
+              "enforce_eager": default_enforce_eager(config, hot_window=True)}
+    config = size_rows_for_batch(dims, config, {"max_num_seqs": max_num_seqs})  # as TieredLLM sizes it
+    sparse = sched.policy == "sparse"
+    summaries = sparse_summary_bytes(dims, config, context, engine) if sparse else 0
+    codes = full_graph_packed_bytes(dims, config, engine) if sparse else 0
+    split = split_budget(config, config.cache.gpu_budget_bytes, summaries, codes)
+    block_bytes = shape.num_layers * 2 * shape.num_kv_heads * config.cache.block_tokens * shape.head_dim * dtype_bytes
+    window_bytes = hot_window_pool_need(dims, config, engine)
+    pool = max(0, split.pool_bytes)
+    return {"backend": "vllm", "budget_bytes": split.budget_bytes, "staging_bytes": split.staging_bytes,
+            "summary_bytes": summaries, "full_graph_bytes": codes, "pool_bytes": split.pool_bytes,
+            "pool_blocks": pool // block_bytes, "pool_block_bytes": block_bytes, "max_num_seqs": max_num_seqs,
+            "window_bytes_per_request": window_bytes, "windows_at_once": pool // window_bytes,
+            "fits": pool >= window_bytes, "held_bytes": split.budget_bytes,
+            "compiled": not engine["enforce_eager"]}
+
+
+def vllm_streamed_blocks(config, context: int) -> int:
+    """Far blocks per layer one decode step reads over PCIe at most: every block before the window
+    (exact), or the sparse selection of `scheduler.sparse_token_budget` tokens (before the far-block
+    caches' hits)."""
+    T = config.cache.block_tokens
+    far = max(0, -(-context // T) - -(-config.cache.window_tokens // T))
+    if config.scheduler.policy == "sparse":
+        return min(far, config.scheduler.sparse_token_budget // T)
+    return far
+
+
+def vllm_tier_rows(plan: dict) -> list[str]:
+    """The GPU lines of `format_plan` for a vLLM engine."""
+    from tierkv.units import format_bytes as fb
+
+    g = plan["gpu"]
+    pool = (f"  vLLM's pool   {fb(g['pool_bytes']):>12}   {g['pool_blocks']} blocks of {plan['block_tokens']} tokens"
+            f" (every layer, {fb(g['pool_block_bytes'])} each), shared by the running requests" if g["pool_bytes"] > 0
+            else f"  vLLM's pool   {'none':>12}   the parts below take the whole budget and more")
+    rows = [f"GPU under vLLM (the whole budget {fb(g['budget_bytes'])}, {'compiled' if g['compiled'] else 'eager'})",
+            pool,
+            f"  staging       {fb(g['staging_bytes']):>12}   ring the streamed blocks pass through"
+            + (" (and the far-block caches)" if plan["policy"] == "sparse" else "")]
+    if g["summary_bytes"]:
+        rows.append(f"  key summaries {fb(g['summary_bytes']):>12}   max_num_seqs {g['max_num_seqs']} requests of"
+                    f" {plan['context_tokens']} tokens")
+    if g["full_graph_bytes"]:
+        rows.append(f"  graph buffers {fb(g['full_graph_bytes']):>12}   the full decode graph's prefetch lists (and quantized"
+                    " blocks over a quantized CPU tier)")
+    verdict = (f"the pool holds {g['windows_at_once']} at once" if g["fits"] else
+               "DOES NOT FIT: the engine refuses to start (raise the budget, or lower cache.window_tokens or "
+               "scheduler.prefill_chunk_tokens)")
+    rows.append(f"  one request's window and prefill in flight needs {fb(g['window_bytes_per_request'])}: {verdict}")
+    if g["fits"] and g["windows_at_once"] < g["max_num_seqs"]:
+        rows.append(f"  (max_num_seqs {g['max_num_seqs']}: beyond {g['windows_at_once']} requests that long at once,"
+                    " vLLM queues the rest)")
+    return rows
