@@ -196,3 +196,14 @@ def test_the_vllm_backend_says_when_the_engine_would_refuse_the_budget(capsys, t
     assert plan["backend"] == "transformers" and plan["gpu"]["staging_bytes"] > 0
     assert main(["plan", "--model-config", model, "--context", "128k", "--backend", "vllm", "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs: got 0" in capsys.readouterr().err
+
+
+def test_the_vllm_backend_counts_the_cpu_tier_and_vllms_pool_for_the_whole_batch(capsys):
+    one = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k", "--config", "vllm-128k",
+                    "--backend", "vllm")
+    ten = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k", "--config", "vllm-128k",
+                    "--backend", "vllm", "--max-num-seqs", "10", "--gpu-budget", "60GiB")
+    assert ten["cpu"]["bytes_needed"] == 10 * one["cpu"]["bytes_needed"] == 10 * 16 * KIB**3
+    assert one["cpu"]["fits"] is True and ten["cpu"]["fits"] is False  # the shipped tier 0 holds 48 GiB
+    assert ten["vllm"]["batch_pool_needed_bytes"] == 10 * one["vllm"]["kv_pool_needed_bytes"]
+    assert ten["decode_step"] == one["decode_step"]  # per request

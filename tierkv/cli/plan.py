@@ -99,7 +99,8 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     # a quantized CPU tier holds (and PCIe carries) a block's codes and scales, not the block
     slot = slot_num_bytes(layout, None if cpu.storage_dtype == "auto" else cpu.storage_dtype)
     streamed_bytes = streamed * L * slot
-    cpu_blocks_needed = num_blocks * L
+    requests = max_num_seqs if backend == "vllm" else 1  # the CPU tier holds every running request's blocks
+    cpu_blocks_needed = num_blocks * L * requests
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
     gpu = vllm_gpu_plan(shape, context, config, max_num_seqs) if backend == "vllm" else {
             "budget_bytes": cache.gpu_budget_bytes,
@@ -122,7 +123,8 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
         "lower_tiers": [{"kind": t.kind, "capacity_bytes": t.capacity_bytes} for t in config.tiers[1:]],
         "decode_step": {"streamed_blocks_per_layer": streamed, "streamed_bytes": streamed_bytes,
                         "h2d_gbps": h2d_gbps, "pcie_floor_s": streamed_bytes / (h2d_gbps * 1e9)},
-        "vllm": {"block_tokens": VLLM_BLOCK_TOKENS, "kv_pool_needed_bytes": vllm_needed,
+        "vllm": {"block_tokens": VLLM_BLOCK_TOKENS, "kv_pool_needed_bytes": vllm_needed, "requests": requests,
+                 "batch_pool_needed_bytes": requests * vllm_needed,
                  "kv_pool_bytes": vllm_kv_pool_bytes,
                  "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes},
     }
@@ -152,7 +154,8 @@ def format_plan(plan: dict) -> str:
     rows += [f"  PCIe floor    {1e3 * floor:.1f} ms per token at {d['h2d_gbps']:g} GB/s H2D{limit}", "",
              f"vLLM alone  one {plan['context_tokens']}-token request needs a GPU KV pool of"
              f" {fb(v['kv_pool_needed_bytes'])} ({v['block_tokens']}-token blocks);"
-             f" tierkv holds {fb(held)} ({100 * held / v['kv_pool_needed_bytes']:.1f}%)"]
+             + (f" {v['requests']} at once {fb(v['batch_pool_needed_bytes'])};" if v["requests"] > 1 else "")
+             + f" tierkv holds {fb(held)} ({100 * held / v['batch_pool_needed_bytes']:.1f}%)"]
     if v["kv_pool_bytes"] is None:
         rows.append("            (pass --vllm-kv-pool SIZE to check a given pool)")
     else:
@@ -179,9 +182,12 @@ def _tier_rows(plan: dict) -> list[str]:
             row("GPU", "window", g["window_blocks"], "blocks", g["window_blocks"] * B * L,
                 "most recent tokens + the block being filled"),
             row("GPU", "staging", g["staging_regions"], "regions", g["staging_bytes"], "ring the streamed blocks pass through")]
+    n = plan["vllm"]["requests"]
+    of = f" of {n} requests" if n > 1 else ""
     rows += [row("CPU", "all blocks", plan["blocks_per_layer"], "blocks", c["bytes_needed"],
-                f"every full block is written back; tier 0 holds {fb(c['capacity_bytes'])}: "
-                + ("fits" if c["fits"] else "DOES NOT FIT, the request is refused (raise tiers[0].capacity_bytes)"))]
+                f"every full block{of} is written back; tier 0 holds {fb(c['capacity_bytes'])}: "
+                + ("fits" if c["fits"] else f"DOES NOT FIT, {'requests are' if n > 1 else 'the request is'} refused"
+                                             " (raise tiers[0].capacity_bytes)"))]
     for tier in plan["lower_tiers"]:
         rows.append(f"  {tier['kind']:<5}{'spill':<11}{'':>7} {'':<8}"
                     f"{fb(tier['capacity_bytes']) if tier['capacity_bytes'] else 'server policy':>12}"
