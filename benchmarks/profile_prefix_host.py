@@ -81,7 +81,7 @@ class Meter:
 
 def instrument(engine: PrefixEngine) -> Meter:
     """Meters on the tierkv functions of the repeated prefix's path."""
-    from tierkv.integrations.vllm import far_rows, store as store_module
+    from tierkv.integrations.vllm import eager_rows, far_rows, store as store_module
 
     meter, store, far = Meter(), engine.store, engine.worker._far
     meter.wrap(store_module, "chain_block_hashes", "blocks.chain_block_hashes (hashes made)", lambda a, r: len(r))
@@ -109,7 +109,7 @@ def instrument(engine: PrefixEngine) -> Meter:
     meter.wrap(far, "attend_parts", "FarKV.attend_parts", lambda a, r: 0)
     meter.wrap(store.io.engine, "gather_h2d", COPIES[0], lambda a, r: len(a[1]))
     meter.wrap(store.io.engine, "scatter_d2h", COPIES[1], lambda a, r: len(a[1]))
-    meter.wrap(far_rows, "chunk_partial", MATHS[0], lambda a, r: a[4] - a[3])
+    meter.wrap(eager_rows, "chunk_partial", MATHS[0], lambda a, r: a[4] - a[3])
     meter.wrap(far_rows, "merge_with_near", MATHS[1], lambda a, r: 0)
     return meter
 

@@ -3,8 +3,8 @@
 Primitives: `FarKV` (`add_hashes`, `summarize`, `finish`, `begin_step`, `attend`, `attend_into`,
 `attend_whole`, `near_out_buffer`, `attend_parts`, `end_step`, `stats`). No vLLM import: tested on
 CPU with the PyTorch reference attention. The decoding rows the CUDA graphs serve go through
-`tierkv.integrations.vllm.graphed_rows`, the others' partial attentions and merges through
-`far_attention`; the counters are read by `far_stats`.
+`tierkv.integrations.vllm.graphed_rows`, the others through `eager_rows` (streamed chunks and sparse
+selections; their kernels and merges: `far_attention`); the counters are read by `far_stats`.
 
 With the hot window vLLM keeps only the last `window_tokens` of each request in its pool and
 frees the blocks before them. A query at position p then reads
@@ -17,14 +17,9 @@ the blocks before (num_computed - window + 1) // T, so the near part is in its p
 far block is full and was saved in an earlier step. Both parts return (out, lse); the backend
 merges them with the LSE rule, so the result is exact attention over [0, p].
 
-Per step the far blocks of all requests form one list per layer (request after request); the
-lookahead streamer copies it through the staging ring chunk by chunk, layers L+1..L+d while L
-computes. Under `scheduler.policy: sparse` a decoding request instead attends the
-`sparse_token_budget / T` far blocks with the largest key bound (tierkv.sparse: per-block key
-min/max kept on the device by `request_summaries.KeySummaries`), fetched once selected; prefill
-stays exact. A decoding row whose far blocks lack summaries (a prefix the tiers served) is streamed
-exactly once, which leaves the summaries; a few missing ones (window blocks loaded from the tiers that
-became far) are fetched and summarized before the selection. The staging's split: `far_staging`.
+Per step the far blocks of all requests are streamed through the staging ring layers ahead, or,
+under `scheduler.policy: sparse`, a decoding row's selected far blocks fetched once selected
+(`eager_rows`). The staging's split: `far_staging`.
 
 With max_model_len known, a finished sparse request's key summaries and device slot lists (sized for
 it) pass to the next request, and the graphs captured for one replay for the other (`reuses_buffers`).
@@ -39,12 +34,12 @@ from typing import Collection, Sequence
 
 import torch
 
-from tierkv.attention import paged_partial_attention
-from tierkv.integrations.vllm.far_attention import assemble_rows, chunk_partial, merge_with_near, profiled
+from tierkv.integrations.vllm.eager_rows import EagerRows
+from tierkv.integrations.vllm.far_attention import assemble_rows, merge_with_near
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
 from tierkv.integrations.vllm.far_staging import FarStaging, split_staging
 from tierkv.integrations.vllm.far_stats import cache_stats, far_kv_stats
-from tierkv.integrations.vllm.far_step import FarRow, HostTimes, StreamPlan, lay_out_step, step_rows
+from tierkv.integrations.vllm.far_step import FarRow, HostTimes, lay_out_step, step_rows
 from tierkv.integrations.vllm.graphed_rows import GraphedRows
 from tierkv.metrics.prefetch import PrefetchRecorder
 from tierkv.transfer.lookahead import LookaheadStreamer
@@ -89,6 +84,7 @@ class FarKV:
         self.pins = FarPins(store, device_slots=self.sparse_blocks is not None, max_blocks=self.max_blocks)
         self.key_summaries = KeySummaries(self)  # sparse: the requests' key summaries, and the eager selection
         self.graphed = GraphedRows(self)  # the decoding rows the graphs serve (none while graphs is None)
+        self.eager = EagerRows(self)  # the others: streamed chunks, sparse rows' fetched selections
         self.full = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs (full_graph_rows.FullDecodeRows)
         self.near_index: tuple | None = None  # HotWindowStep.near's column index and key shift, kept across steps
         self.rows: list[FarRow] = []
@@ -149,17 +145,7 @@ class FarKV:
                      and self.key_summaries.is_selectable(r) for r in rows]  # fmt: skip
         layout = lay_out_step(rows, is_sparse, self.pool.region_blocks)
         self.sparse_rows, self._offsets, self._pieces = layout.sparse_rows, layout.offsets, layout.pieces
-        far_reqs = [(self.requests[r.req_id], n) for r, n in zip(rows, layout.streamed) if n]
-        if far_reqs:  # per layer: the rows' far blocks one after another (views when one row has any)
-            cpu_slots = [req_slots[0] if len(req_slots) == 1 else torch.cat(req_slots)
-                         for req_slots in ([req.pinned_slots[layer][:n] for req, n in far_reqs]
-                                           for layer in range(self.store.num_layers))]  # fmt: skip
-        else:  # nothing streamed (a decode step of sparse rows): one empty list for every layer
-            cpu_slots = [torch.empty(0, dtype=torch.int64)] * self.store.num_layers
-        num_tokens = rows[-1].q_end if rows else 0
-        decode = all(r.q_end - r.q_start == 1 for r in rows)
-        plan = StreamPlan(range(0, layout.num_streamed), 1 if decode else max(2, num_tokens))
-        self.streamer.plan(plan, cpu_slots, self.block_tokens)
+        self.eager.plan(rows, layout)
         self.counts["steps"] += 1
         if layout.num_streamed:
             self.streamer.run(through_layer=self.streamer.lookahead_layers - 1)
@@ -229,45 +215,7 @@ class FarKV:
         takes it. skip: sparse rows served elsewhere (`attend_into`'s graphs)."""
         if not self._pieces and not self.sparse_rows:
             return None
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._attend_streamed(layer, q, scale, dense, parts)
-        for i in self.sparse_rows:  # fetched once selected: each piece counts as a stall
-            if i not in skip:
-                self._attend_selected(i, layer, q, scale, parts)
-        return parts
-
-    def _attend_streamed(self, layer: int, q: torch.Tensor, scale: float, dense, parts: dict) -> None:
-        """Into `parts`: the rows' partial attentions over this layer's staging chunks, in order."""
-        staging = self.pool.staging
-        for c, chunk in enumerate(self.streamer.chunks_for_layer(layer)):  # run to its end: it records events
-            for i, first, end in self._pieces[c]:
-                row = self.rows[i]
-                parts.setdefault(i, []).append(chunk_partial(q[row.q_start : row.q_end], staging, chunk, first, end,
-                                                             scale, dense))  # fmt: skip
-                self.counts["far_blocks_read"] += end - first
-                if self.sparse_blocks is not None:  # the row's block index of the chunk's first block here
-                    index = c * self.pool.region_blocks + first - self._offsets[i]
-                    self.key_summaries.summarize_staged(row, layer, index, staging, chunk.slots[first:end])
-
-    def _attend_selected(self, i: int, layer: int, q: torch.Tensor, scale: float, parts: dict) -> None:
-        """Into `parts`: sparse row i's partial attentions over its selected far blocks of `layer`,
-        fetched once selected (its missing key summaries made first)."""
-        row = self.rows[i]
-        req = self.requests[row.req_id]
-        q_row = q[row.q_start : row.q_end]
-        if req.summaries is None or row.num_far_blocks > req.summaries.prefix[layer]:
-            with profiled("tierkv.sparse.summarize"):
-                self.key_summaries.summarize_missing(row, req, layer)
-        with profiled("tierkv.sparse.select"):
-            ids = self.key_summaries.select(req, layer, q_row[0], row.num_far_blocks)
-            self.overlap.note(self.counts["steps"], req.previous, layer, ids)
-            slots = req.pinned_slots_dev[layer].index_select(0, ids)
-        self.count_selections(ids.numel(), row.near_blocks(self.block_tokens), 1)
-        with profiled("tierkv.sparse.fetch_attend"):
-            fetcher = self.sparse_streamer
-            for chunk in fetcher.fetch_now(layer, slots, ids * self.block_tokens, self.block_tokens):
-                parts.setdefault(i, []).append(paged_partial_attention(
-                    q_row, fetcher.pool.staging, chunk.slots, chunk.start_pos, chunk.num_tokens, scale=scale))
+        return self.eager.attend_parts(layer, q, scale, dense, skip, self._pieces, self._offsets)
 
     def count_selections(self, num_selected: int, num_resident: int, num_rows: int) -> None:
         """Sparse decode rows' selections of one layer (graphed or eager): their selected far blocks,
