@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tierkv.storage.cpu as cpu_module
+import tierkv.storage.cpu_slots as cpu_slots_module
 from tests.metrics.workload import read_lines, record_jsonl
 from tierkv.blocks import BlockLayout
 from tierkv.storage.cpu import CpuTier
@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(cpu_module.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu_slots_module.time, "perf_counter", clock)
     return clock
 
 

@@ -1,17 +1,11 @@
 """CPU tier: a slab of fixed-size block slots in (pinned) host memory, LRU-evicted.
 
-Primitives: `CpuTier` with the `StorageTier` contract, plus the slot-level two-phase API the
-GPU transfer engine uses:
+Primitives: `CpuTier` with the `StorageTier` contract, its slot index and LRU eviction, plus the
+slot-level two-phase API the GPU transfer engine uses (prepare_put / complete_put, acquire /
+release, acquire_blocks / release_blocks: `cpu_slots.CpuSlotAccess`):
 
-    slots = tier.prepare_put(keys)   # allocate slots, pinned: not evictable, not yet visible
-    ... D2H scatter into tier.slab[slots] ...
-    tier.complete_put(keys)          # visible to lookups, unpinned
-    slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
-    tier.release(keys)
     tier.index_blocks(num_layers)    # per block hash, the layers held (cpu_blocks), kept from now on
     n = tier.held_prefix(hashes)     # leading blocks held for every layer: one probe per block
-    rows = tier.acquire_blocks(groups)   # [blocks, layers] slots, each block pinned whole (cpu_pins)
-    tier.release_blocks(groups)
 
     slab: [num_slots, 2, num_kv_heads, block_tokens, head_dim]   (pinned when CUDA is present;
           quantized or not, and how it is pinned: `tierkv.storage.cpu_slab`)
@@ -24,10 +18,8 @@ them are transfer time, not tier time.
 """
 from __future__ import annotations
 
-import time
-from collections import Counter, OrderedDict, deque
-from itertools import repeat
-from typing import TYPE_CHECKING, Sequence
+from collections import Counter, OrderedDict
+from typing import Sequence
 
 import torch
 
@@ -36,12 +28,10 @@ from tierkv.storage.base import PutResult, StorageTier
 from tierkv.storage.cpu_pins import BlockPins, TierPins
 from tierkv.storage.cpu_blocks import BlockLayers
 from tierkv.storage.cpu_slab import CpuSlab, slot_num_bytes
-
-if TYPE_CHECKING:
-    import numpy as np
+from tierkv.storage.cpu_slots import CpuSlotAccess
 
 
-class CpuTier(StorageTier):
+class CpuTier(CpuSlotAccess, StorageTier):
     kind = "cpu"
 
     def __init__(self, name: str, layout: BlockLayout, capacity_bytes: int, *, pin_memory: bool | None = None,
@@ -180,107 +170,6 @@ class CpuTier(StorageTier):
     def used_bytes(self) -> int:
         with self._lock:
             return (len(self._slot_of) + len(self._pending)) * self.slot_bytes
-
-    # -- slot-level API for the transfer engine ----------------------------------------------
-    def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
-        """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted)."""
-        slots: list[int | None] = []
-        evicted: list[tuple[str, torch.Tensor]] = []
-        start = time.perf_counter()
-        with self._lock:
-            pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
-            for key in keys:
-                if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
-                    slot = pending[key] = free.pop()
-                    pins[key] += 1
-                    slots.append(slot)
-                    continue
-                result = self._allocate(key)
-                evicted.extend(result.evicted)
-                slots.append(self._pending[key] if result.ok else None)
-            elapsed = time.perf_counter() - start
-            self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
-        self.counters.add(evictions=len(evicted))
-        return slots, evicted
-
-    def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
-        """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`.
-        Records one "put" latency sample: this call's time plus its batch's prepare_put time."""
-        start = time.perf_counter()
-        with self._lock:
-            prepare_s = self._prepare_s
-            prepared_s = max((prepare_s.pop(key) for key in keys), default=None)
-            for key in keys:
-                self._slot_of[key] = self._pending.pop(key)
-                if not keep_pinned:
-                    self._unpin(key)
-            if self._blocks is not None:
-                self._blocks.add_many(zip(keys, map(self._slot_of.__getitem__, keys)))
-        if prepared_s is not None:
-            self.counters.observe_latency("put", prepared_s + time.perf_counter() - start)
-        self.counters.add(puts=len(keys), bytes_written=len(keys) * self.slot_bytes)
-
-    def abort_put(self, keys: Sequence[str]) -> None:
-        """Give back prepared slots whose bytes were never written; the keys stay absent."""
-        with self._lock:
-            for key in keys:
-                self._free_slots.append(self._pending.pop(key))
-                self._prepare_s.pop(key, None)
-                self._unpin(key)
-
-    def acquire(self, keys: Sequence[str]) -> list[int | None]:
-        """Slots of visible blocks, pinned until `release`; None for a miss. Counts lookups.
-        Hits become the most recently used blocks, in key order (a key listed twice is pinned twice).
-        A long prefix pins some 200k keys per request: lookups, LRU bumps and pin counts are C-level
-        passes (`map`, `Counter.update`). Records one "get" latency sample for the batch."""
-        start = time.perf_counter()
-        with self._lock:
-            slot_of = self._slot_of
-            slots = list(map(slot_of.get, keys))
-            hits = keys if None not in slots else [k for k, s in zip(keys, slots) if s is not None]
-            deque(map(slot_of.move_to_end, hits), maxlen=0)  # LRU bump, in key order
-            self._pins.update(hits)  # Counter.update counts an iterable in C
-            num_hits = len(hits)
-        self.counters.observe_latency("get", time.perf_counter() - start)
-        self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.slot_bytes)
-        return slots
-
-    def release(self, keys: Sequence[str]) -> None:
-        """One pin of each key given back (a key without a pin is left alone; a key listed twice
-        gives back two). One C-level pass pops every count: exact when none was above one, a key
-        listed twice included (its second pop finds nothing, as its second unpin would). Else the
-        counts go back and the keys are unpinned one by one."""
-        with self._lock:
-            pins = self._pins
-            counts = list(map(pins.pop, keys, repeat(0)))
-            if max(counts, default=0) > 1:
-                for key, count in zip(keys, counts):
-                    if count:  # a key listed twice: its first pop holds the count
-                        pins[key] = count
-                for key in keys:
-                    self._unpin(key)
-
-    def acquire_blocks(self, groups: Sequence[str]) -> "np.ndarray | None":
-        """Slots [len(groups), num_layers] of blocks visible in every layer (`index_blocks`; a group is a
-        block hash plus its key suffix), each block pinned whole until `release_blocks`; None, with
-        nothing pinned, when the index is off or some block is not held in every layer (use
-        `acquire`). One probe and one count per block, not per key; its keys count as hits, and as
-        used when released (`cpu_pins`)."""
-        start = time.perf_counter()
-        with self._lock:
-            rows = self._blocks.slot_rows(groups) if self._blocks is not None else None
-            if rows is None:
-                return None
-            self._pin_state.blocks.pin(groups)
-        self.counters.observe_latency("get", time.perf_counter() - start)
-        self.counters.record_lookups(rows.size, 0, rows.size * self.slot_bytes)
-        return rows
-
-    def release_blocks(self, groups: Sequence[str]) -> None:
-        """One whole-block pin of each group given back (a group without one is left alone)."""
-        with self._lock:
-            if self._pin_state.blocks is not None:
-                self._pin_state.blocks.release(groups)
 
     # -- internals ---------------------------------------------------------------------------
     def _pinned(self, key: str) -> bool:
