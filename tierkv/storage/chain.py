@@ -1,7 +1,8 @@
 """The tier chain: where each block lives, lookups across tiers, promotion and spilling.
 
 Primitives: `TierChain` (put_many, get_many, locate_many, remove_many, write_through, flush,
-close, snapshot).
+close, snapshot). The write-through itself (backlogs of tiers that are down, its counters):
+`write_through.WriteThrough`.
 
     put ──> tier 0 (cpu) ──evicted──> tier 1 (disk) ──evicted──> tier 2 (redis) ──> dropped
     get <── tier 0 <──promote── tier 1 <──promote── tier 2
@@ -15,15 +16,12 @@ goes to the tier after it; only a block no tier accepts is dropped, and that is 
 Write-through: tiers marked `write_through` (persistent ones: disk, Redis) also receive every
 content-addressed block as soon as it lands in tier 0, on the same background pool, so a later
 process finds the prefix there even when tier 0 never evicted it. `flush` and `close` wait for
-those writes. A write-through tier that is down defers them (`write_through_deferred`): they are
-written at the first write-through after it is back, or at `close` (whatever tier 0 still holds;
-what it no longer holds, or a tier still down at close, counts in `write_through_failed`).
+those writes. A write-through tier that is down defers them until it is back (`write_through`).
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -31,11 +29,10 @@ import torch
 
 from tierkv.redact import redact_text
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.write_through import WriteThrough
 
 
 logger = logging.getLogger(__name__)
-
-WRITE_THROUGH_BACKLOG_KEYS = 1 << 16  # per tier: keys kept for a tier that is down (older ones counted failed)
 
 
 class TierChain:
@@ -47,16 +44,11 @@ class TierChain:
         flags = list(write_through) if write_through is not None else [False] * len(self.tiers)
         if len(flags) != len(self.tiers):
             raise ValueError(f"write_through: {len(flags)} flags for {len(self.tiers)} tiers")
-        self.write_through_tiers = [i for i, flag in enumerate(flags) if flag and i > 0]
-        self.num_written_through = 0
-        self.num_write_through_failed = 0
-        self.num_write_through_deferred = 0
-        # per write-through tier: keys it missed while down, written when it is back (oldest first, bounded)
-        self._backlog: dict[int, OrderedDict[str, None]] = {i: OrderedDict() for i in self.write_through_tiers}
         if hasattr(self.tiers[-1], "return_evicted"):  # nothing below the last tier: do not read evictions back
             self.tiers[-1].return_evicted = False
         self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
         self._lock = threading.Lock()
+        self._write_through = WriteThrough(self.tiers, flags, self._lock, self.spill)
         self._in_flight: dict[str, torch.Tensor] = {}
         self._futures: set[Future] = set()
         self.num_spilled = 0
@@ -124,7 +116,7 @@ class TierChain:
     def write_through(self, keys: Sequence[str]) -> None:
         """Copy these tier-0 blocks to every write-through tier that lacks them, in the background; a tier
         that is down gets them (and earlier ones it missed) at a later call once it is back."""
-        if not self.write_through_tiers or not (keys or any(self._backlog.values())):
+        if not self._write_through.has_work(keys):
             return
         with self._lock:
             future = self._executor.submit(self._write_through_now, list(keys))
@@ -132,51 +124,10 @@ class TierChain:
         future.add_done_callback(self._forget_future)
 
     def _write_through_now(self, keys: list[str]) -> None:
-        try:
-            first = self.tiers[0]
-            peeked: dict[str, torch.Tensor | None] = {}  # tier 0's blocks, read once for every write-through tier
-            for index in self.write_through_tiers:
-                tier, backlog = self.tiers[index], self._backlog[index]
-                with self._lock:
-                    if not tier.is_healthy:  # deferred: written once it is back (a later call, or close)
-                        for key in keys:
-                            backlog[key] = None
-                        self.num_write_through_deferred += len(keys)
-                        while len(backlog) > WRITE_THROUGH_BACKLOG_KEYS:
-                            backlog.popitem(last=False)
-                            self.num_write_through_failed += 1
-                        continue
-                    deferred = list(backlog)
-                    backlog.clear()
-                fresh = set(keys)
-                todo_keys = list(dict.fromkeys(deferred + keys))  # each once, the deferred ones first
-                unread = [k for k in todo_keys if k not in peeked]
-                if unread:
-                    read = first.peek_many(unread) if hasattr(first, "peek_many") else first.get_many(unread)
-                    peeked.update(zip(unread, read))
-                found = [peeked[k] for k in todo_keys]
-                present = [(k, b) for k, b in zip(todo_keys, found) if b is not None]
-                gone = [k for k, b in zip(todo_keys, found) if b is None and k not in fresh]
-                if gone:  # deferred blocks tier 0 no longer holds: lost to this tier unless a spill brought them
-                    lost = sum(not held for held in tier.contains_many(gone))
-                    with self._lock:
-                        self.num_write_through_failed += lost
-                if not present:
-                    continue
-                held = tier.contains_many([k for k, _ in present])
-                todo = [(k, b) for (k, b), is_held in zip(present, held) if not is_held]
-                if not todo:
-                    continue
-                results = tier.put_many([k for k, _ in todo], [b for _, b in todo])
-                for result in results:
-                    self.spill(index, result.evicted)
-                with self._lock:
-                    self.num_written_through += sum(r.ok for r in results)
-                    self.num_write_through_failed += sum(not r.ok for r in results)
-        except Exception as exc:  # counted and kept, as a spill's
+        error = self._write_through.write(keys)
+        if error is not None:  # counted and kept, as a spill's
             with self._lock:
-                self.spill_errors.append(f"write-through {type(exc).__name__}: {exc}")
-                self.num_write_through_failed += len(keys)
+                self.spill_errors.append(error)
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
@@ -295,10 +246,8 @@ class TierChain:
     def close(self) -> None:
         self.write_through([])  # the blocks a write-through tier missed while down, if it is back now
         self.flush()
-        lost = {self.tiers[i].name: len(b) for i, b in self._backlog.items() if b}
+        lost = self._write_through.drop_backlog()
         if lost:  # still down: those blocks live only in this process's tiers, which close now
-            with self._lock:
-                self.num_write_through_failed += sum(lost.values())
             logger.warning("write-through: %s never reached (down until close); a later process recomputes them",
                            ", ".join(f"{n} blocks for {name}" for name, n in lost.items()))
         self._executor.shutdown(wait=True)
@@ -310,9 +259,6 @@ class TierChain:
             chain = {
                 "spilled": self.num_spilled, "dropped": self.num_dropped, "promoted": self.num_promoted,
                 "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors[-10:]),
-                "written_through": self.num_written_through,
-                "write_through_failed": self.num_write_through_failed,
-                "write_through_deferred": self.num_write_through_deferred,
-                "write_through_backlog": sum(len(b) for b in self._backlog.values()),
+                **self._write_through.snapshot(),
             }
         return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}
