@@ -14,17 +14,18 @@ request fits in it (16-token blocks, every layer).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tierkv.cli.plan_vllm import vllm_gpu_plan, vllm_streamed_blocks, vllm_tier_rows
 from tierkv.model_shape import model_shape, read_config_json
 from tierkv.units import TOKEN_UNITS_HELP
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_H2D_GBPS = 55.0
 VLLM_BLOCK_TOKENS = 16
+VLLM_PLAN = "tierkv.integrations.vllm.plan_gpu"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ PRESETS = {  # KV shapes of the released checkpoints (config.json of each)
     "qwen2-7b": KVShape("qwen2-7b", 28, 4, 128, max_context=32768),  # Instruct; longer with YaRN
     "mistral-7b": KVShape("mistral-7b", 32, 8, 128, max_context=32768),  # v0.3
 }
+
+
+def _vllm_plan():
+    """The vLLM engine's part of the plan (`tierkv.integrations.vllm.plan_gpu`), reached by name as
+    TieredLLM reaches its vLLM backend: nothing outside the integration imports it (no vLLM needed)."""
+    return importlib.import_module(VLLM_PLAN)
 
 
 def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
@@ -94,7 +101,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     num_blocks = -(-context // T)
     sink_blocks = -(-cache.sink_tokens // T)
     front = min(residency.num_front_blocks, num_blocks)
-    streamed = len(step.streamed_blocks) if backend == "transformers" else vllm_streamed_blocks(config, context)
+    streamed = len(step.streamed_blocks) if backend == "transformers" else _vllm_plan().vllm_streamed_blocks(config, context)
     cpu = config.tiers[0]
     # a quantized CPU tier holds (and PCIe carries) a block's codes and scales, not the block
     slot = slot_num_bytes(layout, None if cpu.storage_dtype == "auto" else cpu.storage_dtype)
@@ -102,7 +109,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     requests = max_num_seqs if backend == "vllm" else 1  # the CPU tier holds every running request's blocks
     cpu_blocks_needed = num_blocks * L * requests
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
-    gpu = vllm_gpu_plan(shape, context, config, max_num_seqs) if backend == "vllm" else {
+    gpu = _vllm_plan().vllm_gpu_plan(shape, context, config, max_num_seqs) if backend == "vllm" else {
             "budget_bytes": cache.gpu_budget_bytes,
             "sink_blocks": min(sink_blocks, front), "far_cache_blocks": max(0, front - sink_blocks),
             "window_blocks": residency.num_window_blocks, "slots_per_layer": residency.slots_per_layer,
@@ -111,7 +118,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
             "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block,
         }
     if backend == "vllm":
-        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - vllm_streamed_blocks(
+        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - _vllm_plan().vllm_streamed_blocks(
             dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy="exact")), context)
     return {
         "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
@@ -174,7 +181,7 @@ def _tier_rows(plan: dict) -> list[str]:
 
     rows = [f"tier layout (per layer, every layer alike; bytes for all {L} layers)"]
     if plan["backend"] == "vllm":
-        rows = [*vllm_tier_rows(plan), "", *rows]
+        rows = [*_vllm_plan().vllm_tier_rows(plan), "", *rows]
     else:
         rows += [
             row("GPU", "sinks", g["sink_blocks"], "blocks", g["sink_blocks"] * B * L, "first tokens, always resident"),

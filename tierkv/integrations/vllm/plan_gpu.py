@@ -4,19 +4,21 @@ layout. Under vLLM the budget holds everything: the staging ring, the sparse pol
 and the full decode graph's codes come out of it, and vLLM's pool takes the rest, shared by the
 running requests (each holds its window of `cache.window_tokens` plus the prefill tokens in flight).
 
-Primitives: `vllm_gpu_plan`, `vllm_streamed_blocks`, `vllm_tier_rows`.
+Primitives: `vllm_gpu_plan`, `vllm_streamed_blocks`, `vllm_tier_rows` (`tierkv.cli.plan` reaches them by
+name). No vLLM import.
 """
 from __future__ import annotations
+
+from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
+from tierkv.integrations.vllm.engine_args import default_enforce_eager
+from tierkv.integrations.vllm.pool_sizing import full_graph_packed_bytes, hot_window_pool_need, sparse_summary_bytes
+from tierkv.integrations.vllm.resize_plan import split_budget
+from tierkv.units import format_bytes as fb
 
 
 def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     """The GPU part of `make_plan` for a vLLM engine of `max_num_seqs` requests of `context` tokens
     (max_model_len), compiled or eager and with the staging sized for the batch as TieredLLM starts it."""
-    from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
-    from tierkv.integrations.vllm.engine_args import default_enforce_eager
-    from tierkv.integrations.vllm.pool_sizing import full_graph_packed_bytes, hot_window_pool_need, sparse_summary_bytes
-    from tierkv.integrations.vllm.resize_plan import split_budget
-
     dtype_bytes = 4 if shape.kv_dtype == "float32" else 2
     dims = {"num_hidden_layers": shape.num_layers, "num_key_value_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "max_position_embeddings": shape.max_context, "dtype_bytes": dtype_bytes,
@@ -54,8 +56,6 @@ def vllm_streamed_blocks(config, context: int) -> int:
 
 def vllm_tier_rows(plan: dict) -> list[str]:
     """The GPU lines of `format_plan` for a vLLM engine."""
-    from tierkv.units import format_bytes as fb
-
     g = plan["gpu"]
     pool = (f"  vLLM's pool   {fb(g['pool_bytes']):>12}   {g['pool_blocks']} blocks of {plan['block_tokens']} tokens"
             f" (every layer, {fb(g['pool_block_bytes'])} each), shared by the running requests" if g["pool_bytes"] > 0
