@@ -38,7 +38,7 @@ class FarStaging:
 
 def main_ring(store, staging_bytes: int) -> GpuBlockPool:
     """The ring the lookahead streamer copies chunks through: `staging_bytes` in at least lookahead + 1
-    regions (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_ring`)."""
+    regions (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_staging`)."""
     return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, max(2, store.lookahead + 1),
                         store.device)
 
