@@ -36,6 +36,7 @@ class KVShape:
     head_dim: int
     kv_dtype: str = "bfloat16"
     max_context: int | None = None  # the checkpoint's max_position_embeddings, when known
+    sliding_window: int | None = None  # the model's own attention window, when it has one
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,7 +74,7 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
             raise UsageError(f"--model-config {path}: not a transformers model config ({exc})") from None
         shape = KVShape(name=parsed.name or path.parent.name, num_layers=parsed.num_layers,
                         num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
-                        max_context=parsed.max_position_embeddings)
+                        max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window)
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
 
 
@@ -84,24 +85,23 @@ def _dtype(name: str) -> str:
 def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT_H2D_GBPS,
               vllm_kv_pool_bytes: int | None = None, backend: str = "transformers", max_num_seqs: int = 1) -> dict:
     """Everything `tierkv plan` prints, as plain data. Raises ConfigError when the budget is too small.
-    backend "vllm": the GPU part is the vLLM hot-window engine's split of the budget (`plan_vllm`)."""
+    backend "vllm": the GPU part is the vLLM hot-window engine's split of the budget (`plan_gpu`)."""
     from tierkv.blocks import BlockLayout, dtype_from_name
-    from tierkv.scheduler.plan import plan_step
     from tierkv.storage.cpu_slab import slot_num_bytes
-    from tierkv.storage.gpu import plan_residency, staging_region_blocks
 
     cache, sched = config.cache, config.scheduler
     T, L = cache.block_tokens, shape.num_layers
     layout = BlockLayout(shape.num_kv_heads, T, shape.head_dim, dtype_from_name(shape.kv_dtype))
     block = layout.num_bytes
-    residency = plan_residency(layout, L, cache.gpu_budget_bytes, cache.sink_tokens, cache.window_tokens)
-    num_regions = max(2, sched.lookahead_layers + 1)
-    region_blocks = staging_region_blocks(layout, sched.staging_bytes, num_regions)  # the runtime's check and words
-    step = plan_step(residency, T, context, 1)  # the decode step after `context` tokens
     num_blocks = -(-context // T)
-    sink_blocks = -(-cache.sink_tokens // T)
-    front = min(residency.num_front_blocks, num_blocks)
-    streamed = len(step.streamed_blocks) if backend == "transformers" else _vllm_plan().vllm_streamed_blocks(config, context)
+    if backend == "vllm":  # the hot-window pool: no sinks or far cache, the window's blocks per request
+        vllm_plan = _vllm_plan()
+        gpu = vllm_plan.vllm_gpu_plan(shape, context, config, max_num_seqs)
+        streamed = vllm_plan.vllm_streamed_blocks(config, context)
+        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - vllm_plan.vllm_streamed_blocks(
+            dataclasses.replace(config, scheduler=dataclasses.replace(sched, policy="exact")), context)
+    else:
+        gpu, streamed = _transformers_gpu(layout, L, context, config)
     cpu = config.tiers[0]
     # a quantized CPU tier holds (and PCIe carries) a block's codes and scales, not the block
     slot = slot_num_bytes(layout, None if cpu.storage_dtype == "auto" else cpu.storage_dtype)
@@ -109,17 +109,6 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     requests = max_num_seqs if backend == "vllm" else 1  # the CPU tier holds every running request's blocks
     cpu_blocks_needed = num_blocks * L * requests
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
-    gpu = _vllm_plan().vllm_gpu_plan(shape, context, config, max_num_seqs) if backend == "vllm" else {
-            "budget_bytes": cache.gpu_budget_bytes,
-            "sink_blocks": min(sink_blocks, front), "far_cache_blocks": max(0, front - sink_blocks),
-            "window_blocks": residency.num_window_blocks, "slots_per_layer": residency.slots_per_layer,
-            "resident_bytes": residency.slots_per_layer * L * block,
-            "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
-            "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block,
-        }
-    if backend == "vllm":
-        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - _vllm_plan().vllm_streamed_blocks(
-            dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy="exact")), context)
     return {
         "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
         "kv_bytes": context * shape.kv_bytes_per_token, "block_tokens": T, "block_bytes": block,
@@ -135,6 +124,29 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
                  "kv_pool_bytes": vllm_kv_pool_bytes,
                  "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes},
     }
+
+
+def _transformers_gpu(layout, num_layers: int, context: int, config) -> tuple[dict, int]:
+    """The transformers engine's GPU part of the plan (sinks, far cache, window, staging ring beside the
+    budget) and the blocks per layer its decode step after `context` tokens streams."""
+    from tierkv.scheduler.plan import plan_step
+    from tierkv.storage.gpu import plan_residency, staging_region_blocks
+
+    cache, sched = config.cache, config.scheduler
+    T, L, block = cache.block_tokens, num_layers, layout.num_bytes
+    residency = plan_residency(layout, L, cache.gpu_budget_bytes, cache.sink_tokens, cache.window_tokens)
+    num_regions = max(2, sched.lookahead_layers + 1)
+    region_blocks = staging_region_blocks(layout, sched.staging_bytes, num_regions)  # the runtime's check and words
+    step = plan_step(residency, T, context, 1)  # the decode step after `context` tokens
+    sink_blocks = -(-cache.sink_tokens // T)
+    front = min(residency.num_front_blocks, -(-context // T))
+    gpu = {"budget_bytes": cache.gpu_budget_bytes,
+           "sink_blocks": min(sink_blocks, front), "far_cache_blocks": max(0, front - sink_blocks),
+           "window_blocks": residency.num_window_blocks, "slots_per_layer": residency.slots_per_layer,
+           "resident_bytes": residency.slots_per_layer * L * block,
+           "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
+           "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block}
+    return gpu, len(step.streamed_blocks)
 
 
 def format_plan(plan: dict) -> str:

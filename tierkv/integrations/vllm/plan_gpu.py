@@ -22,9 +22,10 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     dtype_bytes = 4 if shape.kv_dtype == "float32" else 2
     dims = {"num_hidden_layers": shape.num_layers, "num_key_value_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "max_position_embeddings": shape.max_context, "dtype_bytes": dtype_bytes,
-            "sliding_window": None}
+            "sliding_window": shape.sliding_window}
     sched = config.scheduler
-    engine = {"max_num_seqs": max_num_seqs, "max_model_len": context, "dtype": shape.kv_dtype,
+    # the engine's arguments as TieredLLM passes them (vLLM's dtype left to 'auto': the checkpoint's)
+    engine = {"max_num_seqs": max_num_seqs, "max_model_len": context,
               "max_num_batched_tokens": sched.prefill_chunk_tokens, "async_scheduling": sched.vllm_async_scheduling,
               "enforce_eager": default_enforce_eager(config, hot_window=True)}
     config = size_rows_for_batch(dims, config, {"max_num_seqs": max_num_seqs})  # as TieredLLM sizes it
@@ -35,11 +36,21 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     block_bytes = shape.num_layers * 2 * shape.num_kv_heads * config.cache.block_tokens * shape.head_dim * dtype_bytes
     window_bytes = hot_window_pool_need(dims, config, engine)
     pool = max(0, split.pool_bytes)
+    if split.pool_bytes <= 0:
+        refusal = f"the budget must exceed {split.reserved_text()}: the rest is vLLM's pool"
+    elif pool < window_bytes:
+        refusal = ("the pool cannot hold one request's window and prefill tokens in flight: raise the budget, or "
+                   "lower cache.window_tokens or scheduler.prefill_chunk_tokens")
+    elif shape.max_context and context > shape.max_context:
+        refusal = (f"vLLM refuses a max_model_len past the model's max_position_embeddings ({shape.max_context}) "
+                   "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    else:
+        refusal = None
     return {"backend": "vllm", "budget_bytes": split.budget_bytes, "staging_bytes": split.staging_bytes,
             "summary_bytes": summaries, "full_graph_bytes": codes, "pool_bytes": split.pool_bytes,
             "pool_blocks": pool // block_bytes, "pool_block_bytes": block_bytes, "max_num_seqs": max_num_seqs,
             "window_bytes_per_request": window_bytes, "windows_at_once": pool // window_bytes,
-            "fits": pool >= window_bytes, "held_bytes": split.budget_bytes,
+            "fits": refusal is None, "refusal": refusal, "held_bytes": split.budget_bytes,
             "compiled": not engine["enforce_eager"]}
 
 
@@ -70,11 +81,9 @@ def vllm_tier_rows(plan: dict) -> list[str]:
     if g["full_graph_bytes"]:
         rows.append(f"  graph buffers {fb(g['full_graph_bytes']):>12}   the full decode graph's prefetch lists (and quantized"
                     " blocks over a quantized CPU tier)")
-    verdict = (f"the pool holds {g['windows_at_once']} at once" if g["fits"] else
-               "DOES NOT FIT: the engine refuses to start (raise the budget, or lower cache.window_tokens or "
-               "scheduler.prefill_chunk_tokens)")
+    verdict = f"the pool holds {g['windows_at_once']} at once" if g["fits"] else f"DOES NOT FIT: {g['refusal']}"
     rows.append(f"  one request's window and prefill in flight needs {fb(g['window_bytes_per_request'])}: {verdict}")
     if g["fits"] and g["windows_at_once"] < g["max_num_seqs"]:
-        rows.append(f"  (max_num_seqs {g['max_num_seqs']}: beyond {g['windows_at_once']} requests that long at once,"
+        rows.append(f"  (max_num_seqs {g['max_num_seqs']}: past {g['windows_at_once']} such requests at once,"
                     " vLLM queues the rest)")
     return rows

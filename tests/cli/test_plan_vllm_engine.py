@@ -1,0 +1,89 @@
+"""`tierkv plan --backend vllm` against the engine it describes, on drawn model shapes and configs:
+where `TieredLLM(backend="vllm")` would start (`size_rows_for_batch`, then `tiered_engine_args`) the plan
+says it fits with the same pool, staging and reservations; where the engine refuses, the plan never
+says it fits; and it never fails with an unexpected error."""
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+
+from tierkv.cli.plan import format_plan, load_shape, make_plan  # noqa: E402
+from tierkv.config import ConfigError, load_config  # noqa: E402
+from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch  # noqa: E402
+from tierkv.integrations.vllm.engine_args import tiered_engine_args  # noqa: E402
+
+MiB = 1 << 20
+
+shapes = st.fixed_dictionaries({
+    "num_hidden_layers": st.integers(1, 40), "num_key_value_heads": st.sampled_from([1, 2, 4, 8]),
+    "head_dim": st.sampled_from([32, 64, 128]), "torch_dtype": st.sampled_from(["bfloat16", "float16", "float32"]),
+    "max_position_embeddings": st.sampled_from([4096, 32768, 131072]),
+    "sliding_window": st.one_of(st.none(), st.sampled_from([256, 4096])),
+})
+configs = st.fixed_dictionaries({
+    "block_tokens": st.sampled_from([16, 32, 64]), "window_tokens": st.sampled_from([64, 512, 2048, 8192]),
+    "sink_tokens": st.sampled_from([0, 64, 100_000]), "budget_mib": st.sampled_from([1, 64, 512, 2048, 8192, 61440]),
+    "staging_mib": st.sampled_from([1, 64, 512, 768]), "chunk": st.sampled_from([256, 2048, 8192]),
+    "policy": st.sampled_from(["exact", "sparse"]), "token_budget": st.sampled_from([64, 512, 2048]),
+    "graphs": st.booleans(), "full_graphs": st.booleans(), "async": st.booleans(), "rows_from_batch": st.booleans(),
+    "storage_dtype": st.sampled_from(["auto", "int8", "float8_e4m3fn"]),
+})
+
+
+def _checkpoint(shape: dict) -> str:
+    directory = tempfile.mkdtemp(prefix="tierkv-plan-shape-")
+    heads = shape["num_key_value_heads"] * 4
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_attention_heads": heads,
+              "hidden_size": heads * shape["head_dim"], **{k: v for k, v in shape.items() if v is not None}}
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+def _config(c: dict):
+    full = c["full_graphs"] and c["graphs"]
+    return load_config({
+        "cache": {"block_tokens": c["block_tokens"], "window_tokens": c["window_tokens"],
+                  "sink_tokens": c["sink_tokens"], "gpu_budget_bytes": c["budget_mib"] * MiB},
+        "tiers": [{"kind": "cpu", "capacity_bytes": 1 << 40, "storage_dtype": c["storage_dtype"]}],
+        "scheduler": {"policy": c["policy"], "staging_bytes": c["staging_mib"] * MiB, "prefill_chunk_tokens": c["chunk"],
+                      "sparse_token_budget": c["token_budget"], "sparse_cuda_graphs": c["graphs"],
+                      "sparse_full_graphs": full, "vllm_async_scheduling": c["async"] and full,
+                      "vllm_rows_from_batch": c["rows_from_batch"]},
+        "metrics": {"enabled": False}})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=shapes, c=configs, context=st.sampled_from([1, 100, 4096, 32768, 131072]),
+       max_num_seqs=st.sampled_from([1, 4, 10]))
+def test_the_plan_agrees_with_the_engine_start(shape, c, context, max_num_seqs):
+    try:
+        config = _config(c)
+    except ConfigError:
+        assume(False)  # a config the loader refuses never reaches either
+    model = _checkpoint(shape)
+    plan = make_plan(load_shape(model), context, config, backend="vllm", max_num_seqs=max_num_seqs)
+    format_plan(plan)  # the text renders for every plan
+    g = plan["gpu"]
+    try:
+        sized = size_rows_for_batch(model, config, {"max_num_seqs": max_num_seqs})
+        engine = tiered_engine_args(model, sized, "unused.yaml", {"max_num_seqs": max_num_seqs}, hot_window=True,
+                                    max_model_len=context, gpu_memory_utilization=0.9, enable_prefix_caching=False)
+    except (ConfigError, ValueError):
+        assert g["fits"] is False and g["refusal"]
+        return
+    assert g["pool_bytes"] == engine.kwargs["kv_cache_memory_bytes"]
+    assert (g["staging_bytes"], g["summary_bytes"], g["full_graph_bytes"]) == (
+        sized.scheduler.staging_bytes, engine.summary_reserved_bytes, engine.full_graph_reserved_bytes)
+    if context > shape["max_position_embeddings"]:  # vLLM's own refusal, past tierkv's arguments
+        assert g["fits"] is False and "max_position_embeddings" in g["refusal"]
+    else:
+        assert g["fits"] is True and g["refusal"] is None
+    d = plan["decode_step"]
+    assert 0 <= d["streamed_blocks_per_layer"] <= plan["blocks_per_layer"] and d["streamed_bytes"] >= 0
