@@ -41,7 +41,7 @@ def tiny_llama(seed: int = 0, num_layers: int = 4):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens (real model)")
     parser.add_argument("--depth", type=float, default=0.5, help="where the pass key sits: 0 start, 1 end")
     parser.add_argument("--seed", type=int, default=0, help="picks the pass key")

@@ -60,7 +60,9 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"model: {source} gives neither head_dim nor hidden_size")
     window = _get(text, "sliding_window") if _get(text, "use_sliding_window") is not False else None
-    dtype = _get(text, "torch_dtype") or _get(text, "dtype") or _get(cfg, "torch_dtype") or "bfloat16"
+    # `dtype` first: transformers 5 configs warn on reading torch_dtype (older config.json files name only it)
+    dtype = (_get(text, "dtype") or _get(text, "torch_dtype") or _get(cfg, "dtype") or _get(cfg, "torch_dtype")
+             or "bfloat16")
     name = _get(cfg, "_name_or_path")
     return ModelShape(num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
                       num_kv_heads=_get(text, "num_key_value_heads") or heads, head_dim=head_dim,

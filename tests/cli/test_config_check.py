@@ -72,3 +72,9 @@ def test_many_files_every_error_of_each_and_sizes_human_readable(tmp_path, capsy
     assert "gpu_budget_bytes: 1048576  # 1.00 MiB (1048576 bytes)" in out
     docs = list(yaml.safe_load_all(out))
     assert docs[0] == to_dict(load_config(good, env={}))  # the comments leave the data as it was
+
+
+def test_the_config_named_by_the_environment_is_named_in_the_report(capsys, monkeypatch):
+    monkeypatch.setenv("TIERKV_CONFIG_FILE", "long-128k")
+    assert main(["config", "check"]) == 0
+    assert "tierkv config check: $TIERKV_CONFIG_FILE long-128k and TIERKV_* environment: OK" in capsys.readouterr().err

@@ -11,6 +11,7 @@ comment; secrets (passwords in URLs, fields named like secrets) print as ***.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -36,7 +37,9 @@ def run_check(args) -> int:
     resolved: dict[str, dict] = {}
     num_bad = 0
     for path in sources:
-        source = path or "built-in defaults and TIERKV_* environment"
+        from_env = os.environ.get("TIERKV_CONFIG_FILE")
+        source = path or (f"$TIERKV_CONFIG_FILE {from_env} and TIERKV_* environment" if from_env
+                          else "built-in defaults and TIERKV_* environment")
         data, errors, checked = check_one(path)
         for err in errors:
             print(f"tierkv config check: error: {source}: {err}", file=sys.stderr)
