@@ -52,3 +52,26 @@ def test_its_connector_config_turns_full_attention_into_the_hot_window_spec():
 def test_the_sparse_policy_is_sent_to_tieredllm():
     with pytest.raises(ConfigError, match="scheduler.policy.*use TieredLLM"):
         vllm_engine_args("vllm-128k-sparse")
+
+
+def test_a_float32_checkpoint_is_sized_in_16_bits_as_vllms_auto_dtype_runs_it(tmp_path):
+    """vLLM's auto dtype runs a float32 checkpoint in 16 bits (`_resolve_auto_dtype`): the pool's need is
+    a 16-bit checkpoint's; only dtype='float32' given to the engine doubles it."""
+    import json
+
+    from vllm.config.model import _resolve_auto_dtype
+
+    from tierkv.integrations.vllm.pool_sizing import hot_window_pool_need
+
+    assert _resolve_auto_dtype("llama", torch.float32, is_pooling_model=False).itemsize == 2
+    needs = {}
+    for dtype in ("float32", "bfloat16"):
+        model = tmp_path / dtype
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({
+            "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "hidden_size": 512, "max_position_embeddings": 8192, "torch_dtype": dtype}))
+        needs[dtype] = hot_window_pool_need(model, load_config("vllm-128k"), {"max_model_len": 8192})
+    assert needs["float32"] == needs["bfloat16"]
+    assert hot_window_pool_need(tmp_path / "float32", load_config("vllm-128k"),
+                                {"max_model_len": 8192, "dtype": "float32"}) == 2 * needs["bfloat16"]

@@ -32,7 +32,7 @@ def graphed_staging_need(model_dir, config: TierKVConfig, rows: int, engine_kwar
     shape = checkpoint_shape(model_dir)
     scheduler, tokens = config.scheduler, config.cache.block_tokens
     kv_heads = rank_kv_heads(shape, engine_kwargs)
-    block_bytes = 2 * kv_heads * tokens * shape["head_dim"] * engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"])
+    block_bytes = 2 * kv_heads * tokens * shape["head_dim"] * engine_dtype_bytes(engine_kwargs)
     k = max(1, scheduler.sparse_token_budget // tokens)
     codes = k * quantized_block_bytes(shape, config, engine_kwargs)  # a quantized tier's code buffers (0: none)
     eager = 2 * k * block_bytes  # the eager sparse fetches' two regions

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
 from tierkv.integrations.vllm.engine_args import default_enforce_eager
-from tierkv.integrations.vllm.pool_sizing import full_graph_packed_bytes, hot_window_pool_need, sparse_summary_bytes
+from tierkv.integrations.vllm.pool_sizing import (engine_dtype_bytes, full_graph_packed_bytes, hot_window_pool_need,
+                                                  sparse_summary_bytes)
 from tierkv.integrations.vllm.resize_plan import split_budget
 from tierkv.units import format_bytes as fb
 
@@ -33,7 +34,8 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     summaries = sparse_summary_bytes(dims, config, context, engine) if sparse else 0
     codes = full_graph_packed_bytes(dims, config, engine) if sparse else 0
     split = split_budget(config, config.cache.gpu_budget_bytes, summaries, codes)
-    block_bytes = shape.num_layers * 2 * shape.num_kv_heads * config.cache.block_tokens * shape.head_dim * dtype_bytes
+    element = engine_dtype_bytes(engine)  # vLLM's KV element: 16 bits under its auto dtype, float32 models too
+    block_bytes = shape.num_layers * 2 * shape.num_kv_heads * config.cache.block_tokens * shape.head_dim * element
     window_bytes = hot_window_pool_need(dims, config, engine)
     pool = max(0, split.pool_bytes)
     if split.pool_bytes <= 0:

@@ -23,11 +23,12 @@ def rank_kv_heads(shape: dict, engine_kwargs: dict) -> int:
     return max(1, shape["num_key_value_heads"] // int(engine_kwargs.get("tensor_parallel_size", 1) or 1))
 
 
-def engine_dtype_bytes(engine_kwargs: dict, auto_bytes: int = 2) -> int:
-    """Bytes per element of the engine's dtype: 4 for float32, 2 for any other named dtype,
-    `auto_bytes` when the engine takes the checkpoint's ('auto' or not given)."""
+def engine_dtype_bytes(engine_kwargs: dict) -> int:
+    """Bytes per element of the engine's dtype: 4 for float32, else 2, 'auto' (or none given) included:
+    vLLM's auto dtype keeps a 16-bit checkpoint's and runs a float32 one in 16 bits
+    (`vllm.config.model._resolve_auto_dtype`)."""
     dtype = str(engine_kwargs.get("dtype", "auto"))
-    return auto_bytes if dtype == "auto" else 4 if dtype in ("float32", "float", "torch.float32") else 2
+    return 4 if dtype in ("float32", "float", "torch.float32") else 2
 
 
 def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
@@ -47,7 +48,7 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
     blocks = window_blocks(window, in_flight, max_len, tokens)
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
-               engine_dtype_bytes(engine_kwargs, shape["dtype_bytes"]))
+               engine_dtype_bytes(engine_kwargs))
     return (shape["num_hidden_layers"] * blocks * 2 * rank_kv_heads(shape, engine_kwargs) * tokens
             * shape["head_dim"] * element)
 
