@@ -207,3 +207,15 @@ def test_the_vllm_backend_counts_the_cpu_tier_and_vllms_pool_for_the_whole_batch
     assert one["cpu"]["fits"] is True and ten["cpu"]["fits"] is False  # the shipped tier 0 holds 48 GiB
     assert ten["vllm"]["batch_pool_needed_bytes"] == 10 * one["vllm"]["kv_pool_needed_bytes"]
     assert ten["decode_step"] == one["decode_step"]  # per request
+
+
+def test_the_vllm_backend_refuses_a_ring_too_small_for_its_regions(capsys, tmp_path):
+    """The exact policy's staging ring needs one block per region (the connector's main ring at start)."""
+    config = tmp_path / "small-ring.yaml"
+    config.write_text("cache: {block_tokens: 16, window_tokens: 2048, gpu_budget_bytes: 4GiB}\n"
+                      "tiers: [{kind: cpu, capacity_bytes: 48GiB}]\n"
+                      "scheduler: {staging_bytes: 128KiB, lookahead_layers: 2}\n")
+    plan = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "32k", "--config", str(config),
+                     "--backend", "vllm")
+    assert plan["gpu"]["fits"] is False and "scheduler.staging_bytes" in plan["gpu"]["refusal"]
+    assert "one per staging region" in plan["gpu"]["refusal"]

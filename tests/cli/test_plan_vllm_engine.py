@@ -13,10 +13,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
 
+import torch  # noqa: E402
+
+from tierkv.blocks import BlockLayout  # noqa: E402
 from tierkv.cli.plan import format_plan, load_shape, make_plan  # noqa: E402
 from tierkv.config import ConfigError, load_config  # noqa: E402
 from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch  # noqa: E402
 from tierkv.integrations.vllm.engine_args import tiered_engine_args  # noqa: E402
+from tierkv.storage.gpu import staging_region_blocks  # noqa: E402
 
 MiB = 1 << 20
 
@@ -75,6 +79,9 @@ def test_the_plan_agrees_with_the_engine_start(shape, c, context, max_num_seqs):
         sized = size_rows_for_batch(model, config, {"max_num_seqs": max_num_seqs})
         engine = tiered_engine_args(model, sized, "unused.yaml", {"max_num_seqs": max_num_seqs}, hot_window=True,
                                     max_model_len=context, gpu_memory_utilization=0.9, enable_prefix_caching=False)
+        if sized.scheduler.policy == "exact":  # the connector's ring at start (`far_staging.main_ring`)
+            layout = BlockLayout(shape["num_key_value_heads"], sized.cache.block_tokens, shape["head_dim"], torch.bfloat16)
+            staging_region_blocks(layout, sized.scheduler.staging_bytes, max(2, sized.scheduler.lookahead_layers + 1))
     except (ConfigError, ValueError):
         assert g["fits"] is False and g["refusal"]
         return

@@ -43,6 +43,8 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     elif pool < window_bytes:
         refusal = ("the pool cannot hold one request's window and prefill tokens in flight: raise the budget, or "
                    "lower cache.window_tokens or scheduler.prefill_chunk_tokens")
+    elif sched.policy == "exact" and (short := _ring_too_small(shape, config, split.staging_bytes, element)):
+        refusal = short
     elif shape.max_context and context > shape.max_context:
         refusal = (f"vLLM refuses a max_model_len past the model's max_position_embeddings ({shape.max_context}) "
                    "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
@@ -54,6 +56,24 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
             "window_bytes_per_request": window_bytes, "windows_at_once": pool // window_bytes,
             "fits": refusal is None, "refusal": refusal, "held_bytes": split.budget_bytes,
             "compiled": not engine["enforce_eager"]}
+
+
+def _ring_too_small(shape, config, staging_bytes: int, element: int) -> str | None:
+    """Why the exact policy's staging ring cannot be made (`far_staging.main_ring`: one block per region
+    at least), or None."""
+    import torch
+
+    from tierkv.blocks import BlockLayout
+    from tierkv.config import ConfigError
+    from tierkv.storage.gpu import staging_region_blocks
+
+    layout = BlockLayout(shape.num_kv_heads, config.cache.block_tokens, shape.head_dim,
+                         torch.float32 if element == 4 else torch.bfloat16)
+    try:
+        staging_region_blocks(layout, staging_bytes, max(2, config.scheduler.lookahead_layers + 1))
+    except ConfigError as exc:
+        return f"{exc.key} {staging_bytes}: {exc.allowed}"
+    return None
 
 
 def vllm_streamed_blocks(config, context: int) -> int:
