@@ -32,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import write_results  # noqa: E402
 from benchmarks.prefix_host_engine import Phases, PrefixEngine, Shape  # noqa: E402
