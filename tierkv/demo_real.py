@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from tierkv.attention.cpu_far import reads_in_place
 from tierkv.config import TierKVConfig, load_config
 from tierkv.units import format_bytes
