@@ -75,3 +75,15 @@ def test_a_float32_checkpoint_is_sized_in_16_bits_as_vllms_auto_dtype_runs_it(tm
     assert needs["float32"] == needs["bfloat16"]
     assert hot_window_pool_need(tmp_path / "float32", load_config("vllm-128k"),
                                 {"max_model_len": 8192, "dtype": "float32"}) == 2 * needs["bfloat16"]
+
+
+def test_a_block_the_tiers_cannot_load_is_recomputed_by_vllm():
+    """vLLM's default kv_load_failure_policy 'fail' fails a request whose block load errs; tierkv's
+    kv_transfer_config asks for 'recompute' (the connector reports such blocks as load errors)."""
+    from vllm.config import KVTransferConfig
+
+    from tierkv.integrations.vllm.config import kv_transfer_config
+
+    assert KVTransferConfig().kv_load_failure_policy == "fail"  # vLLM's default: why tierkv sets it
+    assert KVTransferConfig(**kv_transfer_config("x.yaml")).kv_load_failure_policy == "recompute"
+    assert vllm_engine_args("vllm-128k")["kv_transfer_config"].kv_load_failure_policy == "recompute"

@@ -27,11 +27,14 @@ EXTRA_KEYS = ("config_file", "model_id")
 
 
 def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
-    """The `kv_transfer_config` dict that makes a vLLM engine use tierkv with `config_file`."""
+    """The `kv_transfer_config` dict that makes a vLLM engine use tierkv with `config_file`. A block the
+    tiers cannot load (corrupt, or gone since the lookup) is recomputed by vLLM (`kv_load_failure_policy`
+    'recompute'; vLLM's default 'fail' would fail the request)."""
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"config_file": str(config_file), **extra},
     }
 

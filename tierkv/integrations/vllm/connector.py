@@ -20,6 +20,7 @@ layer by layer). A block that left every tier between lookup and load is reporte
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs
 from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
 
+logger = logging.getLogger(__name__)
 SAVE_RUN_BYTES = 32 << 20  # the most blocks (in the engine's dtype) that wait_for_save reads out at once
 
 if TYPE_CHECKING:
@@ -75,6 +77,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._refused_full = False  # this step was to replay a full decode graph its rows could not use
         if self.hot_window is not None and role == KVConnectorRole.WORKER:
             hot_window.set_window(self.hot_window)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("kv_transfer_config.kv_load_failure_policy is %r: a block the tiers cannot load (corrupt, "
+                           "or gone since the lookup) fails its request; 'recompute' (tierkv's kv_transfer_config "
+                           "sets it) recomputes it", self._kv_transfer_config.kv_load_failure_policy)
 
     # -- the engine's store ------------------------------------------------------------------------
     def _make_store(self, device: torch.device, lookup_only: bool) -> VllmKVStore:
