@@ -140,8 +140,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, TierKVMetadata)
         self.store.poll()
-        if metadata.loads:
-            self.store.begin_loads(metadata.loads)
+        self.store.begin_loads(metadata.loads)  # every step: it also drops what a step that raised left planned
         if self._far is not None:
             for req_id in metadata.finished:
                 self._far.finish(req_id)

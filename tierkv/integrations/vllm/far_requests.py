@@ -120,10 +120,14 @@ class FarPins:
             slots = self.store.saves.pin_for_reader(keys)
         if slots is None:
             held = self.store.num_held(keys)
+            where = f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer}"
+            if held < len(keys):  # the lookup found them; a tier lost them since (evicted, deleted, corrupt)
+                raise RuntimeError(
+                    f"{where}: {len(keys) - held} of {len(keys)} are in no tier any more (lost or found corrupt "
+                    "since the prefix lookup: see the tiers' lost_blocks and corrupt_blocks counts)")
             raise RuntimeError(
-                f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer} cannot be pinned in the CPU "
-                f"tier ({held} of {len(keys)} found in the tiers); the CPU tier must hold the far KV of every "
-                f"running request (raise tiers[0].capacity_bytes)")
+                f"{where} cannot be pinned in the CPU tier (all {len(keys)} found in the tiers); the CPU tier must "
+                "hold the far KV of every running request (raise tiers[0].capacity_bytes)")
         return slots
 
     def keep_slot_lists(self, req: FarRequest) -> None:

@@ -43,7 +43,11 @@ class LayerLoads:
         self._next_layer = 0
 
     def begin(self, spans: Sequence[BlockSpan]) -> None:
-        """Plan this step's loads and start the first `lookahead` layers' H2D copies."""
+        """Plan this step's loads and start the first `lookahead` layers' H2D copies. What an earlier step
+        left planned (its forward raised before its layers ran) is dropped first: vLLM may have given
+        those block ids to another request since (its pins go back at the next `poll`)."""
+        self._loads.clear()
+        self._plan, self._next_layer = [], 0
         spans = [s for s in spans if s.block_ids]
         if not spans:
             return

@@ -1,0 +1,117 @@
+"""The connector when a step goes wrong: a forward that raised after `start_load_kv` leaves no load
+behind for the next step to write into block ids vLLM has given to another request since."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+
+from tests.integrations.vllm.test_connector import NAMES, engine, make_request, run_forward, schedule  # noqa: E402,F401
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+
+
+def blocks_of(ids) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(b) for b in ids),))
+
+
+def test_loads_of_a_step_whose_forward_raised_never_reach_a_later_step(engine):
+    scheduler, worker, caches = engine(disk=False)
+    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    first = make_request("a", prompt)
+    scheduler.get_num_new_matched_tokens(first, 0)
+    scheduler.update_state_after_alloc(first, blocks_of(range(5)), 0)
+    run_forward(worker, caches, scheduler.build_connector_meta(schedule(first, list(range(5)), 0)))
+    repeat = make_request("b", prompt)
+    assert scheduler.get_num_new_matched_tokens(repeat, 0) == (64, False)
+    scheduler.update_state_after_alloc(repeat, blocks_of(range(20, 25)), 64)
+    meta = scheduler.build_connector_meta(schedule(repeat, list(range(20, 25)), 64))
+    worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+    worker.start_load_kv(None)          # the loads planned, the first layers' copies issued
+    worker.clear_connector_metadata()   # ... and the forward raised before its layers ran: b is dropped
+    scheduler.request_finished(repeat, [])
+    kept = {n: torch.full_like(caches[n][20:24], 7.0) for n in NAMES}  # blocks 20..23 now hold c's KV
+    for n in NAMES:
+        caches[n][20:24] = kept[n]
+    other = make_request("d", torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1)).tolist())
+    scheduler.get_num_new_matched_tokens(other, 0)
+    scheduler.update_state_after_alloc(other, blocks_of([50, 51]), 0)
+    run_forward(worker, caches, scheduler.build_connector_meta(schedule(other, [50, 51], 0)))
+    assert [n for n in NAMES if not torch.equal(caches[n][20:24], kept[n])] == []
+
+
+def _hot_forward(worker, meta, order) -> None:
+    """One engine step of the hot-window worker over requests `order` (as vLLM's runner calls it)."""
+    import weakref
+
+    from tests.integrations.vllm.test_hot_window import _Runner
+    from tierkv.integrations.vllm import hot_window
+
+    runner = _Runner(order)
+    hot_window._STATE["runner"] = weakref.ref(runner)
+    try:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for name in NAMES:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, worker._kv_caches[name], None)
+        worker.wait_for_save()
+    finally:
+        worker.clear_connector_metadata()
+        hot_window._STATE["runner"] = None
+        hot_window.set_step(None)
+
+
+def test_a_cpu_tier_too_small_for_the_running_far_kv_names_its_key_and_leaks_no_pin(tmp_path):
+    """Two requests whose far KV together passes the CPU tier: the step that cannot pin the second one's far
+    blocks says the tier must hold them (capacity named, not a loss), and the first request decodes on alone
+    after the second is dropped, with every pin back once both finish."""
+    import random
+
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    from tests.integrations.vllm.test_connector import BS
+    from tests.integrations.vllm.test_hot_window import hot_connectors
+
+    rng = random.Random(0)
+    worker, scheduler, _ = hot_connectors(tmp_path, window=2 * BS, staging_blocks=8, cpu_blocks=36)
+
+    def prefill(req_id: str, block_ids: list[int]):
+        req = make_request(req_id, [rng.randrange(1000) for _ in range(10 * BS + 3)])
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        _hot_forward(worker, scheduler.build_connector_meta(schedule(req, block_ids, 0)), [req_id])
+        req.num_computed_tokens = 10 * BS + 3
+        req.append_output_token_ids(7)
+        return req
+
+    def decode(reqs, finished=()):
+        cached = CachedRequestData.make_empty()
+        cached.req_ids = [r.request_id for r in reqs]
+        cached.num_computed_tokens = [r.num_computed_tokens for r in reqs]
+        cached.new_block_ids = [None for _ in reqs]
+        out = schedule(reqs[0], [], 0)
+        out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
+        out.num_scheduled_tokens = {r.request_id: 1 for r in reqs}
+        out.total_num_scheduled_tokens = len(reqs)
+        out.finished_req_ids = set(finished)
+        _hot_forward(worker, scheduler.build_connector_meta(out), [r.request_id for r in reqs])
+
+    a, b = prefill("A", list(range(0, 11))), prefill("B", list(range(20, 31)))
+    with pytest.raises(RuntimeError, match=r"cannot be pinned in the CPU tier \(all \d+ found in the tiers\).*"
+                                           r"raise tiers\[0\]\.capacity_bytes"):
+        decode([a, b])
+    scheduler.request_finished(b, [])
+    a.num_computed_tokens += 1
+    a.append_output_token_ids(8)
+    decode([a], finished=["B"])  # the first request goes on
+    scheduler.request_finished(a, [])
+    decode_done = CachedRequestData.make_empty()
+    out = schedule(a, [], 0)
+    out.scheduled_new_reqs, out.scheduled_cached_reqs, out.num_scheduled_tokens = [], decode_done, {}
+    out.total_num_scheduled_tokens, out.finished_req_ids = 0, {"A"}
+    _hot_forward(worker, scheduler.build_connector_meta(out), [])
+    worker.store.poll(wait=True)
+    assert sum(worker.store.cpu._pin_state.keys.values()) == 0
