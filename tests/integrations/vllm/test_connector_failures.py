@@ -115,3 +115,41 @@ def test_a_cpu_tier_too_small_for_the_running_far_kv_names_its_key_and_leaks_no_
     _hot_forward(worker, scheduler.build_connector_meta(out), [])
     worker.store.poll(wait=True)
     assert sum(worker.store.cpu._pin_state.keys.values()) == 0
+
+
+def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
+    """Two of a prefix's blocks vanish between the lookup and the load: the worker reports them as load
+    errors, vLLM (recompute policy) schedules the request again from the first of them, and the connector
+    saves what it recomputes, so the next request with the prompt finds the whole prefix again."""
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    from tests.integrations.vllm.test_connector import LAYERS
+
+    scheduler, worker, caches = engine(disk=False)
+    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    first = make_request("a", prompt)
+    scheduler.get_num_new_matched_tokens(first, 0)
+    scheduler.update_state_after_alloc(first, blocks_of(range(5)), 0)
+    run_forward(worker, caches, scheduler.build_connector_meta(schedule(first, list(range(5)), 0)))
+    scheduler.request_finished(first, list(range(5)))
+    worker.store.poll(wait=True)
+    repeat = make_request("b", prompt)
+    assert scheduler.get_num_new_matched_tokens(repeat, 0) == (64, False)
+    ids = list(range(20, 25))
+    scheduler.update_state_after_alloc(repeat, blocks_of(ids), 64)
+    meta = scheduler.build_connector_meta(schedule(repeat, ids, 64))
+    store = scheduler.store
+    store.chain.remove_many([k for layer in range(LAYERS) for k in store.keys(meta.loads[0].hashes[2:], layer)])
+    run_forward(worker, caches, meta)
+    assert worker.get_block_ids_with_load_errors() == {22, 23}
+    cached = CachedRequestData.make_empty()  # vLLM's next step for b: computed up to the first failed block
+    cached.req_ids, cached.num_computed_tokens, cached.new_block_ids = ["b"], [32], [None]
+    out = schedule(repeat, [], 0)
+    out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
+    out.num_scheduled_tokens, out.total_num_scheduled_tokens = {"b": 70 - 32}, 70 - 32
+    again = scheduler.build_connector_meta(out)
+    assert [s.block_ids for s in again.saves] == [[22, 23]]
+    run_forward(worker, caches, again)
+    scheduler.request_finished(repeat, ids)
+    worker.store.poll(wait=True)
+    assert scheduler.get_num_new_matched_tokens(make_request("c", prompt), 0) == (64, False)

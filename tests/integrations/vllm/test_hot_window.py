@@ -288,7 +288,7 @@ def test_missing_hashes_and_a_mismatched_batch_are_clear_errors(tmp_path):
             far.begin_step([("y", 10 * BS, 1)])
         with pytest.raises(ValueError, match="only 1 are known"):
             far.add_hashes("y", 3, ["h3"])
-        with pytest.raises(RuntimeError, match="cannot be pinned"):  # hashes known, blocks never saved
+        with pytest.raises(RuntimeError, match="4 of 4 are in no tier"):  # hashes known, blocks never saved
             far.add_hashes("z", 0, [f"h{i}" for i in range(4)])
             far.begin_step([("z", 4 * BS + BS, 1)])
         with pytest.raises(RuntimeError, match="differ"):

@@ -113,7 +113,7 @@ class ConnectorScheduler:
             if state.pending_load is not None:
                 meta.loads.append(state.pending_load)
                 state.pending_load = None
-            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._add_saves(meta, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
             self._add_hot_window(meta, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -125,7 +125,7 @@ class ConnectorScheduler:
                 state.block_ids = list(new_ids[0])
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._add_saves(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
             self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         if self.hot_window is not None:
             meta.finished = sorted(scheduler_output.finished_req_ids)
@@ -143,9 +143,14 @@ class ConnectorScheduler:
             meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))
             state.hashes_sent = len(hashes)
 
-    def _add_saves(self, meta: TierKVMetadata, state: _RequestState, computed_after_step: int) -> None:
+    def _add_saves(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
+        """The request's blocks this step completes, to save (those the tiers do not hold yet). A step
+        that starts before blocks counted as saved recomputes them: a load that failed (vLLM's recompute
+        policy moved num_computed back to the first block the tiers could not give), so they are saved again."""
         tokens = state.request.all_token_ids
-        full = min(computed_after_step, len(tokens)) // self.block_size
+        if num_new > 0:
+            state.next_block_to_save = min(state.next_block_to_save, num_computed // self.block_size)
+        full = min(num_computed + num_new, len(tokens)) // self.block_size
         full = min(full, len(state.block_ids))
         first = state.next_block_to_save
         if full <= first:

@@ -121,10 +121,10 @@ class FarPins:
         if slots is None:
             held = self.store.num_held(keys)
             where = f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer}"
-            if held < len(keys):  # the lookup found them; a tier lost them since (evicted, deleted, corrupt)
+            if held < len(keys):  # never saved, or a tier lost them since (evicted, deleted, found corrupt)
                 raise RuntimeError(
-                    f"{where}: {len(keys) - held} of {len(keys)} are in no tier any more (lost or found corrupt "
-                    "since the prefix lookup: see the tiers' lost_blocks and corrupt_blocks counts)")
+                    f"{where}: {len(keys) - held} of {len(keys)} are in no tier (never saved, or lost or found "
+                    "corrupt since: see the tiers' lost_blocks and corrupt_blocks counts)")
             raise RuntimeError(
                 f"{where} cannot be pinned in the CPU tier (all {len(keys)} found in the tiers); the CPU tier must "
                 "hold the far KV of every running request (raise tiers[0].capacity_bytes)")
