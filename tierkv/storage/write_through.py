@@ -26,6 +26,8 @@ WRITE_THROUGH_BACKLOG_KEYS = 1 << 16  # per tier: keys kept for a tier that is d
 
 
 class WriteThrough:
+    """The chain's write-through: which tiers get tier 0's blocks, their backlogs while down, the counters."""
+
     def __init__(self, tiers: Sequence[StorageTier], flags: Sequence[bool], lock: threading.Lock,
                  spill: Callable[[int, list[tuple[str, torch.Tensor]]], None]):
         """tiers: the chain's tiers; flags: per tier, whether it is written through (tier 0 never is).
