@@ -13,7 +13,6 @@ request fits in it (16-token blocks, every layer).
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 from dataclasses import asdict, dataclass
@@ -95,11 +94,8 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     block = layout.num_bytes
     num_blocks = -(-context // T)
     if backend == "vllm":  # the hot-window pool: no sinks or far cache, the window's blocks per request
-        vllm_plan = _vllm_plan()
-        gpu = vllm_plan.vllm_gpu_plan(shape, context, config, max_num_seqs)
-        streamed = vllm_plan.vllm_streamed_blocks(config, context)
-        gpu["resident_blocks_per_layer_at_decode"] = num_blocks - vllm_plan.vllm_streamed_blocks(
-            dataclasses.replace(config, scheduler=dataclasses.replace(sched, policy="exact")), context)
+        gpu = _vllm_plan().vllm_gpu_plan(shape, context, config, max_num_seqs)
+        streamed = _vllm_plan().vllm_streamed_blocks(config, context)
     else:
         gpu, streamed = _transformers_gpu(layout, L, context, config)
     cpu = config.tiers[0]

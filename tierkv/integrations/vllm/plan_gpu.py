@@ -55,7 +55,8 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
             "pool_blocks": pool // block_bytes, "pool_block_bytes": block_bytes, "max_num_seqs": max_num_seqs,
             "window_bytes_per_request": window_bytes, "windows_at_once": pool // window_bytes,
             "fits": refusal is None, "refusal": refusal, "held_bytes": split.budget_bytes,
-            "compiled": not engine["enforce_eager"]}
+            "compiled": not engine["enforce_eager"],
+            "resident_blocks_per_layer_at_decode": -(-context // config.cache.block_tokens) - _far_blocks(config, context)}
 
 
 def _ring_too_small(shape, config, staging_bytes: int, element: int) -> str | None:
@@ -76,14 +77,19 @@ def _ring_too_small(shape, config, staging_bytes: int, element: int) -> str | No
     return None
 
 
+def _far_blocks(config, context: int) -> int:
+    """Blocks per layer before the window at decode after `context` tokens: what vLLM's pool does not hold."""
+    T = config.cache.block_tokens
+    return max(0, -(-context // T) - -(-config.cache.window_tokens // T))
+
+
 def vllm_streamed_blocks(config, context: int) -> int:
     """Far blocks per layer one decode step reads over PCIe at most: every block before the window
     (exact), or the sparse selection of `scheduler.sparse_token_budget` tokens (before the far-block
     caches' hits)."""
-    T = config.cache.block_tokens
-    far = max(0, -(-context // T) - -(-config.cache.window_tokens // T))
+    far = _far_blocks(config, context)
     if config.scheduler.policy == "sparse":
-        return min(far, config.scheduler.sparse_token_budget // T)
+        return min(far, config.scheduler.sparse_token_budget // config.cache.block_tokens)
     return far
 
 
