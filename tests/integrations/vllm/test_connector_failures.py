@@ -12,19 +12,43 @@ pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/
 from tests.integrations.vllm.test_connector import NAMES, engine, make_request, run_forward, schedule  # noqa: E402,F401
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData  # noqa: E402
 
 
 def blocks_of(ids) -> KVCacheBlocks:
     return KVCacheBlocks((tuple(KVCacheBlock(b) for b in ids),))
 
 
-def test_loads_of_a_step_whose_forward_raised_never_reach_a_later_step(engine):
-    scheduler, worker, caches = engine(disk=False)
-    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+def cached_step(scheduler, template, steps, finished=()):
+    """The connector's metadata of a vLLM step over running requests: `steps` of (request, its
+    num_computed_tokens, tokens scheduled), `finished` request ids; `template` only shapes the output."""
+    cached = CachedRequestData.make_empty()
+    cached.req_ids = [req.request_id for req, _, _ in steps]
+    cached.num_computed_tokens = [computed for _, computed, _ in steps]
+    cached.new_block_ids = [None for _ in steps]
+    out = schedule(template, [], 0)
+    out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
+    out.num_scheduled_tokens = {req.request_id: new for req, _, new in steps}
+    out.total_num_scheduled_tokens = sum(new for _, _, new in steps)
+    out.finished_req_ids = set(finished)
+    return scheduler.build_connector_meta(out)
+
+
+def saved_prompt(scheduler, worker, caches, seed: int) -> list[int]:
+    """A 70-token prompt a first request computed in blocks 0..4 and saved to the tiers (4 full blocks)."""
+    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(seed)).tolist()
     first = make_request("a", prompt)
     scheduler.get_num_new_matched_tokens(first, 0)
     scheduler.update_state_after_alloc(first, blocks_of(range(5)), 0)
     run_forward(worker, caches, scheduler.build_connector_meta(schedule(first, list(range(5)), 0)))
+    scheduler.request_finished(first, list(range(5)))
+    worker.store.poll(wait=True)
+    return prompt
+
+
+def test_loads_of_a_step_whose_forward_raised_never_reach_a_later_step(engine):
+    scheduler, worker, caches = engine(disk=False)
+    prompt = saved_prompt(scheduler, worker, caches, seed=0)
     repeat = make_request("b", prompt)
     assert scheduler.get_num_new_matched_tokens(repeat, 0) == (64, False)
     scheduler.update_state_after_alloc(repeat, blocks_of(range(20, 25)), 64)
@@ -71,8 +95,6 @@ def test_a_cpu_tier_too_small_for_the_running_far_kv_names_its_key_and_leaks_no_
     after the second is dropped, with every pin back once both finish."""
     import random
 
-    from vllm.v1.core.sched.output import CachedRequestData
-
     from tests.integrations.vllm.test_connector import BS
     from tests.integrations.vllm.test_hot_window import hot_connectors
 
@@ -87,52 +109,36 @@ def test_a_cpu_tier_too_small_for_the_running_far_kv_names_its_key_and_leaks_no_
         req.append_output_token_ids(7)
         return req
 
-    def decode(reqs, finished=()):
-        cached = CachedRequestData.make_empty()
-        cached.req_ids = [r.request_id for r in reqs]
-        cached.num_computed_tokens = [r.num_computed_tokens for r in reqs]
-        cached.new_block_ids = [None for _ in reqs]
-        out = schedule(reqs[0], [], 0)
-        out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
-        out.num_scheduled_tokens = {r.request_id: 1 for r in reqs}
-        out.total_num_scheduled_tokens = len(reqs)
-        out.finished_req_ids = set(finished)
-        _hot_forward(worker, scheduler.build_connector_meta(out), [r.request_id for r in reqs])
+    def decode(reqs, finished=()):  # one token for each of `reqs`
+        meta = cached_step(scheduler, a, [(r, r.num_computed_tokens, 1) for r in reqs], finished)
+        _hot_forward(worker, meta, [r.request_id for r in reqs])
 
-    a, b = prefill("A", list(range(0, 11))), prefill("B", list(range(20, 31)))
-    with pytest.raises(RuntimeError, match=r"cannot be pinned in the CPU tier \(all \d+ found in the tiers\).*"
-                                           r"raise tiers\[0\]\.capacity_bytes"):
-        decode([a, b])
-    scheduler.request_finished(b, [])
-    a.num_computed_tokens += 1
-    a.append_output_token_ids(8)
-    decode([a], finished=["B"])  # the first request goes on
-    scheduler.request_finished(a, [])
-    decode_done = CachedRequestData.make_empty()
-    out = schedule(a, [], 0)
-    out.scheduled_new_reqs, out.scheduled_cached_reqs, out.num_scheduled_tokens = [], decode_done, {}
-    out.total_num_scheduled_tokens, out.finished_req_ids = 0, {"A"}
-    _hot_forward(worker, scheduler.build_connector_meta(out), [])
-    worker.store.poll(wait=True)
-    assert sum(worker.store.cpu._pin_state.keys.values()) == 0
+    try:
+        a, b = prefill("A", list(range(0, 11))), prefill("B", list(range(20, 31)))
+        with pytest.raises(RuntimeError, match=r"cannot be pinned in the CPU tier \(all \d+ found in the tiers\).*"
+                                               r"raise tiers\[0\]\.capacity_bytes"):
+            decode([a, b])
+        scheduler.request_finished(b, [])
+        a.num_computed_tokens += 1
+        a.append_output_token_ids(8)
+        decode([a], finished=["B"])  # the first request goes on
+        scheduler.request_finished(a, [])
+        decode([], finished=["A"])
+        worker.store.poll(wait=True)
+        assert sum(worker.store.cpu._pin_state.keys.values()) == 0
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
 
 
 def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
     """Two of a prefix's blocks vanish between the lookup and the load: the worker reports them as load
     errors, vLLM (recompute policy) schedules the request again from the first of them, and the connector
     saves what it recomputes, so the next request with the prompt finds the whole prefix again."""
-    from vllm.v1.core.sched.output import CachedRequestData
-
     from tests.integrations.vllm.test_connector import LAYERS
 
     scheduler, worker, caches = engine(disk=False)
-    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(2)).tolist()
-    first = make_request("a", prompt)
-    scheduler.get_num_new_matched_tokens(first, 0)
-    scheduler.update_state_after_alloc(first, blocks_of(range(5)), 0)
-    run_forward(worker, caches, scheduler.build_connector_meta(schedule(first, list(range(5)), 0)))
-    scheduler.request_finished(first, list(range(5)))
-    worker.store.poll(wait=True)
+    prompt = saved_prompt(scheduler, worker, caches, seed=2)
     repeat = make_request("b", prompt)
     assert scheduler.get_num_new_matched_tokens(repeat, 0) == (64, False)
     ids = list(range(20, 25))
@@ -142,12 +148,7 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
     store.chain.remove_many([k for layer in range(LAYERS) for k in store.keys(meta.loads[0].hashes[2:], layer)])
     run_forward(worker, caches, meta)
     assert worker.get_block_ids_with_load_errors() == {22, 23}
-    cached = CachedRequestData.make_empty()  # vLLM's next step for b: computed up to the first failed block
-    cached.req_ids, cached.num_computed_tokens, cached.new_block_ids = ["b"], [32], [None]
-    out = schedule(repeat, [], 0)
-    out.scheduled_new_reqs, out.scheduled_cached_reqs = [], cached
-    out.num_scheduled_tokens, out.total_num_scheduled_tokens = {"b": 70 - 32}, 70 - 32
-    again = scheduler.build_connector_meta(out)
+    again = cached_step(scheduler, repeat, [(repeat, 32, 70 - 32)])  # vLLM's next step: from the first failed block
     assert [s.block_ids for s in again.saves] == [[22, 23]]
     run_forward(worker, caches, again)
     scheduler.request_finished(repeat, ids)
