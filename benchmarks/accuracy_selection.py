@@ -65,31 +65,33 @@ def _summaries(keys: torch.Tensor, block_tokens: int, weight: float):
     return summaries
 
 
+def _top_pairs(group_mass: torch.Tensor, k: int, num_heads: int) -> torch.Tensor:
+    """The k x H_kv (KV head, block) pairs of most mass in `group_mass` [H_kv, nf], any number per KV head,
+    as a mask [num_heads, nf] (each KV head's row for its query heads)."""
+    num_kv, nf = group_mass.shape
+    kept = torch.zeros(num_kv * nf, dtype=torch.bool, device=group_mass.device)
+    kept[group_mass.flatten().topk(k * num_kv).indices] = True
+    return kept.reshape(num_kv, nf).repeat_interleave(num_heads // num_kv, dim=0)
+
+
 def _selection(rule: str, summaries, q: torch.Tensor, probs: torch.Tensor, far: range, k: int,
-               block_tokens: int, num_kv: int, near: dict) -> torch.Tensor:
+               block_tokens: int, num_kv: int, near: dict | None) -> torch.Tensor:
     """The far blocks each query head reads: int64 [H, k] (0-based within `far`), or a bool mask [H, nf]. q [H, D] after rotary,
     summaries: `_summaries` of the keys (rules weight, kv_group), probs [H, L] the true softmax of this
-    step (oracles)."""
+    step (oracles), near: the scaling and each head's log-sum-exp over the exactly read tokens (kv_adaptive)."""
     from tierkv.sparse import select_far_blocks_per_kv_head
 
     H, T = q.shape[0], block_tokens
     if rule.startswith("oracle"):
         mass = probs[:, far.start * T : far.stop * T].reshape(H, len(far), T).sum(-1)       # [H, nf]
         if rule == "oracle_kv_adaptive":  # k x H_kv (KV head, block) pairs of most mass, any number per KV head
-            group = mass.reshape(num_kv, H // num_kv, len(far)).sum(1)                        # [H_kv, nf]
-            chosen = group.flatten().topk(k * num_kv).indices
-            kept = torch.zeros(num_kv * len(far), dtype=torch.bool, device=q.device)
-            kept[chosen] = True
-            return kept.reshape(num_kv, len(far)).repeat_interleave(H // num_kv, dim=0)      # a mask [H, nf]
+            return _top_pairs(mass.reshape(num_kv, H // num_kv, len(far)).sum(1), k, H)
         return (mass.topk(k, dim=1).indices if rule == "oracle_head"
                 else mass.mean(0).topk(k).indices.expand(H, k))
     if rule == "kv_adaptive":  # each (query head, block)'s mass estimated from its bound, summed per KV head
         bounds = summaries.head_bounds(0, q, far) * near["scaling"] + math.log(T)             # [H, nf]
         lse = torch.logaddexp(bounds.logsumexp(1, keepdim=True), near["lse"][:, None])
-        group = (bounds - lse).exp().reshape(num_kv, H // num_kv, len(far)).sum(1)            # [H_kv, nf]
-        kept = torch.zeros(num_kv * len(far), dtype=torch.bool, device=q.device)
-        kept[group.flatten().topk(k * num_kv).indices] = True
-        return kept.reshape(num_kv, len(far)).repeat_interleave(H // num_kv, dim=0)
+        return _top_pairs((bounds - lse).exp().reshape(num_kv, H // num_kv, len(far)).sum(1), k, H)
     if rule == "weight":  # tierkv's selection: the same call its sparse decode makes
         return summaries.upper_bounds(0, q, far).topk(k).indices.expand(H, k)
     if rule == "kv_group":  # tierkv's scheduler.sparse_selection: per_kv_head
@@ -124,10 +126,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         far = layout.far_blocks(t0)
         if len(far) <= k or module.layer_idx in _RUN["dense_layers"]:
             continue
-        probs = torch.softmax(scores[:, i, : t0 + 1], dim=-1)
         row = scores[:, i, : t0 + 1]
-        near = {"scaling": scaling, "lse": torch.logaddexp(row[:, : far.start * T].logsumexp(-1),
-                                                           row[:, far.stop * T :].logsumexp(-1))}
+        probs = torch.softmax(row, dim=-1)
+        near = None if rule != "kv_adaptive" else {  # the sinks' and window's scores, read exactly
+            "scaling": scaling, "lse": torch.logaddexp(row[:, : far.start * T].logsumexp(-1),
+                                                       row[:, far.stop * T :].logsumexp(-1))}
         chosen = _selection(rule, summaries, q[:, i], probs, far, k, T, num_kv, near)
         kept = (chosen if chosen.dtype == torch.bool
                 else torch.zeros(H, len(far), dtype=torch.bool, device=query.device).scatter_(1, chosen, True))
