@@ -134,6 +134,22 @@ def test_missing_or_broken_file(tmp_path):
         load_config(broken, env={})
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "   \n \n", "\ufeff"])
+def test_an_empty_file_is_refused_not_read_as_the_defaults(tmp_path, text):
+    """A file with nothing in it (truncated, or never written) is not a choice of the defaults."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        load_config(empty, env={})
+
+
+@pytest.mark.parametrize("text", ["{}\n", "# every setting at its default\n", "---\n{}\n"])
+def test_an_explicitly_empty_config_is_the_defaults(tmp_path, text):
+    chosen = tmp_path / "defaults.yaml"
+    chosen.write_text(text)
+    assert load_config(chosen, env={}) == load_config(None, env={})
+
+
 def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_request():
     """configs/vllm-128k-sparse.yaml as FarKV sizes it for Llama-3.1-8B (32 layers, 8 KV heads of
     128, bf16) as written: one decoding row with a far-block cache per layer, no warning, within its

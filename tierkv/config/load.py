@@ -147,6 +147,9 @@ def _read_yaml(path: Path) -> dict:
     except _YAML_ERRORS as exc:
         raise ConfigError("config_file", str(path), f"expected valid YAML ({exc})") from None
     if data is None:
+        if not text.strip():  # a file truncated or never written, not a choice of the defaults
+            raise ConfigError("config_file", str(path), "expected YAML settings; the file is empty (write `{}` "
+                              "or a comment for the defaults)")
         return {}
     if not isinstance(data, dict):
         raise ConfigError("config_file", str(path), "expected a mapping at the top level")
