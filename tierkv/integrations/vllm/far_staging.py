@@ -1,6 +1,6 @@
 """How the hot window's far path divides `scheduler.staging_bytes` between its device buffers.
 
-Primitives: `FarStaging`, `split_staging`, `main_ring`. No vLLM import.
+Primitives: `FarStaging`, `split_staging`, `carve_staging`, `main_ring`. No vLLM import.
 
     staging_bytes = main ring (streamed chunks, copied layers ahead; at least lookahead + 1 regions)
                   + eager sparse regions: 2 x min(k, staging blocks / 4) blocks          (sparse only)
@@ -43,6 +43,38 @@ def main_ring(store, staging_bytes: int) -> GpuBlockPool:
                         store.device)
 
 
+@dataclass(frozen=True)
+class StagingShares:
+    """The byte sizes `split_staging` carves scheduler.staging_bytes into (no device memory)."""
+
+    eager_bytes: int        # the eager sparse fetches' two regions (0: exact policy)
+    graph_rows: int         # decoding rows the graphs serve with far-block caches
+    per_layer: bool         # whether those caches keep selections per layer
+    warning: str | None     # why they keep less, if they do
+    cache_bytes: int        # the caches' blocks
+    packed_bytes: int       # a quantized CPU tier's codes and scales for the rows' selections
+    ring_bytes: int         # the rest: the main ring the lookahead streamer copies chunks through
+
+
+def carve_staging(staging_bytes: int, block_bytes: int, num_layers: int, sparse_blocks: int | None,
+                  graphed_rows: int, selections: int, slot_bytes: int) -> StagingShares:
+    """The shares of `staging_bytes` for blocks of `block_bytes` (one layer's): sparse_blocks k (None: the
+    exact policy, all of it the ring); graphed_rows the rows the step graphs serve at most (0: no graphs);
+    slot_bytes a quantized CPU tier's block (0: the tier stores the KV dtype). The one arithmetic of the
+    engine at start and of `tierkv plan --backend vllm`."""
+    if sparse_blocks is None:
+        return StagingShares(0, 0, True, None, 0, 0, staging_bytes)
+    k = sparse_blocks
+    eager = 2 * min(k, max(1, staging_bytes // block_bytes // 4)) * block_bytes
+    rows, per_layer, warning = 0, True, None
+    if graphed_rows:
+        rows, per_layer, warning = cache_rows(graphed_rows, selections, staging_bytes, eager, num_layers, k,
+                                              block_bytes, k * slot_bytes)
+    cache_bytes = rows * RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer, max(1, selections))
+    packed = rows * k * slot_bytes
+    return StagingShares(eager, rows, per_layer, warning, cache_bytes, packed, staging_bytes - eager - packed - cache_bytes)
+
+
 def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
@@ -63,25 +95,14 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> Far
                         scheduler.sparse_bound_weight)
               if sparse_blocks is not None else None)  # fmt: skip
     is_graphed = source is not None and scheduler.sparse_cuda_graphs and source.graphs_usable()
-    sparse_bytes = graph_rows = 0
-    per_layer, warning = True, None
-    if sparse_blocks is not None:
-        k = sparse_blocks
-        region = min(k, max(1, staging_bytes // layout.num_bytes // 4))
-        sparse_bytes = 2 * region * layout.num_bytes
-        if is_graphed:
-            codes = k * store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
-            graph_rows, per_layer, warning = cache_rows(
-                max(1, min(max_rows, scheduler.sparse_graph_rows)), scheduler.sparse_cache_selections,
-                staging_bytes, sparse_bytes, store.num_layers, k, layout.num_bytes, codes)  # fmt: skip
-    row_caches = (RowCaches(graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype, store.device,
-                            per_layer, max(1, scheduler.sparse_cache_selections))
-                  if graph_rows else None)  # fmt: skip
-    packed_bytes = 0
-    if row_caches is not None and store.cpu.quant_format is not None:
-        packed_bytes = graph_rows * sparse_blocks * store.cpu.slot_bytes
-    cache_bytes = row_caches.num_bytes if row_caches is not None else 0
-    pool = main_ring(store, staging_bytes - sparse_bytes - packed_bytes - cache_bytes)
-    sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), sparse_bytes, 2, store.device)
-                   if sparse_bytes else None)  # fmt: skip
-    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, warning)
+    shares = carve_staging(staging_bytes, layout.num_bytes, store.num_layers, sparse_blocks,
+                           max(1, min(max_rows, scheduler.sparse_graph_rows)) if is_graphed else 0,
+                           scheduler.sparse_cache_selections,
+                           store.cpu.slot_bytes if store.cpu.quant_format is not None else 0)
+    row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
+                            store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
+                  if shares.graph_rows else None)  # fmt: skip
+    pool = main_ring(store, shares.ring_bytes)
+    sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
+                   if shares.eager_bytes else None)  # fmt: skip
+    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning)

@@ -43,7 +43,7 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     elif pool < window_bytes:
         refusal = ("the pool cannot hold one request's window and prefill tokens in flight: raise the budget, or "
                    "lower cache.window_tokens or scheduler.prefill_chunk_tokens")
-    elif sched.policy == "exact" and (short := _ring_too_small(shape, config, split.staging_bytes, element)):
+    elif short := _ring_too_small(shape, config, split.staging_bytes, element, max_num_seqs, dims, engine):
         refusal = short
     elif shape.max_context and context > shape.max_context:
         refusal = (f"vLLM refuses a max_model_len past the model's max_position_embeddings ({shape.max_context}) "
@@ -59,21 +59,34 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
             "resident_blocks_per_layer_at_decode": -(-context // config.cache.block_tokens) - _far_blocks(config, context)}
 
 
-def _ring_too_small(shape, config, staging_bytes: int, element: int) -> str | None:
-    """Why the exact policy's staging ring cannot be made (`far_staging.main_ring`: one block per region
-    at least), or None."""
+def _ring_too_small(shape, config, staging_bytes: int, element: int, max_num_seqs: int, dims: dict,
+                    engine: dict) -> str | None:
+    """Why the staging's main ring cannot be made at start (`far_staging.main_ring`: one block per region
+    at least, in what the sparse policy's eager regions, far-block caches and codes leave of the staging,
+    `far_staging.carve_staging`), or None. The sparse step graphs are taken to be usable (a GPU)."""
     import torch
 
     from tierkv.blocks import BlockLayout
     from tierkv.config import ConfigError
+    from tierkv.integrations.vllm.far_staging import carve_staging
+    from tierkv.integrations.vllm.pool_sizing import quantized_block_bytes
     from tierkv.storage.gpu import staging_region_blocks
 
+    sched = config.scheduler
     layout = BlockLayout(shape.num_kv_heads, config.cache.block_tokens, shape.head_dim,
                          torch.float32 if element == 4 else torch.bfloat16)
+    sparse_blocks = max(1, sched.sparse_token_budget // layout.block_tokens) if sched.policy == "sparse" else None
+    graphed = max(1, min(max_num_seqs, sched.sparse_graph_rows)) if sched.sparse_cuda_graphs else 0
+    shares = carve_staging(staging_bytes, layout.num_bytes, shape.num_layers, sparse_blocks, graphed,
+                           sched.sparse_cache_selections, quantized_block_bytes(dims, config, engine))
     try:
-        staging_region_blocks(layout, staging_bytes, max(2, config.scheduler.lookahead_layers + 1))
+        staging_region_blocks(layout, shares.ring_bytes, max(2, sched.lookahead_layers + 1))
     except ConfigError as exc:
-        return f"{exc.key} {staging_bytes}: {exc.allowed}"
+        if shares.ring_bytes == staging_bytes:
+            return f"{exc.key} {staging_bytes}: {exc.allowed}"
+        return (f"{exc.key} {staging_bytes}: the main ring gets {shares.ring_bytes} bytes beside the eager sparse "
+                f"regions ({shares.eager_bytes}), far-block caches ({shares.cache_bytes}) and codes "
+                f"({shares.packed_bytes}); it {exc.allowed}")
     return None
 
 
