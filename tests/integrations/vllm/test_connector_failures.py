@@ -65,6 +65,7 @@ def test_loads_of_a_step_whose_forward_raised_never_reach_a_later_step(engine):
     scheduler.update_state_after_alloc(other, blocks_of([50, 51]), 0)
     run_forward(worker, caches, scheduler.build_connector_meta(schedule(other, [50, 51], 0)))
     assert [n for n in NAMES if not torch.equal(caches[n][20:24], kept[n])] == []
+    assert worker.store.counts["blocks_loaded"] == 0  # the dropped step's planned blocks never landed
 
 
 def _hot_forward(worker, meta, order) -> None:
@@ -148,6 +149,7 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
     store.chain.remove_many([k for layer in range(LAYERS) for k in store.keys(meta.loads[0].hashes[2:], layer)])
     run_forward(worker, caches, meta)
     assert worker.get_block_ids_with_load_errors() == {22, 23}
+    assert worker.store.counts["blocks_loaded"] == 2  # of the four planned, the two that landed
     again = cached_step(scheduler, repeat, [(repeat, 32, 70 - 32)])  # vLLM's next step: from the first failed block
     assert [s.block_ids for s in again.saves] == [[22, 23]]
     run_forward(worker, caches, again)

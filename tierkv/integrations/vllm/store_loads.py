@@ -29,12 +29,14 @@ class _LayerLoad:
 
 class LayerLoads:
     """The loads of a `VllmKVStore` (a worker's): reads its keys, tiers, block I/O, paged layout and
-    registered caches; counts blocks_loaded and load_failures in its counts. lock: the store's,
+    registered caches; counts blocks_loaded (blocks whose every layer landed in vLLM's cache) and
+    load_failures in its counts. lock: the store's,
     held where the tiers are touched."""
 
     def __init__(self, store, lock):
         self.store, self._lock = store, lock
         self.error_block_ids: set[int] = set()
+        self._step_errors: set[int] = set()  # this step's blocks some layer of which no tier held
         self._loads: dict[int, _LayerLoad] = {}
         self._plan: list[BlockSpan] = []
         self._ids = torch.empty(0, dtype=torch.int64)
@@ -48,13 +50,13 @@ class LayerLoads:
         those block ids to another request since (its pins go back at the next `poll`)."""
         self._loads.clear()
         self._plan, self._next_layer = [], 0
+        self._step_errors = set()
         spans = [s for s in spans if s.block_ids]
         if not spans:
             return
         self._plan = list(spans)
         self._ids = torch.tensor([b for s in spans for b in s.block_ids], dtype=torch.int64)
         self._hashes = [h for s in spans for h in s.hashes]
-        self.store.counts["blocks_loaded"] += len(self._hashes)
         self._next_layer = 0
         while self._next_layer < min(self.store.lookahead, self.store.num_layers):
             self._issue(self._next_layer)
@@ -80,6 +82,7 @@ class LayerLoads:
             missing = [i for i, b in enumerate(found) if b is None]
             if missing:
                 self.error_block_ids.update(int(ids[i]) for i in missing)
+                self._step_errors.update(int(ids[i]) for i in missing)
                 store.counts["load_failures"] += len(missing)
             present = [i for i, b in enumerate(found) if b is not None]
             handle = None
@@ -104,6 +107,8 @@ class LayerLoads:
             self._issue(self._next_layer)
             self._next_layer += 1
         if layer == store.num_layers - 1:
+            if self._plan:  # every layer's blocks written (a forward that raised before here counts none)
+                store.counts["blocks_loaded"] += len(self._hashes) - len(self._step_errors)
             self._plan = []
 
     def take_errors(self) -> set[int]:
