@@ -34,6 +34,7 @@ table    accuracy per mode x length x task; per tierkv mode, prompts whose token
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -53,6 +54,7 @@ from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, build_prompts, score  
 from benchmarks.vllm_accuracy_table import format_table, load_runs, run_file  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
+STALL_DUMP_S = 120  # a generate call running this long prints every thread's stack (then again each period)
 
 
 def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_token_budget: int = SPARSE_TOKEN_BUDGET) -> int:
@@ -83,7 +85,12 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
         results["stage"] = f"generate {context}"
         write_results(out, results)
         start = time.perf_counter()
-        error = _generate_group(engine, tokenizer, prompts, group, results["prompts"])
+        # a group that stalls shows where: each thread's stack on stderr every STALL_DUMP_S while it runs
+        faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
+        try:
+            error = _generate_group(engine, tokenizer, prompts, group, results["prompts"])
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         failed += error is not None
         wall_s = round(time.perf_counter() - start, 2)
         correct = sum(bool(results["prompts"][i].get("correct")) for i in group)

@@ -69,13 +69,20 @@ def tierkv_config(mode: str, shape: KvShape, sparse_token_budget: int = SPARSE_T
     block = 64
     if sparse_token_budget < block or sparse_token_budget % block:
         raise ValueError(f"--sparse-token-budget: got {sparse_token_budget}; a positive multiple of the {block}-token block")
-    from tierkv.integrations.vllm.resize_plan import window_blocks
+    from tierkv.config import load_config
+    from tierkv.integrations.vllm.pool_sizing import hot_window_pool_need
     from tierkv.sparse.request_summaries import summary_bytes_per_request
     from tierkv.sparse.row_caches import staging_for_caches
 
     k, block_bytes = sparse_token_budget // block, shape.block_bytes(block)
     staging = staging_for_caches(1, 1, 2 * k * block_bytes, shape.num_layers, k, block_bytes, 0)
-    pool = window_blocks(WINDOW_TOKENS, PREFILL_CHUNK_TOKENS, MAX_MODEL_LEN, block) * block_bytes * shape.num_layers
+    dims = {"num_hidden_layers": shape.num_layers, "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "max_position_embeddings": MAX_MODEL_LEN, "dtype_bytes": shape.dtype_bytes,
+            "sliding_window": None}
+    windowed = load_config({"cache": {"block_tokens": block, "window_tokens": WINDOW_TOKENS}}, env={})
+    # the least pool vLLM admits a request into (its null block included: one block less stepped idle)
+    pool = hot_window_pool_need(dims, windowed, {"max_num_batched_tokens": PREFILL_CHUNK_TOKENS,
+                                                 "max_model_len": MAX_MODEL_LEN})
     summaries = summary_bytes_per_request(MAX_MODEL_LEN, block, shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                           shape.dtype_bytes)
     return {"cache": {"block_tokens": block, "window_tokens": WINDOW_TOKENS,

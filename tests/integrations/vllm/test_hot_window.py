@@ -1790,9 +1790,9 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
                           "scheduler": {"prefill_chunk_tokens": 8192}}, env={})
     page = 2 * 8 * 64 * 128 * 2  # K and V of 8 KV heads of 128 in bf16, 64-token blocks
     sync = {"max_num_batched_tokens": 8192, "max_model_len": 131072}
-    assert hot_window_pool_need(model, config, sync) == 32 * (-(-(2047 + 8192) // 64) + 1) * page
+    assert hot_window_pool_need(model, config, sync) == 32 * (-(-(2047 + 8192) // 64) + 2) * page  # + the bound + the null block
     both = {**sync, "async_scheduling": True}
-    assert hot_window_pool_need(model, config, both) == 32 * (-(-(2047 + 16384) // 64) + 1) * page
+    assert hot_window_pool_need(model, config, both) == 32 * (-(-(2047 + 16384) // 64) + 2) * page
     assert hot_window_pool_need(model, config, {**both, "max_num_batched_tokens": 4096}) == \
         hot_window_pool_need(model, config, sync)
     pool = 1476395008  # 1.375 GiB: enough for the sync need (1.26 GiB), not for the async one (2.26 GiB)
@@ -1801,11 +1801,11 @@ def test_hot_window_pool_check_names_the_keys_and_counts_async_in_flight_tokens(
         check_hot_window_pool(model, config, {**both, "kv_cache_memory_bytes": pool})
     # max_model_len caps the window's tokens; fp8 KV halves each page
     short = {**both, "max_model_len": 4096, "kv_cache_dtype": "fp8"}
-    assert hot_window_pool_need(model, config, short) == 32 * (4096 // 64 + 1) * page // 2
+    assert hot_window_pool_need(model, config, short) == 32 * (4096 // 64 + 2) * page // 2
     # a model's own smaller sliding window is what vLLM sizes those layers by; one turned off is not
     (tmp_path / "own").mkdir(), (tmp_path / "off").mkdir()
     own = _checkpoint(tmp_path / "own", sliding_window=1024)
-    assert hot_window_pool_need(own, config, sync) == 32 * (-(-(1023 + 8192) // 64) + 1) * page
+    assert hot_window_pool_need(own, config, sync) == 32 * (-(-(1023 + 8192) // 64) + 2) * page
     off = _checkpoint(tmp_path / "off", sliding_window=1024, use_sliding_window=False)
     assert hot_window_pool_need(off, config, sync) == hot_window_pool_need(model, config, sync)
 

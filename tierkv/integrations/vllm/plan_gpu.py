@@ -53,7 +53,9 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     return {"backend": "vllm", "budget_bytes": split.budget_bytes, "staging_bytes": split.staging_bytes,
             "summary_bytes": summaries, "full_graph_bytes": codes, "pool_bytes": split.pool_bytes,
             "pool_blocks": pool // block_bytes, "pool_block_bytes": block_bytes, "max_num_seqs": max_num_seqs,
-            "window_bytes_per_request": window_bytes, "windows_at_once": pool // window_bytes,
+            "window_bytes_per_request": window_bytes,
+            # the pool's null block counted once: each request past the first needs its window's blocks alone
+            "windows_at_once": max(0, pool // block_bytes - 1) // max(1, window_bytes // block_bytes - 1),
             "fits": refusal is None, "refusal": refusal, "held_bytes": split.budget_bytes,
             "compiled": not engine["enforce_eager"],
             "resident_blocks_per_layer_at_decode": -(-context // config.cache.block_tokens) - _far_blocks(config, context)}

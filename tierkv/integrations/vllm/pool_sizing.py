@@ -32,11 +32,13 @@ def engine_dtype_bytes(engine_kwargs: dict) -> int:
 
 
 def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -> int:
-    """Bytes vLLM's start-up check asks of the hot-window pool for one request, at least: every
-    layer's window of `cache.window_tokens` (the model's own sliding window when smaller) plus the
-    tokens in flight (max_num_batched_tokens, twice that
-    under vLLM's async scheduling, which keeps two batches in flight), capped at max_model_len, in
-    blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound)."""
+    """Bytes of the hot-window pool vLLM needs to admit one request: every layer's window of
+    `cache.window_tokens` (the model's own sliding window when smaller) plus the tokens in flight
+    (max_num_batched_tokens, twice that under vLLM's async scheduling, which keeps two batches in flight),
+    capped at max_model_len, in blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound):
+    what vLLM's admission asks free (`max_admission_blocks_per_request` with `scheduler_reserve_full_isl`);
+    plus vLLM's null block, which the pool never frees. vLLM's own start-up check leaves the null block
+    out: a pool of exactly the admission's blocks starts, then admits no request and steps idle forever."""
     shape = checkpoint_shape(model_dir)
     tokens = config.cache.block_tokens
     in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)
@@ -46,7 +48,7 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     # a model with its own sliding window keeps those layers' spec: the smaller window, so the check
     # never asks more than vLLM does (a larger own window is left to vLLM's check)
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
-    blocks = window_blocks(window, in_flight, max_len, tokens)
+    blocks = window_blocks(window, in_flight, max_len, tokens) + 1  # + vLLM's null block
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
                engine_dtype_bytes(engine_kwargs))
     return (shape["num_hidden_layers"] * blocks * 2 * rank_kv_heads(shape, engine_kwargs) * tokens

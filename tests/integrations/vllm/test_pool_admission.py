@@ -1,0 +1,97 @@
+"""The hot-window pool tierkv's start-up check accepts is one vLLM admits a request into.
+
+vLLM 0.26 admits a waiting request only when its whole admission (`max_admission_blocks_per_request`
+under `scheduler_reserve_full_isl`, on by default) is free, and its pool never frees the null block.
+A pool of exactly the admission's blocks passes vLLM's own start-up check, then admits nothing: the
+engine steps idle forever (seen on the GPU with the real SmolLM2 model under the sparse policy, where the
+key summaries left vLLM 11 blocks for an 11-block admission). Here vLLM's own KV cache manager decides,
+on drawn shapes and configs: the smallest pool `check_hot_window_pool` accepts admits the first chunk;
+one block less, which it refuses, would not have.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+
+import torch  # noqa: E402
+from vllm.config import SchedulerConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from tierkv.config import ConfigError, load_config  # noqa: E402
+from tierkv.integrations.vllm.pool_sizing import check_hot_window_pool, hot_window_pool_need  # noqa: E402
+
+
+def _admits(num_blocks: int, spec: SlidingWindowSpec, layers: int, prompt: int, chunk: int, in_flight: int,
+            max_model_len: int) -> bool:
+    """Whether vLLM's KV cache manager (its scheduler's admission of a waiting request) gives a fresh
+    `prompt`-token request its first chunk in a pool of `num_blocks`."""
+    names = [f"layer.{i}" for i in range(layers)]
+    tensors = [KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in names]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                           kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+    manager = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=spec.block_size,
+                             hash_block_size=spec.block_size, max_in_flight_tokens=in_flight, enable_caching=False)
+    request = Request("r", list(range(prompt)), SamplingParams(max_tokens=4), None)
+    got = manager.allocate_slots(request, min(chunk, prompt), full_sequence_must_fit=True, has_scheduled_reqs=False)
+    return got is not None
+
+
+def test_vllm_admits_whole_requests_by_default():
+    """What this file's check stands on: vLLM's scheduler reserves a request's whole admission."""
+    assert SchedulerConfig.__dataclass_fields__["scheduler_reserve_full_isl"].default is True
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(layers=st.integers(1, 30), kv_heads=st.sampled_from([1, 3, 8]), head_dim=st.sampled_from([64, 128]),
+       block=st.sampled_from([16, 32, 64]), window=st.sampled_from([64, 128, 2048]),
+       chunk=st.sampled_from([256, 512, 2048, 8192]), use_async=st.booleans(),
+       max_model_len=st.sampled_from([4096, 8192, 131072]), prompt=st.integers(1, 20000))
+def test_the_smallest_pool_the_check_accepts_admits_a_request(tmp_path, layers, kv_heads, head_dim, block, window,
+                                                               chunk, use_async, max_model_len, prompt):
+    prompt = min(prompt, max_model_len - 1)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": layers, "num_attention_heads": kv_heads * 3, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "hidden_size": kv_heads * 3 * head_dim, "max_position_embeddings": max_model_len}))
+    config = load_config({"cache": {"block_tokens": block, "window_tokens": window},
+                          "scheduler": {"prefill_chunk_tokens": chunk}}, env={})
+    engine = {"max_num_batched_tokens": chunk, "max_model_len": max_model_len, "async_scheduling": use_async}
+    spec = SlidingWindowSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim, dtype=torch.bfloat16,
+                             sliding_window=window)
+    block_bytes = spec.page_size_bytes * layers
+    need = hot_window_pool_need(str(model), config, engine)
+    assert need % block_bytes == 0
+    smallest = need // block_bytes
+    check_hot_window_pool(str(model), config, {**engine, "kv_cache_memory_bytes": smallest * block_bytes})
+    in_flight = chunk * (2 if use_async else 1)
+    assert _admits(smallest, spec, layers, prompt, chunk, in_flight, max_model_len)
+    with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
+        check_hot_window_pool(str(model), config, {**engine, "kv_cache_memory_bytes": (smallest - 1) * block_bytes})
+
+
+def test_the_real_models_sparse_pool_that_stepped_idle_is_refused(tmp_path):
+    """SmolLM2-135M's shape (30 layers, 3 KV heads of 64) with the accuracy run's sparse settings: a pool
+    of 11 blocks (what the summaries left) passed vLLM's check and admitted nothing; tierkv refuses it
+    and accepts 12, which vLLM admits."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "hidden_size": 576, "max_position_embeddings": 8192}))
+    config = load_config({"cache": {"block_tokens": 64, "window_tokens": 128},
+                          "scheduler": {"prefill_chunk_tokens": 512}}, env={})
+    engine = {"max_num_batched_tokens": 512, "max_model_len": 8192}
+    spec = SlidingWindowSpec(block_size=64, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    block_bytes = spec.page_size_bytes * 30
+    assert not _admits(11, spec, 30, 2112, 512, 512, 8192)
+    with pytest.raises(ConfigError, match="needs 16.88 MiB"):
+        check_hot_window_pool(str(tmp_path), config, {**engine, "kv_cache_memory_bytes": 11 * block_bytes})
+    check_hot_window_pool(str(tmp_path), config, {**engine, "kv_cache_memory_bytes": 12 * block_bytes})
+    assert _admits(12, spec, 30, 2112, 512, 512, 8192)
