@@ -43,10 +43,10 @@ def _fits(model, config, kwargs_in: dict, rows: int, codes_per_row: int = 0):
     return config, kwargs
 
 
-def test_the_sparse_config_runs_one_request_compiled_in_two_gib_with_the_prefetch(tmp_path):
+def test_the_sparse_config_runs_one_request_compiled_in_its_budget_with_the_prefetch(tmp_path):
     """configs/vllm-128k-sparse.yaml: one 128k request of the 8B shape. TieredLLM starts vLLM compiled
-    (the full decode graph) without being told; vLLM's pool holds the window and two prefill chunks
-    in flight (async scheduling); the caches keep two selections per layer with room for the margin,
+    (the full decode graph) without being told; vLLM's pool holds the window and two 8192-token prefill
+    chunks in flight (async scheduling); the caches keep two selections per layer with room for the margin,
     and the staging as written already suffices (the sizing changes nothing)."""
     config = load_config(SPARSE, env={})
     sched = config.scheduler
@@ -59,14 +59,15 @@ def test_the_sparse_config_runs_one_request_compiled_in_two_gib_with_the_prefetc
     assert kwargs["compilation_config"]["cudagraph_capture_sizes"][-1] >= 1
 
 
-@pytest.mark.parametrize("rows,budget_gib,dtype", [(4, 6, "auto"), (10, 60, "float8_e4m3fn"), (3, 8, "int8")])
+@pytest.mark.parametrize("rows,budget_gib,dtype", [(4, 6.5, "auto"), (10, 60, "float8_e4m3fn"), (3, 8, "int8")])
 def test_the_sparse_config_sizes_its_rows_and_staging_for_a_batch(tmp_path, rows, budget_gib, dtype):
-    """The same file with max_num_seqs=N and a larger budget (what its comment says to change): the
+    """The same file with max_num_seqs=N and a larger budget (what its comment says to change: about 1 GiB
+    more per request past the first): the
     graphs serve N rows and every row keeps two selections per layer (a quantized tier's code
     buffers included), where the file as written would copy every block each step."""
     raw = load_config(SPARSE, env={})
     cpu = dataclasses.replace(raw.tiers[0], storage_dtype=dtype)
-    config = dataclasses.replace(raw, cache=dataclasses.replace(raw.cache, gpu_budget_bytes=budget_gib << 30),
+    config = dataclasses.replace(raw, cache=dataclasses.replace(raw.cache, gpu_budget_bytes=int(budget_gib * (1 << 30))),
                                  tiers=[cpu, *raw.tiers[1:]])
     k = config.scheduler.sparse_token_budget // config.cache.block_tokens
     codes = k * (BLOCK_BYTES // 2 + 2 * 8 * 4) if dtype != "auto" else 0
@@ -82,7 +83,7 @@ def test_the_sparse_config_sizes_its_rows_and_staging_for_a_batch(tmp_path, rows
 
 
 def test_a_batch_too_large_for_the_budget_is_refused_before_vllm_starts(tmp_path):
-    """Ten requests in the file's 2 GiB: the sized staging and summaries leave vLLM's pool nothing;
+    """Ten requests in the file's 3.5 GiB: the sized staging and summaries leave vLLM's pool nothing;
     the error names the budget and the parts that took it."""
     config = load_config(SPARSE, env={})
     model = _checkpoint(tmp_path)
@@ -123,7 +124,7 @@ def test_tieredllm_hands_the_connector_the_sized_config_and_removes_it_at_close(
 
     given = fake_vllm_llm(monkeypatch)
     monkeypatch.setattr("tierkv.integrations.vllm.llm.check_full_graph_rows", lambda rows, vllm_config: None)
-    monkeypatch.setenv("TIERKV_CACHE__GPU_BUDGET_BYTES", "6GiB")
+    monkeypatch.setenv("TIERKV_CACHE__GPU_BUDGET_BYTES", "6.5GiB")
     monkeypatch.setenv("HOME", str(tmp_path))  # the disk tier and the secret file of the shipped config
     model = _checkpoint(tmp_path)
     llm = VllmTieredLLM(model, SPARSE, max_model_len=131072, max_num_seqs=4)
@@ -134,7 +135,7 @@ def test_tieredllm_hands_the_connector_the_sized_config_and_removes_it_at_close(
         need = graphed_staging_need(model, llm.config, 4, {"max_num_seqs": 4})
         assert loaded.scheduler.staging_bytes == llm.config.scheduler.staging_bytes == need
         assert loaded.scheduler.sparse_graph_rows >= 4 and given["enforce_eager"] is False
-        assert given["kv_cache_memory_bytes"] == (6 << 30) - need - llm.summary_reserved_bytes \
+        assert given["kv_cache_memory_bytes"] == (13 << 29) - need - llm.summary_reserved_bytes \
             - llm.full_graph_reserved_bytes
     finally:
         llm.close()
