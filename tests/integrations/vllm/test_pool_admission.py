@@ -45,8 +45,14 @@ def _admits(num_blocks: int, spec: SlidingWindowSpec, layers: int, prompt: int, 
 
 
 def test_vllm_admits_whole_requests_by_default():
-    """What this file's check stands on: vLLM's scheduler reserves a request's whole admission."""
+    """What this file's checks stand on: vLLM's scheduler reserves a request's whole admission, and the
+    names `pool_sizing.check_admission` reads (it skips a config that lacks them: a vLLM that moved them
+    fails here, not silently there)."""
+    from vllm.config import VllmConfig
+
     assert SchedulerConfig.__dataclass_fields__["scheduler_reserve_full_isl"].default is True
+    assert callable(SlidingWindowSpec.max_admission_blocks_per_request)
+    assert isinstance(VllmConfig.max_in_flight_tokens, property)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -95,3 +101,53 @@ def test_the_real_models_sparse_pool_that_stepped_idle_is_refused(tmp_path):
         check_hot_window_pool(str(tmp_path), config, {**engine, "kv_cache_memory_bytes": 11 * block_bytes})
     check_hot_window_pool(str(tmp_path), config, {**engine, "kv_cache_memory_bytes": 12 * block_bytes})
     assert _admits(12, spec, 30, 2112, 512, 512, 8192)
+
+
+def _scheduler_with_pool(tmp_path, num_blocks: int):
+    """vLLM's own Scheduler (its connector, tierkv's, made in its constructor) over the SmolLM2 shape's
+    hot-window spec with `num_blocks` pool blocks, and the accuracy run's sparse config."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from tierkv.integrations.vllm import hot_window, kv_transfer_config
+
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 2, "head_dim": 64,
+        "max_position_embeddings": 8192, "vocab_size": 49152, "torch_dtype": "bfloat16"}))
+    config_file = tmp_path / "tierkv.yaml"
+    config_file.write_text("cache: {block_tokens: 64, window_tokens: 128}\n"
+                           "tiers: [{kind: cpu, capacity_bytes: 64MiB}]\n"
+                           "scheduler: {staging_bytes: 4MiB, prefill_chunk_tokens: 512, policy: sparse, "
+                           "sparse_token_budget: 512}\nmetrics: {enabled: false}\n")
+    hot_window.register()
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=8192, enforce_eager=True),
+        cache_config=CacheConfig(block_size=64, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=8192,
+                                         is_encoder_decoder=False, async_scheduling=False),  # as TieredLLM passes it
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(config_file), model_id="smollm2-shape")),
+        device_config=DeviceConfig(device="cpu"))
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    spec = SlidingWindowSpec(block_size=64, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    kv_config = KVCacheConfig(num_blocks=num_blocks,
+                              kv_cache_tensors=[KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
+                                                for n in names],
+                              kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config, kv_config, StructuredOutputManager(vllm_config), block_size=64)
+
+
+def test_an_engine_whose_pool_admits_nothing_fails_at_start_with_the_sizes(tmp_path):
+    """Past every check before it (a pool given to vLLM by hand, say), the connector refuses at the
+    engine's start, with vLLM's own admission arithmetic, a pool its scheduler would never admit a
+    request into; one block more starts and admits the request."""
+    with pytest.raises(ConfigError, match=r"pool of 11 blocks, 10 of them free.*only with 11 free"):
+        _scheduler_with_pool(tmp_path / "a", 11)
+    scheduler = _scheduler_with_pool(tmp_path / "b", 12)
+    scheduler.add_request(Request("r", list(range(2112)), SamplingParams(max_tokens=2), None))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"r": 512}

@@ -4,7 +4,7 @@ start-up check), the sparse policy's key summaries, and the full decode graph's 
 
 Primitives: `checkpoint_shape`, `hot_window_pool_need`, `check_hot_window_pool`, `sparse_summary_bytes`,
 `sparse_max_model_len`, `full_decode_capture_sizes`, `full_graph_rows`, `check_full_graph_rows`,
-`full_graph_packed_bytes`, `quantized_block_bytes`, `rank_kv_heads`, `engine_dtype_bytes`. No vLLM import (the connector's
+`full_graph_packed_bytes`, `quantized_block_bytes`, `rank_kv_heads`, `engine_dtype_bytes`, `check_admission`. No vLLM import (the connector's
 `graph_rows` is read after the engine starts).
 """
 from __future__ import annotations
@@ -70,6 +70,35 @@ def check_hot_window_pool(model_dir, config: TierKVConfig, engine_kwargs: dict) 
                           f"{engine_kwargs.get('max_num_batched_tokens')} prefill tokens in flight{doubled} "
                           f"needs {format_bytes(need)}: raise the budget, or lower cache.window_tokens or "
                           "scheduler.prefill_chunk_tokens")
+
+
+def check_admission(vllm_config, kv_cache_config) -> None:
+    """At the engine's start, with vLLM's own numbers: a pool in which vLLM can never admit a request
+    (its admission, `max_admission_blocks_per_request` of each group's spec, more than the blocks it can
+    free: all but the null block) is a ConfigError naming the sizes, where the engine would start and then
+    step idle forever. Skipped when vLLM admits without reserving a request's whole admission, or where
+    the config lacks what vLLM's admission reads (a config built without a model, in tests)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    in_flight = getattr(vllm_config, "max_in_flight_tokens", None) if scheduler is not None else None
+    if not getattr(scheduler, "scheduler_reserve_full_isl", True) or max_len is None or in_flight is None:
+        return
+    free = kv_cache_config.num_blocks - 1  # vLLM's null block is never handed out
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        admit = getattr(spec, "max_admission_blocks_per_request", None)
+        if admit is None:
+            continue
+        need = admit(in_flight, max_len)
+        if need > free:
+            raise ConfigError(
+                "cache.gpu_budget_bytes", format_bytes(kv_cache_config.num_blocks * spec.page_size_bytes *
+                                                       len(group.layer_names)),
+                f"leaves vLLM a pool of {kv_cache_config.num_blocks} blocks, {free} of them free to requests (one is "
+                f"vLLM's null block), and vLLM admits a request only with {need} free (its window and "
+                f"{in_flight} tokens in flight, in {spec.block_size}-token blocks): the engine "
+                "would start and never run a request; raise the budget, or lower cache.window_tokens or "
+                "scheduler.prefill_chunk_tokens")
 
 
 def full_decode_capture_sizes(max_num_seqs) -> list[int]:
