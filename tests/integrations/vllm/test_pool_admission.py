@@ -151,3 +151,46 @@ def test_an_engine_whose_pool_admits_nothing_fails_at_start_with_the_sizes(tmp_p
     scheduler.add_request(Request("r", list(range(2112)), SamplingParams(max_tokens=2), None))
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"r": 512}
+
+
+@pytest.mark.parametrize("fields,refused", [({"sliding_window": 4096}, True), ({"sliding_window": 1024}, True),
+                                            ({"sliding_window": 4096, "use_sliding_window": False}, False),
+                                            ({}, False)])
+def test_a_model_with_its_own_sliding_window_is_refused_by_the_hot_window(tmp_path, fields, refused):
+    """vLLM keeps such a model's layers in their own sliding-window spec (the hot window rewrites only full
+    attention), and the far part would add the blocks before that window: the model never attends them.
+    TieredLLM's engine arguments and `tierkv plan --backend vllm` refuse it by name."""
+    from tierkv.cli.plan import load_shape, make_plan
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_hidden_layers": 4,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "max_position_embeddings": 32768,
+        **fields}))
+    config = load_config({"cache": {"block_tokens": 64, "window_tokens": 2048, "gpu_budget_bytes": "4GiB"}}, env={})
+    plan = make_plan(load_shape(str(tmp_path)), 32768, config, backend="vllm", max_num_seqs=1)
+    if refused:
+        with pytest.raises(ValueError, match=r"attend a sliding window of \d+ tokens.*hot_window=False"):
+            tiered_engine_args(tmp_path, config, "unused.yaml", {}, hot_window=True, max_model_len=32768,
+                               gpu_memory_utilization=0.9, enable_prefix_caching=False)
+        assert plan["gpu"]["fits"] is False and "own sliding window" in plan["gpu"]["refusal"]
+    else:
+        tiered_engine_args(tmp_path, config, "unused.yaml", {}, hot_window=True, max_model_len=32768,
+                           gpu_memory_utilization=0.9, enable_prefix_caching=False)
+        assert plan["gpu"]["fits"] is True
+
+
+def test_the_hot_window_backend_refuses_a_layer_with_its_own_sliding_window():
+    """The attention backend's own guard, for an engine built past TieredLLM (vLLM's LLM with
+    tierkv's engine arguments written by hand)."""
+    from tierkv.integrations.vllm.backend import HotWindowImpl
+
+    impl = HotWindowImpl.__new__(HotWindowImpl)  # the guard reads plain attributes: no GPU needed
+    impl.attn_type, impl.dcp_world_size, impl.kv_cache_dtype = "decoder", 1, "auto"
+    impl.alibi_slopes, impl.logits_soft_cap = None, None
+    meta = type("Meta", (), {"use_cascade": False})()
+    impl.sliding_window = (-1, -1)
+    impl._check_supported(meta, None, None)
+    impl.sliding_window = (4095, 0)
+    with pytest.raises(NotImplementedError, match="own sliding window of 4096 tokens"):
+        impl._check_supported(meta, None, None)

@@ -93,6 +93,10 @@ class HotWindowImpl(fa.FlashAttentionImpl):
             raise NotImplementedError("tierkv hot window serves decoder self-attention without cascade or DCP")
         if fa.is_quantized_kv_cache(self.kv_cache_dtype):
             raise NotImplementedError("tierkv hot window: use kv_cache_dtype 'auto' (tierkv quantizes its own tiers)")
+        if self.sliding_window not in (None, (-1, -1)):
+            raise NotImplementedError(f"tierkv hot window: this layer attends only its own sliding window of "
+                                      f"{self.sliding_window[0] + 1} tokens, and the far part would add every block "
+                                      "before it; serve this model without the hot window")
         if self.alibi_slopes is not None or self.logits_soft_cap:
             raise NotImplementedError("tierkv hot window: ALiBi and logit soft-capping are not applied to far blocks; "
                                       "this model needs a full pool (tierkv without the hot window)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tierkv.config import ConfigError, TierKVConfig, load_config
 from tierkv.integrations.vllm.config import kv_transfer_config
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
-from tierkv.integrations.vllm.pool_sizing import (check_hot_window_pool, full_decode_capture_sizes, full_graph_packed_bytes,
+from tierkv.integrations.vllm.pool_sizing import (check_hot_window_pool, checkpoint_shape, full_decode_capture_sizes, full_graph_packed_bytes,
                                                   full_graph_rows, sparse_max_model_len, sparse_summary_bytes)
 from tierkv.integrations.vllm.resize_plan import split_budget
 
@@ -94,12 +94,25 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         kwargs["max_model_len"] = max_model_len
     kwargs.update(engine_kwargs)
     if hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+        check_own_window(model)
         check_hot_window_pool(model, config, kwargs)
     if (hot_window and full_graphs_configured(config) and not kwargs.get("enforce_eager")
             and "compilation_config" not in engine_kwargs):
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
     return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
                             reserved.full_graph_reserved_rows)
+
+
+def check_own_window(model) -> None:
+    """ValueError for a model whose layers attend their own sliding window (Mistral, Qwen2 with
+    use_sliding_window, Gemma's sliding layers): vLLM keeps those layers' KV within the window already,
+    and the hot window's far part would add every block before it (attention the model never does)."""
+    window = checkpoint_shape(model)["sliding_window"]
+    if window:
+        raise ValueError(f"{model}: its layers attend a sliding window of {window} tokens (config.json "
+                         "sliding_window); vLLM keeps only that window of KV already, and tierkv's hot window would "
+                         "add the blocks before it: run it with hot_window=False (tierkv's connector alone) or on "
+                         "the transformers backend")
 
 
 def default_enforce_eager(config: TierKVConfig, hot_window: bool) -> bool:

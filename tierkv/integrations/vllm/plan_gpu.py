@@ -38,7 +38,10 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
     block_bytes = shape.num_layers * 2 * shape.num_kv_heads * config.cache.block_tokens * shape.head_dim * element
     window_bytes = hot_window_pool_need(dims, config, engine)
     pool = max(0, split.pool_bytes)
-    if split.pool_bytes <= 0:
+    if shape.sliding_window:
+        refusal = (f"the model's layers attend their own sliding window of {shape.sliding_window} tokens: vLLM keeps "
+                   "only that window already, and the hot window's far part would add the blocks before it")
+    elif split.pool_bytes <= 0:
         refusal = f"the budget must exceed {split.reserved_text()}: the rest is vLLM's pool"
     elif pool < window_bytes:
         refusal = ("the pool cannot hold one request's window and prefill tokens in flight: raise the budget, or "
