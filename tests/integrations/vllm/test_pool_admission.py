@@ -194,3 +194,30 @@ def test_the_hot_window_backend_refuses_a_layer_with_its_own_sliding_window():
     impl.sliding_window = (4095, 0)
     with pytest.raises(NotImplementedError, match="own sliding window of 4096 tokens"):
         impl._check_supported(meta, None, None)
+
+
+def test_a_rope_scaled_model_is_sized_for_the_length_vllm_derives(tmp_path):
+    """No max_model_len given: vLLM runs a yarn-scaled model (2048 positions, factor 4) at 8192 tokens,
+    so the pool must hold a window of 2048 and a 2048-token chunk uncapped (66 blocks), not capped at
+    2048 tokens (34); TieredLLM's arguments name the derived length to vLLM."""
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args, vllm_max_model_len
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "head_dim": 64,
+        "max_position_embeddings": 2048, "vocab_size": 1000, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}))
+    assert vllm_max_model_len(tmp_path) == 8192
+    block = 2 * 2 * 2 * 64 * 64 * 2  # K and V, 2 layers, 2 KV heads, 64 tokens of 64 dims, bf16
+
+    def args(pool_blocks: int):
+        config = load_config({"cache": {"block_tokens": 64, "window_tokens": 2048,
+                                        "gpu_budget_bytes": (4 << 20) + pool_blocks * block},
+                              "scheduler": {"staging_bytes": 4 << 20, "prefill_chunk_tokens": 2048}}, env={})
+        return tiered_engine_args(tmp_path, config, "unused.yaml", {}, hot_window=True, max_model_len=None,
+                                  gpu_memory_utilization=0.9, enable_prefix_caching=False)
+
+    with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
+        args(40)
+    accepted = args(66)
+    assert accepted.kwargs["max_model_len"] == 8192 and accepted.kwargs["kv_cache_memory_bytes"] == 66 * block

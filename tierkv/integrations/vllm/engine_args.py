@@ -67,6 +67,10 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
     for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise."""
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
+    if hot_window and max_model_len is None and "max_model_len" not in engine_kwargs:
+        # the length vLLM will run with (a rope-scaled model's is past max_position_embeddings): the pool
+        # check and the sparse summaries are sized for it, and vLLM is given it
+        max_model_len = vllm_max_model_len(model)
     kwargs = dict(
         model=os.fspath(model),
         kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model)),
@@ -101,6 +105,21 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
     return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
                             reserved.full_graph_reserved_rows)
+
+
+def vllm_max_model_len(model) -> int | None:
+    """max_model_len as vLLM derives it when none is given (`vllm.config.ModelConfig`: rope scaling,
+    the tokenizer's model_max_length, ...), or None where vLLM cannot read the checkpoint here (then the
+    checks fall back to config.json's max_position_embeddings and vLLM's own start-up check has the
+    last word)."""
+    if not os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+        return None
+    try:
+        from vllm.config import ModelConfig
+
+        return int(ModelConfig(model=os.fspath(model), skip_tokenizer_init=True).max_model_len)
+    except Exception:  # noqa: BLE001  not a checkpoint vLLM reads here (an architecture it lacks, no weights' config)
+        return None
 
 
 def check_own_window(model) -> None:
