@@ -253,6 +253,30 @@ def test_corrupt_record_is_a_counted_miss_and_dropped(layout, tmp_path, damage):
         assert tier.put(key, make_block(layout, 7)).ok and torch.equal(tier.get(key), make_block(layout, 7))
 
 
+def test_blocks_put_again_into_a_segment_found_corrupt_are_written_afresh(layout, tmp_path):
+    """A segment with several damaged records: a lookup stops at the first (dropped), the request
+    recomputes the rest and puts them again; those still indexed in that segment were taken as held
+    (same checksum) and kept their damaged records, so each later lookup found one more. Now they are
+    written afresh: after one put every block reads back intact."""
+    with DiskTier("disk", layout, CAPACITY_BYTES, tmp_path) as tier:
+        keys, blocks = [key_of(i) for i in range(6)], [make_block(layout, i) for i in range(6)]
+        assert all(r.ok for r in tier.put_many(keys, blocks))
+        path = record_of(tier, keys[0])[0]
+        data = bytearray(path.read_bytes())
+        for key in keys[2:]:  # four damaged payloads
+            _, offset, _ = record_of(tier, key)
+            data[offset + seg.ALIGN + 17] ^= 0x10
+        path.write_bytes(bytes(data))
+        assert tier.get(keys[2]) is None  # the lookup's first corrupt block: dropped
+        # the rest of that segment counts as not held (a chain's write-through then writes it again)
+        assert [tier.contains(k) for k in keys] == [False] * 6
+        assert all(r.ok for r in tier.put_many(keys[2:], blocks[2:]))  # the request's recomputed blocks
+        assert [tier.contains(k) for k in keys] == [False, False, True, True, True, True]
+        assert record_of(tier, keys[3])[0] != path  # into a new segment: the suspected one takes no more
+        assert [torch.equal(b, want) for b, want in zip(tier.get_many(keys), blocks)] == [True] * 6
+        assert tier.counters["corrupt_blocks"] == 1
+
+
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A 1 MiB tmpfs, or None where mounting is not permitted."""

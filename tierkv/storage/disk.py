@@ -94,6 +94,9 @@ class DiskTier(StorageTier):
         self.segment_bytes = segment_bytes or min(1 << 30, max(1 << 20, capacity_bytes // 8))
         self._threads = IOThreads(name, num_io_threads)
         self._index = DiskIndex(name, layout, self.counters)  # guarded by self._lock
+        # segments a corrupt record was found in (guarded by self._lock): a block put again whose record lies in
+        # one is written afresh, not taken as held (its record may be damaged too, unread so far)
+        self._suspect_segments: set[int] = set()
         self._files = SegmentFiles(
             name, self.path, layout, self.counters, index=self._index, index_lock=self._lock,
             segment_bytes=self.segment_bytes, fsync=fsync, spread=self._spread,
@@ -108,8 +111,11 @@ class DiskTier(StorageTier):
 
     # -- StorageTier ---------------------------------------------------------------------
     def contains(self, key: str) -> bool:
+        """Whether the tier holds `key`; a record in a segment found corrupt counts as not held (it may be
+        damaged too, unread so far), so a chain writes the block again, afresh (`put_many`)."""
         with self._lock:
-            return key in self._index
+            entry = self._index.get(key)
+            return entry is not None and entry.segment_id not in self._suspect_segments
 
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[0]
@@ -164,6 +170,8 @@ class DiskTier(StorageTier):
             is_same = {i: seg.checksum(e.checksum_kind, payloads[i]) == e.payload_checksum for i, e in held.items()}
             with self._lock:
                 for i in (i for i, same in is_same.items() if same):
+                    if held[i].segment_id in self._suspect_segments:
+                        continue  # written afresh below: the held record may be damaged
                     if self._index.get(keys[i]) is held[i]:  # held already: refresh only
                         self._index.touch(keys[i])
                         results[i] = PutResult(True)
@@ -250,8 +258,9 @@ class DiskTier(StorageTier):
         return rows, failures
 
     def _forget_failed(self, keys: list[str], entries: list[Entry], failures: list[str | None]) -> None:
-        """Drop failed blocks that are still the indexed ones: corrupt (counted) or deleted behind our back."""
-        dropped, lost = [], {}
+        """Drop failed blocks that are still the indexed ones: corrupt (counted, their segment suspected) or
+        deleted behind our back."""
+        dropped, lost, suspect = [], {}, []
         with self._lock:
             for key, entry, failure in zip(keys, entries, failures):
                 if failure is None or self._index.get(key) is not entry:
@@ -270,7 +279,12 @@ class DiskTier(StorageTier):
                 self._drop_log.note("%s: dropping corrupt block(s); latest %s (segment %x): %s", self.name, key,
                                     entry.segment_id, failure)
                 self.counters.add(corrupt_blocks=1)
+                if entry.segment_id not in self._suspect_segments:
+                    self._suspect_segments.add(entry.segment_id)
+                    suspect.append(entry.segment_id)
         self._files.drop_records(dropped)
+        if suspect:
+            self._files.retire_if_active(suspect)  # records written from now on go to a segment not suspected
         if lost:
             with self._files.lock:
                 for segment_id, reason in lost.items():

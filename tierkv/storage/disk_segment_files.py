@@ -213,6 +213,12 @@ class SegmentFiles:
             self.active_size = self.segment_bytes  # what follows `size` is garbage: the next scan drops it
 
     # -- dropping --------------------------------------------------------------------------
+    def retire_if_active(self, segment_ids: list[int]) -> None:
+        """The next append starts a new segment if the active one is among `segment_ids` (found corrupt)."""
+        with self.lock:
+            if self.active_id in segment_ids:
+                self.active_size = self.segment_bytes
+
     def forget_segment(self, segment_id: int, reason: str) -> None:
         """Drop every index entry into a segment whose file is lost, counted as lost_blocks for
         `reason`; close it if it takes appends. Caller holds `lock`. The file at its path
