@@ -94,3 +94,27 @@ def test_counts_below_one_exit_2_before_loading(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--random-model", "--config", "/nonexistent/tierkv.yaml"], "config_file': got '/nonexistent/tierkv.yaml'"),
+    (["--random-model", "--prompt-tokens", "100000"], "raise tiers[0].capacity_bytes or shorten the request"),
+])
+def test_a_setting_the_demo_cannot_serve_is_one_line_exit_2(capsys, argv, message):
+    """A config or size the user chose that the engine refuses: the error on one line, exit 2, no traceback."""
+    from tierkv.demo import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_disk_path_that_is_not_a_directory_names_the_option(capsys, tmp_path):
+    from tierkv.demo import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--disk-path", str(afile), "--tokens", "64", "--new-tokens", "1"])
+    assert exit_info.value.code == 2 and f"--disk-path '{afile}'" in capsys.readouterr().err

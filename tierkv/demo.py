@@ -40,7 +40,7 @@ def tiny_llama(seed: int = 0, num_layers: int = 4):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(prog="python -m tierkv.demo", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens (real model)")
     parser.add_argument("--depth", type=float, default=0.5, help="where the pass key sits: 0 start, 1 end")
     parser.add_argument("--seed", type=int, default=0, help="picks the pass key")
@@ -59,6 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--new-tokens: got {args.new_tokens}; at least 1")
     if args.prompt_tokens < 1:
         parser.error(f"--prompt-tokens: got {args.prompt_tokens}; at least 1")
+    from tierkv.config import ConfigError
+    from tierkv.engine.sequence import CapacityError
+
+    try:
+        return _run(args)
+    except (ConfigError, CapacityError) as exc:  # a setting the user chose: one line naming it, not a traceback
+        message = str(exc)
+        if "tiers[1].path" in message:
+            message = f"--disk-path {args.disk_path!r}: {message}"
+        parser.error(message)
+
+
+def _run(args) -> int:
     if not args.random_model:
         from tierkv.demo_real import load_real_model, run_real_model
 
