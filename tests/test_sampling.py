@@ -15,6 +15,8 @@ def test_max_tokens_is_vllms_spelling_of_max_new_tokens():
     assert SamplingParams(max_tokens=7).max_new_tokens == 7
     with pytest.raises(ValueError, match="max_tokens=7 and max_new_tokens=3"):
         SamplingParams(max_tokens=7, max_new_tokens=3)
+    with pytest.raises(ValueError, match="^max_tokens: got 0"):  # the error names the spelling the caller used
+        SamplingParams(max_tokens=0)
 
 
 def test_vllm_sampling_params_are_translated_or_refused_by_name():

@@ -37,7 +37,8 @@ class SamplingParams:
             if self.max_new_tokens not in (64, max_tokens):
                 raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={self.max_new_tokens!r}: give one")
             self.max_new_tokens = max_tokens
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=1, optional=False)
+        _check_int("max_new_tokens" if max_tokens is None else "max_tokens", self.max_new_tokens, minimum=1,
+                   optional=False)
         _check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
                     lambda v: v >= 0, optional=False)
         _check_int("top_k", self.top_k, minimum=1)
