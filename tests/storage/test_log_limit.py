@@ -65,3 +65,18 @@ def test_limited_warning_counts_what_it_held_back(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["1 x (at most one line per 10s) thing 0", "10 x (at most one line per 10s) thing 10",
                      "10 x (at most one line per 10s) thing 20"]
+
+
+def test_a_full_disk_logs_one_line_for_many_failed_puts(layout, tmp_path, caplog, monkeypatch):
+    """Every put fails on a full device: the counters count each, the log says it once per interval."""
+    with DiskTier("disk", layout, 64 << 20, tmp_path) as tier:
+        def full(fd, buffers, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwritev", full)
+        with caplog.at_level(logging.WARNING, logger="tierkv.storage.disk"):
+            for i in range(15):
+                assert not tier.put(key_of(i), make_block(layout, i)).ok
+        assert tier.counters["put_failures"] == 15
+    lines = [line for line in _warnings(caplog) if "put" in line]
+    assert len(lines) == 1 and "ENOSPC" in lines[0]

@@ -243,7 +243,7 @@ class DiskTier(StorageTier):
             error = f"{self.name}: put {key} under {self.path} failed: {code}: {exc.strerror or exc}"
         else:
             error = f"{self.name}: put {key} failed: {exc}"
-        logger.warning("%s", error)
+        self._error_log.note("%s (counted in put_failures)", error)  # a full disk fails every put: one line per 10 s
         self.counters.add(put_failures=1, errors=1)
         return PutResult(False, error)
 
