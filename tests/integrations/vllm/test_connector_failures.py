@@ -132,41 +132,6 @@ def test_a_cpu_tier_too_small_for_the_running_far_kv_names_its_key_and_leaks_no_
         scheduler.shutdown()
 
 
-def test_a_finished_requests_pins_go_back_before_a_pin_that_needs_them(tmp_path):
-    """The step that learns a request finished gives its pins back after the step's first copies (host work
-    off the next request's critical path); where the CPU tier is too small to pin the running request's far
-    blocks beside the finished one's, they go back first: the step runs, and every pin is back at the end."""
-    import random
-
-    from tests.integrations.vllm.test_connector import BS
-    from tests.integrations.vllm.test_hot_window import hot_connectors
-
-    rng = random.Random(1)
-    worker, scheduler, _ = hot_connectors(tmp_path, window=2 * BS, staging_blocks=8, cpu_blocks=36)
-
-    def prefill(req_id: str, block_ids: list[int]):
-        req = make_request(req_id, [rng.randrange(1000) for _ in range(10 * BS + 3)])
-        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        _hot_forward(worker, scheduler.build_connector_meta(schedule(req, block_ids, 0)), [req_id])
-        req.num_computed_tokens = 10 * BS + 3
-        req.append_output_token_ids(7)
-        return req
-
-    try:
-        a, b = prefill("A", list(range(0, 11))), prefill("B", list(range(20, 31)))
-        scheduler.request_finished(a, [])
-        meta = cached_step(scheduler, b, [(b, b.num_computed_tokens, 1)], finished=["A"])
-        _hot_forward(worker, meta, ["B"])  # B's far blocks pinned while A's pins were held back
-        assert worker._far.pins._deferred == []
-        scheduler.request_finished(b, [])
-        _hot_forward(worker, cached_step(scheduler, b, [], finished=["B"]), [])
-        worker.store.poll(wait=True)
-        assert sum(worker.store.cpu._pin_state.keys.values()) == 0
-    finally:
-        worker.shutdown()
-        scheduler.shutdown()
-
-
 def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
     """Two of a prefix's blocks vanish between the lookup and the load: the worker reports them as load
     errors, vLLM (recompute policy) schedules the request again from the first of them, and the connector

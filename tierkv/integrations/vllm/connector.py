@@ -145,14 +145,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         self.store.begin_loads(metadata.loads)  # every step: it also drops what a step that raised left planned
         if self._far is not None:
-            for req_id in metadata.finished:  # their pins go back once this step's first copies are issued
-                self._far.finish(req_id, defer_unpin=True)
+            for req_id in metadata.finished:
+                self._far.finish(req_id)
             for req_id, start, hashes in metadata.hashes:
                 self._far.add_hashes(req_id, start, hashes)
             rows = self._far.begin_step(hot_window.rows_in_order(hot_window.batch_order(), metadata.scheduled),
                                         metadata.prompt_steps)
             hot_window.set_step(hot_window.HotWindowStep(self._far, rows, self.store.layer_index))
-            self._far.flush_releases()  # the host work of unpinning overlaps the copies begin_step started
             if self._full is not None and _replays_full_graph(forward_context):
                 if self._full.write(rows):
                     self._full.counted_step(rows)

@@ -69,9 +69,6 @@ class FarPins:
     def __init__(self, store, device_slots: bool, max_blocks: int | None):
         self.store, self.device_slots, self.max_blocks = store, device_slots, max_blocks
         self._spare_slot_lists: list[list[torch.Tensor]] = []
-        # finished requests whose pins go back after the step's first copies (`release(defer=True)`): unpinning a
-        # 100k-token request's keys is tens of ms of host work that would delay the next request's first copy
-        self._deferred: list[FarRequest] = []
 
     def pin(self, req_id: str, req: FarRequest, num_blocks: int) -> int:
         """Pin blocks [pinned, num_blocks) of every layer in the CPU tier (promoting from below);
@@ -96,9 +93,6 @@ class FarPins:
         hashes = req.hashes[first:num_blocks]
         groups = self.store.block_groups(hashes)
         rows = self.store.saves.pin_blocks_for_reader(groups) if groups is not None else None  # one pin per block
-        if rows is None and groups is not None and self._deferred:  # the CPU tier may need those pins back first
-            self.flush_releases()
-            rows = self.store.saves.pin_blocks_for_reader(groups)
         if rows is not None:
             req.pinned_groups.extend(groups)
             columns = torch.from_numpy(rows.T.copy())  # [layers, blocks]
@@ -124,9 +118,6 @@ class FarPins:
         if slots is None:  # a save still in flight: let it land and look again
             self.store.poll(wait=True)
             slots = self.store.saves.pin_for_reader(keys)
-        if slots is None and self._deferred:  # finished requests' pins held back: give them back, look again
-            self.flush_releases()
-            slots = self.store.saves.pin_for_reader(keys)
         if slots is None:
             held = self.store.num_held(keys)
             where = f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer}"
@@ -144,12 +135,8 @@ class FarPins:
         if req.pinned_slots_dev:
             self._spare_slot_lists.append(req.pinned_slots_dev)
 
-    def release(self, req: FarRequest, defer: bool = False) -> None:
-        """Unpin a finished request's far blocks, and the saved blocks of it that never became far; with
-        `defer`, at the next `flush_releases` (or first, where a pin finds the CPU tier short)."""
-        if defer:
-            self._deferred.append(req)
-            return
+    def release(self, req: FarRequest) -> None:
+        """Unpin a finished request's far blocks, and the saved blocks of it that never became far."""
         if req.pinned_groups:
             self.store.saves.unpin_blocks(req.pinned_groups)
         for keys in req.pinned_keys:
@@ -159,9 +146,3 @@ class FarPins:
             first = req.pinned_slots[0].numel() if req.pinned_slots else 0  # blocks pinned for reading
             for layer in range(self.store.num_layers):
                 self.store.saves.release_pins(self.store.keys(req.hashes[first:], layer))
-
-    def flush_releases(self) -> None:
-        """Give back the pins of the finished requests `release(defer=True)` held back."""
-        deferred, self._deferred = self._deferred, []
-        for req in deferred:
-            self.release(req)

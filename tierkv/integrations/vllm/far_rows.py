@@ -111,10 +111,9 @@ class FarKV:
         if self.sparse_blocks is not None:
             self.key_summaries.summarize(layers, spans, blocks)
 
-    def finish(self, req_id: str, defer_unpin: bool = False) -> None:
+    def finish(self, req_id: str) -> None:
         """Unpin a finished request's far blocks, and the saved blocks of it that never became
-        far, and forget it; with `defer_unpin`, the pins go back at `flush_releases` (after the next
-        step's first copies are issued) or when a pin finds the CPU tier short."""
+        far, and forget it."""
         req = self.requests.pop(req_id, None)
         if req is None:
             return
@@ -125,11 +124,7 @@ class FarKV:
             self.graphs.forget(req_id)
         if req.cache is not None and self.row_caches is not None:  # emptied for the next request (graphs bake the set)
             self.row_caches.give_back(req.cache)
-        self.pins.release(req, defer=defer_unpin)
-
-    def flush_releases(self) -> None:
-        """The pins `finish(defer_unpin=True)` held back, given back."""
-        self.pins.flush_releases()
+        self.pins.release(req)
 
     # -- steps ------------------------------------------------------------------------------------
     def begin_step(self, rows: Sequence[tuple[str, int, int]], prompt_steps: Collection[str] = ()) -> list[FarRow]:
@@ -296,4 +291,3 @@ class FarKV:
     def close(self) -> None:
         for req_id in list(self.requests):
             self.finish(req_id)
-        self.flush_releases()
