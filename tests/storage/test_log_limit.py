@@ -1,12 +1,10 @@
 """A tier failing block after block logs one line per interval with the count, not one line per block:
-corrupt disk records, an unreadable segment directory (the counters keep the exact figures)."""
+corrupt disk records, an unreadable segment directory, a full disk (the counters keep the exact figures)."""
 from __future__ import annotations
 
 import errno
 import logging
 import os
-
-import torch
 
 from tests.storage.test_disk_reads import flip_payload_byte, key_of, make_block
 from tierkv.storage.disk import DiskTier
