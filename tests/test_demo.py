@@ -118,3 +118,17 @@ def test_a_disk_path_that_is_not_a_directory_names_the_option(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--disk-path", str(afile), "--tokens", "64", "--new-tokens", "1"])
     assert exit_info.value.code == 2 and f"--disk-path '{afile}'" in capsys.readouterr().err
+
+
+def test_a_bad_disk_path_in_the_random_models_config_is_not_blamed_on_the_option(capsys, tmp_path):
+    """--random-model reads its tiers from --config: the error names the config's key, not --disk-path."""
+    from tierkv.demo import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"tiers:\n  - {{kind: cpu, capacity_bytes: 64MiB}}\n  - {{kind: disk, path: {afile}}}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--random-model", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "tiers[1].path" in err and "--disk-path" not in err.split("error:")[-1]

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except (ConfigError, CapacityError) as exc:  # a setting the user chose: one line naming it, not a traceback
         message = str(exc)
-        if "tiers[1].path" in message:
+        if getattr(args, "disk_path_used", False) and "tiers[1].path" in message:  # the real model's disk tier
             message = f"--disk-path {args.disk_path!r}: {message}"
         parser.error(message)
 
@@ -81,6 +81,7 @@ def _run(args) -> int:
             print(f"FALLBACK: the real model is not installed ({exc}).\n"
                   "Running a random-weight model instead: it prints token ids, not text.")
         else:
+            args.disk_path_used = True
             return run_real_model(args, *loaded)
     return run_random_model(args)
 

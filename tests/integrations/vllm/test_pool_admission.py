@@ -199,7 +199,8 @@ def test_the_hot_window_backend_refuses_a_layer_with_its_own_sliding_window():
 def test_a_rope_scaled_model_is_sized_for_the_length_vllm_derives(tmp_path):
     """No max_model_len given: vLLM runs a yarn-scaled model (2048 positions, factor 4) at 8192 tokens,
     so the pool must hold a window of 2048 and a 2048-token chunk uncapped (66 blocks), not capped at
-    2048 tokens (34); TieredLLM's arguments name the derived length to vLLM."""
+    2048 tokens (34). vLLM derives the length itself (with the engine's hf_overrides, which the sizing
+    reads too)."""
     from tierkv.integrations.vllm.engine_args import tiered_engine_args, vllm_max_model_len
 
     (tmp_path / "config.json").write_text(json.dumps({
@@ -208,6 +209,8 @@ def test_a_rope_scaled_model_is_sized_for_the_length_vllm_derives(tmp_path):
         "max_position_embeddings": 2048, "vocab_size": 1000, "torch_dtype": "bfloat16",
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}))
     assert vllm_max_model_len(tmp_path) == 8192
+    overridden = {"hf_overrides": {"rope_scaling": None, "rope_parameters": None, "max_position_embeddings": 1024}}
+    assert vllm_max_model_len(tmp_path, overridden) == 1024
     block = 2 * 2 * 2 * 64 * 64 * 2  # K and V, 2 layers, 2 KV heads, 64 tokens of 64 dims, bf16
 
     def args(pool_blocks: int):
@@ -220,4 +223,4 @@ def test_a_rope_scaled_model_is_sized_for_the_length_vllm_derives(tmp_path):
     with pytest.raises(ConfigError, match="cache.gpu_budget_bytes"):
         args(40)
     accepted = args(66)
-    assert accepted.kwargs["max_model_len"] == 8192 and accepted.kwargs["kv_cache_memory_bytes"] == 66 * block
+    assert "max_model_len" not in accepted.kwargs and accepted.kwargs["kv_cache_memory_bytes"] == 66 * block

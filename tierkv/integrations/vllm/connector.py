@@ -79,7 +79,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hot_window is not None and role == KVConnectorRole.WORKER:
             hot_window.set_window(self.hot_window)
         if self.hot_window is not None and role == KVConnectorRole.SCHEDULER:
-            check_admission(vllm_config, kv_cache_config)  # a pool vLLM admits nothing into fails here, not idles
+            check_admission(vllm_config, kv_cache_config, self.config.cache.gpu_budget_bytes)  # a pool vLLM admits nothing into fails here, not idles
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("kv_transfer_config.kv_load_failure_policy is %r: a block the tiers cannot load (corrupt, "
                            "or gone since the lookup) fails its request; 'recompute' (tierkv's kv_transfer_config "

@@ -67,10 +67,11 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
     for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise."""
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
+    derived = None
     if hot_window and max_model_len is None and "max_model_len" not in engine_kwargs:
         # the length vLLM will run with (a rope-scaled model's is past max_position_embeddings): the pool
-        # check and the sparse summaries are sized for it, and vLLM is given it
-        max_model_len = vllm_max_model_len(model)
+        # check and the sparse summaries are sized for it; vLLM derives it again itself
+        derived = vllm_max_model_len(model, engine_kwargs)
     kwargs = dict(
         model=os.fspath(model),
         kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model)),
@@ -88,7 +89,7 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
                              "pass hot_window=False to set them")
         if config.scheduler.policy == "sparse":
             # the summaries are reserved for, and capped at, the same max_model_len vLLM runs with
-            max_model_len = sparse_max_model_len(model, max_model_len)
+            max_model_len = sparse_max_model_len(model, max_model_len or derived)
             reserved = _sparse_reservations(model, config, max_model_len, engine_kwargs)
         kwargs.update(hot_window_engine_args(config, reserved.summary_reserved_bytes,
                                              reserved.full_graph_reserved_bytes))
@@ -99,7 +100,8 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     kwargs.update(engine_kwargs)
     if hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
         check_own_window(model)
-        check_hot_window_pool(model, config, kwargs)
+        check_hot_window_pool(model, config, kwargs if "max_model_len" in kwargs or derived is None
+                              else {**kwargs, "max_model_len": derived})
     if (hot_window and full_graphs_configured(config) and not kwargs.get("enforce_eager")
             and "compilation_config" not in engine_kwargs):
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
@@ -107,17 +109,22 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
                             reserved.full_graph_reserved_rows)
 
 
-def vllm_max_model_len(model) -> int | None:
-    """max_model_len as vLLM derives it when none is given (`vllm.config.ModelConfig`: rope scaling,
-    the tokenizer's model_max_length, ...), or None where vLLM cannot read the checkpoint here (then the
-    checks fall back to config.json's max_position_embeddings and vLLM's own start-up check has the
-    last word)."""
+_MODEL_CONFIG_KEYS = ("hf_overrides", "trust_remote_code", "revision", "code_revision", "tokenizer",
+                      "tokenizer_revision", "hf_config_path")  # engine arguments that change what vLLM derives
+
+
+def vllm_max_model_len(model, engine_kwargs: dict | None = None) -> int | None:
+    """max_model_len as vLLM derives it when none is given (`vllm.config.ModelConfig` with the engine's
+    own model arguments: rope scaling, hf_overrides, the tokenizer's model_max_length, ...), or None where
+    vLLM cannot read the checkpoint here (then the checks fall back to config.json's
+    max_position_embeddings and vLLM's own start-up check has the last word)."""
     if not os.path.isfile(os.path.join(os.fspath(model), "config.json")):
         return None
+    given = {k: v for k, v in (engine_kwargs or {}).items() if k in _MODEL_CONFIG_KEYS}
     try:
         from vllm.config import ModelConfig
 
-        return int(ModelConfig(model=os.fspath(model), skip_tokenizer_init=True).max_model_len)
+        return int(ModelConfig(model=os.fspath(model), skip_tokenizer_init=True, **given).max_model_len)
     except Exception:  # noqa: BLE001  not a checkpoint vLLM reads here (an architecture it lacks, no weights' config)
         return None
 

@@ -72,11 +72,11 @@ def check_hot_window_pool(model_dir, config: TierKVConfig, engine_kwargs: dict) 
                           "scheduler.prefill_chunk_tokens")
 
 
-def check_admission(vllm_config, kv_cache_config) -> None:
+def check_admission(vllm_config, kv_cache_config, budget_bytes: int) -> None:
     """At the engine's start, with vLLM's own numbers: a pool in which vLLM can never admit a request
-    (its admission, `max_admission_blocks_per_request` of each group's spec, more than the blocks it can
-    free: all but the null block) is a ConfigError naming the sizes, where the engine would start and then
-    step idle forever. Skipped when vLLM admits without reserving a request's whole admission, or where
+    (its admission, `max_admission_blocks_per_request` summed over the groups' specs, more than the blocks
+    it can free: all but the null block) is a ConfigError on cache.gpu_budget_bytes (`budget_bytes`) naming
+    the sizes, where the engine would start and then step idle forever. Skipped when vLLM admits without reserving a request's whole admission, or where
     the config lacks what vLLM's admission reads (a config built without a model, in tests)."""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
@@ -84,21 +84,19 @@ def check_admission(vllm_config, kv_cache_config) -> None:
     if not getattr(scheduler, "scheduler_reserve_full_isl", True) or max_len is None or in_flight is None:
         return
     free = kv_cache_config.num_blocks - 1  # vLLM's null block is never handed out
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        admit = getattr(spec, "max_admission_blocks_per_request", None)
-        if admit is None:
-            continue
-        need = admit(in_flight, max_len)
-        if need > free:
-            raise ConfigError(
-                "cache.gpu_budget_bytes", format_bytes(kv_cache_config.num_blocks * spec.page_size_bytes *
-                                                       len(group.layer_names)),
-                f"leaves vLLM a pool of {kv_cache_config.num_blocks} blocks, {free} of them free to requests (one is "
-                f"vLLM's null block), and vLLM admits a request only with {need} free (its window and "
-                f"{in_flight} tokens in flight, in {spec.block_size}-token blocks): the engine "
-                "would start and never run a request; raise the budget, or lower cache.window_tokens or "
-                "scheduler.prefill_chunk_tokens")
+    # the groups share the one pool: vLLM admits a request when the sum of their admissions is free
+    admits = [(g, getattr(g.kv_cache_spec, "max_admission_blocks_per_request", None))
+              for g in kv_cache_config.kv_cache_groups]
+    need = sum(admit(in_flight, max_len) for _, admit in admits if admit is not None)
+    if need > free:
+        block_tokens = admits[0][0].kv_cache_spec.block_size
+        raise ConfigError(
+            "cache.gpu_budget_bytes", budget_bytes,
+            f"leaves vLLM a pool of {kv_cache_config.num_blocks} blocks, {free} of them free to requests (one is "
+            f"vLLM's null block), and vLLM admits a request only with {need} free (its window and "
+            f"{in_flight} tokens in flight, in {block_tokens}-token blocks): the engine "
+            "would start and never run a request; raise the budget, or lower cache.window_tokens or "
+            "scheduler.prefill_chunk_tokens")
 
 
 def full_decode_capture_sizes(max_num_seqs) -> list[int]:
