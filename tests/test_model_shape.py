@@ -4,6 +4,7 @@ config gives the same shape through every door, and a bad one a ValueError namin
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -58,3 +59,23 @@ def test_a_config_json_that_is_not_an_object_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds list, not a JSON object"):
         checkpoint_shape(tmp_path)
+
+
+BASE = {"num_hidden_layers": 4, "num_attention_heads": 32, "hidden_size": 4096}
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0"), ({"num_key_value_heads": "8"}, "num_key_value_heads='8'"),
+    ({"num_key_value_heads": 8.0}, "num_key_value_heads=8.0"), ({"num_key_value_heads": True}, "num_key_value_heads=True"),
+    ({"num_key_value_heads": -8}, "num_key_value_heads=-8"), ({"num_key_value_heads": 5}, "multiple of the KV heads"),
+    ({"head_dim": 0}, "head_dim=0"), ({"head_dim": True}, "head_dim=True"), ({"head_dim": "128"}, "head_dim='128'"),
+    ({"head_dim": -128}, "head_dim=-128"), ({"hidden_size": 4095}, "hidden_size=4095 and num_attention_heads=32"),
+    ({"hidden_size": "4096"}, "hidden_size='4096'"), ({"torch_dtype": "int7"}, "dtype 'int7'"),
+    ({"torch_dtype": 5}, "dtype '5'"),
+])
+def test_a_malformed_shape_entry_is_refused_by_name(tmp_path, extra, named):
+    """Entries a plan or an engine would size KV by: each wrong one named, none silently replaced (a zero KV
+    head count read as 'absent', a zero head_dim as 128, a floored head_dim, an unknown dtype as bfloat16)."""
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **extra}))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        checkpoint_shape(str(tmp_path))

@@ -39,6 +39,19 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _positive(cfg: Any, key: str, source: str) -> int | None:
+    """cfg's `key` when given (None when absent or null); ValueError naming it unless a positive integer."""
+    value = _get(cfg, key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model: {source} has {key}={value!r}; a positive integer is needed")
+    return value
+
+
 def text_config(cfg: Any) -> Any:
     """The language model's part of a config (a multimodal one's text_config), as a dict or a config object."""
     if isinstance(cfg, dict):
@@ -55,18 +68,29 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"model: {source} has {key}={value!r}; a positive integer is needed")
     heads = _get(text, "num_attention_heads")
-    hidden = _get(text, "hidden_size")
-    head_dim = _get(text, "head_dim") or (hidden // heads if isinstance(hidden, int) else 0)
-    if not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"model: {source} gives neither head_dim nor hidden_size")
+    kv_heads = _positive(text, "num_key_value_heads", source)
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"model: {source} has num_attention_heads={heads} and num_key_value_heads={kv_heads}; "
+                         "the attention heads must be a multiple of the KV heads")
+    head_dim = _positive(text, "head_dim", source)
+    if head_dim is None:
+        hidden = _positive(text, "hidden_size", source)
+        if hidden is None:
+            raise ValueError(f"model: {source} gives neither head_dim nor hidden_size")
+        if hidden % heads:
+            raise ValueError(f"model: {source} has hidden_size={hidden} and num_attention_heads={heads} and no "
+                             "head_dim; hidden_size must be a multiple of the heads")
+        head_dim = hidden // heads
     window = _get(text, "sliding_window") if _get(text, "use_sliding_window") is not False else None
     # `dtype` first: transformers 5 configs warn on reading torch_dtype (older config.json files name only it)
     dtype = (_get(text, "dtype") or _get(text, "torch_dtype") or _get(cfg, "dtype") or _get(cfg, "torch_dtype")
              or "bfloat16")
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"model: {source} has dtype {dtype!r}; one of {', '.join(_DTYPES)} is needed")
     name = _get(cfg, "_name_or_path")
     return ModelShape(num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
-                      num_kv_heads=_get(text, "num_key_value_heads") or heads, head_dim=head_dim,
-                      dtype=str(dtype).removeprefix("torch."),
+                      num_kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype,
                       max_position_embeddings=_get(text, "max_position_embeddings"),
                       sliding_window=window if isinstance(window, int) and window > 0 else None,
                       name=name if isinstance(name, str) and name else None)
