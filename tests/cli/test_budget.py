@@ -30,6 +30,11 @@ def test_budget_command_resizes_a_running_tiered_llm(tmp_path, capsys):
     (["budget", "--endpoint", "http://127.0.0.1:9", "1GiB"], 1, "cannot reach"),
     (["budget", "--endpoint", "http://127.0.0.1:9", "lots"], 2, "size"),
     (["budget", "--endpoint", "http://127.0.0.1:9", "0"], 2, "must be positive"),
+    (["budget", "--endpoint", "http://[::1", "1GiB"], 2, "--endpoint: got 'http://[::1'; not a URL"),
+    (["budget", "--endpoint", "http://127.0.0.1:abc", "1GiB"], 2, "--endpoint: got 'http://127.0.0.1:abc'"),
+    (["budget", "--endpoint", "http://127.0.0.1:99999", "1GiB"], 2, "Port out of range"),
+    (["budget", "--endpoint", "http://", "1GiB"], 2, "no host"),
+    (["top", "--endpoint", "http://127.0.0.1:abc", "--once"], 2, "endpoint: got 'http://127.0.0.1:abc'"),
 ])
 def test_budget_command_bad_arguments(argv, code, message, capsys):
     assert main(argv) == code
@@ -96,3 +101,29 @@ def test_budget_command_says_when_the_url_is_not_a_tierkv_endpoint(status, body,
 def test_budget_command_refuses_an_endpoint_that_is_not_http(capsys):
     assert main(["budget", "--endpoint", "ftp://127.0.0.1:9", "1GiB"]) == 2
     assert "expected http://host:port" in capsys.readouterr().err
+
+
+def test_a_401_with_an_error_page_that_is_not_json_still_asks_for_the_token(capsys):
+    """A proxy in front of the endpoint answers 401 with HTML: the status decides, not the body."""
+    import http.server
+    import threading
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            self.send_response(401)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>401 Authorization Required</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["budget", "--endpoint", f"http://127.0.0.1:{server.server_port}", "1GiB"]) == 2
+        assert "needs its token" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -35,8 +35,11 @@ def endpoint_url(endpoint: str) -> str:
     if "://" not in endpoint:
         print(f"tierkv budget: {endpoint!r} has no scheme; assuming http://{endpoint}", file=sys.stderr)
         endpoint = f"http://{endpoint}"
-    if not endpoint.startswith(("http://", "https://")):
-        raise UsageError(f"--endpoint: got {endpoint!r}; expected http://host:port of a TieredLLM's metrics server")
+    from tierkv.metrics.sources import endpoint_problem
+
+    problem = endpoint_problem(endpoint)
+    if problem:
+        raise UsageError(f"--endpoint: got {endpoint!r}; {problem}")
     return endpoint.rstrip("/")
 
 
@@ -69,7 +72,12 @@ def run_budget(args) -> int:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             _reply(response.read(), url)
     except urllib.error.HTTPError as exc:
-        detail = _reply(exc.read(), url).get("error", exc.reason)
+        try:
+            detail = _reply(exc.read(), url).get("error", exc.reason)
+        except RuntimeError:  # an error page that is not JSON: a 401 (a proxy's, say) still asks for the token
+            if exc.code != 401:
+                raise
+            detail = exc.reason
         if exc.code == 401:
             raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})") from None
         if exc.code in (400, 409):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -54,10 +55,28 @@ class JsonlSource:
             return self._lines[n:], len(self._lines)
 
 
+def endpoint_problem(url: str) -> str | None:
+    """Why `url` is not http(s)://host[:port] (a malformed IPv6 host, a port that is not a number in
+    1..65535, no host), or None."""
+    if not url.startswith(("http://", "https://")):
+        return "expected http://host:port of a TieredLLM's metrics server"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if not parts.hostname:
+        return "no host in it; expected http://host:port"
+    if port == 0:
+        return "port 0; expected a port in 1..65535"
+    return None
+
+
 class EndpointSource:
     def __init__(self, url: str, *, timeout_s: float = 2.0):
-        if not url.startswith(("http://", "https://")):
-            raise SourceError(f"endpoint: got {url!r}; expected http://host:port of a TieredLLM's metrics server")
+        problem = endpoint_problem(url)
+        if problem:
+            raise SourceError(f"endpoint: got {url!r}; {problem}")
         self.url = url.rstrip("/")
         self.description = self.url
         self.timeout_s = timeout_s
