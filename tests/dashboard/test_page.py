@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -54,16 +55,23 @@ def test_jsonl_source_reads_only_complete_lines_and_names_bad_ones(tmp_path):
     source = JsonlSource(path)
     lines, next_n = source.lines_since(0)
     assert len(lines) == 2 and next_n == 2
+    whole = json.dumps({**lines[0], "seq": 9})
     with open(path, "a") as f:
-        f.write('{"schema": "tierkv.metrics/1", "seq"')  # a line still being written
+        f.write(whole[:40])  # a line still being written
     assert source.lines_since(2) == ([], 2)
     with open(path, "a") as f:
-        f.write(': 9}\n')
-    assert source.lines_since(2)[0] == [{"schema": "tierkv.metrics/1", "seq": 9}]
+        f.write(whole[40:] + "\n")
+    assert source.lines_since(2)[0] == [{**lines[0], "seq": 9}]
     with open(path, "a") as f:
         f.write('{"something": "else"}\n')
     with pytest.raises(SourceError, match=r"m.jsonl:4: not a tierkv metrics snapshot"):
         source.lines_since(0)
+    for bad, named in (({"figures": None}, "'figures' is None"), ({"elapsed_s": "3"}, "'elapsed_s' is '3'"),
+                       ({"figures": {"tier.cpu.hits": "x"}}, "figures['tier.cpu.hits'] is 'x'")):
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text(json.dumps({**lines[0], **bad}) + "\n")
+        with pytest.raises(SourceError, match=re.escape(named)):
+            JsonlSource(broken).lines_since(0)
     recorder.close()
     with pytest.raises(SourceError, match="give exactly one"):
         open_source()

@@ -127,4 +127,17 @@ def check_line(line: object, where: str) -> dict:
     if not isinstance(line, dict) or line.get("schema") != SCHEMA:
         found = line.get("schema") if isinstance(line, dict) else type(line).__name__
         raise SourceError(f"{where}: not a tierkv metrics snapshot (schema {found!r}, expected {SCHEMA!r})")
+    for key, kinds, what in _REQUIRED:
+        if not isinstance(line.get(key), kinds) or isinstance(line.get(key), bool):
+            raise SourceError(f"{where}: '{key}' is {line.get(key)!r}; {what}")
+    for key in ("figures", "rates"):
+        for name, value in line[key].items():
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise SourceError(f"{where}: {key}[{name!r}] is {value!r}; a number or null")
     return line
+
+
+_REQUIRED = (("run_id", str, "a string"), ("seq", int, "an integer"), ("kind", str, "a string"),
+             ("t", (int, float), "a number (unix seconds)"), ("elapsed_s", (int, float), "a number of seconds"),
+             ("figures", dict, "an object of dotted names to numbers"),
+             ("rates", dict, "an object of dotted names to numbers"))
