@@ -207,7 +207,9 @@ def _tier_rows(plan: dict) -> list[str]:
         rows.append(f"  {tier['kind']:<5}{'spill':<11}{'':>7} {'':<8}"
                     f"{fb(tier['capacity_bytes']) if tier['capacity_bytes'] else 'server policy':>12}"
                     "   blocks of earlier requests, for prefix reuse")
-    if plan["backend"] == "vllm":
+    if plan["backend"] == "vllm" and not g["fits"]:
+        rows.append(f"GPU KV: none held, the engine would not start with a budget of {fb(g['budget_bytes'])} (above)")
+    elif plan["backend"] == "vllm":
         rows.append(f"GPU KV held {fb(g['held_bytes'])}: the budget, everything above inside it")
     else:
         rows.append(f"GPU KV held {fb(_held_bytes(g))} = resident {fb(g['resident_bytes'])} (budget"
