@@ -64,9 +64,8 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     naming `source`, the key and its value when a needed entry is missing or not a positive integer."""
     text = text_config(cfg)
     for key in ("num_hidden_layers", "num_attention_heads"):
-        value = _get(text, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"model: {source} has {key}={value!r}; a positive integer is needed")
+        if _positive(text, key, source) is None:
+            raise ValueError(f"model: {source} has {key}=None; a positive integer is needed")
     heads = _get(text, "num_attention_heads")
     kv_heads = _positive(text, "num_key_value_heads", source)
     if kv_heads is not None and heads % kv_heads:

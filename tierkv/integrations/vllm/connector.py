@@ -38,8 +38,8 @@ from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, Tie
 from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
-from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.pool_sizing import check_admission
+from tierkv.integrations.vllm.store import VllmKVStore
 from tierkv.integrations.vllm.store_registry import peek_store, release_store, shared_store
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hot_window is not None and role == KVConnectorRole.WORKER:
             hot_window.set_window(self.hot_window)
         if self.hot_window is not None and role == KVConnectorRole.SCHEDULER:
-            check_admission(vllm_config, kv_cache_config, self.config.cache.gpu_budget_bytes)  # a pool vLLM admits nothing into fails here, not idles
+            # a pool vLLM admits no request into fails here, not by stepping idle
+            check_admission(vllm_config, kv_cache_config, self.config.cache.gpu_budget_bytes)
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("kv_transfer_config.kv_load_failure_policy is %r: a block the tiers cannot load (corrupt, "
                            "or gone since the lookup) fails its request; 'recompute' (tierkv's kv_transfer_config "

@@ -46,7 +46,8 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
         in_flight *= 2
     max_len = engine_kwargs.get("max_model_len") or shape["max_position_embeddings"] or (1 << 62)
     # a model with its own sliding window keeps those layers' spec: the smaller window, so the check
-    # never asks more than vLLM does (a larger own window is left to vLLM's check)
+    # never asks more than vLLM does (TieredLLM and `tierkv plan` refuse such models under the hot window:
+    # `engine_args.check_own_window`)
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
     blocks = window_blocks(window, in_flight, max_len, tokens) + 1  # + vLLM's null block
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
@@ -76,8 +77,9 @@ def check_admission(vllm_config, kv_cache_config, budget_bytes: int) -> None:
     """At the engine's start, with vLLM's own numbers: a pool in which vLLM can never admit a request
     (its admission, `max_admission_blocks_per_request` summed over the groups' specs, more than the blocks
     it can free: all but the null block) is a ConfigError on cache.gpu_budget_bytes (`budget_bytes`) naming
-    the sizes, where the engine would start and then step idle forever. Skipped when vLLM admits without reserving a request's whole admission, or where
-    the config lacks what vLLM's admission reads (a config built without a model, in tests)."""
+    the sizes, where the engine would start and then step idle forever. Skipped when vLLM admits without
+    reserving a request's whole admission, or where the config lacks what vLLM's admission reads (a config
+    built without a model, in tests)."""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
     in_flight = getattr(vllm_config, "max_in_flight_tokens", None) if scheduler is not None else None
@@ -85,16 +87,15 @@ def check_admission(vllm_config, kv_cache_config, budget_bytes: int) -> None:
         return
     free = kv_cache_config.num_blocks - 1  # vLLM's null block is never handed out
     # the groups share the one pool: vLLM admits a request when the sum of their admissions is free
-    admits = [(g, getattr(g.kv_cache_spec, "max_admission_blocks_per_request", None))
-              for g in kv_cache_config.kv_cache_groups]
-    need = sum(admit(in_flight, max_len) for _, admit in admits if admit is not None)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    need = sum(s.max_admission_blocks_per_request(in_flight, max_len) for s in specs
+               if hasattr(s, "max_admission_blocks_per_request"))
     if need > free:
-        block_tokens = admits[0][0].kv_cache_spec.block_size
         raise ConfigError(
             "cache.gpu_budget_bytes", budget_bytes,
             f"leaves vLLM a pool of {kv_cache_config.num_blocks} blocks, {free} of them free to requests (one is "
             f"vLLM's null block), and vLLM admits a request only with {need} free (its window and "
-            f"{in_flight} tokens in flight, in {block_tokens}-token blocks): the engine "
+            f"{in_flight} tokens in flight, in {specs[0].block_size}-token blocks): the engine "
             "would start and never run a request; raise the budget, or lower cache.window_tokens or "
             "scheduler.prefill_chunk_tokens")
 
