@@ -127,11 +127,17 @@ def test_far_attention_equals_dense_attention_over_the_blocks_vllm_freed(tmp_pat
                 torch.testing.assert_close(out[q_row].double(), want_out, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(lse[q_row].double(), want_lse, rtol=1e-5, atol=1e-5)
         far.end_step()
-        assert sum(store.cpu._pins.values()) > 0
+        assert sum(store.cpu._pins.values()) > 0  # the window's landed saves
+        # the far blocks, saved by this request, are pinned whole: their saves' per-key pins were given back
+        assert len(store.cpu._pin_state.blocks.pins) == sum(r.num_far_blocks for r in rows)
+        assert not any(k in store.saves._pins for r in rows for layer in range(LAYERS)
+                       for k in store.keys(far.requests[r.req_id].hashes[:r.num_far_blocks], layer))
         for req in lengths:
             far.finish(req)
         store.poll(wait=True)
         assert sum(store.cpu._pins.values()) == 0
+        # far blocks are pinned whole (their saves' per-key pins given back then): none left either
+        assert store.cpu._pin_state.blocks is not None and not store.cpu._pin_state.blocks.pins
         stats = far.stats()
         assert stats["far_blocks_read"] == LAYERS * sum(r.num_far_blocks for r in rows)
         per_layer = -(-sum(r.num_far_blocks for r in rows) // far.pool.region_blocks)

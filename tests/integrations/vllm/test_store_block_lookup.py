@@ -210,12 +210,13 @@ block_ops = st.lists(st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(ops=block_ops, cpu_blocks=st.integers(4, 24), tp=st.sampled_from([(0, 1), (1, 2)]))
-def test_whole_block_reads_never_double_pin_a_landed_save_and_balance_to_zero(ops, cpu_blocks, tp):
+def test_whole_block_reads_take_over_landed_saves_and_balance_to_zero(ops, cpu_blocks, tp):
     """Far blocks pinned whole (`pin_blocks_for_reader`) beside landed saves' pins and per-key reads: a block
-    with a landed save still pinned is refused whole (its pin is taken over key by key, or it would be pinned
-    twice and one pin lost), a block not in the CPU tier in every layer too, a hash with "/" is never named
-    as a whole block; the slots given are the keys' own; the per-block count of landed pins stays exact;
-    and once every reader and save gives its pins back nothing stays pinned."""
+    in the CPU tier in every layer is pinned whole, and its landed saves' per-key pins are given back then
+    (none of its keys is left in the saves' pins, or it would stay pinned after the request: release_pins
+    covers the blocks that never became far); a block not in every layer is refused, a hash with "/" is
+    never named as a whole block; the slots given are the keys' own; the per-block count of landed pins
+    stays exact; and once every reader and save gives its pins back nothing stays pinned."""
     with tempfile.TemporaryDirectory() as root:
         store = make_store(Path(root), cpu_blocks, *tp)
         readers: list[list[str]] = []  # per-key reads to give back
@@ -246,10 +247,12 @@ def test_whole_block_reads_never_double_pin_a_landed_save_and_balance_to_zero(op
                     keys = [[store.keys([h], layer)[0] for layer in range(LAYERS)] for h in hashes]
                     saved = any(k in store.saves._pins for row in keys for k in row)
                     in_cpu = all(store.cpu.contains(k) for row in keys for k in row)
-                    rows = store.saves.pin_blocks_for_reader(groups)
-                    event("pinned whole" if rows is not None else "refused: a landed save" if saved else "refused")
-                    assert (rows is not None) == (in_cpu and not saved)
+                    rows = store.saves.pin_blocks_for_reader(groups, hashes)
+                    event("pinned whole, landed saves taken over" if rows is not None and saved
+                          else "pinned whole" if rows is not None else "refused")
+                    assert (rows is not None) == in_cpu
                     if rows is not None:
+                        assert not any(k in store.saves._pins for row in keys for k in row)
                         whole.extend(groups)
                         for row, row_keys in zip(rows.tolist(), keys):
                             slots = store.cpu.acquire(row_keys)

@@ -4,7 +4,8 @@ Primitives: `FarRequest`, `FarPins`. No vLLM import.
 
 A request's blocks stay pinned in the CPU tier from the save that wrote them (the store keeps the
 pin once the copy lands) or from the step they become far, until the request finishes, so a step
-pins only the blocks that became far since the last one:
+pins only the blocks that became far since the last one (whole, one count per block, when the CPU tier
+holds every layer: their saves' per-key pins are then given back):
 
     blocks   [0 ............ pinned) [pinned ....... num_far) [num_far ....... hashes)
              pinned for reading       pinned by this step      pinned by their saves (released at finish)
@@ -92,7 +93,7 @@ class FarPins:
                                f"{len(req.hashes)} were sent; the connector's metadata is out of step")
         hashes = req.hashes[first:num_blocks]
         groups = self.store.block_groups(hashes)
-        rows = self.store.saves.pin_blocks_for_reader(groups) if groups is not None else None  # one pin per block
+        rows = self.store.saves.pin_blocks_for_reader(groups, hashes) if groups is not None else None  # one pin per block
         if rows is not None:
             req.pinned_groups.extend(groups)
             columns = torch.from_numpy(rows.T.copy())  # [layers, blocks]
