@@ -183,11 +183,17 @@ def vllm_accuracy_convert(s):
 
 
 def vllm_accuracy(s):
-    """vllm_accuracy.py run plain, tierkv-exact, tierkv-sparse on the converted folder, then its table."""
+    """vllm_accuracy.py run plain and tierkv-exact on the converted folder, tierkv-sparse once per length with
+    1/4 of it as its budget (16-token blocks; rows tierkv-sparse-q2048, ...), then its table."""
     rc = 0
-    for mode in ("plain", "tierkv-exact", "tierkv-sparse"):
-        rc = max(rc, s.bench("vllm_accuracy.py", "run", mode, f"{s.args.vacc_dir}/model", str(s.out),
-                             log=f"vacc-{mode}.log", timeout_s=170, tail=4))
+    model = f"{s.args.vacc_dir}/model"
+    for mode in ("plain", "tierkv-exact"):
+        rc = max(rc, s.bench("vllm_accuracy.py", "run", mode, model, str(s.out), log=f"vacc-{mode}.log", timeout_s=170, tail=4))
+    for context in (2048, 4096, 6144, 8000):
+        budget = context // 4 // 16 * 16
+        rc = max(rc, s.bench("vllm_accuracy.py", "run", "tierkv-sparse", model, str(s.out), "--contexts", str(context),
+                             "--sparse-token-budget", str(budget), "--tag", f"q{context}",
+                             log=f"vacc-tierkv-sparse-q{context}.log", timeout_s=120, tail=4))
     return max(rc, s.bench("vllm_accuracy.py", "table", str(s.out), log="vacc-table.log", timeout_s=60, tail=40))
 
 

@@ -29,7 +29,9 @@ run      MODE (plain | tierkv-exact | tierkv-sparse; benchmarks/vllm_accuracy_en
          prompts and the next length still runs; per prompt:
          task, tokens, depth, seed, expected answer, text, token ids, top-2 logprobs, correct. Exit 1 when
          anything failed (the error is in the JSON), else 0.
-table    accuracy per mode x length x task; per tierkv mode, prompts whose token ids equal plain's (exit 0).
+         --contexts 2048,4096: only those lengths; --tag T: the file is vllm-acc-MODE-T.json (the table's row
+         MODE-T); --sparse-token-budget and --sparse-block-tokens (16; the tierkv-sparse config's block).
+table    accuracy per run x length x task; per tierkv run, prompts whose token ids equal plain's (exit 0).
 """
 from __future__ import annotations
 
@@ -48,18 +50,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
-from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, MODES, NEW_TOKENS, SPARSE_TOKEN_BUDGET,  # noqa: E402
-                                              KvShape, engine_kwargs, start_engine, tierkv_config)
-from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, build_prompts, score  # noqa: E402
+from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, MODES, NEW_TOKENS, SPARSE_BLOCK_TOKENS,  # noqa: E402
+                                              SPARSE_TOKEN_BUDGET, KvShape, engine_kwargs, start_engine, tierkv_config)
+from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, Grid, build_prompts, score  # noqa: E402
 from benchmarks.vllm_accuracy_table import format_table, load_runs, run_file  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 STALL_DUMP_S = 120  # a generate call running this long prints every thread's stack (then again each period)
 
 
-def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_token_budget: int = SPARSE_TOKEN_BUDGET) -> int:
+def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_token_budget: int = SPARSE_TOKEN_BUDGET,
+        sparse_block_tokens: int = SPARSE_BLOCK_TOKENS, contexts: tuple[int, ...] = (), tag: str = "") -> int:
     grid = SMOKE if smoke else FULL
-    out = run_file(out_dir, mode, smoke)
+    if contexts:  # a subset of the grid's lengths (each length its own sparse budget: run_gpu.py's vllm-accuracy)
+        grid = Grid(tuple(c for c in grid.context_tokens if c in contexts), grid.depths, grid.seeds, grid.tasks)
+    out = run_file(out_dir, mode, smoke, tag)
     results = {"mode": mode, "model_dir": os.path.abspath(model_dir), "max_model_len": MAX_MODEL_LEN,
                "new_tokens": NEW_TOKENS, "grid": asdict(grid), "engine_kwargs": engine_kwargs(mode), "config": None,
                "stage": "start", "error": None, "groups": [], "prompts": []}
@@ -72,7 +77,7 @@ def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_tok
         results["prompts"] = [dict(p.row) for p in prompts]
         if mode != "plain":
             shape = KvShape.of_checkpoint(model_dir)
-            results["config"] = tierkv_config(mode, shape, sparse_token_budget)
+            results["config"] = tierkv_config(mode, shape, sparse_token_budget, sparse_block_tokens)
             results["gpu_budget_of_request_kv"] = results["config"]["cache"]["gpu_budget_bytes"] / shape.request_kv_bytes
         write_results(out, results)  # a start that hangs and is killed still leaves the prompts and the stage
         print(f"[{mode}] {len(prompts)} prompts; starting the engine", flush=True)
@@ -167,12 +172,14 @@ def run_steps(steps: list[tuple[list[str], float]]) -> list[dict]:
     return done
 
 
-def run_all(gguf: str, out_dir: str, smoke: bool, timeout_s: float, sparse_token_budget: int) -> int:
+def run_all(gguf: str, out_dir: str, smoke: bool, timeout_s: float, sparse_token_budget: int,
+            sparse_block_tokens: int = SPARSE_BLOCK_TOKENS) -> int:
     model_dir = str(Path(out_dir) / "model")
     me = [sys.executable, str(SCRIPT)]
     steps = [(me + ["convert", gguf, model_dir], timeout_s)]
     for mode in MODES:
-        extra = (["--smoke"] if smoke else []) + ["--sparse-token-budget", str(sparse_token_budget)]
+        extra = (["--smoke"] if smoke else []) + ["--sparse-token-budget", str(sparse_token_budget),
+                                                  "--sparse-block-tokens", str(sparse_block_tokens)]
         steps.append((me + ["run", mode, model_dir, out_dir] + extra, timeout_s))
     for step in run_steps(steps):
         print("step", step, flush=True)
@@ -201,9 +208,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     for parser in (r, a):
         parser.add_argument("--sparse-token-budget", type=int, default=SPARSE_TOKEN_BUDGET,
                             help=f"tierkv-sparse: far tokens attended per decode step (default {SPARSE_TOKEN_BUDGET})")
+        parser.add_argument("--sparse-block-tokens", type=int, default=SPARSE_BLOCK_TOKENS,
+                            help=f"tierkv-sparse: tokens per block, vLLM's block_size (default {SPARSE_BLOCK_TOKENS})")
+    r.add_argument("--contexts", type=_lengths, default=(), help="only these of the grid's lengths, e.g. 2048,4096")
+    r.add_argument("--tag", default="", help="the run's file is vllm-acc-MODE-TAG.json (the table lists it as MODE-TAG)")
     args = p.parse_args(argv)
     _check(p, args)
     return args
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; comma-separated token counts, e.g. 2048,4096") from None
+    return lengths
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -213,9 +232,18 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"MODELDIR: got {args.model_dir!r}; no config.json there (make it with: convert GGUF MODELDIR)")
     if args.command == "table" and not os.path.isdir(args.out_dir):
         p.error(f"OUTDIR: got {args.out_dir!r}; not a directory")
-    budget = getattr(args, "sparse_token_budget", 64)
-    if budget < 64 or budget % 64:
-        p.error(f"--sparse-token-budget: got {budget}; a positive multiple of 64 (tierkv-sparse's block)")
+    block = getattr(args, "sparse_block_tokens", SPARSE_BLOCK_TOKENS)
+    if block < 1 or block & (block - 1):
+        p.error(f"--sparse-block-tokens: got {block}; a power of two (vLLM's block_size)")
+    budget = getattr(args, "sparse_token_budget", block)
+    if budget < block or budget % block:
+        p.error(f"--sparse-token-budget: got {budget}; a positive multiple of --sparse-block-tokens ({block})")
+    grid_lengths = (SMOKE if getattr(args, "smoke", False) else FULL).context_tokens
+    unknown = [c for c in getattr(args, "contexts", ()) if c not in grid_lengths]
+    if unknown:
+        p.error(f"--contexts: got {unknown}; the grid's lengths are {list(grid_lengths)}")
+    if getattr(args, "tag", "") and not all(ch.isalnum() or ch in "-_." for ch in args.tag):
+        p.error(f"--tag: got {args.tag!r}; letters, digits, '-', '_' and '.' only (it names a file)")
     if args.command == "all" and args.timeout_s <= 0:
         p.error(f"--timeout-s: got {args.timeout_s}; must be positive")
 
@@ -230,10 +258,11 @@ def main(argv=None) -> int:
         print(f"converted {args.gguf} -> {args.out_dir} in {time.perf_counter() - start:.1f} s", flush=True)
         return 0
     if args.command == "run":
-        return run(args.mode, args.model_dir, args.out_dir, args.smoke, args.sparse_token_budget)
+        return run(args.mode, args.model_dir, args.out_dir, args.smoke, args.sparse_token_budget,
+                   args.sparse_block_tokens, args.contexts, args.tag)
     if args.command == "table":
         return table(args.out_dir, args.smoke)
-    return run_all(args.gguf, args.out_dir, args.smoke, args.timeout_s, args.sparse_token_budget)
+    return run_all(args.gguf, args.out_dir, args.smoke, args.timeout_s, args.sparse_token_budget, args.sparse_block_tokens)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,21 @@ from pathlib import Path
 KEY = ("task", "context_tokens", "depth", "seed")
 
 
-def run_file(out_dir: str | Path, mode: str, smoke: bool = False) -> Path:
-    return Path(out_dir) / (f"vllm-acc-smoke-{mode}.json" if smoke else f"vllm-acc-{mode}.json")
+def run_file(out_dir: str | Path, mode: str, smoke: bool = False, tag: str = "") -> Path:
+    name = f"{mode}-{tag}" if tag else mode
+    return Path(out_dir) / (f"vllm-acc-smoke-{name}.json" if smoke else f"vllm-acc-{name}.json")
 
 
 def load_runs(out_dir: str | Path, modes, smoke: bool = False) -> dict[str, dict]:
-    """mode -> its record's results, for the modes whose file exists (a missing file is a mode not run)."""
+    """run name (the mode, and its tag after a "-") -> its record's results, for the runs whose file exists
+    (a missing file is a mode not run), each mode's untagged run first."""
     runs = {}
     for mode in modes:
         path = run_file(out_dir, mode, smoke)
-        if path.is_file():
-            runs[mode] = json.loads(path.read_text())["results"]
+        tagged = sorted(path.parent.glob(path.name.removesuffix(".json") + "-*.json"))
+        for found in ([path] if path.is_file() else []) + tagged:
+            name = found.name.removesuffix(".json").removeprefix("vllm-acc-smoke-" if smoke else "vllm-acc-")
+            runs[name] = json.loads(found.read_text())["results"]
     return runs
 
 
@@ -66,15 +70,16 @@ def token_match(plain: dict, other: dict) -> dict:
 
 def format_table(runs: dict[str, dict]) -> str:
     """The accuracy table and, for every tierkv mode, its token match with plain (when plain ran)."""
-    lines = [f"{'mode':<14} {'context':>7} {'task':<9} {'correct':>9} {'errors':>6}"]
+    width = max([14, *map(len, runs)])
+    lines = [f"{'mode':<{width}} {'context':>7} {'task':<9} {'correct':>9} {'errors':>6}"]
     for mode, results in runs.items():
         if results.get("error"):
-            lines.append(f"{mode:<14} engine error: {results['error']}")
+            lines.append(f"{mode:<{width}} engine error: {results['error']}")
         elif results.get("stage", "done") != "done":
-            lines.append(f"{mode:<14} stopped at stage: {results['stage']} (killed or timed out)")
+            lines.append(f"{mode:<{width}} stopped at stage: {results['stage']} (killed or timed out)")
         for row in accuracy_rows(results):
             scored = row["cases"] - row["errors"]
-            lines.append(f"{mode:<14} {row['context_tokens']:>7} {row['task']:<9} "
+            lines.append(f"{mode:<{width}} {row['context_tokens']:>7} {row['task']:<9} "
                          f"{row['correct']:>4}/{scored:<4} {row['errors']:>6}")
     if "plain" in runs:
         for mode in [m for m in runs if m != "plain"]:

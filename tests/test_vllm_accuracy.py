@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import vllm_accuracy
-from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, NEW_TOKENS, Completion, Engine, KvShape, engine_kwargs,
+from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, MODES, NEW_TOKENS, Completion, Engine, KvShape, engine_kwargs,
                                               start_engine, tierkv_config)
 from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, Grid, build_prompts, score
-from benchmarks.vllm_accuracy_table import accuracy_rows, format_table, token_match
+from benchmarks.vllm_accuracy_table import accuracy_rows, format_table, load_runs, token_match
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +317,33 @@ def test_run_records_an_engine_that_does_not_start(converted, monkeypatch, tmp_p
     assert vllm_accuracy.table(str(tmp_path), smoke=True) == 0
 
 
+@pytest.mark.real_model
+def test_a_tagged_run_of_some_lengths_has_its_own_file_budget_and_table_row(converted, monkeypatch, tmp_path):
+    """run_gpu.py's vllm-accuracy runs tierkv-sparse once per length with its own budget: --contexts keeps
+    those lengths only, --tag names the file (the untagged run's file is left alone), the config carries
+    the block and budget given, and the table lists the run under MODE-TAG."""
+    grid = Grid(context_tokens=(512, 700), depths=(0.5,), seeds=(0,))
+    batches, configs = [], []
+
+    def start(mode, model_dir, config):
+        configs.append(config)
+        return Engine(lambda batch: batches.append(batch) or [Completion([28], "x", [[-0.1, -1.0]]) for _ in batch],
+                      lambda: {})
+
+    monkeypatch.setattr(vllm_accuracy, "SMOKE", grid)
+    monkeypatch.setattr(vllm_accuracy, "start_engine", start)
+    (tmp_path / "vllm-acc-smoke-tierkv-sparse.json").write_text(json.dumps({"results": {"prompts": []}}))
+    assert vllm_accuracy.run("tierkv-sparse", converted[1], str(tmp_path), smoke=True, sparse_token_budget=128,
+                             sparse_block_tokens=16, contexts=(700,), tag="q700") == 0
+    results = json.loads((tmp_path / "vllm-acc-smoke-tierkv-sparse-q700.json").read_text())["results"]
+    assert {p["context_tokens"] for p in results["prompts"]} == {700} and len(batches) == 1 and len(batches[0]) == 2
+    assert configs[0]["cache"]["block_tokens"] == 16 and configs[0]["scheduler"]["sparse_token_budget"] == 128
+    assert json.loads((tmp_path / "vllm-acc-smoke-tierkv-sparse.json").read_text()) == {"results": {"prompts": []}}
+    assert list(load_runs(tmp_path, MODES, smoke=True)) == ["tierkv-sparse", "tierkv-sparse-q700"]
+    lines = [line.split() for line in format_table(load_runs(tmp_path, MODES, smoke=True)).splitlines()]
+    assert ["tierkv-sparse-q700", "700", "passkey", "0/1", "0"] in lines
+
+
 # -- table ---------------------------------------------------------------------------------------------
 
 def _prompt(task, context, depth, seed, tokens, correct, top2=None):
@@ -387,7 +414,13 @@ def test_table_prints_accuracy_and_token_matches_and_exits_zero(tmp_path, capsys
     (["convert", "{d}/missing.gguf", "{d}/out"], "GGUF: got '{d}/missing.gguf'; expected an existing .gguf file"),
     (["convert", "{d}/config.json", "{d}/out"], "expected an existing .gguf file"),
     (["table", "{d}/nothing"], "OUTDIR: got '{d}/nothing'; not a directory"),
-    (["run", "tierkv-sparse", "{d}", "{d}", "--sparse-token-budget", "96"], "--sparse-token-budget: got 96"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--sparse-token-budget", "100"], "--sparse-token-budget: got 100"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--sparse-token-budget", "96", "--sparse-block-tokens", "64"],
+     "--sparse-token-budget: got 96; a positive multiple of --sparse-block-tokens (64)"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--sparse-block-tokens", "48"], "--sparse-block-tokens: got 48; a power of two"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--contexts", "2048,3000"], "--contexts: got [3000]; the grid's lengths are"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--contexts", "2k"], "argument --contexts: got '2k'; comma-separated"),
+    (["run", "tierkv-sparse", "{d}", "{d}", "--tag", "../x"], "--tag: got '../x'; letters, digits"),
     (["all", "{d}/m.gguf", "{d}", "--timeout-s", "0"], "--timeout-s: got 0.0; must be positive"),
     (["run", "plain", "{d}"], "the following arguments are required: out_dir"),
 ])
