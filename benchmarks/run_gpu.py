@@ -287,6 +287,16 @@ def vllm_prefill_chunks(s):
     return max(rc, vllm_table(s))
 
 
+def vllm_prefill_exact(s):
+    """Issue 35's exact rows at 32k, all compiled, no prefix run, 32 decoded tokens: plain, the exact hot window with
+    16- and 64-token blocks, then the 16-token one again with its prefill chunks 2 and 3 profiled; then the table."""
+    common = ("--compiled", "--decode-tokens", "32", "--context", "32000", "--no-prefix")
+    rc = vllm_row("plain")(s, "c32k", common)
+    for tag, extra in (("c32k", ()), ("c32kb64", ("--block-tokens", "64")), ("c32kprof", ("--profile-steps", "2", "3"))):
+        rc = max(rc, vllm_row("tierkv")(s, tag, (*common, *extra)))
+    return max(rc, vllm_table(s))
+
+
 def vllm_resize(s):
     """The vLLM pool resized 2 -> 0.5 -> 2 GiB between and during requests at 128k (exact, sparse), and its GPU test."""
     rc = s.run([PY, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/gpu/test_vllm_resize_gpu.py", *_split(s.args.resize_tests)],
@@ -325,6 +335,7 @@ STEPS = {
     "vllm-batch-sparse-graphs-fp8": batch_row("tierkv-sparse-graphs", "--storage-dtype", "float8_e4m3fn", "--requests", "10"),
     "vllm-batch-ab": vllm_batch_ab, "vllm-batch-table": vllm_batch_table, "vllm-batch-shipped": vllm_batch_shipped,
     "vllm-shipped": vllm_shipped, "vllm-tierkv-b64": vllm_tierkv_b64, "vllm-prefill-chunks": vllm_prefill_chunks,
+    "vllm-prefill-exact": vllm_prefill_exact,
     "vllm-resize": vllm_resize, "vllm-accuracy-convert": vllm_accuracy_convert, "vllm-accuracy": vllm_accuracy,
 }
 GROUPS = {  # the rows issue 33 asks to re-measure after a restructuring, against RESULTS.md
