@@ -37,14 +37,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
+from benchmarks.accuracy_config import check_cache_args, gpu_budget_bytes, staging_bytes  # noqa: E402
 from benchmarks.accuracy_recall import FarLayout, capture_decode, case_recall, needle_positions, summarize_recall  # noqa: E402
 from tierkv.config import load_config  # noqa: E402
 from tierkv.longdoc import greedy_continue  # noqa: E402
 
-BLOCK_TOKENS = 16
+BLOCK_TOKENS = 16   # --block-tokens
 SINK_TOKENS = 16    # --sink-tokens
 WINDOW_TOKENS = 32  # --window-tokens
-SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV
+SPARSE_FRACTION = 8  # --sparse-gpu-fraction: sparse (and retrieval's exact) runs get a GPU budget of 1/8 of the KV (0: window only)
 PREFILL_CHUNK = 512
 SELECTION = "per_layer"  # --sparse-selection: scheduler.sparse_selection of the sparse runs
 BOUND_WEIGHT = 1.0   # --bound-weight: scheduler.sparse_bound_weight of the sparse runs and the recall's selection
@@ -54,17 +55,18 @@ QUICK = dict(parts=["exact", "retrieval"], exact_tokens=[512], budgets=[8], retr
 
 def tier_config(prompt_kv_bytes: int, fraction: int, num_layers: int, block_bytes: int, disk: str,
                 policy: str = "exact", token_budget: int = 2048, predictor: str = "previous"):
-    """GPU budget 1/`fraction` of the prompt's KV, a CPU tier holding it, a disk tier under it.
-    Staging holds the prefetch regions or, for predictor 'cache', one selection per layer."""
-    k = token_budget // BLOCK_TOKENS
-    staging = max(prompt_kv_bytes // (2 * fraction), 2 * (num_layers * k + 4) * block_bytes)
+    """GPU budget 1/`fraction` of the prompt's KV (0: the sinks and the window only), a CPU tier holding
+    it, a disk tier under it. Staging holds the prefetch regions or, for predictor 'cache', one selection per layer."""
+    staging = staging_bytes(prompt_kv_bytes, fraction, num_layers, block_bytes, BLOCK_TOKENS, token_budget)
+    gpu_budget = gpu_budget_bytes(prompt_kv_bytes, fraction, num_layers, block_bytes, BLOCK_TOKENS,
+                                  SINK_TOKENS, WINDOW_TOKENS)
     scheduler = {"policy": policy, "lookahead_layers": 1, "staging_bytes": staging, "prefill_chunk_tokens": PREFILL_CHUNK}
     if policy == "sparse":
         scheduler.update(predictor=predictor, sparse_token_budget=token_budget, decode_cuda_graph=False,
                          sparse_bound_weight=BOUND_WEIGHT, sparse_selection=SELECTION)
     return load_config({
         "model": {"name": "smollm2-135m"},
-        "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": prompt_kv_bytes // fraction,
+        "cache": {"block_tokens": BLOCK_TOKENS, "gpu_budget_bytes": gpu_budget,
                   "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
         "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
                   {"kind": "disk", "path": disk, "capacity_bytes": 4 * prompt_kv_bytes,
@@ -344,11 +346,13 @@ def parse_args(argv=None):
     p.add_argument("--no-recall", dest="recall", action="store_false",
                    help="skip the selection recall (computed from the retrieval part's dense runs)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, help="cache.block_tokens of every tierkv run")
     p.add_argument("--sink-tokens", type=int, default=SINK_TOKENS, help="cache.sink_tokens of every tierkv run")
     p.add_argument("--window-tokens", type=int, default=WINDOW_TOKENS, help="cache.window_tokens of every tierkv run")
     p.add_argument("--sparse-gpu-fraction", type=int, default=SPARSE_FRACTION,
                    help="GPU budget 1/N of the KV for the retrieval and real-text runs (its front blocks, "
-                        "all but the window, stay resident: sparse decode reads them besides its selection)")
+                        "all but the window, stay resident: sparse decode reads them besides its selection); "
+                        "0: the GPU holds the sinks and the window only, so far blocks start right after the sinks")
     p.add_argument("--bound-weight", type=float, default=BOUND_WEIGHT,
                    help="scheduler.sparse_bound_weight of every sparse run (1: Quest's bound alone)")
     p.add_argument("--sparse-selection", default=SELECTION, choices=("per_layer", "per_kv_head"),
@@ -367,6 +371,7 @@ def parse_args(argv=None):
     for task in args.tasks:
         if task not in ("passkey", "multikey"):
             p.error(f"--tasks: got {task!r}; allowed: passkey, multikey")
+    check_cache_args(p, args)
     return args
 
 
@@ -374,8 +379,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    global SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION, BOUND_WEIGHT, SELECTION  # one run, one cache shape
-    SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION = args.sink_tokens, args.window_tokens, args.sparse_gpu_fraction
+    global BLOCK_TOKENS, SINK_TOKENS, WINDOW_TOKENS, SPARSE_FRACTION, BOUND_WEIGHT, SELECTION  # one run, one cache shape
+    BLOCK_TOKENS, SINK_TOKENS, WINDOW_TOKENS = args.block_tokens, args.sink_tokens, args.window_tokens
+    SPARSE_FRACTION = args.sparse_gpu_fraction
     BOUND_WEIGHT, SELECTION = args.bound_weight, args.sparse_selection
     global DEADLINE
     DEADLINE = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
