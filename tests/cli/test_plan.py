@@ -219,3 +219,16 @@ def test_the_vllm_backend_refuses_a_ring_too_small_for_its_regions(capsys, tmp_p
                      "--backend", "vllm")
     assert plan["gpu"]["fits"] is False and "scheduler.staging_bytes" in plan["gpu"]["refusal"]
     assert "one per staging region" in plan["gpu"]["refusal"]
+
+
+def test_a_request_shorter_than_the_budget_says_what_it_uses(capsys):
+    """A 1-token request under a 2 GiB budget: the resident slots are the budget (allocated whole), the text
+    says how much of it the blocks use, and vLLM's comparison says tierkv holds more instead of a percentage
+    above 100."""
+    assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "1", "--gpu-budget", "2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "resident 2.00 GiB (budget 2.00 GiB, the blocks above use 132.00 MiB of it)" in out
+    assert "tierkv holds 2.25 GiB (more than vLLM alone needs" in out and "%)" not in out.split("vLLM alone")[1]
+    assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "128k", "--gpu-budget", "2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "resident 2.00 GiB (budget 2.00 GiB) + staging" in out and "tierkv holds 2.25 GiB (14.1%)" in out

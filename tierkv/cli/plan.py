@@ -170,7 +170,7 @@ def format_plan(plan: dict) -> str:
              f"vLLM alone  one {plan['context_tokens']}-token request needs a GPU KV pool of"
              f" {fb(v['kv_pool_needed_bytes'])} ({v['block_tokens']}-token blocks);"
              + (f" {v['requests']} at once {fb(v['batch_pool_needed_bytes'])};" if v["requests"] > 1 else "")
-             + f" tierkv holds {fb(held)} ({100 * held / v['batch_pool_needed_bytes']:.1f}%)"]
+             + f" tierkv holds {fb(held)} " + _share(held, v["batch_pool_needed_bytes"])]
     if v["kv_pool_bytes"] is None:
         rows.append("            (pass --vllm-kv-pool SIZE to check a given pool)")
     else:
@@ -212,9 +212,19 @@ def _tier_rows(plan: dict) -> list[str]:
     elif plan["backend"] == "vllm":
         rows.append(f"GPU KV held {fb(g['held_bytes'])}: the budget, everything above inside it")
     else:
+        used = (g["sink_blocks"] + g["far_cache_blocks"] + g["window_blocks"]) * B * L
+        of_it = f", the blocks above use {fb(used)} of it" if used < g["resident_bytes"] else ""
         rows.append(f"GPU KV held {fb(_held_bytes(g))} = resident {fb(g['resident_bytes'])} (budget"
-                    f" {fb(g['budget_bytes'])}) + staging {fb(g['staging_bytes'])}")
+                    f" {fb(g['budget_bytes'])}{of_it}) + staging {fb(g['staging_bytes'])}")
     return rows
+
+
+def _share(held: int, needed: int) -> str:
+    """tierkv's GPU KV against what vLLM alone needs: a percentage, or where tierkv holds more (a budget above a
+    short request's whole KV), that it does."""
+    if held <= needed:
+        return f"({100 * held / needed:.1f}%)"
+    return "(more than vLLM alone needs: the budget is reserved whole; a smaller --gpu-budget serves this request)"
 
 
 def _held_bytes(gpu: dict) -> int:
