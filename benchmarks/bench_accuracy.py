@@ -4,6 +4,8 @@ does tierkv's attention keep the model's answers?
     python benchmarks/bench_accuracy.py --quick                       # CI: a few cases, CPU
     python benchmarks/bench_accuracy.py --device cuda                 # the full grid (GPU)
     python benchmarks/bench_accuracy.py --parts exact --exact-tokens 1024,2048 --budgets 4,8,16
+    python benchmarks/bench_accuracy.py --parts retrieval --block-tokens 64 --sink-tokens 0 --window-tokens 128 \
+        --sparse-gpu-fraction 0   # vLLM's sparse selection: the window on the GPU, far blocks from block 0
 
 Parts (--parts):
   exact      tierkv's exact policy with a GPU budget of 1/N of the prompt's KV (--budgets N,...) against
