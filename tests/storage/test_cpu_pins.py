@@ -66,6 +66,8 @@ def test_whole_block_pins_keep_their_blocks_until_released(ops):
                     values[key] = step + keys.index(key) / 10
                 else:  # refused: the key itself is pinned, or every slot is
                     assert key in key_pins or held.get(key.split("/")[0], 0) or "pinned" in result.error
+                    if "slots are pinned" in result.error:  # and then no visible key was free to evict
+                        assert all(tier._pin_state.pinned(k) for k in tier._slot_of), result.error
         elif kind == "pin_blocks":
             whole = all(tier.contains(f"{g}/L{layer}") for g in arg for layer in range(LAYERS))
             rows = tier.acquire_blocks(arg)
@@ -147,3 +149,19 @@ def test_released_blocks_are_evicted_after_older_unread_blocks():
     results = tier.put_many(["new/L0", "new/L1", "new/L2"], [_block(2.0)] * 3)
     assert sorted(k for r in results for k, _ in r.evicted) == sorted(young)
     assert all(tier.contains(k) for k in old)
+
+
+def test_a_block_released_then_partly_removed_does_not_make_the_walk_refuse_a_put():
+    """A block read whole gets one second chance per layer; once some of its layers are removed, it keeps no
+    more chances than layers it still holds, or an eviction walk among pinned keys spends its bound on the
+    extra chances and refuses a put while an unpinned key was there to evict."""
+    tier = CpuTier("cpu", LAYOUT, 3 * LAYOUT.num_bytes, pin_memory=False)
+    tier.index_blocks(LAYERS)
+    tier.put_many([f"g/L{layer}" for layer in range(LAYERS)], [_block(1.0)] * LAYERS)
+    assert tier.acquire_blocks(["g"]) is not None
+    tier.release_blocks(["g"])  # three chances, one per layer
+    assert tier.remove("g/L0") and tier.remove("g/L1")  # one layer left
+    assert all(r.ok for r in tier.put_many(["a/L0", "b/L0"], [_block(2.0)] * 2))
+    assert tier.acquire(["a/L0", "b/L0"]) == [tier.acquire(["a/L0"])[0], tier.acquire(["b/L0"])[0]]
+    put = tier.put_many(["c/L0"], [_block(3.0)])[0]
+    assert put.ok and [k for k, _ in put.evicted] == ["g/L2"], put.error

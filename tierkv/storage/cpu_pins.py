@@ -128,11 +128,17 @@ class BlockPins:
         return True
 
     def forget(self, key: str) -> None:
-        """key left the tier: drop its block's chances once no layer of it is held."""
+        """key left the tier: its block keeps no more chances than layers it still holds (none once no layer
+        is), so the walk's bound, which counts a chance per visible key, holds."""
         if self.chances:
             group = self.index.group(key)
-            if group is not None and group not in self.index.counts:
+            if group is None:
+                return
+            held = self.index.counts.get(group, 0)
+            if not held:
                 self.chances.pop(group, None)
+            elif self.chances.get(group, 0) > held:
+                self.chances[group] = held
 
     def clear(self) -> None:
         self.pins.clear()
