@@ -165,3 +165,16 @@ def test_a_block_released_then_partly_removed_does_not_make_the_walk_refuse_a_pu
     assert tier.acquire(["a/L0", "b/L0"]) == [tier.acquire(["a/L0"])[0], tier.acquire(["b/L0"])[0]]
     put = tier.put_many(["c/L0"], [_block(3.0)])[0]
     assert put.ok and [k for k, _ in put.evicted] == ["g/L2"], put.error
+
+
+def test_a_released_block_with_layers_pinned_key_by_key_gives_each_unpinned_key_one_chance():
+    """Chances are per key, not a count per block: with two of three layers pinned by a per-key reader, the
+    third key must not spend the block's three chances (one per walk over the tier) and make a put fail."""
+    tier = CpuTier("cpu", LAYOUT, 3 * LAYOUT.num_bytes, pin_memory=False)
+    tier.index_blocks(LAYERS)
+    tier.put_many([f"g/L{layer}" for layer in range(LAYERS)], [_block(1.0)] * LAYERS)
+    assert tier.acquire_blocks(["g"]) is not None
+    tier.release_blocks(["g"])
+    assert None not in tier.acquire(["g/L0", "g/L1"])
+    put = tier.put_many(["c/L0"], [_block(3.0)])[0]
+    assert put.ok and [k for k, _ in put.evicted] == ["g/L2"], put.error

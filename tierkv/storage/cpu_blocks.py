@@ -46,6 +46,12 @@ class BlockLayers:
         group, name = split_key(key)
         return group if name in self._layer_of else None
 
+    def locate(self, key: str) -> tuple[str, int] | None:
+        """(block, layer) of a key, None for a key not in block-key form."""
+        group, name = split_key(key)
+        layer = self._layer_of.get(name)
+        return None if layer is None else (group, layer)
+
     def add_many(self, items: Iterable[tuple[str, int]]) -> None:
         """(key, slot) of keys that became visible (each one not visible before). `group` inlined: a
         long prefix's first request saves some 200k keys."""

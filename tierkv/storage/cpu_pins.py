@@ -8,9 +8,11 @@ the groups of `cpu_blocks.BlockLayers` (hash + rank suffix), all of whose `num_l
 when pinned whole.
 
     pins[group]    read pins of the whole block: none of its keys is evicted or replaced while > 0
-    chances[group] after a release, how many of its keys an eviction walk still moves to the recent
-                   end instead of evicting (the keys were read until then; a per-key acquire moves
-                   each key at once, which for a 100k-token prefix is 200k moves on the critical path)
+    chances[group] after a release, which of its layers' keys (a bit per layer) an eviction walk still
+                   moves to the recent end once instead of evicting (the keys were read until then; a
+                   per-key acquire moves each key at once, which for a 100k-token prefix is 200k moves
+                   on the critical path); a key leaving the tier takes its bit with it, so no key has
+                   more than one chance (the walk's bound counts one per visible key)
 
 A long repeated prefix is some 6k blocks of 32 layers: pinning it per block is 6k dict updates where
 per key it is 200k lookups, LRU moves and pin counts.
@@ -98,7 +100,7 @@ class BlockPins:
                 self._pinned_keys -= n
             else:
                 pins[group] = count - 1
-            chances[group] = n
+            chances[group] = (1 << n) - 1
 
     def holds(self, key: str) -> bool:
         """Whether key's block is pinned whole."""
@@ -113,32 +115,37 @@ class BlockPins:
         return self._pinned_keys
 
     def second_chance(self, key: str) -> bool:
-        """Whether an eviction walk should move key to the recent end instead of evicting it (and use
-        up one of its block's chances)."""
+        """Whether an eviction walk should move key to the recent end instead of evicting it (its one chance,
+        used up)."""
         if not self.chances:
             return False
-        group = self.index.group(key)
-        left = self.chances.get(group, 0) if group is not None else 0
-        if not left:
+        where = self.index.locate(key)
+        if where is None:
             return False
-        if left == 1:
-            del self.chances[group]
-        else:
-            self.chances[group] = left - 1
+        group, layer = where
+        left = self.chances.get(group, 0)
+        if not left >> layer & 1:
+            return False
+        self._drop_chance(group, left, layer)
         return True
 
     def forget(self, key: str) -> None:
-        """key left the tier: its block keeps no more chances than layers it still holds (none once no layer
-        is), so the walk's bound, which counts a chance per visible key, holds."""
+        """key left the tier: it takes its chance with it (its block's go once no layer of it is held)."""
         if self.chances:
-            group = self.index.group(key)
-            if group is None:
-                return
-            held = self.index.counts.get(group, 0)
-            if not held:
-                self.chances.pop(group, None)
-            elif self.chances.get(group, 0) > held:
-                self.chances[group] = held
+            where = self.index.locate(key)
+            if where is not None:
+                group, layer = where
+                if group not in self.index.counts:
+                    self.chances.pop(group, None)
+                elif group in self.chances:
+                    self._drop_chance(group, self.chances[group], layer)
+
+    def _drop_chance(self, group: str, left: int, layer: int) -> None:
+        left &= ~(1 << layer)
+        if left:
+            self.chances[group] = left
+        else:
+            del self.chances[group]
 
     def clear(self) -> None:
         self.pins.clear()
