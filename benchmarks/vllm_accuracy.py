@@ -62,7 +62,9 @@ STALL_DUMP_S = 120  # a generate call running this long prints every thread's st
 def run(mode: str, model_dir: str, out_dir: str, smoke: bool = False, sparse_token_budget: int = SPARSE_TOKEN_BUDGET,
         sparse_block_tokens: int = SPARSE_BLOCK_TOKENS, contexts: tuple[int, ...] = (), tag: str = "") -> int:
     grid = SMOKE if smoke else FULL
-    if contexts:  # a subset of the grid's lengths (each length its own sparse budget: run_gpu.py's vllm-accuracy)
+    if contexts and not tag:
+        raise ValueError("contexts: a run of some lengths needs a tag (it would replace the full run's file)")
+    if contexts:  # a subset of the grid's lengths (each length its own sparse budget: run_gpu.py's vllm-accuracy-sparse)
         grid = Grid(tuple(c for c in grid.context_tokens if c in contexts), grid.depths, grid.seeds, grid.tasks)
     out = run_file(out_dir, mode, smoke, tag)
     results = {"mode": mode, "model_dir": os.path.abspath(model_dir), "max_model_len": MAX_MODEL_LEN,
@@ -242,6 +244,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = [c for c in getattr(args, "contexts", ()) if c not in grid_lengths]
     if unknown:
         p.error(f"--contexts: got {unknown}; the grid's lengths are {list(grid_lengths)}")
+    if getattr(args, "contexts", ()) and not args.tag:
+        p.error("--contexts: needs --tag (a run of some lengths in the full run's file would replace it)")
     if getattr(args, "tag", "") and not all(ch.isalnum() or ch in "-_." for ch in args.tag):
         p.error(f"--tag: got {args.tag!r}; letters, digits, '-', '_' and '.' only (it names a file)")
     if args.command == "all" and args.timeout_s <= 0:

@@ -13,7 +13,7 @@ Primitives: `MODES`, `KvShape`, `tierkv_config`, `start_engine` (-> `Engine`), `
                  file's full decode graph, async scheduling or prefetch margin, which need a compiled vLLM); the
                  budget holds vLLM's pool, the staging that keeps the cache and the key summaries of one
                  request; the far tokens per step are --sparse-token-budget (the shipped 2048 is 1/64 of
-                 128k: 128 tokens at 8k; run_gpu.py's vllm-accuracy gives each length 1/4 of itself)
+                 128k: 128 tokens at 8k; run_gpu.py's vllm-accuracy-sparse gives each length 1/4 of itself)
 """
 from __future__ import annotations
 
