@@ -43,8 +43,8 @@ class BlockLayers:
 
     def group(self, key: str) -> str | None:
         """The block a key is one layer of (hash + suffix), None for a key not in block-key form."""
-        group, name = split_key(key)
-        return group if name in self._layer_of else None
+        where = self.locate(key)
+        return None if where is None else where[0]
 
     def locate(self, key: str) -> tuple[str, int] | None:
         """(block, layer) of a key, None for a key not in block-key form."""

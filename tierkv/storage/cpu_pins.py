@@ -130,15 +130,12 @@ class BlockPins:
         return True
 
     def forget(self, key: str) -> None:
-        """key left the tier: it takes its chance with it (its block's go once no layer of it is held)."""
+        """key left the tier: it takes its chance with it (a released block held every layer, so its chances
+        are gone once no layer of it is held)."""
         if self.chances:
             where = self.index.locate(key)
-            if where is not None:
-                group, layer = where
-                if group not in self.index.counts:
-                    self.chances.pop(group, None)
-                elif group in self.chances:
-                    self._drop_chance(group, self.chances[group], layer)
+            if where is not None and where[0] in self.chances:
+                self._drop_chance(where[0], self.chances[where[0]], where[1])
 
     def _drop_chance(self, group: str, left: int, layer: int) -> None:
         left &= ~(1 << layer)
