@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
 from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, MODES, NEW_TOKENS, SPARSE_BLOCK_TOKENS,  # noqa: E402
-                                              SPARSE_TOKEN_BUDGET, KvShape, engine_kwargs, start_engine, tierkv_config)
+                                              SPARSE_TOKEN_BUDGET, KvShape, engine_kwargs, sparse_args_problem, start_engine,
+                                              tierkv_config)
 from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, Grid, build_prompts, score  # noqa: E402
 from benchmarks.vllm_accuracy_table import format_table, load_runs, run_file  # noqa: E402
 
@@ -234,12 +235,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"MODELDIR: got {args.model_dir!r}; no config.json there (make it with: convert GGUF MODELDIR)")
     if args.command == "table" and not os.path.isdir(args.out_dir):
         p.error(f"OUTDIR: got {args.out_dir!r}; not a directory")
-    block = getattr(args, "sparse_block_tokens", SPARSE_BLOCK_TOKENS)
-    if block < 1 or block & (block - 1):
-        p.error(f"--sparse-block-tokens: got {block}; a power of two (vLLM's block_size)")
-    budget = getattr(args, "sparse_token_budget", block)
-    if budget < block or budget % block:
-        p.error(f"--sparse-token-budget: got {budget}; a positive multiple of --sparse-block-tokens ({block})")
+    problem = sparse_args_problem(getattr(args, "sparse_token_budget", SPARSE_TOKEN_BUDGET),
+                                  getattr(args, "sparse_block_tokens", SPARSE_BLOCK_TOKENS))
+    if problem:
+        p.error(problem)
     grid_lengths = (SMOKE if getattr(args, "smoke", False) else FULL).context_tokens
     unknown = [c for c in getattr(args, "contexts", ()) if c not in grid_lengths]
     if unknown:

@@ -57,6 +57,16 @@ class KvShape:
         return self.num_layers * self.block_bytes(MAX_MODEL_LEN)
 
 
+def sparse_args_problem(sparse_token_budget: int, sparse_block_tokens: int) -> str | None:
+    """What is wrong with a sparse run's budget and block (named by their options), or None."""
+    block = sparse_block_tokens
+    if block < 1 or block & (block - 1):
+        return f"--sparse-block-tokens: got {block}; a power of two (vLLM's block_size)"
+    if sparse_token_budget < block or sparse_token_budget % block:
+        return f"--sparse-token-budget: got {sparse_token_budget}; a positive multiple of --sparse-block-tokens ({block})"
+    return None
+
+
 def tierkv_config(mode: str, shape: KvShape, sparse_token_budget: int = SPARSE_TOKEN_BUDGET,
                   sparse_block_tokens: int = SPARSE_BLOCK_TOKENS) -> dict:
     """The tierkv config of `mode` ('tierkv-exact' or 'tierkv-sparse'); ValueError for another mode or
@@ -71,10 +81,9 @@ def tierkv_config(mode: str, shape: KvShape, sparse_token_budget: int = SPARSE_T
     if mode != "tierkv-sparse":
         raise ValueError(f"mode: got {mode!r}; a tierkv config exists for: tierkv-exact, tierkv-sparse")
     block = sparse_block_tokens
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"--sparse-block-tokens: got {block}; a power of two (vLLM's block_size)")
-    if sparse_token_budget < block or sparse_token_budget % block:
-        raise ValueError(f"--sparse-token-budget: got {sparse_token_budget}; a positive multiple of the {block}-token block")
+    problem = sparse_args_problem(sparse_token_budget, block)
+    if problem:
+        raise ValueError(problem)
     from tierkv.config import load_config
     from tierkv.integrations.vllm.pool_sizing import hot_window_pool_need
     from tierkv.sparse.request_summaries import summary_bytes_per_request
