@@ -196,11 +196,12 @@ def vllm_accuracy_sparse(s):
     """vllm_accuracy.py run tierkv-sparse once per length with 1/4 of it as its budget (16-token blocks; rows
     tierkv-sparse-q2048, ...), then the table (its own device call: four engine starts, at most 620 s; the
     table compares with plain when vllm-accuracy wrote to the same --out)."""
-    rc = 0
+    rc, block = 0, 16
     for context in (2048, 4096, 6144, 8000):
-        budget = context // 4 // 16 * 16
+        budget = context // 4 // block * block
         rc = max(rc, s.bench("vllm_accuracy.py", "run", "tierkv-sparse", f"{s.args.vacc_dir}/model", str(s.out),
-                             "--contexts", str(context), "--sparse-token-budget", str(budget), "--tag", f"q{context}",
+                             "--contexts", str(context), "--sparse-token-budget", str(budget),
+                             "--sparse-block-tokens", str(block), "--tag", f"q{context}",
                              log=f"vacc-tierkv-sparse-q{context}.log", timeout_s=140, tail=4))
     return max(rc, s.bench("vllm_accuracy.py", "table", str(s.out), log="vacc-table.log", timeout_s=60, tail=40))
 
