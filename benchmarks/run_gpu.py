@@ -184,9 +184,9 @@ def vllm_accuracy_convert(s):
 
 def vllm_accuracy(s):
     """vllm_accuracy.py run plain and tierkv-exact on the converted folder, then its table (one device call:
-    two engine starts, at most 400 s)."""
+    two engine starts, at most 400 s; --vacc-modes picks)."""
     rc = 0
-    for mode in ("plain", "tierkv-exact"):
+    for mode in _split(s.args.vacc_modes):
         rc = max(rc, s.bench("vllm_accuracy.py", "run", mode, f"{s.args.vacc_dir}/model", str(s.out),
                              log=f"vacc-{mode}.log", timeout_s=170, tail=4))
     return max(rc, s.bench("vllm_accuracy.py", "table", str(s.out), log="vacc-table.log", timeout_s=60, tail=40))
@@ -195,9 +195,9 @@ def vllm_accuracy(s):
 def vllm_accuracy_sparse(s):
     """vllm_accuracy.py run tierkv-sparse once per length with 1/4 of it as its budget (16-token blocks; rows
     tierkv-sparse-q2048, ...), then the table (its own device call: four engine starts, at most 620 s; the
-    table compares with plain when vllm-accuracy wrote to the same --out)."""
+    table compares with plain when vllm-accuracy wrote to the same --out; --vacc-contexts picks lengths)."""
     rc, block = 0, 16
-    for context in (2048, 4096, 6144, 8000):
+    for context in (int(c) for c in _split(s.args.vacc_contexts)):
         budget = context // 4 // block * block
         rc = max(rc, s.bench("vllm_accuracy.py", "run", "tierkv-sparse", f"{s.args.vacc_dir}/model", str(s.out),
                              "--contexts", str(context), "--sparse-token-budget", str(budget),
@@ -366,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resize-tests", default="", help="vllm-resize: more test paths run with its GPU test")
     p.add_argument("--resize-limit-s", type=int, default=240, help="vllm-resize: each policy's benchmark")
     p.add_argument("--vacc-dir", default="/tmp/vacc", help="vllm-accuracy: where the converted model lives")
+    p.add_argument("--vacc-modes", default="plain tierkv-exact", help="vllm-accuracy: the modes run")
+    p.add_argument("--vacc-contexts", default="2048 4096 6144 8000", help="vllm-accuracy-sparse: the lengths run")
     p.add_argument("--model-layers", type=int, default=32, help="vllm-model8b: layers of the 8B-shaped model")
     p.add_argument("--qk-bias-std", default="0", help="vllm-model8b: 16 gives the queries a stable direction")
     p.add_argument("--sparse-predictor", default="previous", choices=("previous", "none", "query", "cache"))
