@@ -26,7 +26,7 @@ def test_a_file_in_the_working_directory_wins_and_unknown_names_are_named(tmp_pa
 def test_the_vllm_connector_takes_a_shipped_name():
     from tierkv.integrations.vllm.config import config_from_kv_transfer
 
-    assert config_from_kv_transfer({"config_file": "vllm-128k"}, block_size=16, env={}) == \
+    assert config_from_kv_transfer({"config_file": "vllm-128k"}, block_size=64, env={}) == \
         load_config("vllm-128k", env={})
     with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
         config_from_kv_transfer({"config_file": "vllm-129k"}, block_size=16, env={})
