@@ -93,7 +93,7 @@ class FarPins:
                                f"{len(req.hashes)} were sent; the connector's metadata is out of step")
         hashes = req.hashes[first:num_blocks]
         groups = self.store.block_groups(hashes)
-        rows = self.store.saves.pin_blocks_for_reader(groups, hashes) if groups is not None else None  # one pin per block
+        rows = self._pin_whole(groups, hashes) if groups is not None else None  # one pin per block
         if rows is not None:
             req.pinned_groups.extend(groups)
             columns = torch.from_numpy(rows.T.copy())  # [layers, blocks]
@@ -106,6 +106,17 @@ class FarPins:
             req.pinned_keys[layer].extend(keys)
             self._add_slots(req, layer, first, torch.tensor(slots, dtype=torch.int64))
         return len(hashes)
+
+    def _pin_whole(self, groups: list[str], hashes: list[str]):
+        """The blocks pinned whole, or None. A block's last layers may still be saving when it turns far (their
+        D2H lands after the step that wrote them): those saves land first, as the per-key path would wait for
+        them, so the request's far blocks are one count each, not one per key for the next request to give back."""
+        saves = self.store.saves
+        rows = saves.pin_blocks_for_reader(groups, hashes)
+        if rows is None and saves.in_flight():
+            self.store.poll(wait=True)
+            rows = saves.pin_blocks_for_reader(groups, hashes)
+        return rows
 
     def _add_slots(self, req: FarRequest, layer: int, first: int, new: torch.Tensor) -> None:
         """Slots of `layer`'s blocks first.. (int64, CPU) appended to the request's, and to its device copy."""

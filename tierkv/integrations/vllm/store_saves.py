@@ -90,6 +90,10 @@ class LayerSaves:
             index = torch.tensor(refused, device=flat.device)
             store.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
 
+    def in_flight(self) -> bool:
+        """Saves started and not yet made visible (`poll`)."""
+        return bool(self._pending)
+
     def _bound_inflight(self) -> None:
         while sum(p[2] for p in self._pending) > self.max_inflight_bytes and len(self._pending) > 1:
             self._pending[0][0].synchronize()
