@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_q", "num_blocks", "num_k", "blocks_per_split"])
+# every int that varies from step to step (counts, and the part strides, which grow with num_q) and
+# the block lists' addresses (slices of a chunk's lists at any offset) stay out of the compiled
+# signature: one variant per tile shape, whatever the step (`tierkv.attention.warmup`)
+@triton.jit(do_not_specialize=["num_q", "num_blocks", "num_k", "blocks_per_split", "stride_os", "stride_ls"],
+            do_not_specialize_on_alignment=["slots_ptr", "starts_ptr", "fills_ptr", "qpos_ptr", "kpos_ptr"])
 def partial_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     slots_ptr, starts_ptr, fills_ptr, qpos_ptr, kpos_ptr,
@@ -117,14 +121,22 @@ def partial_attention_kernel(
 def merge_splits_kernel(
     out_part_ptr, lse_part_ptr, out_ptr, lse_ptr,  # [S, rows, dim], [S, rows], [rows, dim], [rows]
     num_splits, num_rows,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr,
 ):
+    """The splits' lse max and sum are read S_TILE at a time: one compiled variant for any split count."""
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, S_PAD)
-    lses = tl.load(lse_part_ptr + s * num_rows + row, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lses, axis=0)
+    s = tl.arange(0, S_TILE)
+    m_tile = tl.full([S_TILE], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, S_TILE):
+        lses = tl.load(lse_part_ptr + (s0 + s) * num_rows + row, mask=s0 + s < num_splits, other=float("-inf"))
+        m_tile = tl.maximum(m_tile, lses)
+    m = tl.max(m_tile, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lses - m_safe), axis=0)
+    sum_tile = tl.zeros([S_TILE], tl.float32)
+    for s0 in range(0, num_splits, S_TILE):
+        lses = tl.load(lse_part_ptr + (s0 + s) * num_rows + row, mask=s0 + s < num_splits, other=float("-inf"))
+        sum_tile += tl.exp(lses - m_safe)
+    total = tl.sum(sum_tile, axis=0)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     acc = tl.zeros([D_PAD], tl.float32)

@@ -34,6 +34,7 @@ TILE_TOKENS = 64          # keys per inner-loop step (pow2, >= 16 for tl.dot)
 CONTIG_TILE = 64          # virtual block size for contiguous K/V
 MIN_TILES_PER_SPLIT = 4   # keep each split long enough to amortize its merge
 PROGRAMS_PER_SM = 4       # split until the grid covers this many programs per SM
+MERGE_TILE = 32           # splits merge_splits_kernel reads at a time (one compiled variant for any count)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,11 +63,17 @@ class _Plan(NamedTuple):
     grid: tuple[int, int, int]  # (query tiles, kv heads, splits)
 
 
+def tile_rows(num_q: int, group: int, row_blocks: bool = False) -> int:
+    """BLOCK_M, the (query, head) rows of one program of a launch of num_q queries: a compile-time
+    constant, so each value is one compiled variant. row_blocks: each query reads blocks of its
+    own, so a program serves one query."""
+    min_rows = max(16, _pow2(group))  # tl.dot needs >= 16 rows
+    return min_rows if row_blocks else min(max(64, min_rows), max(min_rows, _pow2(num_q * group)))
+
+
 def _plan(num_q: int, group: int, num_kv_heads: int, block_tokens: int, num_blocks: int,
           device: torch.device, num_splits: int | None, row_blocks: bool = False) -> _Plan:
-    min_rows = max(16, _pow2(group))                    # tl.dot needs >= 16 rows
-    # row_blocks: each query reads blocks of its own, so a program serves one query
-    block_m = min_rows if row_blocks else min(max(64, min_rows), max(min_rows, _pow2(num_q * group)))
+    block_m = tile_rows(num_q, group, row_blocks)
     q_per_tile = 1 if row_blocks else block_m // group
     bt_pad = _pow2(block_tokens)
     blocks_per_tile = max(1, TILE_TOKENS // bt_pad)
@@ -133,7 +140,7 @@ def _merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     if num_rows > 0:
         triton_kernels.merge_splits_kernel[(num_rows,)](
             outs, lses, out, lse, outs.shape[0], num_rows,
-            HEAD_DIM=head_dim, D_PAD=_dim_pad(head_dim), S_PAD=_pow2(outs.shape[0]),
+            HEAD_DIM=head_dim, D_PAD=_dim_pad(head_dim), S_TILE=MERGE_TILE,
         )
     return out, lse
 

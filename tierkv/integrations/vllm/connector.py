@@ -32,10 +32,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from tierkv.attention.warmup import warm_far_kernels
 from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import config_from_kv_transfer
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
-from tierkv.integrations.vllm.engine_config import graph_rows, layout_of, max_num_seqs_of, model_identity_of, tensor_parallel_rank
+from tierkv.integrations.vllm.engine_config import (graph_rows, layout_of, max_num_seqs_of, model_identity_of,
+                                                   query_heads_of, tensor_parallel_rank)
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
 from tierkv.integrations.vllm.pool_sizing import check_admission
@@ -65,6 +67,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_model_len = getattr(model_config, "max_model_len", None)
         self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
+        self.num_heads = query_heads_of(vllm_config)  # this rank's: the far kernels' warm-up is shaped by it
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.tp_rank = tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
@@ -120,6 +123,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches = dict(kv_caches)
         if self.hot_window is not None and self._far is None:
             self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs)
+            if self.num_heads is not None:  # compiled now, not by the first request whose rows read far blocks
+                warm_far_kernels(self.num_heads, self.store.layout, self.store.device,
+                                 rows=self._far.sparse_blocks is not None)
             if full_graphs_configured(self.config):  # before vLLM captures: its capture reads the row buffers
                 self._full = FullDecodeRows(self._far, self.max_graph_rows, self.store.layer_index)
                 hot_window.set_full(self._full)

@@ -2,7 +2,8 @@
 KV cache group (and the hot window's sliding window), the model's identity in block addresses,
 its batch sizes, and this worker's tensor-parallel rank.
 
-Primitives: `layout_of`, `model_identity_of`, `max_num_seqs_of`, `graph_rows`, `tensor_parallel_rank`.
+Primitives: `layout_of`, `model_identity_of`, `max_num_seqs_of`, `query_heads_of`, `graph_rows`,
+`tensor_parallel_rank`.
 vLLM is imported only inside the functions that read its types.
 """
 from __future__ import annotations
@@ -32,6 +33,16 @@ def model_identity_of(config, extra: dict | None, model_config) -> ModelIdentity
 def max_num_seqs_of(vllm_config) -> int:
     """vLLM's max_num_seqs (1 when its config does not say)."""
     return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+
+
+def query_heads_of(vllm_config) -> int | None:
+    """This rank's query heads (vLLM's model config under its tensor parallelism; None when its config
+    does not say, as in CPU tests)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if model_config is None or parallel_config is None or not hasattr(model_config, "get_num_attention_heads"):
+        return None
+    return int(model_config.get_num_attention_heads(parallel_config))
 
 
 def graph_rows(vllm_config) -> int:
