@@ -47,6 +47,7 @@ class Shape:
     lookahead_layers: int = 2
     staging_bytes_8b: int = 512 << 20  # the staging ring in the 8B shape's bytes: sets the chunk count per layer
     cpu_tokens: int = 3 * 131072      # the CPU tier's capacity, in tokens of every layer
+    late_save_layers: int = 0         # the last layers whose saves land after their step (a GPU's late D2H)
 
     @property
     def block_bytes(self) -> int:
@@ -127,6 +128,7 @@ class PrefixEngine:
         self.manager = KVCacheManager(kv_config, max_model_len=1 << 20, scheduler_block_size=shape.block_tokens,
                                       hash_block_size=shape.block_tokens, max_in_flight_tokens=shape.chunk_tokens,
                                       enable_caching=False)
+        self._late: list[_LateHandle] = []  # saves of the last step's late layers, still in flight
         self.finished: set[str] = set()  # finished since the last scheduled step (vLLM's finished_req_ids)
         self.meta_bytes: list[int] = []  # pickled metadata per step
 
@@ -233,22 +235,47 @@ class PrefixEngine:
         self._bind(meta, [req_id], phases)
         with phases.phase("worker: start_load_kv"):
             self.worker.start_load_kv(None)
+        for handle in self._late:  # the step before has ended on the device by now
+            handle.released = True
+        self._late.clear()
         step = hot_window.current_step()
         shape = self.shape
         q = torch.randn(num_new, shape.query_heads, shape.head_dim, dtype=shape.dtype)
         near_out, near_lse = torch.zeros_like(q), torch.zeros(num_new, shape.query_heads)
-        for name in self.names:
+        for layer, name in enumerate(self.names):
             with phases.phase("worker: wait_for_layer_load"):
                 self.worker.wait_for_layer_load(name)
             if step is not None and step.has_far:
                 with phases.phase("backend: far part (attend_into)"):
                     step.far.attend_into(torch.empty_like(q), step.layer_index[name], q, near_out, near_lse,
                                          shape.head_dim ** -0.5, dense=_flash_stand_in)
+            pending = self.store.saves._pending
+            started = len(pending)
             with phases.phase("worker: save_kv_layer"):
                 self.worker.save_kv_layer(name, self.caches[name], None)
+            if layer >= shape.layers - shape.late_save_layers:
+                for i in range(started, len(pending)):
+                    handle, *rest = pending[i]
+                    pending[i] = (_LateHandle(handle), *rest)
+                    self._late.append(pending[i][0])
         with phases.phase("worker: wait_for_save"):
             self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
+
+
+class _LateHandle:
+    """A save's copy that lands after its step, as a GPU's D2H of the last layers does: done once the next
+    step has begun (and the copy itself is), or when waited for."""
+
+    def __init__(self, handle):
+        self.handle, self.released = handle, False
+
+    def is_done(self) -> bool:
+        return self.released and self.handle.is_done()
+
+    def synchronize(self) -> None:
+        self.handle.synchronize()
+        self.released = True
 
 
 def _flash_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

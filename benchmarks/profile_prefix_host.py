@@ -257,6 +257,8 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=8192)
     parser.add_argument("--cpu-tokens", type=int, default=3 * 131072,
                         help="the CPU tier's capacity in tokens of every layer (bench_vllm's: 3 x 128k)")
+    parser.add_argument("--late-save-layers", type=int, default=0,
+                        help="the last N layers' saves land after their step, as a GPU's D2H does (0: at once)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/profile-prefix-host.json")
     args = parser.parse_args()
@@ -268,7 +270,9 @@ def main() -> int:
         parser.error(f"--tokens {args.tokens} must exceed --window-tokens {args.window_tokens}: else nothing is far")
     shape = Shape(layers=args.layers, block_tokens=args.block_tokens, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   query_heads=args.query_heads or 4 * args.kv_heads, window_tokens=args.window_tokens,
-                  chunk_tokens=args.chunk_tokens, cpu_tokens=args.cpu_tokens)
+                  chunk_tokens=args.chunk_tokens, cpu_tokens=args.cpu_tokens, late_save_layers=args.late_save_layers)
+    if not 0 <= args.late_save_layers <= args.layers:
+        parser.error(f"--late-save-layers {args.late_save_layers}: from 0 to --layers {args.layers}")
     if args.cpu_tokens < args.tokens + 1:
         parser.error(f"--cpu-tokens {args.cpu_tokens} must hold the prompt's {args.tokens + 1} tokens: the repeat pins them all")
     needed, available = host_bytes(shape), _available_bytes()

@@ -81,6 +81,20 @@ def test_a_repeated_prefix_touches_the_blocks_its_length_implies(tokens, block_t
     assert finish["CpuTier.release_blocks (blocks unpinned)"]["items"] == far
 
 
+@pytest.mark.parametrize("late", [0, 1, 4])
+def test_saves_landing_after_their_step_leave_the_first_request_pinned_whole(late):
+    """On a GPU a step's last layers' saves land after it: the blocks turning far at the next step are
+    pinned whole once they land, not key by key (the next request then gave back every key's pin)."""
+    shape = Shape(layers=4, block_tokens=16, kv_heads=1, head_dim=8, query_heads=2, window_tokens=1000,
+                  chunk_tokens=1024, staging_bytes_8b=(8 << 20) * 16 // 64, late_save_layers=late)
+    result = profile(shape, 4000, repeats=1)
+    first = result["first"]["meters"]
+    assert first["FarPins.pin (blocks per layer)"]["items"] > 0
+    assert first.get("LayerSaves.take_pins (keys)", {"items": 0})["items"] == 0  # no far block pinned key by key
+    finish = result["repeats"][0]["meters"]  # the first request's far blocks given back: one count per block
+    assert finish["CpuTier.release_blocks (blocks unpinned)"]["items"] == first["FarPins.pin (blocks per layer)"]["items"]
+
+
 def test_the_script_writes_json_and_prints_the_phase_table(tmp_path):
     out = tmp_path / "prefix.json"
     root = Path(__file__).resolve().parents[3]
