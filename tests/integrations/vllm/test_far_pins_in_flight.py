@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integrations.vllm.test_store_block_lookup import HASHES, LAYERS, LAYOUT, make_store
 from tierkv.integrations.vllm.far_requests import FarPins, FarRequest
@@ -59,5 +60,33 @@ def test_blocks_turning_far_while_their_last_layers_save_are_pinned_whole(late_l
                 assert req.pinned_slots[layer].tolist() == slots
             pins.release(req)
             assert not store.cpu._pins and not store.cpu._pin_state.blocks.pins
+        finally:
+            store.close()
+
+
+def test_a_block_a_lower_tier_holds_waits_for_no_other_save():
+    """A far block with a layer on disk only cannot be pinned whole whatever lands: the pin goes key by key
+    without waiting for another block's save in flight (a host stall at the step's start on a GPU)."""
+    with tempfile.TemporaryDirectory() as root:
+        store = make_store(Path(root), 64, 0, 1)
+        try:
+            store.saves.keep_pinned = True
+            far = HASHES[:2]
+            block = torch.zeros(LAYOUT.shape, dtype=LAYOUT.dtype)
+            for layer in range(LAYERS):  # layer 0 on disk only, the rest in the CPU tier
+                keys = store.keys(far, layer)
+                store.chain.put_many(keys, [block] * len(keys), start=1 if layer == 0 else 0)
+            other = start_save(store, store.keys([HASHES[4]], LAYERS - 1), done=False)
+            req = FarRequest()
+            req.add_hashes("r", 0, far)
+            pins = FarPins(store, device_slots=False, max_blocks=None)
+            assert pins.pin("r", req, len(far)) == len(far)
+            assert other.waits == 0 and not req.pinned_groups                # key by key, nothing waited for
+            assert all(len(keys) == len(far) for keys in req.pinned_keys)
+            pins.release(req)
+            other.synchronize()
+            store.poll()
+            store.saves.release_pins(list(store.saves._pins))
+            assert not store.cpu._pins
         finally:
             store.close()

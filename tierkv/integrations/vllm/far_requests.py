@@ -110,11 +110,11 @@ class FarPins:
     def _pin_whole(self, groups: list[str], hashes: list[str]):
         """The blocks pinned whole, or None. A block's last layers may still be saving when it turns far (their
         D2H lands after the step that wrote them): those saves land first, as the per-key path would wait for
-        them, so the request's far blocks are one count each, not one per key for the next request to give back."""
+        them, so the request's far blocks are one count each, not one per key for the next request to give back.
+        Nothing is waited for when none of their saves is in flight (a block some lower tier holds instead)."""
         saves = self.store.saves
         rows = saves.pin_blocks_for_reader(groups, hashes)
-        if rows is None and saves.in_flight():
-            self.store.poll(wait=True)
+        if rows is None and saves.land(groups):
             rows = saves.pin_blocks_for_reader(groups, hashes)
         return rows
 

@@ -90,9 +90,18 @@ class LayerSaves:
             index = torch.tensor(refused, device=flat.device)
             store.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
 
-    def in_flight(self) -> bool:
-        """Saves started and not yet made visible (`poll`)."""
-        return bool(self._pending)
+    def land(self, groups: Sequence[str]) -> bool:
+        """Wait for the saves in flight of blocks `groups` (block names, `block_group`) and make every landed
+        save visible; False, with nothing waited for, when none of theirs is in flight. Others' saves and
+        the loads are not waited for."""
+        with self._lock:
+            wanted = set(groups)
+            theirs = [p for p in self._pending if not wanted.isdisjoint(map(block_group, p[1]))]
+            for handle, *_ in theirs:
+                handle.synchronize()
+            if theirs:
+                self.poll(wait=False)
+            return bool(theirs)
 
     def _bound_inflight(self) -> None:
         while sum(p[2] for p in self._pending) > self.max_inflight_bytes and len(self._pending) > 1:
