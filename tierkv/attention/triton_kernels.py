@@ -21,15 +21,22 @@ Runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import) on CPU tens
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 
+# the block lists' addresses (slices of a chunk's lists at any offset) out of the compiled signature;
+# Triton before 3.2 has no such option (and then compiles one variant per alignment, as it used to)
+_ANY_ALIGNMENT = ({"do_not_specialize_on_alignment": ["slots_ptr", "starts_ptr", "fills_ptr", "qpos_ptr", "kpos_ptr"]}
+                  if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
+
 
 # every int that varies from step to step (counts, and the part strides, which grow with num_q) and
-# the block lists' addresses (slices of a chunk's lists at any offset) stay out of the compiled
-# signature: one variant per tile shape, whatever the step (`tierkv.attention.warmup`)
+# the block lists' addresses stay out of the compiled signature: one variant per tile shape, whatever
+# the step (`tierkv.attention.warmup`)
 @triton.jit(do_not_specialize=["num_q", "num_blocks", "num_k", "blocks_per_split", "stride_os", "stride_ls"],
-            do_not_specialize_on_alignment=["slots_ptr", "starts_ptr", "fills_ptr", "qpos_ptr", "kpos_ptr"])
+            **_ANY_ALIGNMENT)
 def partial_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     slots_ptr, starts_ptr, fills_ptr, qpos_ptr, kpos_ptr,

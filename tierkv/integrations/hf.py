@@ -33,7 +33,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tierkv.attention.warmup import warm_far_kernels
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import model_identity
@@ -253,9 +252,6 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
                         model_id=identity, **shape)
     runtime.attention_span = attention_span(model)  # sequences are held within it (TieredLayer.update)
-    # the far path's Triton kernels compiled now, not by the first sequence (a no-op off CUDA)
-    warm_far_kernels(model_shape(model.config).num_heads, runtime.layout, runtime.device,
-                     rows=config.scheduler.policy == "sparse")
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime
