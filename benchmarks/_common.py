@@ -71,7 +71,9 @@ def write_results(path: str | Path, results: Any, *, command: str | None = None)
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")  # a run killed mid-write leaves the last whole file
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    partial.replace(path)
     return record
 
 

@@ -81,6 +81,8 @@ def kv_bytes_per_token(layers: int) -> int:
 MODES = ("plain", "offloading", "lmcache", "tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full",
          "tierkv-shipped")
 SHIPPED_SPARSE = Path(__file__).resolve().parents[1] / "configs" / "vllm-128k-sparse.yaml"
+# the exact rows (mode tierkv) keep 16-token blocks, as every earlier row of the table; configs/vllm-128k.yaml
+# ships 64 since b00c9b0: its rows are tierkv@b64 (--block-tokens 64)
 HOT_WINDOW = {"cache": {"block_tokens": 16, "window_tokens": 2048, "gpu_budget_bytes": "2GiB"},
               "scheduler": {"lookahead_layers": 2, "staging_bytes": "512MiB", "prefill_chunk_tokens": 8192}}
 # sparse: the same 2 GiB (one eighth of a 128k request's 16 GiB) now also holds the key summaries

@@ -64,6 +64,7 @@ def timed_resize(llm, budget: int) -> dict:
     # the pool's bytes and the staging's (the ring; sparse: its eager regions and far-block caches too)
     expected = before_stats["gpu"]["pool_bytes"] - after["pool_bytes"] + staging[0] - staging[1]
     return {"budget_bytes": budget, "resize_s": seconds, "pool_blocks": after["pool_blocks"],
+            "changed": after["pool_blocks"] != before_stats["gpu"]["pool_blocks"] or staging[0] != staging[1],
             "staging_bytes": staging[1],
             "vllm_num_gpu_blocks": llm.engine.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "expected_freed_bytes": expected, "freed_elsewhere_bytes": after_free - before_free,
@@ -83,7 +84,7 @@ def decode_row(llm, prompt: list[int], tokens: int, reference: list[int] | None)
 def during(llm, prompt: list[int], tokens: int, budget: int, reference: list[int]) -> dict:
     """`budget` set from a second thread once the request runs; the request's tokens and when it applied."""
     core = llm.resizer.core
-    result: dict = {"budget_bytes": budget}
+    result: dict = {"budget_bytes": budget, "pool_blocks_before": llm.stats()["gpu"]["pool_blocks"]}
 
     def change():
         while not core.scheduler.has_unfinished_requests():
@@ -139,6 +140,7 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
                 resize = timed_resize(llm, budget)
             except BudgetRefused as exc:  # (the sparse policy's summaries may leave 0.5 GiB too small: a row)
                 rows["phases"].append({"phase": name, "refused": str(exc)})
+                save()
                 continue
             rows["phases"].append({"phase": name, **resize, **decode_row(llm, prompts[0], decode_tokens, reference)})
             save()

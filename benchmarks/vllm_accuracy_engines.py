@@ -6,7 +6,8 @@ Primitives: `MODES`, `KvShape`, `tierkv_config`, `start_engine` (-> `Engine`), `
   plain          vllm.LLM, full KV pool, prefix caching off, FlashAttention
   tierkv-exact   TieredLLM(backend="vllm"), exact policy: configs/vllm-128k.yaml's hot window scaled from a
                  131072-token request to one of MAX_MODEL_LEN tokens (GPU budget 1/8 of its KV, staging a
-                 quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks),
+                 quarter of that, window 1/64 and prefill chunk 1/16 of max_model_len, 16-token blocks where
+                 the file has 64: exact answers do not depend on the block size, and the rows stay comparable),
                  one request at a time (`engine_kwargs` says why)
   tierkv-sparse  the same scaling of configs/vllm-128k-sparse.yaml's sparse policy, eager (--sparse-block-tokens,
                  16 by default where the file has 64: SPARSE_BLOCK_TOKENS says why; the sparse step's CUDA graphs, a far-block cache of one selection per layer, max_num_seqs 1; not the
