@@ -183,7 +183,8 @@ def check_against_tierkv(model, tokenizer, context: int, continuation: int, toke
     against tierkv's `sparse_selection: per_kv_head`."""
     import dataclasses
 
-    from benchmarks.bench_accuracy import SPARSE_FRACTION, _config, _kv_bytes, tiered_teacher_forced
+    from benchmarks.accuracy_runs import tiered_teacher_forced
+    from benchmarks.bench_accuracy import SPARSE_FRACTION, _config, _kv_bytes
     from tierkv.longdoc import haystack_text
 
     ids = tokenizer(haystack_text()[0], add_special_tokens=False)["input_ids"]
@@ -200,7 +201,7 @@ def check_against_tierkv(model, tokenizer, context: int, continuation: int, toke
 
 
 def run(model, tokenizer, args) -> list[dict]:
-    from benchmarks.bench_accuracy import compare_logits, dense_teacher_forced
+    from benchmarks.accuracy_runs import compare_logits, dense_teacher_forced
     from tierkv.longdoc import haystack_text
 
     text, source = haystack_text()
