@@ -41,7 +41,14 @@ class CpuSlotAccess:
         start = time.perf_counter()
         with self._lock:
             pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
-            for key in keys:
+            one_by_one: Sequence[str] = keys
+            if self._fresh_with_room(keys):  # a save of new blocks into free slots: C-level passes
+                slots = free[len(free) - len(keys):][::-1]  # popped from the end, in key order
+                del free[len(free) - len(keys):]
+                pending.update(zip(keys, slots))
+                pins.update(keys)
+                one_by_one = ()
+            for key in one_by_one:
                 if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
                     slot = pending[key] = free.pop()
                     pins[key] += 1
@@ -55,16 +62,21 @@ class CpuSlotAccess:
         self.counters.add(evictions=len(evicted))
         return slots, evicted
 
+    def _fresh_with_room(self, keys: Sequence[str]) -> bool:
+        """Whether every key is new (neither pending nor visible), listed once, and a free slot waits for
+        each: then `prepare_put` takes slots from the free list's end, as its per-key loop would. Lock held."""
+        return (len(keys) <= len(self._free_slots) and self._pending.keys().isdisjoint(keys)
+                and self._slot_of.keys().isdisjoint(keys) and len(set(keys)) == len(keys))
+
     def complete_put(self, keys: Sequence[str], *, keep_pinned: bool = False) -> None:
         """Make prepared blocks visible (their bytes are now in the slab); unpin unless `keep_pinned`.
         Records one "put" latency sample: this call's time plus its batch's prepare_put time."""
         start = time.perf_counter()
         with self._lock:
-            prepare_s = self._prepare_s
-            prepared_s = max((prepare_s.pop(key) for key in keys), default=None)
-            for key in keys:
-                self._slot_of[key] = self._pending.pop(key)
-                if not keep_pinned:
+            prepared_s = max(map(self._prepare_s.pop, keys), default=None)
+            self._slot_of.update(zip(keys, map(self._pending.pop, keys)))  # in key order, as one by one
+            if not keep_pinned:
+                for key in keys:
                     self._unpin(key)
             if self._blocks is not None:
                 self._blocks.add_many(zip(keys, map(self._slot_of.__getitem__, keys)))
