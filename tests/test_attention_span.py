@@ -42,12 +42,13 @@ def test_within_the_span_tokens_equal_transformers_and_past_it_the_request_is_re
     model, reference = pair(cls, config, seed=0)
     assert attention_span(model)[0] == span
     ids = torch.randint(0, 256, (span - 8,), generator=torch.Generator().manual_seed(1)).tolist()
-    want, _ = reference_greedy(reference, ids, 8)
+    want, _ = reference_greedy(reference, ids, 9)  # the 9th new token is never fed: the sequence is `span` tokens
     with TieredLLM(model, _config(tmp_path), show_progress=False) as llm:
-        assert llm.generate([ids], max_new_tokens=8, ignore_eos=True)[0].token_ids == want
+        assert llm.generate([ids], max_new_tokens=9, ignore_eos=True)[0].token_ids == want
         before = llm.stats()["requests"]["requests"]
-        with pytest.raises(PromptError, match=f"request 0: {span - 8} prompt tokens .* at most {span} tokens"):
-            llm.generate([ids], max_new_tokens=9, ignore_eos=True)
+        with pytest.raises(PromptError, match=f"request 0: {span - 8} prompt tokens .* - 1 = {span + 1}; .* at most "
+                                              f"{span} tokens"):
+            llm.generate([ids], max_new_tokens=10, ignore_eos=True)
         with pytest.raises(PromptError, match="sliding_window|attention_chunk_size"):
             llm.generate([ids + ids], max_new_tokens=1)
         assert before == 1 and llm.stats()["requests"]["requests"] == before  # refused before any work
@@ -82,7 +83,7 @@ def test_a_tiered_cache_used_directly_refuses_to_grow_past_the_span(tmp_path):
         runtime.close()
 
 
-@pytest.mark.parametrize("arch", ["Bloom", "GPTNeo", "XGLM", "DeepseekV3"])
+@pytest.mark.parametrize("arch", ["Bloom", "GPTNeo", "XGLM", "DeepseekV3", "FalconAlibi", "Gemma3Bidirectional"])
 def test_models_tierkv_cannot_serve_are_refused_naming_why(tmp_path, arch):
     import transformers as tf
 
@@ -97,9 +98,14 @@ def test_models_tierkv_cannot_serve_are_refused_naming_why(tmp_path, arch):
                                                         num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16,
                                                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                                         n_routed_experts=2, num_experts_per_tok=1,
-                                                        first_k_dense_replace=2)}[arch]()
-    model = getattr(tf, f"{arch}ForCausalLM")(config)
-    why = "multi-head latent attention" if arch == "DeepseekV3" else "computes its attention itself"
+                                                        first_k_dense_replace=2),
+              "FalconAlibi": lambda: tf.FalconConfig(**small, alibi=True),
+              "Gemma3Bidirectional": lambda: tf.Gemma3TextConfig(**small, intermediate_size=32, num_key_value_heads=1,
+                                                                 head_dim=16, use_bidirectional_attention=True)}[arch]()
+    model = {"FalconAlibi": tf.FalconForCausalLM, "Gemma3Bidirectional": tf.Gemma3ForCausalLM}.get(
+        arch, getattr(tf, f"{arch}ForCausalLM", None))(config)
+    why = {"DeepseekV3": "multi-head latent attention", "FalconAlibi": "alibi=True computes its ALiBi attention itself",
+           "Gemma3Bidirectional": "attends bidirectionally"}.get(arch, "computes its attention itself")
     with pytest.raises(ValueError, match=why):
         runtime_for_model(model, _config(tmp_path))
 
@@ -122,3 +128,28 @@ def test_a_sparse_budget_below_one_block_is_refused():
     with pytest.raises(ConfigError, match="sparse_token_budget.*whole far blocks of cache.block_tokens \\(16\\)"):
         load_config({"cache": {"block_tokens": 16}, "scheduler": {"policy": "sparse", "sparse_token_budget": 8}},
                     env={})
+
+
+def test_a_request_crossing_a_longrope_switch_while_decoding_is_refused_and_the_others_equal_transformers(tmp_path):
+    """Phi-3 with rope_type longrope: transformers' generation recomputes the whole sequence with the long
+    factors when it first passes original_max_position_embeddings; a request that would pass it while
+    decoding is refused before any work, one that stays below or starts above it is served exactly."""
+    import transformers as tf
+
+    config = tf.Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, max_position_embeddings=64,
+                           original_max_position_embeddings=8, eos_token_id=None, bos_token_id=None,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                            "long_factor": [4.0] * 8, "original_max_position_embeddings": 8})
+    model, reference = pair(tf.Phi3ForCausalLM, config, seed=0)
+    with TieredLLM(model, small_config("phi3", num_layers=2, num_kv_heads=2, head_dim=16, prefill_chunk_tokens=7),
+                   show_progress=False) as llm:
+        for length, new in ((2, 7), (9, 6), (20, 6)):  # 2 + 7 - 1 = 8 tokens fed: at the switch, not past it
+            ids = torch.randint(1, 128, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+            want = reference.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                      attention_mask=torch.ones(1, length, dtype=torch.long))[0, length:].tolist()
+            assert llm.generate([ids], max_new_tokens=new, ignore_eos=True)[0].token_ids == want, length
+        for length, new in ((2, 8), (5, 6), (8, 2)):
+            with pytest.raises(PromptError, match=f"original_max_position_embeddings=8 while decoding.*at most "
+                                                  f"{8 - length + 1} new tokens"):
+                llm.generate([list(range(1, length + 1))], max_new_tokens=new)

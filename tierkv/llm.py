@@ -69,11 +69,12 @@ class TieredLLM:
         check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = load_model(model, tokenizer, device, gguf_file)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
-        from tierkv.integrations.model_support import length_dependent_rotary
+        from tierkv.integrations.model_support import length_dependent_rotary, rotary_switch
 
         self.runtime = runtime_for_model(self.model, self.config, model_id)
         self._cache_kwargs = lambda cache: forward_kwargs(self.model, cache)
         self._length_rotary = length_dependent_rotary(self.model)  # rope dynamic / longrope (`_prefill`)
+        self._rotary_switch = rotary_switch(self.model)  # Phi-3 longrope: the cache recomputed past it
         self.show_progress = show_progress
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.totals = RequestTotals(("prompt_tokens", "prefix_tokens", "generated_tokens", "prefill_s", "decode_s"))
@@ -97,9 +98,17 @@ class TieredLLM:
                 self.runtime.check_fits(len(ids) + sampling.max_new_tokens)
             except ValueError as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
-            if span is not None and len(ids) + sampling.max_new_tokens > span[0]:
+            fed = len(ids) + sampling.max_new_tokens - 1  # the last new token is never fed back
+            if span is not None and fed > span[0]:
                 raise PromptError(f"request {i}: {len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
-                                  f"= {len(ids) + sampling.max_new_tokens}; {span_problem(span)}")
+                                  f"- 1 = {fed}; {span_problem(span)}")
+            switch = self._rotary_switch
+            if switch is not None and len(ids) <= switch < fed:
+                raise PromptError(
+                    f"request {i}: {len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} would pass "
+                    f"original_max_position_embeddings={switch} while decoding, where transformers recomputes the "
+                    f"whole sequence with the long rotary factors (tierkv keeps its cached keys): give at most "
+                    f"{switch - len(ids) + 1} new tokens, or a prompt of more than {switch} tokens")
             warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
         with self._request_lock:  # one request at a time; close() waits for the running one
             self._check_open()

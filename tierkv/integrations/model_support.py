@@ -2,12 +2,15 @@
 made for it (`hf.runtime_for_model`), and the adjustment a length-dependent rotary embedding needs.
 
 Primitives: `check_attention_path`, `attention_span`, `span_problem`, `length_dependent_rotary`,
-`RotaryForLength`.
+`RotaryForLength`, `rotary_switch`.
 
     attention through transformers' attention functions     required (else refused, naming the model)
     multi-head latent attention (kv_lora_rank)               refused
+    ALiBi computed by the model (Falcon alibi=True)          refused
+    bidirectional attention (is_causal False)                refused
     a sliding window / chunked attention (W tokens)          served for sequences of at most W tokens
     rope_type dynamic / longrope                             a chunked prefill rotated as one forward
+    a cache recomputed at a rotary switch (Phi-3 longrope)  requests that cross it during decode refused
 """
 from __future__ import annotations
 
@@ -44,6 +47,13 @@ def check_attention_path(model: PreTrainedModel) -> None:
     if getattr(text, "kv_lora_rank", None):
         raise ValueError(f"model: {name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its "
                          f"cached keys and values differ in width, which tierkv's blocks do not hold")
+    if getattr(text, "alibi", False):
+        raise ValueError(f"model: {name} with alibi=True computes its ALiBi attention itself, over the current step's "
+                         f"keys only; tierkv serves it with alibi=False (rotary positions) only")
+    non_causal = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
+    if non_causal or getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"model: {name} attends bidirectionally ({', '.join(non_causal) or 'use_bidirectional_attention'}"
+                         f"): tierkv's attention is causal, each token reading the tokens before it")
 
 
 def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
@@ -113,4 +123,20 @@ class RotaryForLength:
 def span_problem(span: tuple[int, str]) -> str:
     tokens, setting = span
     return (f"the model's {setting}: some of its layers attend only part of the context, tierkv attends all of it, "
-            f"which is the same only for sequences of at most {tokens} tokens (prompt and new tokens)")
+            f"which is the same only for sequences of at most {tokens} tokens (the prompt and every new token "
+            f"but the last, which is never fed back)")
+
+
+def rotary_switch(model: PreTrainedModel) -> int | None:
+    """The length at which transformers' generation throws a model's cache away and recomputes the whole
+    sequence with its long rotary factors (Phi-3 and its kin with rope_type longrope: when the sequence
+    first passes original_max_position_embeddings); None for models that keep their cache."""
+    generation = getattr(type(model), "prepare_inputs_for_generation", None)
+    try:
+        source = inspect.getsource(generation) if generation is not None else ""
+    except (OSError, TypeError):
+        return None
+    original = getattr(text_config(model.config), "original_max_position_embeddings", None)
+    if "original_max_position_embeddings" in source and isinstance(original, int) and length_dependent_rotary(model):
+        return original
+    return None
