@@ -33,6 +33,13 @@ def test_vllm_sampling_params_are_translated_or_refused_by_name():
         SamplingParams.coerce(vllm.SamplingParams(repetition_penalty=1.2))
     with pytest.raises(TypeError, match="expected tierkv.sampling.SamplingParams or vllm.SamplingParams"):
         SamplingParams.coerce({"max_tokens": 3})
+    for given in (dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]), dict(bad_words=["x"]),
+                  dict(skip_special_tokens=False), dict(include_stop_str_in_output=True)):  # never silently dropped
+        name = next(iter(given))
+        with pytest.raises(ValueError, match=f"sampling.{name}: got"):
+            SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, **given))
+    assert SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, logit_bias={})) == SamplingParams(max_new_tokens=4,
+                                                                                                     temperature=1.0)
 
 
 @settings(max_examples=150, deadline=None)

@@ -18,7 +18,11 @@ import torch
 
 # vLLM settings tierkv does not implement, with the value that means "off" in vLLM
 _VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                     "min_p": 0.0, "min_tokens": 0, "stop": [], "logprobs": None, "prompt_logprobs": None}
+                     "min_p": 0.0, "min_tokens": 0, "stop": [], "logprobs": None, "prompt_logprobs": None,
+                     "logit_bias": None, "allowed_token_ids": None, "bad_words": [], "structured_outputs": None,
+                     "skip_special_tokens": True, "include_stop_str_in_output": False,
+                     "spaces_between_special_tokens": True, "repetition_detection": None,
+                     "thinking_token_budget": None, "extra_args": None}
 
 
 @dataclass
@@ -65,7 +69,8 @@ class SamplingParams:
                             "or vllm.SamplingParams")
         for name, off in _VLLM_UNSUPPORTED.items():
             value = getattr(params, name, off)
-            if value != off and not (off == [] and not value):
+            empty = off in (None, []) and isinstance(value, (list, tuple, dict)) and not value  # none given
+            if value != off and not empty:
                 raise ValueError(f"sampling.{name}: got {value!r}; tierkv supports only {off!r}")
         if params.max_tokens is None:
             raise ValueError("sampling.max_tokens: got None; give the number of tokens to generate")

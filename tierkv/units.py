@@ -8,6 +8,7 @@ positions): k = K = Ki = 1024, M = Mi = 1048576. So "1M" is 1,048,576 tokens.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1, "b": 1,
@@ -34,8 +35,8 @@ def parse_bytes(value: int | float | str) -> int:
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {value!r} as a size; units: {ALLOWED_UNITS}")
     number, unit = match.groups()
-    num_bytes = float(number) * _UNITS[unit.lower()]
-    if not num_bytes.is_integer():
+    num_bytes = Decimal(number) * _UNITS[unit.lower()]  # exact: "1.005KB" is 1005 bytes, not 1004.99...
+    if num_bytes != num_bytes.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(num_bytes)
 

@@ -64,8 +64,9 @@ def test_defaults_without_any_file():
     assert config.scheduler.policy == "exact" and config.tiers[0].kind == "cpu"
 
 
-@pytest.mark.parametrize("text,expected", [("2GiB", 2 * 2**30), ("1.5 KiB", 1536), ("10MB", 10**7), (4096, 4096)])
-def test_parse_bytes(text, expected):
+@pytest.mark.parametrize("text,expected", [("2GiB", 2 * 2**30), ("1.5 KiB", 1536), ("10MB", 10**7), (4096, 4096),
+                                           ("1.005KB", 1005), ("1.001 KB", 1001), ("0.3GB", 3 * 10**8)])
+def test_parse_bytes(text, expected):  # decimal sizes read exactly (1.005 * 1000 is 1004.99... in floating point)
     assert parse_bytes(text) == expected
 
 

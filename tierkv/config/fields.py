@@ -36,8 +36,8 @@ def convert_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
     if name.endswith("_bytes"):
         try:
             return parse_bytes(raw)
-        except (ValueError, OverflowError):
-            raise ConfigError(keypath, raw, f"expected a size; units: {ALLOWED_UNITS}") from None
+        except (ValueError, OverflowError) as exc:
+            raise ConfigError(keypath, raw, f"expected a size in whole bytes ({exc}); units: {ALLOWED_UNITS}") from None
     if tp is bool:
         if isinstance(raw, bool):
             return raw
