@@ -1,6 +1,6 @@
 """What a KV block's address says about the model that computed it.
 
-Primitives: `ModelIdentity`, `model_identity` (a loaded torch model), `checkpoint_identity`
+Primitives: `ModelIdentity`, `model_identity` (a loaded torch model), `WeightsWatch`, `checkpoint_identity`
 (weight files on disk, for engines whose weights live in other processes), `weights_digest`,
 `files_digest`.
 
@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -68,13 +69,43 @@ def model_identity(model: torch.nn.Module, name: str, source: str | None = None)
     return ModelIdentity(name, source, digest, time.perf_counter() - start)
 
 
+class WeightsWatch:
+    """Notices that a model's weights changed after its blocks' addresses were fixed (an in-place update such
+    as `load_state_dict` or a merged adapter, or a replaced parameter): `check` raises ValueError then, so a
+    runtime never files the new weights' KV under the old weights' addresses, nor serves the old KV to them.
+    The check is host-only (parameters' identities and version counters) unless they moved; then the
+    parameters are digested again, and unchanged values pass."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = weakref.ref(model)
+        self._state = _versions(model)
+        self._digest = weights_digest(model, buffers=False)  # buffers (rotary caches) may change in forwards
+
+    def check(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        state = _versions(model)
+        if state == self._state:
+            return
+        if weights_digest(model, buffers=False) != self._digest:
+            raise ValueError("the model's weights changed after tierkv's runtime was made for it (updated in place or "
+                             "replaced): its blocks are addressed by the old weights; make a new TieredLLM (or "
+                             "runtime_for_model) for the new ones")
+        self._state = state
+
+
+def _versions(model: torch.nn.Module) -> tuple:
+    return tuple((id(p), p._version) for p in model.parameters())
+
+
 @torch.no_grad()
-def weights_digest(model: torch.nn.Module) -> str:
-    """blake2b over the model config and every parameter and buffer: name, shape, dtype and up to
+def weights_digest(model: torch.nn.Module, *, buffers: bool = True) -> str:
+    """blake2b over the model config and every parameter (and buffer): name, shape, dtype and up to
     `SAMPLE_ELEMENTS` evenly spaced elements' bytes. Deterministic across processes and devices."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_config_blob(getattr(model, "config", None)))
-    tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
+    tensors = sorted([*model.named_parameters(), *(model.named_buffers() if buffers else ())], key=lambda item: item[0])
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     order: list[tuple[torch.device, int, int]] = []  # (device, index in its list, bytes)
     for name, tensor in tensors:

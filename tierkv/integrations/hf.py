@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.blocks import dtype_name
 from tierkv.config import TierKVConfig
-from tierkv.model_identity import model_identity
+from tierkv.model_identity import WeightsWatch, model_identity
 from tierkv.model_shape import model_shape
 from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.engine.runtime import KVRuntime
@@ -96,6 +96,9 @@ class TieredCache(Cache):
             raise TypeError(f"runtime: got {type(runtime).__name__}; expected a KVRuntime (runtime_for_model)")
         if token_ids is not None:  # none known yet ([]) is allowed here
             token_ids = [] if isinstance(token_ids, (list, tuple)) and not token_ids else checked_token_ids(token_ids)
+        watch = getattr(runtime, "weights_watch", None)
+        if watch is not None:  # the weights its blocks are addressed by
+            watch.check()
         self.seq = runtime.new_sequence(token_ids)
         super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
 
@@ -105,6 +108,34 @@ class TieredCache(Cache):
 
     def finish(self) -> None:
         self.seq.finish()
+
+
+def _check_fed_ids(module, args, kwargs) -> None:
+    """A forward over a TieredCache feeds the tokens the cache was given for those positions (its
+    `token_ids`, which address its blocks in the shared tiers): other tokens' KV filed under them would be
+    served to every later prompt that shares them. ValueError before the forward, naming the first
+    difference; positions past the known ids are not checked."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if not isinstance(cache, TieredCache):
+        return None
+    seq = cache.seq
+    start = seq.num_tokens[0]
+    known = seq.token_ids[start:]
+    if not known:
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        raise ValueError("TieredCache: given token_ids, the model must be fed input_ids (its blocks are addressed by "
+                         "them; inputs_embeds cannot be checked against them): pass token_ids=None for embeddings")
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():  # a decode graph's capture: no host reads
+        return None
+    fed = ids[0, : len(known)].tolist()
+    if fed != known[: len(fed)]:
+        at = next(i for i, (a, b) in enumerate(zip(fed, known)) if a != b)
+        raise ValueError(f"TieredCache: the model was fed token {fed[at]} at position {start + at} where the cache's "
+                         f"token_ids hold {known[at]}: its KV would be filed under the other tokens' block addresses; "
+                         f"give TieredCache the ids the model is fed")
+    return None
 
 
 def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -252,6 +283,9 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     runtime = KVRuntime(config, dtype=param.dtype, device=param.device,
                         model_id=identity, **shape)
     runtime.attention_span = attention_span(model)  # sequences are held within it (TieredLayer.update)
+    runtime.weights_watch = WeightsWatch(model)  # TieredCache refuses weights changed since (their KV's addresses)
+    if not getattr(model, "_tierkv_fed_ids_hook", None):
+        model._tierkv_fed_ids_hook = model.register_forward_pre_hook(_check_fed_ids, with_kwargs=True)
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime
