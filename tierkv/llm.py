@@ -181,6 +181,7 @@ class TieredLLM:
         rt = self.runtime
         before = rt.stats()
         cache = TieredCache(rt, ids)
+        cache.check_fed_ids = False  # fed from `ids` itself: no host read of the device's input ids per forward
         try:
             start = time.perf_counter()
             # a length-dependent rotary embedding rotates keys by the request's length: blocks of another

@@ -100,6 +100,7 @@ class TieredCache(Cache):
         if watch is not None:  # the weights its blocks are addressed by
             watch.check()
         self.seq = runtime.new_sequence(token_ids)
+        self.check_fed_ids = True  # `_check_fed_ids`; TieredLLM, which feeds the same list, turns it off
         super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
 
     @property
@@ -116,7 +117,7 @@ def _check_fed_ids(module, args, kwargs) -> None:
     served to every later prompt that shares them. ValueError before the forward, naming the first
     difference; positions past the known ids are not checked."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if not isinstance(cache, TieredCache):
+    if not isinstance(cache, TieredCache) or not cache.check_fed_ids:
         return None
     seq = cache.seq
     start = seq.num_tokens[0]
