@@ -77,11 +77,28 @@ def decode_row(llm, prompt: list[int], tokens: int, reference: list[int] | None)
     one = llm.generate([prompt], max_new_tokens=1, ignore_eos=True)[0]
     full = llm.generate([prompt], max_new_tokens=tokens, ignore_eos=True)[0]
     decode_ms = 1e3 * (full.stats["batch_wall_s"] - one.stats["batch_wall_s"]) / max(1, tokens - 1)
-    return {"decode_ms_per_token": decode_ms, "tokens": full.token_ids,
-            "tokens_identical": None if reference is None else full.token_ids == reference}
+    return {"decode_ms_per_token": decode_ms, "tokens": full.token_ids, "margins": full.stats.get("top2_margins"),
+            **compare(full, reference)}
 
 
-def during(llm, prompt: list[int], tokens: int, budget: int, reference: list[int]) -> dict:
+def compare(out, reference: dict | None) -> dict:
+    """Whether `out`'s greedy tokens equal the reference run's; where they part, the step and both runs' top-2
+    logprob margins there (a margin within bf16 rounding is a near tie that any change of summation order flips)."""
+    if reference is None:
+        return {"tokens_identical": None}
+    row = {"tokens_identical": out.token_ids == reference["tokens"]}
+    if not row["tokens_identical"]:
+        step = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference["tokens"])) if a != b),
+                    min(len(out.token_ids), len(reference["tokens"])))
+        margin = lambda margins: margins[step] if margins and step < len(margins) else None
+        row.update(first_difference_step=step, reference_margin_there=margin(reference["margins"]),
+                   margin_there=margin(out.stats.get("top2_margins")))
+    if reference["margins"]:
+        row["reference_smallest_margin"] = min(m for m in reference["margins"] if m is not None)
+    return row
+
+
+def during(llm, prompt: list[int], tokens: int, budget: int, reference: dict) -> dict:
     """`budget` set from a second thread once the request runs; the request's tokens and when it applied."""
     core = llm.resizer.core
     result: dict = {"budget_bytes": budget, "pool_blocks_before": llm.stats()["gpu"]["pool_blocks"]}
@@ -103,7 +120,7 @@ def during(llm, prompt: list[int], tokens: int, budget: int, reference: list[int
     thread.start()
     out = llm.generate([prompt], max_new_tokens=tokens, ignore_eos=True)[0]
     thread.join()
-    result.update(tokens_identical=out.token_ids == reference, pool_blocks=llm.stats()["gpu"]["pool_blocks"])
+    result.update(**compare(out, reference), pool_blocks=llm.stats()["gpu"]["pool_blocks"])
     return result
 
 
@@ -125,10 +142,10 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
         # every compared run is a repeat, its prefix served by the tiers: a first run computes the whole
         # prompt and attends its last chunk in another order, so its bf16 rounding (and, on a random model,
         # a near tie) can differ; that comparison is a row of its own
-        computed = llm.generate([prompts[0]], max_new_tokens=decode_tokens, ignore_eos=True)[0].token_ids
+        computed = llm.generate([prompts[0]], max_new_tokens=decode_tokens, ignore_eos=True)[0]
         first = decode_row(llm, prompts[0], decode_tokens, None)
-        reference = first["tokens"]
-        rows["first_run_tokens_equal_repeat"] = computed == reference
+        reference = {"tokens": first["tokens"], "margins": first["margins"]}
+        rows["first_run_against_repeat"] = compare(computed, reference)
         small_name = f"{small / GiB:g}GiB"
         rows["small_budget_bytes"] = small
         save = lambda: write_results(Path(out, f"bench-vllm-resize-{policy}.json"), _rows_for_file(rows),
@@ -145,7 +162,8 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
             rows["phases"].append({"phase": name, **resize, **decode_row(llm, prompts[0], decode_tokens, reference)})
             save()
         llm.generate([prompts[1]], max_new_tokens=1, ignore_eos=True)  # its blocks into the tiers
-        second = llm.generate([prompts[1]], max_new_tokens=decode_tokens, ignore_eos=True)[0].token_ids
+        second_out = llm.generate([prompts[1]], max_new_tokens=decode_tokens, ignore_eos=True)[0]
+        second = {"tokens": second_out.token_ids, "margins": second_out.stats.get("top2_margins")}
         rows["phases"].append({"phase": f"{small_name} during", **during(llm, prompts[1], decode_tokens, small, second)})
         save()
         rows["phases"].append({"phase": "2GiB during", **during(llm, prompts[1], decode_tokens, BIG, second)})
@@ -163,7 +181,7 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
 
 def _rows_for_file(rows: dict) -> dict:
     """The rows without the phases' token lists (the file says whether they were identical)."""
-    return {**rows, "phases": [{k: v for k, v in phase.items() if k != "tokens"} for phase in rows["phases"]]}
+    return {**rows, "phases": [{k: v for k, v in phase.items() if k not in ("tokens", "margins")} for phase in rows["phases"]]}
 
 
 def main(argv=None) -> int:
