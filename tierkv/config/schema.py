@@ -195,7 +195,8 @@ class SchedulerConfig(_Shown):
         "max_num_seqs (TieredLLM adds it to vLLM's capture sizes)"))
     staging_follows_budget: bool = field(default=True, metadata=doc(
         "under vLLM's hot window: a run-time GPU budget below cache.gpu_budget_bytes (set_gpu_budget) shrinks "
-        "staging_bytes in proportion, and a grow restores it up to staging_bytes, so the staging's memory (the ring; "
+        "staging_bytes once vLLM's pool is down to every max_num_seqs row's window, never below its share of the "
+        "budget, and a grow restores it up to staging_bytes, so the staging's memory (the ring; "
         "under the sparse policy also its eager regions and far-block caches, re-made empty, the step graphs "
         "captured again) goes back with the pool's; false keeps staging_bytes at any budget. Kept either way with "
         "sparse_full_graphs (vLLM's captured graphs hold the caches)"))

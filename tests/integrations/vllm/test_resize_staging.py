@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
 
@@ -49,6 +50,23 @@ def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget(budget, want):
     assert staging_for_budget(_config("sparse", full_graphs=True), budget) == 512 << 20
 
 
+@given(budget=st.integers(1, 4 * GIB), rows_pool=st.integers(0, 3 * GIB), summaries=st.integers(0, GIB // 2))
+@settings(max_examples=300, deadline=None)
+def test_a_smaller_budget_cuts_the_ring_only_once_the_pool_is_down_to_every_rows_window(budget, rows_pool, summaries):
+    config, start_ring = _config(), 512 << 20
+    split = split_budget(config, budget, summaries, rows_pool_bytes=rows_pool)
+    share = max(1, start_ring * budget // (2 * GIB))
+    if budget >= 2 * GIB:
+        assert split.staging_bytes == start_ring
+        return
+    assert min(share, start_ring) <= split.staging_bytes <= start_ring  # never below its share, never above the start
+    if split.staging_bytes < start_ring:  # cut: the pool is no bigger than every row's window (or the share rules)
+        assert split.pool_bytes <= rows_pool or split.staging_bytes == share
+    if budget - summaries - rows_pool >= start_ring:  # room for every window and the whole ring: the ring stays
+        assert split.staging_bytes == start_ring and split.pool_bytes >= rows_pool
+    assert split_budget(_config(follows=False), budget, summaries, rows_pool_bytes=rows_pool).staging_bytes == start_ring
+
+
 def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_failure(tmp_path, monkeypatch):
     """A shrink sends the workers the ring of the new split, a grow back the start-up one; a failure in
     vLLM's block pool after the workers resized sends them the old pool and the old ring again."""
@@ -60,12 +78,13 @@ def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_fail
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
     start = resizer.budget_bytes
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_budget_bytes=start))
-    resizer._split_fn = lambda b: split_budget(config, b)
+    resizer._split_fn = lambda b, rows_pool_bytes=None: split_budget(config, b)  # the share alone: the ring moves
     sent = []
     rpc = core.collective_rpc
     core.collective_rpc = lambda fn, args=(): (sent.append(args), rpc(fn, args))[1]
     resizer.set_gpu_budget(start // 2).wait(0)
-    assert sent[-1] == (resizer.num_blocks, staging * (start // 2) // start)
+    small_ring = staging * (start // 2) // start
+    assert sent[-1] == (resizer.num_blocks, small_ring)
     resizer.set_gpu_budget(start).wait(0)
     assert sent[-1] == (resizer.num_blocks, staging)
 
@@ -74,7 +93,37 @@ def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_fail
     monkeypatch.setattr(resize_control, "resize_block_pool", broken)
     with pytest.raises(BudgetRefused, match="block pool"):
         resizer.set_gpu_budget(start // 2).wait(0)
-    assert sent[-2][1] == staging * (start // 2) // start and sent[-1][1] == staging  # restored
+    assert sent[-2][1] == small_ring and sent[-1][1] == staging  # restored
+
+
+def test_a_shrink_takes_the_pool_past_every_rows_window_before_it_cuts_the_ring(tmp_path):
+    """The engine's own split (the resizer's rows_pool_bytes: max_num_seqs windows and the null block):
+    a budget that still holds every window beside the whole ring keeps the ring and shrinks the pool; one
+    that does not cuts the ring to what the windows leave."""
+    from tests.integrations.vllm.test_resize_apply import engine_of
+
+    resizer, core, _, _, staging = engine_of(tmp_path)
+    config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
+    start = resizer.budget_bytes
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_budget_bytes=start))
+    resizer._split_fn = lambda b, rows_pool_bytes=None: split_budget(config, b, rows_pool_bytes=rows_pool_bytes)
+    sent = []
+    rpc = core.collective_rpc
+    core.collective_rpc = lambda fn, args=(): (sent.append(args), rpc(fn, args))[1]
+    rows_pool = resizer.rows_pool_bytes
+    keeps = rows_pool + staging + resizer.bytes_per_block  # every window, the whole ring, and a block to spare
+    assert keeps < start // 2, "the test engine's budget must leave room past every window"
+    resizer.set_gpu_budget(keeps).wait(0)
+    assert sent[-1] == (resizer.num_blocks, staging)  # the ring as at start, the pool cut
+    assert resizer.num_blocks * resizer.bytes_per_block >= rows_pool
+    assert resizer.stats()["staging_bytes"] == staging
+    tight = rows_pool + staging // 2
+    resizer.set_gpu_budget(tight).wait(0)
+    ring = max(staging // 2, staging * tight // start)
+    assert sent[-1] == (resizer.num_blocks, ring) and ring < staging
+    assert resizer.num_blocks * resizer.bytes_per_block + ring <= tight
+    resizer.set_gpu_budget(start).wait(0)
+    assert sent[-1][1] == staging and resizer.stats()["staging_bytes"] == staging
 
 
 @pytest.mark.parametrize("ring_blocks", [2, 3, 12])

@@ -80,7 +80,7 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> Far
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
     at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve them from
-    (default scheduler.staging_bytes; a run-time resize passes its share of the new budget,
+    (default scheduler.staging_bytes; a run-time resize passes the new budget's staging,
     `resize_plan.staging_for_budget`).
     """
     scheduler, layout = store.config.scheduler, store.layout

@@ -59,7 +59,8 @@ def engine_core_of(llm) -> object:
 class PoolResizer:
     def __init__(self, core, split_fn: Callable[[int], BudgetSplit], budget_bytes: int):
         """core: vLLM's in-process EngineCore of a hot-window engine; split_fn: the engine's budget
-        split (`resize_plan.split_budget` with its reservations); budget_bytes: the start-up budget."""
+        split (`resize_plan.split_budget` with its reservations, taking rows_pool_bytes); budget_bytes: the
+        start-up budget."""
         missing = missing_vllm_hooks()
         if missing:
             import vllm
@@ -76,6 +77,8 @@ class PoolResizer:
         self.window_blocks = window_blocks(spec.sliding_window, in_flight, vllm_config.model_config.max_model_len,
                                            self.block_tokens)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        # the pool a smaller budget keeps before it cuts the staging: every row's window and the null block
+        self.rows_pool_bytes = (self.max_num_seqs * self.window_blocks + 1) * self.bytes_per_block
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
         self._step_lock = threading.RLock()  # held for each engine step and each resize
@@ -144,7 +147,7 @@ class PoolResizer:
         return out
 
     def _plan(self, budget, running) -> ResizePlan:
-        return plan_resize(budget, self._split_fn, bytes_per_block=self.bytes_per_block, old_num_blocks=self.num_blocks,
+        return plan_resize(budget, self.split, bytes_per_block=self.bytes_per_block, old_num_blocks=self.num_blocks,
                            window_blocks_per_request=self.window_blocks, max_num_seqs=self.max_num_seqs, running=running)
 
     def _apply_if_between_steps(self) -> BaseException | None:
@@ -198,7 +201,7 @@ class PoolResizer:
         """Workers' tensors (and an exact hot window's staging ring, when the split moves it), then the
         BlockPool; either failing leaves the old pool in every place."""
         new_num_blocks, old = plan.new_num_blocks, self.num_blocks
-        old_staging = self._split_fn(self.budget_bytes).staging_bytes
+        old_staging = self.split(self.budget_bytes).staging_bytes
         started = time.perf_counter()
         try:  # (the workers leave a staging of this size as it is)
             results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks, plan.split.staging_bytes))
@@ -221,6 +224,10 @@ class PoolResizer:
         except Exception:  # a worker still at the old size is the one that failed: it kept its tensors
             logger.exception("tierkv: restoring the workers' KV tensors to %d blocks failed", num_blocks)
 
+    def split(self, budget_bytes: int) -> BudgetSplit:
+        """The engine's split of `budget_bytes` (the start-up one), its pool kept at every row's window first."""
+        return self._split_fn(budget_bytes, rows_pool_bytes=self.rows_pool_bytes)
+
     def _record_refusal(self, exc: BaseException) -> None:
         self.counts["budget_refusals"] += 1
         self.last_refusal = str(exc)
@@ -229,7 +236,7 @@ class PoolResizer:
     def stats(self) -> dict:
         """The budget, vLLM's pool, the policy and any pending change (reads only)."""
         pending = self._pending
-        split = self._split_fn(self.budget_bytes)
+        split = self.split(self.budget_bytes)
         return {"budget_bytes": self.budget_bytes, "pool_blocks": self.num_blocks,
                 "pool_bytes": self.num_blocks * self.bytes_per_block, "staging_bytes": split.staging_bytes,
                 "summary_bytes": split.summary_bytes, "full_graph_bytes": split.full_graph_bytes,

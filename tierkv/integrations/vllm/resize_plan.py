@@ -4,7 +4,8 @@ in vLLM blocks, and whether it is refused, decided before anything changes. No v
 Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too), `staging_for_budget`,
 `window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
 
-    budget ──split_budget──> staging (its start-up share of a smaller budget, scheduler.staging_follows_budget)
+    budget ──split_budget──> staging (scheduler.staging_follows_budget: a smaller budget cuts it once vLLM's pool
+                             is down to every row's window, never below its share of the budget)
                              + key summaries + full-graph codes (fixed) + vLLM's pool = the rest
     vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
 
@@ -47,24 +48,31 @@ class BudgetSplit:
         return text
 
 
-def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_bytes: int = 0) -> BudgetSplit:
+def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_bytes: int = 0, *,
+                 rows_pool_bytes: int | None = None) -> BudgetSplit:
     """The split of `budget_bytes` for an engine of tierkv `config` (a TierKVConfig): the one
-    `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after (`staging_for_budget`)."""
-    return BudgetSplit(budget_bytes, staging_for_budget(config, budget_bytes), summary_bytes, full_graph_bytes)
+    `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after (`staging_for_budget`;
+    rows_pool_bytes: the pool that holds every max_num_seqs row's window, which a smaller budget keeps
+    before it cuts the staging; None: the staging's share of the budget alone)."""
+    spare = 0 if rows_pool_bytes is None else budget_bytes - summary_bytes - full_graph_bytes - rows_pool_bytes
+    return BudgetSplit(budget_bytes, staging_for_budget(config, budget_bytes, spare), summary_bytes, full_graph_bytes)
 
 
-def staging_for_budget(config, budget_bytes: int) -> int:
+def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0) -> int:
     """The staging of a budget: `scheduler.staging_bytes` at the start-up budget (`cache.gpu_budget_bytes`)
-    and above; with `scheduler.staging_follows_budget` a smaller budget keeps the staging's share of it (a
-    run-time shrink re-makes the exact policy's ring, or the sparse policy's ring, eager regions and
-    far-block caches: `FarKV.make_staging`), at least one byte. Kept as written under the sparse step inside
-    vLLM's full decode graph (its rows' buffers hold the caches' addresses)."""
+    and above; with `scheduler.staging_follows_budget` a smaller budget keeps what `spare_bytes` (the budget
+    less the fixed reservations and a pool for every row's window) leaves of it, and never less than its share
+    of the budget, at least one byte (a run-time shrink re-makes the exact policy's ring, or the sparse
+    policy's ring, eager regions and far-block caches: `FarKV.make_staging`). A pool past every row's window
+    only keeps old blocks; the staging's size is the decode's speed (a ring a quarter the size took 2.5x the
+    decode time at 128k). Kept as written under the sparse step inside vLLM's full decode graph (its rows'
+    buffers hold the caches' addresses)."""
     from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 
     staging, start = config.scheduler.staging_bytes, config.cache.gpu_budget_bytes
     if not config.scheduler.staging_follows_budget or budget_bytes >= start or full_graphs_configured(config):
         return staging
-    return max(1, staging * budget_bytes // start)
+    return min(staging, max(1, staging * budget_bytes // start, spare_bytes))
 
 
 def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int, block_tokens: int) -> int:
