@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import os
 import typing
 from collections.abc import Callable, Mapping
@@ -28,6 +29,7 @@ from tierkv.redact import MASK, is_secret_key, redact_tree
 ENV_PREFIX = "TIERKV_"
 ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
 ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
+logger = logging.getLogger("tierkv.config")
 _YAML_ERRORS = (yaml.YAMLError, ValueError, OverflowError, RecursionError, MemoryError)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: linear in the text
 MAX_DEPTH = 32  # nesting levels in a document; a config needs 4
@@ -77,6 +79,7 @@ def load_with_errors(root: type, source: object = None, *, env: Mapping[str, str
                      check: Callable[[object], None] | None = None) -> tuple[object | None, list[ConfigError]]:
     """(config, []) or (None, every ConfigError found: one per bad field, or the one that stopped reading)."""
     env = os.environ if env is None else env
+    _warn_unused_env_file(source, env.get(ENV_CONFIG_FILE))
     try:
         data = _read_source(env.get(ENV_CONFIG_FILE) if source is None else source)
         origins = _apply_env(data, env, to_dict(root()))
@@ -110,6 +113,21 @@ def _named_by_origin(err: ConfigError, origins: Mapping[str, str]) -> ConfigErro
     if origin is None:
         return err
     return ConfigError(f"{err.key} (set by {origin})", err.value, err.allowed)
+
+
+def _warn_unused_env_file(source: object, env_file: str | None) -> None:
+    """TIERKV_CONFIG_FILE names the file only when no config is passed: say so when both are, and differ
+    (the TIERKV_* field variables apply either way)."""
+    if source is None or not env_file:
+        return
+    if not isinstance(source, Mapping):
+        try:
+            if resolve_config_path(source).resolve() == resolve_config_path(env_file).resolve():
+                return
+        except (OSError, ValueError, TypeError, ConfigError):
+            pass
+    shown = "a mapping" if isinstance(source, Mapping) else str(source)
+    logger.warning("tierkv: %s=%s is not read: the config passed (%s) is used instead", ENV_CONFIG_FILE, env_file, shown)
 
 
 def _read_source(source: object) -> dict:
