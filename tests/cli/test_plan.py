@@ -56,6 +56,39 @@ def test_a_local_config_json_is_read(tmp_path, capsys):
     assert "warning     the model's max_position_embeddings is 1024" in capsys.readouterr().out
 
 
+def _config_json(tmp_path, **extra) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+        "max_position_embeddings": 32768, **extra}))
+    return str(tmp_path)
+
+
+def test_a_model_with_its_own_sliding_window_is_planned_with_what_the_runtime_refuses(tmp_path, capsys):
+    """Mistral v0.1-style sliding_window: the transformers engine serves at most the window, the vLLM hot
+    window not at all; the plan says so (it planned 32k tokens for a 4096-token window without a word)."""
+    model = _config_json(tmp_path, sliding_window=4096)
+    plan = plan_json(capsys, "--model-config", model, "--context", "32768", "--gpu-budget", "4MiB")
+    assert plan["model"]["sliding_window"] == 4096
+    assert plan["warnings"] == ["the model attends its own sliding window of 4096 tokens: the transformers engine "
+                                "serves sequences of at most 4096 tokens and refuses this 32768-token request"]
+    assert plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "4MiB")["warnings"] == []
+    assert main(["plan", "--model-config", model, "--context", "32768", "--gpu-budget", "4MiB"]) == 0
+    assert "warning     the model attends its own sliding window of 4096 tokens" in capsys.readouterr().out
+    vllm = plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB", "--backend", "vllm")
+    assert len(vllm["warnings"]) == 1 and "refuses the hot window" in vllm["warnings"][0]
+    # turned off (Qwen2's use_sliding_window: false): nothing to say
+    off = _config_json(tmp_path, sliding_window=4096, use_sliding_window=False)
+    assert plan_json(capsys, "--model-config", off, "--context", "32768", "--gpu-budget", "4MiB")["warnings"] == []
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_multi_head_latent_attention_model_is_refused_by_name(tmp_path, capsys, where):
+    shape = {"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "kv_lora_rank": 512}
+    model = _config_json(tmp_path, **(shape if where == "top" else {"text_config": shape}))
+    assert main(["plan", "--model-config", model, "--context", "4096", "--gpu-budget", "4MiB"]) == 2
+    assert "multi-head latent attention (kv_lora_rank=512)" in capsys.readouterr().err
+
+
 def test_a_budget_that_holds_everything_streams_nothing(capsys):
     plan = plan_json(capsys, "--model-config", "mistral-7b", "--context", "4096", "--gpu-budget", "4GiB")
     assert plan["decode_step"]["streamed_bytes"] == 0 and plan["decode_step"]["pcie_floor_s"] == 0

@@ -68,13 +68,27 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
         if not path.is_file():
             raise UsageError(f"--model-config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
         try:
-            parsed = model_shape(read_config_json(path), str(path))
+            raw = read_config_json(path)
+            latent = _latent_rank(raw)
+            if latent:
+                raise UsageError(f"--model-config {path}: the model uses multi-head latent attention (kv_lora_rank="
+                                 f"{latent}): its cached keys and values differ in width, and tierkv refuses it")
+            parsed = model_shape(raw, str(path))
         except ValueError as exc:
             raise UsageError(f"--model-config {path}: not a transformers model config ({exc})") from None
         shape = KVShape(name=parsed.name or path.parent.name, num_layers=parsed.num_layers,
                         num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
                         max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window)
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
+
+
+def _latent_rank(raw: dict) -> int | None:
+    """kv_lora_rank of a config.json (DeepSeek V2/V3), top level or in its text_config; None when absent."""
+    for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        rank = section.get("kv_lora_rank")
+        if rank:
+            return rank
+    return None
 
 
 def _dtype(name: str) -> str:
@@ -106,6 +120,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     cpu_blocks_needed = num_blocks * L * requests
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
     return {
+        "warnings": _window_warnings(shape, context, backend),
         "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
         "kv_bytes": context * shape.kv_bytes_per_token, "block_tokens": T, "block_bytes": block,
         "blocks_per_layer": num_blocks, "num_layers": L, "backend": backend, "policy": sched.policy,
@@ -120,6 +135,21 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
                  "kv_pool_bytes": vllm_kv_pool_bytes,
                  "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes},
     }
+
+
+def _window_warnings(shape: KVShape, context: int, backend: str) -> list[str]:
+    """What the runtime refuses of this plan because the model attends its own sliding window."""
+    window = shape.sliding_window
+    if not window:
+        return []
+    if backend == "vllm":
+        return [f"the model attends its own sliding window of {window} tokens: TieredLLM(backend='vllm') refuses "
+                "the hot window for it (vLLM keeps only that window of KV already; hot_window=False runs tierkv's "
+                "connector alone), so the GPU part below does not apply"]
+    if context > window:
+        return [f"the model attends its own sliding window of {window} tokens: the transformers engine serves "
+                f"sequences of at most {window} tokens and refuses this {context}-token request"]
+    return []
 
 
 def _transformers_gpu(layout, num_layers: int, context: int, config) -> tuple[dict, int]:
@@ -160,6 +190,7 @@ def format_plan(plan: dict) -> str:
     ]
     if m.get("max_context") and plan["context_tokens"] > m["max_context"]:
         rows.append(f"warning     the model's max_position_embeddings is {m['max_context']} (longer needs rope scaling)")
+    rows += [f"warning     {w}" for w in plan["warnings"]]
     rows += ["", *_tier_rows(plan), "",
              f"decode step ({mode}) at {plan['context_tokens']} tokens: {g['resident_blocks_per_layer_at_decode']}"
              f" blocks per layer read from the GPU, {d['streamed_blocks_per_layer']} streamed",
