@@ -73,6 +73,26 @@ def lossy_path(first_tier_storage_dtype: str) -> dict:
     return {} if first_tier_storage_dtype == "auto" else {"first_tier_storage": first_tier_storage_dtype}
 
 
+def sparse_path(config) -> dict:
+    """The fingerprint's extra fields for an engine of the sparse policy (a TierKVConfig): the KV of the tokens it
+    decodes comes from layers that attended a selection of the far blocks, so it differs from exact KV, and from
+    another selection's; an exact engine (or one selecting otherwise) must never take those blocks for its own
+    (a follow-up turn of the same conversation reused them). Every setting that changes what decode attends is
+    named. {} under the exact policy (its addresses stay as they were)."""
+    scheduler, cache = config.scheduler, config.cache
+    if scheduler.policy == "exact":
+        return {}
+    return {"attention": {"policy": scheduler.policy, "token_budget": scheduler.sparse_token_budget,
+                          "selection": scheduler.sparse_selection, "bound_weight": scheduler.sparse_bound_weight,
+                          "sink_tokens": cache.sink_tokens, "window_tokens": cache.window_tokens}}
+
+
+def kv_path(config) -> dict:
+    """Everything of a TierKVConfig that makes its engine's KV bytes differ from exact KV of the same model:
+    `lossy_path` and `sparse_path` together, the fingerprint's extra fields."""
+    return {**lossy_path(config.tiers[0].storage_dtype), **sparse_path(config)}
+
+
 def model_fingerprint(model_id: str, num_layers: int, layout: BlockLayout, extra: dict | None = None) -> str:
     """A short digest naming everything that makes KV bytes incompatible between two runs."""
     fields = {

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from tierkv.blocks import BlockLayout, dtype_name, lossy_path, model_fingerprint
+from tierkv.blocks import BlockLayout, dtype_name, kv_path, model_fingerprint
 from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.config import ConfigError, TierKVConfig
 from tierkv.block_io import BlockIO
@@ -44,8 +44,7 @@ class KVRuntime:
         self.device = torch.device(device)
         self.num_layers = num_layers
         self.layout = BlockLayout(num_kv_heads, config.cache.block_tokens, head_dim, dtype)
-        self.fingerprint = model_fingerprint(model_id.key, num_layers, self.layout,
-                                             lossy_path(config.tiers[0].storage_dtype))
+        self.fingerprint = model_fingerprint(model_id.key, num_layers, self.layout, kv_path(config))
         residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
                                    config.cache.sink_tokens, config.cache.window_tokens)
         num_regions = max(2, config.scheduler.lookahead_layers + 1)

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from tierkv.block_io import BlockIO
-from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, lossy_path, model_fingerprint
+from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, kv_path, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import ModelIdentity
 from tierkv.storage import build_tiers
@@ -59,8 +59,7 @@ class VllmKVStore:
         self.layer_index = layer_order(layer_names)
         self.num_layers = len(self.layer_index)
         # the same on the scheduler side (lookup_only, no CPU tier of its own): the config's first tier
-        self.fingerprint = model_fingerprint(self.identity.key, self.num_layers, layout,
-                                             lossy_path(config.tiers[0].storage_dtype))
+        self.fingerprint = model_fingerprint(self.identity.key, self.num_layers, layout, kv_path(config))
         self.device = torch.device(device)
         self.lookup_only = lookup_only
         tiers = [t for t in config.tiers if t.kind != "cpu"] if lookup_only else config.tiers
