@@ -20,8 +20,9 @@ _SECRET_WORDS = ("password", "passwd", "secret", "credential")  # anywhere in th
 _SECRET_PARTS = ("token", "key", "auth", "apikey")  # the last part of the name
 _WHERE_PARTS = ("file", "path", "dir")  # secret_file names where the secret is, not the secret
 _FLAG_PARTS = ("create", "is", "has", "use")  # create_secret_file is a switch
-# scheme://user:password@  or  scheme://:password@  (password up to the last '@' before the host part)
-_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<secret>[^\s/]*)(?P<at>@)")
+# a URL in free text: scheme:// and everything up to the next whitespace (its userinfo up to the last '@')
+_URL_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")
+_PLAIN_USER = re.compile(r"[^\s/@:?#]*")
 _QUERY_SECRET = re.compile(r"(?P<head>[?&][^=&\s]*(?:password|passwd|secret|token|credential)[^=&\s]*=)(?P<secret>[^&\s#]*)",
                            re.IGNORECASE)
 
@@ -37,16 +38,36 @@ def is_secret_key(name: object) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """`url` with the password of its userinfo (and secret-named query values) replaced by ***."""
-    return redact_text(url)
+    """`url`, taken whole (whitespace and all), with its userinfo's password (and secret-named query values)
+    replaced by ***; a userinfo that is not plain `user:password` (an '@', '/' or whitespace in it) is
+    masked whole, up to the last '@'."""
+    if not isinstance(url, str):
+        return url
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", _mask_userinfo(url))
 
 
 def redact_text(text: str) -> str:
     """`text` with every URL password and secret-named query value in it replaced by ***."""
     if not isinstance(text, str):
         return text
-    text = _USERINFO.sub(lambda m: f"{m['head']}{MASK}{m['at']}" if m["secret"] else m[0], text)
+    text = _URL_TOKEN.sub(lambda m: _mask_userinfo(m[0]), text)
     return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", text)
+
+
+def _mask_userinfo(url: str) -> str:
+    """One URL with everything between '://' and its last '@' that may be a secret masked."""
+    head, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    credentials, _, tail = rest.rpartition("@")
+    user, colon, secret = credentials.partition(":")
+    if not colon:  # a user name alone, or something that only looks like one
+        return url if _PLAIN_USER.fullmatch(credentials) else f"{head}://{MASK}@{tail}"
+    if not secret:
+        return url
+    if _PLAIN_USER.fullmatch(user) and not any(c in secret for c in "@/ \t\r\n"):
+        return f"{head}://{user}:{MASK}@{tail}"
+    return f"{head}://{MASK}@{tail}"
 
 
 def redact_value(key: object, value: object) -> object:
@@ -55,7 +76,7 @@ def redact_value(key: object, value: object) -> object:
     if is_secret_key(last) and value is not None:
         return MASK
     if isinstance(value, str):
-        return redact_text(value)
+        return redact_url(value) if _URL_TOKEN.match(value) else redact_text(value)
     return redact_tree(value) if isinstance(value, (Mapping, list, tuple)) else value
 
 
@@ -68,5 +89,5 @@ def redact_tree(data: object, _depth: int = 0) -> object:
     if isinstance(data, (list, tuple)):
         return [redact_tree(v, _depth + 1) for v in data]
     if isinstance(data, str):
-        return redact_text(data)
+        return redact_url(data) if _URL_TOKEN.match(data) else redact_text(data)
     return data

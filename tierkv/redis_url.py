@@ -41,6 +41,9 @@ _MAX_DB = 2**31 - 1
 
 def check_redis_url(url: str, keypath: str) -> None:
     """ConfigError naming `keypath` unless `url` is one the Redis tier can connect with."""
+    problem = userinfo_problem(url)
+    if problem:
+        raise ConfigError(keypath, url, f"{EXPECTED}; {problem}")
     if is_cluster_url(url):
         try:
             nodes = parse_cluster_url(url).startup_nodes
@@ -69,6 +72,19 @@ def check_redis_url(url: str, keypath: str) -> None:
             raise ConfigError(keypath, url, f"{EXPECTED}; database must be a number up to {_MAX_DB}, got {db!r}")
     del port
     _check_query(url, scheme, parts.query, keypath)
+
+
+def userinfo_problem(url: str) -> str | None:
+    """Why `url`'s user name or password cannot be told from the rest (redis-py would still connect, with a
+    password no redaction can find in a log line), or None."""
+    if any(c.isspace() for c in url):
+        return "a URL takes no whitespace (percent-encode it in a user name or password: %20)"
+    _, sep, rest = url.partition("://")
+    credentials = rest.rpartition("@")[0] if sep else ""  # (a socket path with '@' takes %40 too)
+    if any(c in credentials for c in "@/?#"):
+        return ("its user name or password holds '@', '/', '?' or '#' (or they come before an '@' in the rest): "
+                "percent-encode them there (%40, %2F, %3F, %23)")
+    return None
 
 
 def _parse_with_redis_py(url: str, keypath: str) -> None:
@@ -177,6 +193,9 @@ def single_url_problem(url: object) -> str | None:
     """What makes a one-server URL unusable by the tier (the config loader checks more), or None."""
     if not isinstance(url, str):
         return "not a string"
+    problem = userinfo_problem(url)
+    if problem:
+        return problem
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises ValueError for a bad port
