@@ -356,3 +356,18 @@ def test_an_inline_secret_counts_bytes_without_surrounding_whitespace_and_made_d
     load_secret(load_config({"storage": {"secret_file": str(path), "create_secret_file": True}}, env={}).storage)
     for directory in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_peers_sealing_the_two_ways_leave_each_others_blocks_alone(make_sealed, kind):
+    """encrypt: false and true on one secret and one store (a move to encryption, peers on both sides):
+    each misses the other's blocks without an authentication failure, so neither deletes them (one name
+    for both modes had the reader fail on the block and delete it)."""
+    mac, aead = make_sealed(SECRET_A), make_sealed(SECRET_A, encrypt=True)
+    written = {"mac": random_block(), "aead": random_block()}
+    assert mac.put("k/L0", written["mac"]).ok and aead.put("k/L1", written["aead"]).ok
+    assert aead.get("k/L0") is None and mac.get("k/L1") is None
+    assert mac.counters.snapshot()["auth_failures"] == aead.counters.snapshot()["auth_failures"] == 0
+    assert torch.equal(mac.get("k/L0").view(torch.uint8), written["mac"].view(torch.uint8))
+    assert torch.equal(aead.get("k/L1").view(torch.uint8), written["aead"].view(torch.uint8))
+    assert BlockSealer(SECRET_A, LAYOUT, encrypt=False).name("k/L0") != BlockSealer(SECRET_A, LAYOUT, encrypt=True).name("k/L0")

@@ -5,7 +5,7 @@ Primitives: `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `se
 
 Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
 
-    name(key)   = hex(HMAC(k_names, key))            the tier's key: unguessable without the secret
+    name(key)   = hex(BLAKE2b-128 keyed by k_names)  the tier's key: unguessable without the secret (k_names per mode)
     sealed block, S = 288 + N bytes (N = the block's bytes), stored as a flat uint8 block:
 
     offset  size  field
@@ -77,7 +77,9 @@ class BlockSealer:
         self.layout = layout
         self.encrypt = encrypt
         self.mode = MODE_AEAD if encrypt else MODE_MAC
-        self._names_key = _subkey(secret, "names/v2")
+        # names of their own per mode: a reader of the other mode (a move to encrypt: true) never finds, fails to
+        # open and deletes a block a peer sealed the other way
+        self._names_key = _subkey(secret, "names/v2" if not encrypt else "names/v2/aead")
         self._cached_name = functools.lru_cache(maxsize=_NAME_CACHE_SIZE)(self._name_now)
         self._mac_key = _subkey(secret, "mac/v1")
         self._aead = AESGCM(_subkey(secret, "aead/v1"))
