@@ -91,3 +91,30 @@ def test_a_dead_tiers_live_file_is_told_from_a_live_ones(tmp_path):
         assert [n for n in os.listdir(tmp_path) if n.startswith(".live-")] == [probe.name]
     finally:
         probe.close()
+
+
+def test_tiers_of_two_block_layouts_on_one_directory_keep_each_others_records(tmp_path):
+    """Two models (or block sizes) on one directory, as the default path puts every model: each tier leaves
+    the other's records as they are, alive or at a restart, counted as foreign_records (the scan used to
+    punch them: a second model's start wiped the first's blocks, found by a shared-tier probe)."""
+    from tierkv.blocks import BlockLayout
+
+    small, large = BlockLayout(2, 4, 8, torch.float32), BlockLayout(2, 8, 8, torch.float32)
+    capacity = 64 * large.num_bytes
+    rows = {name: [torch.randn(layout.shape) for _ in range(20)] for name, layout in (("s", small), ("l", large))}
+    first = DiskTier("first", small, capacity, tmp_path)
+    assert all(r.ok for r in first.put_many([f"s{i}" for i in range(20)], rows["s"]))
+    second = DiskTier("second", large, capacity, tmp_path)  # starts while the first runs
+    assert all(r.ok for r in second.put_many([f"l{i}" for i in range(20)], rows["l"]))
+    assert second.counters.snapshot()["foreign_records"] == 20
+    assert all(torch.equal(got, want) for got, want in zip(first.get_many([f"s{i}" for i in range(20)]), rows["s"]))
+    first.close()
+    second.close()
+    for layout, name, other in ((small, "s", "l"), (large, "l", "s")):  # each restarted alone
+        again = DiskTier("again", layout, capacity, tmp_path)
+        try:
+            got = again.get_many([f"{name}{i}" for i in range(20)])
+            assert all(g is not None and torch.equal(g, w) for g, w in zip(got, rows[name]))
+            assert again.get(f"{other}0") is None and again.counters.snapshot()["foreign_records"] == 20
+        finally:
+            again.close()

@@ -33,7 +33,7 @@ class LatencyHistogram:
 _COUNTER_NAMES = (
     "lookups", "hits", "misses", "puts", "put_failures", "removes",
     "bytes_read", "bytes_written", "evictions", "corrupt_blocks", "errors", "auth_failures",
-    "scan_dropped_records", "lost_blocks",
+    "scan_dropped_records", "lost_blocks", "foreign_records",
 )
 _BY_REASON = ("scan_dropped_records", "lost_blocks")  # counters also kept per reason: "<name>_by_reason"
 

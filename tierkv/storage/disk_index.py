@@ -195,18 +195,24 @@ class DiskIndex:
         self._identities[segment_id] = found.identity
         # records this process cannot verify count as one live record: the segment is never deleted here
         self._num_live[segment_id] = len(found.records) + int(found.is_partly_unreadable)
-        dropped = []
+        dropped, foreign = [], 0
         for offset, h in found.records:
+            if h.dtype_name != self._dtype_name or h.shape != self._shape:
+                # another model's or block size's tier shares the directory (the default path is one for every
+                # model): its records stay as they are, counted live, so this tier never deletes their segment
+                foreign += 1
+                continue
             entry = Entry(segment_id, offset, h)
-            is_ours = h.dtype_name == self._dtype_name and h.shape == self._shape
-            old = self._entries.pop(h.key, None) if is_ours else entry
+            old = self._entries.pop(h.key, None)
             if old is not None:
-                reason = "superseded" if is_ours else "other_layout"
-                logger.debug("%s: %s: dropping a record of %s (%s)", self.name, path, h.key, reason)
-                self.counters.add_for_reason("scan_dropped_records", reason)
+                logger.debug("%s: %s: dropping a record of %s (superseded)", self.name, path, h.key)
+                self.counters.add_for_reason("scan_dropped_records", "superseded")
                 dropped.append(old)
-            if is_ours:
-                self._entries[h.key] = entry
+            self._entries[h.key] = entry
+        if foreign:
+            self.counters.add(foreign_records=foreign)
+            logger.info("%s: %s holds %d records of another block layout (another model or block size uses this "
+                        "directory): left as they are, outside this tier's capacity", self.name, path, foreign)
         return dropped
 
 
