@@ -3,7 +3,7 @@
 Primitives: `SegmentScan`, `scan_segment_file`, `is_segment_stem`, `remove_old_format`, `unlink_quietly`.
 
 What a scan drops, counted in the tier's `scan_dropped_records` by reason (the tier adds
-`superseded` and `other_layout` when it indexes the records):
+`superseded` when it indexes the records; records of another layout are kept, counted as `foreign_records`):
 
     header_damaged   data between whole records that is no header: a record whose header was damaged
     torn_tail        data after the last whole record (a torn write, a damaged last record): cut off
