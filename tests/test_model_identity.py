@@ -128,3 +128,28 @@ def test_the_fingerprints_are_in_stats_and_the_prometheus_exposition(tmp_path):
     (line,) = [x for x in text.splitlines() if x.startswith("tierkv_model_info{")]
     for key in ("name", "weights_fingerprint", "block_fingerprint"):
         assert f'{key}="{info[key]}"' in line
+
+
+def test_a_hub_id_is_digested_from_where_it_was_downloaded_or_named_with_a_warning(tmp_path, caplog, monkeypatch):
+    """vLLM's download_dir is a hub cache of its own: the weights there are digested (they were named by
+    the hub id alone, so two hosts holding other snapshots of it would share blocks); a hub id found
+    nowhere keeps its name and revision alone and says so."""
+    import logging
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    commit = "0" * 39 + "1"
+    repo = tmp_path / "downloads" / "models--org--tiny"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"num_hidden_layers": 2}')
+    (snapshot / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    found = checkpoint_identity("m", "org/tiny", cache_dir=tmp_path / "downloads")
+    assert found.weights == files_digest(snapshot)
+    (snapshot / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 8)  # another snapshot's weights
+    assert checkpoint_identity("m", "org/tiny", cache_dir=tmp_path / "downloads").key != found.key
+    with caplog.at_level(logging.WARNING, logger="tierkv.model_identity"):
+        nowhere = checkpoint_identity("m", "org/tiny")
+    assert nowhere.weights is None and any("addressed by its name alone" in r.getMessage() for r in caplog.records)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 import weakref
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+logger = logging.getLogger("tierkv.model_identity")
 SAMPLE_ELEMENTS = 4096  # per tensor, evenly spaced, first and last included
 FILE_SAMPLES = 16  # reads per weight file, evenly spaced, head and tail included
 FILE_SAMPLE_BYTES = 64 << 10
@@ -147,26 +149,39 @@ def _config_blob(config) -> bytes:
 
 
 def checkpoint_identity(name: str, model: str | os.PathLike, revision: str | None = None,
-                        model_id: str | None = None) -> ModelIdentity:
+                        model_id: str | None = None, cache_dir: str | os.PathLike | None = None) -> ModelIdentity:
     """The identity of a checkpoint on disk (a directory or one weight file such as a GGUF):
     configured `name`; `model_id` (a label the caller gives, if any), the absolute path and the
     revision as `source`; `files_digest` of its config and weight files. A hub id that is no local
-    path is looked up in the local hub cache; when not found there, it keeps its name and revision alone."""
+    path is looked up in `cache_dir` (where it was downloaded) or the local hub cache; when not found
+    there, it keeps its name and revision alone, and a warning says that two hosts holding other
+    snapshots under that name would share blocks."""
     path = os.fspath(model)
-    local = path if os.path.exists(path) else _hub_snapshot(path, revision)
+    local = path if os.path.exists(path) else _hub_snapshot(path, revision, cache_dir)
     source = json.dumps([model_id, os.path.abspath(path) if os.path.exists(path) else path, revision])
     start = time.perf_counter()
     digest = files_digest(local) if local is not None else None
+    if digest is None:
+        logger.warning("tierkv: the checkpoint %r was found neither as a path nor in the hub cache%s: its blocks are "
+                       "addressed by its name%s alone, so engines holding other weights under that name would share "
+                       "them through a disk or Redis tier; give model.revision or a local path", path,
+                       f" or {os.fspath(cache_dir)!r}" if cache_dir else "", " and revision" if revision else "")
     return ModelIdentity(name, source, digest, time.perf_counter() - start)
 
 
-def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
-    """The local hub-cache directory of `repo_id` at `revision`, or None (never downloads)."""
+def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None = None) -> str | None:
+    """The local hub-cache directory of `repo_id` at `revision` (in `cache_dir`, else the hub cache), or
+    None (never downloads)."""
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, revision=revision, local_files_only=True)
-    except Exception:  # not a hub id, not cached, or no huggingface_hub: names alone
+        for where in ([cache_dir] if cache_dir else []) + [None]:
+            try:
+                return snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=where)
+            except Exception:  # not in this cache: the next
+                continue
+        return None
+    except Exception:  # not a hub id, or no huggingface_hub: names alone
         return None
 
 

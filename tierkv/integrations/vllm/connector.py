@@ -63,7 +63,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
         self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)
         model_config = getattr(vllm_config, "model_config", None)
-        self.model_id = model_identity_of(self.config, extra, model_config)
+        self.model_id = model_identity_of(self.config, extra, model_config,
+                                          getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
         self.max_model_len = getattr(model_config, "max_model_len", None)
         self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it

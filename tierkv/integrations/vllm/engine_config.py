@@ -18,16 +18,17 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def model_identity_of(config, extra: dict | None, model_config) -> ModelIdentity:
+def model_identity_of(config, extra: dict | None, model_config, download_dir: str | None = None) -> ModelIdentity:
     """What names the engine's model in every block address: the configured `model.name`, the
     checkpoint (vLLM's model path and revision, and `model_id` of the extra config), and a
-    digest of its weight files (`checkpoint_identity`). The scheduler and every worker compute the
-    same one from the same files."""
+    digest of its weight files (`checkpoint_identity`; a hub id is looked up where vLLM downloads,
+    `download_dir`, or in the hub cache). The scheduler and every worker compute the same one from the
+    same files."""
     model_id = (extra or {}).get("model_id")
     path = getattr(model_config, "model", None) or model_id or config.model.name
     revision = getattr(model_config, "revision", None)
     return checkpoint_identity(config.model.name, path, None if revision is None else str(revision),
-                               model_id=None if model_id is None else str(model_id))
+                               model_id=None if model_id is None else str(model_id), cache_dir=download_dir)
 
 
 def max_num_seqs_of(vllm_config) -> int:
