@@ -129,7 +129,8 @@ class TieredLLM:
         self._check_open()
         change = self.runtime.set_gpu_budget(budget)
         if wait and not change.wait(timeout_s):
-            raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s")
+            raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s; it "
+                               "stays pending and applies when it can (a later set_gpu_budget replaces it)")
 
     def reload_config(self, config: TierKVConfig | str | os.PathLike | dict) -> list[str]:
         """Apply a changed config at run time; returns the keys applied.

@@ -124,7 +124,7 @@ def test_a_huge_or_missing_content_length_is_refused_without_reading_the_body(co
     status, body = raw_post(str(10**12))
     assert status == 413 and str(MAX_BODY_BYTES) in body
     assert raw_post(None)[0] == 411
-    assert raw_post("lots")[0] == 400 and raw_post("-5")[0] == 413
+    assert raw_post("lots")[0] == 400 and raw_post("-5")[0] == 400  # not a length
     assert post_budget(svc, "x" * MAX_BODY_BYTES)[0] == 413
     assert budget.calls == []
 
@@ -225,3 +225,93 @@ def test_an_impossible_budget_posted_during_a_request_is_refused_and_the_request
     assert llm.stats()["gpu"]["budget_refusals"] >= 1
     status, _, body = request(svc, "GET", "/metrics")
     assert b"tierkv_gpu_budget_refusals_total" in body
+
+
+def raw_exchange(svc, data: bytes, *, wait_s: float = 5.0) -> bytes:
+    """Send `data` as is on a fresh connection; what the server answers before closing (or b'')."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", svc.server.port), timeout=wait_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except (TimeoutError, ConnectionError):
+            pass
+        return b"".join(chunks)
+
+
+def _post_head(svc, length: str) -> bytes:
+    return (f"POST /api/gpu_budget HTTP/1.1\r\nHost: 127.0.0.1:{svc.server.port}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("length,status", [("-1", b"400"), ("+13", b"400"), ("1_3", b"400"), ("1 3", b"400"),
+                                           ("99999999999999999999999", b"413")])
+def test_an_odd_content_length_is_refused_by_name(control, length, status):
+    svc, budget = control
+    reply = raw_exchange(svc, _post_head(svc, length) + b'{"budget": 1}')
+    assert reply.split(b" ", 2)[1] == status and (b"Content-Length" in reply or b"at most" in reply)
+    assert budget.calls == []
+
+
+def test_deep_json_and_a_short_body_are_400s(control, monkeypatch):
+    from tierkv.dashboard import app
+
+    svc, budget = control
+    deep = b"[" * 3000 + b"]" * 3000
+    status, _, body = request(svc, "POST", "/api/gpu_budget", deep,
+                              {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert status == 413 or (status == 400 and b"not JSON" in body)
+    nested = b'{"budget": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    assert len(nested) <= MAX_BODY_BYTES
+    status, _, body = request(svc, "POST", "/api/gpu_budget", nested,
+                              {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert status == 400, body  # a RecursionError was a 500 and a traceback
+    monkeypatch.setattr(app._QuietHandler, "timeout", 0.5)  # for connections made from here on
+    reply = raw_exchange(svc, _post_head(svc, "40") + b'{"budget": 1')  # 12 of 40 bytes, then nothing
+    assert reply.split(b" ", 2)[1] in (b"400", b"408") and budget.calls == []
+
+
+def test_idle_connections_are_closed_and_capped(control, monkeypatch):
+    """A client opening many connections and sending half a request line holds no thread for ever: each is
+    closed after the read timeout, and past MAX_CONNECTIONS at once the server closes new ones at once."""
+    import socket
+    import threading
+    import time
+
+    from tierkv.dashboard import app
+
+    svc, _ = control
+    monkeypatch.setattr(app._QuietHandler, "timeout", 1.0)
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app.MAX_CONNECTIONS + 20)]
+    for sock in idle:
+        sock.sendall(b"GET /metr")
+    time.sleep(0.5)
+    assert threading.active_count() - before <= app.MAX_CONNECTIONS
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert threading.active_count() <= before  # every handler ended with its timeout
+    for sock in idle:
+        sock.close()
+    assert request(svc, "GET", "/metrics")[0] == 200  # and the server still answers
+
+
+def test_a_token_with_whitespace_at_an_end_is_refused_at_start():
+    with pytest.raises(ConfigError, match="whitespace at an end"):
+        service(Budget(), control_enabled=True, control_token=TOKEN + "\n")
+
+
+def test_a_change_not_applied_in_time_is_202_pending_not_a_failure():
+    def slow(budget):
+        raise TimeoutError("the GPU budget change to 1 did not take effect within 0.1 s; it stays pending")
+
+    svc = service(slow, control_enabled=True, control_token=TOKEN)
+    try:
+        status, _, body = post_budget(svc, "1GiB")
+        assert status == 202 and "stays pending" in json.loads(body)["pending"]
+    finally:
+        svc.close()

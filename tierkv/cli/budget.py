@@ -70,7 +70,10 @@ def run_budget(args) -> int:
     request = urllib.request.Request(url, data=json.dumps({"budget": num_bytes}).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            _reply(response.read(), url)
+            reply = _reply(response.read(), url)
+            if response.status == 202:  # not applied yet: pending, not failed
+                print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: {reply.get('pending', '')}")
+                return 0
     except urllib.error.HTTPError as exc:
         try:
             detail = _reply(exc.read(), url).get("error", exc.reason)

@@ -10,6 +10,7 @@ Primitives: `dashboard_app(source)`, `serve(app, host, port) -> RunningServer`.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
@@ -63,12 +64,44 @@ def dashboard_app(source, *, poll_ms: int = 1000) -> WsgiApp:
     return app
 
 
+MAX_CONNECTIONS = 64     # handled at once; more are closed at once (a client holding many open gets no more threads)
+READ_TIMEOUT_S = 10.0    # a request line, header or body that does not arrive by then ends its connection
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):  # a slow or gone client: no traceback
+            return
+        super().handle_error(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S
+
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         pass
 

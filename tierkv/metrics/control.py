@@ -34,6 +34,9 @@ MIN_TOKEN_CHARS = 16
 
 class BudgetControl:
     def __init__(self, set_gpu_budget: Callable, token: str):
+        if token != token.strip():  # a client's token is read stripped: this one could never match
+            raise ConfigError("metrics.control_token", "<hidden>", "has whitespace at an end (a YAML block scalar keeps "
+                                                                   "its last newline): no client could send it")
         if len(token) < MIN_TOKEN_CHARS:
             raise ConfigError("metrics.control_token", "<hidden>", f"needs at least {MIN_TOKEN_CHARS} characters")
         self._set_gpu_budget = set_gpu_budget
@@ -73,16 +76,21 @@ class BudgetControl:
         raw_length = environ.get("CONTENT_LENGTH") or ""
         if not raw_length:
             return "411 Length Required", {"error": "a Content-Length is needed"}
+        if not (raw_length.isascii() and raw_length.isdigit()):
+            return "400 Bad Request", {"error": f"Content-Length: got {raw_length[:40]!r}; expected digits"}
+        length = int(raw_length[:20])
+        if len(raw_length) > 20 or length > MAX_BODY_BYTES:
+            return "413 Content Too Large", {"error": f"the body is {raw_length[:40]} bytes; at most {MAX_BODY_BYTES}"}
         try:
-            length = int(raw_length)
-        except ValueError:
-            return "400 Bad Request", {"error": f"Content-Length: got {raw_length!r}; expected an integer"}
-        if not 0 <= length <= MAX_BODY_BYTES:
-            return "413 Content Too Large", {"error": f"the body is {length} bytes; at most {MAX_BODY_BYTES}"}
+            raw = environ["wsgi.input"].read(length)  # the server's read timeout bounds a body that never comes
+        except OSError as exc:
+            return "408 Request Timeout", {"error": f"the body did not arrive ({type(exc).__name__})"}
+        if len(raw) < length:
+            return "400 Bad Request", {"error": f"the body ended after {len(raw)} of its {length} bytes"}
         try:
-            body = json.loads(environ["wsgi.input"].read(length) or b"null")
-        except ValueError as exc:
-            return "400 Bad Request", {"error": f"the body is not JSON ({exc})"}
+            body = json.loads(raw or b"null")
+        except (ValueError, RecursionError) as exc:
+            return "400 Bad Request", {"error": f"the body is not JSON ({type(exc).__name__})"}
         if not isinstance(body, dict) or "budget" not in body:
             return "400 Bad Request", {"error": "the body must be a JSON object with 'budget' (bytes or a size such as '1GiB')"}
         return self._apply(body["budget"])
@@ -94,6 +102,6 @@ class BudgetControl:
             return "409 Conflict", {"error": str(exc)}
         except ValueError as exc:  # ConfigError included: sinks + window do not fit
             return "400 Bad Request", {"error": str(exc)}
-        except TimeoutError as exc:
-            return "504 Gateway Timeout", {"error": str(exc)}
+        except TimeoutError as exc:  # the change stays pending (the message says so): 202, not a failure
+            return "202 Accepted", {"pending": str(exc), "budget": budget}
         return "200 OK", {"budget": budget}

@@ -43,4 +43,5 @@ def apply_gpu_budget(resizer: PoolResizer | None, why_not: str | None, budget: i
     change = resizer.set_gpu_budget(budget)
     if wait and not resizer.wait(change, timeout_s):
         raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s "
-                           "(a shrink waits for the running requests' blocks past the new pool)")
+                           "(a shrink waits for the running requests' blocks past the new pool); it stays pending and "
+                           "applies when they are free (a later set_gpu_budget replaces it)")
