@@ -55,6 +55,9 @@ _TOKEN_UNITS = {"": 1, "k": 1024, "ki": 1024, "m": 1024**2, "mi": 1024**2}
 TOKEN_UNITS_HELP = "k/K/Ki = 1024, M/Mi = 1048576 (128k = 131072 tokens, 1M = 1048576)"
 
 
+MAX_TOKENS = 1 << 30  # a token count past this is a typo (a million times a 1k context), not a request
+
+
 def parse_tokens(text: str | int) -> int:
     """A positive token count: 131072, "128k" (131072), "1.5k" (1536), "1M" (1048576); raises
     ValueError naming the value and what is allowed."""
@@ -68,4 +71,6 @@ def parse_tokens(text: str | int) -> int:
     value = float(number) * _TOKEN_UNITS[unit.lower()]
     if not value.is_integer() or value < 1:
         raise ValueError(f"{text!r} is {value:g} tokens: expected a whole number of at least 1")
+    if value > MAX_TOKENS:
+        raise ValueError(f"{text!r} is {value:g} tokens: at most {MAX_TOKENS} (1G) tokens")
     return int(value)

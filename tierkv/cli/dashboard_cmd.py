@@ -61,7 +61,15 @@ def run_dashboard(args) -> int:
     try:
         server = dashboard_server(source, args.host, args.port)
     except OSError as exc:
-        raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        import errno
+        import socket
+
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {args.host}: not an address this machine can listen on ({reason})") from None
+        if exc.errno == errno.EACCES:
+            raise UsageError(f"--port {args.port}: not allowed to listen there ({reason})") from None
+        raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {reason}") from None
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

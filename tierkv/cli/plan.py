@@ -308,6 +308,15 @@ def run_plan(args) -> int:
         raise UsageError(f"--max-num-seqs: got {args.max_num_seqs}; it must be at least 1")
     config = load_config(args.config)
     if budget is not None:
+        import dataclasses
+
+        from tierkv.config.fields import check_value
+
+        meta = {f.name: f.metadata for f in dataclasses.fields(config.cache)}["gpu_budget_bytes"]
+        try:  # the config's own bounds (a budget past them was planned as given)
+            check_value(budget, "cache.gpu_budget_bytes", "gpu_budget_bytes", meta)
+        except ConfigError as exc:
+            raise UsageError(f"--gpu-budget {args.gpu_budget}: {exc.allowed}") from None
         config.cache.gpu_budget_bytes = budget
     shape = load_shape(args.model_config, args.kv_dtype)
     try:

@@ -64,6 +64,12 @@ def run_generate(args) -> int:
         if llm.metrics.url and not args.quiet:
             print(f"tierkv run: metrics and live dashboard at {llm.metrics.url}/", file=sys.stderr)
         if isinstance(prompt, int):
+            fits = getattr(getattr(llm, "runtime", None), "check_fits", None)
+            if fits is not None:  # before building the prompt: a huge --prompt-tokens is refused at once
+                try:
+                    fits(prompt + max_new_tokens)
+                except ValueError as exc:
+                    raise UsageError(f"--prompt-tokens {args.prompt_tokens}: {exc}") from None
             prompt = _random_prompt(prompt, llm.vocab_size, args.seed)
         try:
             (out,) = llm.generate([prompt], sampling)
@@ -146,9 +152,15 @@ def _check_device(device: str | None) -> None:
     import torch
 
     try:
-        torch.device(device)
+        kind = torch.device(device)
     except (RuntimeError, ValueError):
         raise UsageError(f"--device: got {device!r}; expected e.g. cpu, cuda or cuda:1") from None
+    if kind.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__})")
+    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if kind.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: tierkv runs on cpu or cuda")
 
 
 def _random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
@@ -170,7 +182,8 @@ def _make_llm(args, config):
     if args.demo:
         from tierkv.demo import tiny_llama
 
-        return TieredLLM(tiny_llama(), config, show_progress=not args.quiet)
+        model = tiny_llama() if args.device is None else tiny_llama().to(args.device)  # (_check_device passed)
+        return TieredLLM(model, config, show_progress=not args.quiet)
     from tierkv.model_loading import resolve_checkpoint
 
     try:

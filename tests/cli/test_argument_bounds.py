@@ -1,0 +1,40 @@
+"""Arguments a control-plane probe found crossing into tracebacks, huge allocations or silent ignoring:
+each now exits 2 naming the argument, before any work (`--prompt-tokens 32M` built a 32M-token prompt, 2 GB,
+before the CPU tier's check; `--device` was ignored by `--demo`)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tierkv.cli import main
+
+ARTIFACT = "tests/artifacts/metrics.jsonl"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--demo", "--device", "meta", "--prompt-tokens", "8"], "--device meta: tierkv runs on cpu or cuda"),
+    (["run", "--demo", "--device", "mps", "--prompt-tokens", "8"], "--device mps"),
+    (["run", "--demo", "--prompt-tokens", "99999999999999999999999"], "at most 1073741824 (1G) tokens"),
+    (["run", "--demo", "--prompt-tokens", "32M", "--quiet"], "--prompt-tokens 32M: a request of 33554"),
+    (["plan", "--model-config", "llama-3.1-8b", "--context", "999999999999999999999999"], "--context"),
+    (["plan", "--model-config", "llama-3.1-8b", "--context", "128k", "--gpu-budget", "9" * 32],
+     "--gpu-budget 9999"),
+    (["dashboard", "--jsonl", ARTIFACT, "--host", "999.1.1.1", "--port", "0"], "--host 999.1.1.1"),
+])
+def test_a_bad_argument_exits_2_naming_it_before_any_work(capsys, args, message):
+    started = time.perf_counter()
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - started < 30  # refused before building anything large
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_device_on_a_machine_without_one_is_refused(capsys):
+    assert main(["run", "--demo", "--device", "cuda", "--prompt-tokens", "8"]) == 2
+    assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_the_demo_runs_on_the_device_it_is_given(capsys):
+    assert main(["run", "--demo", "--device", "cpu", "--prompt-tokens", "64", "--max-new-tokens", "2", "--quiet"]) == 0
