@@ -77,8 +77,10 @@ def sparse_path(config) -> dict:
     """The fingerprint's extra fields for an engine of the sparse policy (a TierKVConfig): the KV of the tokens it
     decodes comes from layers that attended a selection of the far blocks, so it differs from exact KV, and from
     another selection's; an exact engine (or one selecting otherwise) must never take those blocks for its own
-    (a follow-up turn of the same conversation reused them). Every setting that changes what decode attends is
-    named. {} under the exact policy (its addresses stay as they were)."""
+    (a follow-up turn of the same conversation reused them). The transformers engine goes further and never
+    publishes a block holding a decoded token (`SequenceKV._key`: its resident front blocks, which the GPU
+    budget sizes, are read too); under vLLM the selection reads the window and the top blocks by these settings.
+    {} under the exact policy (its addresses stay as they were)."""
     scheduler, cache = config.scheduler, config.cache
     if scheduler.policy == "exact":
         return {}

@@ -1,6 +1,6 @@
 """Blocks a sparse-policy engine wrote are never an exact engine's, nor another selection's: the KV of the
 tokens it decodes comes from layers that attended a selection of the far blocks (`blocks.sparse_path` in the
-fingerprint). A follow-up turn (the prompt plus the first turn's answer) on a shared disk tier reused that KV
+fingerprint; the transformers engine never publishes a block holding a decoded token, `SequenceKV._key`). A follow-up turn (the prompt plus the first turn's answer) on a shared disk tier reused that KV
 and gave other tokens than transformers (found by a shared-tier probe)."""
 from __future__ import annotations
 
@@ -42,9 +42,20 @@ def test_a_follow_up_turn_never_reuses_a_sparse_engines_decoded_kv(tmp_path, see
     with TieredLLM(model, config(shared), show_progress=False) as exact:
         got = exact.generate([follow_up], max_new_tokens=8)[0]
     assert got.stats["prefix_tokens"] == 0 and list(got.token_ids) == want
-    # the same sparse settings share their blocks; another token budget does not
+    # the same sparse settings share the prompt's (exact) blocks, never the decoded ones: those depend on what each
+    # decode step read, the GPU budget's resident blocks too (another budget, same address, gave other tokens)
     with TieredLLM(model, config(shared, "sparse"), show_progress=False) as same:
-        assert same.generate([follow_up], max_new_tokens=1)[0].stats["prefix_tokens"] == 100
+        assert same.generate([follow_up], max_new_tokens=1)[0].stats["prefix_tokens"] == len(prompt)
+    second = tmp_path / "second"  # (the follow-up's own prefill above published all of it, exactly)
+    bigger = config(second, "sparse")
+    bigger = dataclasses.replace(bigger, cache=dataclasses.replace(bigger.cache, gpu_budget_bytes=40 * BLOCK))
+    with TieredLLM(model, bigger, show_progress=False) as other_budget:
+        follow_big = prompt + list(other_budget.generate([prompt], max_new_tokens=40)[0].token_ids)
+    with TieredLLM(model, config(tmp_path / "alone", "sparse"), show_progress=False) as alone:
+        want_sparse = alone.generate([follow_big], max_new_tokens=8)[0].token_ids
+    with TieredLLM(model, config(second, "sparse"), show_progress=False) as again:
+        got = again.generate([follow_big], max_new_tokens=8)[0]
+    assert got.stats["prefix_tokens"] == len(prompt) and got.token_ids == want_sparse
     with TieredLLM(model, config(shared, "sparse", sparse_token_budget=2 * T), show_progress=False) as other:
         assert other.generate([follow_up], max_new_tokens=1)[0].stats["prefix_tokens"] == 0
 

@@ -170,6 +170,10 @@ class SequenceKV:
 
     def _key(self, block_index: int, layer: int) -> str:
         T = self.rt.layout.block_tokens
+        if self.summaries is not None and (block_index + 1) * T > self.prompt_tokens:
+            # a token past the prompt came from a sparse decode step: its KV (above layer 0) depends on what that
+            # step read, the GPU budget's resident blocks included: never published, never another request's
+            return f"anon-{self.seq_id}-{block_index}/L{layer}"
         if len(self.token_ids) >= (block_index + 1) * T:
             if len(self._hashes) <= block_index:  # extend the chain over every full block known now
                 start, stop = len(self._hashes) * T, len(self.token_ids) // T * T
