@@ -131,3 +131,13 @@ def test_no_password_survives_redaction_or_the_config_loader(user, secret, tail,
     assert MARK not in repr(config) and MARK not in str(config)
     assert not any(c.isspace() for c in url)  # accepted: nothing a text's redaction would split
     assert MARK not in redact_text(f"tierkv: redis tier {url} is down: connection refused")
+
+
+@pytest.mark.parametrize("url", ["redis://host:6379/0?client_name=svc@prod", "unix:///run/redis/redis@6379.sock?db=1",
+                                 "rediss://u:pw@h/0?client_name=a@b"])
+def test_an_at_sign_outside_the_userinfo_is_accepted(url):
+    """The userinfo rule reads only the authority ('@' in a query value or a socket path is theirs)."""
+    from tierkv.config import load_config
+
+    tiers = load_config({"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": url}]}, env={}).tiers
+    assert tiers[1].url == url

@@ -48,7 +48,7 @@ def check_redis_url(url: str, keypath: str) -> None:
         try:
             nodes = parse_cluster_url(url).startup_nodes
         except ValueError as exc:
-            raise ConfigError(keypath, url, f"{EXPECTED}; {exc}") from None
+            raise ConfigError(keypath, url, f"{EXPECTED}; {_detail(url, exc)}") from None
         for host, _ in nodes:
             _check_host(url, host, keypath)
         return
@@ -56,7 +56,7 @@ def check_redis_url(url: str, keypath: str) -> None:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ConfigError(keypath, url, f"{EXPECTED} ({exc})") from None
+        raise ConfigError(keypath, url, f"{EXPECTED} ({_detail(url, exc)})") from None
     scheme = parts.scheme.lower()
     if scheme not in ("redis", "rediss", "unix") or not url.lower().startswith(f"{scheme}://"):
         raise ConfigError(keypath, url, EXPECTED)
@@ -80,11 +80,22 @@ def userinfo_problem(url: str) -> str | None:
     if any(c.isspace() for c in url):
         return "a URL takes no whitespace (percent-encode it in a user name or password: %20)"
     _, sep, rest = url.partition("://")
-    credentials = rest.rpartition("@")[0] if sep else ""  # (a socket path with '@' takes %40 too)
-    if any(c in credentials for c in "@/?#"):
-        return ("its user name or password holds '@', '/', '?' or '#' (or they come before an '@' in the rest): "
-                "percent-encode them there (%40, %2F, %3F, %23)")
+    if not sep or rest.startswith("/"):  # no authority (unix:///path): an '@' there is the path's
+        return None
+    before_query = rest.split("?", 1)[0].split("#", 1)[0]  # (an '@' in a query value, client_name=a@b, is fine)
+    credentials = before_query.rpartition("@")[0]
+    if any(c in credentials for c in "@/"):
+        return ("its user name or password holds '@' or '/' (or an '@' follows a '/' before the query): "
+                "percent-encode them there (%40, %2F)")
     return None
+
+
+def _detail(url: str, exc: BaseException) -> str:
+    """A parser's message about `url`, unless the URL has credentials: then it could quote part of the password
+    (a '?' or '#' in it cuts the host and port short), and a hint stands in for it."""
+    if "@" in url:
+        return "its host and port cannot be read; percent-encode '@', '/', '?', '#' or ':' in a user name or password"
+    return str(exc)
 
 
 def _parse_with_redis_py(url: str, keypath: str) -> None:
@@ -95,7 +106,7 @@ def _parse_with_redis_py(url: str, keypath: str) -> None:
     try:
         parse_url(url)
     except (ValueError, TypeError, UnicodeError) as exc:
-        raise ConfigError(keypath, url, f"{EXPECTED} (redis-py: {exc})") from None
+        raise ConfigError(keypath, url, f"{EXPECTED} (redis-py: {_detail(url, exc)})") from None
 
 
 def _check_host(url: str, host: str, keypath: str) -> None:
