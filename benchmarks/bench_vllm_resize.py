@@ -94,7 +94,7 @@ def compare(out, reference: dict | None) -> dict:
         row.update(first_difference_step=step, reference_margin_there=margin(reference["margins"]),
                    margin_there=margin(out.stats.get("top2_margins")))
     if reference["margins"]:
-        row["reference_smallest_margin"] = min(m for m in reference["margins"] if m is not None)
+        row["reference_smallest_margin"] = min((m for m in reference["margins"] if m is not None), default=None)
     return row
 
 

@@ -5,7 +5,8 @@
 The process must serve metrics (`metrics.prometheus_port`) with the control on
 (`metrics.control_enabled` and a token); the token comes from --token or TIERKV_CONTROL_TOKEN.
 The change takes effect between forward steps, and the command returns once it has (outputs do
-not change). A URL without a scheme is taken as http:// (a note says so).
+not change), or says it is pending when the endpoint did not see it applied in time (HTTP 202: it applies
+once the running requests allow, unless a later change replaces it). A URL without a scheme is taken as http:// (a note says so).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Primitives: `DiskIndex`, `Entry`, `save_order`, `load_order`, `ORDER_FILE`, `seg
                   not that one was put there by someone else: its blocks are lost, never read)
 
 Built at start from the segment headers in write order (a later record of a key wins; records of
-another block layout are dropped), then reordered by `<path>/lru.order`, which the last clean
+another block layout are kept as they are, counted live: `foreign_records`), then reordered by `<path>/lru.order`, which the last clean
 close saved (after a crash, write order stands). The order file is only a hint: it is removed once
 read, and a damaged one is ignored.
 

@@ -235,6 +235,21 @@ def test_config_errors_name_the_key(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cache.block_tokens.*vLLM's block_size \\(32\\)"):
         config_from_kv_transfer({"config_file": path}, block_size=32, env={})
     assert config_from_kv_transfer({}, block_size=BS, env={"TIERKV_CONFIG_FILE": path}).cache.block_tokens == BS
+
+
+def test_a_connector_config_file_beside_the_variable_loads_without_a_warning(tmp_path, caplog):
+    """TieredLLM(backend='vllm') hands the connector a file it wrote; with TIERKV_CONFIG_FILE set every vLLM
+    process logged that the variable's file was not read (a review found it): the named file is the file."""
+    import logging
+
+    from tierkv.integrations.vllm.config import config_from_kv_transfer
+
+    path = write_config(tmp_path)
+    other = tmp_path / "other.yaml"
+    other.write_text("cache:\n  block_tokens: 64\n")
+    with caplog.at_level(logging.WARNING, logger="tierkv.config"):
+        config = config_from_kv_transfer({"config_file": path}, block_size=BS, env={"TIERKV_CONFIG_FILE": str(other)})
+    assert config.cache.block_tokens == BS and not [r for r in caplog.records if "not read" in r.getMessage()]
     with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
         TierKVConnector(vllm_config(str(tmp_path / "nope.yaml")), KVConnectorRole.SCHEDULER, kv_cache_config())
 

@@ -62,6 +62,8 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if not isinstance(path, os.PathLike) or not os.path.isfile(path):
         raise ConfigError("kv_connector_extra_config.config_file", extra.get("config_file") or path,
                           "must be an existing tierkv YAML file or a shipped config's name")
+    if extra.get("config_file"):  # named here, it is the file (TieredLLM writes one): the variable is not read
+        env = {k: v for k, v in env.items() if k != "TIERKV_CONFIG_FILE"}
     config = load_config(path, env=env)
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,

@@ -57,7 +57,7 @@ def engine_core_of(llm) -> object:
 
 
 class PoolResizer:
-    def __init__(self, core, split_fn: Callable[[int], BudgetSplit], budget_bytes: int):
+    def __init__(self, core, split_fn: Callable[..., BudgetSplit], budget_bytes: int):
         """core: vLLM's in-process EngineCore of a hot-window engine; split_fn: the engine's budget
         split (`resize_plan.split_budget` with its reservations, taking rows_pool_bytes); budget_bytes: the
         start-up budget."""
