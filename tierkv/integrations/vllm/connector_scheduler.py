@@ -125,6 +125,9 @@ class ConnectorScheduler:
                 state.block_ids = list(new_ids[0])
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
+            if state.pending_load is not None:  # a preempted request resumed with a prefix hit: vLLM counts
+                meta.loads.append(state.pending_load)  # those tokens computed, so the load must go with this step
+                state.pending_load = None
             self._add_saves(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
             self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         if self.hot_window is not None:
