@@ -158,7 +158,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             for req_id, start, hashes in metadata.hashes:
                 self._far.add_hashes(req_id, start, hashes)
             rows = self._far.begin_step(hot_window.rows_in_order(hot_window.batch_order(), metadata.scheduled),
-                                        metadata.prompt_steps)
+                                        metadata.prompt_steps, metadata.far_floors)
             hot_window.set_step(hot_window.HotWindowStep(self._far, rows, self.store.layer_index))
             if self._full is not None and _replays_full_graph(forward_context):
                 if self._full.write(rows):

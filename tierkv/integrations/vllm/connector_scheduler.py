@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from tierkv.integrations.vllm.far_step import far_blocks
 from tierkv.integrations.vllm.paged_layout import BlockSpan
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class TierKVMetadata(KVConnectorMetadata):
     # scheduled requests whose step lies within their prompt: prefill, exact under any policy (a prompt's
     # last token after a cached prefix is a one-token step, and no decode step)
     prompt_steps: list[str] = field(default_factory=list)
+    # scheduled requests whose block table starts with more of vLLM's null block than their far part covers:
+    # a window block's load failed and vLLM's recompute moved their tokens back before the window it loaded
+    # (the blocks before it were never allocated): their far part reads every block up to the first one held
+    far_floors: dict[str, int] = field(default_factory=dict)
     hashes: list[tuple[str, int, list[str]]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
@@ -53,6 +58,7 @@ class _RequestState:
     hashes_sent: int = 0
     load_range: tuple[int, int] | None = None
     pending_load: BlockSpan | None = None
+    leading_nulls: int = 0  # vLLM's null block at the start of its block table (a prefix hit's far blocks)
 
 
 class ConnectorScheduler:
@@ -90,6 +96,10 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         state = self.state(request)
+        row = blocks.blocks[0] if blocks.blocks else ()
+        # the blocks before the window of a prefix hit are vLLM's null block: never allocated, whatever vLLM's
+        # recompute policy later does to the request's tokens (far_floors)
+        state.leading_nulls = next((i for i, b in enumerate(row) if not b.is_null), len(row))
         if num_external_tokens <= 0 or state.load_range is None:
             state.load_range = None
             return
@@ -139,6 +149,8 @@ class ConnectorScheduler:
         if self.hot_window is None or num_new <= 0:
             return
         meta.scheduled[state.request.request_id] = (num_computed, num_new)
+        if state.leading_nulls > far_blocks(num_computed, self.hot_window, self.block_size):
+            meta.far_floors[state.request.request_id] = state.leading_nulls
         if num_computed + num_new <= getattr(state.request, "num_prompt_tokens", 0):
             meta.prompt_steps.append(state.request.request_id)
         hashes = self._store().extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 
@@ -127,12 +127,14 @@ class FarKV:
         self.pins.release(req)
 
     # -- steps ------------------------------------------------------------------------------------
-    def begin_step(self, rows: Sequence[tuple[str, int, int]], prompt_steps: Collection[str] = ()) -> list[FarRow]:
+    def begin_step(self, rows: Sequence[tuple[str, int, int]], prompt_steps: Collection[str] = (),
+                   far_floors: Mapping[str, int] | None = None) -> list[FarRow]:
         """rows: (req_id, tokens before the step, tokens in the step) in the step's token order;
-        prompt_steps: the requests whose step lies within their prompt (exact even when one token long).
+        prompt_steps: the requests whose step lies within their prompt (exact even when one token long);
+        far_floors: requests whose far part reaches further (`step_rows`).
         Pins what became far, lays out the streamed chunks (far_step) and starts the first layers' copies."""
         started = time.perf_counter()
-        rows = step_rows(rows, self.window_tokens, self.block_tokens)
+        rows = step_rows(rows, self.window_tokens, self.block_tokens, far_floors)
         for row in (r for r in rows if r.num_far_blocks):
             req = self.requests.get(row.req_id)
             if req is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -44,11 +44,14 @@ class FarRow:
         return -(-(self.num_computed + self.q_end - self.q_start - self.num_far_blocks * block_tokens) // block_tokens)
 
 
-def step_rows(rows: Sequence[tuple[str, int, int]], window_tokens: int, block_tokens: int) -> list[FarRow]:
-    """rows: (req_id, tokens before the step, tokens in the step) in the step's token order."""
-    result, q = [], 0
+def step_rows(rows: Sequence[tuple[str, int, int]], window_tokens: int, block_tokens: int,
+              far_floors: Mapping[str, int] | None = None) -> list[FarRow]:
+    """rows: (req_id, tokens before the step, tokens in the step) in the step's token order; far_floors: requests
+    whose far part must reach further (vLLM holds its null block there: a recompute after a failed window load)."""
+    result, q, floors = [], 0, far_floors or {}
     for req_id, num_computed, num_new in rows:
-        result.append(FarRow(req_id, q, q + num_new, num_computed, far_blocks(num_computed, window_tokens, block_tokens)))
+        far = max(far_blocks(num_computed, window_tokens, block_tokens), floors.get(req_id, 0))
+        result.append(FarRow(req_id, q, q + num_new, num_computed, far))
         q += num_new
     return result
 
