@@ -132,3 +132,19 @@ def test_a_bad_disk_path_in_the_random_models_config_is_not_blamed_on_the_option
         main(["--random-model", "--config", str(config)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "tiers[1].path" in err and "--disk-path" not in err.split("error:")[-1]
+
+
+def test_a_document_past_the_models_positions_exits_2_before_it_is_built(monkeypatch, capsys):
+    """--tokens 100000000 built the document for minutes and then ran the reference past the model's 8192
+    positions (found by a real-model probe): refused at once, naming both options and the limit."""
+    import tierkv.demo_real as demo_real
+    from tierkv.demo import main, tiny_llama
+
+    model = tiny_llama()
+    limit = model.config.max_position_embeddings
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: (model, None, "tiny"))
+    monkeypatch.setattr("tierkv.longdoc.passkey_case", lambda *a: pytest.fail("the document was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tokens", "100000000", "--new-tokens", "8"])
+    assert exit_info.value.code == 2
+    assert f"--tokens 100000000 and --new-tokens 8: the model has {limit} positions" in capsys.readouterr().err

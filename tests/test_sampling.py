@@ -94,3 +94,17 @@ def test_a_near_zero_temperature_samples_the_top_token():
     for temperature in (1e-39, 1e-300, 1e-20):
         params = SamplingParams(temperature=temperature, seed=0)
         assert sample_next(logits, params, torch.Generator().manual_seed(0)) == 1
+
+
+def test_max_tokens_beside_any_explicit_max_new_tokens_is_refused_unless_equal():
+    """An explicit max_new_tokens=64 (the default's value) beside max_tokens=3 gave 3 tokens without a word
+    (found by a real-model probe): only an equal pair, or one of them alone, is taken."""
+    from tierkv.sampling import SamplingParams, sampling_from_kwargs
+
+    with pytest.raises(ValueError, match="max_tokens=3 and max_new_tokens=64: give one"):
+        SamplingParams(max_tokens=3, max_new_tokens=64)
+    with pytest.raises(ValueError, match="give one"):
+        sampling_from_kwargs({"max_tokens": 3, "max_new_tokens": 64})
+    assert SamplingParams(max_tokens=3, max_new_tokens=3).max_new_tokens == 3
+    assert SamplingParams(max_tokens=3).max_new_tokens == SamplingParams(max_new_tokens=3).max_new_tokens == 3
+    assert SamplingParams().max_new_tokens == 64

@@ -60,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 1:
         parser.error(f"--prompt-tokens: got {args.prompt_tokens}; at least 1")
     from tierkv.config import ConfigError
+    from tierkv.demo_real import TooLong
     from tierkv.engine.sequence import CapacityError
 
     try:
         return _run(args)
-    except (ConfigError, CapacityError) as exc:  # a setting the user chose: one line naming it, not a traceback
+    except (ConfigError, CapacityError, TooLong) as exc:  # a setting the user chose: one line naming it, not a traceback
         message = str(exc)
         if getattr(args, "disk_path_used", False) and "tiers[1].path" in message:  # the real model's disk tier
             message = f"--disk-path {args.disk_path!r}: {message}"

@@ -68,12 +68,23 @@ def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes
     }, env=env)
 
 
+class TooLong(ValueError):
+    """The demo's document and answer do not fit the model's positions."""
+
+
 def run_real_model(args, model, tokenizer, model_id: str) -> int:
     from tierkv.demo_report import pct as _pct, print_tiers
     from tierkv.llm import TieredLLM
     from tierkv.longdoc import dense_greedy, passkey_case
 
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and args.tokens + args.new_tokens > limit:  # before the document is built (a huge one takes minutes)
+        raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
+                      f"(max_position_embeddings); the document and the answer must fit in them")
     case = passkey_case(tokenizer, args.tokens, args.depth, args.seed)
+    if limit and len(case.prompt_ids) + args.new_tokens > limit:  # the chat template's own tokens count too
+        raise TooLong(f"--tokens {args.tokens}: the prompt is {len(case.prompt_ids)} tokens with the chat template, "
+                      f"and with --new-tokens {args.new_tokens} it passes the model's {limit} positions")
     per_token = kv_bytes_per_token(model)
     prompt_kv = per_token * len(case.prompt_ids)
     budget, why = demo_budget(prompt_kv, per_token)

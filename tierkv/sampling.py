@@ -25,9 +25,12 @@ _VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, 
                      "thinking_token_budget": None, "extra_args": None}
 
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None  # 64 unless given (here or as max_tokens); a number after construction
     temperature: float = 0.0           # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
@@ -38,9 +41,11 @@ class SamplingParams:
 
     def __post_init__(self, max_tokens: int | None) -> None:
         if max_tokens is not None:
-            if self.max_new_tokens not in (64, max_tokens):
+            if self.max_new_tokens not in (None, max_tokens):
                 raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={self.max_new_tokens!r}: give one")
             self.max_new_tokens = max_tokens
+        elif self.max_new_tokens is None:
+            self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         _check_int("max_new_tokens" if max_tokens is None else "max_tokens", self.max_new_tokens, minimum=1,
                    optional=False)
         _check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
