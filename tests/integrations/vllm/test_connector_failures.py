@@ -9,10 +9,14 @@ import torch
 
 pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
 
-from tests.integrations.vllm.test_connector import NAMES, engine, make_request, run_forward, schedule  # noqa: E402,F401
+from tests.integrations.vllm.test_connector import (  # noqa: E402,F401
+    NAMES, engine, kv_cache_config, make_request, paged_caches, run_forward, schedule, vllm_config, write_config)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData  # noqa: E402
+
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
 
 
 def blocks_of(ids) -> KVCacheBlocks:
@@ -156,3 +160,35 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine):
     scheduler.request_finished(repeat, ids)
     worker.store.poll(wait=True)
     assert scheduler.get_num_new_matched_tokens(make_request("c", prompt), 0) == (64, False)
+
+
+def test_a_block_lost_in_one_middle_layer_is_saved_again_after_its_recompute(tmp_path):
+    """One layer of one prefix block gone between lookup and load (layer 1 of 3): vLLM recomputes from it, and
+    the recompute step saves it again, so the next request with the prompt finds all of it (the save check
+    looked at the first and last layer only, and every later request recomputed from that block; found by a
+    connector probe)."""
+    config = vllm_config(write_config(tmp_path, 1000, False))
+    worker = TierKVConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    caches = paged_caches()
+    worker.register_kv_caches(caches)
+    scheduler = TierKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        prompt = saved_prompt(scheduler, worker, caches, seed=2)
+        repeat = make_request("b", prompt)
+        assert scheduler.get_num_new_matched_tokens(repeat, 0) == (64, False)
+        ids = list(range(20, 25))
+        scheduler.update_state_after_alloc(repeat, blocks_of(ids), 64)
+        meta = scheduler.build_connector_meta(schedule(repeat, ids, 64))
+        store = scheduler.store
+        store.chain.remove_many(store.keys(meta.loads[0].hashes[2:3], 1))  # block 2, layer 1 only
+        run_forward(worker, caches, meta)
+        assert worker.get_block_ids_with_load_errors() == {22}
+        again = cached_step(scheduler, repeat, [(repeat, 32, 70 - 32)])  # vLLM recomputes from block 2
+        assert [s.block_ids for s in again.saves] == [[22]]
+        run_forward(worker, caches, again)
+        scheduler.request_finished(repeat, ids)
+        worker.store.poll(wait=True)
+        assert scheduler.get_num_new_matched_tokens(make_request("c", prompt), 0) == (64, False)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

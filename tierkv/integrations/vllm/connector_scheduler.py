@@ -163,6 +163,7 @@ class ConnectorScheduler:
         that starts before blocks counted as saved recomputes them: a load that failed (vLLM's recompute
         policy moved num_computed back to the first block the tiers could not give), so they are saved again."""
         tokens = state.request.all_token_ids
+        recomputed_to = state.next_block_to_save  # blocks below it a failed load has this step recompute
         if num_new > 0:
             state.next_block_to_save = min(state.next_block_to_save, num_computed // self.block_size)
         full = min(num_computed + num_new, len(tokens)) // self.block_size
@@ -171,7 +172,9 @@ class ConnectorScheduler:
         if full <= first:
             return
         hashes = self._store().extend_hashes(state.hashes, tokens, full)
-        stored = self._store().stored_mask(hashes[first:full])
+        again = min(max(first, recomputed_to), full)  # [first, again): recomputed after a failed load
+        stored = (self._store().stored_mask(hashes[first:again], every_layer=True)
+                  + self._store().stored_mask(hashes[again:full]))
         todo = [b for b, held in zip(range(first, full), stored) if not held]
         if todo:
             meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],

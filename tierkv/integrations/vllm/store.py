@@ -160,14 +160,17 @@ class VllmKVStore:
             n = next((i for i, h in enumerate(held) if not h), n)
         return n
 
-    def stored_mask(self, hashes: Sequence[str]) -> list[bool]:
-        """Per block: already held for the first and the last layer (then it need not be saved)."""
+    def stored_mask(self, hashes: Sequence[str], every_layer: bool = False) -> list[bool]:
+        """Per block: already held for the first and the last layer (then it need not be saved); every_layer:
+        for every layer (blocks a failed load had recomputed: one layer of one may be what was lost)."""
         if self.chain is None or not hashes:
             return [False] * len(hashes)
+        layers = range(self.num_layers) if every_layer else sorted({0, self.num_layers - 1})
+        mask = [True] * len(hashes)
         with self._lock:
-            first = self._held(hashes, 0)
-            last = self._held(hashes, self.num_layers - 1)
-        return [a and b for a, b in zip(first, last)]
+            for layer in layers:
+                mask = [m and h for m, h in zip(mask, self._held(hashes, layer))]
+        return mask
 
     # -- worker side ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
