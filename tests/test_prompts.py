@@ -209,7 +209,7 @@ def test_sampling_params_accept_exactly_the_valid_space(kwargs):
     def valid(k, v):
         is_int = isinstance(v, int) and not isinstance(v, bool)
         is_real = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return {"max_new_tokens": is_int and v >= 1, "temperature": is_real and v >= 0,
+        return {"max_new_tokens": v is None or (is_int and v >= 1), "temperature": is_real and v >= 0,
                 "top_k": v is None or (is_int and v >= 1), "top_p": v is None or (is_real and 0 < v <= 1),
                 "seed": v is None or (is_int and v >= 0)}[k]
 

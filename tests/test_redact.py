@@ -6,7 +6,7 @@ import socket
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tierkv.blocks import BlockLayout
 from tierkv.cli import main
@@ -111,6 +111,7 @@ MARK = "ZQX"  # opens every generated password: found anywhere in the output, th
        secret=st.text(alphabet="abcXYZ019@:/?#%!$&'()*+,;=~ \t", min_size=0, max_size=12),
        tail=st.sampled_from(["host:6379/0", "h/0", "[::1]:7000/1", "a:1,b:2", "/tmp/redis.sock?db=2"]),
        scheme=st.sampled_from(["redis", "rediss", "unix", "redis+cluster"]))
+@example(user="_/", secret="?", tail="host:6379/0", scheme="redis")  # a '?' moved ':ZQX' into the database check
 @settings(max_examples=400, deadline=None)
 def test_no_password_survives_redaction_or_the_config_loader(user, secret, tail, scheme):
     """Any user name and password, '@', '/', ':' and whitespace in them included (found by a shared-tier

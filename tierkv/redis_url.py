@@ -40,10 +40,28 @@ _MAX_DB = 2**31 - 1
 
 
 def check_redis_url(url: str, keypath: str) -> None:
-    """ConfigError naming `keypath` unless `url` is one the Redis tier can connect with."""
+    """ConfigError naming `keypath` unless `url` is one the Redis tier can connect with. A URL with credentials
+    gets a hint in place of what a check found (a '?' or '#' in a password moves it into what the checks quote)."""
     problem = userinfo_problem(url)
     if problem:
         raise ConfigError(keypath, url, f"{EXPECTED}; {problem}")
+    try:
+        _check_parts(url, keypath)
+    except ConfigError as exc:
+        if not _quotes_secret(url, exc.allowed):
+            raise
+        raise ConfigError(keypath, url, f"{EXPECTED}; {_detail(url, exc)}") from None
+
+
+def _quotes_secret(url: str, message: str) -> bool:
+    """Whether `message` holds a piece (2 characters or more) of what may be `url`'s password: everything
+    after the first ':' of the text before its last '@'."""
+    region = url.partition("://")[2].rpartition("@")[0]
+    secret = region.partition(":")[2]
+    return any(len(piece) >= 2 and piece in message for piece in re.split(r"[:/?#@&=;,%]", secret))
+
+
+def _check_parts(url: str, keypath: str) -> None:
     if is_cluster_url(url):
         try:
             nodes = parse_cluster_url(url).startup_nodes
@@ -94,7 +112,8 @@ def _detail(url: str, exc: BaseException) -> str:
     """A parser's message about `url`, unless the URL has credentials: then it could quote part of the password
     (a '?' or '#' in it cuts the host and port short), and a hint stands in for it."""
     if "@" in url:
-        return "its host and port cannot be read; percent-encode '@', '/', '?', '#' or ':' in a user name or password"
+        return ("its host, port, database or query cannot be read as given; percent-encode '@', '/', '?', '#' or ':' "
+                "in a user name or password")
     return str(exc)
 
 
