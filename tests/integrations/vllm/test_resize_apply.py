@@ -321,3 +321,80 @@ def test_a_change_left_pending_when_the_engine_goes_idle_is_applied_by_the_waiti
     step_over.set()  # the step ends without running the wrapper's boundary, and the engine goes idle
     engine.join()
     assert resizer.wait(change, timeout_s=1.0) and resizer.num_blocks == 30 and steps == []
+
+
+def test_a_shrink_whose_workers_fail_keeps_every_id_the_pool_hands_out_inside_their_tensors(tmp_path):
+    """A shrink cuts vLLM's pool first, then the workers. Under tensor parallelism one rank may shrink while
+    another fails, and the shrunk one may not get its old tensors back (the memory a shrink gives back is what
+    another process takes): the pool stays at the smaller size every worker holds (it kept the old size with
+    the workers at the new one: ids past the GPU tensors; found by a resize probe)."""
+    resizer, core, worker, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    rpc, allocate = core.collective_rpc, worker.model_runner._allocate_kv_cache_tensors
+
+    def another_rank_fails(fn, args=()):
+        rpc(fn, args)  # this rank shrinks
+        raise RuntimeError("rank 1: CUDA out of memory (simulated)")
+    core.collective_rpc = another_rank_fails
+
+    def no_memory_to_grow(config):
+        if config.num_blocks > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: the freed bytes were taken)")
+        return allocate(config)
+    worker.model_runner._allocate_kv_cache_tensors = no_memory_to_grow
+    with pytest.raises(BudgetRefused, match="the pool stays 20 blocks"):
+        resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK).wait(0)
+    assert resizer.num_blocks == 20 and all(kv.shape[1] == 20 for kv in bound(worker).values())
+    ids = manager.allocate_slots(request("after", 10 * BS), 10 * BS).get_block_ids()[0]
+    assert max(ids) < 20
+
+
+def test_a_shrink_whose_workers_fail_once_goes_back_whole(tmp_path):
+    resizer, core, worker, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    before_state, before = pool_state(manager), {n: kv.clone() for n, kv in bound(worker).items()}
+    allocate, calls = worker.model_runner._allocate_kv_cache_tensors, []
+
+    def fail_once(config):
+        calls.append(config.num_blocks)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return allocate(config)
+    worker.model_runner._allocate_kv_cache_tensors = fail_once
+    with pytest.raises(BudgetRefused, match="the pool stays 64 blocks"):
+        resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK).wait(0)
+    assert pool_state(manager) == before_state
+    assert all(torch.equal(kv, before[n]) for n, kv in bound(worker).items())
+
+
+def test_a_failure_evicting_a_dropped_block_leaves_the_pool_whole(tmp_path):
+    """The shrink evicts every dropped block's cached hash before it unlinks any: a failure there leaves every
+    block in the free queue (one unlinked block was lost for good, and a later shrink waited on it forever)."""
+    resizer, core, _, _, staging = engine_of(tmp_path, num_blocks=20)
+    manager = core.scheduler.kv_cache_manager
+    pool, before_state = manager.block_pool, pool_state(manager)
+    evict, calls = pool._maybe_evict_cached_block, []
+
+    def flaky(block):
+        calls.append(block.block_id)
+        if len(calls) == 2:
+            raise RuntimeError("evict (simulated)")
+        return evict(block)
+    pool._maybe_evict_cached_block = flaky
+    with pytest.raises(BudgetRefused, match="the pool stays 20 blocks"):
+        resizer.set_gpu_budget(staging + 8 * BYTES_PER_BLOCK).wait(0)
+    del pool._maybe_evict_cached_block
+    assert pool_state(manager) == before_state and pool.get_num_free_blocks() == 19
+    change = resizer.set_gpu_budget(staging + 8 * BYTES_PER_BLOCK)
+    assert resizer.wait(change, 1.0) and resizer.num_blocks == 8
+
+
+def test_the_watermark_follows_the_pool_without_decaying(tmp_path):
+    resizer, core, _, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    manager.watermark_blocks = int(0.05 * 64)  # vLLM's int(watermark x num_blocks)
+    for blocks in (20, 64, 20, 64):
+        resizer.set_gpu_budget(staging + blocks * BYTES_PER_BLOCK).wait(0)
+    assert manager.watermark_blocks == 3  # rescaling the rounded count went 3 -> 0 -> 0
+    resizer.set_gpu_budget(staging + 200 * BYTES_PER_BLOCK).wait(0)
+    assert manager.watermark_blocks == 9

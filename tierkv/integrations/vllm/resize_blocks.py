@@ -65,7 +65,10 @@ def resize_block_pool(manager, new_num_blocks: int) -> None:
     elif new_num_blocks > old:
         _grow(pool, new_num_blocks)
     manager.kv_cache_config.num_blocks = new_num_blocks
-    manager.watermark_blocks = manager.watermark_blocks * new_num_blocks // old
+    # vLLM's int(watermark x num_blocks), from the fraction first seen (rescaling the rounded count decayed to 0)
+    if not hasattr(manager, "_tierkv_watermark"):
+        manager._tierkv_watermark = manager.watermark_blocks / old
+    manager.watermark_blocks = int(manager._tierkv_watermark * new_num_blocks)
 
 
 def _is_free(block) -> bool:
@@ -78,8 +81,9 @@ def _shrink(pool, new_num_blocks: int) -> None:
     if held:
         raise BlockPoolBusy(held, new_num_blocks)
     dropped = pool.blocks[new_num_blocks:]
-    for block in dropped:  # every one is linked in the free queue (checked above): unlinking cannot fail
+    for block in dropped:  # first what can fail: a failure leaves every block in the free queue
         pool._maybe_evict_cached_block(block)
+    for block in dropped:  # every one is linked in the free queue (checked above): unlinking cannot fail
         pool.free_block_queue.remove(block)
     del pool.blocks[new_num_blocks:]
     pool.num_gpu_blocks = new_num_blocks

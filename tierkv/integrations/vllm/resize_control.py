@@ -198,31 +198,42 @@ class PoolResizer:
         return None
 
     def _resize(self, plan) -> None:
-        """Workers' tensors (and an exact hot window's staging ring, when the split moves it), then the
-        BlockPool; either failing leaves the old pool in every place."""
+        """vLLM's BlockPool and the workers' tensors (and an exact hot window's staging ring, when the split moves
+        it), in the order that keeps every block id the pool can hand out inside every worker's tensors: a shrink
+        cuts the pool first, a grow the workers first. A failure puts back what it can: the old pool in every
+        place, or, when a worker cannot take its old tensors back (another process took the memory a shrink gave
+        back), the pool at the size every worker holds."""
         new_num_blocks, old = plan.new_num_blocks, self.num_blocks
         old_staging = self.split(self.budget_bytes).staging_bytes
         started = time.perf_counter()
+        if plan.is_shrink:
+            resize_block_pool(self.manager, new_num_blocks)  # (a failure here changed nothing)
         try:  # (the workers leave a staging of this size as it is)
             results = self.core.collective_rpc(resize_worker_kv, args=(new_num_blocks, plan.split.staging_bytes))
         except Exception:
-            self._restore_workers(old, old_staging)  # under tensor parallelism some workers may have resized
+            restored = self._restore_workers(old, old_staging)  # under tensor parallelism some may have resized
+            if plan.is_shrink and restored:
+                resize_block_pool(self.manager, old)  # (growing the pool back cannot fail on ids)
             raise
-        try:
-            resize_block_pool(self.manager, new_num_blocks)
-        except Exception:
-            self._restore_workers(old, old_staging)
-            raise
+        if not plan.is_shrink:
+            try:
+                resize_block_pool(self.manager, new_num_blocks)
+            except Exception:
+                self._restore_workers(old, old_staging)  # (smaller again: the pool never handed out their ids)
+                raise
         self.core.vllm_config.cache_config.num_gpu_blocks = new_num_blocks
         freed = sum(r["old_bytes"] - r["new_bytes"] for r in results)
         self.counts["returned_bytes" if freed >= 0 else "taken_bytes"] += abs(freed)
         self.last_resize_s = time.perf_counter() - started
 
-    def _restore_workers(self, num_blocks: int, staging_bytes: int) -> None:
+    def _restore_workers(self, num_blocks: int, staging_bytes: int) -> bool:
+        """Every worker back at `num_blocks`; False (logged) when one could not be (it kept the tensors it had)."""
         try:
             self.core.collective_rpc(resize_worker_kv, args=(num_blocks, staging_bytes))
-        except Exception:  # a worker still at the old size is the one that failed: it kept its tensors
+            return True
+        except Exception:  # a worker not at num_blocks is the one that failed: it kept its tensors
             logger.exception("tierkv: restoring the workers' KV tensors to %d blocks failed", num_blocks)
+            return False
 
     def split(self, budget_bytes: int) -> BudgetSplit:
         """The engine's split of `budget_bytes` (the start-up one), its pool kept at every row's window first."""
