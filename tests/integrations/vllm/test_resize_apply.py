@@ -102,9 +102,9 @@ def test_a_worker_failure_half_way_leaves_the_old_tensors_bound(where):
     assert [t.data_ptr() for t in runner.kv_caches] == [before[n].data_ptr() for n in NAMES]
 
 
-def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: float = 0.0):
+def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: float = 0.0, on_step=None):
     """(PoolResizer, engine core, worker, steps run) over vLLM's KVCacheManager and a CPU worker;
-    each step takes step_s seconds."""
+    each step takes step_s seconds and calls on_step() (if given) inside it."""
     manager, worker, steps = manager_of(num_blocks), worker_of(num_blocks), []
     scheduler = SimpleNamespace(kv_cache_manager=manager, running=[])
     scheduler.has_unfinished_requests = lambda: bool(scheduler.running)
@@ -113,7 +113,7 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: floa
         model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
         compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
     core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
-                           step_fn=lambda: (time.sleep(step_s), steps.append(len(steps))),
+                           step_fn=lambda: (time.sleep(step_s), on_step and on_step(), steps.append(len(steps))),
                            collective_rpc=lambda fn, args=(): [fn(worker, *args)])
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8, scheduler_lines=FIXED_STAGING))
     split = partial(split_budget, config)
@@ -398,3 +398,22 @@ def test_the_watermark_follows_the_pool_without_decaying(tmp_path):
     assert manager.watermark_blocks == 3  # rescaling the rounded count went 3 -> 0 -> 0
     resizer.set_gpu_budget(staging + 200 * BYTES_PER_BLOCK).wait(0)
     assert manager.watermark_blocks == 9
+
+
+def test_a_change_asked_from_inside_a_step_applies_at_its_end(tmp_path):
+    """The step lock is re-entrant: a set_gpu_budget from the engine's own thread inside a step (a callback)
+    resized in the middle of that step (found by a resize probe). It now queues, applies at the step's end, and
+    waiting for it there is refused rather than blocking the step that would apply it."""
+    seen = {}
+
+    def a_callback_in_the_step():
+        change = seen["resizer"].set_gpu_budget(seen["staging"] + 20 * BYTES_PER_BLOCK)
+        seen["inside"] = seen["resizer"].num_blocks
+        with pytest.raises(RuntimeError, match="inside vLLM's step"):
+            seen["resizer"].wait(change, None)
+        seen["change"] = change
+
+    resizer, core, _, _, staging = engine_of(tmp_path, num_blocks=40, on_step=a_callback_in_the_step)
+    seen.update(resizer=resizer, staging=staging)
+    core.step_fn()
+    assert seen["inside"] == 40 and resizer.num_blocks == 20 and seen["change"].wait(0)

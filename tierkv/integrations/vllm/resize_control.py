@@ -82,6 +82,7 @@ class PoolResizer:
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
         self._step_lock = threading.RLock()  # held for each engine step and each resize
+        self._stepping: int | None = None    # the thread inside vLLM's step (a call from it only queues)
         self._plan_lock = threading.Lock()   # guards _pending; never held across a step
         self._pending: tuple[int, list[BudgetChange]] | None = None  # budget bytes, the changes it resolves
         self.held_blocks = 0  # block ids a pending shrink waits for
@@ -94,7 +95,11 @@ class PoolResizer:
         def step_at_boundary():
             with self._step_lock:
                 self._apply_pending()
-                result = step()
+                self._stepping = threading.get_ident()
+                try:
+                    result = step()
+                finally:
+                    self._stepping = None
                 self._apply_pending()
                 return result
 
@@ -128,6 +133,9 @@ class PoolResizer:
     def wait(self, change: BudgetChange, timeout_s: float | None) -> bool:
         """Until `change` is applied (True), refused (raises it) or timeout_s passes (False); applies a
         change left pending by an engine that went idle meanwhile."""
+        if self._stepping == threading.get_ident() and not change.wait(0):
+            raise RuntimeError("a GPU budget change cannot be waited for from inside vLLM's step: it applies at the "
+                               "step's end (call set_gpu_budget without waiting there)")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._apply_if_between_steps()
@@ -151,6 +159,8 @@ class PoolResizer:
                            window_blocks_per_request=self.window_blocks, max_num_seqs=self.max_num_seqs, running=running)
 
     def _apply_if_between_steps(self) -> BaseException | None:
+        if self._stepping == threading.get_ident():  # called from inside the step (a callback): the lock is
+            return None                              # re-entrant, so only the boundary may apply it
         if not self._step_lock.acquire(blocking=False):  # a step runs: its thread applies at the boundary
             return None
         try:
