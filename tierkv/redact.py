@@ -76,7 +76,7 @@ def redact_value(key: object, value: object) -> object:
     if is_secret_key(last) and value is not None:
         return MASK
     if isinstance(value, str):
-        return redact_url(value) if _URL_TOKEN.match(value) else redact_text(value)
+        return _redact_string(value)
     return redact_tree(value) if isinstance(value, (Mapping, list, tuple)) else value
 
 
@@ -89,5 +89,10 @@ def redact_tree(data: object, _depth: int = 0) -> object:
     if isinstance(data, (list, tuple)):
         return [redact_tree(v, _depth + 1) for v in data]
     if isinstance(data, str):
-        return redact_url(data) if _URL_TOKEN.match(data) else redact_text(data)
+        return _redact_string(data)
     return data
+
+
+def _redact_string(text: str) -> str:
+    """A config string: a URL taken whole (`redact_url`), any other text word by word (`redact_text`)."""
+    return redact_url(text) if _URL_TOKEN.match(text) else redact_text(text)

@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tierkv.model_shape import model_shape, read_config_json
+from tierkv.model_shape import model_shape, read_config_json, text_config
 from tierkv.units import TOKEN_UNITS_HELP
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -69,7 +69,7 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
             raise UsageError(f"--model-config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
         try:
             raw = read_config_json(path)
-            latent = _latent_rank(raw)
+            latent = text_config(raw).get("kv_lora_rank")  # the runtime's check (model_support), on the file
             if latent:
                 raise UsageError(f"--model-config {path}: the model uses multi-head latent attention (kv_lora_rank="
                                  f"{latent}): its cached keys and values differ in width, and tierkv refuses it")
@@ -80,15 +80,6 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
                         num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
                         max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window)
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
-
-
-def _latent_rank(raw: dict) -> int | None:
-    """kv_lora_rank of a config.json (DeepSeek V2/V3), top level or in its text_config; None when absent."""
-    for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
-        rank = section.get("kv_lora_rank")
-        if rank:
-            return rank
-    return None
 
 
 def _dtype(name: str) -> str:
