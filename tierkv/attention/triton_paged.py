@@ -79,8 +79,9 @@ def _plan(num_q: int, group: int, num_kv_heads: int, block_tokens: int, num_bloc
     blocks_per_tile = max(1, TILE_TOKENS // bt_pad)
     num_q_tiles = triton.cdiv(num_q, q_per_tile)
     num_tiles = triton.cdiv(num_blocks, blocks_per_tile)
-    if num_splits is None:  # fill the GPU, but keep splits long enough to amortize the merge
-        wanted = triton.cdiv(_num_sms(device) * PROGRAMS_PER_SM, num_q_tiles * num_kv_heads)
+    if num_splits is None:  # fill the GPU, but keep splits long enough to amortize the merge; each query over
+        # blocks of its own (row_blocks) splits as one query would, so a row's result does not depend on the rows beside it
+        wanted = triton.cdiv(_num_sms(device) * PROGRAMS_PER_SM, (1 if row_blocks else num_q_tiles) * num_kv_heads)
         num_splits = min(wanted, num_tiles // MIN_TILES_PER_SPLIT)
     tiles_per_split = max(1, triton.cdiv(num_tiles, max(1, num_splits)))
     blocks_per_split = tiles_per_split * blocks_per_tile

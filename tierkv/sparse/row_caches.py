@@ -59,13 +59,15 @@ def staging_for_caches(rows: int, selections: int, eager_bytes: int, num_layers:
 
 
 def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
-               block_bytes: int, codes_bytes: int) -> tuple[int, bool, str | None]:
+               block_bytes: int, codes_bytes: int, ring_bytes: int = 0) -> tuple[int, bool, str | None]:
     """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
     `selections` selections per layer: (rows, per_layer, a warning or None). Everything fits within
-    three quarters of `staging_bytes`, beside the eager regions (eager_bytes); each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
+    three quarters of `staging_bytes`, beside the eager regions (eager_bytes), and leaves `ring_bytes` (a
+    run-time resize's main ring: one region of its start-up size); each row also needs codes_bytes (a
+    quantized tier's code buffers). Every wanted row with caches
     per layer, else sets that keep nothing (one selection each, every block copied every step) for
     as many rows as fit; 0 selections asks for the latter."""
-    room = 3 * staging_bytes // 4 - eager_bytes
+    room = min(3 * staging_bytes // 4, staging_bytes - ring_bytes) - eager_bytes
     shared = RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
     rows = max(0, min(wanted, room // shared))
     eager = f", {wanted - rows} run eagerly" if rows < wanted else ""

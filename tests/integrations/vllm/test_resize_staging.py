@@ -39,9 +39,12 @@ def _config(policy: str = "exact", follows: bool = True, full_graphs: bool = Fal
     return config
 
 
-@pytest.mark.parametrize("budget,want", [(2 * GIB, 512 << 20), (GIB, 256 << 20), (GIB // 2, 128 << 20),
-                                         (4 * GIB, 512 << 20), (1, 1)])
-def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget(budget, want):
+ONE_REGION = -(-(512 << 20) // 3)  # _config's ring: lookahead 2, three regions
+
+
+@pytest.mark.parametrize("budget,want", [(2 * GIB, 512 << 20), (GIB, 256 << 20), (GIB // 2, ONE_REGION),
+                                         (4 * GIB, 512 << 20), (1, ONE_REGION)])
+def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget_and_one_region(budget, want):
     assert staging_for_budget(_config(), budget) == want
     assert split_budget(_config(), budget).staging_bytes == want
     assert staging_for_budget(_config("sparse"), budget) == want  # ring, eager regions and caches re-made
@@ -55,11 +58,11 @@ def test_the_ring_keeps_its_start_up_share_of_a_smaller_budget(budget, want):
 def test_a_smaller_budget_cuts_the_ring_only_once_the_pool_is_down_to_every_rows_window(budget, rows_pool, summaries):
     config, start_ring = _config(), 512 << 20
     split = split_budget(config, budget, summaries, rows_pool_bytes=rows_pool)
-    share = max(1, start_ring * budget // (2 * GIB))
+    share = max(ONE_REGION, start_ring * budget // (2 * GIB))  # its share, and one region of the start-up ring
     if budget >= 2 * GIB:
         assert split.staging_bytes == start_ring
         return
-    assert min(share, start_ring) <= split.staging_bytes <= start_ring  # never below its share, never above the start
+    assert share <= split.staging_bytes <= start_ring  # never below its share or one region, never above the start
     if split.staging_bytes < start_ring:  # cut: the pool is no bigger than every row's window (or the share rules)
         assert split.pool_bytes <= rows_pool or split.staging_bytes == share
     if budget - summaries - rows_pool >= start_ring:  # room for every window and the whole ring: the ring stays
@@ -126,14 +129,44 @@ def test_a_shrink_takes_the_pool_past_every_rows_window_before_it_cuts_the_ring(
     assert sent[-1][1] == staging and resizer.stats()["staging_bytes"] == staging
 
 
-@pytest.mark.parametrize("ring_blocks", [2, 3, 12])
-def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, ring_blocks):
-    """An exact hot window started with a 5-block ring, re-made at `ring_blocks` blocks before a repeated
-    prefix's step: the ring has the new size, the far blocks stream through it in as many chunks as it
-    needs, and the far part equals dense attention over the saved blocks."""
+def _repeat_step_far_parts(worker, scheduler, prompt: list[int], req_id: str, q_seed: int, window: int):
+    """One step of a request repeating a saved prompt (its prefix served by the tiers): per layer name, the
+    far part (out, lse) of random queries over the blocks vLLM freed, and the far blocks it read."""
+    kv_config = hot_kv_cache_config(window)
+    req = make_request(req_id, prompt)
+    matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    manager = KVCacheManager(kv_config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
+                             max_in_flight_tokens=256, enable_caching=False)
+    assert manager.allocate_slots(req, len(prompt) - matched, num_external_computed_tokens=matched) is not None
+    row = manager.get_blocks(req.request_id)
+    scheduler.update_state_after_alloc(req, row, matched)
+    meta = pickle.loads(pickle.dumps(scheduler.build_connector_meta(schedule(req, row.get_block_ids()[0], matched))))
+    runner = _Runner([req_id])
+    hot_window._STATE["runner"] = weakref.ref(runner)
+    try:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        step = hot_window.current_step()
+        q = torch.randn(len(prompt) - matched, HQ, D, generator=torch.Generator().manual_seed(q_seed))
+        parts = {}
+        for name in NAMES:
+            worker.wait_for_layer_load(name)
+            parts[name] = step.far.attend(worker.store.layer_index[name], q, 0.3)
+        worker.wait_for_save()
+    finally:
+        hot_window._STATE["runner"] = None
+    return parts, q, far_blocks(matched, window, BS)
+
+
+@pytest.mark.parametrize("ring_blocks", [2, 3, 4, 12])
+def test_a_remade_ring_keeps_its_regions_and_the_far_part_bit_for_bit(tmp_path, ring_blocks):
+    """An exact hot window started with a 5-block ring (two regions of 2 blocks), re-made from `ring_blocks`
+    blocks before a repeated prefix's step: the ring keeps 2-block regions, as many as fit (at most two; a
+    grow past the start-up size adds none), the far blocks stream through it in the same chunks, and the far
+    part is bit for bit the start-up ring's (a ring cut into smaller chunks would merge other partial
+    results), and equals dense attention over the saved blocks."""
     window = 4 * BS
     worker, scheduler, caches = hot_connectors(tmp_path, window=window, staging_blocks=5)
-    kv_config = hot_kv_cache_config(window)
     store = worker.store
     block_bytes = store.layout.num_bytes
     prompt = [random.randrange(1000) for _ in range(10 * BS + 3)]
@@ -145,48 +178,32 @@ def test_a_far_part_read_through_a_remade_ring_equals_dense_attention(tmp_path, 
         store.poll(wait=True)
         original = {n: store.paged.read(caches[n], torch.tensor(saved_ids)) for n in NAMES}
         far = worker._far
-        assert far.pool.staging_bytes == 4 * block_bytes  # 5 blocks in 2 regions: 2 each
+        assert far.pool.staging_bytes == 4 * block_bytes and far.pool.region_blocks == 2  # 5 blocks in 2 regions
+        before, q, first_resident = _repeat_step_far_parts(worker, scheduler, prompt, "first", 7, window)
+        chunks_before = far.streamer.num_chunks_streamed
         bind = worker.prepare_staging(ring_blocks * block_bytes)
-        assert bind is not None and far.pool.staging_bytes == 4 * block_bytes  # allocated, not yet bound
+        assert bind is not None  # another byte count than the start-up 5 blocks: re-made
         bind()
-        assert far.pool.staging_bytes == 2 * (ring_blocks // 2) * block_bytes  # whole blocks in each of 2 regions
+        assert far.pool.region_blocks == 2 and far.pool.num_regions == min(2, ring_blocks // 2)
         assert worker.prepare_staging(ring_blocks * block_bytes) is None  # already that size
-        req = make_request("again", prompt)
-        matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
-        manager = KVCacheManager(kv_config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
-                                 max_in_flight_tokens=256, enable_caching=False)
-        assert manager.allocate_slots(req, len(prompt) - matched, num_external_computed_tokens=matched) is not None
-        row = manager.get_blocks(req.request_id)
-        scheduler.update_state_after_alloc(req, row, matched)
-        meta = pickle.loads(pickle.dumps(scheduler.build_connector_meta(schedule(req, row.get_block_ids()[0], matched))))
-        runner = _Runner(["again"])
-        hot_window._STATE["runner"] = weakref.ref(runner)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        step = hot_window.current_step()
-        first_resident = far_blocks(matched, window, BS)
-        q = torch.randn(len(prompt) - matched, HQ, D)
+        after, _, _ = _repeat_step_far_parts(worker, scheduler, prompt, "again", 7, window)
         for name in NAMES:
-            worker.wait_for_layer_load(name)
-            out_far, lse_far = step.far.attend(store.layer_index[name], q, 0.3)
+            assert torch.equal(after[name][0], before[name][0]) and torch.equal(after[name][1], before[name][1])
             want_out, want_lse = dense(q, original[name][:first_resident], 0.3)
-            torch.testing.assert_close(out_far.double(), want_out, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(lse_far.double(), want_lse, rtol=1e-5, atol=1e-5)
-        region = far.pool.region_blocks
-        assert far.streamer.num_chunks_streamed == -(-first_resident // region) * len(NAMES)
-        worker.wait_for_save()
+            torch.testing.assert_close(after[name][0].double(), want_out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(after[name][1].double(), want_lse, rtol=1e-5, atol=1e-5)
+        assert far.streamer.num_chunks_streamed - chunks_before == -(-first_resident // 2) * len(NAMES)
     finally:
-        hot_window._STATE["runner"] = None
         worker.shutdown()
         scheduler.shutdown()
 
 
-def test_a_ring_too_small_for_its_regions_is_refused_before_anything_changes(tmp_path):
+def test_a_ring_too_small_for_one_start_up_region_is_refused_before_anything_changes(tmp_path):
     worker, scheduler, _ = hot_connectors(tmp_path, window=4 * BS, staging_blocks=5)
     try:
         before = worker._far.pool
-        with pytest.raises(ConfigError, match="scheduler.staging_bytes"):
-            worker.prepare_staging(worker.store.layout.num_bytes)  # one block for two regions
+        with pytest.raises(ConfigError, match="less than one region of its start-up size"):
+            worker.prepare_staging(worker.store.layout.num_bytes)  # one block; the regions hold two
         assert worker._far.pool is before
     finally:
         worker.shutdown()

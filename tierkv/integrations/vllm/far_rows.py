@@ -73,6 +73,7 @@ class FarKV:
         self.source = staging.source  # what the engine-agnostic sparse step reads of the far blocks (sparse.step)
         self.recorder = PrefetchRecorder(store.num_layers)
         self.max_rows = max_rows  # what a run-time resize's staging is split for (`make_staging`)
+        self.grid = staging.grid  # the regions' sizes every run-time resize keeps (`far_staging.ChunkGrid`)
         self.requests: dict[str, FarRequest] = {}
         self.streamer = self.sparse_streamer = self.row_caches = self.graphs = None
         # the main ring (self.pool, self.streamer), the eager sparse regions, the far-block caches, the step graphs
@@ -244,13 +245,14 @@ class FarKV:
         """A run-time resize's device buffers carved from `staging_bytes` (`far_staging.split_staging`: the
         main ring and, under the sparse policy, the eager regions and the graphed rows' far-block caches),
         allocated, not yet used; None when the staging already is that size. RuntimeError under the full
-        decode graph (its rows' buffers and vLLM's captured graphs hold the caches); ConfigError when too small."""
+        decode graph (its rows' buffers and vLLM's captured graphs hold the caches); ConfigError when too small
+        (the main ring less than one region of its start-up size: `far_staging.ChunkGrid`)."""
         if staging_bytes == self.staging_bytes:
             return None
         if self.full is not None:
             raise RuntimeError("the sparse step inside vLLM's full decode graph holds the far-block caches of its "
                                "staging: the staging keeps its start-up size (scheduler.sparse_full_graphs)")
-        return split_staging(self.store, self.max_rows, staging_bytes)
+        return split_staging(self.store, self.max_rows, staging_bytes, self.grid)
 
     def use_staging(self, staging: FarStaging, staging_bytes: int) -> None:
         """Read the far blocks through `staging` (carved from `staging_bytes`: at start-up, or between steps

@@ -1,6 +1,6 @@
 """How the hot window's far path divides `scheduler.staging_bytes` between its device buffers.
 
-Primitives: `FarStaging`, `split_staging`, `carve_staging`, `main_ring`. No vLLM import.
+Primitives: `FarStaging`, `ChunkGrid`, `split_staging`, `carve_staging`, `main_ring`. No vLLM import.
 
     staging_bytes = main ring (streamed chunks, copied layers ahead; at least lookahead + 1 regions)
                   + eager sparse regions: 2 x min(k, staging blocks / 4) blocks          (sparse only)
@@ -12,12 +12,18 @@ never overwrite the streamed chunks of prefill rows in the same step. The graphe
 each hold a far-block cache set (one selection per layer, or one for all layers when the staging
 is short: `row_caches.cache_rows` decides, and says why in `warning`), as many rows as fit in
 three quarters of the staging with the eager regions.
+
+The regions' sizes are fixed at start-up (`ChunkGrid`): a run-time resize re-makes the staging with fewer
+regions of those sizes, never smaller ones, so the far KV is attended in the same chunks and their partial
+results merged in the same order whatever the staging. A smaller ring copies less ahead; it changes no
+result (a ring cut into smaller chunks would round differently, and flip a near tie of the greedy choice).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tierkv.config import ConfigError
+from tierkv.units import format_bytes
 from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches, cache_rows
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
@@ -35,12 +41,37 @@ class FarStaging:
     sparse_pool: GpuBlockPool | None  # the eager sparse fetches' two regions
     warning: str | None               # why the caches keep less than one selection per layer, if they do
 
+    @property
+    def grid(self) -> ChunkGrid:
+        """Its regions' sizes: the start-up staging's are what every run-time resize keeps."""
+        return ChunkGrid(self.pool.region_blocks, self.sparse_pool.region_blocks if self.sparse_pool is not None else 0)
 
-def main_ring(store, staging_bytes: int) -> GpuBlockPool:
-    """The ring the lookahead streamer copies chunks through: `staging_bytes` in at least lookahead + 1
-    regions (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_staging`)."""
-    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, max(2, store.lookahead + 1),
-                        store.device)
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """The staging regions' sizes in blocks, fixed at start-up (`FarStaging.grid`)."""
+
+    ring_region_blocks: int   # the main ring's: a streamed chunk
+    eager_region_blocks: int  # the eager sparse regions': a fetch of selected blocks (0: exact policy)
+
+
+def main_ring(store, staging_bytes: int, region_blocks: int | None = None) -> GpuBlockPool:
+    """The ring the lookahead streamer copies chunks through: `staging_bytes` in lookahead + 1 regions, at
+    least 2 (all of the exact policy's staging; a run-time resize re-makes it, `FarKV.use_staging`). With
+    `region_blocks` (the start-up grid's) the regions keep that size and there are as many as fit, at most
+    lookahead + 1 (one region: each chunk's copy waits for the last chunk's attention); ConfigError when
+    not one fits."""
+    num_regions = max(2, store.lookahead + 1)
+    if region_blocks is not None:
+        region_bytes = region_blocks * store.layout.num_bytes
+        if staging_bytes < region_bytes:
+            raise ConfigError("scheduler.staging_bytes", staging_bytes,
+                              f"leaves the main staging ring less than one region of its start-up size ({region_blocks} "
+                              f"blocks, {format_bytes(region_bytes)}): the far KV is read in chunks of that size "
+                              "whatever the budget, so that a resize changes no result")
+        num_regions = min(num_regions, staging_bytes // region_bytes)
+        staging_bytes = num_regions * region_bytes
+    return GpuBlockPool(store.layout, store.num_layers, ResidencyPlan(0, 0), staging_bytes, num_regions, store.device)
 
 
 @dataclass(frozen=True)
@@ -57,31 +88,34 @@ class StagingShares:
 
 
 def carve_staging(staging_bytes: int, block_bytes: int, num_layers: int, sparse_blocks: int | None,
-                  graphed_rows: int, selections: int, slot_bytes: int) -> StagingShares:
+                  graphed_rows: int, selections: int, slot_bytes: int, grid: ChunkGrid | None = None) -> StagingShares:
     """The shares of `staging_bytes` for blocks of `block_bytes` (one layer's): sparse_blocks k (None: the
     exact policy, all of it the ring); graphed_rows the rows the step graphs serve at most (0: no graphs);
     slot_bytes a quantized CPU tier's block (0: the tier stores the KV dtype). The one arithmetic of the
-    engine at start and of `tierkv plan --backend vllm`."""
+    engine at start and of `tierkv plan --backend vllm`. grid: a run-time resize's (the start-up regions'
+    sizes): the eager regions keep theirs, and the caches leave the main ring one region."""
     if sparse_blocks is None:
         return StagingShares(0, 0, True, None, 0, 0, staging_bytes)
     k = sparse_blocks
-    eager = 2 * min(k, max(1, staging_bytes // block_bytes // 4)) * block_bytes
+    eager_region = min(k, max(1, staging_bytes // block_bytes // 4)) if grid is None else grid.eager_region_blocks
+    eager = 2 * eager_region * block_bytes
     rows, per_layer, warning = 0, True, None
     if graphed_rows:
+        ring_bytes = 0 if grid is None else grid.ring_region_blocks * block_bytes
         rows, per_layer, warning = cache_rows(graphed_rows, selections, staging_bytes, eager, num_layers, k,
-                                              block_bytes, k * slot_bytes)
+                                              block_bytes, k * slot_bytes, ring_bytes)
     cache_bytes = rows * RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer, max(1, selections))
     packed = rows * k * slot_bytes
     return StagingShares(eager, rows, per_layer, warning, cache_bytes, packed, staging_bytes - eager - packed - cache_bytes)
 
 
-def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> FarStaging:
+def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: ChunkGrid | None = None) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
     at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve them from
     (default scheduler.staging_bytes; a run-time resize passes the new budget's staging,
-    `resize_plan.staging_for_budget`).
+    `resize_plan.staging_for_budget`, and the start-up staging's `grid`, whose region sizes it keeps).
     """
     scheduler, layout = store.config.scheduler, store.layout
     staging_bytes = scheduler.staging_bytes if staging_bytes is None else staging_bytes
@@ -98,11 +132,11 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None) -> Far
     shares = carve_staging(staging_bytes, layout.num_bytes, store.num_layers, sparse_blocks,
                            max(1, min(max_rows, scheduler.sparse_graph_rows)) if is_graphed else 0,
                            scheduler.sparse_cache_selections,
-                           store.cpu.slot_bytes if store.cpu.quant_format is not None else 0)
+                           store.cpu.slot_bytes if store.cpu.quant_format is not None else 0, grid)
     row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
                             store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
                   if shares.graph_rows else None)  # fmt: skip
-    pool = main_ring(store, shares.ring_bytes)
+    pool = main_ring(store, shares.ring_bytes, grid.ring_region_blocks if grid is not None else None)
     sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
                    if shares.eager_bytes else None)  # fmt: skip
     return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning)

@@ -5,7 +5,8 @@ Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up
 `window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
 
     budget ──split_budget──> staging (scheduler.staging_follows_budget: a smaller budget cuts it once vLLM's pool
-                             is down to every row's window, never below its share of the budget)
+                             is down to every row's window, never below its share of the budget nor
+                             one region of the start-up ring)
                              + key summaries + full-graph codes (fixed) + vLLM's pool = the rest
     vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
 
@@ -62,8 +63,9 @@ def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0) -> int:
     """The staging of a budget: `scheduler.staging_bytes` at the start-up budget (`cache.gpu_budget_bytes`)
     and above; with `scheduler.staging_follows_budget` a smaller budget keeps what `spare_bytes` (the budget
     less the fixed reservations and a pool for every row's window) leaves of it, and never less than its share
-    of the budget, at least one byte (a run-time shrink re-makes the exact policy's ring, or the sparse
-    policy's ring, eager regions and far-block caches: `FarKV.make_staging`). A pool past every row's window
+    of the budget nor than one of the start-up ring's regions (a run-time shrink re-makes the exact policy's
+    ring, or the sparse policy's ring, eager regions and far-block caches, with fewer regions of the start-up
+    sizes: `FarKV.make_staging`, `far_staging.ChunkGrid`). A pool past every row's window
     only keeps old blocks; the staging's size is the decode's speed (a ring a quarter the size took 2.5x the
     decode time at 128k). Kept as written under the sparse step inside vLLM's full decode graph (its rows'
     buffers hold the caches' addresses)."""
@@ -72,7 +74,8 @@ def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0) -> int:
     staging, start = config.scheduler.staging_bytes, config.cache.gpu_budget_bytes
     if not config.scheduler.staging_follows_budget or budget_bytes >= start or full_graphs_configured(config):
         return staging
-    return min(staging, max(1, staging * budget_bytes // start, spare_bytes))
+    one_region = -(-staging // max(2, config.scheduler.lookahead_layers + 1))
+    return min(staging, max(one_region, staging * budget_bytes // start, spare_bytes))
 
 
 def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int, block_tokens: int) -> int:
