@@ -1,4 +1,4 @@
-"""vLLM hot-window pool resized at run time: 2 GiB -> 0.5 GiB -> 2 GiB between and during requests.
+"""vLLM hot-window pool resized at run time: 2 GiB -> 0.5 GiB -> tight -> 2 GiB between and during requests.
 
     python benchmarks/bench_vllm.py model DIR                     the 8B-shaped random checkpoint (32 layers)
     python benchmarks/bench_vllm_resize.py run DIR OUT [--context 130000] [--decode-tokens 64] [--policy exact|sparse]
@@ -14,6 +14,7 @@ applies at the next step, a shrink once the dropped block ids are free). Targets
 least 95% of a shrink visible as free within 1 s; tokens identical. JSON to OUT/bench-vllm-resize-<policy>.json,
 written after every phase (a run cut short keeps the phases it finished). --small: the shrunk budget (the sparse
 policy's key summaries alone take 254 MiB at 130k tokens on 32 layers, so 0.5 GiB cannot hold its window there).
+"tight": every row's window and half the staging, so the staging ring is re-made with fewer regions.
 """
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ from tierkv.units import parse_bytes  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 BIG, SMALL = 2 * GiB, GiB // 2
+STAGING = 128 * MiB
 
 
 def resize_config(out: str, policy: str, kv_bytes_per_token: int, context: int) -> dict:
     """A hot window that fits 0.5 GiB: 1024-token window and prefill chunks, 128 MiB staging."""
     config = {"cache": {"block_tokens": 16 if policy == "exact" else 64, "window_tokens": 1024, "gpu_budget_bytes": BIG},
               "tiers": [{"kind": "cpu", "capacity_bytes": kv_bytes_per_token * (2 * context + 4096)}],
-              "scheduler": {"lookahead_layers": 2, "staging_bytes": 128 * MiB, "prefill_chunk_tokens": 1024}}
+              "scheduler": {"lookahead_layers": 2, "staging_bytes": STAGING, "prefill_chunk_tokens": 1024}}
     if policy == "sparse":
         config["scheduler"].update(policy="sparse", sparse_token_budget=1024)
     return config
@@ -152,7 +154,13 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
                                      command=" ".join(sys.argv))
         rows["phases"].append({"phase": "2GiB start", **first})
         save()
-        for budget, name in ((small, f"{small_name} between"), (BIG, "2GiB between")):
+        # a budget that holds every row's window beside half the start-up staging: the ring is re-made with
+        # fewer regions of its start-up size (far_staging.ChunkGrid), which must change no token either
+        tight = (llm.resizer.rows_pool_bytes + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes
+                 + STAGING // 2)
+        rows["tight_budget_bytes"] = tight
+        phases = [(small, f"{small_name} between"), (tight, "tight between (ring cut)"), (BIG, "2GiB between")]
+        for budget, name in phases:
             try:
                 resize = timed_resize(llm, budget)
             except BudgetRefused as exc:  # (the sparse policy's summaries may leave 0.5 GiB too small: a row)
