@@ -417,3 +417,61 @@ def test_a_change_asked_from_inside_a_step_applies_at_its_end(tmp_path):
     seen.update(resizer=resizer, staging=staging)
     core.step_fn()
     assert seen["inside"] == 40 and resizer.num_blocks == 20 and seen["change"].wait(0)
+
+
+def _held_shrink(tmp_path):
+    """An engine of 64 blocks whose running request "tail" holds ids 31 and 32, and a shrink to 20 blocks
+    asked and held at one step boundary: (resizer, core, the change, the tail request, staging)."""
+    resizer, core, _, _, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    filler, tail = request("filler", 30 * BS), request("tail", 2 * BS)
+    assert manager.allocate_slots(filler, 30 * BS) is not None and manager.allocate_slots(tail, 2 * BS) is not None
+    manager.free(filler)
+    core.scheduler.running = [tail]
+    change = resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)
+    core.step_fn()
+    assert not change.is_done and resizer.stats()["pending_held_blocks"] == 2
+    return resizer, core, change, tail, staging
+
+
+def test_a_held_shrink_keeps_the_ids_it_drops_from_requests_admitted_meanwhile(tmp_path):
+    """While a shrink waits for a running request's tail blocks, the free ids past the new pool leave vLLM's
+    free queue (fenced): a request admitted meanwhile gets only kept ids, so the shrink applies once the
+    requests running when it was asked finish, though new ones keep running (under steady load it would
+    otherwise wait for ever)."""
+    resizer, core, change, tail, _ = _held_shrink(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    assert resizer.stats()["pending_fenced_blocks"] == 64 - 20 - 2  # ids 20..63 but the two held
+    assert manager.block_pool.get_num_free_blocks() == 19  # ids 1..19 (0 is vLLM's null block)
+    newcomer = request("newcomer", 10 * BS)
+    assert manager.allocate_slots(newcomer, 10 * BS) is not None
+    assert max(manager.get_block_ids("newcomer")[0]) < 20
+    core.scheduler.running = [tail, newcomer]
+    core.step_fn()
+    assert not change.is_done
+    manager.free(tail)
+    core.scheduler.running = [newcomer]
+    core.step_fn()  # the shrink applies with the newcomer running on kept ids
+    assert change.wait(0) and resizer.num_blocks == 20 and resizer.stats()["pending_fenced_blocks"] == 0
+    assert manager.block_pool.get_num_free_blocks() == 19 - 10
+    manager.free(newcomer)
+    assert manager.block_pool.get_num_free_blocks() == 19
+
+
+@pytest.mark.parametrize("then", ["grow back", "refused"])
+def test_a_replaced_or_refused_shrink_gives_its_fenced_ids_back(tmp_path, then):
+    resizer, core, change, tail, staging = _held_shrink(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    if then == "grow back":
+        resizer.set_gpu_budget(staging + 64 * BYTES_PER_BLOCK)  # replaces the shrink before it applied
+        core.step_fn()
+        assert change.wait(0) and resizer.num_blocks == 64
+    else:  # the running request grows past what the smaller pool can hold: the pending shrink is refused
+        core.scheduler.running = [tail, *(request(f"r{i}", 2 * BS) for i in range(3))]
+        core.scheduler.kv_cache_manager.get_block_ids = lambda req_id: ([*range(1, 20)],)
+        core.step_fn()
+        with pytest.raises(BudgetRefused):
+            change.wait(0)
+        core.scheduler.kv_cache_manager.get_block_ids = type(manager).get_block_ids.__get__(manager)
+    assert resizer.stats()["pending_fenced_blocks"] == 0
+    assert manager.block_pool.get_num_free_blocks() == 63 - 2  # every id but the null block and the two held

@@ -81,7 +81,7 @@ def test_the_pool_resizer_hands_the_workers_the_new_ring_and_restores_it_on_fail
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
     start = resizer.budget_bytes
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_budget_bytes=start))
-    resizer._split_fn = lambda b, rows_pool_bytes=None: split_budget(config, b)  # the share alone: the ring moves
+    resizer._split_fn = lambda b, rows_pool_bytes=None, **_: split_budget(config, b)  # the share alone: the ring moves
     sent = []
     rpc = core.collective_rpc
     core.collective_rpc = lambda fn, args=(): (sent.append(args), rpc(fn, args))[1]
@@ -109,7 +109,7 @@ def test_a_shrink_takes_the_pool_past_every_rows_window_before_it_cuts_the_ring(
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8))
     start = resizer.budget_bytes
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, gpu_budget_bytes=start))
-    resizer._split_fn = lambda b, rows_pool_bytes=None: split_budget(config, b, rows_pool_bytes=rows_pool_bytes)
+    resizer._split_fn = lambda b, rows_pool_bytes=None, **_: split_budget(config, b, rows_pool_bytes=rows_pool_bytes)
     sent = []
     rpc = core.collective_rpc
     core.collective_rpc = lambda fn, args=(): (sent.append(args), rpc(fn, args))[1]
@@ -233,6 +233,43 @@ def test_the_sparse_staging_is_remade_but_not_under_the_full_decode_graph(tmp_pa
             worker.prepare_staging(staging)
         assert far.staging_bytes == staging * 2
         far.full = None
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["exact", "sparse"])
+def test_every_staging_the_split_gives_with_the_workers_least_the_worker_can_remake(tmp_path, policy):
+    """With the least staging the worker reports (`worker_least_staging`: one ring region beside, under the
+    sparse policy, the two eager regions), the staging the split gives any smaller budget is one the worker
+    re-makes (no refusal after the plan accepted it); the exact policy's is whole ring regions, the ring
+    takes all of it (nothing left idle between ring and pool)."""
+    from tests.integrations.vllm.test_hot_window import sparse_connectors
+    from tierkv.integrations.vllm.resize_worker import worker_least_staging
+
+    worker, scheduler, _ = (sparse_connectors(tmp_path) if policy == "sparse"
+                            else hot_connectors(tmp_path, window=4 * BS, staging_blocks=7))
+    try:
+        far, config = worker._far, worker.store.config
+        block_bytes = worker.store.layout.num_bytes
+        least = far.grid.least_staging_bytes(block_bytes)
+        from unittest import mock
+        with mock.patch("vllm.distributed.kv_transfer.has_kv_transfer_group", return_value=True), \
+             mock.patch("vllm.distributed.kv_transfer.get_kv_transfer_group", return_value=worker):
+            assert worker_least_staging(None) == least
+        start = config.cache.gpu_budget_bytes
+        seen = set()
+        for budget in range(1, start, max(1, start // 97)):
+            staging = split_budget(config, budget, least_staging_bytes=least).staging_bytes
+            assert least <= staging <= config.scheduler.staging_bytes
+            if staging in seen or staging == far.staging_bytes:
+                continue
+            seen.add(staging)
+            bind = worker.prepare_staging(staging)  # never refused
+            bind()
+            if policy == "exact":
+                assert staging % least == 0 and far.pool.staging_bytes == staging
+        assert len(seen) >= 2
     finally:
         worker.shutdown()
         scheduler.shutdown()

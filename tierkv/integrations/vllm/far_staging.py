@@ -54,6 +54,11 @@ class ChunkGrid:
     ring_region_blocks: int   # the main ring's: a streamed chunk
     eager_region_blocks: int  # the eager sparse regions': a fetch of selected blocks (0: exact policy)
 
+    def least_staging_bytes(self, block_bytes: int) -> int:
+        """The least staging a run-time resize can re-make (blocks of `block_bytes`): one ring region beside
+        the two eager regions; no far-block caches."""
+        return (self.ring_region_blocks + 2 * self.eager_region_blocks) * block_bytes
+
 
 def main_ring(store, staging_bytes: int, region_blocks: int | None = None) -> GpuBlockPool:
     """The ring the lookahead streamer copies chunks through: `staging_bytes` in lookahead + 1 regions, at

@@ -2,7 +2,7 @@
 engine, shared by its KVCacheManager) gains or loses block ids at its tail. Touches vLLM internals;
 `missing_block_pool_hooks` names what it relies on, and a test runs it against the installed vLLM.
 
-Primitives: `held_tail_block_ids`, `resize_block_pool`, `missing_block_pool_hooks`.
+Primitives: `held_tail_block_ids`, `fence_tail`, `release_fence`, `resize_block_pool`, `missing_block_pool_hooks`.
 
     ids   0      1 ...                     new-1 | new ... old-1
           null   blocks kept (their KV copied)   | dropped: must all be free (ref_cnt 0, in the
@@ -10,6 +10,12 @@ Primitives: `held_tail_block_ids`, `resize_block_pool`, `missing_block_pool_hook
     grow: ids old .. new-1 are new KVCacheBlocks appended to the free queue's tail.
 
 Both check everything before the first change: a refusal (BlockPoolBusy) leaves the pool as it was.
+
+While a shrink waits for held ids, `fence_tail` takes the free ids past its target out of the free queue
+(fenced: ref_cnt 0, unlinked, no hash), so vLLM hands them to no new request and the shrink waits only for
+the blocks held when it was asked, not for every request admitted after (under steady load it would wait
+forever). vLLM sees fewer free blocks meanwhile and admits accordingly. `release_fence` puts them back when
+the change is refused or replaced by a larger one.
 """
 from __future__ import annotations
 
@@ -49,8 +55,42 @@ def missing_block_pool_hooks() -> list[str]:
 
 def held_tail_block_ids(pool, new_num_blocks: int) -> list[int]:
     """Ids in [new_num_blocks, pool.num_gpu_blocks) that are not free (a shrink to new_num_blocks
-    must wait for them)."""
-    return [b.block_id for b in pool.blocks[new_num_blocks:] if not _is_free(b)]
+    must wait for them); fenced ids are free."""
+    fenced = _fenced(pool)
+    return [b.block_id for b in pool.blocks[new_num_blocks:] if not _is_free(b) and b.block_id not in fenced]
+
+
+def fence_tail(pool, new_num_blocks: int) -> int:
+    """Take the free ids at or past `new_num_blocks` out of vLLM's free queue, their cached hashes evicted (a
+    block whose eviction fails stays in the queue); ids fenced for a smaller target go back. Returns how many
+    are fenced."""
+    release_fence(pool, below=new_num_blocks)
+    fenced = _fenced(pool)
+    for block in pool.blocks[new_num_blocks:]:
+        if block.block_id in fenced or not _is_free(block):
+            continue
+        try:
+            pool._maybe_evict_cached_block(block)
+        except Exception:  # (vLLM's own bookkeeping refused: left where it was, the shrink waits for it as before)
+            continue
+        pool.free_block_queue.remove(block)
+        fenced[block.block_id] = block
+    return len(fenced)
+
+
+def release_fence(pool, below: int | None = None) -> None:
+    """Fenced ids (those below `below`; None: all) back at the free queue's tail."""
+    fenced = _fenced(pool)
+    back = [fenced.pop(i) for i in sorted(fenced) if below is None or i < below]
+    if back:
+        pool.free_block_queue.append_n(back)
+
+
+def _fenced(pool) -> dict:
+    """{block id: KVCacheBlock} of the pool's fenced blocks (kept on the pool object)."""
+    if not hasattr(pool, "_tierkv_fenced"):
+        pool._tierkv_fenced = {}
+    return pool._tierkv_fenced
 
 
 def resize_block_pool(manager, new_num_blocks: int) -> None:
@@ -60,6 +100,7 @@ def resize_block_pool(manager, new_num_blocks: int) -> None:
     old = pool.num_gpu_blocks
     if new_num_blocks < 2:
         raise ValueError(f"new_num_blocks: got {new_num_blocks}; vLLM's pool needs the null block and one more")
+    release_fence(pool, below=new_num_blocks)  # kept ids go back; fenced ids past it are dropped with the rest
     if new_num_blocks < old:
         _shrink(pool, new_num_blocks)
     elif new_num_blocks > old:
@@ -80,11 +121,13 @@ def _shrink(pool, new_num_blocks: int) -> None:
     held = held_tail_block_ids(pool, new_num_blocks)
     if held:
         raise BlockPoolBusy(held, new_num_blocks)
-    dropped = pool.blocks[new_num_blocks:]
+    fenced = _fenced(pool)
+    dropped = [b for b in pool.blocks[new_num_blocks:] if b.block_id not in fenced]  # (fenced: already out)
     for block in dropped:  # first what can fail: a failure leaves every block in the free queue
         pool._maybe_evict_cached_block(block)
     for block in dropped:  # every one is linked in the free queue (checked above): unlinking cannot fail
         pool.free_block_queue.remove(block)
+    fenced.clear()  # (every fenced id was at or past new_num_blocks: release_fence put the others back)
     del pool.blocks[new_num_blocks:]
     pool.num_gpu_blocks = new_num_blocks
 

@@ -4,7 +4,8 @@ Primitives: `PoolResizer` (`set_gpu_budget`, `stats`), `engine_core_of`, `missin
 
     set_gpu_budget(b) ── plan_resize (resize_plan) ── refused: BudgetRefused/ValueError, nothing changed
                       └─ queued ── at the next step boundary (or now, between steps or requests):
-                           shrink whose dropped block ids a request holds → held, retried every boundary
+                           shrink whose dropped block ids a request holds → held, retried every boundary;
+                                 meanwhile the free ids it drops go to no new request (fenced)
                            else: workers' KV tensors (resize_worker, collective_rpc), then vLLM's
                                  BlockPool (resize_blocks); a failure leaves the old pool working
 
@@ -16,7 +17,7 @@ itself only when the step lock is free (between steps or requests); otherwise th
 applies it at the next boundary (a caller blocked on the step lock would lose it to the engine loop
 step after step, and wait for the whole request). Policy "step_boundary": a grow applies at the next
 boundary; a shrink at the first boundary where the block ids it drops are free (at the latest when
-the running requests finish). Under vLLM's async scheduling a step leaves work in flight: there
+the requests running when it was asked finish: requests admitted after get only kept ids). Under vLLM's async scheduling a step leaves work in flight: there
 changes wait until the engine is idle. `stats()` shows the policy and any pending change.
 """
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Callable
 
 from tierkv.budget_change import BudgetChange, BudgetRefused, parse_budget
 from tierkv.units import format_bytes
-from tierkv.integrations.vllm.resize_blocks import held_tail_block_ids, missing_block_pool_hooks, resize_block_pool
+from tierkv.integrations.vllm.resize_blocks import (fence_tail, held_tail_block_ids, missing_block_pool_hooks,
+                                                    release_fence, resize_block_pool)
 from tierkv.integrations.vllm.resize_plan import BudgetSplit, ResizePlan, RunningRequest, plan_resize, window_blocks
-from tierkv.integrations.vllm.resize_worker import missing_worker_hooks, resize_worker_kv
+from tierkv.integrations.vllm.resize_worker import missing_worker_hooks, resize_worker_kv, worker_least_staging
 
 logger = logging.getLogger(__name__)
 POLICY = "step_boundary"
@@ -59,7 +61,7 @@ def engine_core_of(llm) -> object:
 class PoolResizer:
     def __init__(self, core, split_fn: Callable[..., BudgetSplit], budget_bytes: int):
         """core: vLLM's in-process EngineCore of a hot-window engine; split_fn: the engine's budget
-        split (`resize_plan.split_budget` with its reservations, taking rows_pool_bytes); budget_bytes: the
+        split (`resize_plan.split_budget` with its reservations, taking rows_pool_bytes and least_staging_bytes); budget_bytes: the
         start-up budget."""
         missing = missing_vllm_hooks()
         if missing:
@@ -79,6 +81,8 @@ class PoolResizer:
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         # the pool a smaller budget keeps before it cuts the staging: every row's window and the null block
         self.rows_pool_bytes = (self.max_num_seqs * self.window_blocks + 1) * self.bytes_per_block
+        # the least staging every worker's hot window can be re-made from (its start-up regions' sizes)
+        self.least_staging_bytes = max(core.collective_rpc(worker_least_staging), default=0)
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
         self._step_lock = threading.RLock()  # held for each engine step and each resize
@@ -86,6 +90,7 @@ class PoolResizer:
         self._plan_lock = threading.Lock()   # guards _pending; never held across a step
         self._pending: tuple[int, list[BudgetChange]] | None = None  # budget bytes, the changes it resolves
         self.held_blocks = 0  # block ids a pending shrink waits for
+        self.fenced_blocks = 0  # free ids past its new pool kept from new requests meanwhile (`fence_tail`)
         self.counts = {"budget_changes": 0, "budget_refusals": 0, "returned_bytes": 0, "taken_bytes": 0,
                        "changes_during_requests": 0}
         self.last_refusal: str | None = None
@@ -178,22 +183,26 @@ class PoolResizer:
             busy = self.core.scheduler.has_unfinished_requests()
             if busy and self.core.batch_queue is not None:  # async scheduling: work of the last step still in flight
                 return None
+            pool = self.manager.block_pool
             try:
                 plan = self._plan(budget_bytes, self.running_requests())
             except (ValueError, BudgetRefused) as exc:
                 self._pending = None
+                release_fence(pool)
                 self._record_refusal(exc)
                 for change in changes:
                     change.resolve(exc)
                 return exc
-            held = held_tail_block_ids(self.manager.block_pool, plan.new_num_blocks) if plan.is_shrink else []
+            held = held_tail_block_ids(pool, plan.new_num_blocks) if plan.is_shrink else []
             self.held_blocks = len(held)
-            if held:
+            if held:  # the free ids past the new pool go to no new request meanwhile: only these are waited for
+                self.fenced_blocks = fence_tail(pool, plan.new_num_blocks)
                 return None
-            self._pending = None
+            self._pending, self.fenced_blocks = None, 0
         try:
             self._resize(plan)
-        except Exception as exc:  # the old pool is back in force (see _resize)
+        except Exception as exc:  # the old pool is back in force (see _resize), fenced ids in its free queue again
+            release_fence(self.manager.block_pool)
             refused = BudgetRefused(plan.budget_bytes, f"{type(exc).__name__}: {exc}; the pool stays "
                                                        f"{self.num_blocks} blocks ({format_bytes(self.budget_bytes)} budget)")
             self._record_refusal(refused)
@@ -247,7 +256,8 @@ class PoolResizer:
 
     def split(self, budget_bytes: int) -> BudgetSplit:
         """The engine's split of `budget_bytes` (the start-up one), its pool kept at every row's window first."""
-        return self._split_fn(budget_bytes, rows_pool_bytes=self.rows_pool_bytes)
+        return self._split_fn(budget_bytes, rows_pool_bytes=self.rows_pool_bytes,
+                              least_staging_bytes=self.least_staging_bytes)
 
     def _record_refusal(self, exc: BaseException) -> None:
         self.counts["budget_refusals"] += 1
@@ -262,5 +272,6 @@ class PoolResizer:
                 "pool_bytes": self.num_blocks * self.bytes_per_block, "staging_bytes": split.staging_bytes,
                 "summary_bytes": split.summary_bytes, "full_graph_bytes": split.full_graph_bytes,
                 "resize_policy": POLICY, "pending_budget_bytes": pending[0] if pending else None,
-                "pending_held_blocks": self.held_blocks if pending else 0, **self.counts,
+                "pending_held_blocks": self.held_blocks if pending else 0,
+                "pending_fenced_blocks": self.fenced_blocks if pending else 0, **self.counts,
                 "last_budget_refusal": self.last_refusal, "last_resize_s": self.last_resize_s}

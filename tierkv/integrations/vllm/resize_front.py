@@ -24,9 +24,9 @@ def pool_resizer(engine, config: TierKVConfig, reserved: TieredEngineArgs, *,
         return None, ("hot_window=False keeps vLLM's full pool (sized by gpu_memory_utilization), which is not "
                       "resized at run time; the hot-window pool is")
 
-    def split(budget_bytes: int, rows_pool_bytes: int | None = None):
+    def split(budget_bytes: int, rows_pool_bytes: int | None = None, least_staging_bytes: int = 0):
         return split_budget(config, budget_bytes, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
-                            rows_pool_bytes=rows_pool_bytes)
+                            rows_pool_bytes=rows_pool_bytes, least_staging_bytes=least_staging_bytes)
 
     try:
         return PoolResizer(engine_core_of(engine), split, config.cache.gpu_budget_bytes), None

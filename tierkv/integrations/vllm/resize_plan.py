@@ -50,22 +50,28 @@ class BudgetSplit:
 
 
 def split_budget(config, budget_bytes: int, summary_bytes: int = 0, full_graph_bytes: int = 0, *,
-                 rows_pool_bytes: int | None = None) -> BudgetSplit:
+                 rows_pool_bytes: int | None = None, least_staging_bytes: int = 0) -> BudgetSplit:
     """The split of `budget_bytes` for an engine of tierkv `config` (a TierKVConfig): the one
     `hot_window_engine_args` sizes vLLM's pool with at start-up, and every resize after (`staging_for_budget`;
     rows_pool_bytes: the pool that holds every max_num_seqs row's window, which a smaller budget keeps
-    before it cuts the staging; None: the staging's share of the budget alone)."""
+    before it cuts the staging; None: the staging's share of the budget alone; least_staging_bytes: what the
+    workers' hot windows report they can be re-made from, 0: not known)."""
     spare = 0 if rows_pool_bytes is None else budget_bytes - summary_bytes - full_graph_bytes - rows_pool_bytes
-    return BudgetSplit(budget_bytes, staging_for_budget(config, budget_bytes, spare), summary_bytes, full_graph_bytes)
+    return BudgetSplit(budget_bytes, staging_for_budget(config, budget_bytes, spare, least_staging_bytes), summary_bytes,
+                       full_graph_bytes)
 
 
-def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0) -> int:
+def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0, least_bytes: int = 0) -> int:
     """The staging of a budget: `scheduler.staging_bytes` at the start-up budget (`cache.gpu_budget_bytes`)
     and above; with `scheduler.staging_follows_budget` a smaller budget keeps what `spare_bytes` (the budget
     less the fixed reservations and a pool for every row's window) leaves of it, and never less than its share
     of the budget nor than one of the start-up ring's regions (a run-time shrink re-makes the exact policy's
     ring, or the sparse policy's ring, eager regions and far-block caches, with fewer regions of the start-up
-    sizes: `FarKV.make_staging`, `far_staging.ChunkGrid`). A pool past every row's window
+    sizes: `FarKV.make_staging`, `far_staging.ChunkGrid`). least_bytes: that least staging as the workers
+    report it (`ChunkGrid.least_staging_bytes`: under the sparse policy the eager regions come with it); 0:
+    a third of the start-up staging at lookahead 2 (one ring region of the exact policy). The exact policy's
+    ring is whole regions: with least_bytes known, a cut staging is a multiple of it, the rest left to the
+    pool. A pool past every row's window
     only keeps old blocks; the staging's size is the decode's speed (a ring a quarter the size took 2.5x the
     decode time at 128k). Kept as written under the sparse step inside vLLM's full decode graph (its rows'
     buffers hold the caches' addresses)."""
@@ -74,8 +80,11 @@ def staging_for_budget(config, budget_bytes: int, spare_bytes: int = 0) -> int:
     staging, start = config.scheduler.staging_bytes, config.cache.gpu_budget_bytes
     if not config.scheduler.staging_follows_budget or budget_bytes >= start or full_graphs_configured(config):
         return staging
-    one_region = -(-staging // max(2, config.scheduler.lookahead_layers + 1))
-    return min(staging, max(one_region, staging * budget_bytes // start, spare_bytes))
+    least = least_bytes or -(-staging // max(2, config.scheduler.lookahead_layers + 1))
+    cut = min(staging, max(least, staging * budget_bytes // start, spare_bytes))
+    if least_bytes and config.scheduler.policy == "exact" and cut < staging:  # whole ring regions
+        cut = cut // least_bytes * least_bytes
+    return cut
 
 
 def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int, block_tokens: int) -> int:

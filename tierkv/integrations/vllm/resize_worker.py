@@ -3,7 +3,7 @@ reallocated at the new block count, by vLLM's own allocation and reshape (the la
 start-up), run in every worker by `collective_rpc(resize_worker_kv, args=(num_blocks,))`.
 
 Primitives: `resized_kv_caches` (no vLLM: allocate, copy the kept blocks), `resize_worker_kv`
-(the collective_rpc body), `missing_worker_hooks`.
+(the collective_rpc body), `worker_least_staging`, `missing_worker_hooks`.
 
     1. allocate every layer's new tensor      an OOM here: the new ones are dropped, nothing changed
     2. copy block ids [0, min(old, new))      on the device, along each tensor's block dimension
@@ -136,6 +136,15 @@ def _bind(runner, config, new_caches: dict[str, torch.Tensor]) -> None:
             forget()
     if has_kv_transfer_group():
         get_kv_transfer_group().register_kv_caches(new_caches)
+
+
+def worker_least_staging(worker) -> int:
+    """collective_rpc body: the least staging this worker's hot window can be re-made from
+    (`far_staging.ChunkGrid.least_staging_bytes`); 0 without one."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    far = getattr(get_kv_transfer_group(), "_far", None) if has_kv_transfer_group() else None
+    return far.grid.least_staging_bytes(far.store.layout.num_bytes) if far is not None else 0
 
 
 def _prepare_ring(staging_bytes: int | None):
