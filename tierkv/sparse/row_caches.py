@@ -62,13 +62,15 @@ def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: in
                block_bytes: int, codes_bytes: int, ring_bytes: int = 0) -> tuple[int, bool, str | None]:
     """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
     `selections` selections per layer: (rows, per_layer, a warning or None). Everything fits within
-    three quarters of `staging_bytes`, beside the eager regions (eager_bytes), and leaves `ring_bytes` (a
-    run-time resize's main ring: one region of its start-up size); each row also needs codes_bytes (a
-    quantized tier's code buffers). Every wanted row with caches
+    three quarters of `staging_bytes`, beside the eager regions (eager_bytes); a run-time resize's
+    (`ring_bytes`: one region of the start-up main ring, which it leaves) may pass that to give every wanted
+    row a set; each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
     per layer, else sets that keep nothing (one selection each, every block copied every step) for
     as many rows as fit; 0 selections asks for the latter."""
-    room = min(3 * staging_bytes // 4, staging_bytes - ring_bytes) - eager_bytes
     shared = RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
+    room = 3 * staging_bytes // 4 - eager_bytes
+    if ring_bytes:  # every wanted row keeps a set that keeps nothing, if the ring's region leaves room for it
+        room = min(max(room, wanted * shared), staging_bytes - ring_bytes - eager_bytes)
     rows = max(0, min(wanted, room // shared))
     eager = f", {wanted - rows} run eagerly" if rows < wanted else ""
     if selections == 0:  # asked to keep nothing

@@ -102,8 +102,8 @@ def test_caches_of_two_selections_keep_what_alternating_queries_select(tmp_path,
 
 def test_a_staging_resize_remakes_the_far_block_caches_and_the_outputs_stay(tmp_path, monkeypatch):
     """A run-time staging resize between decode steps (`FarKV.make_staging` / `use_staging`): from 128
-    blocks (a selection per layer kept for 5 rows) to 48 (2 rows, nothing kept, beside one region of the
-    start-up ring) and back. The requests'
+    blocks (a selection per layer kept for 5 rows) to the least it can be re-made from (the 5 graphed rows'
+    sets keep nothing, beside one region of the start-up ring and the eager regions) and back. The requests'
     cache sets are emptied, the graphs captured again over the new caches, every step's output equals
     the eager path's and is bit for bit the one before the resize for the same queries, and the counters carry on."""
     fake_graphs(monkeypatch)
@@ -129,11 +129,13 @@ def test_a_staging_resize_remakes_the_far_block_caches_and_the_outputs_stay(tmp_
         first = step()
         decode_step_equals_eager(far, store, rows, q)
         reads = 2 * LAYERS * k
-        for staging_blocks, sets, per_layer in ((48, 2, False), (128, 5, True)):
+        least = far.grid.least_staging_bytes(block_bytes) // block_bytes  # ring region, eager regions, 5 least sets
+        assert far.grid.graph_rows == 5 and least < 128
+        for staging_blocks, sets, per_layer in ((least, 5, False), (128, 5, True)):
             captured = far.stats()["cuda_graphs"]["graph_captures"]
             done = far.stats()["cache_hits"] + far.stats()["cache_misses"]
             new = far.make_staging(staging_blocks * block_bytes)
-            assert far.row_caches.num_sets != sets  # allocated, not yet used
+            assert far.row_caches is not new.row_caches and far.row_caches.per_layer != per_layer  # not yet used
             far.use_staging(new, staging_blocks * block_bytes)
             assert far.row_caches.num_sets == sets and far.row_caches.per_layer == per_layer
             assert all(req.cache is None for req in far.requests.values())

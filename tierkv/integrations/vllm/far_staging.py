@@ -40,24 +40,24 @@ class FarStaging:
     pool: GpuBlockPool                # the main ring the lookahead streamer copies chunks through
     sparse_pool: GpuBlockPool | None  # the eager sparse fetches' two regions
     warning: str | None               # why the caches keep less than one selection per layer, if they do
-
-    @property
-    def grid(self) -> ChunkGrid:
-        """Its regions' sizes: the start-up staging's are what every run-time resize keeps."""
-        return ChunkGrid(self.pool.region_blocks, self.sparse_pool.region_blocks if self.sparse_pool is not None else 0)
+    grid: "ChunkGrid"                 # the start-up staging's shape, which every run-time resize keeps
 
 
 @dataclass(frozen=True)
 class ChunkGrid:
-    """The staging regions' sizes in blocks, fixed at start-up (`FarStaging.grid`)."""
+    """What a run-time resize keeps of the start-up staging (`FarStaging.grid`): the regions' sizes in blocks,
+    and the rows the step graphs serve (each with a cache set, at least one that keeps nothing). A row moved
+    between the graphs and the eager path would be attended by another kernel."""
 
     ring_region_blocks: int   # the main ring's: a streamed chunk
     eager_region_blocks: int  # the eager sparse regions': a fetch of selected blocks (0: exact policy)
+    graph_rows: int = 0       # decoding rows the step graphs serve with far-block caches
+    row_set_bytes: int = 0    # one such row's least cache set (one selection for all layers) and codes
 
     def least_staging_bytes(self, block_bytes: int) -> int:
         """The least staging a run-time resize can re-make (blocks of `block_bytes`): one ring region beside
-        the two eager regions; no far-block caches."""
-        return (self.ring_region_blocks + 2 * self.eager_region_blocks) * block_bytes
+        the two eager regions and the graphed rows' least cache sets."""
+        return (self.ring_region_blocks + 2 * self.eager_region_blocks) * block_bytes + self.graph_rows * self.row_set_bytes
 
 
 def main_ring(store, staging_bytes: int, region_blocks: int | None = None) -> GpuBlockPool:
@@ -105,6 +105,8 @@ def carve_staging(staging_bytes: int, block_bytes: int, num_layers: int, sparse_
     eager_region = min(k, max(1, staging_bytes // block_bytes // 4)) if grid is None else grid.eager_region_blocks
     eager = 2 * eager_region * block_bytes
     rows, per_layer, warning = 0, True, None
+    if grid is not None:  # the start-up graphed rows, no more (nor fewer: `least_staging_bytes`)
+        graphed_rows = min(graphed_rows, grid.graph_rows)
     if graphed_rows:
         ring_bytes = 0 if grid is None else grid.ring_region_blocks * block_bytes
         rows, per_layer, warning = cache_rows(graphed_rows, selections, staging_bytes, eager, num_layers, k,
@@ -144,4 +146,10 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: 
     pool = main_ring(store, shares.ring_bytes, grid.ring_region_blocks if grid is not None else None)
     sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
                    if shares.eager_bytes else None)  # fmt: skip
-    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning)
+    if grid is None:  # start-up: the shape every resize keeps
+        row_set = (RowCaches.bytes_per_set(store.num_layers, sparse_blocks, layout.num_bytes, per_layer=False)
+                   + sparse_blocks * (store.cpu.slot_bytes if store.cpu.quant_format is not None else 0)
+                   if sparse_blocks is not None else 0)  # fmt: skip
+        grid = ChunkGrid(pool.region_blocks, sparse_pool.region_blocks if sparse_pool is not None else 0,
+                         shares.graph_rows, row_set)
+    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning, grid)
