@@ -12,15 +12,16 @@ Primitives: `held_tail_block_ids`, `fence_tail`, `release_fence`, `resize_block_
 Both check everything before the first change: a refusal (BlockPoolBusy) leaves the pool as it was.
 
 While a shrink waits for held ids, `fence_tail` takes the free ids past its target out of the free queue
-(fenced: ref_cnt 0, unlinked, no hash), so vLLM hands them to no new request and the shrink waits only for
-the blocks held when it was asked, not for every request admitted after (under steady load it would wait
-forever). vLLM sees fewer free blocks meanwhile and admits accordingly. `release_fence` puts them back when
-the change is refused or replaced by a larger one.
+(fenced: ref_cnt 0, unlinked, no hash), evicts the held ones' hashes, and fences each as vLLM frees it
+(the pool's `free_blocks` followed: the one way vLLM frees, mid-step too), so vLLM hands them to no new
+request and the shrink waits only for the blocks held when it was asked, not for every request admitted
+after (under steady load it would wait forever). vLLM sees fewer free blocks meanwhile and admits
+accordingly. `release_fence` puts them back when the change is refused or replaced by a larger one.
 """
 from __future__ import annotations
 
 BLOCK_POOL_HOOKS = ("num_gpu_blocks", "blocks", "free_block_queue", "null_block", "_maybe_evict_cached_block",
-                    "get_num_free_blocks")
+                    "get_num_free_blocks", "free_blocks")
 FREE_QUEUE_HOOKS = ("remove", "append_n", "num_free_blocks")
 MANAGER_HOOKS = ("block_pool", "kv_cache_config", "watermark_blocks")
 
@@ -61,29 +62,62 @@ def held_tail_block_ids(pool, new_num_blocks: int) -> list[int]:
 
 
 def fence_tail(pool, new_num_blocks: int) -> int:
-    """Take the free ids at or past `new_num_blocks` out of vLLM's free queue, their cached hashes evicted (a
-    block whose eviction fails stays in the queue); ids fenced for a smaller target go back. Returns how many
-    are fenced."""
+    """Fence the ids at or past `new_num_blocks` until the shrink to it applies or `release_fence`: the free
+    ones leave vLLM's free queue now, their cached hashes evicted (a block whose eviction fails stays in the
+    queue), ids fenced for a smaller target go back; the held ones lose their hashes (no prefix hit hands them
+    to a new request) and are fenced the moment vLLM frees them (inside a step too: its sliding window and
+    preemption free blocks that the same step's allocations would take). Returns how many are fenced."""
     release_fence(pool, below=new_num_blocks)
+    _hook_frees(pool)
+    pool._tierkv_fence_target = new_num_blocks
     fenced = _fenced(pool)
     for block in pool.blocks[new_num_blocks:]:
-        if block.block_id in fenced or not _is_free(block):
-            continue
-        try:
-            pool._maybe_evict_cached_block(block)
-        except Exception:  # (vLLM's own bookkeeping refused: left where it was, the shrink waits for it as before)
-            continue
-        pool.free_block_queue.remove(block)
-        fenced[block.block_id] = block
+        if block.block_id not in fenced:
+            _fence(pool, block, fenced)
     return len(fenced)
 
 
 def release_fence(pool, below: int | None = None) -> None:
-    """Fenced ids (those below `below`; None: all) back at the free queue's tail."""
+    """Fenced ids (those below `below`; None: all, and nothing fenced from now on) back at the free queue's tail."""
     fenced = _fenced(pool)
     back = [fenced.pop(i) for i in sorted(fenced) if below is None or i < below]
+    if below is None:
+        pool._tierkv_fence_target = None
     if back:
         pool.free_block_queue.append_n(back)
+
+
+def _fence(pool, block, fenced: dict) -> None:
+    """A free block out of the free queue into `fenced`, a held one's hash evicted; what vLLM's own
+    bookkeeping refuses is left as it was (the shrink waits for it as before the fence)."""
+    try:
+        pool._maybe_evict_cached_block(block)
+    except Exception:
+        return
+    if _is_free(block):
+        pool.free_block_queue.remove(block)
+        fenced[block.block_id] = block
+
+
+def _hook_frees(pool) -> None:
+    """This pool's `free_blocks` (the one way vLLM frees blocks) followed, while a fence stands, by fencing
+    what it freed at or past the target."""
+    if getattr(pool, "_tierkv_frees_hooked", False):
+        return
+    free_blocks = pool.free_blocks
+
+    def fencing_free_blocks(ordered_blocks) -> None:
+        blocks = list(ordered_blocks)
+        free_blocks(blocks)
+        target = getattr(pool, "_tierkv_fence_target", None)
+        if target is not None:
+            fenced = _fenced(pool)
+            for block in blocks:
+                if block.block_id >= target and block.block_id not in fenced and block.ref_cnt == 0:
+                    _fence(pool, block, fenced)
+
+    pool.free_blocks = fencing_free_blocks
+    pool._tierkv_frees_hooked = True
 
 
 def _fenced(pool) -> dict:
@@ -101,6 +135,7 @@ def resize_block_pool(manager, new_num_blocks: int) -> None:
     if new_num_blocks < 2:
         raise ValueError(f"new_num_blocks: got {new_num_blocks}; vLLM's pool needs the null block and one more")
     release_fence(pool, below=new_num_blocks)  # kept ids go back; fenced ids past it are dropped with the rest
+    pool._tierkv_fence_target = None  # (the change a fence stood for is this one)
     if new_num_blocks < old:
         _shrink(pool, new_num_blocks)
     elif new_num_blocks > old:
