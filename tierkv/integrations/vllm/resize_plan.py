@@ -39,9 +39,9 @@ class BudgetSplit:
         """vLLM's hot-window pool: the budget less the reservations (<= 0: nothing left)."""
         return self.budget_bytes - self.staging_bytes - self.summary_bytes - self.full_graph_bytes
 
-    def reserved_text(self) -> str:
-        """The reservations in words, as the start-up error names them."""
-        text = f"scheduler.staging_bytes ({format_bytes(self.staging_bytes)})"
+    def reserved_text(self, staging_name: str = "scheduler.staging_bytes") -> str:
+        """The reservations in words, as the start-up error names them (a resize's staging: `staging_name`)."""
+        text = f"{staging_name} ({format_bytes(self.staging_bytes)})"
         if self.summary_bytes:
             text += f" and the sparse key summaries ({format_bytes(self.summary_bytes)})"
         if self.full_graph_bytes:
@@ -141,7 +141,10 @@ def plan_resize(budget, split_fn: Callable[[int], BudgetSplit], *, bytes_per_blo
         raise ValueError(f"bytes_per_block {bytes_per_block}, old_num_blocks {old_num_blocks}: must be positive")
     split = split_fn(budget_bytes)
     if split.pool_bytes <= 0:
-        raise BudgetRefused(budget_bytes, f"it must exceed {split.reserved_text()}: the rest is vLLM's hot-window pool")
+        raise BudgetRefused(budget_bytes, f"it must exceed {split.reserved_text('the staging kept at this budget')}: "
+                                          f"the rest is vLLM's hot-window pool, where one request's window needs "
+                                          f"{window_blocks_per_request} blocks "
+                                          f"({format_bytes(window_blocks_per_request * bytes_per_block)})")
     plan = ResizePlan(split, old_num_blocks, split.pool_bytes // bytes_per_block, bytes_per_block)
     pool = f"vLLM's pool would hold {plan.new_num_blocks} blocks ({format_bytes(split.pool_bytes)})"
     floor = max(window_blocks_per_request, max_num_seqs) + 1
