@@ -82,6 +82,14 @@ def test_the_workers_tensors_take_the_new_block_count_and_keep_the_leading_block
     if old != new:
         assert result["old_bytes"] == old * BYTES_PER_BLOCK and result["new_bytes"] == new * BYTES_PER_BLOCK
         assert all(layer.impl.forgotten == 1 for layer in runner.compilation_config.static_forward_context.values())
+        # one allocation behind every layer (per-layer tensors under 10 MiB share the caching allocator's 20 MiB
+        # segments, which a later shrink could not give back whole), each layer's view its own bytes
+        kvs = list(bound(worker).values())
+        assert len({kv.untyped_storage().data_ptr() for kv in kvs}) == 1
+        spans = sorted((kv.data_ptr(), kv.data_ptr() + kv.numel() * kv.element_size()) for kv in kvs)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        kvs[0].fill_(1.0)
+        assert all(torch.equal(kv[:, :kept], before[n][:, :kept]) for n, kv in list(bound(worker).items())[1:])
 
 
 @pytest.mark.parametrize("where", ["allocate", "reshape"])
