@@ -120,9 +120,14 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: floa
         scheduler_config=SimpleNamespace(max_num_batched_tokens=2 * BS, max_num_seqs=2),
         model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
         compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
+    def abort_requests(ids):  # vLLM's: the scheduler finishes them, their blocks freed
+        for req in [r for r in scheduler.running if r.request_id in ids]:
+            scheduler.running.remove(req)
+            manager.free(req)
+
     core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
                            step_fn=lambda: (time.sleep(step_s), on_step and on_step(), steps.append(len(steps))),
-                           collective_rpc=lambda fn, args=(): [fn(worker, *args)])
+                           collective_rpc=lambda fn, args=(): [fn(worker, *args)], abort_requests=abort_requests)
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8, scheduler_lines=FIXED_STAGING))
     split = partial(split_budget, config)
     budget = config.scheduler.staging_bytes + num_blocks * BYTES_PER_BLOCK
@@ -483,3 +488,29 @@ def test_a_replaced_or_refused_shrink_gives_its_fenced_ids_back(tmp_path, then):
         core.scheduler.kv_cache_manager.get_block_ids = type(manager).get_block_ids.__get__(manager)
     assert resizer.stats()["pending_fenced_blocks"] == 0
     assert manager.block_pool.get_num_free_blocks() == 63 - 2  # every id but the null block and the two held
+
+
+def test_an_abort_between_steps_waits_for_a_resize_in_progress(tmp_path):
+    """vLLM aborts requests (freeing their blocks) in the engine's thread between steps, where a resize may be
+    running from another thread: the abort takes the step lock too, so it never edits the block pool midway."""
+    resizer, core, _, _, _ = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    req = request("a", 4 * BS)
+    assert manager.allocate_slots(req, 4 * BS) is not None
+    core.scheduler.running = [req]
+    holding, released = threading.Event(), []
+
+    def a_resize_in_progress():
+        with resizer._step_lock:
+            holding.set()
+            time.sleep(0.3)
+            released.append(time.perf_counter())
+
+    thread = threading.Thread(target=a_resize_in_progress)
+    thread.start()
+    holding.wait()
+    core.abort_requests({"a"})
+    done = time.perf_counter()
+    thread.join()
+    assert released and done >= released[0]  # after the resize let go of the pool, not during
+    assert core.scheduler.running == [] and manager.block_pool.get_num_free_blocks() == 63

@@ -109,6 +109,18 @@ class PoolResizer:
                 return result
 
         core.step_fn = step_at_boundary
+        # vLLM frees blocks outside the step too (an abort from the output processor, a prefix-cache reset), in the
+        # engine's thread between steps, where a resize may run from another: they take the step lock as well
+        for name in ("abort_requests", "reset_prefix_cache"):
+            call = getattr(core, name, None)
+            if call is not None:
+                setattr(core, name, self._under_step_lock(call))
+
+    def _under_step_lock(self, call):
+        def serialized(*args, **kwargs):
+            with self._step_lock:
+                return call(*args, **kwargs)
+        return serialized
 
     @property
     def num_blocks(self) -> int:
