@@ -109,9 +109,10 @@ class PoolResizer:
                 return result
 
         core.step_fn = step_at_boundary
-        # vLLM frees blocks outside the step too (an abort from the output processor, a prefix-cache reset), in the
-        # engine's thread between steps, where a resize may run from another: they take the step lock as well
-        for name in ("abort_requests", "reset_prefix_cache"):
+        # vLLM frees blocks outside the step too (an abort from the output processor, a prefix-cache reset, a
+        # pause that aborts), in the engine's thread between steps, where a resize may run from another: they take
+        # the step lock as well
+        for name in ("abort_requests", "reset_prefix_cache", "pause_scheduler"):
             call = getattr(core, name, None)
             if call is not None:
                 setattr(core, name, self._under_step_lock(call))

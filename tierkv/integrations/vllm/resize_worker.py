@@ -125,11 +125,13 @@ def _allocate_one_backing(runner, config) -> dict[str, torch.Tensor]:
     sharing a KVCacheTensor sharing its buffer) as views of one allocation that vLLM's own routine makes:
     the caching allocator packs per-layer tensors under 10 MiB into shared 20 MiB segments, which a later
     shrink cannot hand back to the driver whole (on the H100 a shrink to 140 blocks of 32 layers showed a
-    quarter of its bytes free). Packed layouts (a block stride) keep vLLM's per-tensor allocation."""
+    quarter of its bytes free). Packed layouts (a block stride) and Mamba state (vLLM's reshape places it by
+    storage offsets from the allocation's start) keep vLLM's per-tensor allocation."""
     import dataclasses
 
     tensors = config.kv_cache_tensors
-    if len(tensors) < 2 or any(getattr(t, "block_stride", 0) > 0 for t in tensors):
+    if (len(tensors) < 2 or any(getattr(t, "block_stride", 0) > 0 for t in tensors)
+            or getattr(config, "has_mamba_layers", False)):
         return runner._allocate_kv_cache_tensors(config)
     offsets, total = [], 0
     for t in tensors:
