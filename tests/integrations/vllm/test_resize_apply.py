@@ -4,6 +4,7 @@ failure half-way leaving the old pool. The runner and engine core are small name
 what a GPU runner and an EngineCore carry (neither constructs without a GPU)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from functools import partial
@@ -514,3 +515,14 @@ def test_an_abort_between_steps_waits_for_a_resize_in_progress(tmp_path):
     thread.join()
     assert released and done >= released[0]  # after the resize let go of the pool, not during
     assert core.scheduler.running == [] and manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_a_worker_running_another_model_runner_is_refused_when_the_resizer_starts(tmp_path, monkeypatch):
+    """`missing_worker_hooks` reads vLLM's GPUModelRunner class; the runner a worker runs may be another (vLLM's
+    V2 runner): the resizer asks each worker's runner itself, and names what it lacks instead of failing at the
+    first resize."""
+    worker = worker_of(64)
+    del worker.model_runner._allocate_kv_cache_tensors
+    monkeypatch.setattr(sys.modules[__name__], "worker_of", lambda n: worker)
+    with pytest.raises(RuntimeError, match=r"_allocate_kv_cache_tensors.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        engine_of(tmp_path)

@@ -32,7 +32,8 @@ from tierkv.units import format_bytes
 from tierkv.integrations.vllm.resize_blocks import (fence_tail, held_tail_block_ids, missing_block_pool_hooks,
                                                     release_fence, resize_block_pool)
 from tierkv.integrations.vllm.resize_plan import BudgetSplit, ResizePlan, RunningRequest, plan_resize, window_blocks
-from tierkv.integrations.vllm.resize_worker import missing_worker_hooks, resize_worker_kv, worker_least_staging
+from tierkv.integrations.vllm.resize_worker import (missing_worker_hooks, resize_worker_kv, worker_least_staging,
+                                                    worker_runner_missing)
 
 logger = logging.getLogger(__name__)
 POLICY = "step_boundary"
@@ -68,6 +69,10 @@ class PoolResizer:
             import vllm
 
             raise RuntimeError(f"vLLM {vllm.__version__} lacks what tierkv's run-time pool resize uses: {missing}")
+        missing = sorted({m for found in core.collective_rpc(worker_runner_missing) for m in found})
+        if missing:
+            raise RuntimeError(f"the engine's model runner lacks what tierkv's run-time pool resize uses: {missing} "
+                               "(vLLM's V1 GPU runner has them: VLLM_USE_V2_MODEL_RUNNER=0, as TieredLLM sets by default)")
         self.core, self._split_fn, self.budget_bytes = core, split_fn, budget_bytes
         self.manager = core.scheduler.kv_cache_manager
         config = self.manager.kv_cache_config

@@ -3,7 +3,7 @@ reallocated at the new block count, by vLLM's own allocation and reshape (the la
 start-up), run in every worker by `collective_rpc(resize_worker_kv, args=(num_blocks,))`.
 
 Primitives: `resized_kv_caches` (no vLLM: allocate, copy the kept blocks), `resize_worker_kv`
-(the collective_rpc body), `worker_least_staging`, `missing_worker_hooks`.
+(the collective_rpc body), `worker_least_staging`, `worker_runner_missing`, `missing_worker_hooks`.
 
     1. allocate every layer's new tensor      an OOM here: the new ones are dropped, nothing changed
     2. copy block ids [0, min(old, new))      on the device, along each tensor's block dimension
@@ -164,6 +164,18 @@ def _bind(runner, config, new_caches: dict[str, torch.Tensor]) -> None:
             forget()
     if has_kv_transfer_group():
         get_kv_transfer_group().register_kv_caches(new_caches)
+
+
+def worker_runner_missing(worker) -> list[str]:
+    """collective_rpc body: what the worker resize calls that this worker's model runner lacks (empty: all
+    there). `missing_worker_hooks` reads the GPUModelRunner class; a worker may run another runner (vLLM's
+    V2 runner when VLLM_USE_V2_MODEL_RUNNER=1)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return ["worker.model_runner"]
+    name = type(runner).__name__
+    return ([f"{name}.{a}" for a in RUNNER_METHODS if not callable(getattr(runner, a, None))]
+            + [f"{name}.{a}" for a in RUNNER_ATTRIBUTES if not hasattr(runner, a)])
 
 
 def worker_least_staging(worker) -> int:
