@@ -213,7 +213,7 @@ def machine(caching: bool):
 @pytest.mark.parametrize("caching", [False, True])
 def test_fenced_shrinks_over_random_admissions_frees_and_budgets_lose_no_block(caching):
     M = machine(caching)
-    M.TestCase.settings = settings(max_examples=int(os.environ.get("TIERKV_FUZZ_EXAMPLES", 100)), stateful_step_count=60,
+    M.TestCase.settings = settings(max_examples=int(os.environ.get("RESIZE_FUZZ_EXAMPLES", 100)), stateful_step_count=60,
                                    deadline=None, suppress_health_check=list(HealthCheck))
     M.TestCase().runTest()
     assert COV["held_steps"] > 0 and COV["fenced_steps"] > 0  # the fuzzer reached held, fenced shrinks
