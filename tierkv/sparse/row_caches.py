@@ -3,7 +3,7 @@ of its last selection on the GPU, and a step copies across PCIe only the selecte
 not there yet.
 
 Primitives: `RowCaches` (`take`, `give_back`, `place`, `place_rows`, `snapshot`, `restore`, `stats`), `CacheSet`,
-`cache_rows`, `staging_for_caches`.
+`cache_rows`, `least_set_bytes`, `staging_for_caches`.
 
 A cache set is one selection per layer (k blocks each) and belongs to one request at a time; the
 CUDA graphs bake its addresses in, as they bake the request's summary tables and slot lists:
@@ -58,6 +58,11 @@ def staging_for_caches(rows: int, selections: int, eager_bytes: int, num_layers:
     return -(-4 * (rows * kept + eager_bytes) // 3)
 
 
+def least_set_bytes(num_layers: int, k: int, block_bytes: int, codes_bytes: int) -> int:
+    """One row's least far-block cache set (one selection for all layers: keeps nothing) and its codes."""
+    return RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
+
+
 def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: int, num_layers: int, k: int,
                block_bytes: int, codes_bytes: int, ring_bytes: int = 0) -> tuple[int, bool, str | None]:
     """How many of `wanted` decoding rows the graphs serve, and whether their caches keep
@@ -67,7 +72,7 @@ def cache_rows(wanted: int, selections: int, staging_bytes: int, eager_bytes: in
     row a set; each row also needs codes_bytes (a quantized tier's code buffers). Every wanted row with caches
     per layer, else sets that keep nothing (one selection each, every block copied every step) for
     as many rows as fit; 0 selections asks for the latter."""
-    shared = RowCaches.bytes_per_set(num_layers, k, block_bytes, per_layer=False) + codes_bytes
+    shared = least_set_bytes(num_layers, k, block_bytes, codes_bytes)
     room = 3 * staging_bytes // 4 - eager_bytes
     if ring_bytes:  # every wanted row keeps a set that keeps nothing, if the ring's region leaves room for it
         room = min(max(room, wanted * shared), staging_bytes - ring_bytes - eager_bytes)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tierkv.config import ConfigError
 from tierkv.units import format_bytes
 from tierkv.sparse.far_source import FarSource
-from tierkv.sparse.row_caches import RowCaches, cache_rows
+from tierkv.sparse.row_caches import RowCaches, cache_rows, least_set_bytes
 from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
 
 
@@ -136,10 +136,10 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: 
                         scheduler.sparse_bound_weight)
               if sparse_blocks is not None else None)  # fmt: skip
     is_graphed = source is not None and scheduler.sparse_cuda_graphs and source.graphs_usable()
+    slot_bytes = store.cpu.slot_bytes if store.cpu.quant_format is not None else 0
     shares = carve_staging(staging_bytes, layout.num_bytes, store.num_layers, sparse_blocks,
                            max(1, min(max_rows, scheduler.sparse_graph_rows)) if is_graphed else 0,
-                           scheduler.sparse_cache_selections,
-                           store.cpu.slot_bytes if store.cpu.quant_format is not None else 0, grid)
+                           scheduler.sparse_cache_selections, slot_bytes, grid)
     row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
                             store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
                   if shares.graph_rows else None)  # fmt: skip
@@ -147,8 +147,7 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: 
     sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
                    if shares.eager_bytes else None)  # fmt: skip
     if grid is None:  # start-up: the shape every resize keeps
-        row_set = (RowCaches.bytes_per_set(store.num_layers, sparse_blocks, layout.num_bytes, per_layer=False)
-                   + sparse_blocks * (store.cpu.slot_bytes if store.cpu.quant_format is not None else 0)
+        row_set = (least_set_bytes(store.num_layers, sparse_blocks, layout.num_bytes, sparse_blocks * slot_bytes)
                    if sparse_blocks is not None else 0)  # fmt: skip
         grid = ChunkGrid(pool.region_blocks, sparse_pool.region_blocks if sparse_pool is not None else 0,
                          shares.graph_rows, row_set)
