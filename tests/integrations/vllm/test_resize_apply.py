@@ -147,13 +147,20 @@ def test_between_requests_a_change_applies_at_once(tmp_path):
     assert resizer.stats()["taken_bytes"] == 30 * BYTES_PER_BLOCK and resizer.num_blocks == 50
 
 
-def test_a_shrink_over_a_running_requests_blocks_waits_for_the_step_boundary_where_they_are_free(tmp_path):
-    resizer, core, worker, steps, staging = engine_of(tmp_path)
+def running_on_ids_31_32(core):
+    """The engine's one running request, "tail", holding block ids 31 and 32 (a filler took 1..30 first)."""
     manager = core.scheduler.kv_cache_manager
     filler, tail = request("filler", 30 * BS), request("tail", 2 * BS)
     assert manager.allocate_slots(filler, 30 * BS) is not None and manager.allocate_slots(tail, 2 * BS) is not None
     manager.free(filler)
     core.scheduler.running = [tail]
+    return tail
+
+
+def test_a_shrink_over_a_running_requests_blocks_waits_for_the_step_boundary_where_they_are_free(tmp_path):
+    resizer, core, worker, steps, staging = engine_of(tmp_path)
+    manager = core.scheduler.kv_cache_manager
+    tail = running_on_ids_31_32(core)
     before = {n: kv.clone() for n, kv in bound(worker).items()}
     first = resizer.set_gpu_budget(staging + 24 * BYTES_PER_BLOCK)
     second = resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)  # replaces the first before it applied
@@ -437,11 +444,7 @@ def _held_shrink(tmp_path):
     """An engine of 64 blocks whose running request "tail" holds ids 31 and 32, and a shrink to 20 blocks
     asked and held at one step boundary: (resizer, core, the change, the tail request, staging)."""
     resizer, core, _, _, staging = engine_of(tmp_path)
-    manager = core.scheduler.kv_cache_manager
-    filler, tail = request("filler", 30 * BS), request("tail", 2 * BS)
-    assert manager.allocate_slots(filler, 30 * BS) is not None and manager.allocate_slots(tail, 2 * BS) is not None
-    manager.free(filler)
-    core.scheduler.running = [tail]
+    tail = running_on_ids_31_32(core)
     change = resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)
     core.step_fn()
     assert not change.is_done and resizer.stats()["pending_held_blocks"] == 2
