@@ -29,6 +29,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
@@ -56,11 +58,11 @@ def free_elsewhere() -> int:
 
 
 def timed_resize(llm, budget: int) -> dict:
-    before_stats, before_free = llm.stats(), free_elsewhere()
+    before_stats, before_free, before_held = llm.stats(), free_elsewhere(), allocator_bytes()
     started = time.perf_counter()
     llm.set_gpu_budget(budget)
     seconds = time.perf_counter() - started
-    after_free, after_stats = free_elsewhere(), llm.stats()
+    after_free, after_stats, after_held = free_elsewhere(), llm.stats(), allocator_bytes()
     after = after_stats["gpu"]
     staging = [s.get("hot_window", {}).get("staging_bytes", 0) for s in (before_stats, after_stats)]
     # the pool's bytes and the staging's (the ring; sparse: its eager regions and far-block caches too)
@@ -70,7 +72,14 @@ def timed_resize(llm, budget: int) -> dict:
             "staging_bytes": staging[1],
             "vllm_num_gpu_blocks": llm.engine.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "expected_freed_bytes": expected, "freed_elsewhere_bytes": after_free - before_free,
-            "freed_fraction": (after_free - before_free) / expected if expected else None}
+            "freed_fraction": (after_free - before_free) / expected if expected else None,
+            # this process's caching allocator (the engine runs in-process): tensors dropped, segments released
+            "allocated_freed_bytes": before_held[0] - after_held[0], "reserved_freed_bytes": before_held[1] - after_held[1]}
+
+
+def allocator_bytes() -> tuple[int, int]:
+    """(allocated, reserved) bytes of this process's CUDA caching allocator."""
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 def decode_row(llm, prompt: list[int], tokens: int, reference: list[int] | None) -> dict:

@@ -61,3 +61,13 @@ def test_a_step_of_no_tokens_or_before_the_start_is_refused(t0, n, T):
     with pytest.raises(ValueError, match="step_blocks"):
         plan_step(ResidencyPlan(2, 2), T, t0, n)
 
+
+
+def test_own_segments_off_cuda_allocates_as_usual_and_yields_no_pool():
+    """`own_segments` (a resize's buffers in an allocator pool of their own) is a CUDA matter: on the CPU path it
+    changes nothing (its GPU behaviour: tests/gpu/test_own_segments_gpu.py)."""
+    from tierkv.storage.gpu import own_segments
+
+    with own_segments("cpu") as segments:
+        t = torch.zeros(4)
+    assert segments is None and t.device.type == "cpu"

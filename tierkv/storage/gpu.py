@@ -1,6 +1,7 @@
 """GPU tier: block slots on the device, sized by a byte budget, plus a staging ring.
 
-Primitives: `GpuBlockPool`, `ResidencyPlan`, `plan_residency`, `min_resident_blocks`, `staging_region_blocks`.
+Primitives: `GpuBlockPool`, `ResidencyPlan`, `plan_residency`, `min_resident_blocks`, `staging_region_blocks`,
+`own_segments`.
 
 The budget is split evenly across layers. Within a layer's slots, exact mode keeps the
 first blocks (sinks, then a cache of far blocks) and a ring of the most recent blocks:
@@ -14,6 +15,7 @@ staging ring, a separate tensor of `num_regions x region_blocks` slots.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +114,21 @@ class GpuBlockPool:
     def region_slots(self, region: int) -> range:
         start = region * self.region_blocks
         return range(start, start + self.region_blocks)
+
+
+@contextmanager
+def own_segments(device: torch.device | str):
+    """Allocations made inside (in this thread, on a CUDA `device`) come from a pool of the caching allocator of
+    their own: they share no segment with another tensor and take none another freed, so once they and the
+    yielded pool are dropped, `torch.cuda.empty_cache()` hands all their bytes back to the driver. Buffers a
+    run-time resize replaces are made so: the caching allocator packs tensors under 10 MiB into shared 20 MiB
+    segments and carves big ones out of cached free segments, and a segment any live tensor still holds stays
+    with the process. Yields the pool (None off CUDA): keep it as long as the tensors."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield None
+        return
+    with torch.cuda.device(device):
+        pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device=device):
+        yield pool

@@ -276,6 +276,7 @@ class FarKV:
         if self.graphs is not None and old_graphs is not None:
             self.graphs.carry_on_from(old_graphs)
         self.staging_bytes = staging_bytes
+        self.segments = staging.segments  # the old buffers' allocator pool goes last, after them
 
     def _streamer_over(self, pool, previous: LookaheadStreamer | None) -> LookaheadStreamer | None:
         """A lookahead streamer copying chunks through `pool` (None without one), counting on from `previous`."""

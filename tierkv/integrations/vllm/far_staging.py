@@ -21,12 +21,13 @@ result (a ring cut into smaller chunks would round differently, and flip a near 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tierkv.config import ConfigError
 from tierkv.units import format_bytes
 from tierkv.sparse.far_source import FarSource
 from tierkv.sparse.row_caches import RowCaches, cache_rows, least_set_bytes
-from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan
+from tierkv.storage.gpu import GpuBlockPool, ResidencyPlan, own_segments
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class FarStaging:
     sparse_pool: GpuBlockPool | None  # the eager sparse fetches' two regions
     warning: str | None               # why the caches keep less than one selection per layer, if they do
     grid: "ChunkGrid"                 # the start-up staging's shape, which every run-time resize keeps
+    segments: Any = None              # the allocator pool the buffers alone live in (`own_segments`): kept with them
 
 
 @dataclass(frozen=True)
@@ -140,15 +142,16 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: 
     shares = carve_staging(staging_bytes, layout.num_bytes, store.num_layers, sparse_blocks,
                            max(1, min(max_rows, scheduler.sparse_graph_rows)) if is_graphed else 0,
                            scheduler.sparse_cache_selections, slot_bytes, grid)
-    row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
-                            store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
-                  if shares.graph_rows else None)  # fmt: skip
-    pool = main_ring(store, shares.ring_bytes, grid.ring_region_blocks if grid is not None else None)
-    sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
-                   if shares.eager_bytes else None)  # fmt: skip
+    with own_segments(store.device) as segments:  # a resize that drops them gives back every byte
+        row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
+                                store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
+                      if shares.graph_rows else None)  # fmt: skip
+        pool = main_ring(store, shares.ring_bytes, grid.ring_region_blocks if grid is not None else None)
+        sparse_pool = (GpuBlockPool(layout, store.num_layers, ResidencyPlan(0, 0), shares.eager_bytes, 2, store.device)
+                       if shares.eager_bytes else None)  # fmt: skip
     if grid is None:  # start-up: the shape every resize keeps
         row_set = (least_set_bytes(store.num_layers, sparse_blocks, layout.num_bytes, sparse_blocks * slot_bytes)
                    if sparse_blocks is not None else 0)  # fmt: skip
         grid = ChunkGrid(pool.region_blocks, sparse_pool.region_blocks if sparse_pool is not None else 0,
                          shares.graph_rows, row_set)
-    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning, grid)
+    return FarStaging(sparse_blocks, source, is_graphed, row_caches, pool, sparse_pool, shares.warning, grid, segments)

@@ -10,7 +10,8 @@ Primitives: `resized_kv_caches` (no vLLM: allocate, copy the kept blocks), `resi
     3. swap: the runner's kv_caches, each attention layer's kv_cache, the runner's kv_cache_config,
        the connector's registered caches (its store reads and saves through them), the hot-window
        backend's cached views
-    4. drop the old tensors, torch.cuda.empty_cache(): the bytes go back to the driver
+    4. drop the old tensors, torch.cuda.empty_cache(): the bytes go back to the driver (the new ones are made
+       in an allocator pool of their own, `own_segments`, so that the next resize gives back all of theirs)
     (with staging_bytes, the exact hot window's staging ring is re-made the same way: allocated in 1,
     bound in 3, the old one dropped in 4)
 
@@ -23,6 +24,8 @@ import copy
 import time
 
 import torch
+
+from tierkv.storage.gpu import own_segments
 
 RUNNER_METHODS = ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors")
 RUNNER_ATTRIBUTES = ("kv_cache_config", "kv_caches", "_kernel_block_sizes", "compilation_config", "cache_config")
@@ -100,14 +103,16 @@ def resize_worker_kv(worker, new_num_blocks: int, staging_bytes: int | None = No
         raise RuntimeError("a KV pool shared across layers cannot be resized at run time")
     config = resized_config(runner.kv_cache_config, new_num_blocks)
     context = runner.compilation_config.static_forward_context
+    segments = raw = new_caches = None
     try:  # 1. allocate: an OOM leaves the old tensors bound
-        raw = _allocate_one_backing(runner, config)
+        with own_segments(getattr(runner, "device", "cpu")) as segments:  # the next resize gives back every byte of them
+            raw = _allocate_one_backing(runner, config)
         new_caches = runner._reshape_kv_cache_tensors(raw, runner._kernel_block_sizes)
         del raw
         old_caches = {name: context[name].kv_cache for name in new_caches}
         copy_kept_blocks(old_caches, new_caches)  # 2.
     except BaseException:
-        new_caches = raw = None  # noqa: F841  dropped before the cache is emptied
+        new_caches = raw = segments = None  # noqa: F841  dropped (tensors, then their pool) before the cache is emptied
         _release(runner)
         raise
     old_bytes = _storage_bytes(old_caches)
@@ -115,6 +120,7 @@ def resize_worker_kv(worker, new_num_blocks: int, staging_bytes: int | None = No
     if bind_ring is not None:
         bind_ring()
     del old_caches
+    runner._tierkv_kv_segments = segments  # the old tensors' allocator pool (a resize's) goes after them
     _release(runner)  # 4.
     new_bytes = _storage_bytes(new_caches)
     return {"old_bytes": old_bytes, "new_bytes": new_bytes, "seconds": time.perf_counter() - started}

@@ -1,0 +1,51 @@
+"""GPU: buffers made under `own_segments` (what a run-time resize replaces: vLLM's KV tensors, the hot window's
+staging) go back to the driver whole once dropped, even when a tensor allocated after them outlives them; the
+same buffers from the caching allocator's shared pool keep their segment."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
+
+from tierkv.storage.gpu import own_segments  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _returned_after_drop(private: bool) -> tuple[int, int]:
+    """Bytes the process's reservation shrinks by when 3 MiB buffers are dropped while a 1 MiB tensor made
+    after them lives on, and the bytes the buffers held."""
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if private:
+        with own_segments(device) as segments:
+            buffers = [torch.zeros(3 * MIB, dtype=torch.uint8, device=device) for _ in range(4)]
+    else:
+        segments, buffers = None, [torch.zeros(3 * MIB, dtype=torch.uint8, device=device) for _ in range(4)]
+    survivor = torch.zeros(MIB, dtype=torch.uint8, device=device)  # shares their segment unless they have their own
+    held = sum(b.numel() for b in buffers)
+    before = torch.cuda.memory_reserved(device)
+    del buffers, segments
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    returned = before - torch.cuda.memory_reserved(device)
+    assert survivor.sum().item() == 0  # alive to here
+    return returned, held
+
+
+def test_buffers_of_their_own_segments_go_back_whole_beside_a_survivor():
+    returned, held = _returned_after_drop(private=True)
+    assert returned >= held, f"{returned} of {held} bytes went back to the driver"
+
+
+def test_the_shared_pool_keeps_a_segment_a_survivor_holds():
+    """The mechanism `own_segments` avoids (if the allocator ever stops sharing small segments, this test says
+    so and the reason for `own_segments` is gone)."""
+    returned, held = _returned_after_drop(private=False)
+    assert returned < held, f"{returned} of {held} bytes went back without own_segments"
+
