@@ -111,7 +111,8 @@ def test_a_worker_failure_half_way_leaves_the_old_tensors_bound(where):
     assert [t.data_ptr() for t in runner.kv_caches] == [before[n].data_ptr() for n in NAMES]
 
 
-def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: float = 0.0, on_step=None):
+def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: float = 0.0, on_step=None,
+              sleep_mode: bool = False):
     """(PoolResizer, engine core, worker, steps run) over vLLM's KVCacheManager and a CPU worker;
     each step takes step_s seconds and calls on_step() (if given) inside it."""
     manager, worker, steps = manager_of(num_blocks), worker_of(num_blocks), []
@@ -119,7 +120,7 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: floa
     scheduler.has_unfinished_requests = lambda: bool(scheduler.running)
     vllm_config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=2 * BS, max_num_seqs=2),
-        model_config=SimpleNamespace(max_model_len=4096), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
+        model_config=SimpleNamespace(max_model_len=4096, enable_sleep_mode=sleep_mode), cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
         compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
     def abort_requests(ids):  # vLLM's: the scheduler finishes them, their blocks freed
         for req in [r for r in scheduler.running if r.request_id in ids]:
@@ -209,6 +210,17 @@ def test_captured_cuda_graphs_refuse_a_resize(tmp_path):
     with pytest.raises(BudgetRefused, match="enforce_eager"):
         resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)
     assert resizer.num_blocks == 64
+
+
+def test_an_engine_in_sleep_mode_refuses_a_resize_before_anything_changes(tmp_path):
+    """vLLM's sleep mode frees and maps back the pool it allocated in its CuMem allocator; tensors a resize made
+    outside it would stay through sleep(): the resize is refused, by name."""
+    resizer, core, worker, _, staging = engine_of(tmp_path, sleep_mode=True)
+    before = {n: kv.data_ptr() for n, kv in bound(worker).items()}
+    with pytest.raises(BudgetRefused, match="sleep mode"):
+        resizer.set_gpu_budget(staging + 20 * BYTES_PER_BLOCK)
+    assert resizer.num_blocks == 64 and {n: kv.data_ptr() for n, kv in bound(worker).items()} == before
+    assert resizer.stats()["budget_refusals"] == 1
 
 
 @pytest.mark.parametrize("where", ["workers", "block_pool"])

@@ -90,6 +90,7 @@ class PoolResizer:
         self.least_staging_bytes = max(core.collective_rpc(worker_least_staging), default=0)
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
+        self.sleep_mode = bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
         self._step_lock = threading.RLock()  # held for each engine step and each resize
         self._stepping: int | None = None    # the thread inside vLLM's step (a call from it only queues)
         self._plan_lock = threading.Lock()   # guards _pending; never held across a step
@@ -141,6 +142,10 @@ class PoolResizer:
                     raise BudgetRefused(parse_budget(budget), "vLLM captured CUDA graphs over its pool's addresses: resizing needs an "
                                    "eager engine (pass enforce_eager=True; TieredLLM starts compiled only for "
                                    "scheduler.sparse_full_graphs, as configs/vllm-128k-sparse.yaml sets)")
+                if self.sleep_mode:
+                    raise BudgetRefused(parse_budget(budget), "vLLM's sleep mode keeps the KV pool in its CuMem allocator "
+                                   "(sleep() frees it, wake_up() maps it back): a resized pool would live outside it "
+                                   "and outlast sleep(); start without enable_sleep_mode to resize at run time")
                 budget_bytes = self._plan(budget, running=()).budget_bytes  # what needs no engine state
             except (ValueError, BudgetRefused) as exc:
                 self._record_refusal(exc)
