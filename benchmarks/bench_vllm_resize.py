@@ -201,6 +201,26 @@ def _rows_for_file(rows: dict) -> dict:
     return {**rows, "phases": [{k: v for k, v in phase.items() if k not in ("tokens", "margins")} for phase in rows["phases"]]}
 
 
+def table(folder: str) -> str:
+    """Each phase of the bench-vllm-resize-*.json files under `folder`: the resize's time, the bytes another
+    process saw freed over the pool's and staging's change (and this process's allocator: tensors dropped,
+    bytes released), decode ms per token, tokens as the reference."""
+    mib = lambda b: "" if b is None else f"{b / MiB:.0f}"
+    lines = ["policy phase                      resize_ms freed/expected seen_MiB expected_MiB allocated_MiB reserved_MiB "
+             "decode_ms same_tokens"]
+    for path in sorted(Path(folder).rglob("bench-vllm-resize-*.json")):
+        rows = json.loads(path.read_text())["results"]
+        for ph in rows["phases"]:
+            fraction, ms = ph.get("freed_fraction"), ph.get("resize_s")
+            decode = ph.get("decode_ms_per_token")
+            lines.append(f"{rows['policy']:<6} {ph['phase']:<26} {'' if ms is None else f'{1e3 * ms:.1f}':>9} "
+                         f"{'' if fraction is None else f'{fraction:.3f}':>14} {mib(ph.get('freed_elsewhere_bytes')):>8} "
+                         f"{mib(ph.get('expected_freed_bytes')):>12} {mib(ph.get('allocated_freed_bytes')):>13} "
+                         f"{mib(ph.get('reserved_freed_bytes')):>12} {'' if decode is None else f'{decode:.1f}':>9} "
+                         f"{ph.get('tokens_identical')}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -211,7 +231,12 @@ def main(argv=None) -> int:
     r.add_argument("--decode-tokens", type=int, default=64)
     r.add_argument("--policy", choices=("exact", "sparse"), default="exact")
     r.add_argument("--small", default="0.5GiB", help="the shrunk budget (bytes or a size such as 768MiB)")
+    t = sub.add_parser("table", help="one line per phase of the runs' JSON files under a folder")
+    t.add_argument("folder")
     args = p.parse_args(argv)
+    if args.cmd == "table":
+        print(table(args.folder))
+        return 0
     try:
         small = parse_bytes(args.small)
     except ValueError as exc:
