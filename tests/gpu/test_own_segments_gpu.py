@@ -17,8 +17,10 @@ MIB = 1 << 20
 
 
 def _returned_after_drop(private: bool) -> tuple[int, int]:
-    """Bytes the process's reservation shrinks by when 3 MiB buffers are dropped while a 1 MiB tensor made
-    after them lives on, and the bytes the buffers held."""
+    """Bytes the process's reservation shrinks by when four 3 MiB buffers are dropped while a 2 MiB tensor made
+    after them lives on, and the bytes the buffers held. (The caching allocator serves allocations of 1-10 MiB
+    from 20 MiB segments, so the shared pool puts the survivor in the buffers' segment; at 1 MiB or less it
+    would go to the small pool's own segments.)"""
     device = torch.device("cuda")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -27,7 +29,7 @@ def _returned_after_drop(private: bool) -> tuple[int, int]:
             buffers = [torch.zeros(3 * MIB, dtype=torch.uint8, device=device) for _ in range(4)]
     else:
         segments, buffers = None, [torch.zeros(3 * MIB, dtype=torch.uint8, device=device) for _ in range(4)]
-    survivor = torch.zeros(MIB, dtype=torch.uint8, device=device)  # shares their segment unless they have their own
+    survivor = torch.zeros(2 * MIB, dtype=torch.uint8, device=device)  # shares their segment unless they have their own
     held = sum(b.numel() for b in buffers)
     before = torch.cuda.memory_reserved(device)
     del buffers, segments
