@@ -25,8 +25,9 @@ def warn_past_positions(model, request: int, num_tokens: int) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and num_tokens > limit:
         logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "
-                       "max_position_embeddings=%d: positions beyond it were not trained on", request, num_tokens,
-                       limit)
+                       "max_position_embeddings=%d: positions beyond it were not trained on, and the output may "
+                       "degrade (shorten the prompt or max_tokens, or use a checkpoint with rope scaling)", request,
+                       num_tokens, limit)
 
 
 def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict, *, vocab_size: int | None,

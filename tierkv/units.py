@@ -16,7 +16,8 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-ALLOWED_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (or a plain integer of bytes)"
+ALLOWED_UNITS = ("B; KB, MB, GB, TB (powers of 1000, as K, M, G, T); KiB, MiB, GiB, TiB (powers of 1024); "
+                 "or a plain integer of bytes")
 
 
 def parse_bytes(value: int | float | str) -> int:

@@ -169,3 +169,12 @@ def test_the_shipped_sparse_vllm_config_keeps_a_selection_per_layer_for_an_8b_re
     rows, per_layer, warning = cache_rows(4, sched.sparse_cache_selections, sched.staging_bytes, eager, 32, k,
                                           block_bytes, 0)
     assert (rows, per_layer) == (4, False) and "raise it to" in warning
+
+
+@pytest.mark.parametrize("raw", ["2 GBs", "x", 1.5, "-3GiB"])
+def test_a_bad_size_names_the_units_once_with_their_scales(raw):
+    with pytest.raises(ConfigError) as err:
+        load_config({"tiers": [{"kind": "cpu", "capacity_bytes": raw}]}, env={})
+    text = str(err.value)
+    assert "tiers[0].capacity_bytes" in text and text.count("units:") == 1
+    assert "powers of 1000" in text and "powers of 1024" in text

@@ -37,7 +37,8 @@ def convert_scalar(tp: object, raw: object, keypath: str, name: str) -> object:
         try:
             return parse_bytes(raw)
         except (ValueError, OverflowError) as exc:
-            raise ConfigError(keypath, raw, f"expected a size in whole bytes ({exc}); units: {ALLOWED_UNITS}") from None
+            units = "" if "units:" in str(exc) else f"; units: {ALLOWED_UNITS}"  # (said once)
+            raise ConfigError(keypath, raw, f"expected a size in whole bytes ({exc}){units}") from None
     if tp is bool:
         if isinstance(raw, bool):
             return raw
