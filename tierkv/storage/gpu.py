@@ -128,7 +128,8 @@ def own_segments(device: torch.device | str):
     if device.type != "cuda":
         yield None
         return
-    with torch.cuda.device(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()  # ("cuda": the current one)
+    with torch.cuda.device(index):
         pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool, device=device):
+    with torch.cuda.use_mem_pool(pool, device=index):
         yield pool
