@@ -93,6 +93,39 @@ def test_the_workers_tensors_take_the_new_block_count_and_keep_the_leading_block
         assert all(torch.equal(kv[:, :kept], before[n][:, :kept]) for n, kv in list(bound(worker).items())[1:])
 
 
+@pytest.mark.parametrize("old, new", [(40, 17), (17, 1), (1, 55)])
+def test_a_mamba_layers_state_tensors_keep_their_leading_blocks(old, new):
+    """vLLM binds a Mamba layer's cache as a list of state tensors (each [blocks, ...], views of the layer's
+    buffer): each keeps its leading blocks, and the bytes count each allocation once (found by a probe of hybrid
+    attention + Mamba models: the copy read the list as one tensor and the resize failed)."""
+    worker = worker_of(old)
+    runner, mamba = worker.model_runner, NAMES[-1]
+    floats = SPEC.page_size_bytes // 4
+    attention = runner._reshape_kv_cache_tensors
+
+    def reshape(raw, sizes):
+        caches = attention({n: t for n, t in raw.items() if n != mamba}, sizes)
+        rows = raw[mamba].view(torch.float32).view(-1, floats)  # a block's bytes: conv state, then SSM state
+        caches[mamba] = [rows[:, : floats // 4], rows[:, floats // 4 :]]
+        return caches
+
+    runner._reshape_kv_cache_tensors = reshape
+    context = runner.compilation_config.static_forward_context
+    context[mamba].kv_cache = reshape(runner._allocate_kv_cache_tensors(runner.kv_cache_config), [BS])[mamba]
+    for state in context[mamba].kv_cache:
+        state.normal_()
+    before = {n: [t.clone() for t in kv] if isinstance(kv, list) else kv.clone() for n, kv in bound(worker).items()}
+    result = resize_worker_kv(worker, new)
+    kept = min(old, new)
+    for name, kv in bound(worker).items():
+        if name == mamba:
+            assert [t.shape[0] for t in kv] == [new, new]
+            assert all(torch.equal(t[:kept], b[:kept]) for t, b in zip(kv, before[name]))
+        else:
+            assert kv.shape[1] == new and torch.equal(kv[:, :kept], before[name][:, :kept])
+    assert result["old_bytes"] == old * BYTES_PER_BLOCK and result["new_bytes"] == new * BYTES_PER_BLOCK
+
+
 @pytest.mark.parametrize("where", ["allocate", "reshape"])
 def test_a_worker_failure_half_way_leaves_the_old_tensors_bound(where):
     worker = worker_of(64)

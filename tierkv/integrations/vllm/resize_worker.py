@@ -58,20 +58,34 @@ def block_dim(old: torch.Tensor, new: torch.Tensor) -> int | None:
     return dims[0] if dims else None
 
 
-def copy_kept_blocks(old_caches: dict[str, torch.Tensor], new_caches: dict[str, torch.Tensor]) -> None:
+def copy_kept_blocks(old_caches: dict, new_caches: dict) -> None:
     """Copy each layer's leading blocks (as many as both hold) from old_caches into new_caches
     (same layer names; tensors of vLLM's per-layer layout, any dtype and device, differing only in
-    the block dimension)."""
+    the block dimension; a Mamba layer's is a list of state tensors, each copied so)."""
     if old_caches.keys() != new_caches.keys():
         raise ValueError(f"layers differ: {sorted(old_caches.keys() ^ new_caches.keys())[:4]}")
-    for name, new in new_caches.items():
-        old = old_caches[name]
-        dim = block_dim(old, new)
-        if dim is None:
-            new.copy_(old)
-            continue
-        kept = min(old.shape[dim], new.shape[dim])
-        new.narrow(dim, 0, kept).copy_(old.narrow(dim, 0, kept))
+    for name, layer in new_caches.items():
+        for old, new in _layer_tensors(name, old_caches[name], layer):
+            _copy_leading(old, new)
+
+
+def _layer_tensors(name: str, old, new) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(old, new) tensor pairs of one layer's caches: one pair, or one per state tensor of a Mamba layer."""
+    if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor):
+        return [(old, new)]
+    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(old) == len(new):
+        return list(zip(old, new))
+    raise ValueError(f"layer {name}: KV caches of different kinds ({type(old).__name__}, {type(new).__name__})")
+
+
+def _copy_leading(old: torch.Tensor, new: torch.Tensor) -> None:
+    """`old`'s leading blocks into `new` (along the one dimension in which they differ)."""
+    dim = block_dim(old, new)
+    if dim is None:
+        new.copy_(old)
+        return
+    kept = min(old.shape[dim], new.shape[dim])
+    new.narrow(dim, 0, kept).copy_(old.narrow(dim, 0, kept))
 
 
 def resized_config(kv_cache_config, new_num_blocks: int):
@@ -149,9 +163,11 @@ def _allocate_one_backing(runner, config) -> dict[str, torch.Tensor]:
     return {name: backing[o : o + t.size] for t, o in zip(tensors, offsets) for name in t.shared_by}
 
 
-def _storage_bytes(caches: dict[str, torch.Tensor]) -> int:
-    """Bytes of the distinct allocations behind `caches` (views of one backing counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches.values()}.values())
+def _storage_bytes(caches: dict) -> int:
+    """Bytes of the distinct allocations behind `caches` (views of one backing counted once; a Mamba layer's
+    state tensors each)."""
+    tensors = [t for v in caches.values() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _bind(runner, config, new_caches: dict[str, torch.Tensor]) -> None:
