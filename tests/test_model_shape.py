@@ -79,3 +79,20 @@ def test_a_malformed_shape_entry_is_refused_by_name(tmp_path, extra, named):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **extra}))
     with pytest.raises(ValueError, match=re.escape(named)):
         checkpoint_shape(str(tmp_path))
+
+
+def test_a_config_object_with_dtype_is_never_asked_for_torch_dtype():
+    """transformers 5 warns on every read of `torch_dtype` (every random-model run printed it): a config that
+    has `dtype` (None included) is read by it alone; a config.json naming only torch_dtype still counts."""
+
+    class NoTorchDtype(LlamaConfig):
+        @property
+        def torch_dtype(self):
+            raise AssertionError("torch_dtype read")
+
+    for dtype, want in ((None, "bfloat16"), ("float32", "float32")):
+        config = NoTorchDtype(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, dtype=dtype)
+        assert model_shape(config).dtype == want
+    assert model_shape({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                        "torch_dtype": "float32"}).dtype == "float32"

@@ -42,6 +42,17 @@ def _get(cfg: Any, key: str) -> Any:
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
+def _dtype_of(cfg: Any) -> Any:
+    """A config's dtype: `dtype`, else (older config.json files, or config objects that predate `dtype`)
+    `torch_dtype`. A config object with a `dtype` attribute is not asked for `torch_dtype`: transformers 5
+    warns on every read of it."""
+    if isinstance(cfg, dict):
+        return cfg.get("dtype") or cfg.get("torch_dtype")
+    if hasattr(type(cfg), "dtype") or "dtype" in getattr(cfg, "__dict__", {}):
+        return getattr(cfg, "dtype", None)
+    return getattr(cfg, "torch_dtype", None)
+
+
 def _positive(cfg: Any, key: str, source: str) -> int | None:
     """cfg's `key` when given (None when absent or null); ValueError naming it unless a positive integer."""
     value = _get(cfg, key)
@@ -81,9 +92,7 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
                              "head_dim; hidden_size must be a multiple of the heads")
         head_dim = hidden // heads
     window = _get(text, "sliding_window") if _get(text, "use_sliding_window") is not False else None
-    # `dtype` first: transformers 5 configs warn on reading torch_dtype (older config.json files name only it)
-    dtype = (_get(text, "dtype") or _get(text, "torch_dtype") or _get(cfg, "dtype") or _get(cfg, "torch_dtype")
-             or "bfloat16")
+    dtype = _dtype_of(text) or _dtype_of(cfg) or "bfloat16"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ValueError(f"model: {source} has dtype {dtype!r}; one of {', '.join(_DTYPES)} is needed")
