@@ -78,3 +78,20 @@ def test_the_config_named_by_the_environment_is_named_in_the_report(capsys, monk
     monkeypatch.setenv("TIERKV_CONFIG_FILE", "long-128k")
     assert main(["config", "check"]) == 0
     assert "tierkv config check: $TIERKV_CONFIG_FILE long-128k and TIERKV_* environment: OK" in capsys.readouterr().err
+
+
+def test_the_secret_file_is_checked_as_a_start_would_and_never_created(tmp_path, capsys):
+    secret = tmp_path / "keys" / "secret"
+    missing = write(tmp_path, f"storage:\n  secret_file: {secret}\n")
+    assert main(["config", "check", missing]) == 2
+    assert "storage.secret_file" in capsys.readouterr().err and not secret.exists()
+    created_at_start = write(tmp_path, f"storage:\n  secret_file: {secret}\n  create_secret_file: true\n")
+    assert main(["config", "check", created_at_start]) == 0 and not secret.exists()
+    secret.parent.mkdir(mode=0o700)
+    secret.write_text("x" * 40)
+    secret.chmod(0o644)
+    capsys.readouterr()
+    assert main(["config", "check", missing]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+    secret.chmod(0o600)
+    assert main(["config", "check", missing]) == 0

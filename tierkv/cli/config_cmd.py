@@ -66,9 +66,24 @@ def check_one(path: str | None) -> tuple[dict | None, list, bool]:
     config = load_config(path)
     try:
         checked = _check_budget(config)
+        _check_secret(config)
     except ConfigError as err:
         return None, [err], False
     return shown_dict(config), [], checked
+
+
+def _check_secret(config) -> None:
+    """The storage secret file is read and checked as a start would (readable, private, long enough), unless
+    it is missing and the config creates it at start: a check creates nothing."""
+    from pathlib import Path
+
+    from tierkv.storage.auth import load_secret
+
+    storage = config.storage
+    if storage.secret is None and storage.secret_file is not None:
+        if storage.create_secret_file and not Path(storage.secret_file).expanduser().exists():
+            return
+        load_secret(storage)
 
 
 def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) -> None:
