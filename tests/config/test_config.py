@@ -178,3 +178,9 @@ def test_a_bad_size_names_the_units_once_with_their_scales(raw):
     text = str(err.value)
     assert "tiers[0].capacity_bytes" in text and text.count("units:") == 1
     assert "powers of 1000" in text and "powers of 1024" in text
+
+
+def test_a_refused_size_in_bytes_shows_its_units_beside_it():
+    err = ConfigError("cache.gpu_budget_bytes", 1 << 20, "at least 4.22 MiB")
+    assert "got 1048576 (1.00 MiB);" in str(err)
+    assert "got 10;" in str(ConfigError("cache.gpu_budget_bytes", 10, "x"))

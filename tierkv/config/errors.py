@@ -21,9 +21,14 @@ def show_value(key: str, value: object) -> str:
     from tierkv.redact import redact_value
 
     try:
-        return _SHOW.repr(redact_value(key, _bounded(value, 4)))
+        shown = _SHOW.repr(redact_value(key, _bounded(value, 4)))
     except (ValueError, RecursionError):  # an int too long to print
         return f"<{type(value).__name__}>"
+    if key.endswith("_bytes") and type(value) is int and value >= 1024:  # a size: its units beside it
+        from tierkv.units import format_bytes
+
+        shown = f"{shown} ({format_bytes(value)})"
+    return shown
 
 
 def _bounded(value: object, depth: int) -> object:
