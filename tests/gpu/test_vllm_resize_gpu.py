@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 pytest.importorskip("vllm", reason="needs vLLM (the GPU machine's bundle: ../shared/device/vllm)")
 
-from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere, resize_config  # noqa: E402
+from benchmarks.bench_vllm_resize import BIG, SMALL, STAGING, free_elsewhere, resize_config  # noqa: E402
 from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
 
 CONTEXT, TOKENS = 16_000, 24
@@ -78,6 +78,27 @@ def test_a_shrink_between_requests_frees_the_pool_for_another_process_and_tokens
 
 
 GiB_QUARTER = 1 << 28
+
+
+def test_a_shrink_that_cuts_the_ring_frees_its_bytes_whole_and_tokens_stay(llm):
+    """Every row's window beside half the staging: vLLM's pool and the staging ring both shrink, from buffers a
+    resize made (the 0.5 GiB step first). Each lives in an allocator pool of its own (`own_segments`), so all
+    their bytes go back (from the shared pool, segments other tensors held kept some: 0.25-0.66x on the H100)."""
+    reference = repeat_tokens(llm, prompt(1))
+    llm.set_gpu_budget(SMALL)
+    before = llm.stats()
+    tight = (llm.resizer.rows_pool_bytes + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes
+             + STAGING // 2)
+    free_before = free_elsewhere()
+    llm.set_gpu_budget(tight)
+    freed = free_elsewhere() - free_before
+    after = llm.stats()
+    staging = [s["hot_window"]["staging_bytes"] for s in (before, after)]
+    assert staging[1] < staging[0]  # the ring was re-made smaller
+    expected = before["gpu"]["pool_bytes"] - after["gpu"]["pool_bytes"] + staging[0] - staging[1]
+    assert freed >= 0.95 * expected, f"{freed} of {expected} bytes seen free by another process"
+    assert tokens(llm, prompt(1)) == reference
+    llm.set_gpu_budget(BIG)
 
 
 @pytest.mark.parametrize("budget", [SMALL, BIG])
