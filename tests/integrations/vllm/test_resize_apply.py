@@ -162,7 +162,8 @@ def engine_of(tmp_path, num_blocks: int = 64, graphs: str = "NONE", step_s: floa
 
     core = SimpleNamespace(scheduler=scheduler, vllm_config=vllm_config, batch_queue=None,
                            step_fn=lambda: (time.sleep(step_s), on_step and on_step(), steps.append(len(steps))),
-                           collective_rpc=lambda fn, args=(): [fn(worker, *args)], abort_requests=abort_requests)
+                           collective_rpc=lambda fn, args=(): [fn(worker, *args)], abort_requests=abort_requests,
+                           post_step=lambda model_executed: steps.append(("post", model_executed)))
     config = load_config(write_config(tmp_path, window=4 * BS, staging_blocks=8, scheduler_lines=FIXED_STAGING))
     split = partial(split_budget, config)
     budget = config.scheduler.staging_bytes + num_blocks * BYTES_PER_BLOCK
@@ -563,6 +564,27 @@ def test_an_abort_between_steps_waits_for_a_resize_in_progress(tmp_path):
     thread.join()
     assert released and done >= released[0]  # after the resize let go of the pool, not during
     assert core.scheduler.running == [] and manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_the_post_step_waits_for_a_resize_in_progress(tmp_path):
+    """vLLM's in-process client calls post_step after each step, outside step_fn (speculative decoding's draft
+    tokens: a collective_rpc to the workers): it takes the step lock, so it never interleaves with a resize's."""
+    resizer, core, _, steps, _ = engine_of(tmp_path)
+    holding, released = threading.Event(), []
+
+    def a_resize_in_progress():
+        with resizer._step_lock:
+            holding.set()
+            time.sleep(0.3)
+            released.append(time.perf_counter())
+
+    thread = threading.Thread(target=a_resize_in_progress)
+    thread.start()
+    holding.wait()
+    core.post_step(model_executed=True)
+    done = time.perf_counter()
+    thread.join()
+    assert released and done >= released[0] and steps == [("post", True)]
 
 
 def test_a_worker_running_another_model_runner_is_refused_when_the_resizer_starts(tmp_path, monkeypatch):

@@ -117,8 +117,9 @@ class PoolResizer:
         core.step_fn = step_at_boundary
         # vLLM frees blocks outside the step too (an abort from the output processor, a prefix-cache reset, a
         # pause that aborts), in the engine's thread between steps, where a resize may run from another: they take
-        # the step lock as well
-        for name in ("abort_requests", "reset_prefix_cache", "pause_scheduler"):
+        # the step lock as well, and so does the in-process client's post-step (speculative decoding's draft
+        # tokens: a collective_rpc to the workers and the scheduler's requests, beside a resize's)
+        for name in ("abort_requests", "reset_prefix_cache", "pause_scheduler", "post_step"):
             call = getattr(core, name, None)
             if call is not None:
                 setattr(core, name, self._under_step_lock(call))
