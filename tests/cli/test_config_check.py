@@ -81,12 +81,27 @@ def test_the_config_named_by_the_environment_is_named_in_the_report(capsys, monk
 
 
 def test_the_secret_file_is_checked_as_a_start_would_and_never_created(tmp_path, capsys):
+    """Where a start reads it (an untrusted disk or Redis tier seals its blocks with it), not elsewhere."""
     secret = tmp_path / "keys" / "secret"
-    missing = write(tmp_path, f"storage:\n  secret_file: {secret}\n")
+
+    made = []
+
+    def write(tmp_path, text):  # a file of its own each (the module's write reuses one name)
+        made.append(tmp_path / f"c{len(made)}.yaml")
+        made[-1].write_text(text)
+        return str(made[-1])
+
+    tiers = f"tiers:\n  - kind: cpu\n    capacity_bytes: 1GiB\n  - kind: disk\n    path: {tmp_path / 'kv'}\n"
+    cpu_only = write(tmp_path, f"tiers:\n  - kind: cpu\n    capacity_bytes: 1GiB\nstorage:\n  secret_file: {secret}\n")
+    assert main(["config", "check", cpu_only]) == 0  # a start never reads it
+    missing = write(tmp_path, f"{tiers}storage:\n  secret_file: {secret}\n")
     assert main(["config", "check", missing]) == 2
     assert "storage.secret_file" in capsys.readouterr().err and not secret.exists()
-    created_at_start = write(tmp_path, f"storage:\n  secret_file: {secret}\n  create_secret_file: true\n")
+    created_at_start = write(tmp_path, f"{tiers}storage:\n  secret_file: {secret}\n  create_secret_file: true\n")
     assert main(["config", "check", created_at_start]) == 0 and not secret.exists()
+    no_home = write(tmp_path, f"{tiers}storage:\n  secret_file: ~nosuchuser-tierkv/secret\n")
+    capsys.readouterr()
+    assert main(["config", "check", no_home]) == 2 and "storage.secret_file" in capsys.readouterr().err
     secret.parent.mkdir(mode=0o700)
     secret.write_text("x" * 40)
     secret.chmod(0o644)

@@ -184,3 +184,10 @@ def test_a_refused_size_in_bytes_shows_its_units_beside_it():
     err = ConfigError("cache.gpu_budget_bytes", 1 << 20, "at least 4.22 MiB")
     assert "got 1048576 (1.00 MiB);" in str(err)
     assert "got 10;" in str(ConfigError("cache.gpu_budget_bytes", 10, "x"))
+
+
+def test_a_size_too_large_to_print_in_units_and_a_masked_one_show_no_units():
+    huge = ConfigError("scheduler.staging_bytes", 10**400, "must be at most 1024.00 TiB")  # (float() overflows)
+    assert str(huge).startswith("config key 'scheduler.staging_bytes': got 1000") and "TiB)" not in str(huge).split(";")[0]
+    masked = str(ConfigError("storage.secret_bytes", 987654321, "unknown key"))
+    assert "'***'" in masked and "MiB" not in masked and "987" not in masked

@@ -51,3 +51,15 @@ def test_the_shared_pool_keeps_a_segment_a_survivor_holds():
     returned, held = _returned_after_drop(private=False)
     assert returned < held, f"{returned} of {held} bytes went back without own_segments"
 
+
+
+def test_an_allocator_without_pools_allocates_as_usual(monkeypatch):
+    """PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync has no pools (MemPool raises): the buffers are made as
+    usual (that allocator returns freed memory itself) and no pool is yielded."""
+    def no_pools(*args, **kwargs):
+        raise RuntimeError("cudaMallocAsync does not yet support createOrIncrefPool")
+
+    monkeypatch.setattr(torch.cuda, "MemPool", no_pools)
+    with own_segments("cuda") as segments:
+        t = torch.zeros(4, device="cuda")
+    assert segments is None and t.is_cuda

@@ -73,17 +73,25 @@ def check_one(path: str | None) -> tuple[dict | None, list, bool]:
 
 
 def _check_secret(config) -> None:
-    """The storage secret file is read and checked as a start would (readable, private, long enough), unless
-    it is missing and the config creates it at start: a check creates nothing."""
+    """The storage secret file is read and checked as a start would (readable, private, long enough) where a
+    start reads it (an untrusted disk or Redis tier), unless it is missing and the config creates it at start:
+    a check creates nothing."""
     from pathlib import Path
 
+    from tierkv.config import ConfigError
     from tierkv.storage.auth import load_secret
 
     storage = config.storage
-    if storage.secret is None and storage.secret_file is not None:
-        if storage.create_secret_file and not Path(storage.secret_file).expanduser().exists():
-            return
-        load_secret(storage)
+    sealed = any(t.kind != "cpu" and not t.trusted for t in config.tiers)
+    if not sealed or storage.secret is not None or storage.secret_file is None:
+        return
+    try:
+        path = Path(storage.secret_file).expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/..."
+        raise ConfigError("storage.secret_file", storage.secret_file, f"cannot expand it ({exc})") from None
+    if storage.create_secret_file and not path.exists():
+        return
+    load_secret(storage)
 
 
 def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) -> None:

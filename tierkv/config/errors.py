@@ -21,11 +21,12 @@ def show_value(key: str, value: object) -> str:
     from tierkv.redact import redact_value
 
     try:
-        shown = _SHOW.repr(redact_value(key, _bounded(value, 4)))
+        redacted = redact_value(key, _bounded(value, 4))
+        shown = _SHOW.repr(redacted)
     except (ValueError, RecursionError):  # an int too long to print
         return f"<{type(value).__name__}>"
-    if key.endswith("_bytes") and type(value) is int and value >= 1024:  # a size: its units beside it
-        from tierkv.units import format_bytes
+    if key.endswith("_bytes") and type(value) is int and redacted is value and 1024 <= value < 1 << 80:
+        from tierkv.units import format_bytes  # a size: its units beside it (never beside a masked value)
 
         shown = f"{shown} ({format_bytes(value)})"
     return shown

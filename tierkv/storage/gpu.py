@@ -129,7 +129,11 @@ def own_segments(device: torch.device | str):
         yield None
         return
     index = device.index if device.index is not None else torch.cuda.current_device()  # ("cuda": the current one)
-    with torch.cuda.device(index):
-        pool = torch.cuda.MemPool()
+    try:
+        with torch.cuda.device(index):
+            pool = torch.cuda.MemPool()
+    except RuntimeError:  # an allocator without pools (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync frees itself)
+        yield None
+        return
     with torch.cuda.use_mem_pool(pool, device=index):
         yield pool

@@ -273,3 +273,33 @@ def test_every_staging_the_split_gives_with_the_workers_least_the_worker_can_rem
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+def test_the_staging_takes_an_allocator_pool_of_its_own_except_under_vllms_sleep_mode(tmp_path, monkeypatch):
+    """Under vLLM's sleep mode register_kv_caches runs inside vLLM's CuMem pool (freed by sleep()): the far path's
+    staging stays there (own_pool False); otherwise it is made inside `own_segments`."""
+    from tierkv.integrations.vllm import far_staging
+
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return "pool"
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(far_staging, "own_segments", Recorder)
+    worker, scheduler, _ = hot_connectors(tmp_path, window=4 * BS, staging_blocks=5)
+    try:
+        store = worker.store
+        assert len(entered) == 1 and worker._far.segments == "pool"  # the engine's start-up staging
+        assert worker.sleep_mode is False and worker._far.own_pool is True
+        assert far_staging.split_staging(store, 1).segments == "pool" and len(entered) == 2
+        assert far_staging.split_staging(store, 1, own_pool=False).segments is None and len(entered) == 2
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

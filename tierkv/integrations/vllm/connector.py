@@ -66,6 +66,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = model_identity_of(self.config, extra, model_config,
                                           getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
         self.max_model_len = getattr(model_config, "max_model_len", None)
+        # vLLM's sleep mode allocates the KV pool (and what register_kv_caches makes) in its CuMem pool, which
+        # sleep() frees: the far path's staging stays there rather than in an allocator pool of its own
+        self.sleep_mode = bool(getattr(model_config, "enable_sleep_mode", False))
         self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
         self.num_heads = query_heads_of(vllm_config)  # this rank's: the far kernels' warm-up is shaped by it
@@ -123,7 +126,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.register(kv_caches)
         self._kv_caches = dict(kv_caches)
         if self.hot_window is not None and self._far is None:
-            self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs)
+            self._far = FarKV(self.store, self.hot_window, max_model_len=self.max_model_len, max_rows=self.max_num_seqs,
+                              own_pool=not self.sleep_mode)
             if self.num_heads is not None:  # compiled now, not by the first request whose rows read far blocks
                 warm_far_kernels(self.num_heads, self.store.layout, self.store.device,
                                  rows=self._far.sparse_blocks is not None)

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 class FarKV:
     _retired_cache_counts: tuple[int, int, int] = (0, 0, 0)  # the caches' counters a staging resize dropped
 
-    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1):
+    def __init__(self, store, window_tokens: int, max_model_len: int | None = None, max_rows: int = 1,
+                 own_pool: bool = True):
         """store: the engine's `VllmKVStore` (its CPU tier, transfer engine and block I/O). Every
         streamed chunk is reported to `self.recorder`: on CUDA, how long compute waited for it,
         timed by the GPU. max_model_len: the engine's longest request; under the sparse policy it
@@ -67,7 +68,8 @@ class FarKV:
         self.window_tokens = window_tokens
         self.block_tokens = store.layout.block_tokens
         self.max_blocks = -(-max_model_len // self.block_tokens) if max_model_len else None
-        staging = split_staging(store, max_rows)  # the device buffers, carved from scheduler.staging_bytes
+        self.own_pool = own_pool  # the buffers in an allocator pool of their own (`far_staging.split_staging`)
+        staging = split_staging(store, max_rows, own_pool=own_pool)  # carved from scheduler.staging_bytes
         # sparse: a decoding row attends its k far blocks with the largest key bound (tierkv.sparse)
         self.sparse_blocks = staging.sparse_blocks
         self.source = staging.source  # what the engine-agnostic sparse step reads of the far blocks (sparse.step)
@@ -252,7 +254,7 @@ class FarKV:
         if self.full is not None:
             raise RuntimeError("the sparse step inside vLLM's full decode graph holds the far-block caches of its "
                                "staging: the staging keeps its start-up size (scheduler.sparse_full_graphs)")
-        return split_staging(self.store, self.max_rows, staging_bytes, self.grid)
+        return split_staging(self.store, self.max_rows, staging_bytes, self.grid, self.own_pool)
 
     def use_staging(self, staging: FarStaging, staging_bytes: int) -> None:
         """Read the far blocks through `staging` (carved from `staging_bytes`: at start-up, or between steps

@@ -20,6 +20,7 @@ result (a ring cut into smaller chunks would round differently, and flip a near 
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,13 +119,16 @@ def carve_staging(staging_bytes: int, block_bytes: int, num_layers: int, sparse_
     return StagingShares(eager, rows, per_layer, warning, cache_bytes, packed, staging_bytes - eager - packed - cache_bytes)
 
 
-def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: ChunkGrid | None = None) -> FarStaging:
+def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: ChunkGrid | None = None,
+                  own_pool: bool = True) -> FarStaging:
     """The buffers of a FarKV over `store` (a `VllmKVStore`: its config, layout, CPU tier, device).
 
     max_rows: the engine's decoding rows per step at most (vLLM's max_num_seqs); the graphs serve
     at most this many and at most scheduler.sparse_graph_rows. staging_bytes: what to carve them from
     (default scheduler.staging_bytes; a run-time resize passes the new budget's staging,
     `resize_plan.staging_for_budget`, and the start-up staging's `grid`, whose region sizes it keeps).
+    own_pool: allocate them in an allocator pool of their own (`own_segments`; False under vLLM's sleep mode,
+    whose CuMem pool they then join).
     """
     scheduler, layout = store.config.scheduler, store.layout
     staging_bytes = scheduler.staging_bytes if staging_bytes is None else staging_bytes
@@ -142,7 +146,7 @@ def split_staging(store, max_rows: int, staging_bytes: int | None = None, grid: 
     shares = carve_staging(staging_bytes, layout.num_bytes, store.num_layers, sparse_blocks,
                            max(1, min(max_rows, scheduler.sparse_graph_rows)) if is_graphed else 0,
                            scheduler.sparse_cache_selections, slot_bytes, grid)
-    with own_segments(store.device) as segments:  # a resize that drops them gives back every byte
+    with own_segments(store.device) if own_pool else nullcontext() as segments:  # a resize gives back every byte
         row_caches = (RowCaches(shares.graph_rows, store.num_layers, sparse_blocks, layout.shape, layout.dtype,
                                 store.device, shares.per_layer, max(1, scheduler.sparse_cache_selections))
                       if shares.graph_rows else None)  # fmt: skip
