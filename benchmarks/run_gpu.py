@@ -317,11 +317,13 @@ def vllm_resize(s):
     """The vLLM pool resized 2 GiB -> small -> 2 GiB between and during requests at 128k (exact to 0.5 GiB, sparse to
     0.75), and its GPU test (--resize-tests adds paths; --resize-tests-off skips it; --resize-policies picks)."""
     rc = 0 if s.args.resize_tests_off else s.run(
-        [PY, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/gpu/test_vllm_resize_gpu.py", *_split(s.args.resize_tests)],
+        [PY, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/gpu/test_own_segments_gpu.py", "tests/gpu/test_vllm_resize_gpu.py",
+         *_split(s.args.resize_tests)],
         "resize-tests.log", 300)
     for policy in _split(s.args.resize_policies):
         rc = max(rc, s.bench("bench_vllm_resize.py", "run", s.args.model_dir, f"{s.out}/resize", "--policy", policy,
                              *RESIZE_RUNS[policy], log=f"resize-{policy}.log", timeout_s=s.args.resize_limit_s, tail=30))
+    s.bench("bench_vllm_resize.py", "table", f"{s.out}/resize", log="resize-table.log", timeout_s=60, tail=20)
     return rc
 
 
