@@ -143,8 +143,23 @@ def test_a_document_past_the_models_positions_exits_2_before_it_is_built(monkeyp
     model = tiny_llama()
     limit = model.config.max_position_embeddings
     monkeypatch.setattr(demo_real, "load_real_model", lambda: (model, None, "tiny"))
+    monkeypatch.setattr(demo_real, "check_fits_shortcut", lambda args: None)  # the loaded model's own check
     monkeypatch.setattr("tierkv.longdoc.passkey_case", lambda *a: pytest.fail("the document was built"))
     with pytest.raises(SystemExit) as exit_info:
         main(["--tokens", "100000000", "--new-tokens", "8"])
     assert exit_info.value.code == 2
     assert f"--tokens 100000000 and --new-tokens 8: the model has {limit} positions" in capsys.readouterr().err
+
+
+def test_a_document_past_the_shortcuts_positions_is_refused_before_the_model_loads(monkeypatch, capsys):
+    """Loading the GGUF takes some 17 s on 2 cores: --tokens past its positions is refused before it."""
+    import tierkv.demo_real as demo_real
+    from tierkv.demo import main
+    from tierkv.model_loading import SHORTCUTS
+
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: pytest.fail("the model was loaded"))
+    limit = SHORTCUTS[demo_real.SHORTCUT].positions
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tokens", str(limit), "--new-tokens", "1"])
+    assert exit_info.value.code == 2
+    assert f"--tokens {limit} and --new-tokens 1: the model has {limit} positions" in capsys.readouterr().err

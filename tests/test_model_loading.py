@@ -103,3 +103,15 @@ def test_device_and_gguf_file_beside_a_loaded_model_or_a_missing_cuda_are_refuse
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on the CPU machine, before any loading
     with pytest.raises(ValueError, match="device: got 'cuda'; this machine has no CUDA device"):
         TieredLLM("/no/such/checkpoint", None, device="cuda")
+
+
+def test_each_shortcuts_positions_are_its_gguf_context_length():
+    """`Shortcut.positions` lets the demo refuse a document past the model before loading it: it must be the
+    file's own number."""
+    import gguf
+
+    for name, shortcut in SHORTCUTS.items():
+        reader = gguf.GGUFReader(shortcut_source(name).model_id)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        field = reader.fields[f"{arch}.context_length"]
+        assert int(field.parts[field.data[0]][0]) == shortcut.positions, name

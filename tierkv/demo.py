@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     if not args.random_model:
-        from tierkv.demo_real import load_real_model, run_real_model
+        from tierkv.demo_real import check_fits_shortcut, load_real_model, run_real_model
 
+        check_fits_shortcut(args)  # before the model loads (some 17 s on 2 cores)
         try:
             loaded = load_real_model()
         except ModuleNotFoundError as exc:

