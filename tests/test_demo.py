@@ -163,3 +163,15 @@ def test_a_document_past_the_shortcuts_positions_is_refused_before_the_model_loa
         main(["--tokens", str(limit), "--new-tokens", "1"])
     assert exit_info.value.code == 2
     assert f"--tokens {limit} and --new-tokens 1: the model has {limit} positions" in capsys.readouterr().err
+
+
+def test_a_bad_disk_path_is_refused_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import tierkv.demo_real as demo_real
+    from tierkv.demo import main
+
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: pytest.fail("the model was loaded"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--disk-path", str(afile)])
+    assert exit_info.value.code == 2 and f"--disk-path '{afile}'" in capsys.readouterr().err

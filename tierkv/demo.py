@@ -76,14 +76,15 @@ def _run(args) -> int:
     if not args.random_model:
         from tierkv.demo_real import check_fits_shortcut, load_real_model, run_real_model
 
+        args.disk_path_used = True  # (a tiers[1].path error names --disk-path)
         check_fits_shortcut(args)  # before the model loads (some 17 s on 2 cores)
         try:
             loaded = load_real_model()
         except ModuleNotFoundError as exc:
+            args.disk_path_used = False  # the random model's tiers come from --config
             print(f"FALLBACK: the real model is not installed ({exc}).\n"
                   "Running a random-weight model instead: it prints token ids, not text.")
         else:
-            args.disk_path_used = True
             return run_real_model(args, *loaded)
     return run_random_model(args)
 

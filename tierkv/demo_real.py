@@ -73,10 +73,12 @@ class TooLong(ValueError):
 
 
 def check_fits_shortcut(args) -> None:
-    """TooLong when --tokens and --new-tokens pass the shortcut model's positions (`Shortcut.positions`), before
-    it loads; `run_real_model` checks the prompt with its chat template against the loaded model again."""
+    """Before the shortcut model loads: ConfigError for a --disk-path its disk tier refuses, TooLong when --tokens
+    and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the prompt with its chat
+    template against the loaded model again)."""
     from tierkv.model_loading import SHORTCUTS
 
+    demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
     limit = SHORTCUTS[SHORTCUT].positions
     if args.tokens + args.new_tokens > limit:
         raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
