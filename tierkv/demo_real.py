@@ -79,8 +79,12 @@ def check_fits_shortcut(args) -> None:
     from tierkv.model_loading import SHORTCUTS
 
     demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
-    limit = SHORTCUTS[SHORTCUT].positions
-    if args.tokens + args.new_tokens > limit:
+    _check_positions(args, SHORTCUTS[SHORTCUT].positions)
+
+
+def _check_positions(args, limit: int | None) -> None:
+    """TooLong when --tokens and --new-tokens pass `limit` positions (None: no limit known)."""
+    if limit and args.tokens + args.new_tokens > limit:
         raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
                       f"(max_position_embeddings); the document and the answer must fit in them")
 
@@ -91,9 +95,7 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
     from tierkv.longdoc import dense_greedy, passkey_case
 
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and args.tokens + args.new_tokens > limit:  # before the document is built (a huge one takes minutes)
-        raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
-                      f"(max_position_embeddings); the document and the answer must fit in them")
+    _check_positions(args, limit)  # before the document is built (a huge one takes minutes)
     case = passkey_case(tokenizer, args.tokens, args.depth, args.seed)
     if limit and len(case.prompt_ids) + args.new_tokens > limit:  # the chat template's own tokens count too
         raise TooLong(f"--tokens {args.tokens}: the prompt is {len(case.prompt_ids)} tokens with the chat template, "

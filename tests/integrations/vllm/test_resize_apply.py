@@ -548,6 +548,13 @@ def test_an_abort_between_steps_waits_for_a_resize_in_progress(tmp_path):
     req = request("a", 4 * BS)
     assert manager.allocate_slots(req, 4 * BS) is not None
     core.scheduler.running = [req]
+    assert returns_after_a_resize_in_progress(resizer, lambda: core.abort_requests({"a"}))  # not during it
+    assert core.scheduler.running == [] and manager.block_pool.get_num_free_blocks() == 63
+
+
+def returns_after_a_resize_in_progress(resizer, call) -> bool:
+    """Run `call` while another thread holds the resizer's step lock (a resize in progress, 0.3 s): whether it
+    returned only after that thread let go."""
     holding, released = threading.Event(), []
 
     def a_resize_in_progress():
@@ -559,32 +566,18 @@ def test_an_abort_between_steps_waits_for_a_resize_in_progress(tmp_path):
     thread = threading.Thread(target=a_resize_in_progress)
     thread.start()
     holding.wait()
-    core.abort_requests({"a"})
+    call()
     done = time.perf_counter()
     thread.join()
-    assert released and done >= released[0]  # after the resize let go of the pool, not during
-    assert core.scheduler.running == [] and manager.block_pool.get_num_free_blocks() == 63
+    return bool(released) and done >= released[0]
 
 
 def test_the_post_step_waits_for_a_resize_in_progress(tmp_path):
     """vLLM's in-process client calls post_step after each step, outside step_fn (speculative decoding's draft
     tokens: a collective_rpc to the workers): it takes the step lock, so it never interleaves with a resize's."""
     resizer, core, _, steps, _ = engine_of(tmp_path)
-    holding, released = threading.Event(), []
-
-    def a_resize_in_progress():
-        with resizer._step_lock:
-            holding.set()
-            time.sleep(0.3)
-            released.append(time.perf_counter())
-
-    thread = threading.Thread(target=a_resize_in_progress)
-    thread.start()
-    holding.wait()
-    core.post_step(model_executed=True)
-    done = time.perf_counter()
-    thread.join()
-    assert released and done >= released[0] and steps == [("post", True)]
+    assert returns_after_a_resize_in_progress(resizer, lambda: core.post_step(model_executed=True))
+    assert steps == [("post", True)]
 
 
 def test_a_worker_running_another_model_runner_is_refused_when_the_resizer_starts(tmp_path, monkeypatch):
