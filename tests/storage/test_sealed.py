@@ -371,3 +371,13 @@ def test_peers_sealing_the_two_ways_leave_each_others_blocks_alone(make_sealed, 
     assert torch.equal(mac.get("k/L0").view(torch.uint8), written["mac"].view(torch.uint8))
     assert torch.equal(aead.get("k/L1").view(torch.uint8), written["aead"].view(torch.uint8))
     assert BlockSealer(SECRET_A, LAYOUT, encrypt=False).name("k/L0") != BlockSealer(SECRET_A, LAYOUT, encrypt=True).name("k/L0")
+
+
+def test_a_secret_file_under_an_unknown_users_home_names_the_key():
+    """`~nosuchuser/...` cannot be expanded: a start says which key, as `tierkv config check` does."""
+    from tierkv.config import ConfigError
+    from tierkv.config.schema import StorageConfig
+    from tierkv.storage.auth import load_secret
+
+    with pytest.raises(ConfigError, match="storage.secret_file.*cannot expand it"):
+        load_secret(StorageConfig(secret_file="~nosuchuser-tierkv/secret"))

@@ -76,20 +76,13 @@ def _check_secret(config) -> None:
     """The storage secret file is read and checked as a start would (readable, private, long enough) where a
     start reads it (an untrusted disk or Redis tier), unless it is missing and the config creates it at start:
     a check creates nothing."""
-    from pathlib import Path
-
-    from tierkv.config import ConfigError
-    from tierkv.storage.auth import load_secret
+    from tierkv.storage.auth import load_secret, secret_path
 
     storage = config.storage
     sealed = any(t.kind != "cpu" and not t.trusted for t in config.tiers)
     if not sealed or storage.secret is not None or storage.secret_file is None:
         return
-    try:
-        path = Path(storage.secret_file).expanduser()
-    except RuntimeError as exc:  # "~nosuchuser/..."
-        raise ConfigError("storage.secret_file", storage.secret_file, f"cannot expand it ({exc})") from None
-    if storage.create_secret_file and not path.exists():
+    if storage.create_secret_file and not secret_path(storage.secret_file).exists():
         return
     load_secret(storage)
 

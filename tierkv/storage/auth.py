@@ -1,6 +1,6 @@
 """Authenticated blocks for tiers others can write to (Redis) or that outlive the process (disk).
 
-Primitives: `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `sealer_for_tier`,
+Primitives: `secret_path`, `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `sealer_for_tier`,
 `SECRET_ENV`, `SECRET_FILE_ENV`.
 
 Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
@@ -176,13 +176,21 @@ def _as_block(payload: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 
 # -- the secret ------------------------------------------------------------------------------------
+def secret_path(secret_file: str) -> Path:
+    """storage.secret_file with `~` expanded; ConfigError naming the key when it cannot be ("~nosuchuser/...")."""
+    try:
+        return Path(secret_file).expanduser()
+    except RuntimeError as exc:
+        raise ConfigError("storage.secret_file", secret_file, f"cannot expand it ({exc})") from None
+
+
 def load_secret(storage: "StorageConfig") -> bytes | None:
     """The deployment's secret from storage.secret, else storage.secret_file; None when neither is set."""
     if storage.secret is not None:
         return storage.secret.encode()
     if storage.secret_file is None:
         return None
-    path = Path(storage.secret_file).expanduser()
+    path = secret_path(storage.secret_file)
     if not path.exists() and storage.create_secret_file:
         _create_secret_file(path)
     try:
