@@ -51,6 +51,12 @@ def resize_config(out: str, policy: str, kv_bytes_per_token: int, context: int) 
     return config
 
 
+def tight_budget(llm) -> int:
+    """A budget that holds every row's window beside half the start-up staging: the ring is re-made with
+    fewer regions of its start-up size (far_staging.ChunkGrid), which must change no token either."""
+    return llm.resizer.rows_pool_bytes + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes + STAGING // 2
+
+
 def free_elsewhere() -> int:
     """Free device bytes as a second process sees them."""
     code = "import torch; print(torch.cuda.mem_get_info()[0])"
@@ -163,10 +169,7 @@ def run(model_dir: str, out: str, context: int, decode_tokens: int, policy: str,
                                      command=" ".join(sys.argv))
         rows["phases"].append({"phase": "2GiB start", **first})
         save()
-        # a budget that holds every row's window beside half the start-up staging: the ring is re-made with
-        # fewer regions of its start-up size (far_staging.ChunkGrid), which must change no token either
-        tight = (llm.resizer.rows_pool_bytes + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes
-                 + STAGING // 2)
+        tight = tight_budget(llm)
         rows["tight_budget_bytes"] = tight
         phases = [(small, f"{small_name} between"), (tight, "tight between (ring cut)"), (BIG, "2GiB between")]
         for budget, name in phases:

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (run on the GPU machine)", allow_module_level=True)
 pytest.importorskip("vllm", reason="needs vLLM (the GPU machine's bundle: ../shared/device/vllm)")
 
-from benchmarks.bench_vllm_resize import BIG, SMALL, STAGING, free_elsewhere, resize_config  # noqa: E402
+from benchmarks.bench_vllm_resize import BIG, SMALL, free_elsewhere, resize_config, tight_budget  # noqa: E402
 from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
 
 CONTEXT, TOKENS = 16_000, 24
@@ -87,8 +87,7 @@ def test_a_shrink_that_cuts_the_ring_frees_its_bytes_whole_and_tokens_stay(llm):
     reference = repeat_tokens(llm, prompt(1))
     llm.set_gpu_budget(SMALL)
     before = llm.stats()
-    tight = (llm.resizer.rows_pool_bytes + llm.summary_reserved_bytes + llm.full_graph_reserved_bytes
-             + STAGING // 2)
+    tight = tight_budget(llm)
     free_before = free_elsewhere()
     llm.set_gpu_budget(tight)
     freed = free_elsewhere() - free_before
