@@ -143,6 +143,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         staging = self._far.make_staging(staging_bytes) if self._far is not None else None
         return None if staging is None else (lambda: self._far.use_staging(staging, staging_bytes))
 
+    def settle_transfers(self) -> None:
+        """Wait for the copy engine's transfers and drop the tensors it keeps alive for them (each copy's
+        source and destination): a run-time resize's old KV tensors and staging ring go back at once, not at
+        the next copy (`resize_worker`)."""
+        engine = getattr(self._store, "engine", None)
+        if engine is not None:
+            engine.synchronize()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
         try:

@@ -203,27 +203,33 @@ def worker_runner_missing(worker) -> list[str]:
 def worker_least_staging(worker) -> int:
     """collective_rpc body: the least staging this worker's hot window can be re-made from
     (`far_staging.ChunkGrid.least_staging_bytes`); 0 without one."""
+    far = getattr(_connector(), "_far", None)
+    return far.grid.least_staging_bytes(far.store.layout.num_bytes) if far is not None else 0
+
+
+def _connector():
+    """This worker's KV connector (None without one)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    far = getattr(get_kv_transfer_group(), "_far", None) if has_kv_transfer_group() else None
-    return far.grid.least_staging_bytes(far.store.layout.num_bytes) if far is not None else 0
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
 def _prepare_ring(staging_bytes: int | None):
     """The tierkv connector's new staging ring, allocated, and the callable that binds it (None: no change)."""
     if staging_bytes is None:
         return None
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    prepare = getattr(get_kv_transfer_group(), "prepare_staging", None)
+    prepare = getattr(_connector(), "prepare_staging", None)
     return prepare(staging_bytes) if prepare is not None else None
 
 
 def _release(runner) -> None:
-    """Hand freed KV memory back to the driver once nothing reads it."""
+    """Hand freed KV memory back to the driver once nothing reads it: the tierkv connector's copy engine
+    drops the tensors it keeps alive for its finished copies first (the last step's reads and saves name the
+    old KV tensors and staging ring; kept until its next copy, they held a shrink's bytes)."""
     device = getattr(runner, "device", None)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+        settle = getattr(_connector(), "settle_transfers", None)
+        if settle is not None:
+            settle()
         torch.cuda.empty_cache()
