@@ -76,10 +76,10 @@ def _check_secret(config) -> None:
     """The storage secret file is read and checked as a start would (readable, private, long enough) where a
     start reads it (an untrusted disk or Redis tier), unless it is missing and the config creates it at start:
     a check creates nothing."""
-    from tierkv.storage.auth import load_secret, secret_path
+    from tierkv.storage.auth import is_sealed, load_secret, secret_path
 
     storage = config.storage
-    sealed = any(t.kind != "cpu" and not t.trusted for t in config.tiers)
+    sealed = any(is_sealed(t) for t in config.tiers)
     if not sealed or storage.secret is not None or storage.secret_file is None:
         return
     if storage.create_secret_file and not secret_path(storage.secret_file).exists():

@@ -245,10 +245,16 @@ def _create_secret_file(path: Path) -> None:
                           f"writable path, or set {SECRET_ENV}") from None
 
 
+def is_sealed(tier_config: "TierConfig") -> bool:
+    """Whether a start seals the tier's blocks with the storage secret (and so reads it): disk and Redis tiers
+    unless marked trusted; the CPU tier never (its blocks stay in this process)."""
+    return tier_config.kind != "cpu" and not tier_config.trusted
+
+
 def sealer_for_tier(index: int, tier_config: "TierConfig", storage: "StorageConfig",
                     layout: BlockLayout) -> BlockSealer | None:
     """The sealer of a disk or Redis tier; None for a trusted one. Raises ConfigError without a secret."""
-    if tier_config.trusted:
+    if not is_sealed(tier_config):
         if tier_config.encrypt:
             raise ConfigError(f"tiers[{index}].encrypt", True, "needs an untrusted tier (trusted: false) and a secret")
         return None
