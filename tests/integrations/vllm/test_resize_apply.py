@@ -4,9 +4,11 @@ failure half-way leaving the old pool. The runner and engine core are small name
 what a GPU runner and an EngineCore carry (neither constructs without a GPU)."""
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -589,3 +591,24 @@ def test_a_worker_running_another_model_runner_is_refused_when_the_resizer_start
     monkeypatch.setattr(sys.modules[__name__], "worker_of", lambda n: worker)
     with pytest.raises(RuntimeError, match=r"_allocate_kv_cache_tensors.*VLLM_USE_V2_MODEL_RUNNER=0"):
         engine_of(tmp_path)
+
+
+def test_a_failed_resize_holds_none_of_its_new_tensors_while_its_error_is_kept():
+    """The error of a failed copy keeps its traceback (vLLM's collective_rpc, the caller's handler), whose
+    frames held the half-made tensors past the cache's emptying: their bytes stayed with the process. The
+    frames below the resize are cleared before it hands memory back."""
+    worker = worker_of(64)
+    runner = worker.model_runner
+    made = []
+
+    def wrong_layout(raw, sizes):  # the copy refuses it, half-way through the resize
+        caches = {n: t.view(torch.float32).view(-1, BS, H, D) for n, t in raw.items()}
+        made.extend(weakref.ref(t) for t in caches.values())
+        return caches
+
+    runner._reshape_kv_cache_tensors = wrong_layout
+    with pytest.raises(ValueError) as failure:
+        resize_worker_kv(worker, 20)
+    gc.collect()
+    assert made and all(ref() is None for ref in made), "a failed resize's tensors outlived it"
+    assert failure.value.__traceback__ is not None  # the error itself is kept whole

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+import traceback
 
 import torch
 
@@ -107,7 +108,11 @@ def resize_worker_kv(worker, new_num_blocks: int, staging_bytes: int | None = No
     {"old_bytes", "new_bytes", "seconds"} of this GPU's KV tensors."""
     started = time.perf_counter()
     runner = worker.model_runner
-    bind_ring = _prepare_ring(staging_bytes)  # an OOM here changes nothing
+    try:
+        bind_ring = _prepare_ring(staging_bytes)  # an OOM here changes nothing
+    except BaseException as exc:
+        _release_failed(runner, exc)
+        raise
     if runner.kv_cache_config.num_blocks == new_num_blocks:  # (a restore after a failure elsewhere)
         if bind_ring is not None:
             bind_ring()
@@ -125,9 +130,9 @@ def resize_worker_kv(worker, new_num_blocks: int, staging_bytes: int | None = No
         del raw
         old_caches = {name: context[name].kv_cache for name in new_caches}
         copy_kept_blocks(old_caches, new_caches)  # 2.
-    except BaseException:
+    except BaseException as exc:
         new_caches = raw = segments = None  # noqa: F841  dropped (tensors, then their pool) before the cache is emptied
-        _release(runner)
+        _release_failed(runner, exc)
         raise
     old_bytes = _storage_bytes(old_caches)
     _bind(runner, config, new_caches)  # 3.
@@ -220,6 +225,13 @@ def _prepare_ring(staging_bytes: int | None):
         return None
     prepare = getattr(_connector(), "prepare_staging", None)
     return prepare(staging_bytes) if prepare is not None else None
+
+
+def _release_failed(runner, exc: BaseException) -> None:
+    """`_release` after a failure half-way: the frames of the callees that raised held what they made (the
+    error, kept by the caller, keeps its traceback; their locals are cleared)."""
+    traceback.clear_frames(exc.__traceback__)
+    _release(runner)
 
 
 def _release(runner) -> None:
