@@ -65,12 +65,19 @@ class BlockLayout:
         return torch.empty((num_blocks, *self.shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
 
 
-def lossy_path(first_tier_storage_dtype: str) -> dict:
-    """The fingerprint's extra fields for a chain whose first (CPU) tier stores blocks quantized: every block
-    the lower tiers get passed through it, so their copies are lossy too, whatever their own storage dtype; an
-    engine whose first tier keeps blocks exact must never take them for its own. {} when it keeps them exact
-    (the addresses of exact chains stay as they were)."""
-    return {} if first_tier_storage_dtype == "auto" else {"first_tier_storage": first_tier_storage_dtype}
+def lossy_path(storage_dtypes: Sequence[str]) -> dict:
+    """The fingerprint's extra fields for a chain whose tiers (storage_dtypes, in chain order) store blocks
+    quantized anywhere: every block that passed a quantized tier is lossy in each tier below it too (spills and
+    write-through copy the dequantized values), and the engine itself reads its blocks back from there; an engine
+    whose tiers keep blocks exact must never take them for its own (a quantized disk under an exact CPU tier put
+    lossy blocks into a shared Redis under exact addresses). {} when every tier keeps them exact (the addresses
+    of exact chains stay as they were); a quantized first tier alone keeps the field it always had."""
+    dtypes = list(storage_dtypes)
+    if all(d == "auto" for d in dtypes):
+        return {}
+    if all(d == "auto" for d in dtypes[1:]):
+        return {"first_tier_storage": dtypes[0]}
+    return {"tier_storage": dtypes}
 
 
 def sparse_path(config) -> dict:
@@ -92,7 +99,7 @@ def sparse_path(config) -> dict:
 def kv_path(config) -> dict:
     """Everything of a TierKVConfig that makes its engine's KV bytes differ from exact KV of the same model:
     `lossy_path` and `sparse_path` together, the fingerprint's extra fields."""
-    return {**lossy_path(config.tiers[0].storage_dtype), **sparse_path(config)}
+    return {**lossy_path([t.storage_dtype for t in config.tiers]), **sparse_path(config)}
 
 
 def model_fingerprint(model_id: str, num_layers: int, layout: BlockLayout, extra: dict | None = None) -> str:

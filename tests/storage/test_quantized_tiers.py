@@ -131,3 +131,53 @@ def test_blocks_that_passed_a_quantized_cpu_tier_are_never_an_exact_chains(tmp_p
     assert got.stats["prefix_tokens"] == 0 and got.token_ids == want
     with TieredLLM(model, config(shared, "float8_e4m3fn"), show_progress=False) as lossy:
         assert lossy.generate([prompt], max_new_tokens=4)[0].stats["prefix_tokens"] == 256
+
+
+def test_blocks_that_passed_a_quantized_lower_tier_are_never_an_exact_chains(tmp_path):
+    """A quantized disk tier under an exact CPU tier spills its (dequantized, lossy) blocks into the shared tier
+    below it: an engine whose tiers all keep blocks exact must not reuse them (its tokens stay those of an exact
+    run), while an engine of the same chain does (blocks.lossy_path covers every tier, not the first only)."""
+    from tests.models import build
+    from tierkv.config import load_config
+    from tierkv.llm import TieredLLM
+
+    block = 2 * 2 * 4 * 16 * 4
+
+    def config(*lower, cpu_blocks=4096):
+        return load_config({"model": {"name": "lossy-lower"},
+                            "cache": {"block_tokens": 4, "gpu_budget_bytes": 12 * block, "sink_tokens": 4,
+                                      "window_tokens": 8},
+                            "tiers": [{"kind": "cpu", "capacity_bytes": cpu_blocks * block}, *lower],
+                            "scheduler": {"lookahead_layers": 1, "staging_bytes": 8 * block,
+                                          "prefill_chunk_tokens": 64}}, env={})
+
+    def disk(path, blocks, **extra):
+        return {"kind": "disk", "path": str(path), "capacity_bytes": blocks * block, "trusted": True, **extra}
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, seed=1)
+    for p in model.parameters():
+        p.data.mul_(2.5)  # a sharper random model: int8 rounding shows in its tokens
+    prompts = [torch.randint(0, 512, (203,), generator=torch.Generator().manual_seed(s)).tolist() for s in (5, 6)]
+    with TieredLLM(model, config(), show_progress=False) as exact:
+        want = exact.generate([prompts[0]], max_new_tokens=16)[0].token_ids
+    quantized = disk(tmp_path / "int8", 8, storage_dtype="int8", write_through=False)  # int8 codes: about 25 blocks
+    shared = disk(tmp_path / "shared", 4096, write_through=False)
+    with TieredLLM(model, config(quantized, shared, cpu_blocks=120), show_progress=False) as lossy:
+        for prompt in prompts:  # the second request pushes the first's blocks down: CPU -> int8 disk -> shared
+            lossy.generate([prompt], max_new_tokens=16)
+    assert any((tmp_path / "shared").iterdir())
+    with TieredLLM(model, config(shared), show_progress=False) as reader:
+        got = reader.generate([prompts[0]], max_new_tokens=16)[0]
+    assert got.stats["prefix_tokens"] == 0 and got.token_ids == want
+    with TieredLLM(model, config(quantized, shared, cpu_blocks=120), show_progress=False) as same:
+        assert same.generate([prompts[0]], max_new_tokens=16)[0].stats["prefix_tokens"] > 0
+
+
+def test_the_fingerprint_names_a_quantized_tier_wherever_it_is():
+    from tierkv.blocks import lossy_path
+
+    assert lossy_path(["auto", "auto", "auto"]) == {}
+    assert lossy_path(["int8", "auto"]) == {"first_tier_storage": "int8"}  # the addresses it always had
+    assert lossy_path(["auto", "int8"]) != {} and lossy_path(["auto", "int8"]) != lossy_path(["int8", "auto"])
+    assert lossy_path(["int8", "int8"]) != lossy_path(["int8", "auto"])
+    assert lossy_path(["auto", "int8", "auto"]) != lossy_path(["auto", "float8_e4m3fn", "auto"])

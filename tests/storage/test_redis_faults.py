@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tierkv.blocks import BlockLayout
 from tierkv.storage.redis_tier import RedisTier
 
 pytestmark = pytest.mark.redis
@@ -42,11 +43,11 @@ def raw(redis_server, redis_namespace):
 def make_tier(layout, redis_server, redis_namespace):
     tiers = []
 
-    def make(**kwargs) -> RedisTier:
+    def make(block_layout=None, **kwargs) -> RedisTier:
         kwargs.setdefault("url", redis_server.url)
         kwargs.setdefault("namespace", redis_namespace)
         capacity_bytes = kwargs.pop("capacity_bytes", None)
-        tier = RedisTier("redis", layout, capacity_bytes, **kwargs)
+        tier = RedisTier("redis", block_layout or layout, capacity_bytes, **kwargs)
         tiers.append(tier)
         return tier
 
@@ -100,6 +101,19 @@ def test_corrupt_value_is_a_counted_miss_and_deleted(layout, make_tier, raw, red
     assert tier.counters["corrupt_blocks"] == 1 and tier.counters["misses"] == 1
     assert not raw.exists(name)
     assert tier.is_healthy
+
+
+def test_an_intact_block_of_another_layout_is_a_counted_miss_left_to_its_writer(layout, make_tier, raw, redis_namespace):
+    """Two writers of one namespace whose layouts differ (another storage dtype, sealed or not) on the same
+    keys: a reader takes the other's block as a miss, counted as foreign_records, and leaves it (deleting it
+    lost the other writer's valid block)."""
+    other = BlockLayout(layout.num_kv_heads, layout.block_tokens + 1, layout.head_dim, torch.uint8)  # int8 codes, scales
+    theirs, ours = make_tier(block_layout=other), make_tier()
+    block = torch.randint(0, 255, other.shape, dtype=torch.uint8)
+    assert theirs.put(key_of(5), block).ok
+    assert ours.get(key_of(5)) is None
+    assert ours.counters["foreign_records"] == 1 and ours.counters["corrupt_blocks"] == 0
+    assert raw.exists(f"{redis_namespace}:{key_of(5)}") and torch.equal(theirs.get(key_of(5)), block)
 
 
 @pytest.mark.parametrize("kind", ["list", "hash"])

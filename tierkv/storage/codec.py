@@ -1,7 +1,7 @@
 """Self-describing binary form of a block, shared by the disk and Redis tiers.
 
 Primitives: `encode_block`, `encode_block_bytes`, `header_num_bytes`, `decode_block`,
-`decode_block_into`, `CorruptBlock`.
+`decode_block_into`, `CorruptBlock`, `ForeignBlock`.
 
     offset  size  field
     0       4     magic b"TKVB"
@@ -14,8 +14,9 @@ Primitives: `encode_block`, `encode_block_bytes`, `header_num_bytes`, `decode_bl
     ..      4     crc32 over everything before it and the payload
     ..      ...   payload (the tensor's raw bytes)
 
-A block whose checksum, key, shape or dtype does not match raises `CorruptBlock`; tiers
-treat that as a miss, count it, and drop the stored copy. The CRC-32 is zlib's; ISA-L's
+A block whose checksum or key does not match raises `CorruptBlock`; tiers treat that as a miss,
+count it, and drop the stored copy. An intact block of another shape or dtype (a writer of another
+layout on the same keys) raises `ForeignBlock`, a CorruptBlock that a reader counts and leaves. The CRC-32 is zlib's; ISA-L's
 (`isal`, a base dependency, about 3x faster) computes the same values and is used when it
 imports.
 """
@@ -40,6 +41,12 @@ _PREFIX = struct.Struct("<4sHBB")
 
 class CorruptBlock(ValueError):
     """Stored bytes do not form the block that was asked for."""
+
+
+class ForeignBlock(CorruptBlock):
+    """Intact stored bytes (checksum and key as written) of another shape or dtype than the reader's layout:
+    a writer of another layout (another storage dtype, sealed or not) on the same keys. Not damage: a reader
+    takes it as a miss and leaves it for its writer."""
 
 
 def encode_block(key: str, block: torch.Tensor) -> list[memoryview | bytes]:
@@ -84,16 +91,17 @@ def decode_block(key: str, data: bytes | bytearray | memoryview, copy: bool = Tr
 
 
 def decode_block_into(key: str, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
-    """Verify `data` and copy its payload into `out`; raises CorruptBlock, leaving `out` unspecified.
+    """Verify `data` and copy its payload into `out`; raises CorruptBlock (ForeignBlock for an intact block of
+    another shape or dtype), leaving `out` unspecified.
 
     out: a contiguous CPU tensor of the stored shape and dtype (the tier's layout).
     """
     view = memoryview(data)
     dtype, shape, offset = _parse_header(key, view)
-    if dtype != out.dtype or shape != tuple(out.shape):
-        raise CorruptBlock(f"block {key}: stored as {shape} {dtype}, expected {tuple(out.shape)} {out.dtype}")
     payload = view[offset:]
-    _check_payload(key, view[:offset], payload)
+    _check_payload(key, view[:offset], payload)  # (the checksum covers the header: a garbled shape is corrupt)
+    if dtype != out.dtype or shape != tuple(out.shape):
+        raise ForeignBlock(f"block {key}: stored as {shape} {dtype}, expected {tuple(out.shape)} {out.dtype}")
     target = memoryview(out.view(torch.uint8).reshape(-1).numpy())
     if target.nbytes != payload.nbytes:
         raise CorruptBlock(f"block {key}: payload is {payload.nbytes} bytes, its shape and dtype need {target.nbytes}")

@@ -20,7 +20,8 @@ the tier stays healthy while any primary is up); meanwhile calls for it answer a
 (misses, PutResult(ok=False), False) without touching the network. Each failed or skipped
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
 the next call tries again and a success marks the node up. A value that fails to decode is a
-miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
+miss, counted as `corrupt_blocks`, and deleted (an intact block of another layout, another storage
+dtype or sealing on the same keys, is a miss counted as `foreign_records` and left to its writer); so is a key that holds another Redis type (a
 list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
 
 Capacity: this client keeps an LRU of the keys it wrote and, with `capacity_bytes` set,
@@ -42,7 +43,7 @@ from tierkv.blocks import BlockLayout
 from tierkv.redact import redact_text
 from tierkv.redis_url import is_cluster_url, parse_cluster_url, single_url_problem
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock, decode_block_into, encode_block
+from tierkv.storage.codec import CorruptBlock, ForeignBlock, decode_block_into, encode_block
 from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.redis_link import KeyFailed, SingleLink, Unavailable
 
@@ -110,7 +111,7 @@ class RedisTier(StorageTier):
         self._check_open()
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
-            answered, corrupt, nil, wrong_type = [], [], [], []
+            answered, corrupt, nil, wrong_type, foreign = [], [], [], [], 0
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
@@ -122,6 +123,8 @@ class RedisTier(StorageTier):
                     try:
                         decode_block_into(keys[i], value, row)
                         blocks[i] = row
+                    except ForeignBlock:  # another layout's writer (storage dtype, sealing) on these keys: its block
+                        foreign += 1
                     except CorruptBlock as exc:
                         self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
@@ -136,6 +139,8 @@ class RedisTier(StorageTier):
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
             self._touch([keys[i] for i in answered if blocks[i] is not None])
             self._forget([keys[i] for i in answered if blocks[i] is None])
+            if foreign:
+                self.counters.add(foreign_records=foreign)
             if corrupt:
                 self.counters.add(corrupt_blocks=len(corrupt))
                 self._per_key("delete", corrupt)
