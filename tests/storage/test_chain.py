@@ -97,3 +97,29 @@ def test_only_blocks_no_tier_accepts_are_dropped_and_counted():
         assert chain.locate_many(list(blocks)) == [None, None, None, 0, 0]
     finally:
         chain.close()
+
+
+@pytest.mark.parametrize("path", ["spill", "write-through"])
+def test_a_tier_whose_writes_raise_is_logged_not_only_counted(tmp_path, caplog, monkeypatch, path):
+    """A tier failing every write (a sealer the installed cryptography refused did) was seen only in the
+    stats: a spill or write-through that raises is also logged, at most a line per 10 s, with what it costs."""
+    cpu = CpuTier("cpu", LAYOUT, (4 if path == "spill" else 16) * LAYOUT.num_bytes)  # 8 blocks: spills, or none
+    disk = DiskTier("disk", LAYOUT, 64 * LAYOUT.num_bytes, tmp_path / "disk")
+
+    def refuse(keys, blocks):
+        raise ValueError("data and buf must not overlap")
+
+    monkeypatch.setattr(disk, "put_many", refuse)
+    chain = TierChain([cpu, disk], write_through=[False, path == "write-through"])
+    try:
+        with caplog.at_level("WARNING", logger="tierkv.storage.chain"):
+            blocks = blocks_for(8)
+            for key, block in blocks.items():
+                chain.put_many([key], [block])
+                chain.write_through([key])
+            chain.flush()
+        lines = [r.getMessage() for r in caplog.records if "must not overlap" in r.getMessage()]
+        assert len(lines) == 1 and ("dropped" in lines[0] if path == "spill" else "CPU tier only" in lines[0])
+        assert chain.snapshot()["chain"]["spill_errors"]
+    finally:
+        chain.close()

@@ -110,13 +110,16 @@ class BlockSealer:
         view[PAYLOAD_OFFSET + n :] = bytes(TAG_BYTES)
         view[:_HEAD.size] = _HEAD.pack(MAGIC, FORMAT_VERSION, self.mode, len(key_bytes), nonce)
         aad = self._layout_bytes + bytes(view[:HEADER_BYTES])
-        view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n] = memoryview(
-            block.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
-        if self.mode == MODE_AEAD:
-            view[HEADER_BYTES : HEADER_BYTES + len(key_bytes)] = key_bytes
-            body = view[HEADER_BYTES : PAYLOAD_OFFSET + n]
-            self._aead.encrypt_into(nonce, body, aad, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16])  # in place
+        payload = memoryview(block.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+        if self.mode == MODE_AEAD:  # the key field and payload, encrypted from a buffer of their own: newer
+            # cryptography (51) refuses an output that overlaps its input; in place, every encrypted put failed there
+            body = torch.zeros(PAYLOAD_OFFSET - HEADER_BYTES + n, dtype=torch.uint8)
+            plain = memoryview(body.numpy())
+            plain[: len(key_bytes)] = key_bytes
+            plain[PAYLOAD_OFFSET - HEADER_BYTES :] = payload
+            self._aead.encrypt_into(nonce, plain, aad, view[HEADER_BYTES : PAYLOAD_OFFSET + n + 16])
         else:
+            view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n] = payload
             padded = key_bytes.ljust(KEY_FIELD_BYTES - 16, b"\0")
             self._aead.encrypt_into(nonce, padded, aad, view[HEADER_BYTES:PAYLOAD_OFFSET])
             mac = hmac.new(self._mac_key, self._layout_bytes, "sha256")

@@ -29,6 +29,7 @@ import torch
 
 from tierkv.redact import redact_text
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.write_through import WriteThrough
 
 
@@ -55,6 +56,7 @@ class TierChain:
         self.num_dropped = 0
         self.num_promoted = 0
         self.spill_errors: list[str] = []
+        self._error_log = LimitedWarning(logger)
 
     # -- writes --------------------------------------------------------------------------------
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], *, start: int = 0) -> list[PutResult]:
@@ -105,8 +107,9 @@ class TierChain:
                 self.num_spilled += len(evicted)
         except Exception as exc:  # counted and kept: a spill must never kill the pool silently
             with self._lock:
-                self.spill_errors.append(redact_text(f"{type(exc).__name__}: {exc}"))
                 self.num_dropped += len(evicted)
+            self._note_error(f"spill {type(exc).__name__}: {exc}",
+                             "those blocks are dropped: a later request recomputes them")
         finally:
             with self._lock:
                 for key, block in evicted:
@@ -126,8 +129,15 @@ class TierChain:
     def _write_through_now(self, keys: list[str]) -> None:
         error = self._write_through.write(keys)
         if error is not None:  # counted and kept, as a spill's
-            with self._lock:
-                self.spill_errors.append(error)
+            self._note_error(error, "those blocks stay in the CPU tier only")
+
+    def _note_error(self, error: str, consequence: str) -> None:
+        """A spill or write-through that raised: kept (redacted) for stats' spill_errors and logged, at most a
+        line per 10 s (a tier failing every write, e.g. its sealer, was otherwise seen only in the stats)."""
+        error = redact_text(error)
+        with self._lock:
+            self.spill_errors.append(error)
+        self._error_log.note("tierkv tiers: %s; %s (stats' spill_errors keeps the latest)", error, consequence)
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:
