@@ -36,3 +36,9 @@ def test_the_vllm_front_end_refuses_run_time_config_changes_by_name():
     llm = object.__new__(backend_class("vllm"))
     with pytest.raises(NotImplementedError, match="backend='vllm'"):
         llm.reload_config({})
+
+
+@pytest.mark.parametrize("backend", [["vllm"], {"vllm": 1}, None, 3])
+def test_a_backend_that_is_not_a_name_is_refused_by_name(backend):
+    with pytest.raises(ValueError, match=r"backend: got .*; allowed: transformers"):
+        backend_class(backend)

@@ -122,6 +122,10 @@ def test_one_bad_token_anywhere_is_named_with_its_request_and_position(ids, bad,
     ({"input_ids": [[1, 2]], "attention_mask": [[1, 1], [1, 1]]}, "2 rows for 1 rows"), (3, "prompts: got int"),
     (np.array([2**64 - 1], dtype=np.uint64), "token 0 is 18446744073709551615"), ([1, 2**70], "token 1 is 1180591620717411303424"),
     ({1, 2}, "prompts: got set"),
+    ({"input_ids": [1, 2], "attention_mask": 5}, "prompts['attention_mask']: got 5"),
+    ({"input_ids": [1, 2], "attention_mask": [None, 1]}, "attention_mask must be 0s and 1s"),
+    (torch.tensor([1, 2], device="meta"), "a tensor on the meta device"),
+    (np.array([2**64 - 1], dtype=np.uint64), f"token ids are ints in [0, {VOCAB})"),
 ])
 def test_bad_prompt_forms_are_refused_by_name(prompts, message):
     with pytest.raises(PromptError, match=re.escape(message)):

@@ -43,8 +43,8 @@ BACKENDS = {  # backend name -> "module:class" of its TieredLLM subclass (None: 
 
 def backend_class(backend: str) -> type["TieredLLM"]:
     """The TieredLLM class of `backend`, imported by name (ValueError naming the allowed ones)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: got {backend!r:.80}; allowed: {', '.join(BACKENDS)}")
     if BACKENDS[backend] is None:
         return TieredLLM
     module_name, class_name = BACKENDS[backend].split(":")

@@ -76,7 +76,7 @@ def token_ids(prompt: Any, *, index: int = 0, vocab_size: int | None = None) -> 
         if prompt.ndim != 1:
             raise PromptError(f"{where}: got a {prompt.ndim}-D {type(prompt).__name__} of shape {tuple(prompt.shape)}; "
                               "one prompt is 1-D [n] (a batch is a 2-D tensor or a list of prompts)")
-        ids = _integer_array(prompt, where)
+        ids = _integer_array(prompt, where, vocab_size)
         _check_range(ids, where, vocab_size)
         return ids.tolist()
     if not isinstance(prompt, (list, tuple)):
@@ -113,19 +113,22 @@ def _token(value: Any, where: str, pos: int) -> int:
     raise PromptError(f"{where}: token {pos} is {value!r} ({type(value).__name__}); token ids are integers")
 
 
-def _integer_array(array: torch.Tensor | np.ndarray, where: str) -> np.ndarray | torch.Tensor:
+def _integer_array(array: torch.Tensor | np.ndarray, where: str,
+                   vocab_size: int | None = None) -> np.ndarray | torch.Tensor:
     """A 1-D integer tensor (on the CPU) or array; refuses other dtypes and empty ones."""
     if isinstance(array, torch.Tensor):
         if array.is_floating_point() or array.is_complex() or array.dtype == torch.bool:
             raise PromptError(f"{where}: a tensor of dtype {array.dtype}; token ids need an integer dtype "
                               "(e.g. torch.long)")
+        if array.is_meta:
+            raise PromptError(f"{where}: a tensor on the meta device holds no token ids; pass one with data")
         array = array.detach().cpu().long()
     elif array.dtype.kind not in "iu":
         raise PromptError(f"{where}: an array of dtype {array.dtype}; token ids need an integer dtype (e.g. int64)")
     else:
         if array.dtype == np.uint64 and array.size and int(array.max()) >= MAX_TOKEN_ID:
-            raise PromptError(f"{where}: token {int(array.argmax())} is {int(array.max())}; token ids are ints in "
-                              f"[0, {MAX_TOKEN_ID})")
+            raise PromptError(_range_message(where, int(array.argmax()), int(array.max()),
+                                             MAX_TOKEN_ID if vocab_size is None else vocab_size))
         array = array.astype(np.int64)
     if array.shape[0] == 0:
         raise PromptError(f"{where}: the prompt is empty")
@@ -172,8 +175,14 @@ def _from_encoding(encoding: Mapping) -> list:
     mask = encoding.get("attention_mask")
     if mask is None:
         return rows
-    mask_rows = _array_rows(mask, "prompts['attention_mask']") if isinstance(mask, (torch.Tensor, np.ndarray)) \
-        else ([mask] if mask and _is_scalar(mask[0]) else list(mask))
+    if isinstance(mask, (torch.Tensor, np.ndarray)):
+        mask_rows = _array_rows(mask, "prompts['attention_mask']")
+    elif isinstance(mask, (list, tuple)) and mask:
+        rows_given = all(isinstance(m, (list, tuple)) or getattr(m, "ndim", 0) >= 1 for m in mask)
+        mask_rows = list(mask) if rows_given else [mask]  # (a row with a bad value is named by _unpad)
+    else:
+        raise PromptError(f"prompts['attention_mask']: got {mask!r:.60}; expected 0s and 1s, one per input id, "
+                          "as a list, a tensor, or a list of them")
     if len(mask_rows) != len(rows):
         raise PromptError(f"prompts['attention_mask']: {len(mask_rows)} rows for {len(rows)} rows of input_ids")
     return [_unpad(row, m, i) for i, (row, m) in enumerate(zip(rows, mask_rows))]

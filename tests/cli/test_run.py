@@ -106,7 +106,10 @@ def test_bad_token_id_files_exit_2_and_name_the_token(checkpoint, config_path, t
     (["run", "--demo", "--prometheus-port", "70000"], "--prometheus-port 70000: config key 'metrics.prometheus_port'"),
     (["run", "--demo", "--prometheus-port", "-1"], "--prometheus-port -1: config key 'metrics.prometheus_port'"),
     (["run", "--demo", "--jsonl", "/tmp"], "--jsonl /tmp: config key 'metrics.jsonl_path': got '/tmp'; expected a file"),
-    (["run", "--demo", "--report", "/proc/r.html"], "--report /proc/r.html: config key 'metrics.jsonl_path'"),
+    (["run", "--demo", "--report", "/proc/r.html"], "--report /proc/r.html: expected a writable directory"),
+    # the report is written after the run: its path is checked before it, beside a --jsonl of its own too
+    (["run", "--demo", "--jsonl", "/tmp/tierkv-run-test.jsonl", "--report", "/proc/r.html"], "--report /proc/r.html"),
+    (["run", "--demo", "--report", "/tmp"], "--report /tmp: expected a file; it is a directory"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(capsys, argv, message):
     assert main(argv) == 2

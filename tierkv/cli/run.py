@@ -100,6 +100,13 @@ def _with_flags(config, args):
     if args.prometheus_port is not None:
         metrics["prometheus_port"] = args.prometheus_port
         flags.append(f"--prometheus-port {args.prometheus_port}")
+    if args.report:  # written after the run: refused before it, as the config's own file paths are
+        from tierkv.config.fields import check_writable_file
+
+        try:
+            check_writable_file(args.report, "--report")
+        except ConfigError as exc:
+            raise UsageError(f"--report {args.report}: {exc.allowed}") from None
     if not metrics:
         return config
     values = to_dict(config)
