@@ -163,6 +163,9 @@ def _read_yaml(path: Path) -> dict:
     except _DuplicateKey as exc:
         raise ConfigError("config_file", str(path), f"expected each key once: {exc}") from None
     except _YAML_ERRORS as exc:
+        if "maximum nesting depth" in str(exc):  # PyYAML 6.0.4's own limit, met before ours
+            raise ConfigError("config_file", str(path), f"expected valid YAML nested at most {MAX_DEPTH} levels") \
+                from None
         raise ConfigError("config_file", str(path), f"expected valid YAML ({exc})") from None
     if data is None:
         if not text.strip():  # a file truncated or never written, not a choice of the defaults
