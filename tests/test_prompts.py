@@ -126,6 +126,7 @@ def test_one_bad_token_anywhere_is_named_with_its_request_and_position(ids, bad,
     ({"input_ids": [1, 2], "attention_mask": [None, 1]}, "attention_mask must be 0s and 1s"),
     (torch.tensor([1, 2], device="meta"), "a tensor on the meta device"),
     (np.array([2**64 - 1], dtype=np.uint64), f"token ids are ints in [0, {VOCAB})"),
+    (torch.tensor([1, 2**64 - 1], dtype=torch.uint64), "token 1 is 18446744073709551615"),  # not a wrapped -1
 ])
 def test_bad_prompt_forms_are_refused_by_name(prompts, message):
     with pytest.raises(PromptError, match=re.escape(message)):

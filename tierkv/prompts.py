@@ -122,10 +122,13 @@ def _integer_array(array: torch.Tensor | np.ndarray, where: str,
                               "(e.g. torch.long)")
         if array.is_meta:
             raise PromptError(f"{where}: a tensor on the meta device holds no token ids; pass one with data")
-        array = array.detach().cpu().long()
-    elif array.dtype.kind not in "iu":
-        raise PromptError(f"{where}: an array of dtype {array.dtype}; token ids need an integer dtype (e.g. int64)")
-    else:
+        if array.dtype == getattr(torch, "uint64", None):  # past 2**63, .long() wraps to a negative id
+            array = array.detach().cpu().numpy()  # checked below as the array it is
+        else:
+            array = array.detach().cpu().long()
+    if isinstance(array, np.ndarray):
+        if array.dtype.kind not in "iu":
+            raise PromptError(f"{where}: an array of dtype {array.dtype}; token ids need an integer dtype (e.g. int64)")
         if array.dtype == np.uint64 and array.size and int(array.max()) >= MAX_TOKEN_ID:
             raise PromptError(_range_message(where, int(array.argmax()), int(array.max()),
                                              MAX_TOKEN_ID if vocab_size is None else vocab_size))

@@ -192,3 +192,20 @@ def test_secrets_never_show_in_a_configs_repr_or_in_a_misspelt_keys_error():
         with pytest.raises(ConfigError) as info:
             load_config({section: {key: token}}, env={})
         assert token not in str(info.value) and "did you mean" in str(info.value)
+
+
+def test_a_parser_nesting_limit_reads_as_ours(tmp_path, monkeypatch):
+    """PyYAML 6.0.4 stops deep nesting itself, with a ScannerError, before tierkv's own depth check: the same
+    message either way (this machine may run an older PyYAML, so the parser's error is raised here)."""
+    import yaml
+
+    from tierkv.config import load as config_load
+
+    def deep(text):
+        raise yaml.scanner.ScannerError("while increasing flow level", None, "exceeded maximum nesting depth", None)
+
+    monkeypatch.setattr(config_load, "_yaml_load", deep)
+    path = tmp_path / "c.yaml"
+    path.write_text("cache: [[[1]]]\n")
+    with pytest.raises(ConfigError, match="nested at most 32"):
+        load_config(path, env={})

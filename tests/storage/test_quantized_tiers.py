@@ -176,8 +176,13 @@ def test_blocks_that_passed_a_quantized_lower_tier_are_never_an_exact_chains(tmp
 def test_the_fingerprint_names_a_quantized_tier_wherever_it_is():
     from tierkv.blocks import lossy_path
 
-    assert lossy_path(["auto", "auto", "auto"]) == {}
-    assert lossy_path(["int8", "auto"]) == {"first_tier_storage": "int8"}  # the addresses it always had
-    assert lossy_path(["auto", "int8"]) != {} and lossy_path(["auto", "int8"]) != lossy_path(["int8", "auto"])
-    assert lossy_path(["int8", "int8"]) != lossy_path(["int8", "auto"])
-    assert lossy_path(["auto", "int8", "auto"]) != lossy_path(["auto", "float8_e4m3fn", "auto"])
+    def path(*dtypes, kinds=("cpu", "disk", "redis")):
+        return lossy_path(list(zip(kinds, dtypes)))
+
+    assert path("auto", "auto", "auto") == {} == path("bfloat16", "auto", "float32")  # the KV dtype spelled out is exact
+    assert path("int8", "auto") == {"first_tier_storage": "int8"}  # the addresses it always had
+    assert path("auto", "int8") != {} and path("auto", "int8") != path("int8", "auto")
+    assert path("int8", "int8") != path("int8", "auto")
+    assert path("auto", "int8", "auto") != path("auto", "float8_e4m3fn", "auto")
+    # a shared Redis tier's blocks have one layout under one address: the kinds count where the formats do
+    assert path("auto", "int8", "auto", kinds=("cpu", "redis", "disk")) != path("auto", "int8", "auto")

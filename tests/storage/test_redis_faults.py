@@ -103,17 +103,18 @@ def test_corrupt_value_is_a_counted_miss_and_deleted(layout, make_tier, raw, red
     assert tier.is_healthy
 
 
-def test_an_intact_block_of_another_layout_is_a_counted_miss_left_to_its_writer(layout, make_tier, raw, redis_namespace):
-    """Two writers of one namespace whose layouts differ (another storage dtype, sealed or not) on the same
-    keys: a reader takes the other's block as a miss, counted as foreign_records, and leaves it (deleting it
-    lost the other writer's valid block)."""
+def test_an_intact_block_of_another_layout_is_a_foreign_miss_and_deleted(layout, make_tier, raw, redis_namespace):
+    """A block of another layout under a key (block addresses name the storage formats, so an older writer's):
+    a miss counted as foreign_records, not corrupt_blocks, and deleted, or the key would go on answering
+    EXISTS (contains_many) while every read of it misses, and the block would never be stored again."""
     other = BlockLayout(layout.num_kv_heads, layout.block_tokens + 1, layout.head_dim, torch.uint8)  # int8 codes, scales
     theirs, ours = make_tier(block_layout=other), make_tier()
-    block = torch.randint(0, 255, other.shape, dtype=torch.uint8)
-    assert theirs.put(key_of(5), block).ok
-    assert ours.get(key_of(5)) is None
+    assert theirs.put(key_of(5), torch.randint(0, 255, other.shape, dtype=torch.uint8)).ok
+    assert ours.contains_many([key_of(5)]) == [True] and ours.get(key_of(5)) is None
     assert ours.counters["foreign_records"] == 1 and ours.counters["corrupt_blocks"] == 0
-    assert raw.exists(f"{redis_namespace}:{key_of(5)}") and torch.equal(theirs.get(key_of(5)), block)
+    assert ours.contains_many([key_of(5)]) == [False] and not raw.exists(f"{redis_namespace}:{key_of(5)}")
+    block = make_block(layout, 5)
+    assert ours.put(key_of(5), block).ok and torch.equal(ours.get(key_of(5)), block)
 
 
 @pytest.mark.parametrize("kind", ["list", "hash"])

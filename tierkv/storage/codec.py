@@ -16,7 +16,7 @@ Primitives: `encode_block`, `encode_block_bytes`, `header_num_bytes`, `decode_bl
 
 A block whose checksum or key does not match raises `CorruptBlock`; tiers treat that as a miss,
 count it, and drop the stored copy. An intact block of another shape or dtype (a writer of another
-layout on the same keys) raises `ForeignBlock`, a CorruptBlock that a reader counts and leaves. The CRC-32 is zlib's; ISA-L's
+layout on the same keys) raises `ForeignBlock`, a CorruptBlock that a reader counts apart. The CRC-32 is zlib's; ISA-L's
 (`isal`, a base dependency, about 3x faster) computes the same values and is used when it
 imports.
 """
@@ -45,8 +45,8 @@ class CorruptBlock(ValueError):
 
 class ForeignBlock(CorruptBlock):
     """Intact stored bytes (checksum and key as written) of another shape or dtype than the reader's layout:
-    a writer of another layout (another storage dtype, sealed or not) on the same keys. Not damage: a reader
-    takes it as a miss and leaves it for its writer."""
+    not damage but a writer of another layout under the same key (block addresses name the tiers' storage
+    formats, so an older writer); counted apart from corrupt blocks."""
 
 
 def encode_block(key: str, block: torch.Tensor) -> list[memoryview | bytes]:

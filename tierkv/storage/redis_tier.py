@@ -20,8 +20,10 @@ the tier stays healthy while any primary is up); meanwhile calls for it answer a
 (misses, PutResult(ok=False), False) without touching the network. Each failed or skipped
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
 the next call tries again and a success marks the node up. A value that fails to decode is a
-miss, counted as `corrupt_blocks`, and deleted (an intact block of another layout, another storage
-dtype or sealing on the same keys, is a miss counted as `foreign_records` and left to its writer); so is a key that holds another Redis type (a
+miss, counted as `corrupt_blocks`, and deleted (an intact block of another layout under a key is
+counted as `foreign_records` instead, and deleted too: block addresses name the layout's storage
+formats, so only an older writer puts one there, and kept it would answer EXISTS while every read
+misses); so is a key that holds another Redis type (a
 list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
 
 Capacity: this client keeps an LRU of the keys it wrote and, with `capacity_bytes` set,
@@ -111,7 +113,7 @@ class RedisTier(StorageTier):
         self._check_open()
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
-            answered, corrupt, nil, wrong_type, foreign = [], [], [], [], 0
+            answered, corrupt, nil, wrong_type, foreign = [], [], [], [], []
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
@@ -123,8 +125,10 @@ class RedisTier(StorageTier):
                     try:
                         decode_block_into(keys[i], value, row)
                         blocks[i] = row
-                    except ForeignBlock:  # another layout's writer (storage dtype, sealing) on these keys: its block
-                        foreign += 1
+                    except ForeignBlock as exc:  # a block of another layout under this layout's address
+                        self._corrupt_log.note("%s: dropping block(s) of another layout under this tier's keys (a "
+                                               "writer of an older tierkv); latest: %s", self.name, exc)
+                        foreign.append(keys[i])
                     except CorruptBlock as exc:
                         self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
@@ -140,10 +144,11 @@ class RedisTier(StorageTier):
             self._touch([keys[i] for i in answered if blocks[i] is not None])
             self._forget([keys[i] for i in answered if blocks[i] is None])
             if foreign:
-                self.counters.add(foreign_records=foreign)
+                self.counters.add(foreign_records=len(foreign))
             if corrupt:
                 self.counters.add(corrupt_blocks=len(corrupt))
-                self._per_key("delete", corrupt)
+            if corrupt or foreign:  # kept, a key would go on answering EXISTS while every read of it misses
+                self._per_key("delete", corrupt + foreign)
         return blocks
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:

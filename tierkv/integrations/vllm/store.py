@@ -58,7 +58,7 @@ class VllmKVStore:
         self.layout = layout
         self.layer_index = layer_order(layer_names)
         self.num_layers = len(self.layer_index)
-        # the same on the scheduler side (lookup_only, no CPU tier of its own): the config's first tier
+        # the same on the scheduler side (lookup_only, no CPU tier of its own): every tier of the config counts
         self.fingerprint = model_fingerprint(self.identity.key, self.num_layers, layout, kv_path(config))
         self.device = torch.device(device)
         self.lookup_only = lookup_only
