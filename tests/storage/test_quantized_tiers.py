@@ -102,7 +102,7 @@ def test_chain_spills_into_a_quantized_disk_and_promotes_back(fmt, tmp_path):
 
 def test_blocks_that_passed_a_quantized_cpu_tier_are_never_an_exact_chains(tmp_path):
     """A CPU tier storing fp8 writes its (lossy) blocks through to an 'auto' disk tier: an engine whose
-    CPU tier keeps blocks exact must not reuse them (its addresses differ: blocks.lossy_path), while
+    CPU tier keeps blocks exact must not reuse them (its addresses differ: addresses.lossy_path), while
     another fp8 engine on the same directory does."""
     from tests.models import build
     from tierkv.config import load_config
@@ -136,7 +136,7 @@ def test_blocks_that_passed_a_quantized_cpu_tier_are_never_an_exact_chains(tmp_p
 def test_blocks_that_passed_a_quantized_lower_tier_are_never_an_exact_chains(tmp_path):
     """A quantized disk tier under an exact CPU tier spills its (dequantized, lossy) blocks into the shared tier
     below it: an engine whose tiers all keep blocks exact must not reuse them (its tokens stay those of an exact
-    run), while an engine of the same chain does (blocks.lossy_path covers every tier, not the first only)."""
+    run), while an engine of the same chain does (addresses.lossy_path covers every tier, not the first only)."""
     from tests.models import build
     from tierkv.config import load_config
     from tierkv.llm import TieredLLM
@@ -174,7 +174,7 @@ def test_blocks_that_passed_a_quantized_lower_tier_are_never_an_exact_chains(tmp
 
 
 def test_the_fingerprint_names_a_quantized_tier_wherever_it_is():
-    from tierkv.blocks import lossy_path
+    from tierkv.addresses import lossy_path
 
     def path(*dtypes, kinds=("cpu", "disk", "redis")):
         return lossy_path(list(zip(kinds, dtypes)))

@@ -1,5 +1,5 @@
 """Blocks a sparse-policy engine wrote are never an exact engine's, nor another selection's: the KV of the
-tokens it decodes comes from layers that attended a selection of the far blocks (`blocks.sparse_path` in the
+tokens it decodes comes from layers that attended a selection of the far blocks (`addresses.sparse_path` in the
 fingerprint; the transformers engine never publishes a block holding a decoded token, `SequenceKV._key`). A follow-up turn (the prompt plus the first turn's answer) on a shared disk tier reused that KV
 and gave other tokens than transformers (found by a shared-tier probe)."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.models import build, reference_greedy
-from tierkv.blocks import BlockLayout, kv_path, model_fingerprint
+from tierkv.addresses import kv_path
+from tierkv.blocks import BlockLayout, model_fingerprint
 from tierkv.config import load_config
 from tierkv.llm import TieredLLM
 

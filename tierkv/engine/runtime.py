@@ -11,7 +11,8 @@ import threading
 
 import torch
 
-from tierkv.blocks import BlockLayout, dtype_name, kv_path, model_fingerprint
+from tierkv.addresses import kv_path
+from tierkv.blocks import BlockLayout, dtype_name, model_fingerprint
 from tierkv.attention.cpu_far import InPlaceFarReads, reads_in_place
 from tierkv.config import ConfigError, TierKVConfig
 from tierkv.block_io import BlockIO

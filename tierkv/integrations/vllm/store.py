@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 
 from tierkv.block_io import BlockIO
-from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, kv_path, model_fingerprint
+from tierkv.addresses import kv_path
+from tierkv.blocks import BlockLayout, block_keys, chain_block_hashes, model_fingerprint
 from tierkv.config import TierKVConfig
 from tierkv.model_identity import ModelIdentity
 from tierkv.storage import build_tiers
