@@ -113,13 +113,14 @@ def test_a_tier_whose_writes_raise_is_logged_not_only_counted(tmp_path, caplog, 
     chain = TierChain([cpu, disk], write_through=[False, path == "write-through"])
     try:
         with caplog.at_level("WARNING", logger="tierkv.storage.chain"):
-            blocks = blocks_for(8)
+            blocks = blocks_for(24)
             for key, block in blocks.items():
                 chain.put_many([key], [block])
                 chain.write_through([key])
             chain.flush()
         lines = [r.getMessage() for r in caplog.records if "must not overlap" in r.getMessage()]
         assert len(lines) == 1 and ("dropped" in lines[0] if path == "spill" else "CPU tier only" in lines[0])
-        assert chain.snapshot()["chain"]["spill_errors"]
+        errors = chain.snapshot()["chain"]["spill_errors"]
+        assert 1 <= len(errors) <= 10 and len(chain.spill_errors) <= 10  # the latest only, however many calls fail
     finally:
         chain.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -55,7 +56,7 @@ class TierChain:
         self.num_spilled = 0
         self.num_dropped = 0
         self.num_promoted = 0
-        self.spill_errors: list[str] = []
+        self.spill_errors: deque[str] = deque(maxlen=10)  # the latest (a tier failing every write: one per call)
         self._error_log = LimitedWarning(logger)
 
     # -- writes --------------------------------------------------------------------------------
@@ -268,7 +269,7 @@ class TierChain:
         with self._lock:
             chain = {
                 "spilled": self.num_spilled, "dropped": self.num_dropped, "promoted": self.num_promoted,
-                "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors[-10:]),
+                "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors),
                 **self._write_through.snapshot(),
             }
         return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}
