@@ -127,3 +127,31 @@ def test_a_401_with_an_error_page_that_is_not_json_still_asks_for_the_token(caps
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_redirect_is_not_followed_with_the_token(capsys):
+    """An endpoint answering 302 to another server: urllib followed it with the Authorization header (as a GET)
+    and the command said the budget was set. The redirect is refused, naming where it pointed; the other server
+    sees nothing."""
+    from tierkv.dashboard.app import serve
+
+    seen = []
+
+    def elsewhere(environ, start_response):
+        seen.append(environ.get("HTTP_AUTHORIZATION"))
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [b"{}"]
+
+    other = serve(elsewhere, "127.0.0.1", 0)
+
+    def redirecting(environ, start_response):
+        start_response("302 Found", [("Location", f"{other.url}/api/gpu_budget"), ("Content-Length", "0")])
+        return [b""]
+
+    server = serve(redirecting, "127.0.0.1", 0)
+    try:
+        assert main(["budget", "--token", TOKEN, "--endpoint", server.url, "1GiB"]) == 1
+    finally:
+        server.close()
+        other.close()
+    assert seen == [] and "a redirect to" in capsys.readouterr().err

@@ -114,3 +114,15 @@ def test_top_fits_the_terminal_width_from_columns(recorded, capsys, monkeypatch)
     assert main(["top", "--jsonl", str(path), "--once"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 60 and "lookups" in out
+
+
+def test_names_and_ids_from_the_jsonl_never_reach_the_terminal_as_escape_codes():
+    """Whoever can write a shared JSONL chose tier names, run ids and kinds that `top` printed raw: a screen
+    clear, colours, a window title. Every control character but the newline is shown as '?'."""
+    from tierkv.cli.top import render
+
+    line = _line_with_big_figures()
+    line["figures"] = {k.replace("tier.disk.", "tier.di\x1b[31mRED\x1b[0msk."): v for k, v in line["figures"].items()}
+    line["run_id"], line["kind"] = "r\x1b]0;title\x07", "k\x1b[2J\x9b"
+    frame = render(line, "shared.jsonl", width=200)
+    assert not any(c in frame for c in "\x1b\x07\x9b") and "di?[31mRED?[0msk" in frame and "k?[2J?" in frame

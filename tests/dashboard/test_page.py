@@ -66,6 +66,10 @@ def test_jsonl_source_reads_only_complete_lines_and_names_bad_ones(tmp_path):
         f.write('{"something": "else"}\n')
     with pytest.raises(SourceError, match=r"m.jsonl:4: not a tierkv metrics snapshot"):
         source.lines_since(0)
+    # said once, then read past: the lines before it are not read (and kept) again at every poll
+    with open(path, "a") as f:
+        f.write(json.dumps({**lines[0], "seq": 10}) + "\n")
+    assert [line["seq"] for line in source.lines_since(3)[0]] == [10] and source.lines_since(0)[1] == 4
     for bad, named in (({"figures": None}, "'figures' is None"), ({"elapsed_s": "3"}, "'elapsed_s' is '3'"),
                        ({"figures": {"tier.cpu.hits": "x"}}, "figures['tier.cpu.hits'] is 'x'")):
         broken = tmp_path / "broken.jsonl"

@@ -300,6 +300,43 @@ def test_idle_connections_are_closed_and_capped(control, monkeypatch):
     assert request(svc, "GET", "/metrics")[0] == 200  # and the server still answers
 
 
+def test_slow_clients_holding_every_slot_do_not_lock_out_a_scrape_or_a_budget_change(control, monkeypatch):
+    """MAX_CONNECTIONS clients each sending a byte more often than the read timeout held every slot for as long
+    as they liked: every scrape and budget change was closed unanswered. A new connection hangs up the one
+    open longest, so both are answered while the slow clients go on."""
+    import socket
+    import threading
+    import time
+
+    from tierkv.dashboard import app
+
+    svc, budget = control
+    monkeypatch.setattr(app._QuietHandler, "timeout", 1.0)
+    slow = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app.MAX_CONNECTIONS)]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            for sock in slow:
+                try:
+                    sock.sendall(b"G")
+                except OSError:
+                    pass  # hung up by the server
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert request(svc, "GET", "/metrics")[0] == 200
+        assert post_budget(svc, "1GiB")[0] == 200 and budget.calls
+    finally:
+        stop.set()
+        thread.join()
+        for sock in slow:
+            sock.close()
+
+
 def test_a_token_with_whitespace_at_an_end_is_refused_at_start():
     with pytest.raises(ConfigError, match="whitespace at an end"):
         service(Budget(), control_enabled=True, control_token=TOKEN + "\n")

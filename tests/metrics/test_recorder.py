@@ -203,3 +203,25 @@ def test_histogram_quantile_reads_bucket_bounds():
     assert histogram_quantile(h, 0.8) == 0.01
     assert histogram_quantile(h, 0.99) == float("inf")
     assert histogram_quantile({"buckets_s": [1.0], "counts": [0, 0], "sum_s": 0, "count": 0}, 0.5) is None
+
+
+def test_the_jsonl_is_never_written_through_a_symbolic_link(tmp_path):
+    """A link at the metrics path (another user's, in a shared directory) chose the file appended to: refused by
+    config check with the key, and by the recorder itself (a link made after the check); a new file is 0600."""
+    import os
+    import stat
+
+    from tierkv.config import ConfigError, load_config
+    from tierkv.metrics.recorder import MetricsRecorder
+
+    target, link = tmp_path / "someone-elses-file", tmp_path / "run.jsonl"
+    target.write_text("theirs\n")
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match="metrics.jsonl_path.*symbolic link"):
+        load_config({"metrics": {"jsonl_path": str(link)}}, env={})
+    with pytest.raises(ValueError, match="symbolic link"):
+        MetricsRecorder(lambda: {}, jsonl_path=link)
+    assert target.read_text() == "theirs\n"
+    recorder = MetricsRecorder(lambda: {}, jsonl_path=tmp_path / "new.jsonl")
+    recorder.close()
+    assert stat.S_IMODE(os.stat(tmp_path / "new.jsonl").st_mode) == 0o600

@@ -54,6 +54,16 @@ def _reply(raw: bytes, url: str) -> dict:
     return body
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: urllib would send the Authorization header to the new host, as a GET."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # urllib then raises the 3xx as an HTTPError
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def run_budget(args) -> int:
     from tierkv.budget_change import parse_budget
     from tierkv.cli.errors import UsageError, check_positive
@@ -70,12 +80,15 @@ def run_budget(args) -> int:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url, data=json.dumps({"budget": num_bytes}).encode(), headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+        with _OPENER.open(request, timeout=args.timeout) as response:
             reply = _reply(response.read(), url)
             if response.status == 202:  # not applied yet: pending, not failed
                 print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: {reply.get('pending', '')}")
                 return 0
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            raise RuntimeError(f"{url}: HTTP {exc.code}, a redirect to {exc.headers.get('Location')!r:.200}, not "
+                               "followed (the token would go with it): give the metrics server's own address") from None
         try:
             detail = _reply(exc.read(), url).get("error", exc.reason)
         except RuntimeError:  # an error page that is not JSON: a 401 (a proxy's, say) still asks for the token

@@ -10,6 +10,7 @@ columns that fit, most useful first, and the other lines wrap between words (dra
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import sys
 import time
@@ -134,6 +135,9 @@ def _tier_table(line: dict, width: int):
     return table
 
 
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # all but the newline
+
+
 def render(line: dict, description: str, *, width: int = 120) -> str:
     """One frame no wider than `width`: per-tier table, GPU memory, transfers, scheduler, prefetch, requests."""
     from rich.console import Console
@@ -164,4 +168,5 @@ def render(line: dict, description: str, *, width: int = 120) -> str:
         f"({_num(f.get('requests.prefix_tokens'))} reused), {_num(f.get('requests.generated_tokens'))} generated",
     ):
         say(text)
-    return "\n".join(row.rstrip() for row in console.file.getvalue().rstrip("\n").split("\n"))
+    frame = "\n".join(row.rstrip() for row in console.file.getvalue().rstrip("\n").split("\n"))
+    return CONTROL_CHARACTERS.sub("?", frame)  # names and ids from a shared JSONL never reach the terminal as escapes

@@ -124,8 +124,12 @@ def check_writable_dir(value: str, keypath: str, probe: str | None = None) -> No
 
 
 def check_writable_file(value: str, keypath: str) -> None:
-    """A file to append to: not a directory, writable if it exists, else in a directory that can hold it."""
+    """A file to append to: not a directory, writable if it exists, else in a directory that can hold it; never a
+    symbolic link (whoever made it would choose the file written to)."""
     path = check_path(value, keypath)
+    if os.path.islink(path):
+        raise ConfigError(keypath, value, "expected a file; it is a symbolic link (it is written to: the link would "
+                                          "choose which file)")
     if os.path.isdir(path):
         raise ConfigError(keypath, value, "expected a file; it is a directory")
     if os.path.lexists(path):

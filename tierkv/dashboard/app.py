@@ -10,6 +10,7 @@ Primitives: `dashboard_app(source)`, `serve(app, host, port) -> RunningServer`.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 from socketserver import ThreadingMixIn
@@ -64,7 +65,7 @@ def dashboard_app(source, *, poll_ms: int = 1000) -> WsgiApp:
     return app
 
 
-MAX_CONNECTIONS = 64     # handled at once; more are closed at once (a client holding many open gets no more threads)
+MAX_CONNECTIONS = 64     # handled at once; a connection past them hangs up the one open longest
 READ_TIMEOUT_S = 10.0    # a request line, header or body that does not arrive by then ends its connection
 
 
@@ -74,21 +75,28 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     request_queue_size = 64
 
     def __init__(self, *args, **kwargs):
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: dict = {}  # connections being handled, oldest first
+        self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        """Past MAX_CONNECTIONS the connection open longest is hung up: a request takes milliseconds, so it is
+        a slow client's (one byte every few seconds resets the read timeout, and 64 of them held every slot:
+        no scrape, no budget change got an answer); a new client always gets a thread."""
+        with self._open_lock:
+            if len(self._open) >= MAX_CONNECTIONS:
+                oldest = next(iter(self._open))
+                del self._open[oldest]
+                _hang_up(oldest)
+            self._open[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
     def handle_error(self, request, client_address):
-        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):  # a slow or gone client: no traceback
+        if isinstance(sys.exc_info()[1], OSError):  # a slow, gone or hung-up client (timeouts, resets): no traceback
             return
         super().handle_error(request, client_address)
 
@@ -96,7 +104,19 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def _forget(self, request) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+
+
+def _hang_up(connection) -> None:
+    """End a connection another thread is reading: its read returns, its handler ends and closes it."""
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -15,8 +15,11 @@ sequence; a sequence's last figures are folded into the totals when the next one
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import stat
 import threading
 import time
 import uuid
@@ -69,7 +72,7 @@ class MetricsRecorder:
         self._file = None
         if self.jsonl_path is not None:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.jsonl_path, "a", encoding="utf-8")
+            self._file = _open_for_appending(self.jsonl_path)
 
     # -- measuring -----------------------------------------------------------------------------
     def measure(self) -> tuple[dict, dict, dict, dict | None]:
@@ -188,3 +191,18 @@ class MetricsRecorder:
                 self.is_closed = True
                 if self._file is not None:
                     self._file.close()
+
+
+def _open_for_appending(path: Path):
+    """The JSONL opened to append: made private (0600) when new, never through a symbolic link (one put there
+    would choose the file written to), never a FIFO or device. ValueError naming the path otherwise."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise ValueError(f"metrics.jsonl_path {str(path)!r}: cannot append to it ({why})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"metrics.jsonl_path {str(path)!r}: not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")

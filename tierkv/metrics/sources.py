@@ -44,9 +44,15 @@ class JsonlSource:
         except OSError as exc:
             raise SourceError(f"{self.path}: cannot read ({exc.strerror})") from None
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        for raw in data[:end].splitlines():
+        read = 0
+        for raw in data[:end].splitlines(keepends=True):
+            read += len(raw)
             if raw.strip():
-                self._lines.append(parse_line(raw, f"{self.path}:{len(self._lines) + 1}"))
+                try:
+                    self._lines.append(parse_line(raw, f"{self.path}:{len(self._lines) + 1}"))
+                except SourceError:
+                    self._offset += read  # said once: the next read goes on after it (it re-read, and re-added,
+                    raise                 # every line before it at each poll, for good)
         self._offset += end
 
     def lines_since(self, n: int) -> tuple[list[dict], int]:
