@@ -71,7 +71,10 @@ def test_jsonl_source_reads_only_complete_lines_and_names_bad_ones(tmp_path):
         f.write(json.dumps({**lines[0], "seq": 10}) + "\n")
     assert [line["seq"] for line in source.lines_since(3)[0]] == [10] and source.lines_since(0)[1] == 4
     for bad, named in (({"figures": None}, "'figures' is None"), ({"elapsed_s": "3"}, "'elapsed_s' is '3'"),
-                       ({"figures": {"tier.cpu.hits": "x"}}, "figures['tier.cpu.hits'] is 'x'")):
+                       ({"figures": {"tier.cpu.hits": "x"}}, "figures['tier.cpu.hits'] is 'x'"),
+                       ({"request": {"prefill_s": "x"}}, "request['prefill_s'] is 'x'"),  # it stopped the page drawing
+                       ({"request": [1]}, "'request' is [1]"),
+                       ({"request": {"prefix_blocks_by_tier": {"disk": "x"}}}, "prefix_blocks_by_tier")):
         broken = tmp_path / "broken.jsonl"
         broken.write_text(json.dumps({**lines[0], **bad}) + "\n")
         with pytest.raises(SourceError, match=re.escape(named)):

@@ -138,9 +138,32 @@ def check_line(line: object, where: str) -> dict:
             raise SourceError(f"{where}: '{key}' is {line.get(key)!r}; {what}")
     for key in ("figures", "rates"):
         for name, value in line[key].items():
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            if not _is_number_or_null(value):
                 raise SourceError(f"{where}: {key}[{name!r}] is {value!r}; a number or null")
+    _check_request(line.get("request"), where)
     return line
+
+
+def _is_number_or_null(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+_REQUEST_NUMBERS = ("prompt_tokens", "prefix_tokens", "prefill_s", "decode_s", "generated_tokens", "gpu_hit_rate",
+                    "h2d_bytes", "d2h_bytes", "stalls")  # what the dashboard's request table shows
+
+
+def _check_request(request, where: str) -> None:
+    """A request line's figures, as the dashboard's table reads them (a string there stopped the page drawing)."""
+    if request is None:
+        return
+    if not isinstance(request, dict):
+        raise SourceError(f"{where}: 'request' is {request!r:.80}; an object")
+    for name in _REQUEST_NUMBERS:
+        if not _is_number_or_null(request.get(name)):
+            raise SourceError(f"{where}: request[{name!r}] is {request.get(name)!r:.80}; a number or null")
+    by_tier = request.get("prefix_blocks_by_tier", {})
+    if not isinstance(by_tier, dict) or not all(_is_number_or_null(v) for v in by_tier.values()):
+        raise SourceError(f"{where}: request['prefix_blocks_by_tier'] is {by_tier!r:.80}; an object of tier to blocks")
 
 
 _REQUIRED = (("run_id", str, "a string"), ("seq", int, "an integer"), ("kind", str, "a string"),
