@@ -276,7 +276,7 @@ def test_deep_json_and_a_short_body_are_400s(control, monkeypatch):
 
 def test_idle_connections_are_closed_and_capped(control, monkeypatch):
     """A client opening many connections and sending half a request line holds no thread for ever: each is
-    closed after the read timeout, and past MAX_CONNECTIONS at once the server closes new ones at once."""
+    closed after the read timeout, and past MAX_CONNECTIONS at once a new one hangs up the one open longest."""
     import socket
     import threading
     import time
