@@ -124,3 +124,18 @@ def test_a_tier_whose_writes_raise_is_logged_not_only_counted(tmp_path, caplog, 
         assert 1 <= len(errors) <= 10 and len(chain.spill_errors) <= 10  # the latest only, however many calls fail
     finally:
         chain.close()
+
+
+def test_blocks_put_past_the_first_tier_that_no_tier_takes_are_counted_dropped():
+    """The vLLM store hands the blocks the CPU tier refuses to the tiers below (put_many from tier 1): with Redis
+    down they were lost and counted nowhere (only as save fallbacks, which read as "went lower")."""
+    cpu = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes)
+    redis = RedisTier("redis", LAYOUT, None, url=f"redis://127.0.0.1:{free_port()}/0", namespace="dead", timeout_s=0.2)
+    chain = TierChain([cpu, redis])
+    try:
+        redis.contains_many(["x"])  # found down
+        blocks = blocks_for(3)
+        results = chain.put_many(list(blocks), list(blocks.values()), start=1)
+        assert not any(r.ok for r in results) and chain.snapshot()["chain"]["dropped"] == 3
+    finally:
+        chain.close()
