@@ -337,6 +337,38 @@ def test_slow_clients_holding_every_slot_do_not_lock_out_a_scrape_or_a_budget_ch
             sock.close()
 
 
+def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connections(monkeypatch):
+    """A budget change waits in set_gpu_budget until the engine applies it (seconds): the oldest connection then,
+    but one being answered, so MAX_CONNECTIONS new ones hang up those still sending their request, never it
+    (it was: the change applied while its client was told the connection closed)."""
+    import socket
+    import threading
+    import time
+
+    from tierkv.dashboard import app
+
+    applied, reply = [], {}
+
+    def slow_budget(budget):
+        time.sleep(1.5)
+        applied.append(parse_budget(budget))
+
+    svc = service(slow_budget, control_enabled=True, control_token=TOKEN)
+    others = []
+    try:
+        waiting = threading.Thread(target=lambda: reply.update(status=post_budget(svc, "1GiB")[0]), daemon=True)
+        waiting.start()
+        time.sleep(0.3)
+        others = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5)
+                  for _ in range(app.MAX_CONNECTIONS + 5)]
+        waiting.join(timeout=10)
+        assert reply == {"status": 200} and applied == [parse_budget("1GiB")]
+    finally:
+        for sock in others:
+            sock.close()
+        svc.close()
+
+
 def test_a_token_with_whitespace_at_an_end_is_refused_at_start():
     with pytest.raises(ConfigError, match="whitespace at an end"):
         service(Budget(), control_enabled=True, control_token=TOKEN + "\n")

@@ -221,6 +221,8 @@ def test_the_jsonl_is_never_written_through_a_symbolic_link(tmp_path):
         load_config({"metrics": {"jsonl_path": str(link)}}, env={})
     with pytest.raises(ValueError, match="symbolic link"):
         MetricsRecorder(lambda: {}, jsonl_path=link)
+    with pytest.raises(ConfigError, match="metrics.jsonl_path.*regular file"):
+        load_config({"metrics": {"jsonl_path": "/dev/null"}}, env={})
     assert target.read_text() == "theirs\n"
     recorder = MetricsRecorder(lambda: {}, jsonl_path=tmp_path / "new.jsonl")
     recorder.close()

@@ -133,6 +133,8 @@ def check_writable_file(value: str, keypath: str) -> None:
     if os.path.isdir(path):
         raise ConfigError(keypath, value, "expected a file; it is a directory")
     if os.path.lexists(path):
+        if not os.path.isfile(path):  # a FIFO, a device: the recorder would refuse it at start
+            raise ConfigError(keypath, value, "expected a regular file; it is a FIFO, socket or device")
         if not os.access(path, os.W_OK):
             raise ConfigError(keypath, value, "expected a writable file; it is not writable")
         return

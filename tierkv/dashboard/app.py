@@ -19,6 +19,7 @@ from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from tierkv.dashboard.page import STATIC_DIR, STATIC_FILES, live_page, live_page_csp
+from tierkv.metrics.control import ANSWERING
 from tierkv.metrics.sources import SourceError
 
 WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
@@ -80,15 +81,19 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address):
-        """Past MAX_CONNECTIONS the connection open longest is hung up: a request takes milliseconds, so it is
-        a slow client's (one byte every few seconds resets the read timeout, and 64 of them held every slot:
-        no scrape, no budget change got an answer); a new client always gets a thread."""
+        """Past MAX_CONNECTIONS the connection open longest that is still sending its request is hung up: a
+        request arrives in milliseconds, so it is a slow client's (one byte every few seconds resets the read
+        timeout, and 64 of them held every slot: no scrape, no budget change got an answer). One the app is
+        answering (it called environ[ANSWERING]: a budget change waits for the engine) is never hung up."""
         with self._open_lock:
             if len(self._open) >= MAX_CONNECTIONS:
-                oldest = next(iter(self._open))
-                del self._open[oldest]
-                _hang_up(oldest)
-            self._open[request] = None
+                reading = next((c for c, answering in self._open.items() if not answering), None)
+                if reading is None:  # every one is being answered (an app marked it): this one waits its turn
+                    self.shutdown_request(request)
+                    return
+                del self._open[reading]
+                _hang_up(reading)
+            self._open[request] = False  # True once the app answers it (ANSWERING): never hung up then
         try:
             super().process_request(request, client_address)
         except BaseException:
@@ -106,6 +111,11 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         finally:
             self._forget(request)
 
+    def answering(self, request) -> None:
+        with self._open_lock:
+            if request in self._open:
+                self._open[request] = True
+
     def _forget(self, request) -> None:
         with self._open_lock:
             self._open.pop(request, None)
@@ -121,6 +131,11 @@ def _hang_up(connection) -> None:
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = READ_TIMEOUT_S
+
+    def get_environ(self):
+        environ = super().get_environ()
+        environ[ANSWERING] = lambda: self.server.answering(self.request)
+        return environ
 
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         pass

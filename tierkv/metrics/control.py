@@ -27,6 +27,9 @@ from tierkv.budget_change import BudgetRefused
 from tierkv.config import ConfigError, MetricsConfig
 from tierkv.config.load import ENV_CONTROL_TOKEN
 
+ANSWERING = "tierkv.answering"  # WSGI environ key: called once the whole request is read (dashboard.app's server
+                                # then never hangs the connection up for a slow client's place)
+
 CONTROL_TOKEN_ENV = ENV_CONTROL_TOKEN
 MAX_BODY_BYTES = 4096
 MIN_TOKEN_CHARS = 16
@@ -93,6 +96,7 @@ class BudgetControl:
             return "400 Bad Request", {"error": f"the body is not JSON ({type(exc).__name__})"}
         if not isinstance(body, dict) or "budget" not in body:
             return "400 Bad Request", {"error": "the body must be a JSON object with 'budget' (bytes or a size such as '1GiB')"}
+        environ.get(ANSWERING, lambda: None)()  # read whole and authorised: the server never hangs it up while it waits
         return self._apply(body["budget"])
 
     def _apply(self, budget) -> tuple[str, dict]:

@@ -61,16 +61,10 @@ class TierChain:
 
     # -- writes --------------------------------------------------------------------------------
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], *, start: int = 0) -> list[PutResult]:
-        """Store blocks in the first tier from `start` that takes them; evictions spill in the background. Blocks
-        no tier takes (full, down) are counted in `dropped`, as a spill's are."""
+        """Store blocks in the first tier from `start` that takes them; evictions spill in the background."""
         if len(keys) != len(blocks):
             raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
-        results = self._put_from(start, list(keys), list(blocks))
-        dropped = sum(not r.ok for r in results)
-        if dropped:
-            with self._lock:
-                self.num_dropped += dropped
-        return results
+        return self._put_from(start, list(keys), list(blocks))
 
     def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
         """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background."""

@@ -81,6 +81,11 @@ class CpuTier(CpuSlotAccess, StorageTier):
             slot_of = self._slot_of
             return [key in slot_of for key in keys]
 
+    def held_or_written(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held here or being written here (a put it refused for that loses nothing)."""
+        with self._lock:
+            return [key in self._slot_of or key in self._pending for key in keys]
+
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[0]
 

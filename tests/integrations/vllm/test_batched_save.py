@@ -164,3 +164,27 @@ def test_blocks_the_cpu_tier_cannot_take_go_to_the_disk_tier_unchanged(tmp_path)
         assert sum(1 for tiers in on_disk for tier in tiers if tier == 1) == 2 * LAYERS - 2
     finally:
         store.close()
+
+
+def test_blocks_no_tier_takes_are_counted_dropped(tmp_path, monkeypatch):
+    """As above with the disk tier refusing every put (full, or a Redis tier down): the 4 blocks the CPU tier
+    could not take are lost, and counted (they read as save fallbacks only: "went lower")."""
+    from tierkv.storage.base import PutResult
+
+    config = load_config(write_config(tmp_path, window=2 * BS, staging_blocks=6, cpu_blocks=4), env={})
+    store = VllmKVStore(config, BlockLayout(H, BS, D, torch.float32), NAMES, "hot-model", "cpu")
+    caches = {n: torch.randn(NUM_BLOCKS, H, BS, 2 * D) for n in NAMES}
+    store.register(caches)
+    monkeypatch.setattr(store.chain.tiers[1], "put_many", lambda keys, blocks: [PutResult(ok=False, error="full")] * len(keys))
+    try:
+        held = store.extend_hashes([], list(range(2 * BS)), 2)
+        store.save_layer(0, caches[NAMES[0]], [BlockSpan("held", [0, 1], held)])
+        store.poll(wait=True)
+        assert store.saves.pin_for_reader(store.keys(held, 0)) is not None
+        hashes = store.extend_hashes([], [random.randrange(1000) for _ in range(2 * BS)], 2)
+        store.save_layers(list(range(LAYERS)), [caches[n] for n in NAMES], [BlockSpan("new", [5, 9], hashes)])
+        store.poll(wait=True)
+        assert store.counts["save_fallbacks"] == 2 * LAYERS - 2 and store.counts["saves_dropped"] == 2 * LAYERS - 2
+        assert store.stats()["counts"]["saves_dropped"] == 2 * LAYERS - 2
+    finally:
+        store.close()

@@ -79,7 +79,7 @@ class VllmKVStore:
         self.loads = LayerLoads(self, self._lock)  # a step's prefix loads into vLLM's cache (store_loads)
         self.saves = LayerSaves(self, self._lock)  # a step's saves out of it, and the hot window's pins (store_saves)
         self.hot_window = None   # the hot window's far-block reader (far.FarKV), set by the connector
-        self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "load_failures": 0,
+        self.counts = {"blocks_saved": 0, "blocks_loaded": 0, "save_fallbacks": 0, "saves_dropped": 0, "load_failures": 0,
                        "lookups": 0, "lookup_hit_blocks": 0}
         # per engine step, the worker connector's host ms in start_load_kv, save_kv_layer and wait_for_save
         self.step_connector_ms: deque[tuple[float, float, float]] = deque(maxlen=512)

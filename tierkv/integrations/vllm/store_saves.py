@@ -88,7 +88,10 @@ class LayerSaves:
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             store.counts["save_fallbacks"] += len(refused)
             index = torch.tensor(refused, device=flat.device)
-            store.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
+            results = store.chain.put_many([keys[i] for i in refused], list(flat.index_select(0, index).cpu()), start=1)
+            failed = [keys[i] for i, result in zip(refused, results) if not result.ok]
+            if failed:  # no tier below took them (full, down): lost unless the CPU tier holds or is writing them
+                store.counts["saves_dropped"] += store.cpu.held_or_written(failed).count(False)
 
     def land(self, groups: Sequence[str]) -> bool:
         """Wait for the saves in flight of blocks `groups` (block names, `block_group`) and make every landed
