@@ -16,9 +16,9 @@ Primitives: `encode_block`, `encode_block_bytes`, `header_num_bytes`, `decode_bl
 
 A block whose checksum or key does not match raises `CorruptBlock`; tiers treat that as a miss,
 count it, and drop the stored copy. An intact block of another shape or dtype (a writer of another
-layout on the same keys) raises `ForeignBlock`, a CorruptBlock that a reader counts apart. The CRC-32 is zlib's; ISA-L's
-(`isal`, a base dependency, about 3x faster) computes the same values and is used when it
-imports.
+layout on the same keys) raises `ForeignBlock`, a CorruptBlock that a reader counts apart. The
+CRC-32 is zlib's; ISA-L's (`isal`, a base dependency, about 3x faster) computes the same values and
+is used when it imports.
 """
 from __future__ import annotations
 

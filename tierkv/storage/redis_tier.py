@@ -20,11 +20,11 @@ the tier stays healthy while any primary is up); meanwhile calls for it answer a
 (misses, PutResult(ok=False), False) without touching the network. Each failed or skipped
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
 the next call tries again and a success marks the node up. A value that fails to decode is a
-miss, counted as `corrupt_blocks`, and deleted (an intact block of another layout under a key is
-counted as `foreign_records` instead, and deleted too: block addresses name the layout's storage
-formats, so only an older writer puts one there, and kept it would answer EXISTS while every read
-misses); so is a key that holds another Redis type (a
+miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
 list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
+An intact block of another layout under a key is a miss counted as `foreign_records` and deleted
+too: block addresses name the tiers' storage formats, so only an older writer puts one there, and
+kept it would answer EXISTS while every read of it misses.
 
 Capacity: this client keeps an LRU of the keys it wrote and, with `capacity_bytes` set,
 deletes the oldest once they pass capacity_bytes // layout.num_bytes blocks; evicted data is

@@ -37,7 +37,7 @@ from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import config_from_kv_transfer
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import (graph_rows, layout_of, max_num_seqs_of, model_identity_of,
-                                                   query_heads_of, tensor_parallel_rank)
+                                                   query_heads_of, sleep_mode_of, tensor_parallel_rank)
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
 from tierkv.integrations.vllm.pool_sizing import check_admission
@@ -68,7 +68,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_model_len = getattr(model_config, "max_model_len", None)
         # vLLM's sleep mode allocates the KV pool (and what register_kv_caches makes) in its CuMem pool, which
         # sleep() frees: the far path's staging stays there rather than in an allocator pool of its own
-        self.sleep_mode = bool(getattr(model_config, "enable_sleep_mode", False))
+        self.sleep_mode = sleep_mode_of(vllm_config)
         self.max_num_seqs = max_num_seqs_of(vllm_config)
         self.max_graph_rows = graph_rows(vllm_config)  # the full decode graph's row buffers cover it
         self.num_heads = query_heads_of(vllm_config)  # this rank's: the far kernels' warm-up is shaped by it

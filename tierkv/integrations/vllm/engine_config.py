@@ -2,7 +2,7 @@
 KV cache group (and the hot window's sliding window), the model's identity in block addresses,
 its batch sizes, and this worker's tensor-parallel rank.
 
-Primitives: `layout_of`, `model_identity_of`, `max_num_seqs_of`, `query_heads_of`, `graph_rows`,
+Primitives: `layout_of`, `model_identity_of`, `max_num_seqs_of`, `sleep_mode_of`, `query_heads_of`, `graph_rows`,
 `tensor_parallel_rank`.
 vLLM is imported only inside the functions that read its types.
 """
@@ -34,6 +34,11 @@ def model_identity_of(config, extra: dict | None, model_config, download_dir: st
 def max_num_seqs_of(vllm_config) -> int:
     """vLLM's max_num_seqs (1 when its config does not say)."""
     return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+
+
+def sleep_mode_of(vllm_config) -> bool:
+    """Whether the engine runs with vLLM's sleep mode (its KV pool in the CuMem allocator, which sleep() frees)."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False))
 
 
 def query_heads_of(vllm_config) -> int | None:

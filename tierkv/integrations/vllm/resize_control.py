@@ -29,6 +29,7 @@ from typing import Callable
 
 from tierkv.budget_change import BudgetChange, BudgetRefused, parse_budget
 from tierkv.units import format_bytes
+from tierkv.integrations.vllm.engine_config import sleep_mode_of
 from tierkv.integrations.vllm.resize_blocks import (fence_tail, held_tail_block_ids, missing_block_pool_hooks,
                                                     release_fence, resize_block_pool)
 from tierkv.integrations.vllm.resize_plan import BudgetSplit, ResizePlan, RunningRequest, plan_resize, window_blocks
@@ -90,7 +91,7 @@ class PoolResizer:
         self.least_staging_bytes = max(core.collective_rpc(worker_least_staging), default=0)
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = getattr(mode, "name", "NONE") != "NONE"
-        self.sleep_mode = bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
+        self.sleep_mode = sleep_mode_of(vllm_config)
         self._step_lock = threading.RLock()  # held for each engine step and each resize
         self._stepping: int | None = None    # the thread inside vLLM's step (a call from it only queues)
         self._plan_lock = threading.Lock()   # guards _pending; never held across a step
