@@ -178,7 +178,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
-        shipped_set: dict | None = None) -> None:
+        shipped_set: dict | None = None, prefix_repeats: int = 2) -> None:
     import random
 
     from vllm import SamplingParams
@@ -225,6 +225,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     # the host CPU of the last request's decode steps, per thread of ours and machine-wide: host-bound steps
     # that slow down with no more work of ours show there whether another thread or process took the CPU
     cpu_use, decode_cpu = CpuUse(), {}
+    add_ms: list[float] = []  # each request's add_request wall ms (its part of the TTFT outside the engine steps)
 
     def stepped(ids, params, profile: list[int] | None = None, label: str = ""):
         """One request, stepping the engine: (seconds to its first token, ms per later token, tokens,
@@ -237,6 +238,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         params.output_kind = RequestOutputKind.CUMULATIVE  # an output every step (LLM.generate sets FINAL_ONLY)
         start = time.perf_counter()
         engine_.add_request(rid, {"prompt_token_ids": ids}, params)
+        add_ms.append(round(1e3 * (time.perf_counter() - start), 2))  # vLLM's input processing and block hashing
         first_at = last_at = None
         tokens, logprobs = [], []
         step_number, profiled, step_ms, step_gc = 0, [], [], []
@@ -345,13 +347,20 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             # first repeat runs under the profiler and cProfile (its first step, where the tiers serve the prefix:
             # the one-off shows there; its TTFT is the profiler's), and "repeat" and "repeat_again" are warm
             runs = ([("first", 11)] + ([("repeat_profiled", 14)] if profile_prefix else [])
-                    + [("repeat", 12), ("repeat_again", 13)])
+                    + [("repeat", 12), ("repeat_again", 13)]
+                    + [(f"repeat_{n}", 12 + n) for n in range(3, prefix_repeats + 1)])  # last ids 15, 16, ...: distinct
             for key, last in runs:  # with each run's steps, collections and far waits
                 wait_before = far_wait_s()
                 profile = [0] if key == "repeat_profiled" else None
                 ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
                 row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
+                row[f"prefix_{key}_add_ms"] = add_ms[-1]
+                stats = tier_stats()  # tierkv's host ms in the run's steps, as step_far_host_ms / step_connector_ms
+                for part, lists in (("far_host_ms", (stats.get("hot_window") or {}).get("step_host_ms") or []),
+                                    ("connector_ms", stats.get("step_connector_ms") or [])):
+                    if len(lists) >= len(prefix_step_ms):
+                        row[f"prefix_{key}_step_{part}"] = lists[-len(prefix_step_ms):]
         except Exception as exc:  # recorded in the row, and the run fails after writing it
             row["prefix_error"] = f"{type(exc).__name__}: {exc}"
         row["connector"] = tiered.stats() if tiered is not None else None
@@ -514,6 +523,11 @@ def table(out: str) -> None:
             print(f"{'':<11} repeated prefix TTFT: {r['prefix_ttft_repeat_s']:.2f} s at the first repeat, "
                   f"{r['prefix_ttft_repeat_again_s']:.2f} s at the second "
                   f"({r['prefix_ttft_repeat_again_s'] / r['prefix_ttft_first_s']:.2f}x the first run)")
+            named = [k[len("prefix_ttft_"):-len("_s")] for k in r if k.startswith("prefix_ttft_repeat") and k.endswith("_s")]
+            runs = ["repeat", "repeat_again", *sorted(set(named) - {"repeat", "repeat_again"})]
+            print(f"{'':<11} each repeat's TTFT ms (add_request + engine steps): " + ", ".join(
+                f"{1e3 * r[f'prefix_ttft_{k}_s']:.1f} ({r.get(f'prefix_{k}_add_ms', float('nan')):.1f} + "
+                f"{sum(r.get(f'prefix_{k}_step_ms') or [float('nan')]):.1f})" for k in runs))
         hot = (r.get("connector") or {}).get("hot_window") or {}
         host_us, merge_us = hot.get("decode_host_us_per_layer"), hot.get("merge_host_us_per_layer")
         reads = r.get("decode_reads") or {}
@@ -609,6 +623,8 @@ def main() -> int:
     parser.add_argument("--sample-h2d", type=int, default=0, metavar="N",
                         help="every N engine steps, time a 32 MiB pinned H2D copy between steps (row key h2d_samples; "
                              "the per-token mean then includes them, the step times do not)")
+    parser.add_argument("--prefix-repeats", type=int, default=2,
+                        help="repeats of the prefix after its first run (rows repeat, repeat_again, repeat_3, ...)")
     parser.add_argument("--profile-prefix", action="store_true",
                         help="the first repeat of the prefix runs profiled, its first step under torch.profiler and "
                              "cProfile (what the first repeat after start pays once); the repeat rows are then warm")
@@ -657,7 +673,7 @@ def main() -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
-            async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens,
+            async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens, prefix_repeats=args.prefix_repeats,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
             block_tokens=args.block_tokens, shipped_set=shipped_set)
     else:

@@ -47,6 +47,21 @@ def _table(rows: dict[str, list[float]], limit: int) -> list[str]:
     return lines
 
 
+def _h2d_line(copies: list[dict], start: float, end: float) -> list[str]:
+    """The copy engine's timeline of host-to-device copies: a step bound by PCIe takes the span of its
+    copies plus what comes before the first and after the last, plus the engine's idle gaps between them."""
+    if not copies:
+        return []
+    busy, gaps = _busy([(e["ts"], e["ts"] + e["dur"]) for e in copies])
+    first, last = min(e["ts"] for e in copies), max(e["ts"] + e["dur"] for e in copies)
+    lengths = sorted((b - a for a, b in gaps), reverse=True)
+    where = sorted(((b - a, a - start) for a, b in gaps), reverse=True)[:5]
+    return [f"host-to-device copies: {len(copies)}, busy {busy / 1e3:.2f} ms; before the first "
+            f"{(first - start) / 1e3:.2f} ms, after the last {(end - last) / 1e3:.2f} ms; idle between them "
+            f"{sum(lengths) / 1e3:.2f} ms in {len(lengths)} gaps (largest "
+            + ", ".join(f"{g / 1e3:.2f} ms at {t / 1e3:.1f} ms" for g, t in where) + ")"]
+
+
 def summarize(trace: dict, python_limit: int = 40) -> str:
     events = _complete(trace)
     if not events:
@@ -59,6 +74,7 @@ def summarize(trace: dict, python_limit: int = 40) -> str:
     out = [f"trace span {(end - start) / 1e3:.2f} ms; GPU busy {busy / 1e3:.2f} ms in {len(gpu)} kernels/copies; "
            f"GPU idle gaps: {sum(g for g in gaps if g >= 50) / 1e3:.2f} ms in {sum(g >= 50 for g in gaps)} gaps "
            f">= 50 us, {sum(g for g in gaps if g < 50) / 1e3:.2f} ms in shorter ones"]
+    out += _h2d_line([e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")], start, end)
     runtime: dict[str, list[float]] = defaultdict(list)
     ranges: dict[str, list[float]] = defaultdict(list)
     python: dict[str, list[float]] = defaultdict(list)

@@ -97,3 +97,27 @@ def test_the_slowest_decode_steps_show_tierkvs_host_parts(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "slowest decode steps" in printed
     assert "1: 45.0; 2.5/8.1, 0.3/1.2/0.1; 2: 11.0; 0.1/2.1, 0.2/0.0/0.1" in printed  # decode step 1 first
+
+
+def test_each_repeat_of_the_prefix_is_split_into_add_request_and_engine_steps(tmp_path, capsys):
+    r = row("tierkv", 10.0)
+    r.update({"prefix_ttft_first_s": 6.0, "prefix_ttft_repeat_s": 0.29, "prefix_ttft_repeat_again_s": 0.27,
+              "prefix_ttft_repeat_3_s": 0.26, "prefix_repeat_add_ms": 11.0, "prefix_repeat_step_ms": [279.0],
+              "prefix_repeat_again_add_ms": 10.0, "prefix_repeat_again_step_ms": [260.0],
+              "prefix_repeat_3_add_ms": 9.5, "prefix_repeat_3_step_ms": [250.5]})
+    (tmp_path / "bench-vllm-tierkv.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    printed = capsys.readouterr().out
+    assert "each repeat's TTFT ms (add_request + engine steps): 290.0 (11.0 + 279.0), 270.0 (10.0 + 260.0), " \
+           "260.0 (9.5 + 250.5)" in printed
+
+
+def test_the_trace_summary_splits_a_step_at_the_copy_engine():
+    from benchmarks.trace_summary import summarize
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)"}
+    events = [{"ph": "X", "ts": 0, "dur": 500, "cat": "cpu_op", "name": "step"},
+              {**copy, "ts": 1000, "dur": 2000}, {**copy, "ts": 4000, "dur": 3000},
+              {"ph": "X", "ts": 7000, "dur": 1500, "cat": "kernel", "name": "attention"}]
+    text = summarize({"traceEvents": events})
+    assert ("host-to-device copies: 2, busy 5.00 ms; before the first 1.00 ms, after the last 1.50 ms; idle between "
+            "them 1.00 ms in 1 gaps (largest 1.00 ms at 3.0 ms)") in text
