@@ -189,3 +189,55 @@ def test_a_closed_tieredllm_refuses_work_and_close_waits_for_the_running_request
     with pytest.raises(RuntimeError, match="this TieredLLM is closed"):
         llm.set_gpu_budget("1MiB")
     llm.close()  # twice is fine
+
+
+def test_sampling_fields_set_after_construction_are_checked_and_max_tokens_reads_back(tmp_path):
+    import numpy as np
+
+    llm, _ = make_llm(tmp_path)
+    prompt = torch.randint(0, 512, (20,)).tolist()
+    with llm:
+        params = SamplingParams(max_tokens=5)
+        assert params.max_tokens == 5
+        params.max_tokens = 2  # vLLM's name, set after construction
+        assert len(llm.generate([prompt], params)[0].token_ids) == 2
+        params = SamplingParams(max_tokens=3, temperature=1.0)
+        params.top_k = 0
+        with pytest.raises(ValueError, match="top_k: got 0"):
+            llm.generate([prompt], params)
+        params = SamplingParams(max_tokens=3)
+        params.max_new_tokens = 0
+        with pytest.raises(ValueError, match="max_new_tokens: got 0"):
+            llm.generate([prompt], params)
+        # a NumPy seed is taken as the int it is (torch.Generator takes Python ints only)
+        a = llm.generate([prompt], max_tokens=4, temperature=0.9, seed=np.int64(7))[0].token_ids
+        b = llm.generate([prompt], max_tokens=4, temperature=0.9, seed=7)[0].token_ids
+        assert a == b
+
+
+def test_request_outputs_carry_their_prompt_and_request_id(tmp_path):
+    llm, _ = make_llm(tmp_path)
+    with llm:
+        outs = llm.generate([[5, 6, 7], [8, 9]], max_tokens=2, ignore_eos=True)
+    assert [o.request_id for o in outs] == ["0", "1"] and [o.prompt for o in outs] == [None, None]
+
+
+def test_the_tokenizers_eos_stops_a_request_as_under_vllm(tmp_path):
+    """The generation config names no EOS; the tokenizer does: vLLM stops there unless ignore_eos."""
+    llm, _ = make_llm(tmp_path)
+    llm.model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, 512, (20,)).tolist()
+    with llm:
+        free = llm.generate([prompt], max_tokens=6, ignore_eos=True)[0].token_ids
+        stop = free[2]
+
+        class Tok:
+            eos_token_id = stop
+
+            def decode(self, ids, skip_special_tokens=True):
+                return " ".join(map(str, ids))
+
+        llm.tokenizer = Tok()
+        out = llm.generate([prompt], max_tokens=6)[0]
+        assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+        assert llm.generate([prompt], max_tokens=6, ignore_eos=True)[0].token_ids == free

@@ -18,6 +18,7 @@ chunks) and decode tokens with their rate in tok/s (from DECODE_PROGRESS_MIN_TOK
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 import threading
@@ -66,6 +67,7 @@ class TieredLLM:
             raise ValueError(f"backend: got {backend!r}; allowed: {', '.join(BACKENDS)}")
         self.config = config_of(config)
         self._closed, self._request_lock = False, threading.RLock()
+        self._request_ids = itertools.count()  # vLLM's request ids: "0", "1", ...
         check_device_and_tokenizer(device, tokenizer)
         self.model, self.tokenizer, model_id = load_model(model, tokenizer, device, gguf_file)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
@@ -112,7 +114,8 @@ class TieredLLM:
             warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
         with self._request_lock:  # one request at a time; close() waits for the running one
             self._check_open()
-            return [self._run_one(ids, sampling) for ids in requests]
+            return [self._run_one(ids, sampling, prompt if isinstance(prompt, str) else None)
+                    for ids, prompt in zip(requests, batch)]
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
         """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; exact mode's outputs do not
@@ -127,6 +130,9 @@ class TieredLLM:
         effect (a running request applies it at its next forward step).
         """
         self._check_open()
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s >= 0 or timeout_s == float("inf")):
+            raise ValueError(f"timeout_s: got {timeout_s!r}; seconds (a finite number >= 0) or None to wait without end")
         change = self.runtime.set_gpu_budget(budget)
         if wait and not change.wait(timeout_s):
             raise TimeoutError(f"the GPU budget change to {budget!r} did not take effect within {timeout_s} s; it "
@@ -176,7 +182,7 @@ class TieredLLM:
 
     # -- one request -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _run_one(self, ids: list[int], sampling: SamplingParams) -> RequestOutput:
+    def _run_one(self, ids: list[int], sampling: SamplingParams, prompt: str | None) -> RequestOutput:
         from tierkv.integrations.hf import TieredCache
 
         rt = self.runtime
@@ -205,7 +211,8 @@ class TieredLLM:
         }
         self.totals.record(stats, self.metrics)
         text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer is not None else None
-        return RequestOutput(prompt_token_ids=ids, token_ids=generated, text=text, finish_reason=reason, stats=stats)
+        return RequestOutput(prompt_token_ids=ids, token_ids=generated, text=text, finish_reason=reason, stats=stats,
+                             request_id=str(next(self._request_ids)), prompt=prompt)
 
     def _prefill(self, cache, ids: list[int], start: int) -> torch.Tensor:
         """Run the prompt from `start` in chunks; returns the last position's logits [vocab]."""
@@ -254,10 +261,12 @@ class TieredLLM:
         return token_ids(self.tokenizer(prompt, add_special_tokens=True)["input_ids"], index=index, vocab_size=self.vocab_size)
 
     def _eos_ids(self) -> list[int]:
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        """The generation config's EOS ids and the tokenizer's, as vLLM stops at both."""
+        ids = []
+        for eos in (getattr(self.model.generation_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
+            ids += [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        return ids
 
 
 def _flatten(data, prefix: str = "") -> dict:

@@ -33,6 +33,7 @@ import torch
 
 logger = logging.getLogger("tierkv.model_identity")
 SAMPLE_ELEMENTS = 4096  # per tensor, evenly spaced, first and last included
+PROBE_ELEMENTS = 64  # per parameter, on every WeightsWatch.check (about 5 ms for a 135M-parameter model on a CPU)
 FILE_SAMPLES = 16  # reads per weight file, evenly spaced, head and tail included
 FILE_SAMPLE_BYTES = 64 << 10
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -75,22 +76,25 @@ class WeightsWatch:
     """Notices that a model's weights changed after its blocks' addresses were fixed (an in-place update such
     as `load_state_dict` or a merged adapter, or a replaced parameter): `check` raises ValueError then, so a
     runtime never files the new weights' KV under the old weights' addresses, nor serves the old KV to them.
-    The check is host-only (parameters' identities and version counters) unless they moved; then the
-    parameters are digested again, and unchanged values pass."""
+    Each check digests PROBE_ELEMENTS evenly spaced elements of every parameter (a write through `p.data` moves
+    no version counter); when the parameters' identities or version counters moved, the full digest decides,
+    and unchanged values pass. A write touching none of the probed elements of any parameter goes unseen."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = weakref.ref(model)
         self._state = _versions(model)
         self._digest = weights_digest(model, buffers=False)  # buffers (rotary caches) may change in forwards
+        self._probe = weights_digest(model, buffers=False, samples=PROBE_ELEMENTS)
 
     def check(self) -> None:
         model = self._model()
         if model is None:
             return
         state = _versions(model)
-        if state == self._state:
-            return
-        if weights_digest(model, buffers=False) != self._digest:
+        changed = weights_digest(model, buffers=False, samples=PROBE_ELEMENTS) != self._probe
+        if not changed and state != self._state:
+            changed = weights_digest(model, buffers=False) != self._digest
+        if changed:
             raise ValueError("the model's weights changed after tierkv's runtime was made for it (updated in place or "
                              "replaced): its blocks are addressed by the old weights; make a new TieredLLM (or "
                              "runtime_for_model) for the new ones")
@@ -102,9 +106,9 @@ def _versions(model: torch.nn.Module) -> tuple:
 
 
 @torch.no_grad()
-def weights_digest(model: torch.nn.Module, *, buffers: bool = True) -> str:
+def weights_digest(model: torch.nn.Module, *, buffers: bool = True, samples: int | None = None) -> str:
     """blake2b over the model config and every parameter (and buffer): name, shape, dtype and up to
-    `SAMPLE_ELEMENTS` evenly spaced elements' bytes. Deterministic across processes and devices."""
+    `samples` (default SAMPLE_ELEMENTS) evenly spaced elements' bytes. Deterministic across processes and devices."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_config_blob(getattr(model, "config", None)))
     tensors = sorted([*model.named_parameters(), *(model.named_buffers() if buffers else ())], key=lambda item: item[0])
@@ -115,7 +119,7 @@ def weights_digest(model: torch.nn.Module, *, buffers: bool = True) -> str:
         if tensor.device.type == "meta" or tensor.numel() == 0:
             h.update(b"meta" if tensor.device.type == "meta" else b"empty")
             continue
-        sample = _sample_bytes(tensor)
+        sample = _sample_bytes(tensor, samples or SAMPLE_ELEMENTS)
         group = by_device.setdefault(tensor.device, [])
         order.append((tensor.device, len(group), sample.numel()))
         group.append(sample)
@@ -128,12 +132,12 @@ def weights_digest(model: torch.nn.Module, *, buffers: bool = True) -> str:
     return h.hexdigest()
 
 
-def _sample_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """Up to SAMPLE_ELEMENTS evenly spaced elements of `tensor` as uint8 [n * itemsize], same device."""
+def _sample_bytes(tensor: torch.Tensor, samples: int) -> torch.Tensor:
+    """Up to `samples` (>= 2) evenly spaced elements of `tensor` as uint8 [n * itemsize], same device."""
     flat = tensor.detach().reshape(-1)
     n = flat.numel()
-    if n > SAMPLE_ELEMENTS:
-        index = (torch.arange(SAMPLE_ELEMENTS, dtype=torch.int64) * (n - 1) // (SAMPLE_ELEMENTS - 1)).to(flat.device)
+    if n > samples:
+        index = (torch.arange(samples, dtype=torch.int64) * (n - 1) // (samples - 1)).to(flat.device)
         flat = flat.index_select(0, index)
     flat = flat.contiguous()
     if flat.dtype == torch.bool:

@@ -5,8 +5,8 @@ ValueError naming it; also spelt with vLLM's `max_tokens`; `SamplingParams.coerc
 vLLM's own `SamplingParams`), `sampling_from_kwargs`, `RequestOutput` and `CompletionOutput` (vLLM's shape:
 `out.outputs[0].text`, plus tierkv's `stats`), `sample_next`.
 
-Stops follow vLLM: a request stops at the model's EOS ids (unless `ignore_eos`) and at any of
-`stop_token_ids`.
+Stops follow vLLM: a request stops at the model's EOS ids and its tokenizer's (unless `ignore_eos`)
+and at any of `stop_token_ids`.
 """
 from __future__ import annotations
 
@@ -46,13 +46,19 @@ class SamplingParams:
             self.max_new_tokens = max_tokens
         elif self.max_new_tokens is None:
             self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-        _check_int("max_new_tokens" if max_tokens is None else "max_tokens", self.max_new_tokens, minimum=1,
-                   optional=False)
+        self.check("max_new_tokens" if max_tokens is None else "max_tokens")
+
+    def check(self, max_name: str = "max_new_tokens") -> None:
+        """Raise TypeError or ValueError naming the first bad field; run on construction and again when a
+        request takes the settings (a field set after construction is held to the same rules)."""
+        _check_int(max_name, self.max_new_tokens, minimum=1, optional=False)
         _check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
                     lambda v: v >= 0, optional=False)
         _check_int("top_k", self.top_k, minimum=1)
         _check_real("top_p", self.top_p, "must be in (0, 1] or None", lambda v: 0 < v <= 1)
         _check_int("seed", self.seed, minimum=0, maximum=2**64 - 1)  # torch.Generator's seed range
+        if self.seed is not None:
+            self.seed = int(self.seed)  # a NumPy integer: torch.Generator takes Python ints only
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids: got {self.stop_token_ids!r}; a list of token ids or None")
@@ -68,6 +74,7 @@ class SamplingParams:
         """tierkv's SamplingParams as is; vLLM's `SamplingParams` translated (settings tierkv does not
         implement, such as n > 1 or penalties, are refused by name)."""
         if isinstance(params, cls):
+            params.check()  # fields may have been set since construction
             return params
         if not hasattr(params, "max_tokens") or not hasattr(params, "temperature"):
             raise TypeError(f"sampling: got {type(params).__name__}; expected tierkv.sampling.SamplingParams "
@@ -86,6 +93,18 @@ class SamplingParams:
                    seed=params.seed, stop_token_ids=list(params.stop_token_ids or []) or None,
                    ignore_eos=bool(params.ignore_eos))
 
+
+
+def _max_tokens(self: SamplingParams) -> int:
+    return self.max_new_tokens
+
+
+def _set_max_tokens(self: SamplingParams, value: int) -> None:
+    self.max_new_tokens = value
+
+
+# vLLM's name reads and sets max_new_tokens (a dataclass InitVar on construction, this property afterwards)
+SamplingParams.max_tokens = property(_max_tokens, _set_max_tokens, doc="vLLM's name for max_new_tokens")
 
 
 def sampling_from_kwargs(kwargs: dict) -> SamplingParams:

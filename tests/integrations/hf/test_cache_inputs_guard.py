@@ -58,3 +58,15 @@ def test_weights_changed_after_the_runtime_was_made_are_refused_and_unchanged_on
             model.model.layers[0].mlp.down_proj.weight))  # replaced, not updated
         with pytest.raises(ValueError, match="weights changed"):
             llm.generate([ids], max_new_tokens=4, ignore_eos=True)
+
+
+def test_weights_written_through_data_are_refused():
+    """`p.data.normal_()` moves no version counter: the probe digest on every check sees the values."""
+    model, _ = build("llama", num_heads=4, num_kv_heads=2, seed=0)
+    ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    with TieredLLM(model, _config(), show_progress=False) as llm:
+        llm.generate([ids], max_new_tokens=4, ignore_eos=True)
+        for p in model.parameters():
+            p.data.normal_(0, 0.2)
+        with pytest.raises(ValueError, match="weights changed after tierkv's runtime was made"):
+            llm.generate([ids], max_new_tokens=4, ignore_eos=True)
