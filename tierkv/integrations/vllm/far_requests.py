@@ -18,7 +18,7 @@ captured for the one serve the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -42,6 +42,10 @@ class FarRequest:
     summaries: RequestSummaries | None = None                  # key min/max of its blocks, on the device
     cache: CacheSet | None = None                              # its far-block cache, once the graphs serve it
     previous: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: a sampled step's selection
+
+    def num_pinned(self) -> int:
+        """Its blocks pinned for the far reader (the first ones)."""
+        return self.pinned_slots[0].numel() if self.pinned_slots else 0
 
     @property
     def far_summaries(self) -> BlockSummaries | None:
@@ -147,14 +151,17 @@ class FarPins:
         if req.pinned_slots_dev:
             self._spare_slot_lists.append(req.pinned_slots_dev)
 
-    def release(self, req: FarRequest) -> None:
-        """Unpin a finished request's far blocks, and the saved blocks of it that never became far."""
+    def release(self, req: FarRequest, still_needed: Collection[str] = ()) -> None:
+        """Unpin a finished request's far blocks, and the saved (or loaded) blocks of it that never became far,
+        but for blocks `still_needed` (hashes another running request holds past its far part: their landed
+        pins stay for that request's far reader, or its own release)."""
         if req.pinned_groups:
             self.store.saves.unpin_blocks(req.pinned_groups)
         for keys in req.pinned_keys:
             self.store.saves.unpin(keys)
         if self.store.saves.keep_pinned:
             self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
-            first = req.pinned_slots[0].numel() if req.pinned_slots else 0  # blocks pinned for reading
+            first = req.num_pinned()  # blocks pinned for reading
+            mine = [h for h in req.hashes[first:] if h not in still_needed]
             for layer in range(self.store.num_layers):
-                self.store.saves.release_pins(self.store.keys(req.hashes[first:], layer))
+                self.store.saves.release_pins(self.store.keys(mine, layer))

@@ -127,7 +127,8 @@ class FarKV:
             self.graphs.forget(req_id)
         if req.cache is not None and self.row_caches is not None:  # emptied for the next request (graphs bake the set)
             self.row_caches.give_back(req.cache)
-        self.pins.release(req)
+        shared = set(req.hashes).intersection  # blocks another running request may still read as far
+        self.pins.release(req, shared(h for other in self.requests.values() for h in other.hashes[other.num_pinned():]))
 
     # -- steps ------------------------------------------------------------------------------------
     def begin_step(self, rows: Sequence[tuple[str, int, int]], prompt_steps: Collection[str] = (),

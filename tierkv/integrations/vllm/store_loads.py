@@ -41,7 +41,7 @@ class LayerLoads:
         self._plan: list[BlockSpan] = []
         self._ids = torch.empty(0, dtype=torch.int64)
         self._hashes: list[str] = []
-        self._pins: list[tuple[object, list[str]]] = []   # (H2D handle, keys pinned for it)
+        self._pins: list[tuple[object, list[str], list[int]]] = []   # (H2D handle, keys pinned for it, their slots)
         self._next_layer = 0
 
     def begin(self, spans: Sequence[BlockSpan]) -> None:
@@ -76,7 +76,7 @@ class LayerLoads:
         ids = self._ids
         if slots is not None:
             handle = store.io.gather(torch.tensor(slots, dtype=torch.int64), staged, torch.arange(n, dtype=torch.int64))
-            self._pins.append((handle, keys))
+            self._pins.append((handle, keys, slots))
         else:
             found = store.chain.get_many(keys, promote=False)
             missing = [i for i, b in enumerate(found) if b is None]
@@ -117,13 +117,18 @@ class LayerLoads:
         return errors
 
     def poll(self, wait: bool) -> None:
-        """Unpin landed loads (all of them when `wait`). Caller holds the store's lock."""
+        """Unpin landed loads (all of them when `wait`); under the hot window their pins are kept as landed
+        saves' are (`LayerSaves.keep_pins`): a loaded window block must still be in the CPU tier when it turns
+        far. Caller holds the store's lock."""
         pins = []
-        for handle, keys in self._pins:
+        for handle, keys, slots in self._pins:
             if wait:
                 handle.synchronize()
             if wait or handle.is_done():
-                self.store.cpu.release(keys)
+                if self.store.saves.keep_pinned:
+                    self.store.saves.keep_pins(keys, slots)
+                else:
+                    self.store.cpu.release(keys)
             else:
-                pins.append((handle, keys))
+                pins.append((handle, keys, slots))
         self._pins = pins

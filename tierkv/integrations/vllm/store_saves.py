@@ -12,8 +12,8 @@ The private copy means vLLM may free or reuse a saved block as soon as the forwa
 save bytes are bounded by `scheduler.staging_bytes`; past it the oldest save is waited for. A block
 the CPU tier refuses (every slot pinned, or the block is being written) goes to the tiers below.
 
-Under the hot window (`keep_pinned`), landed saves stay pinned in the CPU tier until the far-block
-reader takes the pins over (`pin_for_reader`: the blocks become far) or gives them back
+Under the hot window (`keep_pinned`), landed saves (and landed loads' window blocks, `keep_pins`) stay
+pinned in the CPU tier until the far-block reader takes the pins over (`pin_for_reader`: the blocks become far) or gives them back
 (`release_pins`: its request ends), so a block that becomes far is never pinned twice. A far block
 pinned whole (`pin_blocks_for_reader`) gives its landed saves' per-key pins back at once.
 """
@@ -129,6 +129,20 @@ class LayerSaves:
         self._pending = still
 
     # -- pins of landed saves (hot window) ---------------------------------------------------------
+    def keep_pins(self, keys: Sequence[str], slots: Sequence[int]) -> None:
+        """Hold the caller's CPU-tier pins of `keys` (at `slots`) as landed saves' pins (a landed load's window
+        blocks): one pin per key is held, a key already held gives the caller's pin back. Lock held."""
+        pins, new, extra = self._pins, [], []
+        for key, slot in zip(keys, slots):  # a key twice in `keys` (two requests loading one block) holds one pin
+            if key in pins:
+                extra.append(key)
+            else:
+                pins[key] = slot
+                new.append(key)
+        self._count_blocks(new, 1)
+        if extra:
+            self.store.cpu.release(extra)
+
     def take_pins(self, keys: Sequence[str]) -> list[int | None]:
         """Slots of landed saves still pinned for the caller, who now owns the pins; None elsewhere."""
         with self._lock:
