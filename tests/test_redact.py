@@ -92,13 +92,13 @@ def test_the_config_dump_and_config_check_hide_the_password(tmp_path, capsys):
     assert to_dict(config)["tiers"][1]["url"] == url  # handed to other processes as it is
     assert SECRET not in repr(shown_dict(config))
     path = tmp_path / "c.yaml"
-    path.write_text(f"tiers:\n- kind: cpu\n- kind: redis\n  url: '{url}'\n")
+    path.write_text(f"tiers:\n- kind: cpu\n- kind: redis\n  url: '{url}'\n  trusted: true\n")  # no secret needed
     assert main(["config", "check", str(path)]) == 0
     out = capsys.readouterr()
     assert "user:***@127.0.0.1" in out.out and SECRET not in out.out + out.err
     assert main(["config", "check", "--json", str(path)]) == 0
     assert SECRET not in capsys.readouterr().out
-    path.write_text(f"tiers:\n- kind: cpu\n- kind: redis\n  url: '{url}?nope=1'\n")
+    path.write_text(f"tiers:\n- kind: cpu\n- kind: redis\n  url: '{url}?nope=1'\n  trusted: true\n")
     assert main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err
     assert "unknown query parameter 'nope'" in err and SECRET not in err

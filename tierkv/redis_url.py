@@ -13,7 +13,7 @@ no query.
 
 The URL goes through redis-py's own parser (`redis.connection.parse_url`) where redis-py is
 installed, and its errors become ConfigError. Beyond what that parser checks: the host must be
-a name or an IP address (a name that IDNA encodes, no NUL or spaces), the port a number up to
+a name or an IP address (a name that IDNA encodes, no NUL or spaces), the port a number from 1 to
 65535, the database a number, and the query may hold only the parameters below (redis-py would
 pass any other name to its connection class, which fails when the tier first connects). Socket
 timeouts are the tier's `timeout_s`, not query parameters. The password is never echoed.
@@ -32,6 +32,7 @@ EXPECTED = ("expected redis://host[:port][/db], rediss://..., unix:///path, or a
             "redis+cluster://host[:port][,host[:port]...] (rediss+cluster://...)")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
+MAX_PORT = 65535
 _TLS_PARAMETERS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 QUERY_PARAMETERS = ("db", "client_name", *_TLS_PARAMETERS)
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -72,9 +73,11 @@ def _check_parts(url: str, keypath: str) -> None:
         return
     try:
         parts = urlsplit(url)
-        port = parts.port
+        port_problem = _port_problem(parts)
     except ValueError as exc:
         raise ConfigError(keypath, url, f"{EXPECTED} ({_detail(url, exc)})") from None
+    if port_problem:
+        raise ConfigError(keypath, url, f"{EXPECTED}; {port_problem}")
     scheme = parts.scheme.lower()
     if scheme not in ("redis", "rediss", "unix") or not url.lower().startswith(f"{scheme}://"):
         raise ConfigError(keypath, url, EXPECTED)
@@ -88,8 +91,19 @@ def _check_parts(url: str, keypath: str) -> None:
         db = parts.path.strip("/")
         if db and not (db.isascii() and db.isdigit() and int(db) <= _MAX_DB):
             raise ConfigError(keypath, url, f"{EXPECTED}; database must be a number up to {_MAX_DB}, got {db!r}")
-    del port
     _check_query(url, scheme, parts.query, keypath)
+
+
+def _port_problem(parts) -> str | None:
+    """Why the port of a split URL is not one a server listens on (0, or past 65535), or None; ValueError
+    for a port that is not a number."""
+    try:
+        port = parts.port
+    except ValueError as exc:
+        if "out of range" not in str(exc):
+            raise
+        return f"the port must be 1 to {MAX_PORT} (got {parts.netloc.rpartition(':')[2][:12]})"
+    return f"the port must be 1 to {MAX_PORT} (got 0)" if port == 0 else None
 
 
 def userinfo_problem(url: str) -> str | None:
@@ -211,9 +225,12 @@ def parse_cluster_url(url: str) -> ClusterUrl:
 def _host_port(item: str) -> tuple[str, int]:
     try:
         parts = urlsplit(f"//{item}")
-        port = parts.port
+        problem = _port_problem(parts)
+        port = parts.port if problem is None else None
     except ValueError as exc:
         raise ValueError(f"startup node {item!r}: {exc}") from None
+    if problem:
+        raise ValueError(f"startup node {item!r}: {problem}")
     if not parts.hostname:
         raise ValueError(f"startup node {item!r} has no host")
     return unquote(parts.hostname), DEFAULT_PORT if port is None else port

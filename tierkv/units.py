@@ -21,25 +21,33 @@ ALLOWED_UNITS = ("B; KB, MB, GB, TB (powers of 1000, as K, M, G, T); KiB, MiB, G
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """Number of bytes in `value`; raises ValueError saying what is allowed."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as '2GiB', got {value!r}; units: {ALLOWED_UNITS}")
+    """Number of bytes in `value`; raises ValueError saying what is allowed (the value shown bounded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # before any repr: a list of
+        # aliases can stand for billions of entries
+        raise ValueError(f"expected a size such as '2GiB', got {_shown(value)}; units: {ALLOWED_UNITS}")
     if isinstance(value, int):
         return value
     if isinstance(value, float):
         if not value.is_integer():
             raise ValueError(f"a size in bytes must be whole, got {value!r}")
         return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"expected a size such as '2GiB', got {type(value).__name__} {value!r}")
     match = _SIZE_RE.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size; units: {ALLOWED_UNITS}")
+        raise ValueError(f"cannot read {_shown(value)} as a size; units: {ALLOWED_UNITS}")
     number, unit = match.groups()
     num_bytes = Decimal(number) * _UNITS[unit.lower()]  # exact: "1.005KB" is 1005 bytes, not 1004.99...
     if num_bytes != num_bytes.to_integral_value():
-        raise ValueError(f"{value!r} is not a whole number of bytes")
+        raise ValueError(f"{_shown(value)} is not a whole number of bytes")
     return int(num_bytes)
+
+
+def _shown(value: object) -> str:
+    """A bounded repr for a message: scalars (long text and numbers cut short), collections by type only."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        from tierkv.config.errors import show_value  # (here: tierkv.config imports this module)
+
+        return show_value("value", value)
+    return f"a {type(value).__name__}"
 
 
 def format_bytes(num_bytes: int | float) -> str:
@@ -63,15 +71,15 @@ def parse_tokens(text: str | int) -> int:
     """A positive token count: 131072, "128k" (131072), "1.5k" (1536), "1M" (1048576); raises
     ValueError naming the value and what is allowed."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise ValueError(f"expected a number of tokens such as 131072 or 128k, got {text!r}")
+        raise ValueError(f"expected a number of tokens such as 131072 or 128k, got {_shown(text)}")
     match = _SIZE_RE.match(str(text))
     if match is None or match.group(2).lower() not in _TOKEN_UNITS:
-        raise ValueError(f"cannot read {text!r} as a number of tokens: expected digits with an optional "
+        raise ValueError(f"cannot read {_shown(text)} as a number of tokens: expected digits with an optional "
                          f"suffix, {TOKEN_UNITS_HELP}")
     number, unit = match.groups()
     value = float(number) * _TOKEN_UNITS[unit.lower()]
     if not value.is_integer() or value < 1:
-        raise ValueError(f"{text!r} is {value:g} tokens: expected a whole number of at least 1")
+        raise ValueError(f"{_shown(text)} is {value:g} tokens: expected a whole number of at least 1")
     if value > MAX_TOKENS:
-        raise ValueError(f"{text!r} is {value:g} tokens: at most {MAX_TOKENS} (1G) tokens")
+        raise ValueError(f"{_shown(text)} is {value:g} tokens: at most {MAX_TOKENS} (1G) tokens")
     return int(value)

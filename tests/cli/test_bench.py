@@ -83,3 +83,11 @@ def test_bad_arguments_exit_2(capsys, argv, message):
 def test_all_takes_no_arguments(tmp_path, capsys):
     assert main(["bench", "--dir", str(fake_benchmarks(tmp_path)), "all", "--x"]) == 2
     assert "pass arguments to one benchmark at a time" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["all"], ["echo"]])
+def test_a_folder_without_benchmarks_exits_2_naming_it(tmp_path, capsys, argv):
+    (tmp_path / "helper.py").write_text("")
+    assert main(["bench", "--dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"no benchmarks in {tmp_path}" in err and "bench_*.py" in err

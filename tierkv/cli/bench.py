@@ -54,6 +54,8 @@ def run_bench(args) -> int:
     if not folder.is_dir():
         raise UsageError(f"no benchmarks folder at {folder}: run from a checkout or pass --dir")
     found = find_benchmarks(folder)
+    if not found:
+        raise UsageError(f"no benchmarks in {folder}: expected scripts named bench_*.py there")
     if args.name is None:
         for name, path in found.items():
             print(f"{name:<12} {describe(path)}")

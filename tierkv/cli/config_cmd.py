@@ -5,8 +5,12 @@ file is $TIERKV_CONFIG_FILE, else the built-in defaults). Every error of every f
 reported, one line each, naming the file and the key; the exit code is 2 when any file has
 one. When a config names the model's KV shape (model.num_layers, num_kv_heads, head_dim and a
 kv_dtype other than auto), the GPU budget is also checked against sinks + window and the
-staging ring, as the runtime would at start-up. Sizes print as bytes with a human-readable
-comment; secrets (passwords in URLs, fields named like secrets) print as ***.
+staging ring, as the runtime would at start-up. What a start refuses is refused too, through the
+start's own checks and creating nothing: an untrusted disk or Redis tier without a secret,
+`encrypt: true` on a trusted tier, a secret file that cannot be read (or, with
+create_secret_file, created), a disk tier directory of another user or writable by group or
+others, a control endpoint without a token of 16 characters. Sizes print as bytes with a
+human-readable comment; secrets (passwords in URLs, fields named like secrets) print as ***.
 """
 from __future__ import annotations
 
@@ -66,25 +70,56 @@ def check_one(path: str | None) -> tuple[dict | None, list, bool]:
     config = load_config(path)
     try:
         checked = _check_budget(config)
-        _check_secret(config)
+        _check_start(config)
     except ConfigError as err:
         return None, [err], False
     return shown_dict(config), [], checked
 
 
-def _check_secret(config) -> None:
-    """The storage secret file is read and checked as a start would (readable, private, long enough) where a
-    start reads it (an untrusted disk or Redis tier), unless it is missing and the config creates it at start:
-    a check creates nothing."""
-    from tierkv.storage.auth import is_sealed, load_secret, secret_path
+def _check_start(config) -> None:
+    """Refuse what a start refuses beyond the loader's checks, through the start's own functions and creating
+    nothing: per tier, `encrypt` on a trusted tier and a sealed tier without any secret; the secret file where a
+    start reads it (an untrusted disk or Redis tier), or where it would create it; an existing disk tier directory
+    of another user or writable by group or others; a control endpoint without a usable token."""
+    from tierkv.storage.auth import check_storage_secret, check_tier_secret, is_sealed
 
-    storage = config.storage
-    sealed = any(is_sealed(t) for t in config.tiers)
-    if not sealed or storage.secret is not None or storage.secret_file is None:
+    for index, tier in enumerate(config.tiers):
+        check_tier_secret(index, tier, config.storage)
+        if tier.kind == "disk":
+            _check_disk_directory(index, tier)
+    if any(is_sealed(t) for t in config.tiers):
+        check_storage_secret(config.storage)
+    if config.metrics.control_enabled:
+        from tierkv.metrics.control import BudgetControl
+
+        BudgetControl.from_config(config.metrics, lambda num_bytes: None, env=os.environ)  # the token's checks
+
+
+def _check_disk_directory(index: int, tier) -> None:
+    """The disk tier's directory, when it exists, refused in the words of a start (`open_private_directory`,
+    which would make a missing one 0700 and tighten a readable one: a check changes nothing)."""
+    import stat
+
+    from tierkv.config import ConfigError
+    from tierkv.config.paths import expand_path
+    from tierkv.storage.disk_files import _refusal
+
+    path = expand_path(tier.path, f"tiers[{index}].path")
+    try:
+        link, st = os.lstat(path), os.stat(path)
+    except OSError:  # missing: made 0700 at start (the loader checked that it can be)
         return
-    if storage.create_secret_file and not secret_path(storage.secret_file).exists():
+    is_link = stat.S_ISLNK(link.st_mode)
+    where = f" (the symlink's target {os.path.realpath(path)!r})" if is_link else ""
+    if is_link and link.st_uid not in (os.geteuid(), 0):
+        st, what = link, " is a symlink made by another user"
+    elif st.st_uid != os.geteuid():
+        what = f"{where} is owned by another user"
+    elif st.st_mode & 0o022:
+        what = f"{where} is writable by group or others"
+    else:
         return
-    load_secret(storage)
+    raise ConfigError(f"tiers[{index}].path", tier.path, f"{tier.kind}: {_refusal(path, st, what)}")
 
 
 def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) -> None:

@@ -3,12 +3,14 @@
     tierkv dashboard --jsonl run.jsonl                  serve http://127.0.0.1:8050/ until Ctrl-C
     tierkv dashboard --endpoint http://127.0.0.1:9400   a running TieredLLM, through this server
     tierkv dashboard --jsonl run.jsonl --html run.html  write a self-contained report and exit
+                                                        (refused when --html names the --jsonl file)
 
 The server binds 127.0.0.1 unless --host says otherwise (it has no authentication: it only reads).
 Requests must name --host (or, on loopback, localhost) in their Host header, which stops DNS rebinding.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -34,6 +36,26 @@ def dashboard_server(source, host: str, port: int):
     return serve(guarded(dashboard_app(source), host), host, port)
 
 
+def is_same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once links and '..' are resolved, or the same inode where
+    both exist (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one is missing (or not a path a file can have)
+        return False
+
+
+def refuse_same_file(out_flag: str, out: str, jsonl_flag: str, jsonl: str | os.PathLike) -> None:
+    """UsageError (exit 2) naming both flags when the report written to `out` would overwrite the metrics JSONL."""
+    from tierkv.cli.errors import UsageError
+
+    if is_same_file(out, jsonl):
+        raise UsageError(f"{out_flag} {out} and {jsonl_flag} {jsonl} are the same file: the HTML report would "
+                         f"overwrite the metrics snapshots it is made from; write the report to another file")
+
+
 def run_dashboard(args) -> int:
     from tierkv.cli.errors import UsageError
     from tierkv.dashboard import static_page
@@ -41,6 +63,8 @@ def run_dashboard(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: got {args.port}; expected 0..65535")
+    if args.html and args.jsonl:  # before reading: the snapshots are still there to read after a refusal
+        refuse_same_file("--html", args.html, "--jsonl", args.jsonl)
     try:
         source = open_source(jsonl=args.jsonl, endpoint=args.endpoint)
         if args.html:

@@ -6,11 +6,14 @@
 The prompt is text (needs the model's tokenizer), a file of text, or a file holding a JSON list
 of token ids; --demo makes a random prompt of --prompt-tokens. The generated text (or token ids)
 goes to stdout; progress bars on prefill (for prompts longer than four prefill chunks) and on
-decode (tokens and tok/s, from 16 new tokens), and a summary, go to stderr. --jsonl records metrics snapshots; --report writes the dashboard as HTML.
+decode (tokens and tok/s, from 16 new tokens), and a summary, go to stderr. --jsonl records metrics
+snapshots; --report writes the dashboard as HTML, made from the snapshots of --jsonl, else of the
+config's metrics.jsonl_path, else of a file named as the report with .jsonl (never the report itself).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,9 +38,11 @@ def add_parser(commands) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int, default=0, help="sampling seed and random-prompt seed")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: CUDA when present)")
-    p.add_argument("--jsonl", metavar="PATH", help="append metrics snapshots to PATH (metrics.jsonl_path)")
+    p.add_argument("--jsonl", metavar="PATH", help="append metrics snapshots to PATH (sets metrics.jsonl_path)")
     p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve /metrics and the live dashboard")
-    p.add_argument("--report", metavar="HTML", help="write the dashboard of this run as one static HTML file")
+    p.add_argument("--report", metavar="HTML", help="write the dashboard of this run as one static HTML file, made "
+                   "from the snapshots of --jsonl, else of the config's metrics.jsonl_path, else of HTML's name with "
+                   ".jsonl; refused when that is HTML itself")
     p.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
     p.set_defaults(handler=run_generate)
@@ -80,7 +85,7 @@ def run_generate(args) -> int:
     if args.report:
         from tierkv.dashboard import write_report
 
-        write_report(config.metrics.jsonl_path, args.report)
+        write_report(os.path.expanduser(config.metrics.jsonl_path), args.report)  # (as the recorder wrote it)
         if not args.quiet:
             print(f"tierkv run: report written to {args.report}", file=sys.stderr)
     return 0
@@ -94,19 +99,15 @@ def _with_flags(config, args):
     from tierkv.config.load import to_dict
 
     metrics, flags = {}, []
-    if args.jsonl or args.report:
-        metrics["jsonl_path"] = args.jsonl or str(Path(args.report).with_suffix(".jsonl"))
+    jsonl_path, named_by = _snapshots_path(config, args)
+    if jsonl_path is not None and named_by != "metrics.jsonl_path":  # a flag names it: written into the config
+        metrics["jsonl_path"] = jsonl_path
         flags.append(f"--jsonl {args.jsonl}" if args.jsonl else f"--report {args.report}")
     if args.prometheus_port is not None:
         metrics["prometheus_port"] = args.prometheus_port
         flags.append(f"--prometheus-port {args.prometheus_port}")
     if args.report:  # written after the run: refused before it, as the config's own file paths are
-        from tierkv.config.fields import check_writable_file
-
-        try:
-            check_writable_file(args.report, "--report")
-        except ConfigError as exc:
-            raise UsageError(f"--report {args.report}: {exc.allowed}") from None
+        _check_report(args.report, jsonl_path, named_by)
     if not metrics:
         return config
     values = to_dict(config)
@@ -115,6 +116,32 @@ def _with_flags(config, args):
         return load_config(values, env={})
     except ConfigError as exc:
         raise UsageError(f"{' / '.join(flags)}: {exc}") from None
+
+
+def _snapshots_path(config, args) -> tuple[str | None, str]:
+    """(where the metrics snapshots go, what names it): --jsonl, else the config's metrics.jsonl_path, else with
+    --report the report's name with .jsonl (the report is made from them)."""
+    if args.jsonl:
+        return args.jsonl, "--jsonl"
+    if config.metrics.jsonl_path is not None:
+        return config.metrics.jsonl_path, "metrics.jsonl_path"
+    if args.report:
+        return str(Path(args.report).with_suffix(".jsonl")), "--jsonl (not given: --report's name with .jsonl)"
+    return None, ""
+
+
+def _check_report(report: str, jsonl_path: str, named_by: str) -> None:
+    """--report can be written and is not the file the snapshots go to (read back to make the report)."""
+    from tierkv.cli.dashboard_cmd import refuse_same_file
+    from tierkv.cli.errors import UsageError
+    from tierkv.config import ConfigError
+    from tierkv.config.fields import check_writable_file
+
+    refuse_same_file("--report", report, named_by, os.path.expanduser(jsonl_path))  # (the recorder expands ~)
+    try:
+        check_writable_file(report, "--report")
+    except ConfigError as exc:
+        raise UsageError(f"--report {report}: {exc.allowed}") from None
 
 
 def _read_prompt(args) -> str | list | int:

@@ -9,7 +9,8 @@ Primitives: `convert_scalar`, `check_value`, `check_path`, `expand_path`, the li
     *_bytes          a size with units (tierkv.units), whole bytes, at most MAX_BYTES
     path, *_path     a path: no NUL, components of at most 255 bytes, at most 4095 bytes in all,
                      '~user' only for a user that exists
-    choices=(...)    one of them;  check="..."  a named check (writable_dir, writable_file, redis_url, non_empty)
+    choices=(...)    one of them;  check="..."  a named check (writable_dir, writable_file, redis_url, non_empty,
+                     secret, control_token)
 """
 from __future__ import annotations
 
@@ -146,14 +147,26 @@ def check_non_empty(value: str, keypath: str) -> None:
         raise ConfigError(keypath, value, "expected a non-empty string")
 
 
-def _checks() -> dict:
-    return {"writable_dir": check_writable_dir, "writable_file": check_writable_file, "redis_url": check_redis_url,
-            "non_empty": check_non_empty,
-            "secret": check_secret}
+MIN_CONTROL_TOKEN_CHARS = 16  # (tierkv.metrics.control checks the TIERKV_CONTROL_TOKEN variable the same way)
+
+
+def check_control_token(value: str, keypath: str) -> None:
+    """A bearer token a client can send: at least MIN_CONTROL_TOKEN_CHARS characters, no whitespace at an end."""
+    if value != value.strip():  # a client's token is read stripped: this one could never match
+        raise ConfigError(keypath, "<hidden>", "expected no whitespace at either end (a YAML block scalar keeps its "
+                                               "last newline): no client could send it")
+    if len(value) < MIN_CONTROL_TOKEN_CHARS:  # the value itself is never echoed back
+        raise ConfigError(keypath, "<hidden>", f"expected at least {MIN_CONTROL_TOKEN_CHARS} characters, "
+                                               f"got {len(value)}")
 
 
 def check_secret(value: str, keypath: str) -> None:
-    """At least 16 bytes (UTF-8) besides whitespace at either end, as a secret file's content is read."""
-    size = len(value.strip().encode("utf-8", "surrogatepass"))
+    """At least 16 bytes (UTF-8) besides ASCII whitespace at either end, stripped as a secret file's content is."""
+    size = len(value.encode("utf-8", "surrogatepass").strip())
     if size < 16:  # the value itself is never echoed back
         raise ConfigError(keypath, "<hidden>", f"expected at least 16 bytes besides surrounding whitespace, got {size}")
+
+
+def _checks() -> dict:
+    return {"writable_dir": check_writable_dir, "writable_file": check_writable_file, "redis_url": check_redis_url,
+            "non_empty": check_non_empty, "secret": check_secret, "control_token": check_control_token}

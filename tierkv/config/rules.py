@@ -14,6 +14,17 @@ def check_config(config) -> None:
     _check_sparse_budget(config)
     _check_disk_paths(config)
     _check_control(config)
+    _check_encrypted_tiers(config)
+
+
+def _check_encrypted_tiers(config) -> None:
+    """`encrypt` seals a tier's blocks with the secret: a trusted tier stores them as they are (the words of a
+    start's `storage.auth.check_tier_secret`)."""
+    from tierkv.storage.auth import check_tier_secret
+
+    for index, tier in enumerate(config.tiers):
+        if getattr(tier, "trusted", False) and getattr(tier, "encrypt", False):
+            check_tier_secret(index, tier, config.storage)
 
 
 def _check_disk_paths(config) -> None:

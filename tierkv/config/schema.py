@@ -8,6 +8,11 @@ value and what is allowed. Environment overrides use `__` between levels:
 
     TIERKV_CACHE__GPU_BUDGET_BYTES=1GiB      TIERKV_TIERS__1__PATH=/nvme/tierkv
     TIERKV_CONFIG_FILE=configs/long-128k.yaml  (the file to start from)
+
+A variable is read by its field's type, not as YAML: a text field (names, paths, secrets, URLs,
+tokens, dtypes) takes the text verbatim ('#', quotes and backslashes included); a number field
+plain decimals (0100 is 100), a boolean true or false (yes, no, on, off as YAML), a size its units (2GiB); a section or the
+tier list a YAML flow mapping or list. An empty value sets an optional field to None.
 """
 from __future__ import annotations
 
@@ -247,7 +252,8 @@ class MetricsConfig(_Shown):
         "serve POST /api/gpu_budget (`tierkv budget`) on the metrics endpoint; needs control_token or the "
         "TIERKV_CONTROL_TOKEN environment variable (docs/security.md)"))
     control_token: str | None = field(default=None, metadata=doc(
-        "bearer token of the control endpoint, at least 16 characters; None: TIERKV_CONTROL_TOKEN", check="non_empty"))
+        "bearer token of the control endpoint, at least 16 characters, no whitespace at either end; "
+        "None: TIERKV_CONTROL_TOKEN", check="control_token"))
 
 
 def _default_tiers() -> list:

@@ -1,7 +1,7 @@
 """Authenticated blocks for tiers others can write to (Redis) or that outlive the process (disk).
 
 Primitives: `secret_path`, `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `sealer_for_tier`,
-`SECRET_ENV`, `SECRET_FILE_ENV`.
+`check_tier_secret`, `check_storage_secret`, `SECRET_ENV`, `SECRET_FILE_ENV`.
 
 Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
 
@@ -188,20 +188,16 @@ def secret_path(secret_file: str) -> Path:
 
 
 def load_secret(storage: "StorageConfig") -> bytes | None:
-    """The deployment's secret from storage.secret, else storage.secret_file; None when neither is set."""
+    """The deployment's secret from storage.secret, else storage.secret_file; None when neither is set. Either
+    way without the ASCII whitespace at its ends (a file's last newline, a pasted value's spaces)."""
     if storage.secret is not None:
-        return storage.secret.encode()
+        return storage.secret.encode().strip()
     if storage.secret_file is None:
         return None
     path = secret_path(storage.secret_file)
     if not path.exists() and storage.create_secret_file:
         _create_secret_file(path)
-    try:
-        info = path.stat()
-        data = path.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror}); "
-                          "set storage.create_secret_file: true to create one") from None
+    info, data = _read_secret_file(path, storage.create_secret_file)
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError("storage.secret_file", str(path),
                           f"must not be accessible by group or others (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it")
@@ -210,6 +206,36 @@ def load_secret(storage: "StorageConfig") -> bytes | None:
         raise ConfigError("storage.secret_file", str(path), f"expected at least {_MIN_SECRET_BYTES} bytes of secret, "
                           f"found {len(data)}")
     return data
+
+
+def _read_secret_file(path: Path, create: bool) -> tuple[os.stat_result, bytes]:
+    """(the file's stat, its content stripped); ConfigError saying why it cannot be read, and what to do."""
+    try:
+        info = path.stat()
+        return info, path.read_bytes().strip()
+    except IsADirectoryError:
+        raise ConfigError("storage.secret_file", str(path), "expected a file holding the secret; it is a directory "
+                          "(name a file in it)") from None
+    except FileNotFoundError as exc:
+        hint = "" if create else "; set storage.create_secret_file: true to create one"
+        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror}){hint}") from None
+    except OSError as exc:
+        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror})") from None
+
+
+def check_storage_secret(storage: "StorageConfig") -> None:
+    """What a start that seals a tier refuses about the secret, creating nothing (`tierkv config check`): the
+    file read and checked as `load_secret` reads it or, missing with storage.create_secret_file, its nearest
+    existing directory writable (a start makes the missing ones below it)."""
+    if storage.secret is not None or storage.secret_file is None:
+        return
+    path = secret_path(storage.secret_file)
+    if storage.create_secret_file and not path.exists():
+        from tierkv.config.fields import check_writable_dir
+
+        check_writable_dir(str(path), "storage.secret_file", probe=str(path.parent))
+        return
+    load_secret(storage)
 
 
 def _check_owned(path: Path, info: os.stat_result) -> None:
@@ -254,19 +280,28 @@ def is_sealed(tier_config: "TierConfig") -> bool:
     return tier_config.kind != "cpu" and not tier_config.trusted
 
 
-def sealer_for_tier(index: int, tier_config: "TierConfig", storage: "StorageConfig",
-                    layout: BlockLayout) -> BlockSealer | None:
-    """The sealer of a disk or Redis tier; None for a trusted one. Raises ConfigError without a secret."""
+def check_tier_secret(index: int, tier_config: "TierConfig", storage: "StorageConfig") -> None:
+    """ConfigError where a start refuses tier `index` before reading a secret: `encrypt: true` on a trusted tier,
+    or a tier that seals its blocks with no secret set at all."""
     if not is_sealed(tier_config):
-        if tier_config.encrypt:
-            raise ConfigError(f"tiers[{index}].encrypt", True, "needs an untrusted tier (trusted: false) and a secret")
-        return None
-    secret = load_secret(storage)
-    if secret is None:
+        if getattr(tier_config, "encrypt", False):
+            raise ConfigError(f"tiers[{index}].encrypt", True, f"needs an untrusted tier (trusted: false) and a "
+                              f"secret: tiers[{index}].trusted is true, and a trusted tier stores blocks as they are; "
+                              f"set tiers[{index}].trusted: false or tiers[{index}].encrypt: false")
+        return
+    if storage.secret is None and storage.secret_file is None:
         raise ConfigError(
             "storage.secret_file", None,
             f"the {tier_config.kind} tier tiers[{index}] keeps blocks others can write or a later process reads: "
             f"set storage.secret_file (or the {SECRET_FILE_ENV} / {SECRET_ENV} environment variable) to the "
             f"deployment's secret, or mark the tier 'trusted: true' if nobody else can write to it",
         )
-    return BlockSealer(secret, layout, encrypt=tier_config.encrypt)
+
+
+def sealer_for_tier(index: int, tier_config: "TierConfig", storage: "StorageConfig",
+                    layout: BlockLayout) -> BlockSealer | None:
+    """The sealer of a disk or Redis tier; None for a trusted one. Raises ConfigError without a secret."""
+    check_tier_secret(index, tier_config, storage)
+    if not is_sealed(tier_config):
+        return None
+    return BlockSealer(load_secret(storage), layout, encrypt=tier_config.encrypt)

@@ -1,0 +1,66 @@
+"""Values the loader refuses as a start would, and refuses quickly: alias bombs on a size, port 0, a short token."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tierkv.config import ConfigError, config_errors, load_config
+from tierkv.units import parse_bytes
+
+
+def alias_bomb(levels: int) -> str:
+    """A few hundred bytes of YAML whose `cache.gpu_budget_bytes` is a list standing for 10**levels entries."""
+    names = [f"l{i}" for i in range(levels)]
+    lines = [f"{names[0]}: &{names[0]} [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"{name}: &{name} [{', '.join([f'*{prev}'] * 10)}]" for prev, name in zip(names, names[1:])]
+    lines.append(f"cache:\n  gpu_budget_bytes: [{', '.join([f'*{names[-1]}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_on_a_size_is_refused_at_once_with_a_short_message(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(9))
+    start = time.perf_counter()
+    errors = config_errors(path, env={})
+    assert time.perf_counter() - start < 2.0
+    (error,) = [e for e in errors if e.key == "cache.gpu_budget_bytes"]
+    assert "got a list" in str(error) and len(str(error)) < 1500
+
+
+def test_a_size_error_shows_a_bounded_value():
+    with pytest.raises(ValueError) as info:
+        parse_bytes("9 parsecs" * 10_000)
+    assert len(str(info.value)) < 600 and "9 parsecs" in str(info.value)
+    with pytest.raises(ValueError, match="got a dict"):
+        parse_bytes({"a": 1})
+
+
+@pytest.mark.parametrize("url", ["redis://h:0/0", "redis://h:65536/0", "rediss://u:pw@h:0", "redis+cluster://a:0,b"])
+def test_a_redis_port_outside_1_to_65535_is_refused_by_name(url):
+    tiers = [{"kind": "cpu"}, {"kind": "redis", "url": url, "trusted": True}]
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.url.*the port must be 1 to 65535") as info:
+        load_config({"tiers": tiers}, env={})
+    assert "pw" not in str(info.value)
+    tiers[1]["url"] = "redis://h:65535/0"
+    assert load_config({"tiers": tiers}, env={}).tiers[1].url == "redis://h:65535/0"
+
+
+@pytest.mark.parametrize("token,words", [("short-token", "at least 16 characters, got 11"),
+                                         ("0123456789abcdef\n", "whitespace at either end")])
+def test_a_control_token_no_client_could_use_is_refused_when_the_config_loads(token, words):
+    with pytest.raises(ConfigError, match=f"metrics.control_token.*{words}") as info:
+        load_config({"metrics": {"control_token": token}}, env={})
+    assert token.strip() not in str(info.value)
+    with pytest.raises(ConfigError, match="TIERKV_METRICS__CONTROL_TOKEN"):
+        load_config(None, env={"TIERKV_METRICS__CONTROL_TOKEN": token})
+    assert load_config({"metrics": {"control_token": "0123456789abcdef"}}, env={}).metrics.control_token
+
+
+def test_an_inline_secret_is_measured_as_a_start_reads_it():
+    """ASCII whitespace at the ends does not count (bytes.strip, as the secret file's content is stripped)."""
+    with pytest.raises(ConfigError, match="storage.secret.*got 15"):
+        load_config({"storage": {"secret": "  0123456789abcde \n"}}, env={})
+    assert load_config({"storage": {"secret": " 0123456789abcdef "}}, env={}).storage.secret
+    kept = "\u3000" + "0123456789abcd"  # 14 ASCII characters and an ideographic space a start keeps (3 bytes)
+    assert load_config({"storage": {"secret": kept}}, env={}).storage.secret == kept
