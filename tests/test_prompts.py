@@ -286,3 +286,21 @@ def test_text_with_a_lone_surrogate_is_refused_naming_where():
 
     with pytest.raises(PromptError, match=r"request 1: the text is not valid Unicode at character 1"):
         normalize_prompts(["fine", "a\ud800b"], vocab_size=10)
+
+
+def test_the_warning_past_max_position_embeddings_reads_the_models_rope_scaling(caplog):
+    from types import SimpleNamespace
+
+    from tierkv.llm_inputs import warn_past_positions
+
+    plain = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64, rope_scaling=None))
+    scaled = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64,
+                                                    rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    with caplog.at_level("WARNING"):
+        warn_past_positions(plain, 0, 64)  # at the limit: nothing
+        assert not caplog.records
+        warn_past_positions(plain, 1, 65)
+        warn_past_positions(scaled, 2, 65)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "request 1: 65 tokens" in first and "use a checkpoint with rope scaling" in first
+    assert "request 2" in second and "rope scaling (dynamic)" in second and "use a checkpoint" not in second

@@ -31,6 +31,8 @@ def test_vllm_sampling_params_are_translated_or_refused_by_name():
         SamplingParams.coerce(vllm.SamplingParams(n=2))
     with pytest.raises(ValueError, match="sampling.repetition_penalty"):
         SamplingParams.coerce(vllm.SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="sampling.detokenize: got False"):  # tierkv always returns the text
+        SamplingParams.coerce(vllm.SamplingParams(max_tokens=3, detokenize=False))
     with pytest.raises(TypeError, match="expected tierkv.sampling.SamplingParams or vllm.SamplingParams"):
         SamplingParams.coerce({"max_tokens": 3})
     for given in (dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]), dict(bad_words=["x"]),

@@ -24,10 +24,13 @@ def warn_past_positions(model, request: int, num_tokens: int) -> None:
     config = text_config(model.config)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and num_tokens > limit:
+        scaling = getattr(config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        advice = (f"the model's rope scaling ({kind}) may or may not carry it there" if kind not in (None, "default")
+                  else "or use a checkpoint with rope scaling")
         logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "
-                       "max_position_embeddings=%d: positions beyond it were not trained on, and the output may "
-                       "degrade (shorten the prompt or max_tokens, or use a checkpoint with rope scaling)", request,
-                       num_tokens, limit)
+                       "max_position_embeddings=%d: positions beyond it may not have been trained on, and the output "
+                       "may degrade (shorten the prompt or max_tokens; %s)", request, num_tokens, limit, advice)
 
 
 def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict, *, vocab_size: int | None,

@@ -22,7 +22,7 @@ _VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, 
                      "logit_bias": None, "allowed_token_ids": None, "bad_words": [], "structured_outputs": None,
                      "skip_special_tokens": True, "include_stop_str_in_output": False,
                      "spaces_between_special_tokens": True, "repetition_detection": None,
-                     "thinking_token_budget": None, "extra_args": None}
+                     "thinking_token_budget": None, "extra_args": None, "detokenize": True}
 
 
 DEFAULT_MAX_NEW_TOKENS = 64
