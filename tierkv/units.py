@@ -42,12 +42,15 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def _shown(value: object) -> str:
-    """A bounded repr for a message: scalars (long text and numbers cut short), collections by type only."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        from tierkv.config.errors import show_value  # (here: tierkv.config imports this module)
+    """A bounded repr for a message: scalars cut to SHOWN_CHARS (a long text or a huge int), collections by type
+    only (a list of YAML aliases can stand for billions of entries)."""
+    if value is None or isinstance(value, (bool, float, str)) or (isinstance(value, int) and value.bit_length() < 4096):
+        text = repr(value)
+        return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 5]}...{text[-1]} ({len(text)} characters)"
+    return f"a {type(value).__name__}" if not isinstance(value, int) else f"an int of {value.bit_length()} bits"
 
-        return show_value("value", value)
-    return f"a {type(value).__name__}"
+
+SHOWN_CHARS = 80
 
 
 def format_bytes(num_bytes: int | float) -> str:

@@ -13,14 +13,17 @@ import typing
 from collections.abc import Mapping
 
 from tierkv.config.errors import ConfigError
-from tierkv.config.load import (ENV_CONFIG_FILE, ENV_CONTROL_TOKEN, ENV_PREFIX, _DuplicateKey, _TooDeep, _YAML_ERRORS,
-                                _yaml_load, to_dict)
+from tierkv.config.yaml_reader import _YAML_ERRORS, _DuplicateKey, _TooDeep, _yaml_load
+
+ENV_PREFIX = "TIERKV_"
+ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
+ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
 
 
 def apply_env(data: dict, env: Mapping[str, str], root: type) -> dict[str, str]:
     """Write TIERKV_A__B=v into data['a']['b'], read as the field's declared type; returns {dotted key: variable}."""
     origins = {}
-    defaults = to_dict(root())
+    defaults = dataclasses.asdict(root())
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, ENV_CONTROL_TOKEN):
             continue

@@ -20,51 +20,14 @@ import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import yaml
-
+from tierkv.config.env_vars import ENV_CONFIG_FILE, apply_env
 from tierkv.config.errors import ConfigError
 from tierkv.config.fields import check_value, convert_scalar
+from tierkv.config.yaml_reader import _YAML_ERRORS, MAX_DEPTH, _DuplicateKey, _TooDeep, _yaml_load
 from tierkv.configs import resolve_config_path
 from tierkv.redact import MASK, is_secret_key, redact_tree
 
-ENV_PREFIX = "TIERKV_"
-ENV_CONFIG_FILE = "TIERKV_CONFIG_FILE"
-ENV_CONTROL_TOKEN = "TIERKV_CONTROL_TOKEN"  # read by tierkv.metrics.control, not a config key
 logger = logging.getLogger("tierkv.config")
-_YAML_ERRORS = (yaml.YAMLError, ValueError, OverflowError, RecursionError, MemoryError)
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: linear in the text
-MAX_DEPTH = 32  # nesting levels in a document; a config needs 4
-
-
-class _TooDeep(Exception):
-    pass
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _yaml_load(text: str) -> object:
-    """yaml.safe_load, refusing documents nested deeper than MAX_DEPTH before building them, and a key
-    given twice in one mapping (YAML would keep the last silently)."""
-    frames: list[list] = []  # per open collection: [is_mapping, keys seen, next scalar is a key]
-    for event in yaml.parse(text, Loader=_LOADER):
-        if isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionStartEvent)) and frames:
-            frame = frames[-1]
-            if frame[0]:
-                if frame[2] and isinstance(event, yaml.ScalarEvent):
-                    if event.value in frame[1]:
-                        line = event.start_mark.line + 1 if event.start_mark is not None else "?"
-                        raise _DuplicateKey(f"key {event.value!r} given twice in one mapping (line {line})")
-                    frame[1].add(event.value)
-                frame[2] = not frame[2]
-        if isinstance(event, yaml.CollectionStartEvent):
-            frames.append([isinstance(event, yaml.MappingStartEvent), set(), True])
-            if len(frames) > MAX_DEPTH:
-                raise _TooDeep(f"nested deeper than {MAX_DEPTH} levels")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            frames.pop()
-    return yaml.load(text, Loader=_LOADER)
 
 
 def load(root: type, source: object = None, *, env: Mapping[str, str] | None = None,
@@ -83,8 +46,6 @@ def load_with_errors(root: type, source: object = None, *, env: Mapping[str, str
     _warn_unused_env_file(source, env.get(ENV_CONFIG_FILE))
     try:
         data = _read_source(env.get(ENV_CONFIG_FILE) if source is None else source)
-        from tierkv.config.env_vars import apply_env  # (it reads this module's YAML helpers)
-
         origins = apply_env(data, env, root)
     except ConfigError as err:
         return None, [err]

@@ -18,13 +18,17 @@ def check_config(config) -> None:
 
 
 def _check_encrypted_tiers(config) -> None:
-    """`encrypt` seals a tier's blocks with the secret: a trusted tier stores them as they are (the words of a
-    start's `storage.auth.check_tier_secret`)."""
-    from tierkv.storage.auth import check_tier_secret
-
+    """`encrypt` seals a tier's blocks with the secret: a trusted tier stores them as they are."""
     for index, tier in enumerate(config.tiers):
         if getattr(tier, "trusted", False) and getattr(tier, "encrypt", False):
-            check_tier_secret(index, tier, config.storage)
+            raise encrypt_on_trusted(index)
+
+
+def encrypt_on_trusted(index: int) -> ConfigError:
+    """The error for `encrypt: true` on trusted tier `index`, in the words a start uses (`storage.auth`)."""
+    return ConfigError(f"tiers[{index}].encrypt", True, f"needs an untrusted tier (trusted: false) and a secret: "
+                       f"tiers[{index}].trusted is true, and a trusted tier stores blocks as they are; set "
+                       f"tiers[{index}].trusted: false or tiers[{index}].encrypt: false")
 
 
 def _check_disk_paths(config) -> None:

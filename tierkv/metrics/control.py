@@ -25,7 +25,7 @@ from typing import Callable
 
 from tierkv.budget_change import BudgetRefused
 from tierkv.config import ConfigError, MetricsConfig
-from tierkv.config.load import ENV_CONTROL_TOKEN
+from tierkv.config.env_vars import ENV_CONTROL_TOKEN
 
 ANSWERING = "tierkv.answering"  # WSGI environ key: called once the whole request is read (dashboard.app's server
                                 # then never hangs the connection up for a slow client's place)

@@ -285,9 +285,9 @@ def check_tier_secret(index: int, tier_config: "TierConfig", storage: "StorageCo
     or a tier that seals its blocks with no secret set at all."""
     if not is_sealed(tier_config):
         if getattr(tier_config, "encrypt", False):
-            raise ConfigError(f"tiers[{index}].encrypt", True, f"needs an untrusted tier (trusted: false) and a "
-                              f"secret: tiers[{index}].trusted is true, and a trusted tier stores blocks as they are; "
-                              f"set tiers[{index}].trusted: false or tiers[{index}].encrypt: false")
+            from tierkv.config.rules import encrypt_on_trusted
+
+            raise encrypt_on_trusted(index)
         return
     if storage.secret is None and storage.secret_file is None:
         raise ConfigError(
