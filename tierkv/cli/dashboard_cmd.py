@@ -59,6 +59,7 @@ def refuse_same_file(out_flag: str, out: str, jsonl_flag: str, jsonl: str | os.P
 def run_dashboard(args) -> int:
     from tierkv.cli.errors import UsageError
     from tierkv.dashboard import static_page
+    from tierkv.dashboard.page import write_page
     from tierkv.metrics.sources import SourceError, open_source
 
     if not 0 <= args.port <= 65535:
@@ -76,8 +77,7 @@ def run_dashboard(args) -> int:
             raise UsageError(f"{source.description}: no snapshot lines to report (expected a JSONL written by a tierkv "
                              "metrics recorder)")
         try:
-            with open(args.html, "w", encoding="utf-8") as f:
-                f.write(static_page(lines, source=source.description))
+            write_page(args.html, static_page(lines, source=source.description))
         except OSError as exc:
             raise UsageError(f"--html: cannot write {args.html}: {exc.strerror or exc}") from None
         print(f"tierkv dashboard: wrote {args.html} ({len(lines)} snapshots from {source.description})", file=sys.stderr)

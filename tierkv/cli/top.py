@@ -51,7 +51,7 @@ def run_top(args) -> int:
                     print(f"tierkv top: error: {exc}", file=sys.stderr)
                     return 1
                 new = []
-            lines.extend(new)
+            lines = (lines + new)[-1:]  # only the newest is drawn
             if args.once:
                 if not lines:
                     print(f"tierkv top: no snapshots in {source.description} yet", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -118,7 +119,7 @@ class MetricsRecorder:
                 self._add_prefetch_detail(line, prefetch)
             self._seq += 1
             self._previous = line
-            encoded = json.dumps(line, default=str)
+            encoded = json.dumps(_finite(line), default=str, allow_nan=False)  # NaN/Infinity: null (JSON has neither)
             self._history.append(line["seq"], encoded.encode())
             if self._file is not None:
                 self._file.write(encoded + "\n")
@@ -206,3 +207,14 @@ def _open_for_appending(path: Path):
         raise ValueError(f"metrics.jsonl_path {str(path)!r}: not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _finite(value):
+    """`value` with every non-finite float (a rate over no time) as None: a viewer's JSON.parse refuses NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

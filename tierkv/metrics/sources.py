@@ -12,6 +12,9 @@ ask from next time (`[], n` when nothing is new). Numbers are the source's own:
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 import threading
 import urllib.error
 import urllib.parse
@@ -26,6 +29,16 @@ class SourceError(RuntimeError):
 
 
 class JsonlSource:
+    """A JSONL file another process may write (and another user share): opened anew at each poll, never through
+    a symbolic link and only as a regular file (a FIFO or device swapped in is refused, not waited on or read
+    without end); at most READ_BYTES read per poll and the last KEEP_LINES lines kept; a line longer than
+    MAX_LINE_BYTES is skipped with an error; a file cut shorter than what was read (rewritten) is read again
+    from its start."""
+
+    READ_BYTES = 8 << 20
+    MAX_LINE_BYTES = 1 << 20
+    KEEP_LINES = 100_000
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
@@ -33,32 +46,66 @@ class JsonlSource:
             raise SourceError(f"{self.path}: {what} (expected a JSONL written by a tierkv metrics recorder)")
         self.description = str(self.path)
         self._lines: list[dict] = []
+        self._first = 0  # the number of self._lines[0] (older ones dropped past KEEP_LINES)
         self._offset = 0
+        self._skipping = False  # inside a line longer than MAX_LINE_BYTES: up to its newline is dropped
         self._lock = threading.Lock()
 
-    def _read_new(self) -> None:
+    def _read_chunk(self) -> bytes:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
+            fd = os.open(self.path, flags)
         except OSError as exc:
             raise SourceError(f"{self.path}: cannot read ({exc.strerror})") from None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise SourceError(f"{self.path}: not a regular file any more (expected a JSONL written by a tierkv "
+                                  "metrics recorder)")
+            if info.st_size < self._offset:  # cut shorter or rewritten: its lines are new
+                self._offset, self._skipping = 0, False
+                self._first, self._lines = self._first + len(self._lines), []
+            f.seek(self._offset)
+            return f.read(self.READ_BYTES)
+
+    def _read_new(self) -> None:
+        data = self._read_chunk()
+        if self._skipping:
+            cut = data.find(b"\n")
+            self._offset += len(data) if cut < 0 else cut + 1
+            if cut < 0:
+                return
+            self._skipping, data = False, data[cut + 1 :]
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        if end == 0 and len(data) >= self.MAX_LINE_BYTES:
+            self._offset += len(data)
+            self._skipping = True
+            raise SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped)")
         read = 0
         for raw in data[:end].splitlines(keepends=True):
             read += len(raw)
             if raw.strip():
                 try:
-                    self._lines.append(parse_line(raw, f"{self.path}:{len(self._lines) + 1}"))
+                    self._lines.append(parse_line(raw, f"{self.path}:{self._first + len(self._lines) + 1}"))
                 except SourceError:
                     self._offset += read  # said once: the next read goes on after it (it re-read, and re-added,
                     raise                 # every line before it at each poll, for good)
         self._offset += end
+        if len(self._lines) > self.KEEP_LINES:
+            dropped = len(self._lines) - self.KEEP_LINES
+            self._first, self._lines = self._first + dropped, self._lines[dropped:]
 
     def lines_since(self, n: int) -> tuple[list[dict], int]:
+        """Lines numbered n and later (from the oldest kept when n is older; from the start of a rewritten file
+        when n is past what it holds)."""
         with self._lock:
-            self._read_new()
-            return self._lines[n:], len(self._lines)
+            try:
+                self._read_new()
+            finally:
+                total = self._first + len(self._lines)
+            if n > total:
+                n = self._first
+            return self._lines[max(n - self._first, 0) :], total
 
 
 def endpoint_problem(url: str) -> str | None:
@@ -121,9 +168,13 @@ def open_source(*, jsonl: str | None = None, endpoint: str | None = None):
     return JsonlSource(jsonl) if jsonl is not None else EndpointSource(endpoint)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_line(raw: bytes | str, where: str) -> dict:
     try:
-        line = json.loads(raw)
+        line = json.loads(raw, parse_constant=_no_constant)  # NaN and Infinity: the page's JSON.parse refuses them
     except ValueError as exc:
         raise SourceError(f"{where}: not JSON ({exc})") from None
     return check_line(line, where)
@@ -136,16 +187,61 @@ def check_line(line: object, where: str) -> dict:
     for key, kinds, what in _REQUIRED:
         if not isinstance(line.get(key), kinds) or isinstance(line.get(key), bool):
             raise SourceError(f"{where}: '{key}' is {line.get(key)!r}; {what}")
+    if not (0 <= line["t"] < MAX_T and 0 <= line["elapsed_s"] < MAX_T):
+        raise SourceError(f"{where}: 't' {line['t']!r:.40} or 'elapsed_s' {line['elapsed_s']!r:.40} out of range")
     for key in ("figures", "rates"):
         for name, value in line[key].items():
             if not _is_number_or_null(value):
-                raise SourceError(f"{where}: {key}[{name!r}] is {value!r}; a number or null")
+                raise SourceError(f"{where}: {key}[{name!r:.80}] is {value!r:.80}; a number or null")
     _check_request(line.get("request"), where)
+    _check_latency(line.get("latency"), where)
+    _check_prefetch(line, where)
     return line
 
 
+MAX_T = 1e11  # seconds: the year 5138, past any clock; a date past it stopped the page drawing
+MAX_NUMBER = 2.0**1000  # past float's range a viewer's float() raised
+
+
 def _is_number_or_null(value) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and abs(value) < MAX_NUMBER and not (isinstance(value, float) and math.isnan(value)))
+
+
+def _numbers(value) -> bool:
+    return isinstance(value, list) and all(_is_number_or_null(v) and v is not None for v in value)
+
+
+def _check_latency(latency, where: str) -> None:
+    """The latency histograms a viewer reads: {name: {buckets_s, counts, sum_s, count}}."""
+    if latency is None:
+        return
+    if not isinstance(latency, dict):
+        raise SourceError(f"{where}: 'latency' is {latency!r:.80}; an object of histograms")
+    for name, h in latency.items():
+        if not (isinstance(h, dict) and _numbers(h.get("buckets_s")) and _numbers(h.get("counts"))
+                and _is_number_or_null(h.get("sum_s")) and _is_number_or_null(h.get("count"))
+                and h.get("sum_s") is not None and h.get("count") is not None
+                and len(h["counts"]) in (len(h["buckets_s"]), len(h["buckets_s"]) + 1)):
+            raise SourceError(f"{where}: latency[{name!r:.80}] is {h!r:.80}; an object of buckets_s, counts (numbers), "
+                              "sum_s and count")
+
+
+_PREFETCH_FIELDS = {"prefetch_layers": ("chunks", "late_chunks", "wait_s"),
+                    "prefetch_chunks": ("n", "t", "layer", "is_late", "wait_s")}
+
+
+def _check_prefetch(line: dict, where: str) -> None:
+    """The prefetch detail a viewer's timeline reads: lists of numbers or nulls (a wait not timed) of one length."""
+    for key, fields in _PREFETCH_FIELDS.items():
+        detail = line.get(key)
+        if detail is None:
+            continue
+        lists = [detail.get(f) for f in fields] if isinstance(detail, dict) else [None]
+        ok = all(isinstance(v, list) and all(isinstance(x, bool) or _is_number_or_null(x) for x in v) for v in lists)
+        if not ok or len({len(v) for v in lists}) > 1:
+            raise SourceError(f"{where}: '{key}' is {detail!r:.80}; an object of equal-length lists "
+                              f"{', '.join(fields)}")
 
 
 _REQUEST_NUMBERS = ("prompt_tokens", "prefix_tokens", "prefill_s", "decode_s", "generated_tokens", "gpu_hit_rate",
