@@ -99,10 +99,8 @@ class JsonlSource:
         """Lines numbered n and later (from the oldest kept when n is older; from the start of a rewritten file
         when n is past what it holds)."""
         with self._lock:
-            try:
-                self._read_new()
-            finally:
-                total = self._first + len(self._lines)
+            self._read_new()
+            total = self._first + len(self._lines)
             if n > total:
                 n = self._first
             return self._lines[max(n - self._first, 0) :], total
