@@ -40,9 +40,9 @@ from tierkv.model_shape import model_shape
 from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.engine.runtime import KVRuntime
 from tierkv.engine.sequence import SequenceKV
+from tierkv.integrations.hf_guard import ATTN_NAME, install_guard, tiered_forward_running
 from tierkv.integrations.model_support import attention_span, check_attention_path, span_problem
 
-ATTN_NAME = "tierkv"
 _LAYER_ATTR = "_tierkv_layer"
 
 
@@ -59,6 +59,7 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
+    @torch.compiler.disable  # the tiers' host work runs eagerly under torch.compile (a graph break)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states: [1, num_kv_heads, n, head_dim] -> returned unchanged."""
         if key_states.shape[0] != 1:
@@ -90,6 +91,8 @@ class TieredLayer(CacheLayerMixin):
 class TieredCache(Cache):
     """A transformers Cache backed by one tierkv sequence."""
 
+    is_tierkv_cache = True  # what the forward guard (hf_guard) looks for
+
     def __init__(self, runtime: KVRuntime, token_ids: list[int] | None = None):
         """token_ids: the prompt's ids (a list, or an integer tensor or array [n]), for prefix reuse and block addresses."""
         if not isinstance(runtime, KVRuntime):
@@ -100,7 +103,7 @@ class TieredCache(Cache):
         if watch is not None:  # the weights its blocks are addressed by
             watch.check()
         self.seq = runtime.new_sequence(token_ids)
-        self.check_fed_ids = True  # `_check_fed_ids`; TieredLLM, which feeds the same list, turns it off
+        self.check_fed_ids = True  # hf_guard checks the fed ids and positions; TieredLLM, which feeds its own list, turns it off
         super().__init__(layers=[TieredLayer(self.seq, i) for i in range(runtime.num_layers)])
 
     @property
@@ -110,35 +113,24 @@ class TieredCache(Cache):
     def finish(self) -> None:
         self.seq.finish()
 
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1  # no maximum, as transformers' DynamicCache
 
-def _check_fed_ids(module, args, kwargs) -> None:
-    """A forward over a TieredCache feeds the tokens the cache was given for those positions (its
-    `token_ids`, which address its blocks in the shared tiers): other tokens' KV filed under them would be
-    served to every later prompt that shares them. ValueError before the forward, naming the first
-    difference; positions past the known ids are not checked."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if not isinstance(cache, TieredCache) or not cache.check_fed_ids:
-        return None
-    seq = cache.seq
-    start = seq.num_tokens[0]
-    known = seq.token_ids[start:]
-    if not known:
-        return None
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        raise ValueError("TieredCache: given token_ids, the model must be fed input_ids (its blocks are addressed by "
-                         "them; inputs_embeds cannot be checked against them): pass token_ids=None for embeddings")
-    if ids.is_cuda and torch.cuda.is_current_stream_capturing():  # a decode graph's capture: no host reads
-        return None
-    fed = ids[0, : len(known)].tolist()
-    if fed != known[: len(fed)]:
-        at = next(i for i, (a, b) in enumerate(zip(fed, known)) if a != b)
-        raise ValueError(f"TieredCache: the model was fed token {fed[at]} at position {start + at} where the cache's "
-                         f"token_ids hold {known[at]}: its KV would be filed under the other tokens' block addresses; "
-                         f"give TieredCache the ids the model is fed")
-    return None
+    def crop(self, max_length: int):
+        raise NotImplementedError("a TieredCache cannot be cropped (its blocks are filed in the tiers as computed); "
+                                  "assisted decoding and other rollbacks need transformers' DynamicCache")
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("a TieredCache holds one sequence: beam search needs transformers' DynamicCache")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("a TieredCache holds one sequence: num_return_sequences > 1 needs DynamicCache")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("a TieredCache holds one sequence: batch selection needs DynamicCache")
 
 
+@torch.compiler.disable  # eager under torch.compile: the far blocks' reads and copies are host work
 def tiered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -166,9 +158,10 @@ def forward_kwargs(model: PreTrainedModel, cache: Cache) -> dict:
 
 
 def _mask_for_padding_only(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """No mask for unpadded input (tierkv takes causality from positions; sdpa from is_causal);
-    sdpa's mask where the 2-D attention mask pads, for the stock-attention fallback."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """A forward over a TieredCache: no mask for unpadded input (tierkv takes causality from positions), sdpa's
+    mask where the 2-D attention mask pads (refused by `tiered_attention`). Any other forward (the model's own
+    cache, or none): transformers' stock sdpa mask, sliding windows and cached prefixes included."""
+    if tiered_forward_running() and (attention_mask is None or bool(attention_mask.all())):
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
@@ -285,8 +278,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
                         model_id=identity, **shape)
     runtime.attention_span = attention_span(model)  # sequences are held within it (TieredLayer.update)
     runtime.weights_watch = WeightsWatch(model)  # TieredCache refuses weights changed since (their KV's addresses)
-    if not getattr(model, "_tierkv_fed_ids_hook", None):
-        model._tierkv_fed_ids_hook = model.register_forward_pre_hook(_check_fed_ids, with_kwargs=True)
+    install_guard(model, runtime)  # the attention, owner, compile, fed ids and positions of TieredCache forwards
     if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
         install_query_projector(model, runtime)
     return runtime
