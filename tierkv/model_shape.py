@@ -66,7 +66,10 @@ def _positive(cfg: Any, key: str, source: str) -> int | None:
 def text_config(cfg: Any) -> Any:
     """The language model's part of a config (a multimodal one's text_config), as a dict or a config object."""
     if isinstance(cfg, dict):
-        return cfg.get("text_config") or cfg
+        inner = cfg.get("text_config")
+        if inner is not None and not isinstance(inner, dict):
+            raise ValueError(f"model: the config has text_config={inner!r:.60}; an object (the language model's config)")
+        return inner or cfg
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
@@ -99,7 +102,7 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     name = _get(cfg, "_name_or_path")
     return ModelShape(num_layers=_get(text, "num_hidden_layers"), num_heads=heads,
                       num_kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype,
-                      max_position_embeddings=_get(text, "max_position_embeddings"),
+                      max_position_embeddings=_positive(text, "max_position_embeddings", source),
                       sliding_window=window if isinstance(window, int) and window > 0 else None,
                       name=name if isinstance(name, str) and name else None)
 

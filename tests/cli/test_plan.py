@@ -265,3 +265,16 @@ def test_a_request_shorter_than_the_budget_says_what_it_uses(capsys):
     assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "128k", "--gpu-budget", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert "resident 2.00 GiB (budget 2.00 GiB) + staging" in out and "tierkv holds 2.25 GiB (14.1%)" in out
+
+
+@pytest.mark.parametrize("extra, named", [({"text_config": [1, 2]}, "text_config"),
+                                          ({"text_config": "x"}, "text_config"),
+                                          ({"max_position_embeddings": "131072"}, "max_position_embeddings"),
+                                          ({"max_position_embeddings": -5}, "max_position_embeddings")])
+def test_a_malformed_config_json_value_exits_2_naming_the_key(tmp_path, capsys, extra, named):
+    model = _config_json(tmp_path, **extra)
+    for backend in ("transformers", "vllm"):
+        assert main(["plan", "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB",
+                     "--backend", backend]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "Traceback" not in err
