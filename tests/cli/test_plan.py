@@ -278,3 +278,18 @@ def test_a_malformed_config_json_value_exits_2_naming_the_key(tmp_path, capsys, 
                      "--backend", backend]) == 2
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err
+
+
+def test_the_configs_model_shape_must_be_the_models_as_at_start(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  num_layers: 32\n  num_kv_heads: 8\n")
+    assert main(["plan", "--model-config", _config_json(tmp_path), "--context", "4096", "--gpu-budget", "64MiB",
+                 "--config", str(config)]) == 2
+    assert "config key 'model.num_layers': got 32; the model has 4" in capsys.readouterr().err
+
+
+def test_a_float32_checkpoint_is_planned_in_16_bits_under_vllm(tmp_path, capsys):
+    model = _config_json(tmp_path, torch_dtype="float32")
+    vllm = plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB", "--backend", "vllm")
+    hf = plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB")
+    assert hf["kv_bytes_per_token"] == 2 * vllm["kv_bytes_per_token"] == 2 * 2 * 4 * 2 * 64 * 2

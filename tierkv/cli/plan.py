@@ -121,6 +121,20 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     }
 
 
+def _check_model_section(model, shape: KVShape) -> None:
+    """The config's `model:` shape against the model's, as a start refuses a difference (runtime_for_model)."""
+    from tierkv.cli.errors import UsageError
+
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        configured = getattr(model, key, None)
+        if configured is not None and configured != getattr(shape, key):
+            raise UsageError(f"config key 'model.{key}': got {configured}; the model has {getattr(shape, key)} (a "
+                             f"start refuses the difference: drop the key or plan the model it names)")
+    if model.kv_dtype not in ("auto", shape.kv_dtype):
+        raise UsageError(f"config key 'model.kv_dtype': got {model.kv_dtype!r}; the plan's KV dtype is "
+                         f"{shape.kv_dtype!r} (--kv-dtype or the model's own)")
+
+
 def _window_warnings(shape: KVShape, context: int, backend: str) -> list[str]:
     """What the runtime refuses of this plan because the model attends its own sliding window."""
     window = shape.sliding_window
@@ -214,6 +228,9 @@ def run_plan(args) -> int:
             raise UsageError(f"--gpu-budget {args.gpu_budget}: {exc.allowed}") from None
         config.cache.gpu_budget_bytes = budget
     shape = load_shape(args.model_config, args.kv_dtype)
+    if args.backend == "vllm" and args.kv_dtype is None and shape.kv_dtype == "float32":
+        shape = KVShape(**{**asdict(shape), "kv_dtype": "bfloat16"})  # vLLM's auto dtype runs float32 models in 16 bits
+    _check_model_section(config.model, shape)
     try:
         plan = make_plan(shape, context, config, h2d_gbps=args.h2d_gbps, vllm_kv_pool_bytes=pool,
                          backend=args.backend, max_num_seqs=args.max_num_seqs)
