@@ -293,3 +293,16 @@ def test_a_float32_checkpoint_is_planned_in_16_bits_under_vllm(tmp_path, capsys)
     vllm = plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB", "--backend", "vllm")
     hf = plan_json(capsys, "--model-config", model, "--context", "4096", "--gpu-budget", "64MiB")
     assert hf["kv_bytes_per_token"] == 2 * vllm["kv_bytes_per_token"] == 2 * 2 * 4 * 2 * 64 * 2
+
+
+def test_a_sparse_config_for_transformers_is_planned_as_its_selection_with_the_key_summaries(capsys):
+    exact = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k", "--config", "configs/long-128k.yaml")
+    sparse = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k",
+                       "--config", "configs/long-128k-sparse.yaml")
+    assert sparse["policy"] == "sparse" and sparse["decode_step"]["streamed_blocks_per_layer"] == 2048 // 64
+    assert sparse["gpu"]["summary_bytes"] == 32 * 2048 * 2 * 8 * 128 * 2  # key max and min per block and KV head
+    assert exact["decode_step"]["streamed_blocks_per_layer"] > 1000 and "summary_bytes" not in exact["gpu"]
+    assert main(["plan", "--model-config", "llama-3.1-8b", "--context", "128k",
+                 "--config", "configs/long-128k-sparse.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "decode step (sparse, at most" in out and "sparse key summaries 256.00 MiB" in out

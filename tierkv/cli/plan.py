@@ -170,7 +170,11 @@ def _transformers_gpu(layout, num_layers: int, context: int, config) -> tuple[di
            "resident_bytes": residency.slots_per_layer * L * block,
            "staging_bytes": num_regions * region_blocks * block, "staging_regions": num_regions,
            "resident_blocks_per_layer_at_decode": len(step.resident_blocks) + step.num_blocks_after - step.first_block}
-    return gpu, len(step.streamed_blocks)
+    streamed = len(step.streamed_blocks)
+    if sched.policy == "sparse":  # each step reads the selected far blocks, and keeps each block's key bounds
+        streamed = min(streamed, sched.sparse_token_budget // T)
+        gpu["summary_bytes"] = L * -(-context // T) * 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+    return gpu, streamed
 
 
 def add_parser(commands) -> None:

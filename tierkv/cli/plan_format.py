@@ -21,7 +21,7 @@ def format_plan(plan: dict) -> str:
     m, g, d, v = plan["model"], plan["gpu"], plan["decode_step"], plan["vllm"]
     held = _held_bytes(g)
     mode = ("sparse, at most: the selection before the far-block caches' hits" if plan["policy"] == "sparse"
-            and plan["backend"] == "vllm" else "exact mode")
+            else "exact mode")
     rows = [
         f"model       {m['name']}: {plan['num_layers']} layers x {m['num_kv_heads']} KV heads x {m['head_dim']} dims,"
         f" {m['kv_dtype']} -> {fb(plan['kv_bytes_per_token'])} of KV per token",
@@ -83,8 +83,9 @@ def _tier_rows(plan: dict) -> list[str]:
     else:
         used = (g["sink_blocks"] + g["far_cache_blocks"] + g["window_blocks"]) * B * L
         of_it = f", the blocks above use {fb(used)} of it" if used < g["resident_bytes"] else ""
+        summaries = f" + sparse key summaries {fb(g['summary_bytes'])}" if g.get("summary_bytes") else ""
         rows.append(f"GPU KV held {fb(_held_bytes(g))} = resident {fb(g['resident_bytes'])} (budget"
-                    f" {fb(g['budget_bytes'])}{of_it}) + staging {fb(g['staging_bytes'])}")
+                    f" {fb(g['budget_bytes'])}{of_it}) + staging {fb(g['staging_bytes'])}{summaries}")
     return rows
 
 
@@ -99,4 +100,6 @@ def _share(held: int, needed: int) -> str:
 def _held_bytes(gpu: dict) -> int:
     """GPU bytes the engine holds: under vLLM the budget (staging inside it), else the resident
     blocks plus the staging ring beside them."""
-    return gpu["held_bytes"] if gpu.get("backend") == "vllm" else gpu["resident_bytes"] + gpu["staging_bytes"]
+    if gpu.get("backend") == "vllm":
+        return gpu["held_bytes"]
+    return gpu["resident_bytes"] + gpu["staging_bytes"] + gpu.get("summary_bytes", 0)
