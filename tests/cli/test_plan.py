@@ -306,3 +306,17 @@ def test_a_sparse_config_for_transformers_is_planned_as_its_selection_with_the_k
                  "--config", "configs/long-128k-sparse.yaml"]) == 0
     out = capsys.readouterr().out
     assert "decode step (sparse, at most" in out and "sparse key summaries 256.00 MiB" in out
+
+
+def test_a_rope_scaled_models_length_is_the_one_vllm_derives(tmp_path, capsys):
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    scaled = plan_json(capsys, "--model-config", _config_json(tmp_path, rope_scaling=yarn), "--context", "128k",
+                       "--gpu-budget", "1GiB", "--backend", "vllm", "--vllm-kv-pool", "64GiB")
+    assert scaled["model"]["scaled_context"] == 131072 and scaled["vllm"]["fits"] is True
+    assert not any("max_position_embeddings" in w for w in scaled["warnings"])
+    assert scaled["gpu"]["fits"] is True and scaled["gpu"]["refusal"] is None
+    (tmp_path / "plain").mkdir()
+    plain = plan_json(capsys, "--model-config", _config_json(tmp_path / "plain"), "--context", "128k",
+                      "--gpu-budget", "1GiB", "--backend", "vllm", "--vllm-kv-pool", "64GiB")
+    assert plain["model"]["scaled_context"] is None and plain["vllm"]["fits"] is False  # past its 32768 positions
+    assert "max_model_len" in plain["gpu"]["refusal"]

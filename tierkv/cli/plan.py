@@ -35,6 +35,7 @@ class KVShape:
     kv_dtype: str = "bfloat16"
     max_context: int | None = None  # the checkpoint's max_position_embeddings, when known
     sliding_window: int | None = None  # the model's own attention window, when it has one
+    scaled_context: int | None = None  # the length its rope scaling reaches, as vLLM derives max_model_len
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,8 +72,22 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
             raise UsageError(f"--model-config {path}: not a transformers model config ({exc})") from None
         shape = KVShape(name=parsed.name or path.parent.name, num_layers=parsed.num_layers,
                         num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
-                        max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window)
+                        max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window,
+                        scaled_context=_scaled_context(text_config(raw), parsed.max_position_embeddings))
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
+
+
+def _scaled_context(text: dict, max_positions: int | None) -> int | None:
+    """The length a rope scaling with a factor carries the model to, as vLLM 0.26 derives max_model_len (yarn from
+    its original_max_position_embeddings; llama3 and longrope already count theirs in max_position_embeddings)."""
+    scaling = text.get("rope_scaling") if isinstance(text, dict) else None
+    if not isinstance(scaling, dict) or not max_positions:
+        return None
+    kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if kind in (None, "default", "su", "longrope", "llama3") or not isinstance(factor, (int, float)) or factor <= 1:
+        return None
+    base = scaling.get("original_max_position_embeddings", max_positions) if kind == "yarn" else max_positions
+    return int(base * factor) if isinstance(base, int) and base > 0 else None
 
 
 def _dtype(name: str) -> str:
@@ -103,6 +118,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
     requests = max_num_seqs if backend == "vllm" else 1  # the CPU tier holds every running request's blocks
     cpu_blocks_needed = num_blocks * L * requests
     vllm_needed = -(-context // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token
+    within = not shape.max_context or context <= (shape.scaled_context or shape.max_context)  # vLLM's max_model_len
     return {
         "warnings": _window_warnings(shape, context, backend),
         "model": asdict(shape), "kv_bytes_per_token": shape.kv_bytes_per_token, "context_tokens": context,
@@ -117,7 +133,7 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
         "vllm": {"block_tokens": VLLM_BLOCK_TOKENS, "kv_pool_needed_bytes": vllm_needed, "requests": requests,
                  "batch_pool_needed_bytes": requests * vllm_needed,
                  "kv_pool_bytes": vllm_kv_pool_bytes,
-                 "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes},
+                 "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes and within},
     }
 
 

@@ -28,7 +28,7 @@ def format_plan(plan: dict) -> str:
         f"request     {plan['context_tokens']} tokens -> {fb(plan['kv_bytes'])} of KV ({plan['blocks_per_layer']} blocks"
         f" of {plan['block_tokens']} tokens per layer, {fb(plan['block_bytes'])} each)",
     ]
-    if m.get("max_context") and plan["context_tokens"] > m["max_context"]:
+    if m.get("max_context") and plan["context_tokens"] > (m.get("scaled_context") or m["max_context"]):
         rows.append(f"warning     the model's max_position_embeddings is {m['max_context']} (longer needs rope scaling)")
     rows += [f"warning     {w}" for w in plan["warnings"]]
     rows += ["", *_tier_rows(plan), "",
