@@ -320,3 +320,11 @@ def test_a_rope_scaled_models_length_is_the_one_vllm_derives(tmp_path, capsys):
                       "--gpu-budget", "1GiB", "--backend", "vllm", "--vllm-kv-pool", "64GiB")
     assert plain["model"]["scaled_context"] is None and plain["vllm"]["fits"] is False  # past its 32768 positions
     assert "max_model_len" in plain["gpu"]["refusal"]
+
+
+def test_vllm_alone_needs_its_null_block_beside_the_requests_blocks(capsys):
+    need = 131072 * 32 * 2 * 8 * 128 * 2  # 16 GiB: 8192 blocks of 16 tokens
+    exact = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k", "--vllm-kv-pool", str(need))
+    more = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k",
+                     "--vllm-kv-pool", str(need + 16 * 32 * 2 * 8 * 128 * 2))
+    assert exact["vllm"]["fits"] is False and more["vllm"]["fits"] is True

@@ -133,7 +133,9 @@ def make_plan(shape: KVShape, context: int, config, *, h2d_gbps: float = DEFAULT
         "vllm": {"block_tokens": VLLM_BLOCK_TOKENS, "kv_pool_needed_bytes": vllm_needed, "requests": requests,
                  "batch_pool_needed_bytes": requests * vllm_needed,
                  "kv_pool_bytes": vllm_kv_pool_bytes,
-                 "fits": None if vllm_kv_pool_bytes is None else vllm_needed <= vllm_kv_pool_bytes and within},
+                 # vLLM keeps one block of its pool aside (its null block): a pool of exactly the need admits none
+                 "fits": None if vllm_kv_pool_bytes is None else (
+                     vllm_needed + VLLM_BLOCK_TOKENS * shape.kv_bytes_per_token <= vllm_kv_pool_bytes and within)},
     }
 
 
