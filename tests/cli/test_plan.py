@@ -328,3 +328,13 @@ def test_vllm_alone_needs_its_null_block_beside_the_requests_blocks(capsys):
     more = plan_json(capsys, "--model-config", "llama-3.1-8b", "--context", "128k",
                      "--vllm-kv-pool", str(need + 16 * 32 * 2 * 8 * 128 * 2))
     assert exact["vllm"]["fits"] is False and more["vllm"]["fits"] is True
+
+
+def test_a_chunked_attention_model_is_planned_with_what_the_runtime_refuses(tmp_path, capsys):
+    model = _config_json(tmp_path, attention_chunk_size=8192)
+    plan = plan_json(capsys, "--model-config", model, "--context", "32768", "--gpu-budget", "4MiB")
+    assert plan["model"]["attention_chunk"] == 8192
+    assert plan["warnings"] == ["the model's layers attend in chunks of 8192 tokens (attention_chunk_size): the "
+                                "transformers engine serves sequences of at most 8192 tokens and refuses this "
+                                "32768-token request"]
+    assert plan_json(capsys, "--model-config", model, "--context", "8192", "--gpu-budget", "4MiB")["warnings"] == []

@@ -36,6 +36,7 @@ class KVShape:
     max_context: int | None = None  # the checkpoint's max_position_embeddings, when known
     sliding_window: int | None = None  # the model's own attention window, when it has one
     scaled_context: int | None = None  # the length its rope scaling reaches, as vLLM derives max_model_len
+    attention_chunk: int | None = None  # Llama 4's chunked attention: its layers attend within chunks of this many
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,7 +74,8 @@ def load_shape(spec: str, kv_dtype: str | None = None) -> KVShape:
         shape = KVShape(name=parsed.name or path.parent.name, num_layers=parsed.num_layers,
                         num_kv_heads=parsed.num_kv_heads, head_dim=parsed.head_dim, kv_dtype=_dtype(parsed.dtype),
                         max_context=parsed.max_position_embeddings, sliding_window=parsed.sliding_window,
-                        scaled_context=_scaled_context(text_config(raw), parsed.max_position_embeddings))
+                        scaled_context=_scaled_context(text_config(raw), parsed.max_position_embeddings),
+                        attention_chunk=_attention_chunk(text_config(raw)))
     return shape if kv_dtype is None else KVShape(**{**asdict(shape), "kv_dtype": kv_dtype})
 
 
@@ -88,6 +90,13 @@ def _scaled_context(text: dict, max_positions: int | None) -> int | None:
         return None
     base = scaling.get("original_max_position_embeddings", max_positions) if kind == "yarn" else max_positions
     return int(base * factor) if isinstance(base, int) and base > 0 else None
+
+
+def _attention_chunk(text: dict) -> int | None:
+    """attention_chunk_size where some layers attend in chunks (`model_support.attention_span`'s reading)."""
+    chunk, kinds = text.get("attention_chunk_size"), text.get("layer_types")
+    chunked = "chunked_attention" in kinds if isinstance(kinds, list) and kinds else True
+    return chunk if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 and chunked else None
 
 
 def _dtype(name: str) -> str:
@@ -154,8 +163,12 @@ def _check_model_section(model, shape: KVShape) -> None:
 
 
 def _window_warnings(shape: KVShape, context: int, backend: str) -> list[str]:
-    """What the runtime refuses of this plan because the model attends its own sliding window."""
+    """What the runtime refuses of this plan because the model attends its own sliding window (or chunks)."""
     window = shape.sliding_window
+    chunk = shape.attention_chunk
+    if chunk and backend != "vllm" and context > chunk and not (window and window < chunk):
+        return [f"the model's layers attend in chunks of {chunk} tokens (attention_chunk_size): the transformers "
+                f"engine serves sequences of at most {chunk} tokens and refuses this {context}-token request"]
     if not window:
         return []
     if backend == "vllm":
