@@ -98,28 +98,18 @@ def _check_start(config) -> None:
 def _check_disk_directory(index: int, tier) -> None:
     """The disk tier's directory, when it exists, refused in the words of a start (`open_private_directory`,
     which would make a missing one 0700 and tighten a readable one: a check changes nothing)."""
-    import stat
-
     from tierkv.config import ConfigError
     from tierkv.config.paths import expand_path
-    from tierkv.storage.disk_files import _refusal
+    from tierkv.storage.disk_files import directory_refusal
 
     path = expand_path(tier.path, f"tiers[{index}].path")
     try:
         link, st = os.lstat(path), os.stat(path)
     except OSError:  # missing: made 0700 at start (the loader checked that it can be)
         return
-    is_link = stat.S_ISLNK(link.st_mode)
-    where = f" (the symlink's target {os.path.realpath(path)!r})" if is_link else ""
-    if is_link and link.st_uid not in (os.geteuid(), 0):
-        st, what = link, " is a symlink made by another user"
-    elif st.st_uid != os.geteuid():
-        what = f"{where} is owned by another user"
-    elif st.st_mode & 0o022:
-        what = f"{where} is writable by group or others"
-    else:
-        return
-    raise ConfigError(f"tiers[{index}].path", tier.path, f"{tier.kind}: {_refusal(path, st, what)}")
+    problem = directory_refusal(path, link, st)
+    if problem is not None:
+        raise ConfigError(f"tiers[{index}].path", tier.path, f"{tier.kind}: {problem}")
 
 
 def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) -> None:

@@ -57,11 +57,9 @@ def open_private_directory(path: str) -> FileIdentity:
         raise TierError(f"cannot store blocks under {path!r}: {exc}") from exc
     try:
         st = os.fstat(fd)
-        where = f" (the symlink's target {os.path.realpath(path)!r})" if stat.S_ISLNK(link.st_mode) else ""
-        if st.st_uid != os.geteuid():
-            raise UnsafeDirectory(_refusal(path, st, f"{where} is owned by another user"))
-        if st.st_mode & 0o022:
-            raise UnsafeDirectory(_refusal(path, st, f"{where} is writable by group or others"))
+        problem = directory_refusal(path, link, st)
+        if problem is not None:
+            raise UnsafeDirectory(problem)
         if stat.S_IMODE(st.st_mode) != DIR_MODE:
             os.fchmod(fd, DIR_MODE)  # ours and only readable by others: tighten
         return st.st_dev, st.st_ino
@@ -69,6 +67,19 @@ def open_private_directory(path: str) -> FileIdentity:
         raise TierError(f"cannot store blocks under {path!r}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def directory_refusal(path: str, link: os.stat_result, st: os.stat_result) -> str | None:
+    """Why the tier refuses directory `path` (`link`: its lstat, `st`: the directory's stat), in the words a
+    start uses; None when it is this user's and not writable by group or others (`tierkv config check` asks too)."""
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+        return _refusal(path, link, " is a symlink made by another user")
+    where = f" (the symlink's target {os.path.realpath(path)!r})" if stat.S_ISLNK(link.st_mode) else ""
+    if st.st_uid != os.geteuid():
+        return _refusal(path, st, f"{where} is owned by another user")
+    if st.st_mode & 0o022:
+        return _refusal(path, st, f"{where} is writable by group or others")
+    return None
 
 
 def _refusal(path: str, st: os.stat_result, what: str) -> str:

@@ -122,16 +122,16 @@ class LayerSaves:
                 self.store.cpu.complete_put(keys, keep_pinned=self.keep_pinned)
                 self.store.chain.write_through(keys)
                 if self.keep_pinned:
-                    self._pins.update(zip(keys, slots))
-                    self._count_blocks(keys, 1)
+                    self.keep_pins(keys, slots)
             else:
                 still.append(pending)
         self._pending = still
 
     # -- pins of landed saves (hot window) ---------------------------------------------------------
     def keep_pins(self, keys: Sequence[str], slots: Sequence[int]) -> None:
-        """Hold the caller's CPU-tier pins of `keys` (at `slots`) as landed saves' pins (a landed load's window
-        blocks): one pin per key is held, a key already held gives the caller's pin back. Lock held."""
+        """Hold the caller's CPU-tier pins of `keys` (at `slots`: a landed save's, or a landed load's window blocks)
+        until the far reader takes them or their request ends: one pin per key is held, a key already held gives
+        the caller's pin back. Lock held."""
         pins, new, extra = self._pins, [], []
         for key, slot in zip(keys, slots):  # a key twice in `keys` (two requests loading one block) holds one pin
             if key in pins:
