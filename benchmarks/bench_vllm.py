@@ -139,6 +139,8 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
         llm = TieredLLM(model_dir, config, backend="vllm", max_num_seqs=1, **hot)
         return llm.engine, llm
     if mode in ("tierkv", "tierkv-sparse", "tierkv-sparse-graphs", "tierkv-sparse-full"):  # the hot window: 2048 tokens per request in vLLM's pool
+        import yaml
+
         from tierkv import TieredLLM
 
         sparse = mode.startswith("tierkv-sparse")  # decode attends 2048 far tokens chosen by key bounds; prefill stays exact
@@ -149,6 +151,9 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
                                "vllm_async_scheduling": async_scheduling}
         if block_tokens:  # vLLM's block_size too: fewer, larger blocks (a 100k prefix's keys and pins / 4 at 64)
             config["cache"] = {**config["cache"], "block_tokens": block_tokens}
+        for key, value in (shipped_set or {}).items():  # --set: a variant of the mode's config, its own row
+            section, name = key.split(".")
+            config[section] = {**config[section], name: yaml.safe_load(value)}
         if async_scheduling:  # two batches in flight: half the prefill chunk keeps the same pool
             config["scheduler"]["prefill_chunk_tokens"] //= 2
         if sparse:
@@ -178,7 +183,7 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
-        shipped_set: dict | None = None, prefix_repeats: int = 2) -> None:
+        shipped_set: dict | None = None, prefix_repeats: int = 2, warm_prefix: bool = False) -> None:
     import random
 
     from vllm import SamplingParams
@@ -200,6 +205,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         mode = f"{mode}@{storage_dtype}"
     if compiled or mode.startswith("tierkv-shipped"):
         mode = f"{mode}@compiled"  # the shipped sparse config runs compiled: against plain@compiled
+    if warm_prefix:
+        mode = f"{mode}@warmprefix"  # the warm-up served a prefix from the tiers once
     if tag:
         mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     cache_config = llm.llm_engine.vllm_config.cache_config
@@ -215,6 +222,10 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
     warm = [rng.randrange(3, 128000) for _ in range(24576)]
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
+    if warm_prefix:  # a short prefix, then again with another last token: served from the tiers (or vLLM's cache)
+        short = [rng.randrange(3, 128000) for _ in range(12288)]
+        for last in (1, 2):
+            llm.generate([{"prompt_token_ids": short + [last]}], one, use_tqdm=False)
     engine_ = llm.llm_engine
     request_ids = iter(range(1 << 30))
 
@@ -290,6 +301,10 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in logprobs]
         return first_at - start, per_token_ms, tokens, top2, step_ms, step_gc
 
+    def device_allocs() -> list[int]:  # (cudaMalloc calls, syncs of every stream) of the allocator so far
+        stats = torch.cuda.memory_stats()
+        return [stats.get("num_device_alloc", 0), stats.get("num_sync_all_streams", 0)]
+
     def tier_stats() -> dict:  # tierkv's stats (one device sync); none for plain vLLM
         return tiered.stats() if tiered is not None else {}
 
@@ -350,12 +365,14 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                     + [("repeat", 12), ("repeat_again", 13)]
                     + [(f"repeat_{n}", 12 + n) for n in range(3, prefix_repeats + 1)])  # last ids 15, 16, ...: distinct
             for key, last in runs:  # with each run's steps, collections and far waits
-                wait_before = far_wait_s()
+                wait_before, allocs_before = far_wait_s(), device_allocs()
                 profile = [0] if key == "repeat_profiled" else None
                 ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
                 row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
                 row[f"prefix_{key}_add_ms"] = add_ms[-1]
+                # the caching allocator's cudaMalloc calls and all-stream syncs in the run: what a first run pays once
+                row[f"prefix_{key}_device_allocs"] = [b - a for a, b in zip(allocs_before, device_allocs())]
                 stats = tier_stats()  # tierkv's host ms in the run's steps, as step_far_host_ms / step_connector_ms
                 for part, lists in (("far_host_ms", (stats.get("hot_window") or {}).get("step_host_ms") or []),
                                     ("connector_ms", stats.get("step_connector_ms") or [])):
@@ -634,7 +651,11 @@ def main() -> int:
                              "(row MODE@marginN; the same 2 GiB: smaller prefill chunks)")
     parser.add_argument("--shipped-set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                         help="MODE tierkv-shipped: keys over the shipped file, e.g. scheduler.prefill_chunk_tokens=6144 "
-                             "scheduler.vllm_async_scheduling=false (row tierkv-shipped@KEYVALUE...)")
+                             "scheduler.vllm_async_scheduling=false (row tierkv-shipped@KEYVALUE...); MODE tierkv: "
+                             "keys over its hot-window config, e.g. scheduler.lookahead_layers=5")
+    parser.add_argument("--warm-prefix", action="store_true",
+                        help="the warm-up also serves a 12k-token prefix from the tiers once (a prefix hit's load path "
+                             "runs before the measured first repeat; row MODE@warmprefix)")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="MODE tierkv: cache.block_tokens, vLLM's block_size too (default 16; row tierkv@bN)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
@@ -653,8 +674,8 @@ def main() -> int:
         if len(shipped_set) != len(args.shipped_set) or any(
                 k.count(".") != 1 or k.split(".")[0] not in ("cache", "scheduler") for k in shipped_set):
             parser.error(f"--shipped-set {args.shipped_set}: SECTION.KEY=VALUE items, SECTION cache or scheduler")
-        if shipped_set and mode != "tierkv-shipped":
-            parser.error("--shipped-set: MODE tierkv-shipped only")
+        if shipped_set and mode not in ("tierkv-shipped", "tierkv"):
+            parser.error("--shipped-set: MODE tierkv-shipped or tierkv only")
         if args.block_tokens is not None and (mode != "tierkv" or args.block_tokens < 1):
             parser.error(f"--block-tokens {args.block_tokens}: MODE tierkv only (the exact hot window), at least 1")
         if mode == "tierkv-shipped" and (args.compiled or args.async_scheduling or args.prefetch_margin
@@ -675,7 +696,7 @@ def main() -> int:
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens, prefix_repeats=args.prefix_repeats,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
-            block_tokens=args.block_tokens, shipped_set=shipped_set)
+            block_tokens=args.block_tokens, shipped_set=shipped_set, warm_prefix=args.warm_prefix)
     else:
         table(args.rest[0])
     return 0

@@ -233,6 +233,7 @@ class VllmKVStore:
         if not self.lookup_only:  # the engine's copies and the far-block caches' (counted on the device)
             out["bytes_moved"] = dict(self.engine.num_bytes_moved)
             out["bytes_moved"]["h2d"] += out.get("hot_window", {}).get("cache_copied_bytes", 0)
+            out["load_ring_bytes"] = self.loads.ring_bytes  # the hot window's staging of prefix loads (store_loads)
         return out
 
     def close(self) -> None:
