@@ -131,7 +131,6 @@ class PrefixEngine:
         self._late: list[_LateHandle] = []  # saves of the last step's late layers, still in flight
         self.finished: set[str] = set()  # finished since the last scheduled step (vLLM's finished_req_ids)
         self.meta_bytes: list[int] = []  # pickled metadata per step
-        self.outputs: list[torch.Tensor] = []  # the last step's far part merged with the (zero) near part, per layer
 
     @property
     def store(self):
@@ -243,16 +242,13 @@ class PrefixEngine:
         shape = self.shape
         q = torch.randn(num_new, shape.query_heads, shape.head_dim, dtype=shape.dtype)
         near_out, near_lse = torch.zeros_like(q), torch.zeros(num_new, shape.query_heads)
-        self.outputs = []
         for layer, name in enumerate(self.names):
             with phases.phase("worker: wait_for_layer_load"):
                 self.worker.wait_for_layer_load(name)
             if step is not None and step.has_far:
-                output = torch.empty_like(q)
                 with phases.phase("backend: far part (attend_into)"):
-                    step.far.attend_into(output, step.layer_index[name], q, near_out, near_lse,
+                    step.far.attend_into(torch.empty_like(q), step.layer_index[name], q, near_out, near_lse,
                                          shape.head_dim ** -0.5, dense=_flash_stand_in)
-                self.outputs.append(output)
             pending = self.store.saves._pending
             started = len(pending)
             with phases.phase("worker: save_kv_layer"):

@@ -129,20 +129,6 @@ class LookaheadStreamer:
             self._carried.append((layer, blocks, src, self._gather_chunk(g, waits_for_plan=False)))
 
     @property
-    def has_carried(self) -> bool:
-        """Chunks copied ahead for the next step are waiting for its plan."""
-        return bool(self._carried)
-
-    def copy_ahead(self) -> int:
-        """With the next step's plan laid out (`plan`) before that step begins: copy its first chunks (one per
-        staging region) now, carried into the step, whose `plan` adopts them where it wants the same blocks from
-        the same CPU slots; returns how many: 0 when chunks are carried already (a decode step's)."""
-        if self._carried:
-            return 0
-        self._carry_into_next_step()
-        return len(self._carried)
-
-    @property
     def chunks_per_layer(self) -> int:
         return len(self._chunk_meta)
 

@@ -77,10 +77,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank = tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
         self._far: FarKV | None = None
-        # without async scheduling or pipeline stages the step the scheduler builds is the next one the worker runs
-        early = (getattr(vllm_config.scheduler_config, "async_scheduling", None) is False
-                 and int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) == 1)
-        self._scheduler = ConnectorScheduler(self.block_size, self.hot_window, lambda: self.store, early_copies=early)
+        self._scheduler = ConnectorScheduler(self.block_size, self.hot_window, lambda: self.store)
         self._hook_s = [0.0, 0.0, 0.0]  # this step's seconds in start_load_kv, save_kv_layer, wait_for_save
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._full: FullDecodeRows | None = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs

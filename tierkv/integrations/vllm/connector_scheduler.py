@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from tierkv.integrations.vllm.far_early import start_far_copies
 from tierkv.integrations.vllm.far_step import far_blocks
 from tierkv.integrations.vllm.paged_layout import BlockSpan
 
@@ -70,10 +69,8 @@ class ConnectorScheduler:
     made on first use.
     """
 
-    def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore],
-                 early_copies: bool = False):
+    def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore]):
         self.block_size, self.hot_window, self._store = block_size, hot_window, store
-        self.early_copies = early_copies  # the step built is the next one run: a lone request's far copies start here
         self._requests: dict[str, _RequestState] = {}
 
     def state(self, request: "Request") -> _RequestState:
@@ -145,9 +142,6 @@ class ConnectorScheduler:
             self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         if self.hot_window is not None:
             meta.finished = sorted(scheduler_output.finished_req_ids)
-            far = self._store().hot_window if self.early_copies else None  # the worker's, in-process only
-            if far is not None:
-                start_far_copies(far, meta.scheduled, meta.hashes, meta.finished, meta.prompt_steps, meta.far_floors)
         return meta
 
     def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:

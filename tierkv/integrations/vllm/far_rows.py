@@ -97,7 +97,7 @@ class FarKV:
         # sparse decode rows' block reads at attention time: resident (vLLM's pool) and selected far blocks
         # (a graphed row's request finds some in its far-block cache, `row_caches`; the rest are fetched
         # when selected)
-        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "early_chunks": 0, "sparse_selections": 0,
+        self.counts = {"steps": 0, "far_blocks_read": 0, "blocks_pinned": 0, "sparse_selections": 0,
                        "sparse_resident_reads": 0, "sparse_selected_reads": 0}
         self.overlap = SelectionOverlap(store.device)  # sparse: sampled reuse of a selection by the next step
         self.host = HostTimes()  # where the far path's host time goes, per step and per decode layer call
