@@ -15,8 +15,9 @@ Primitives: `register` (the `vllm.general_plugins` entry point), `hot_window_tok
 It takes effect only for an engine whose kv_transfer_config names the tierkv connector and whose
 attention backend is "CUSTOM" (`attention_config={"backend": "CUSTOM"}`); other engines in the
 same process are untouched. `TieredLLM(backend="vllm")` sets both. Where vLLM is attached:
-`Attention.get_kv_cache_spec` (the spec of each layer) and `GPUModelRunner.execute_model` (to
-read the batch's request order, which the attention metadata does not carry); see
+`Attention.get_kv_cache_spec` (the spec of each layer), `GPUModelRunner.execute_model` (to
+read the batch's request order, which the attention metadata does not carry) and `EngineCore.__init__`
+(no block hashing of vLLM's own where nothing reads it: `needs_vllm_block_hashes`); see
 docs/vllm-hot-window.md.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _patch_kv_cache_spec()
     _patch_runner()
+    _patch_engine_core()
     _STATE["registered"] = True
 
 
@@ -126,6 +128,37 @@ def _patch_runner() -> None:
 
     execute_model._tierkv_hot_window = True
     GPUModelRunner.execute_model = execute_model
+
+
+def needs_vllm_block_hashes(vllm_config) -> bool:
+    """Whether an engine's requests need vLLM's own block hashes. vLLM hashes every prompt block of every request
+    (sha256 of pickled tokens: 5-6 ms of add_request at 100k tokens) when prefix caching is on or any KV connector
+    is configured; tierkv's connector addresses blocks by hashes of its own, so an engine running it with vLLM's
+    prefix cache off reads none."""
+    return _engine_config(vllm_config) is None or bool(vllm_config.cache_config.enable_prefix_caching)
+
+
+def drop_unread_block_hasher(core, vllm_config) -> None:
+    """An EngineCore (`core`) of an engine whose requests need no vLLM block hashes keeps no hasher (read by its
+    add_request only: requests then carry none)."""
+    if not needs_vllm_block_hashes(vllm_config):
+        core.request_block_hasher = None
+
+
+def _patch_engine_core() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.__init__
+    if getattr(original, "_tierkv_hot_window", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        drop_unread_block_hasher(self, vllm_config)
+
+    __init__._tierkv_hot_window = True
+    EngineCore.__init__ = __init__
 
 
 def batch_order() -> list[str]:
