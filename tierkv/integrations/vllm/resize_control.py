@@ -22,6 +22,8 @@ changes wait until the engine is idle. `stats()` shows the policy and any pendin
 """
 from __future__ import annotations
 
+import inspect
+
 import logging
 import threading
 import time
@@ -45,7 +47,7 @@ def missing_vllm_hooks() -> list[str]:
     from vllm.v1.engine.core import EngineCore
 
     missing = missing_block_pool_hooks() + missing_worker_hooks()
-    names = EngineCore.__init__.__code__.co_names
+    names = inspect.unwrap(EngineCore.__init__).__code__.co_names  # vLLM's own (the plugin wraps it: hot_window)
     missing += [f"EngineCore.{a}" for a in ("step_fn", "scheduler", "batch_queue", "vllm_config") if a not in names]
     missing += [f"EngineCore.{a}" for a in ("collective_rpc",) if not hasattr(EngineCore, a)]
     return missing
