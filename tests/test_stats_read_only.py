@@ -65,5 +65,6 @@ def test_the_vllm_stores_bytes_moved_add_the_caches_copies_at_read_time():
     store.fingerprint = "f"
     store.engine = SimpleNamespace(num_bytes_moved={"h2d": 100, "d2h": 7})
     store.hot_window = SimpleNamespace(stats=lambda: {"cache_copied_bytes": 50})
+    store.loads = SimpleNamespace(ring_bytes=0)
     assert store.stats()["bytes_moved"] == store.stats()["bytes_moved"] == {"h2d": 150, "d2h": 7}
     assert store.engine.num_bytes_moved == {"h2d": 100, "d2h": 7}

@@ -9,13 +9,12 @@ Primitives: `live_page`, `live_page_csp`, `static_page`, `write_report`, `STATIC
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 
+from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.sources import JsonlSource
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -88,10 +87,7 @@ def write_report(jsonl_path: str | Path, out_path: str | Path) -> int:
 def write_page(path: str | Path, text: str) -> None:
     """Write a report page to `path`, never through a symbolic link planted there (a shared directory's other
     user would have the page written over a file of theirs choosing) and only over a regular file: OSError."""
-    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT, 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
         f.truncate(0)
         f.write(text)

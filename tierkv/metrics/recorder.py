@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import stat
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from tierkv.metrics.history import DEFAULT_HISTORY_BYTES, History
+from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.snapshot import SCHEMA, derive_rates, flatten_stats
 
 logger = logging.getLogger(__name__)
@@ -198,14 +198,11 @@ def _open_for_appending(path: Path):
     """The JSONL opened to append: made private (0600) when new, never through a symbolic link (one put there
     would choose the file written to), never a FIFO or device. ValueError naming the path otherwise."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        why = ("it is a symbolic link" if exc.errno == errno.ELOOP else
+               "not a regular file" if exc.errno == errno.EINVAL else exc.strerror)
         raise ValueError(f"metrics.jsonl_path {str(path)!r}: cannot append to it ({why})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"metrics.jsonl_path {str(path)!r}: not a regular file")
-    os.set_blocking(fd, True)
     return os.fdopen(fd, "a", encoding="utf-8")
 
 

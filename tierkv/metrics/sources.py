@@ -11,16 +11,17 @@ ask from next time (`[], n` when nothing is new). Numbers are the source's own:
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import stat
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.snapshot import SCHEMA
 
 
@@ -52,16 +53,15 @@ class JsonlSource:
         self._lock = threading.Lock()
 
     def _read_chunk(self) -> bytes:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(self.path, flags)
+            fd = open_regular(self.path, os.O_RDONLY)
         except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise SourceError(f"{self.path}: not a regular file any more (expected a JSONL written by a tierkv "
+                                  "metrics recorder)") from None
             raise SourceError(f"{self.path}: cannot read ({exc.strerror})") from None
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise SourceError(f"{self.path}: not a regular file any more (expected a JSONL written by a tierkv "
-                                  "metrics recorder)")
             if info.st_size < self._offset:  # cut shorter or rewritten: its lines are new
                 self._offset, self._skipping = 0, False
                 self._first, self._lines = self._first + len(self._lines), []

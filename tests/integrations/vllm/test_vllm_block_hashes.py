@@ -1,7 +1,7 @@
 """vLLM hashes every prompt block of every request when a KV connector is configured (sha256 of pickled tokens,
 5-6 ms of add_request at 100k tokens on an H100 host). tierkv's connector addresses blocks by its own hashes, so an
 engine running it with vLLM's prefix cache off keeps no hasher; with the prefix cache on, or another connector,
-vLLM's hashing stays as it is. Checked on vLLM's own EngineCore.__init__ (its executor stubbed)."""
+vLLM's hashing stays as it is. Checked through vLLM's own EngineCore.preprocess_add_request and Scheduler."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,9 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
 
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.engine import EngineCoreRequest  # noqa: E402
 from vllm.v1.engine import core as engine_core  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -39,16 +42,37 @@ def test_needs_vllm_block_hashes(tmp_path, connector, prefix_caching, needed):
 
 
 @pytest.mark.parametrize("connector, prefix_caching", [("tierkv", False), ("tierkv", True), ("OffloadingConnector", False)])
-def test_the_engine_core_keeps_a_hasher_only_where_it_is_read(tmp_path, connector, prefix_caching):
+def test_an_engine_core_hashes_only_where_the_hashes_are_read(tmp_path, connector, prefix_caching):
+    """vLLM's own EngineCore.preprocess_add_request (patched by the plugin) on a core made before the plugin was
+    loaded (vLLM loads plugins inside the first EngineCore.__init__ of an engine process): the first request drops
+    the unread hasher, and the request carries no hashes; elsewhere they are vLLM's as before."""
     hot_window.register()
-    patched = engine_core.EngineCore.__init__
-    assert getattr(patched, "_tierkv_hot_window", False) and patched.__wrapped__ is not patched
+    assert getattr(engine_core.EngineCore.preprocess_add_request, "_tierkv_hot_window", False)
     config = engine_config(tmp_path, connector, prefix_caching)
-    hasher = object()
-    core = SimpleNamespace(request_block_hasher=hasher)  # what vLLM's __init__ sets with a connector configured
-    hot_window.drop_unread_block_hasher(core, config)
-    assert core.request_block_hasher is (hasher if hot_window.needs_vllm_block_hashes(config) else None)
-    # a request made with no hasher carries no hashes; vLLM's Request needs none
-    req = Request("r", list(range(100)), SamplingParams(max_tokens=1), None, block_hasher=core.request_block_hasher
-                  if core.request_block_hasher is None else None)
-    assert req.block_hashes == []
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    core = SimpleNamespace(request_block_hasher=hasher, vllm_config=config, mm_receiver_cache=None)
+    request = EngineCoreRequest(request_id="r", prompt_token_ids=list(range(100)), mm_features=None,
+                                sampling_params=SamplingParams(max_tokens=1), pooling_params=None, arrival_time=0.0,
+                                lora_request=None, cache_salt=None, data_parallel_rank=None)
+    for _ in range(2):
+        req, _wave = engine_core.EngineCore.preprocess_add_request(core, request)
+        dropped = connector == "tierkv" and not prefix_caching
+        assert core.request_block_hasher is (None if dropped else hasher)
+        assert len(req.block_hashes) == (0 if dropped else 100 // 16)
+
+
+def test_requests_without_vllm_hashes_get_tierkv_prefix_hits_through_vllms_scheduler(tmp_path):
+    """vLLM's own Scheduler, prefix caching off, tierkv's connector configured, requests made with no hasher (as
+    the engine core makes them once the hasher is dropped; `Request.block_hashes` stays empty): a second request
+    with the first one's prompt is served from the tiers and both finish."""
+    from tests.integrations.vllm.test_loaded_window_pins import Engine
+
+    engine = Engine(tmp_path, cpu_keys=256)
+    prompt = list(range(100, 125))
+    for req_id in ("A", "B"):
+        engine.sched.add_request(Request(req_id, prompt, SamplingParams(max_tokens=3, ignore_eos=True), None,
+                                         block_hasher=None))
+        engine.run_out()
+        assert engine.sched.requests == {}
+    assert engine.worker.store.counts["lookup_hit_blocks"] > 0 and engine.worker.store.counts["blocks_loaded"] > 0

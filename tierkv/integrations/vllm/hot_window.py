@@ -16,8 +16,9 @@ It takes effect only for an engine whose kv_transfer_config names the tierkv con
 attention backend is "CUSTOM" (`attention_config={"backend": "CUSTOM"}`); other engines in the
 same process are untouched. `TieredLLM(backend="vllm")` sets both. Where vLLM is attached:
 `Attention.get_kv_cache_spec` (the spec of each layer), `GPUModelRunner.execute_model` (to
-read the batch's request order, which the attention metadata does not carry) and `EngineCore.__init__`
-(no block hashing of vLLM's own where nothing reads it: `needs_vllm_block_hashes`); see
+read the batch's request order, which the attention metadata does not carry) and
+`EngineCore.preprocess_add_request` (no block hashing of vLLM's own where nothing reads it:
+`needs_vllm_block_hashes`); see
 docs/vllm-hot-window.md.
 """
 from __future__ import annotations
@@ -146,19 +147,23 @@ def drop_unread_block_hasher(core, vllm_config) -> None:
 
 
 def _patch_engine_core() -> None:
+    """At an EngineCore's first request: its hasher dropped where nothing reads it. Not at its __init__: vLLM loads
+    its plugins (this one) inside the first EngineCore.__init__ of a fresh engine process, which then runs unwrapped."""
     from vllm.v1.engine.core import EngineCore
 
-    original = EngineCore.__init__
+    original = EngineCore.preprocess_add_request
     if getattr(original, "_tierkv_hot_window", False):
         return
 
     @functools.wraps(original)
-    def __init__(self, vllm_config, *args, **kwargs):
-        original(self, vllm_config, *args, **kwargs)
-        drop_unread_block_hasher(self, vllm_config)
+    def preprocess_add_request(self, request):
+        if not getattr(self, "_tierkv_hasher_checked", False):
+            drop_unread_block_hasher(self, self.vllm_config)
+            self._tierkv_hasher_checked = True
+        return original(self, request)
 
-    __init__._tierkv_hot_window = True
-    EngineCore.__init__ = __init__
+    preprocess_add_request._tierkv_hot_window = True
+    EngineCore.preprocess_add_request = preprocess_add_request
 
 
 def batch_order() -> list[str]:
