@@ -79,11 +79,74 @@ def test_a_short_prompts_budget_holds_the_sinks_and_the_window(tmp_path):
     from tierkv.demo_real import demo_budget, demo_config
 
     per_token = 45 * 1024  # SmolLM2 in float32
-    budget, why = demo_budget(122 * per_token, per_token)  # 1/8 would hold less than 4 blocks per layer
+    budget, why = demo_budget(122 * per_token, per_token, str(tmp_path), env={})  # 1/8 holds less than 4 blocks per layer
     assert why.startswith("the least") and budget == 4 * 16 * per_token
     config = demo_config(122 * per_token, str(tmp_path), env={}, gpu_budget_bytes=budget)
     assert config.cache.gpu_budget_bytes == budget
-    assert demo_budget(4096 * per_token, per_token) == (4096 * per_token // 8, "1/8 of the prompt's KV")
+    assert demo_budget(4096 * per_token, per_token, str(tmp_path), env={}) == (4096 * per_token // 8,
+                                                                               "1/8 of the prompt's KV")
+
+
+def test_the_budget_follows_the_blocks_and_the_budget_the_environment_sets(tmp_path):
+    """TIERKV_CACHE__BLOCK_TOKENS=32: the short prompt's least budget is counted in 32-token blocks (it was
+    counted in 16 and the demo's own config was refused); TIERKV_CACHE__GPU_BUDGET_BYTES: that budget, said so."""
+    from tierkv.demo_real import demo_budget, demo_config
+    from tierkv.storage.gpu import min_resident_blocks
+
+    per_token = 45 * 1024
+    env = {"TIERKV_CACHE__BLOCK_TOKENS": "32"}
+    budget, why = demo_budget(200 * per_token, per_token, str(tmp_path), env=env)
+    assert why.startswith("the least") and budget == min_resident_blocks(32, 16, 32) * 32 * per_token
+    assert demo_config(200 * per_token, str(tmp_path), env=env, gpu_budget_bytes=budget).cache.block_tokens == 32
+    env = {"TIERKV_CACHE__GPU_BUDGET_BYTES": "1GiB"}
+    assert demo_budget(200 * per_token, per_token, str(tmp_path), env=env) == (
+        1 << 30, "set by TIERKV_CACHE__GPU_BUDGET_BYTES")
+
+
+def test_the_disk_tier_is_sized_to_the_room_its_file_system_has(tmp_path, monkeypatch):
+    """A disk tier sized past a full disk failed every put for good (partial records never evicted): it is
+    sized to 90% of the free space plus what its directory holds, at most the size asked."""
+    import shutil
+    from collections import namedtuple
+
+    from tierkv.demo_real import demo_config, disk_capacity
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 << 20, 90 << 20, 10 << 20))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "old.seg").write_bytes(b"x" * (4 << 20))  # allocated: no holes
+    assert disk_capacity(1 << 30, str(tmp_path / "d")) == (14 << 20) * 9 // 10
+    assert disk_capacity(1 << 30, str(tmp_path / "not" / "yet")) == (10 << 20) * 9 // 10  # made by the tier later
+    assert disk_capacity(5 << 20, str(tmp_path / "d")) == 5 << 20
+    # each record's header region and padding (at most 8 KiB) beside a 24 KiB block of one layer
+    assert disk_capacity(1 << 30, str(tmp_path / "d"), 24 << 10) == (14 << 20) * 9 // 10 * 24 // 32
+    assert demo_config(1 << 20, str(tmp_path / "d"), env={}).tiers[1].capacity_bytes == (14 << 20) * 9 // 10
+
+
+def test_failed_disk_puts_are_not_promised_as_reuse(capsys):
+    from tierkv.demo_real import _print_traffic
+
+    s = {"resident_block_reads": 10, "streamed_block_reads": 5, "prompt_tokens": 100, "generated_tokens": 3,
+         "prefill_s": 1.0, "decode_s": 1.0, "prefix_tokens": 0, "gpu_hit_rate": 0.5, "h2d_bytes": 0, "d2h_bytes": 0}
+    _print_traffic(s, 1 << 20, lambda v: f"{v}", True, 32, (0, 1400, 0))
+    out = capsys.readouterr().out
+    assert "failed 1400 puts" in out and "finds them on disk" not in out and "a block = 32 tokens" in out
+    _print_traffic(s, 1 << 20, lambda v: f"{v}", True, 16, (120, 0, 30))
+    out = capsys.readouterr().out
+    assert "evicted 30 blocks" in out and "finds them on disk" not in out
+    _print_traffic(s, 1 << 20, lambda v: f"{v}", True, 16, (120, 0, 0))
+    assert "a second run of this command finds them on disk" in capsys.readouterr().out
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    import tierkv.demo as demo
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_run", interrupted)
+    assert demo.main([]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
 
 
 @pytest.mark.parametrize("argv,message", [(["--new-tokens", "0"], "--new-tokens: got 0; at least 1"),
@@ -175,3 +238,21 @@ def test_a_bad_disk_path_is_refused_before_the_model_loads(monkeypatch, capsys, 
     with pytest.raises(SystemExit) as exit_info:
         main(["--disk-path", str(afile)])
     assert exit_info.value.code == 2 and f"--disk-path '{afile}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"short"])
+def test_a_bad_secret_file_is_refused_before_the_model_loads(monkeypatch, capsys, tmp_path, content):
+    import os
+
+    import tierkv.demo_real as demo_real
+    from tierkv.demo import main
+
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: pytest.fail("the model was loaded"))
+    secret = tmp_path / "secret"
+    secret.write_bytes(content)
+    os.chmod(secret, 0o600)
+    monkeypatch.setenv("TIERKV_STORAGE__SECRET_FILE", str(secret))
+    (tmp_path / "disk").mkdir(mode=0o700)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--disk-path", str(tmp_path / "disk")])
+    assert exit_info.value.code == 2 and "secret" in capsys.readouterr().err

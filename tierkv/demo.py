@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the tiers were closed on the way out (what reached the disk tier stays)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (ConfigError, CapacityError, TooLong) as exc:  # a setting the user chose: one line naming it, not a traceback
         message = str(exc)
         if getattr(args, "disk_path_used", False) and "tiers[1].path" in message:  # the real model's disk tier

@@ -36,21 +36,63 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * element
 
 
-def demo_budget(prompt_kv_bytes: int, kv_bytes_per_token: int) -> tuple[int, str]:
+def demo_budget(prompt_kv_bytes: int, kv_bytes_per_token: int, disk_path: str, env=None) -> tuple[int, str]:
     """The demo's GPU budget and how it was chosen: 1/8 of the prompt's KV, or, for a prompt too short for
-    that to hold the sink and window blocks (and the block being filled) of every layer, that minimum."""
+    that to hold the sink and window blocks (and the block being filled) of every layer, that minimum, in the
+    blocks, sinks and window the config has once TIERKV_* variables of `env` are applied; or the budget such a
+    variable sets (TIERKV_CACHE__GPU_BUDGET_BYTES)."""
     from tierkv.storage.gpu import min_resident_blocks
 
-    minimum = min_resident_blocks(BLOCK_TOKENS, SINK_TOKENS, WINDOW_TOKENS) * BLOCK_TOKENS * kv_bytes_per_token
+    probe_bytes = 1 << 50  # any budget holds the minimum: the config as the environment leaves it
+    cache = demo_config(prompt_kv_bytes, disk_path, env=env, gpu_budget_bytes=probe_bytes).cache
+    if cache.gpu_budget_bytes != probe_bytes:
+        return cache.gpu_budget_bytes, "set by TIERKV_CACHE__GPU_BUDGET_BYTES"
+    minimum = (min_resident_blocks(cache.block_tokens, cache.sink_tokens, cache.window_tokens) * cache.block_tokens
+               * kv_bytes_per_token)
     if prompt_kv_bytes // 8 >= minimum:
         return prompt_kv_bytes // 8, "1/8 of the prompt's KV"
     return minimum, "the least that holds the sinks and the window: the prompt is short for 1/8"
 
 
-def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes: int | None = None) -> TierKVConfig:
+def disk_wanted(prompt_kv_bytes: int) -> int:
+    """The disk tier the demo asks for: 4x the prompt's KV, at least 1 GiB."""
+    return max(4 * prompt_kv_bytes, 1 << 30)
+
+
+def disk_capacity(wanted: int, disk_path: str, block_bytes: int | None = None) -> int:
+    """`wanted` bytes for the disk tier at `disk_path`, or less where its file system has less room: 90% of the
+    free space plus what the directory holds already (its blocks are evicted to make room), less each record's
+    header region and padding (at most 8 KiB beside a block of `block_bytes`, a layer's block). A tier sized past
+    the disk fails every put once the disk is full, and never evicts the partial records that filled it."""
+    import os
+    import shutil
+
+    path = os.path.abspath(os.path.expanduser(disk_path))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return wanted  # the tier's own checks name the path
+    held = 0
+    try:
+        with os.scandir(path) as entries:
+            # the bytes allocated (a record evicted is a hole punched in its segment: the size stays)
+            held = sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in entries if e.is_file(follow_symlinks=False))
+    except OSError:  # none yet, or not a directory the tier would take (its own checks say so)
+        pass
+    room = (free + held) * 9 // 10
+    if block_bytes:
+        room = room * block_bytes // (block_bytes + 8192)
+    return max(1 << 20, min(wanted, room))
+
+
+def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes: int | None = None,
+                block_bytes: int | None = None) -> TierKVConfig:
     """A GPU budget of 1/8 of the prompt's KV (or `gpu_budget_bytes`; staging 1/16 beside it), a CPU tier
     that holds the request with room to spare, and a disk tier under it (4x the prompt's KV, at least
-    1 GiB); any key overridden by TIERKV_*
+    1 GiB, at most 90% of the room its file system has: `disk_capacity`); any key overridden by TIERKV_*
     variables of `env` (the process environment when None), as every config is (e.g.
     TIERKV_SCHEDULER__POLICY=sparse python -m tierkv.demo)."""
     return load_config({
@@ -59,8 +101,10 @@ def demo_config(prompt_kv_bytes: int, disk_path: str, env=None, gpu_budget_bytes
                   "gpu_budget_bytes": prompt_kv_bytes // 8 if gpu_budget_bytes is None else gpu_budget_bytes,
                   "sink_tokens": SINK_TOKENS, "window_tokens": WINDOW_TOKENS},
         "tiers": [{"kind": "cpu", "capacity_bytes": 2 * prompt_kv_bytes},
-                  # at least 1 GiB: a shorter run on the same directory keeps the longer runs' blocks
-                  {"kind": "disk", "path": disk_path, "capacity_bytes": max(4 * prompt_kv_bytes, 1 << 30)}],
+                  # at least 1 GiB (a shorter run on the same directory keeps the longer runs' blocks) where the disk
+                  # has the room
+                  {"kind": "disk", "path": disk_path,
+                   "capacity_bytes": disk_capacity(disk_wanted(prompt_kv_bytes), disk_path, block_bytes)}],
         "scheduler": {"policy": "exact", "lookahead_layers": 1, "staging_bytes": prompt_kv_bytes // 16,
                       "prefill_chunk_tokens": 512},
         "storage": {"secret_file": "~/.config/tierkv/secret", "create_secret_file": True},  # seals the disk tier
@@ -73,12 +117,16 @@ class TooLong(ValueError):
 
 
 def check_fits_shortcut(args) -> None:
-    """Before the shortcut model loads: ConfigError for a --disk-path its disk tier refuses, TooLong when --tokens
+    """Before the shortcut model loads: ConfigError for a --disk-path its disk tier refuses or a secret file its
+    start refuses (TIERKV_* variables included), TooLong when --tokens
     and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the prompt with its chat
     template against the loaded model again)."""
     from tierkv.model_loading import SHORTCUTS
 
-    demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
+    from tierkv.storage.auth import check_storage_secret
+
+    config = demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
+    check_storage_secret(config.storage)  # the disk tier's secret file as its start reads it, creating nothing
     _check_positions(args, SHORTCUTS[SHORTCUT].positions)
 
 
@@ -102,8 +150,13 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
                       f"and with --new-tokens {args.new_tokens} it passes the model's {limit} positions")
     per_token = kv_bytes_per_token(model)
     prompt_kv = per_token * len(case.prompt_ids)
-    budget, why = demo_budget(prompt_kv, per_token)
-    config = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget)
+    budget, why = demo_budget(prompt_kv, per_token, args.disk_path)
+    block_tokens = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget).cache.block_tokens  # TIERKV_* too
+    config = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget,
+                         block_bytes=per_token // model.config.num_hidden_layers * block_tokens)
+    disk = config.tiers[1]
+    room = (f" ({format_bytes(disk.capacity_bytes)}: the room its file system has)"
+            if disk.capacity_bytes < disk_wanted(prompt_kv) else "")
     device = next(model.parameters()).device
     print(f"model: {model_id}\n  {model.config.num_hidden_layers} layers, KV {format_bytes(per_token)} per token "
           f"({next(model.parameters()).dtype}, {device})")
@@ -111,7 +164,7 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
           f"prompt {len(case.prompt_ids)} tokens (chat template), KV {format_bytes(prompt_kv)}")
     print(f"GPU budget: {format_bytes(config.cache.gpu_budget_bytes)} ({why}) + staging "
           f"{format_bytes(config.scheduler.staging_bytes)}; CPU tier {format_bytes(config.tiers[0].capacity_bytes)}; "
-          f"disk tier {config.tiers[1].path}")
+          f"disk tier {disk.path}{room}")
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     reference, _ = dense_greedy(model, case.prompt_ids, args.new_tokens, stop_ids)  # before tierkv takes the model
     with TieredLLM(model, config, tokenizer=tokenizer, show_progress=True) as llm:
@@ -123,7 +176,8 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
           f"  (transformers' SDPA attention, DynamicCache)")
     print(f"planted pass key {case.answer}: {'found' if case.answer in out.text else 'NOT found'} in tierkv's answer")
     print(f"tokens: {_compare(out.token_ids, reference)}")
-    _print_traffic(out.stats, prompt_kv, _pct, reads_in_place(config.scheduler.cpu_far_reads, device))
+    _print_traffic(out.stats, prompt_kv, _pct, reads_in_place(config.scheduler.cpu_far_reads, device),
+                   config.cache.block_tokens, _disk_puts(stats))
     print_tiers(stats)
     if args.json:
         print(json.dumps(stats, indent=2, default=str))
@@ -137,16 +191,27 @@ def _compare(tokens: list[int], reference: list[int]) -> str:
     return f"DIFFERENT from token {first} on ({len(tokens)} vs {len(reference)} generated tokens)"
 
 
-def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool) -> None:
-    """in_place: far blocks were attended in the CPU tier's slab (a CPU device), not copied to the device."""
+def _disk_puts(stats: dict) -> tuple[int, int, int]:
+    """(blocks the disk tier stored, puts it failed, blocks it evicted) in this run."""
+    disk = next((t for t in stats.get("tiers", []) if t.get("tier") == "disk"), {})
+    return tuple(int(disk.get(name, 0) or 0) for name in ("puts", "put_failures", "evictions"))
+
+
+def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool, block_tokens: int, disk_puts: tuple[int, int]) -> None:
+    """in_place: far blocks were attended in the CPU tier's slab (a CPU device), not copied to the device.
+    disk_puts: the disk tier's (stored, failed, evicted) blocks in this run, whose blocks a second run would reuse."""
     reads = s["resident_block_reads"] + s["streamed_block_reads"]
     passes = -(-s["prompt_tokens"] // 512) + s["generated_tokens"] - 1
     print(f"\nprefill {s['prefill_s']:.1f} s, decode {s['decode_s']:.1f} s ({s['generated_tokens']} tokens)")
     reused = ", ".join(f"{tier} {n} blocks" for tier, n in sorted(s.get("prefix_blocks_by_tier", {}).items()))
+    stored, failed, evicted = disk_puts
+    later = (f" (the disk tier stored {stored} blocks and failed {failed} puts in this run: a second run reuses "
+             "what it stored, see the disk tier's errors above)" if failed else
+             f" (the disk tier evicted {evicted} blocks in this run, too small for the prompt's KV: a second run "
+             "reuses only the blocks it kept)" if evicted else " (a second run of this command finds them on disk)")
     print(f"prefix reused from the tiers: {s['prefix_tokens']} of {s['prompt_tokens']} prompt tokens"
-          + (f" ({reused}; written through to disk by an earlier run)" if s["prefix_tokens"] else
-             " (a second run of this command finds them on disk)"))
-    print(f"GPU hit rate: {pct(s['gpu_hit_rate'])} of {reads} block reads (a block = {BLOCK_TOKENS} tokens of one "
+          + (f" ({reused}; written through to disk by an earlier run)" if s["prefix_tokens"] else later))
+    print(f"GPU hit rate: {pct(s['gpu_hit_rate'])} of {reads} block reads (a block = {block_tokens} tokens of one "
           f"layer) found the block in the GPU hot window (sinks, recent window, far-block cache); "
           f"{s['streamed_block_reads']} were " + ("read in place in the CPU tier (the device is the CPU: "
                                                   "nothing to copy)" if in_place else "copied in from the CPU tier"))
