@@ -42,16 +42,17 @@ class Runner:
 class Engine:
     """vLLM's scheduler and one worker connector on the CPU; `step()` is one engine step."""
 
-    def __init__(self, root, cpu_keys: int):
+    def __init__(self, root, cpu_keys: int, layers: int = L, window: int = WINDOW, lookahead: int = 1, pool: int = POOL):
+        self.names = names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         (root / "t.yaml").write_text(json.dumps({
-            "cache": {"block_tokens": BS, "window_tokens": WINDOW},
+            "cache": {"block_tokens": BS, "window_tokens": window},
             "tiers": [{"kind": "cpu", "capacity_bytes": cpu_keys * 2 * H * BS * D * 4}],
-            "scheduler": {"lookahead_layers": 1, "staging_bytes": 64 * 2 * H * BS * D * 4},
+            "scheduler": {"lookahead_layers": lookahead, "staging_bytes": 64 * 2 * H * BS * D * 4},
             "metrics": {"enabled": False}}))
         (root / "m").mkdir()
         (root / "m/config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-            "num_attention_heads": 4, "num_key_value_heads": H, "num_hidden_layers": L, "head_dim": D,
+            "num_attention_heads": 4, "num_key_value_heads": H, "num_hidden_layers": layers, "head_dim": D,
             "max_position_embeddings": 512, "vocab_size": 1000, "torch_dtype": "float32"}))
         hot_window.register()
         vc = VllmConfig(model_config=ModelConfig(model=str(root / "m"), skip_tokenizer_init=True, max_model_len=96,
@@ -61,12 +62,12 @@ class Engine:
                                                          is_encoder_decoder=False, async_scheduling=False),
                         kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(root / "t.yaml"), model_id="m")),
                         device_config=DeviceConfig(device="cpu"))
-        spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=WINDOW)
-        kvc = KVCacheConfig(num_blocks=POOL, kv_cache_groups=[KVCacheGroupSpec(layer_names=NAMES, kv_cache_spec=spec)],
-                            kv_cache_tensors=[KVCacheTensor(size=POOL * spec.page_size_bytes, shared_by=[n]) for n in NAMES])
-        vc.cache_config.num_gpu_blocks = POOL
+        spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window)
+        kvc = KVCacheConfig(num_blocks=pool, kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+                            kv_cache_tensors=[KVCacheTensor(size=pool * spec.page_size_bytes, shared_by=[n]) for n in names])
+        vc.cache_config.num_gpu_blocks = pool
         self.worker = TierKVConnector(vc, KVConnectorRole.WORKER, kvc)  # the engine core builds the worker first
-        self.caches = {n: torch.randn(POOL, H, BS, 2 * D, generator=torch.Generator().manual_seed(0)) for n in NAMES}
+        self.caches = {n: torch.randn(pool, H, BS, 2 * D, generator=torch.Generator().manual_seed(0)) for n in names}
         self.worker.register_kv_caches(self.caches)
         self.sched = Scheduler(vc, kvc, StructuredOutputManager(vc), block_size=BS)
 
@@ -82,7 +83,7 @@ class Engine:
         worker.bind_connector_metadata(pickle.loads(pickle.dumps(out.kv_connector_metadata)))
         worker.start_load_kv(None)
         if order:
-            for n in NAMES:
+            for n in self.names:
                 worker.wait_for_layer_load(n)
                 worker.save_kv_layer(n, self.caches[n], None)
             worker.wait_for_save()

@@ -172,9 +172,16 @@ class ConnectorScheduler:
         if full <= first:
             return
         hashes = self._store().extend_hashes(state.hashes, tokens, full)
-        again = min(max(first, recomputed_to), full)  # [first, again): recomputed after a failed load
-        stored = (self._store().stored_mask(hashes[first:again], every_layer=True)
-                  + self._store().stored_mask(hashes[again:full]))
+        if self.hot_window is not None:
+            # every block this request computes is saved, held already or not: the save's pin keeps it in the CPU
+            # tier until it turns far and this request reads it there (a held block left unpinned was evicted by
+            # later saves: the step it turned far stopped the engine). Held blocks it computes lie past a hole in
+            # a shared prefix the lookup stopped at, or were recomputed after a failed load: rare
+            stored = [False] * (full - first)
+        else:
+            again = min(max(first, recomputed_to), full)  # [first, again): recomputed after a failed load
+            stored = (self._store().stored_mask(hashes[first:again], every_layer=True)
+                      + self._store().stored_mask(hashes[again:full]))
         todo = [b for b, held in zip(range(first, full), stored) if not held]
         if todo:
             meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],

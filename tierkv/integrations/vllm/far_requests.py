@@ -162,6 +162,8 @@ class FarPins:
         if self.store.saves.keep_pinned:
             self.store.poll(wait=True)  # saves still in flight land (pinned) before their pins go back
             first = req.num_pinned()  # blocks pinned for reading
-            mine = [h for h in req.hashes[first:] if h not in still_needed]
+            # with the blocks it saved again once far (a save's pin kept for a block its reader held already)
+            again = self.store.saves.with_saved_pins(req.hashes[:first])
+            mine = [h for h in (*again, *req.hashes[first:]) if h not in still_needed]
             for layer in range(self.store.num_layers):
                 self.store.saves.release_pins(self.store.keys(mine, layer))

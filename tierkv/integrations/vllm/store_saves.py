@@ -85,6 +85,8 @@ class LayerSaves:
                 self._pending.append((handle, [keys[i] for i in ok], len(ok) * store.layout.num_bytes,
                                       [slots[i] for i in ok]))  # fmt: skip
                 store.counts["blocks_saved"] += len(ok)
+        if refused and self.keep_pinned:  # a reader's pin holds the block: this request's pin keeps it for its far part
+            refused = self._pin_held(keys, refused)
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             store.counts["save_fallbacks"] += len(refused)
             index = torch.tensor(refused, device=flat.device)
@@ -92,6 +94,17 @@ class LayerSaves:
             failed = [keys[i] for i, result in zip(refused, results) if not result.ok]
             if failed:  # no tier below took them (full, down): lost unless the CPU tier holds or is writing them
                 store.counts["saves_dropped"] += store.cpu.held_or_written(failed).count(False)
+
+    def _pin_held(self, keys: list[str], refused: list[int]) -> list[int]:
+        """Under the hot window: of the saves refused a CPU slot (`refused`, indices into `keys`), those whose
+        block the CPU tier holds already (pinned by a reader, so not overwritten) pinned for the saving request,
+        as a landed save's (`keep_pins`); returns the others. Lock held."""
+        wanted = [keys[i] for i in refused]
+        slots = self.store.cpu.acquire(wanted)
+        held = [(key, slot) for key, slot in zip(wanted, slots) if slot is not None]
+        if held:
+            self.keep_pins([k for k, _ in held], [s for _, s in held])
+        return [i for i, slot in zip(refused, slots) if slot is None]
 
     def land(self, groups: Sequence[str]) -> bool:
         """Wait for the saves in flight of blocks `groups` (block names, `block_group`) and make every landed
@@ -203,6 +216,14 @@ class LayerSaves:
         """Give back pins from `pin_for_reader`."""
         with self._lock:
             self.store.cpu.release(keys)
+
+    def with_saved_pins(self, hashes: Sequence[str]) -> list[str]:
+        """Of blocks `hashes`, those some layer of which holds a landed save's pin."""
+        with self._lock:
+            counts = self._pin_blocks
+            if not counts or not hashes:
+                return []
+            return [h for h, key in zip(hashes, self.store.keys(hashes, 0)) if block_group(key) in counts]
 
     def release_pins(self, keys: Sequence[str]) -> None:
         """Give back the pins of landed saves nobody took (blocks that never became far)."""
