@@ -5,7 +5,7 @@ request's far block is missing from the tiers (a missing one stops the engine: "
 
 Seeds 1 and 6 stopped the engine before a request saved the blocks it computed that the tier already held (a hole
 in a shared prefix the lookup stopped at): left unpinned, later saves evicted them before they turned far. Seeds 7,
-8 and 9 still stop it, by a path not yet found: strict xfails, to be turned into passes when it is."""
+8 and 9 pin more than the 20 blocks at once: saves find no slot, and the error names the CPU tier's capacity."""
 from __future__ import annotations
 
 import random
@@ -58,7 +58,9 @@ def test_shared_prefixes_under_a_small_cpu_tier_keep_every_far_block(tmp_path, s
     assert fuzz(tmp_path, seed) > 0
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="a far block still leaves the CPU tier (not yet found)")
 @pytest.mark.parametrize("seed", [7, 8, 9])
-def test_seeds_that_still_lose_a_far_block(tmp_path, seed):
-    fuzz(tmp_path, seed)
+def test_a_cpu_tier_too_small_for_the_running_requests_is_named(tmp_path, seed):
+    """Every CPU-tier slot pinned by the running requests' blocks: a save finds no slot and no tier below, the
+    block is lost, and the step it turns far stops the engine with an error that says why and what to raise."""
+    with pytest.raises(RuntimeError, match=r"saves were dropped since start.*raise tiers\[0\].capacity_bytes"):
+        fuzz(tmp_path, seed)

@@ -138,9 +138,13 @@ class FarPins:
             held = self.store.num_held(keys)
             where = f"request {req_id}: far blocks {first}..{num_blocks - 1} of layer {layer}"
             if held < len(keys):  # never saved, or a tier lost them since (evicted, deleted, found corrupt)
+                dropped = self.store.counts["saves_dropped"]
+                why = (f"; {dropped} saves were dropped since start: every CPU-tier slot was pinned by running requests "
+                       "and no tier below took them. The CPU tier must hold every running request's KV (raise "
+                       "tiers[0].capacity_bytes, add a disk tier, or lower max_num_seqs)" if dropped else "")
                 raise RuntimeError(
                     f"{where}: {len(keys) - held} of {len(keys)} are in no tier (never saved, or lost or found "
-                    "corrupt since: see the tiers' lost_blocks and corrupt_blocks counts)")
+                    f"corrupt since: see the tiers' lost_blocks and corrupt_blocks counts){why}")
             raise RuntimeError(
                 f"{where} cannot be pinned in the CPU tier (all {len(keys)} found in the tiers); the CPU tier must "
                 "hold the far KV of every running request (raise tiers[0].capacity_bytes)")
