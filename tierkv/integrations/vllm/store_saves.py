@@ -72,9 +72,15 @@ class LayerSaves:
         return blocks
 
     def _start_d2h(self, keys: list[str], flat: torch.Tensor) -> None:
-        """flat [len(keys), 2, H, T, D] into prepared CPU-tier slots; blocks refused a slot to the tiers below."""
+        """flat [len(keys), 2, H, T, D] into prepared CPU-tier slots; blocks refused a slot to the tiers below.
+        Under the hot window a block the CPU tier holds already is pinned for the saving request, as a landed
+        save's (`keep_pins`), and not written again (a rewrite would take it out of the tier until it lands)."""
         store = self.store
         with self._lock:
+            if self.keep_pinned:
+                keys, flat = self._pin_held(keys, flat)
+                if not keys:
+                    return
             slots, evicted = store.cpu.prepare_put(keys)
             store.chain.spill(0, evicted)
             ok = [i for i, s in enumerate(slots) if s is not None]
@@ -85,8 +91,6 @@ class LayerSaves:
                 self._pending.append((handle, [keys[i] for i in ok], len(ok) * store.layout.num_bytes,
                                       [slots[i] for i in ok]))  # fmt: skip
                 store.counts["blocks_saved"] += len(ok)
-        if refused and self.keep_pinned:  # a reader's pin holds the block: this request's pin keeps it for its far part
-            refused = self._pin_held(keys, refused)
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             store.counts["save_fallbacks"] += len(refused)
             index = torch.tensor(refused, device=flat.device)
@@ -95,16 +99,20 @@ class LayerSaves:
             if failed:  # no tier below took them (full, down): lost unless the CPU tier holds or is writing them
                 store.counts["saves_dropped"] += store.cpu.held_or_written(failed).count(False)
 
-    def _pin_held(self, keys: list[str], refused: list[int]) -> list[int]:
-        """Under the hot window: of the saves refused a CPU slot (`refused`, indices into `keys`), those whose
-        block the CPU tier holds already (pinned by a reader, so not overwritten) pinned for the saving request,
-        as a landed save's (`keep_pins`); returns the others. Lock held."""
-        wanted = [keys[i] for i in refused]
-        slots = self.store.cpu.acquire(wanted)
-        held = [(key, slot) for key, slot in zip(wanted, slots) if slot is not None]
-        if held:
-            self.keep_pins([k for k, _ in held], [s for _, s in held])
-        return [i for i, slot in zip(refused, slots) if slot is None]
+    def _pin_held(self, keys: list[str], flat: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Pin the blocks among `keys` the CPU tier holds for the saving request (kept until they turn far or
+        the request ends); returns the others and their rows of `flat`. Lock held."""
+        cpu = self.store.cpu
+        found = cpu.contains_many(keys)  # no lookup counted: most saves are of new blocks
+        if not any(found):
+            return keys, flat
+        held = [i for i, f in enumerate(found) if f]
+        slots = cpu.acquire([keys[i] for i in held])
+        pinned = [(keys[i], slot) for i, slot in zip(held, slots) if slot is not None]
+        self.keep_pins([k for k, _ in pinned], [slot for _, slot in pinned])
+        taken = {k for k, _ in pinned}
+        rest = [i for i, key in enumerate(keys) if key not in taken]
+        return [keys[i] for i in rest], flat.index_select(0, torch.tensor(rest, dtype=torch.int64, device=flat.device))
 
     def land(self, groups: Sequence[str]) -> bool:
         """Wait for the saves in flight of blocks `groups` (block names, `block_group`) and make every landed
