@@ -165,10 +165,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.poll()
         self.store.begin_loads(metadata.loads)  # every step: it also drops what a step that raised left planned
         if self._far is not None:
-            for req_id in metadata.finished:
-                self._far.finish(req_id)
+            # the running requests' new hashes first: a finishing request keeps the pins of blocks they hold
             for req_id, start, hashes in metadata.hashes:
                 self._far.add_hashes(req_id, start, hashes)
+            for req_id in metadata.finished:
+                self._far.finish(req_id)
             rows = self._far.begin_step(hot_window.rows_in_order(hot_window.batch_order(), metadata.scheduled),
                                         metadata.prompt_steps, metadata.far_floors)
             hot_window.set_step(hot_window.HotWindowStep(self._far, rows, self.store.layer_index))
