@@ -8,6 +8,7 @@ bytes are printed human-readable (KiB = 1024 bytes).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tierkv.attention.cpu_far import reads_in_place
 from tierkv.config import TierKVConfig, load_config
@@ -157,6 +158,8 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
     disk = config.tiers[1]
     room = (f" ({format_bytes(disk.capacity_bytes)}: the room its file system has)"
             if disk.capacity_bytes < disk_wanted(prompt_kv) else "")
+    if not Path(disk.path).expanduser().exists():
+        room += " (a new directory: the tier makes it, private to this user)"
     device = next(model.parameters()).device
     print(f"model: {model_id}\n  {model.config.num_hidden_layers} layers, KV {format_bytes(per_token)} per token "
           f"({next(model.parameters()).dtype}, {device})")
