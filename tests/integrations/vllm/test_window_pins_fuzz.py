@@ -22,27 +22,7 @@ def fuzz(root, seed: int) -> int:
     """Runs the seed's requests to the end; returns the loaded blocks checked against the tiers."""
     rng = random.Random(seed)
     engine = Engine(root, cpu_keys=60, layers=3, window=6, lookahead=2, pool=96)
-    store, worker = engine.worker.store, engine.worker
-    wait_for_layer_load, start_load_kv = worker.wait_for_layer_load, worker.start_load_kv
-    checked = [0]
-
-    def wait_and_check(name):
-        wait_for_layer_load(name)
-        layer = store.layer_index[name]
-        for span in worker._get_connector_metadata().loads:
-            held = store.chain.get_many(store.keys(span.hashes, layer), promote=False)
-            for block_id, block in zip(span.block_ids, held):
-                if block is None or block_id in store.loads.error_block_ids:
-                    continue
-                assert torch.equal(store.paged.read(engine.caches[name], torch.tensor([block_id]))[0], block)
-                checked[0] += 1
-
-    def randomized_start(forward_context, **kwargs):
-        for cache in engine.caches.values():
-            cache.copy_(torch.randn_like(cache))
-        return start_load_kv(forward_context, **kwargs)
-
-    worker.wait_for_layer_load, worker.start_load_kv = wait_and_check, randomized_start
+    checked = check_loads(engine)
     prefixes = [list(range(100 + 50 * i, 100 + 50 * i + rng.randint(4, 40))) for i in range(3)]
     for n in range(60):
         if rng.random() < 0.35:
@@ -100,10 +80,12 @@ def fuzz_shapes(root, seed: int, cpu_scale: int = 1) -> dict:
     return engine.pinned()
 
 
-def check_loads(engine) -> None:
-    """Every block loaded into vLLM's pool equals the tiers' copy; vLLM's pool randomized at each step's start."""
+def check_loads(engine) -> list[int]:
+    """Every block loaded into vLLM's pool equals the tiers' copy; vLLM's pool randomized at each step's start.
+    Returns a counter of the blocks checked (one item, counted up as steps run)."""
     store, worker = engine.worker.store, engine.worker
     wait_for_layer_load, start_load_kv = worker.wait_for_layer_load, worker.start_load_kv
+    checked = [0]
 
     def wait_and_check(name):
         wait_for_layer_load(name)
@@ -111,8 +93,10 @@ def check_loads(engine) -> None:
         for span in worker._get_connector_metadata().loads:
             held = store.chain.get_many(store.keys(span.hashes, layer), promote=False)
             for block_id, block in zip(span.block_ids, held):
-                if block is not None and block_id not in store.loads.error_block_ids:
-                    assert torch.equal(store.paged.read(engine.caches[name], torch.tensor([block_id]))[0], block)
+                if block is None or block_id in store.loads.error_block_ids:
+                    continue
+                assert torch.equal(store.paged.read(engine.caches[name], torch.tensor([block_id]))[0], block)
+                checked[0] += 1
 
     def randomized_start(forward_context, **kwargs):
         for cache in engine.caches.values():
@@ -120,6 +104,7 @@ def check_loads(engine) -> None:
         return start_load_kv(forward_context, **kwargs)
 
     worker.wait_for_layer_load, worker.start_load_kv = wait_and_check, randomized_start
+    return checked
 
 
 @pytest.mark.parametrize("seed", [*range(12), 118])

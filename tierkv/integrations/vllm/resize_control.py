@@ -23,7 +23,6 @@ changes wait until the engine is idle. `stats()` shows the policy and any pendin
 from __future__ import annotations
 
 import inspect
-
 import logging
 import threading
 import time

@@ -109,6 +109,8 @@ class LayerSaves:
         held = [i for i, f in enumerate(found) if f]
         slots = cpu.acquire([keys[i] for i in held])
         pinned = [(keys[i], slot) for i, slot in zip(held, slots) if slot is not None]
+        if not pinned:
+            return keys, flat
         self.keep_pins([k for k, _ in pinned], [slot for _, slot in pinned])
         taken = {k for k, _ in pinned}
         rest = [i for i, key in enumerate(keys) if key not in taken]
@@ -231,7 +233,8 @@ class LayerSaves:
             counts = self._pin_blocks
             if not counts or not hashes:
                 return []
-            return [h for h, key in zip(hashes, self.store.keys(hashes, 0)) if block_group(key) in counts]
+            groups = self.store.block_groups(hashes) or [block_group(key) for key in self.store.keys(hashes, 0)]
+            return [h for h, group in zip(hashes, groups) if group in counts]
 
     def release_pins(self, keys: Sequence[str]) -> None:
         """Give back the pins of landed saves nobody took (blocks that never became far)."""
