@@ -8,6 +8,8 @@ bytes are printed human-readable (KiB = 1024 bytes).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from tierkv.attention.cpu_far import reads_in_place
@@ -65,9 +67,6 @@ def disk_capacity(wanted: int, disk_path: str, block_bytes: int | None = None) -
     free space plus what the directory holds already (its blocks are evicted to make room), less each record's
     header region and padding (at most 8 KiB beside a block of `block_bytes`, a layer's block). A tier sized past
     the disk fails every put once the disk is full, and never evicts the partial records that filled it."""
-    import os
-    import shutil
-
     path = os.path.abspath(os.path.expanduser(disk_path))
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
@@ -123,7 +122,6 @@ def check_fits_shortcut(args) -> None:
     and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the prompt with its chat
     template against the loaded model again)."""
     from tierkv.model_loading import SHORTCUTS
-
     from tierkv.storage.auth import check_storage_secret
 
     config = demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
@@ -200,7 +198,8 @@ def _disk_puts(stats: dict) -> tuple[int, int, int]:
     return tuple(int(disk.get(name, 0) or 0) for name in ("puts", "put_failures", "evictions"))
 
 
-def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool, block_tokens: int, disk_puts: tuple[int, int]) -> None:
+def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool, block_tokens: int,
+                   disk_puts: tuple[int, int, int]) -> None:
     """in_place: far blocks were attended in the CPU tier's slab (a CPU device), not copied to the device.
     disk_puts: the disk tier's (stored, failed, evicted) blocks in this run, whose blocks a second run would reuse."""
     reads = s["resident_block_reads"] + s["streamed_block_reads"]
