@@ -105,12 +105,12 @@ def test_corrupt_value_is_a_counted_miss_and_deleted(layout, make_tier, raw, red
 
 def test_an_intact_block_of_another_layout_is_a_foreign_miss_and_deleted(layout, make_tier, raw, redis_namespace):
     """A block of another layout under a key (block addresses name the storage formats, so an older writer's):
-    a miss counted as foreign_records, not corrupt_blocks, and deleted, or the key would go on answering
-    EXISTS (contains_many) while every read of it misses, and the block would never be stored again."""
+    a miss counted as foreign_records, not corrupt_blocks, and deleted; never held (contains_many), so a chain
+    stores the block over it."""
     other = BlockLayout(layout.num_kv_heads, layout.block_tokens + 1, layout.head_dim, torch.uint8)  # int8 codes, scales
     theirs, ours = make_tier(block_layout=other), make_tier()
     assert theirs.put(key_of(5), torch.randint(0, 255, other.shape, dtype=torch.uint8)).ok
-    assert ours.contains_many([key_of(5)]) == [True] and ours.get(key_of(5)) is None
+    assert ours.contains_many([key_of(5)]) == [False] and ours.get(key_of(5)) is None
     assert ours.counters["foreign_records"] == 1 and ours.counters["corrupt_blocks"] == 0
     assert ours.contains_many([key_of(5)]) == [False] and not raw.exists(f"{redis_namespace}:{key_of(5)}")
     block = make_block(layout, 5)

@@ -85,6 +85,12 @@ class StorageTier(ABC):
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.remove(k) for k in keys]
 
+    def remove_if_held(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
+        """Remove each key while it holds the block given (as read, found bad by a wrapper). A tier that other
+        processes write (Redis) removes none they stored since; one whose records are this process's own
+        (CPU, disk: a peer appends to segments of its own) removes the key."""
+        self.remove_many(keys)
+
     # -- helpers for implementations --------------------------------------------------------
     def _check_block(self, key: str, block: torch.Tensor) -> None:
         if not isinstance(key, str) or not key:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
-from tierkv.storage.redis_link import KeyFailed, LinkBase, Unavailable, import_redis, send_sets
+from tierkv.storage.redis_link import KeyFailed, LinkBase, Unavailable, group_replies, import_redis, key_calls, send_sets
 from tierkv.redact import redact_text
 from tierkv.redis_url import ClusterUrl
 
@@ -65,10 +65,18 @@ class ClusterLink(LinkBase):
         return self._run(names, lambda client, sub: self._per_key_pipeline(client, "get", sub),
                          lambda cluster, i: cluster.execute_command("GET", names[i]))
 
-    def per_key(self, command: str, names: Sequence[str]) -> list[Any]:
-        wire = {"exists": "EXISTS", "delete": "DEL", "type": "TYPE"}[command]
-        return self._run(names, lambda client, sub: self._per_key_pipeline(client, command, sub),
-                         lambda cluster, i: cluster.execute_command(wire, names[i]))
+    def per_key(self, command: str, names: Sequence[str], args: Sequence[Any] | None = None) -> list[Any]:
+        index = {name: i for i, name in enumerate(names)}
+
+        def send(client: Any, sub: list[str]) -> list[Any]:
+            sub_args = None if args is None else [args[index[n]] for n in sub]
+            return self._per_key_pipeline(client, command, sub, sub_args)
+
+        def redirected(cluster: Any, i: int) -> Any:
+            calls = key_calls(command, names[i], None if args is None else args[i])
+            return group_replies(command, [cluster.execute_command(*call) for call in calls])[0]
+
+        return self._run(names, send, redirected)
 
     def set_many(self, names: Sequence[str], values: Sequence[list], ttl_ms: int | None) -> list[Any]:
         index = {name: i for i, name in enumerate(names)}
@@ -101,7 +109,7 @@ class ClusterLink(LinkBase):
             client = cluster.get_redis_connection(node)
             replies = self._call_node(node.name, len(sub), lambda: per_node(client, sub))
             for i, reply in zip(indices, replies):
-                results[i] = self._follow(cluster, i, redirected) if isinstance(reply, self._redirects) else reply
+                results[i] = self._follow(cluster, i, reply, redirected) if isinstance(reply, self._redirects) else reply
         return results
 
     def _by_node(self, cluster: Any, names: Sequence[str], results: list[Any]) -> dict[Any, list[int]]:
@@ -121,10 +129,19 @@ class ClusterLink(LinkBase):
             self._refresh_after = TOPOLOGY
         return {node: indices for node, indices in groups.values()}
 
-    def _follow(self, cluster: Any, i: int, redirected: Callable[[Any, int], Any]) -> Any:
-        """One key again through RedisCluster, which follows MOVED and ASK; failures counted."""
+    def _follow(self, cluster: Any, i: int, redirect: Any, redirected: Callable[[Any, int], Any]) -> Any:
+        """One key again through RedisCluster, which follows MOVED and ASK; failures counted. The node redirected
+        to is marked down when it does not answer, so the batch's other keys sent there are skipped, not each
+        waited for (a slot migrating to a stopped node)."""
+        target = f"{redirect.host}:{redirect.port}"
+        if not self.health.is_up(target):
+            self._on_error()
+            return Unavailable(f"{target} is down: {self.last_error}")
         try:
             return redirected(cluster, i)
+        except self._link_errors as exc:
+            self._mark_down(target, exc)
+            return Unavailable(self.last_error)
         except self._redirects + self._setup_errors as exc:
             self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
             self._on_error()

@@ -114,11 +114,46 @@ class LinkBase:
                            self.tier_name, redact_text(node), self.health.retry_interval_s, self.last_error)
         self._on_error()
 
-    def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str]) -> list[Any]:
+    def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str],
+                          args: Sequence[Any] | None = None) -> list[Any]:
         pipe = client.pipeline(transaction=False)
-        for name in names:
-            getattr(pipe, command)(name)
-        return pipe.execute(raise_on_error=False)
+        for i, name in enumerate(names):
+            for call in key_calls(command, name, None if args is None else args[i]):
+                pipe.execute_command(*call)
+        return group_replies(command, pipe.execute(raise_on_error=False))
+
+
+# Deletes that race no writer: a key goes only while it still holds what its reader found bad (another
+# process may have stored the block there since the read: a plain DEL would drop a block its put was told
+# stored). A server without scripting answers an error: the key stays, counted, and reads of it miss.
+_DROP_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_DROP_IF_NOT_STRING = ("local t = redis.call('TYPE', KEYS[1])['ok'] "
+                       "if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end return 0")
+
+
+def key_calls(command: str, name: str, arg: Any = None) -> list[tuple]:
+    """The wire commands of one key's `command`: get, exists, delete, type, held (STRLEN and PTTL), drop_if_same
+    (arg: the SHA-1 hex of the bad value), drop_if_not_string."""
+    if command == "held":
+        return [("STRLEN", name), ("PTTL", name)]
+    if command == "drop_if_same":
+        return [("EVAL", _DROP_IF_SAME, 1, name, arg)]
+    if command == "drop_if_not_string":
+        return [("EVAL", _DROP_IF_NOT_STRING, 1, name)]
+    return [({"get": "GET", "exists": "EXISTS", "delete": "DEL", "type": "TYPE"}[command], name)]
+
+
+def group_replies(command: str, replies: Sequence[Any]) -> list[Any]:
+    """One entry per key: the reply, or for a command of several calls the tuple of their replies (the first
+    error reply among them instead, if any)."""
+    width = len(key_calls(command, ""))
+    if width == 1:
+        return list(replies)
+    grouped = []
+    for start in range(0, len(replies), width):
+        part = tuple(replies[start : start + width])
+        grouped.append(next((r for r in part if isinstance(r, Exception)), part))
+    return grouped
 
 
 class SingleLink(LinkBase):
@@ -144,13 +179,24 @@ class SingleLink(LinkBase):
         return self.health.down_nodes()
 
     def ping(self) -> None:
-        self._call_node(self.node, 1, lambda: [self._client.ping()])
+        """Reach the server (a dead one starts the tier unhealthy); ValueError if it runs in cluster mode, where
+        every batch of keys over several slots would fail (CROSSSLOT, MOVED)."""
+        if isinstance(self._call_node(self.node, 1, lambda: [self._client.ping()])[0], KeyFailed):
+            return
+        try:
+            enabled = self._client.info("cluster").get("cluster_enabled")
+        except (self._redis_error, OSError):  # INFO renamed or refused (a managed server): nothing to tell
+            return
+        if str(enabled) == "1":
+            raise ValueError(f"{self.tier_name}: {self.node} is a Redis Cluster node; a cluster's url is "
+                             "redis+cluster://host:port,host:port (any of its nodes)")
 
     def get_many(self, names: Sequence[str]) -> list[Any]:
         return self._call_node(self.node, len(names), lambda: self._client.mget(names))
 
-    def per_key(self, command: str, names: Sequence[str]) -> list[Any]:
-        return self._call_node(self.node, len(names), lambda: self._per_key_pipeline(self._client, command, names))
+    def per_key(self, command: str, names: Sequence[str], args: Sequence[Any] | None = None) -> list[Any]:
+        return self._call_node(self.node, len(names),
+                               lambda: self._per_key_pipeline(self._client, command, names, args))
 
     def set_many(self, names: Sequence[str], values: Sequence[list], ttl_ms: int | None) -> list[Any]:
         op = lambda: send_sets(self._client.connection_pool, names, values, ttl_ms, self._response_error)  # noqa: E731

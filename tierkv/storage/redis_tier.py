@@ -8,8 +8,12 @@ Primitives: `RedisTier`.
 The wire is a link (`redis_link.SingleLink` for one server; `redis_cluster.ClusterLink` for
 a Redis Cluster, url redis+cluster://host:port,...), chosen by the URL. Every operation is a
 batch on the wire: get_many is MGET (a cluster: a pipeline of GET per node), put_many
-pipelined SETs (PX when ttl_s is set), contains_many a pipeline of EXISTS, remove_many a
-pipeline of DEL; the single-block forms are batches of one. Batches are split so that one
+pipelined SETs (PX when ttl_s is set), contains_many a pipeline of STRLEN and PTTL, remove_many
+a pipeline of DEL; the single-block forms are batches of one. A key holds a block for
+contains_many only as a string of the length a block of this layout encodes to under it, whose
+expiry (if the server has one for it) is at least half of ttl_s away: a value another writer
+left damaged, of another layout or type, or about to expire is not held, so a chain writes the
+block there again instead of skipping it. Batches are split so that one
 round trip carries at most about 64 MiB. The SETs are framed by `redis_link.send_sets`, so
 that each value goes out as its header and the caller's payload buffer, never joined into one
 copy; get_many decodes each round trip into one fresh tensor, whose rows it returns.
@@ -23,8 +27,9 @@ the next call tries again and a success marks the node up. A value that fails to
 miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
 list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
 An intact block of another layout under a key is a miss counted as `foreign_records` and deleted
-too: block addresses name the tiers' storage formats, so only an older writer puts one there, and
-kept it would answer EXISTS while every read of it misses.
+too: block addresses name the tiers' storage formats, so only an older writer puts one there.
+Each such delete is a script that deletes the key only while it still holds the value read (or
+another type): another process may have stored the block there since.
 
 Capacity: this client keeps an LRU of the keys it wrote and, with `capacity_bytes` set,
 deletes the oldest once they pass capacity_bytes // layout.num_bytes blocks; evicted data is
@@ -34,9 +39,8 @@ Redis's own maxmemory policy and TTLs still apply on the server.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
-import time
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -45,9 +49,10 @@ from tierkv.blocks import BlockLayout
 from tierkv.redact import redact_text
 from tierkv.redis_url import is_cluster_url, parse_cluster_url, single_url_problem
 from tierkv.storage.base import PutResult, StorageTier, TierError
-from tierkv.storage.codec import CorruptBlock, ForeignBlock, decode_block_into, encode_block
+from tierkv.storage.codec import CorruptBlock, ForeignBlock, decode_block_into, encode_block, encode_block_bytes, header_num_bytes
 from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.redis_link import KeyFailed, SingleLink, Unavailable
+from tierkv.storage.redis_written import WrittenKeys
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,8 @@ class RedisTier(StorageTier):
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._batch_len = max(1, _BATCH_BYTES // (layout.num_bytes + 256))
         self.max_blocks = None if capacity_bytes is None else capacity_bytes // layout.num_bytes
-        self._written: OrderedDict[str, float | None] = OrderedDict()  # key -> expiry, oldest first
+        self._min_pttl_ms = 1 if self._ttl_ms is None else self._ttl_ms // 2  # a key expiring sooner is not held
+        self._written = WrittenKeys(self.max_blocks, ttl_s)  # this client's keys, for capacity_bytes
         self._closed = False
         self._corrupt_log = LimitedWarning(logger)  # a namespace full of bad values: one line per 10 s
         self._link.ping()  # a dead server starts us unhealthy; never raises
@@ -100,11 +106,18 @@ class RedisTier(StorageTier):
         return self.remove_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return [bool(n) for n in self._per_key("exists", keys)]
+        return [self._holds(k, reply) for k, reply in zip(keys, self._per_key("held", keys))]
+
+    def remove_if_held(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
+        """Delete each key only while it still holds exactly this block (as read: a sealed block that failed its
+        check), not a block another writer stored there since."""
+        digests = [hashlib.sha1(encode_block_bytes(k, b)).hexdigest() for k, b in zip(keys, blocks)]
+        self._written.forget(list(keys))
+        self._per_key("drop_if_same", keys, digests)
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         removed = [bool(n) for n in self._per_key("delete", keys)]
-        self._forget([k for k, was in zip(keys, removed) if was])
+        self._written.forget([k for k, was in zip(keys, removed) if was])
         self.counters.add(removes=sum(removed))
         return removed
 
@@ -114,6 +127,7 @@ class RedisTier(StorageTier):
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
             answered, corrupt, nil, wrong_type, foreign = [], [], [], [], []
+            bad_values: list[bytes] = []  # of corrupt + foreign, in order
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
@@ -129,26 +143,29 @@ class RedisTier(StorageTier):
                         self._corrupt_log.note("%s: dropping block(s) of another layout under this tier's keys (a "
                                                "writer of an older tierkv); latest: %s", self.name, exc)
                         foreign.append(keys[i])
+                        bad_values.append(value)
                     except CorruptBlock as exc:
                         self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
+                        bad_values.append(value)
             if nil:  # MGET answers nil for a missing key and for a key of another Redis type alike
-                types = self._per_key("type", [keys[i] for i in nil])
-                wrong_type += [i for i, t in zip(nil, types) if t not in (0, b"none", "none")]
+                types = self._per_key("type", [keys[i] for i in nil])  # "string": stored since the MGET
+                wrong_type += [i for i, t in zip(nil, types) if _type_name(t) not in ("", "none", "string")]
             if wrong_type:
                 self._corrupt_log.note("%s: dropping key(s) that hold a value of another Redis type (not a block), "
                                        "e.g. %s", self.name, self._redis_key(keys[wrong_type[0]]))
-                corrupt += [keys[i] for i in wrong_type]
             num_hits = sum(b is not None for b in blocks)
             self.counters.record_lookups(num_hits, len(keys) - num_hits, num_hits * self.layout.num_bytes)
-            self._touch([keys[i] for i in answered if blocks[i] is not None])
-            self._forget([keys[i] for i in answered if blocks[i] is None])
+            self._written.touch([keys[i] for i in answered if blocks[i] is not None])
+            self._written.forget([keys[i] for i in answered if blocks[i] is None])
             if foreign:
                 self.counters.add(foreign_records=len(foreign))
-            if corrupt:
-                self.counters.add(corrupt_blocks=len(corrupt))
-            if corrupt or foreign:  # kept, a key would go on answering EXISTS while every read of it misses
-                self._per_key("delete", corrupt + foreign)
+            if corrupt or wrong_type:
+                self.counters.add(corrupt_blocks=len(corrupt) + len(wrong_type))
+            if corrupt or foreign:
+                self._per_key("drop_if_same", corrupt + foreign, [hashlib.sha1(v).hexdigest() for v in bad_values])
+            if wrong_type:
+                self._per_key("drop_if_not_string", [keys[i] for i in wrong_type])
         return blocks
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
@@ -178,8 +195,7 @@ class RedisTier(StorageTier):
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return len(self._written) * self.layout.num_bytes
+        return len(self._written) * self.layout.num_bytes
 
     @property
     def is_healthy(self) -> bool:
@@ -195,13 +211,14 @@ class RedisTier(StorageTier):
         return self._link.down_nodes()
 
     # -- wire --------------------------------------------------------------------------------
-    def _per_key(self, command: str, keys: Sequence[str]) -> list[Any]:
-        """One reply per key (0 for a key whose call failed) of EXISTS or DEL."""
+    def _per_key(self, command: str, keys: Sequence[str], args: Sequence[Any] | None = None) -> list[Any]:
+        """One reply per key (0 for a key whose call failed) of a `redis_link.key_calls` command."""
         self._check_open()
         replies: list[Any] = []
         for start in range(0, len(keys), self._batch_len):
-            chunk = self._link.per_key(command, [self._redis_key(k) for k in keys[start : start + self._batch_len]])
-            self._count_key_errors(chunk)
+            names = [self._redis_key(k) for k in keys[start : start + self._batch_len]]
+            chunk = self._link.per_key(command, names, None if args is None else args[start : start + self._batch_len])
+            self._count_key_errors([r for r in chunk if not _is_wrong_type(r)])  # another type: not a failure
             replies += [0 if isinstance(r, Exception) else r for r in chunk]
         return replies
 
@@ -219,48 +236,37 @@ class RedisTier(StorageTier):
         if isinstance(reply, Exception):
             self.counters.add(errors=1)
             return PutResult(False, f"{self.name}: SET {key} failed: {reply}")
-        with self._lock:
-            self._written.pop(key, None)
-            self._written[key] = None if self.ttl_s is None else time.monotonic() + self.ttl_s
+        self._written.wrote(key)
         self.counters.add(bytes_written=self.layout.num_bytes)
         return PutResult(True)
 
-    # -- client-side LRU ---------------------------------------------------------------------
     def _evict_over_capacity(self) -> None:
-        """Drop expired entries, then delete the oldest keys this client wrote while over capacity."""
-        now = time.monotonic()
-        victims = []
-        with self._lock:
-            while self._written:
-                key, expiry = next(iter(self._written.items()))
-                expired = expiry is not None and expiry <= now
-                if not expired and (self.max_blocks is None or len(self._written) <= self.max_blocks):
-                    break
-                del self._written[key]
-                if not expired:
-                    victims.append(key)
+        """Delete the oldest keys this client wrote while over capacity (expired ones are only forgotten)."""
+        victims = self._written.over_capacity()
         if victims:
             self.counters.add(evictions=len(victims))
             self._per_key("delete", victims)
 
-    def _touch(self, keys: list[str]) -> None:
-        with self._lock:
-            for key in keys:
-                if key in self._written:
-                    self._written.move_to_end(key)
-
-    def _forget(self, keys: list[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._written.pop(key, None)
-
     # -- helpers -------------------------------------------------------------------------------
+    def _holds(self, key: str, reply: Any) -> bool:
+        """A ("held") reply: a string of a block's encoded length under `key`, not expiring within _min_pttl_ms."""
+        if not isinstance(reply, tuple):
+            return False  # a failed call, or another Redis type (STRLEN's WRONGTYPE)
+        length, pttl = reply
+        encoded = header_num_bytes(key, len(self.layout.shape)) + self.layout.num_bytes
+        return length == encoded and (pttl == -1 or pttl >= self._min_pttl_ms)
+
     def _redis_key(self, key: str) -> str:
         return f"{self.namespace}:{key}"
 
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"{self.name}: tier is closed")
+
+
+def _type_name(reply: Any) -> str:
+    """TYPE's answer as text ("" for a call that failed)."""
+    return reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str) else ""
 
 
 def _is_wrong_type(reply: Any) -> bool:

@@ -56,17 +56,19 @@ class SealedTier(WrappedTier):
         found = self.inner.get_many(names)
         out: list[torch.Tensor | None] = [None] * len(keys)
         failed: list[str] = []
+        failed_at: list[int] = []
         present = [i for i, sealed in enumerate(found) if sealed is not None]
         for i, opened in zip(present, self._each(lambda i: self._try_open(keys[i], found[i]), present)):
             if isinstance(opened, AuthFailure):
                 failed.append(names[i])
+                failed_at.append(i)
                 self._note_failure(opened)
             else:
                 out[i] = opened
         if failed:  # the inner tier counted them as hits
             self.counters.add(hits=-len(failed), misses=len(failed), auth_failures=len(failed),
                               bytes_read=-len(failed) * self.inner.layout.num_bytes)
-            self.inner.remove_many(failed)
+            self.inner.remove_if_held(failed, [found[i] for i in failed_at])
         return out
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
