@@ -25,8 +25,7 @@ def check_paged_args(
     q_positions: torch.Tensor | None,
 ) -> None:
     """Raise ``ValueError`` on inconsistent shapes, dtypes or devices."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_q, num_heads, head_dim], got shape {tuple(q.shape)}")
+    _check_query(q)
     if kv_pool.dim() != 5 or kv_pool.shape[1] != 2:
         raise ValueError(
             "kv_pool must be [num_slots, 2, num_kv_heads, block_tokens, head_dim], "
@@ -37,10 +36,11 @@ def check_paged_args(
     if kv_pool.dtype != q.dtype or kv_pool.device != q.device:
         raise ValueError(f"kv_pool is {kv_pool.dtype} on {kv_pool.device}, q is {q.dtype} on {q.device}")
     _check_gqa(q.shape[1], kv_pool.shape[2])
-    num_blocks = block_slots.shape[0] if block_slots.dim() == 1 else None
+    if block_slots.dim() != 1:
+        raise ValueError(f"block_slots must be 1-D [num_blocks], got shape {tuple(block_slots.shape)}")
     for name, t in (("block_slots", block_slots), ("block_start_pos", block_start_pos),
                     ("block_num_tokens", block_num_tokens)):
-        _check_index_vector(name, t, num_blocks, q.device)
+        _check_index_vector(name, t, block_slots.shape[0], q.device)
     if q_positions is not None:
         _check_index_vector("q_positions", q_positions, q.shape[0], q.device)
 
@@ -54,8 +54,7 @@ def check_contiguous_args(
     k_positions: torch.Tensor | None,
 ) -> None:
     """Raise ``ValueError`` on inconsistent shapes, dtypes or devices."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_q, num_heads, head_dim], got shape {tuple(q.shape)}")
+    _check_query(q)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             f"k and v must both be [num_k, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}"
@@ -71,6 +70,21 @@ def check_contiguous_args(
     if k_positions is not None:
         _check_index_vector("k_positions", k_positions, k.shape[0], q.device)
 
+
+
+def check_block_fills(block_num_tokens: torch.Tensor, block_tokens: int) -> None:
+    """Raise ``ValueError`` unless every fill is in 0..block_tokens (0: a padding entry, no token read).
+    Reads the values: a host sync on CUDA, so the CPU paths call it and the kernels do not."""
+    bad = (block_num_tokens < 0) | (block_num_tokens > block_tokens)
+    if bool(bad.any()):
+        raise ValueError(f"block_num_tokens must be in 0..{block_tokens} (the pool's block_tokens), "
+                         f"got {block_num_tokens[bad][:4].tolist()}")
+
+
+def _check_query(q: torch.Tensor) -> None:
+    # zero heads would pass the GQA check (0 % n == 0) and divide by zero inside the CPU flash op
+    if q.dim() != 3 or q.shape[1] == 0:
+        raise ValueError(f"q must be [num_q, num_heads >= 1, head_dim], got shape {tuple(q.shape)}")
 
 
 def _check_gqa(num_heads: int, num_kv_heads: int) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.attention.contract import (check_contiguous_args, check_merge_two_args, check_paged_args,
+from tierkv.attention.contract import (check_block_fills, check_contiguous_args, check_merge_two_args, check_paged_args,
                                        check_rows_args, empty_result, stack_parts)
 
 # Upper bound on the float32 score tensor built per key chunk, in elements.
@@ -130,6 +130,8 @@ def paged_partial_attention(
     and masks tokens at or past ``block_num_tokens``.
     """
     check_paged_args(q, kv_pool, block_slots, block_start_pos, block_num_tokens, q_positions)
+    if not block_num_tokens.is_cuda:  # on CUDA reading the fills would sync the host
+        check_block_fills(block_num_tokens, kv_pool.shape[3])
     num_q, num_heads, head_dim = q.shape
     num_kv_heads, block_tokens = kv_pool.shape[2], kv_pool.shape[3]
     num_blocks = block_slots.shape[0]
