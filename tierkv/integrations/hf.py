@@ -62,6 +62,10 @@ class TieredLayer(CacheLayerMixin):
     @torch.compiler.disable  # the tiers' host work runs eagerly under torch.compile (a graph break)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states: [1, num_kv_heads, n, head_dim] -> returned unchanged."""
+        if not tiered_forward_running():  # no guard saw this forward: a model runtime_for_model never prepared
+            raise ValueError("TieredCache: the model running it was not prepared by runtime_for_model (its attention "
+                             "would read only the new tokens, and its KV would be filed under the runtime's model); "
+                             "call runtime_for_model(model, ...) for this model and make the cache from that runtime")
         if key_states.shape[0] != 1:
             raise ValueError(
                 f"TieredCache holds one sequence; got a batch of {key_states.shape[0]} "

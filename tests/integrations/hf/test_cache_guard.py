@@ -57,6 +57,25 @@ def test_a_tiered_cache_under_another_attention_is_refused():
 
 
 @torch.no_grad()
+def test_a_tiered_cache_run_by_a_model_runtime_for_model_never_prepared_is_refused_and_files_nothing():
+    """A model of the same shape, other weights, never given to runtime_for_model: no guard hook runs for it, so
+    the cache itself refuses (it had attended only the new tokens and filed its KV under the prompt's blocks in
+    the runtime's tiers, which a later request of the prepared model reused: wrong tokens for both)."""
+    model, ref = build("llama", num_heads=4, num_kv_heads=2, seed=0)
+    other, _ = build("llama", num_heads=4, num_kv_heads=2, seed=5)
+    runtime = runtime_for_model(model, load_config(CONFIG, env={}))
+    x = ids(41)
+    cache = TieredCache(runtime, x[0].tolist())
+    with pytest.raises(ValueError, match="not prepared by runtime_for_model"):
+        other.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    cache.finish()
+    cache = TieredCache(runtime, x[0].tolist())  # the prepared model: nothing of the other's was filed
+    got = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False, past_key_values=cache)
+    cache.finish()
+    assert got.tolist() == ref.generate(x, max_new_tokens=4, do_sample=False).tolist()
+
+
+@torch.no_grad()
 def test_kv_at_other_positions_or_of_other_tokens_is_never_filed_under_the_prompts_blocks():
     model, _ = build("llama", num_heads=4, num_kv_heads=2, seed=0)
     runtime = runtime_for_model(model, load_config(CONFIG, env={}))
