@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ConfigError, CapacityError, TooLong) as exc:  # a setting the user chose: one line naming it, not a traceback
         message = str(exc)
-        if getattr(args, "disk_path_used", False) and "tiers[1].path" in message:  # the real model's disk tier
+        if (getattr(args, "disk_path_used", False) and "tiers[1].path" in message
+                and "set by TIERKV_" not in message):  # the real model's disk tier, as --disk-path gave it
             message = f"--disk-path {args.disk_path!r}: {message}"
         parser.error(message)
 

@@ -66,7 +66,8 @@ def disk_capacity(wanted: int, disk_path: str, block_bytes: int | None = None) -
     """`wanted` bytes for the disk tier at `disk_path`, or less where its file system has less room: 90% of the
     free space plus what the directory holds already (its blocks are evicted to make room), less each record's
     header region and padding (at most 8 KiB beside a block of `block_bytes`, a layer's block). A tier sized past
-    the disk fails every put once the disk is full, and never evicts the partial records that filled it."""
+    the disk lowers its capacity at the first full write and evicts then (a warning line, and the put that found
+    the disk full may fail): sized here, it does not come to that."""
     path = os.path.abspath(os.path.expanduser(disk_path))
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:

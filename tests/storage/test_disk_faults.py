@@ -292,53 +292,85 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def check_fill_until_full(layout, path: Path, capacity_bytes: int, space_freed=lambda: None) -> None:
-    """Put blocks until one fails; it must say ENOSPC, leave nothing torn, keep earlier blocks."""
+def check_full_disk_makes_room(layout, path: Path, capacity_bytes: int) -> None:
+    """A file system smaller than capacity_bytes: the put that finds it full lowers max_blocks, evicts the least
+    recently used blocks and is stored; later puts keep working (the tier does not stay full), nothing is torn,
+    and every block is either read back bit-exact or a miss."""
     tier = DiskTier("disk", layout, capacity_bytes, path, return_evicted=False)
-    stored, failure = [], None
-    for i in range(10_000):
-        result = tier.put(key_of(i), make_block(layout, i))
-        if not result.ok:
-            failure = (key_of(i), result)
-            break
-        stored.append(i)
-    assert failure is not None, "the disk never filled up"
-    key, result = failure
-    assert "ENOSPC" in result.error and "no space" in result.error.lower(), result.error
-    assert tier.counters["put_failures"] == 1 and tier.counters["errors"] >= 1
-    assert torn_bytes(path) == 0  # the failed append was cut away
-    assert not tier.contains(key) and tier.get(key) is None
-    assert stored, "not even one block fitted"
-    for i in stored:
-        assert torch.equal(tier.get(key_of(i)), make_block(layout, i))
-    tier.remove(key_of(stored[0]))  # free a slot: puts work again
-    space_freed()
-    assert tier.put(key, make_block(layout, 99)).ok
+    initial = tier.max_blocks
+    for i in range(400):
+        assert tier.put(key_of(i), make_block(layout, i)).ok, f"put {i} failed: the tier stayed full"
+    assert tier.max_blocks < initial and tier.counters["evictions"] > 0 and tier.counters["put_failures"] == 0
+    assert torn_bytes(path) == 0
+    got = tier.get_many([key_of(i) for i in range(400)])
+    assert all(g is None or torch.equal(g, make_block(layout, i)) for i, g in enumerate(got))
+    assert all(g is not None for g in got[-tier.max_blocks // 2 :])  # the recent ones are kept
     tier.close()
 
 
 def test_disk_full_on_real_tmpfs(layout, small_filesystem):
     if small_filesystem is None:
         pytest.skip("mount -t tmpfs is not permitted here; test_disk_full_injected_enospc covers the logic")
-    check_fill_until_full(layout, small_filesystem, CAPACITY_BYTES)
+    check_full_disk_makes_room(layout, small_filesystem, CAPACITY_BYTES)
 
 
-def test_disk_full_injected_enospc(layout, tmp_path, monkeypatch):
-    """The same checks with ENOSPC injected into os.pwritev after a few blocks (any filesystem)."""
+@pytest.mark.parametrize("freed", [True, False])
+def test_disk_full_injected_enospc(layout, tmp_path, monkeypatch, freed, caplog):
+    """ENOSPC injected into os.pwritev after a few blocks (a short write first, as a filling disk does). The put
+    lowers the capacity to the 5 blocks held and evicts the oldest; if that freed room it is stored, else it fails naming ENOSPC
+    after one such round (no loop), nothing torn, the other blocks intact."""
     real_pwritev, calls = os.pwritev, [0]
 
     def pwritev_until_full(fd, buffers, offset):
         calls[0] += 1
-        if calls[0] <= 5:
+        if calls[0] <= 5 or (freed and calls[0] > 7):
             return real_pwritev(fd, buffers, offset)
-        if calls[0] == 6:  # a short write first, as a filling disk does
+        if calls[0] == 6:
             return real_pwritev(fd, [memoryview(buffers[0])[:7]], offset)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, return_evicted=False)
+    for i in range(5):
+        assert tier.put(key_of(i), make_block(layout, i)).ok
     monkeypatch.setattr(os, "pwritev", pwritev_until_full)
-    space_freed = lambda: monkeypatch.setattr(os, "pwritev", real_pwritev)  # noqa: E731
-    check_fill_until_full(layout, tmp_path, CAPACITY_BYTES, space_freed=space_freed)
-    assert calls[0] == 7
+    calls[0] = 5
+    with caplog.at_level(logging.WARNING):
+        result = tier.put(key_of(5), make_block(layout, 5))
+    assert "is full at 5 blocks; capacity lowered" in caplog.text
+    assert tier.max_blocks == 5 and not tier.contains(key_of(0)) and tier.counters["evictions"] == 1
+    assert torn_bytes(tmp_path) == 0
+    if freed:
+        assert result.ok and torch.equal(tier.get(key_of(5)), make_block(layout, 5))
+        assert tier.put(key_of(6), make_block(layout, 6)).ok and len(tier._index) == 5
+    else:
+        assert not result.ok and "ENOSPC" in result.error and tier.counters["put_failures"] == 1
+        assert calls[0] == 8 and tier.get(key_of(5)) is None  # the short write, its rest, one retry
+    for i in range(1, 5 if freed else 5):
+        got = tier.get(key_of(i))
+        assert got is None or torch.equal(got, make_block(layout, i))
+    assert tier.get(key_of(4)) is not None and torch.equal(tier.get(key_of(4)), make_block(layout, 4))
+    monkeypatch.setattr(os, "pwritev", real_pwritev)
+    tier.close()
+
+
+def test_a_full_disk_hands_its_evicted_blocks_down(layout, tmp_path, monkeypatch):
+    """With a tier below (return_evicted), the blocks a full disk evicts come back in the put's result."""
+    tier = DiskTier("disk", layout, CAPACITY_BYTES, tmp_path, return_evicted=True)
+    for i in range(3):
+        assert tier.put(key_of(i), make_block(layout, i)).ok
+    real_pwritev, failed = os.pwritev, []
+
+    def full_once(fd, buffers, offset):
+        if not failed:
+            failed.append(1)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full_once)
+    result = tier.put(key_of(3), make_block(layout, 3))
+    assert result.ok and [k for k, _ in result.evicted] == [key_of(0)]
+    assert torch.equal(result.evicted[0][1], make_block(layout, 0))
+    tier.close()
 
 
 def test_capacity_evicts_least_recently_used(layout, tmp_path):

@@ -205,17 +205,53 @@ class DiskTier(StorageTier):
             return len(self._index) * self.layout.num_bytes
 
     # -- writing ---------------------------------------------------------------------------
-    def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
-        """Write records for these blocks at the end of the active segment (SegmentFiles), then index them."""
+    def _append(self, keys: list[str], payloads: list[memoryview], room_made: bool = False) -> list[PutResult]:
+        """Write records for these blocks at the end of the active segment (SegmentFiles), then index them.
+
+        A file system that is full (capacity_bytes larger than its room, or others' files took it) lowers
+        max_blocks to what it held, evicts room for this batch and tries once more: a tier that stayed
+        full would fail every later put and keep only its oldest blocks."""
         with self._files.lock:
             self._check_open()
             try:
                 entries = self._files.append(keys, payloads)
             except (OSError, TierError) as exc:  # TierError: the directory, made again, is unsafe
-                return [self._put_failed(key, exc) for key in keys]
-            with self._lock:
-                dropped, victims = self._commit(keys, entries)
+                failure = exc
+            else:
+                failure = None
+                with self._lock:
+                    dropped, victims = self._commit(keys, entries)
+        if failure is not None:
+            is_full = isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT)
+            evicted = self._make_room(len(keys)) if is_full and not room_made else None
+            if evicted is None:
+                return [self._put_failed(key, failure) for key in keys]
+            results = self._append(keys, payloads, room_made=True)
+            results[-1].evicted = evicted + results[-1].evicted
+            return results
         self.counters.add(bytes_written=len(keys) * self.layout.num_bytes)
+        evicted = self._drop(victims, dropped)
+        results = [PutResult(True) for _ in keys]
+        results[-1].evicted = evicted
+        return results
+
+    def _make_room(self, num_blocks: int) -> list[tuple[str, torch.Tensor]] | None:
+        """After a full file system: max_blocks lowered to the blocks it held, the least recently used evicted to
+        leave room for num_blocks; what they held (see _drop), or None when it held none."""
+        with self._files.lock, self._lock:
+            held = len(self._index)
+            if held == 0:
+                return None
+            logger.warning("%s: %s is full at %d blocks; capacity lowered from %d to %d blocks", self.name,
+                           self.path, held, self.max_blocks, min(self.max_blocks, held))
+            self.max_blocks = min(self.max_blocks, held)
+            victims = self._index.evict_over(max(0, held - num_blocks))
+            self.counters.add(evictions=len(victims))
+        return self._drop(victims, [])
+
+    def _drop(self, victims: list[tuple[str, Entry]], dropped: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+        """Punch out records left behind (superseded, evicted); the evicted blocks read back first when a tier
+        below takes them (return_evicted)."""
         evicted = []
         if victims and self.return_evicted:
             victim_keys = [key for key, _ in victims]
@@ -223,9 +259,7 @@ class DiskTier(StorageTier):
             evicted = [(key, row) for key, row, failure in zip(victim_keys, rows, failures) if failure is None]
             self.counters.add(bytes_read=len(evicted) * self.layout.num_bytes)
         self._files.drop_records(dropped + [e for _, e in victims])
-        results = [PutResult(True) for _ in keys]
-        results[-1].evicted = evicted
-        return results
+        return evicted
 
     def _commit(self, keys: list[str], entries: list[Entry]) -> tuple[list[Entry], list[tuple[str, Entry]]]:
         """Index appended records; evict LRU blocks over capacity. Caller holds both locks.

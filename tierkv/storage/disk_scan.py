@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from tierkv.metrics.counters import TierCounters
 from tierkv.storage import disk_files as files
+from tierkv.storage import disk_io
 from tierkv.storage import disk_segments as seg
 
 logger = logging.getLogger("tierkv.storage.disk")
@@ -44,16 +45,34 @@ def scan_segment_file(path: str, tier_name: str, counters: TierCounters, *, cut_
     try:
         size = os.fstat(fd).st_size
         records, end, is_partly_unreadable = seg.scan_segment(fd, size, damaged)
-        if end < size and cut_tail:
-            _cut_tail(fd, path, end, size, tier_name, counters)
+        damaged = [region for region in damaged if region[1] <= end]  # later ones were the tail
+        if cut_tail:  # the repairs of a tier alone on the directory
+            _free_damaged(fd, path, damaged, tier_name)
+            if end < size:
+                _cut_tail(fd, path, end, size, tier_name, counters)
         identity = files.file_identity(fd)
     finally:
         os.close(fd)
-    for start, stop in (region for region in damaged if region[1] <= end):  # later ones were the tail
+    for start, stop in damaged:
         logger.warning("%s: %s: dropping a record whose header is damaged (%d bytes at offset %d)",
                        tier_name, path, stop - start, start)  # fmt: skip
         counters.add_for_reason("scan_dropped_records", "header_damaged")
     return SegmentScan(records, is_partly_unreadable, identity)
+
+
+def _free_damaged(fd: int, path: str, damaged: list[tuple[int, int]], tier_name: str) -> None:
+    """Punch out (or zero) the bytes of records whose headers are damaged: counted once, not at every start,
+    and their space freed. A failure leaves them for the next start (logged)."""
+    try:
+        for start, stop in damaged:
+            try:
+                disk_io.punch(fd, start, stop - start)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                os.pwrite(fd, bytes(stop - start), start)
+    except OSError as exc:
+        logger.warning("%s: %s: cannot free a damaged record's bytes: %s", tier_name, path, exc)
 
 
 def _open_for_scan(path: str, tier_name: str, counters: TierCounters) -> int | None:
