@@ -210,8 +210,9 @@ def _print_traffic(s: dict, prompt_kv: int, pct, in_place: bool, block_tokens: i
     stored, failed, evicted = disk_puts
     later = (f" (the disk tier stored {stored} blocks and failed {failed} puts in this run: a second run reuses "
              "what it stored, see the disk tier's errors above)" if failed else
-             f" (the disk tier evicted {evicted} blocks in this run, too small for the prompt's KV: a second run "
-             "reuses only the blocks it kept)" if evicted else " (a second run of this command finds them on disk)")
+             f" (the disk tier evicted {evicted} blocks in this run, too small for the prompt's KV: it evicts the "
+             "least recently written first, the prompt's first blocks, and a prefix is reused only from its first "
+             "block on, so a second run may reuse nothing; give --disk-path a larger disk)" if evicted else " (a second run of this command finds them on disk)")
     print(f"prefix reused from the tiers: {s['prefix_tokens']} of {s['prompt_tokens']} prompt tokens"
           + (f" ({reused}; written through to disk by an earlier run)" if s["prefix_tokens"] else later))
     print(f"GPU hit rate: {pct(s['gpu_hit_rate'])} of {reads} block reads (a block = {block_tokens} tokens of one "
