@@ -168,6 +168,7 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
           f"{format_bytes(config.scheduler.staging_bytes)}; CPU tier {format_bytes(config.tiers[0].capacity_bytes)}; "
           f"disk tier {disk.path}{room}")
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    print("the all-in-memory answer first (transformers' own attention and cache, to compare with) ...", flush=True)
     reference, _ = dense_greedy(model, case.prompt_ids, args.new_tokens, stop_ids)  # before tierkv takes the model
     with TieredLLM(model, config, tokenizer=tokenizer, show_progress=True) as llm:
         (out,) = llm.generate([case.prompt_ids], max_new_tokens=args.new_tokens)

@@ -240,3 +240,59 @@ def test_a_slot_migrating_to_a_stopped_node_costs_one_timeout(redis_cluster):
 def test_a_redis_url_at_a_cluster_node_is_refused_naming_the_cluster_url(redis_cluster):
     with pytest.raises(ValueError, match=r"Redis Cluster node.*redis\+cluster://"):
         RedisTier("redis", LAYOUT, None, url=redis_cluster.nodes[0].url)
+
+
+def test_a_server_without_scripting_keeps_a_bad_value_that_is_then_not_held(tmp_path):
+    """EVAL renamed away (a managed server): the conditional delete fails, so the damaged value stays; reads stay
+    misses (never wrong bytes, nothing raised) and the key is not held, so a chain's next put stores over it."""
+    from tests.storage.conftest import RedisServer, find_redis_server
+
+    server = RedisServer(find_redis_server(), tmp_path)
+    server.extra_args = ["--rename-command", "EVAL", ""]
+    server.start()
+    tier = RedisTier("redis", LAYOUT, None, url=server.url, namespace="noscript")
+    raw = redis.Redis.from_url(server.url, socket_timeout=2)
+    try:
+        key, block = key_of(1), make_block(1)
+        assert tier.put(key, block).ok and tier.contains(key)
+        name = tier._redis_key(key)
+        value = raw.get(name)
+        raw.setrange(name, len(value) - 1, bytes([value[-1] ^ 1]))  # one payload bit: same length
+        assert tier.get(key) is None and tier.counters["corrupt_blocks"] == 1
+        assert raw.exists(name) and not tier.contains(key)
+        assert tier.put(key, block).ok and tier.contains(key) and same(tier.get(key), block)
+    finally:
+        raw.close()
+        tier.close()
+        server.stop()
+
+
+def test_a_key_of_another_type_reached_through_a_redirect_is_dropped_not_an_error(redis_cluster):
+    """While its slot migrates, a list under a block's key moved to the target already: the GET's ASK is followed
+    to a WRONGTYPE reply, which is the key's own answer (another type: counted and deleted), not a failed call."""
+    from redis.crc import key_slot
+
+    tier = RedisTier("redis", LAYOUT, None, url=redis_cluster.url, namespace=f"redir-{uuid.uuid4().hex[:8]}",
+                     timeout_s=0.5)
+    key = key_of(11)
+    name = tier._redis_key(key)
+    slot = key_slot(name.encode())
+    src = redis_cluster.owners()[slot]
+    dst = (src + 1) % 3
+    with redis_cluster.client(src) as source:
+        source.rpush(name, b"x")
+    seen = []
+
+    def while_migrating(moving: int) -> None:
+        with redis_cluster.client(src) as source:
+            source.execute_command("MIGRATE", "127.0.0.1", redis_cluster.nodes[dst].port, "", 0, 5000, "KEYS", name)
+        seen.append(tier.get(key))
+        seen.append((tier.counters["corrupt_blocks"], tier.counters["errors"]))
+
+    try:
+        redis_cluster.move_slots([slot], src, dst, before_migrate=while_migrating)
+        assert seen == [None, (1, 0)]
+        with redis_cluster.client(dst) as target:
+            assert not target.exists(name)
+    finally:
+        tier.close()

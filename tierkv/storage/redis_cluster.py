@@ -142,10 +142,17 @@ class ClusterLink(LinkBase):
         except self._link_errors as exc:
             self._mark_down(target, exc)
             return Unavailable(self.last_error)
-        except self._redirects + self._setup_errors as exc:
-            self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
-            self._on_error()
-            return KeyFailed(f"redirected: {self.last_error}")
+        except self._response_error as exc:
+            if str(exc).startswith("WRONGTYPE") and not isinstance(exc, self._redirects):
+                return exc  # the key's own reply (another Redis type), as a pipeline hands it back
+            return self._failed_follow(exc)
+        except self._setup_errors as exc:
+            return self._failed_follow(exc)
+
+    def _failed_follow(self, exc: BaseException) -> KeyFailed:
+        self.last_error = redact_text(f"{type(exc).__name__}: {exc}")
+        self._on_error()
+        return KeyFailed(f"redirected: {self.last_error}")
 
     # -- the slot map -----------------------------------------------------------------------------
     def _client(self) -> Any:

@@ -52,7 +52,7 @@ from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.codec import CorruptBlock, ForeignBlock, decode_block_into, encode_block, encode_block_bytes, header_num_bytes
 from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.redis_link import KeyFailed, SingleLink, Unavailable
-from tierkv.storage.redis_written import WrittenKeys
+from tierkv.storage.redis_written import BoundedKeys, WrittenKeys
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class RedisTier(StorageTier):
         self.max_blocks = None if capacity_bytes is None else capacity_bytes // layout.num_bytes
         self._min_pttl_ms = 1 if self._ttl_ms is None else self._ttl_ms // 2  # a key expiring sooner is not held
         self._written = WrittenKeys(self.max_blocks, ttl_s)  # this client's keys, for capacity_bytes
+        self._kept_bad = BoundedKeys()  # bad values a server without scripting kept: not held
         self._closed = False
         self._corrupt_log = LimitedWarning(logger)  # a namespace full of bad values: one line per 10 s
         self._link.ping()  # a dead server starts us unhealthy; never raises
@@ -106,14 +107,14 @@ class RedisTier(StorageTier):
         return self.remove_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return [self._holds(k, reply) for k, reply in zip(keys, self._per_key("held", keys))]
+        return [self._holds(k, reply) and k not in self._kept_bad for k, reply in zip(keys, self._per_key("held", keys))]
 
     def remove_if_held(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
         """Delete each key only while it still holds exactly this block (as read: a sealed block that failed its
         check), not a block another writer stored there since."""
         digests = [hashlib.sha1(encode_block_bytes(k, b)).hexdigest() for k, b in zip(keys, blocks)]
         self._written.forget(list(keys))
-        self._per_key("drop_if_same", keys, digests)
+        self._drop_bad("drop_if_same", list(keys), digests)
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         removed = [bool(n) for n in self._per_key("delete", keys)]
@@ -163,10 +164,16 @@ class RedisTier(StorageTier):
             if corrupt or wrong_type:
                 self.counters.add(corrupt_blocks=len(corrupt) + len(wrong_type))
             if corrupt or foreign:
-                self._per_key("drop_if_same", corrupt + foreign, [hashlib.sha1(v).hexdigest() for v in bad_values])
+                self._drop_bad("drop_if_same", corrupt + foreign, [hashlib.sha1(v).hexdigest() for v in bad_values])
             if wrong_type:
-                self._per_key("drop_if_not_string", [keys[i] for i in wrong_type])
+                self._drop_bad("drop_if_not_string", [keys[i] for i in wrong_type])
         return blocks
+
+    def _drop_bad(self, command: str, keys: list[str], args: list[str] | None = None) -> None:
+        """Delete bad values that are unchanged since read (a script); keys whose script failed (a server
+        without scripting) are not held from now on, so the block is stored over them."""
+        replies = self._per_key(command, keys, args, keep_errors=True)
+        self._kept_bad.add(k for k, r in zip(keys, replies) if isinstance(r, Exception) and not isinstance(r, KeyFailed))
 
     def put_many(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[PutResult]:
         if len(keys) != len(blocks):
@@ -211,15 +218,17 @@ class RedisTier(StorageTier):
         return self._link.down_nodes()
 
     # -- wire --------------------------------------------------------------------------------
-    def _per_key(self, command: str, keys: Sequence[str], args: Sequence[Any] | None = None) -> list[Any]:
-        """One reply per key (0 for a key whose call failed) of a `redis_link.key_calls` command."""
+    def _per_key(self, command: str, keys: Sequence[str], args: Sequence[Any] | None = None,
+                 keep_errors: bool = False) -> list[Any]:
+        """One reply per key (0 for a key whose call failed, unless keep_errors) of a `redis_link.key_calls`
+        command."""
         self._check_open()
         replies: list[Any] = []
         for start in range(0, len(keys), self._batch_len):
             names = [self._redis_key(k) for k in keys[start : start + self._batch_len]]
             chunk = self._link.per_key(command, names, None if args is None else args[start : start + self._batch_len])
             self._count_key_errors([r for r in chunk if not _is_wrong_type(r)])  # another type: not a failure
-            replies += [0 if isinstance(r, Exception) else r for r in chunk]
+            replies += chunk if keep_errors else [0 if isinstance(r, Exception) else r for r in chunk]
         return replies
 
     def _count_key_errors(self, replies: Sequence[Any]) -> None:
@@ -237,6 +246,7 @@ class RedisTier(StorageTier):
             self.counters.add(errors=1)
             return PutResult(False, f"{self.name}: SET {key} failed: {reply}")
         self._written.wrote(key)
+        self._kept_bad.discard(key)
         self.counters.add(bytes_written=self.layout.num_bytes)
         return PutResult(True)
 

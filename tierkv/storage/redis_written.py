@@ -60,3 +60,33 @@ class WrittenKeys:
                 if not expired:
                     victims.append(key)
         return victims
+
+
+class BoundedKeys:
+    """A set of at most `limit` keys, the oldest dropped first: keys whose bad value a server without scripting
+    kept (the conditional delete failed). Not held for contains_many, so the next spill or write-through stores
+    the block over the bad value; a put of the key takes it out."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+    def add(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[key] = None
+            while len(self._keys) > self.limit:
+                self._keys.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
