@@ -33,6 +33,7 @@ import ctypes
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -106,6 +107,7 @@ class DiskTier(StorageTier):
         self._reader = BatchReader(
             layout, self._files.open_segment, self._buffers, self._modes, self._spread, self._threads.checker
         )
+        self._room_lock = threading.Lock()  # one put at a time makes room on a full file system (_append)
         self._closed = False
         self._load_index()
 
@@ -205,46 +207,54 @@ class DiskTier(StorageTier):
             return len(self._index) * self.layout.num_bytes
 
     # -- writing ---------------------------------------------------------------------------
-    def _append(self, keys: list[str], payloads: list[memoryview], room_made: bool = False) -> list[PutResult]:
+    def _append(self, keys: list[str], payloads: list[memoryview]) -> list[PutResult]:
         """Write records for these blocks at the end of the active segment (SegmentFiles), then index them.
 
-        A file system that is full (capacity_bytes larger than its room, or others' files took it) lowers
-        max_blocks to what it held, evicts room for this batch and tries once more: a tier that stayed
+        A file system that is full (capacity_bytes larger than its room, or others' files took it) makes
+        room: one put at a time (`_room_lock`) tries again first (another may have made room), then lowers
+        max_blocks to the blocks held, evicts room for this batch and tries once more. A tier that stayed
         full would fail every later put and keep only its oldest blocks."""
+        results, failure = self._try_append(keys, payloads)
+        evicted: list[tuple[str, torch.Tensor]] = []
+        if _is_full(failure):
+            with self._room_lock:
+                results, failure = self._try_append(keys, payloads)
+                made = self._make_room(len(keys)) if _is_full(failure) else None
+                if made is not None:
+                    evicted = made
+                    results, failure = self._try_append(keys, payloads)
+        if failure is not None:
+            results = [self._put_failed(key, failure) for key in keys]
+        results[-1].evicted = evicted + results[-1].evicted  # handed down even when the put failed
+        return results
+
+    def _try_append(self, keys: list[str], payloads: list[memoryview]) -> tuple[list[PutResult], OSError | TierError | None]:
+        """(results, None), or ([], why) when the write failed (what it wrote was cut away, nothing indexed)."""
         with self._files.lock:
             self._check_open()
             try:
                 entries = self._files.append(keys, payloads)
             except (OSError, TierError) as exc:  # TierError: the directory, made again, is unsafe
-                failure = exc
-            else:
-                failure = None
-                with self._lock:
-                    dropped, victims = self._commit(keys, entries)
-        if failure is not None:
-            is_full = isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT)
-            evicted = self._make_room(len(keys)) if is_full and not room_made else None
-            if evicted is None:
-                return [self._put_failed(key, failure) for key in keys]
-            results = self._append(keys, payloads, room_made=True)
-            results[-1].evicted = evicted + results[-1].evicted
-            return results
+                return [], exc
+            with self._lock:
+                dropped, victims = self._commit(keys, entries)
         self.counters.add(bytes_written=len(keys) * self.layout.num_bytes)
-        evicted = self._drop(victims, dropped)
         results = [PutResult(True) for _ in keys]
-        results[-1].evicted = evicted
-        return results
+        results[-1].evicted = self._drop(victims, dropped)
+        return results, None
 
     def _make_room(self, num_blocks: int) -> list[tuple[str, torch.Tensor]] | None:
-        """After a full file system: max_blocks lowered to the blocks it held, the least recently used evicted to
-        leave room for num_blocks; what they held (see _drop), or None when it held none."""
+        """After a full file system (caller holds _room_lock): max_blocks lowered to the blocks held, the least
+        recently used evicted and punched out to leave room for num_blocks; what they held (see _drop), or
+        None when it held none."""
         with self._files.lock, self._lock:
             held = len(self._index)
             if held == 0:
                 return None
-            logger.warning("%s: %s is full at %d blocks; capacity lowered from %d to %d blocks", self.name,
-                           self.path, held, self.max_blocks, min(self.max_blocks, held))
-            self.max_blocks = min(self.max_blocks, held)
+            if held < self.max_blocks:
+                logger.warning("%s: %s is full: capacity lowered from %d to %d blocks", self.name, self.path,
+                               self.max_blocks, held)
+                self.max_blocks = held
             victims = self._index.evict_over(max(0, held - num_blocks))
             self.counters.add(evictions=len(victims))
         return self._drop(victims, [])
@@ -353,6 +363,10 @@ class DiskTier(StorageTier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"{self.name}: tier is closed")
+
+
+def _is_full(failure: BaseException | None) -> bool:
+    return isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _bytes_of(block: torch.Tensor) -> memoryview:
