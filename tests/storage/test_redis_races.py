@@ -296,3 +296,19 @@ def test_a_key_of_another_type_reached_through_a_redirect_is_dropped_not_an_erro
             assert not target.exists(name)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_batch_with_corrupt_and_foreign_values_deletes_each(make_tier, store, where):
+    """Each bad value's delete compares against what was read under that key (a foreign block read before a
+    corrupt one paired each key with the other's value, and neither was deleted)."""
+    _, raw = store
+    tier, theirs = make_tier(), make_tier(BlockLayout(2, 9, 32, torch.bfloat16))
+    keys = [key_of(i) for i in range(20, 24)]
+    assert theirs.put(keys[0], make_block(0, theirs.layout)).ok  # foreign first
+    raw.set(tier._redis_key(keys[1]), b"corrupt")
+    assert theirs.put(keys[2], make_block(2, theirs.layout)).ok
+    raw.set(tier._redis_key(keys[3]), b"corrupt too")
+    assert tier.get_many(keys) == [None] * 4
+    assert tier.counters["foreign_records"] == 2 and tier.counters["corrupt_blocks"] == 2
+    assert not any(raw.exists(tier._redis_key(k)) for k in keys)

@@ -128,7 +128,7 @@ class RedisTier(StorageTier):
         blocks: list[torch.Tensor | None] = [None] * len(keys)
         with self.counters.timed("get"):
             answered, corrupt, nil, wrong_type, foreign = [], [], [], [], []
-            bad_values: list[bytes] = []  # of corrupt + foreign, in order
+            bad: list[tuple[str, bytes]] = []  # (key, value read) of corrupt and foreign ones
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
@@ -144,11 +144,11 @@ class RedisTier(StorageTier):
                         self._corrupt_log.note("%s: dropping block(s) of another layout under this tier's keys (a "
                                                "writer of an older tierkv); latest: %s", self.name, exc)
                         foreign.append(keys[i])
-                        bad_values.append(value)
+                        bad.append((keys[i], value))
                     except CorruptBlock as exc:
                         self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
-                        bad_values.append(value)
+                        bad.append((keys[i], value))
             if nil:  # MGET answers nil for a missing key and for a key of another Redis type alike
                 types = self._per_key("type", [keys[i] for i in nil])  # "string": stored since the MGET
                 wrong_type += [i for i, t in zip(nil, types) if _type_name(t) not in ("", "none", "string")]
@@ -163,8 +163,8 @@ class RedisTier(StorageTier):
                 self.counters.add(foreign_records=len(foreign))
             if corrupt or wrong_type:
                 self.counters.add(corrupt_blocks=len(corrupt) + len(wrong_type))
-            if corrupt or foreign:
-                self._drop_bad("drop_if_same", corrupt + foreign, [hashlib.sha1(v).hexdigest() for v in bad_values])
+            if bad:
+                self._drop_bad("drop_if_same", [k for k, _ in bad], [hashlib.sha1(v).hexdigest() for _, v in bad])
             if wrong_type:
                 self._drop_bad("drop_if_not_string", [keys[i] for i in wrong_type])
         return blocks
