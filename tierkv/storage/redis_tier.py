@@ -11,7 +11,8 @@ batch on the wire: get_many is MGET (a cluster: a pipeline of GET per node), put
 pipelined SETs (PX when ttl_s is set), contains_many a pipeline of STRLEN and PTTL, remove_many
 a pipeline of DEL; the single-block forms are batches of one. A key holds a block for
 contains_many only as a string of the length a block of this layout encodes to under it, whose
-expiry (if the server has one for it) is at least half of ttl_s away: a value another writer
+expiry (if the server has one for it) is not within the last 30 s or half of ttl_s, whichever is
+shorter (a lookup's blocks are read soon after): a value another writer
 left damaged, of another layout or type, or about to expire is not held, so a chain writes the
 block there again instead of skipping it. Batches are split so that one
 round trip carries at most about 64 MiB. The SETs are framed by `redis_link.send_sets`, so
@@ -57,6 +58,7 @@ from tierkv.storage.redis_written import BoundedKeys, WrittenKeys
 logger = logging.getLogger(__name__)
 
 _BATCH_BYTES = 64 << 20  # at most this many value bytes per round trip
+_EXPIRING_MS = 30_000  # a key this close to its expiry does not hold a block (contains_many)
 
 
 class RedisTier(StorageTier):
@@ -86,7 +88,8 @@ class RedisTier(StorageTier):
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._batch_len = max(1, _BATCH_BYTES // (layout.num_bytes + 256))
         self.max_blocks = None if capacity_bytes is None else capacity_bytes // layout.num_bytes
-        self._min_pttl_ms = 1 if self._ttl_ms is None else self._ttl_ms // 2  # a key expiring sooner is not held
+        # a key expiring sooner is not held (rewritten, its TTL renewed); short, so reuse keeps nearly all of ttl_s
+        self._min_pttl_ms = 1 if self._ttl_ms is None else min(self._ttl_ms // 2, _EXPIRING_MS)
         self._written = WrittenKeys(self.max_blocks, ttl_s)  # this client's keys, for capacity_bytes
         self._kept_bad = BoundedKeys()  # bad values a server without scripting kept: not held
         self._closed = False
