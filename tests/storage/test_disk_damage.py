@@ -21,20 +21,13 @@ from tierkv.storage import disk_files
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk import DiskTier
+from tests.storage.blocks import make_block, same
 
 CAPACITY_BYTES = 16 << 20
 
 
-def make_block(layout, seed: int) -> torch.Tensor:
-    return torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed)).to(layout.dtype)
-
-
 def key_of(i: int) -> str:
     return f"{i:064x}/L0"
-
-
-def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def segment_of(tier: DiskTier, key: str) -> Path:

@@ -15,13 +15,9 @@ import torch
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk import DiskTier
+from tests.storage.blocks import make_block
 
 CAPACITY_BYTES = 64 << 20
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
 
 
 def key_of(i: int, layer: int = 0) -> str:

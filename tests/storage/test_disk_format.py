@@ -13,13 +13,9 @@ from tierkv.storage import disk_segments as seg
 from tierkv.storage.codec import CorruptBlock
 from tierkv.storage.disk import DiskTier
 from tierkv.storage.disk_buffers import ReadBufferPool, slab_bytes
+from tests.storage.blocks import make_block
 
 CAPACITY_BYTES = 64 << 20
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
 
 
 def key_of(i: int) -> str:

@@ -12,13 +12,10 @@ import torch
 
 from tierkv.storage.base import TierError
 from tierkv.storage.disk import DiskTier
+from tests.storage.blocks import make_block
 
 CAPACITY_BYTES = 16 << 20
 OTHER_UID = 65534  # nobody
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    return torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed)).to(layout.dtype)
 
 
 def key_of(i: int) -> str:

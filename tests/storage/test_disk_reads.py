@@ -10,14 +10,10 @@ import torch
 
 from tierkv.storage import disk_io, disk_reads
 from tierkv.storage.disk import DiskTier
+from tests.storage.blocks import make_block
 
 CAPACITY_BYTES = 64 << 20
 PIECE_BYTES = 64 << 10  # 8 KiB blocks in 12 KiB records: 6 records a piece
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
 
 
 def key_of(i: int) -> str:

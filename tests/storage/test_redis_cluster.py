@@ -5,27 +5,18 @@ import time
 import uuid
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.config import ConfigError, load_config
 from tierkv.storage.redis_tier import RedisTier
 from tierkv.redis_url import parse_cluster_url
+from tests.storage.blocks import make_block, same
 
 pytestmark = pytest.mark.redis
 redis = pytest.importorskip("redis")
 
 TIMEOUT_S = 0.3
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
-
-
-def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def key_of(i: int) -> str:

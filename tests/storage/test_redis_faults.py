@@ -10,14 +10,10 @@ import torch
 
 from tierkv.blocks import BlockLayout
 from tierkv.storage.redis_tier import RedisTier
+from tests.storage.blocks import make_block
 
 pytestmark = pytest.mark.redis
 redis = pytest.importorskip("redis")
-
-
-def make_block(layout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
 
 
 def key_of(i: int, layer: int = 0) -> str:

@@ -16,21 +16,13 @@ from tierkv.storage.chain import TierChain
 from tierkv.storage.cpu import CpuTier
 from tierkv.storage.redis_tier import RedisTier
 from tierkv.storage.sealed import SealedTier
+from tests.storage.blocks import make_block, same
 
 pytestmark = pytest.mark.redis
 redis = pytest.importorskip("redis")
 
 LAYOUT = BlockLayout(num_kv_heads=2, block_tokens=8, head_dim=32, dtype=torch.bfloat16)
 WHERE = ["server", "cluster"]
-
-
-def make_block(seed: int, layout: BlockLayout = LAYOUT) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.dtype)
-
-
-def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def key_of(i: int) -> str:
@@ -90,7 +82,7 @@ def before_command(tier: RedisTier, command: str, action) -> None:
 def test_a_miss_keeps_a_block_stored_between_its_get_and_its_type_check(make_tier, where):
     """A's read misses (GET nil); B stores the block, told ok; A then asks the key's TYPE ("string" now)."""
     a, b = make_tier(), make_tier()
-    key, block = key_of(7), make_block(7)
+    key, block = key_of(7), make_block(LAYOUT, 7)
     before_command(a, "type", lambda: b.put(key, block))
     assert a.get(key) is None
     assert same(b.get(key), block) and a.counters["corrupt_blocks"] == 0
@@ -103,7 +95,7 @@ def test_a_bad_value_rewritten_before_its_delete_stays(make_tier, store, where, 
     read and before A's delete: the delete leaves B's block."""
     _, raw = store
     a, b = make_tier(), make_tier()
-    key, block = key_of(3), make_block(3)
+    key, block = key_of(3), make_block(LAYOUT, 3)
     name = a._redis_key(key)
     if bad == "garbage":
         raw.set(name, b"not a block" * 10)
@@ -131,7 +123,7 @@ def test_a_reader_beside_a_writer_loses_no_block(make_tier, where):
     """One tier reads every key over and over while another stores them: each block told stored is there after."""
     reader, writer = make_tier(), make_tier()
     keys = [key_of(i) for i in range(240)]
-    blocks = [make_block(i) for i in range(240)]
+    blocks = [make_block(LAYOUT, i) for i in range(240)]
     done = threading.Event()
 
     def read() -> None:
@@ -159,7 +151,7 @@ def test_a_sealed_value_rewritten_before_its_delete_stays(store, where):
     inners = [RedisTier(f"r{i}", sealer.sealed_layout, None, url=url, namespace=namespace) for i in range(2)]
     a, b = (SealedTier(inner, LAYOUT, sealer) for inner in inners)
     try:
-        key, block = key_of(5), make_block(5)
+        key, block = key_of(5), make_block(LAYOUT, 5)
         forged = torch.randint(0, 256, sealer.sealed_layout.shape, dtype=torch.uint8)
         assert inners[0].put(sealer.name(key), forged).ok
         before_command(inners[0], "drop_if_same", lambda: b.put(key, block))
@@ -178,13 +170,13 @@ def test_a_key_holds_a_block_only_as_a_value_that_could_be_one(make_tier, store,
     _, raw = store
     tier, theirs = make_tier(ttl_s=60), make_tier(BlockLayout(2, 9, 32, torch.bfloat16))
     good = [key_of(i) for i in range(2)]
-    assert all(r.ok for r in tier.put_many(good, [make_block(0), make_block(1)]))
+    assert all(r.ok for r in tier.put_many(good, [make_block(LAYOUT, 0), make_block(LAYOUT, 1)]))
     bad = [key_of(i) for i in range(10, 15)]
     value = raw.get(tier._redis_key(good[0]))
     raw.set(tier._redis_key(bad[0]), b"garbage")
     raw.set(tier._redis_key(bad[1]), value[:-1])  # truncated
     raw.rpush(tier._redis_key(bad[2]), b"x")
-    assert theirs.put(bad[3], make_block(3, theirs.layout)).ok  # another layout
+    assert theirs.put(bad[3], make_block(theirs.layout, 3)).ok  # another layout
     raw.set(tier._redis_key(bad[4]), value.replace(good[0].encode(), bad[4].encode()), px=5000)  # expiring soon
     assert tier.contains_many(good + bad + [key_of(99)]) == [True, True] + [False] * 6
     assert tier.counters["errors"] == 0
@@ -203,10 +195,10 @@ def test_a_spill_stores_a_block_over_a_bad_value(make_tier, store, where):
     chain = TierChain([cpu, redis_tier])
     try:
         raw.set(redis_tier._redis_key(key_of(5)), b"garbage from another writer")
-        chain.put_many([key_of(i) for i in range(5, 9)], [make_block(i) for i in range(5, 9)])
+        chain.put_many([key_of(i) for i in range(5, 9)], [make_block(LAYOUT, i) for i in range(5, 9)])
         chain.flush()
         assert not cpu.contains(key_of(5))
-        assert same(chain.get_many([key_of(5)])[0], make_block(5))
+        assert same(chain.get_many([key_of(5)])[0], make_block(LAYOUT, 5))
     finally:
         chain.close()
 
@@ -256,7 +248,7 @@ def test_a_server_without_scripting_keeps_a_bad_value_that_is_then_not_held(tmp_
     tier = RedisTier("redis", LAYOUT, None, url=server.url, namespace="noscript")
     raw = redis.Redis.from_url(server.url, socket_timeout=2)
     try:
-        key, block = key_of(1), make_block(1)
+        key, block = key_of(1), make_block(LAYOUT, 1)
         assert tier.put(key, block).ok and tier.contains(key)
         name = tier._redis_key(key)
         value = raw.get(name)
@@ -308,9 +300,9 @@ def test_a_batch_with_corrupt_and_foreign_values_deletes_each(make_tier, store, 
     _, raw = store
     tier, theirs = make_tier(), make_tier(BlockLayout(2, 9, 32, torch.bfloat16))
     keys = [key_of(i) for i in range(20, 24)]
-    assert theirs.put(keys[0], make_block(0, theirs.layout)).ok  # foreign first
+    assert theirs.put(keys[0], make_block(theirs.layout, 0)).ok  # foreign first
     raw.set(tier._redis_key(keys[1]), b"corrupt")
-    assert theirs.put(keys[2], make_block(2, theirs.layout)).ok
+    assert theirs.put(keys[2], make_block(theirs.layout, 2)).ok
     raw.set(tier._redis_key(keys[3]), b"corrupt too")
     assert tier.get_many(keys) == [None] * 4
     assert tier.counters["foreign_records"] == 2 and tier.counters["corrupt_blocks"] == 2
