@@ -63,14 +63,8 @@ def scan_segment_file(path: str, tier_name: str, counters: TierCounters, *, cut_
 def _free_damaged(fd: int, path: str, damaged: list[tuple[int, int]], tier_name: str) -> None:
     """Punch out (or zero) the bytes of records whose headers are damaged: counted once, not at every start,
     and their space freed. A failure leaves them for the next start (logged)."""
-    try:
-        for start, stop in damaged:
-            try:
-                disk_io.punch(fd, start, stop - start)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                os.pwrite(fd, bytes(stop - start), start)
+    try:  # the whole region is zeroed where holes cannot be punched: a scan steps through all of it
+        disk_io.punch_records(fd, [(start, stop - start, stop - start) for start, stop in damaged])
     except OSError as exc:
         logger.warning("%s: %s: cannot free a damaged record's bytes: %s", tier_name, path, exc)
 

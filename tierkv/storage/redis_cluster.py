@@ -7,7 +7,7 @@ slots) and follows redirects; the batches go out here, one per node:
 
     names --keyslot--> slot --slot map--> node     grouped per node, then per node one call:
       get_many   pipeline of GET       set_many   framed SETs (redis_link.send_sets)
-      per_key    pipeline of EXISTS / DEL
+      per_key    pipeline of STRLEN+PTTL / TYPE / DEL, or of EVAL (the conditional deletes)
     a MOVED or ASK reply (a slot moved, or is moving): that key again through RedisCluster,
     which follows the redirect and patches its slot map
 

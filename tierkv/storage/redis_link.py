@@ -125,14 +125,15 @@ class LinkBase:
 
 # Deletes that race no writer: a key goes only while it still holds what its reader found bad (another
 # process may have stored the block there since the read: a plain DEL would drop a block its put was told
-# stored). A server without scripting answers an error: the key stays, counted, and reads of it miss.
+# stored). A server without scripting answers an error: the key stays, counted, reads of it miss, and the
+# tier no longer counts it held (RedisTier._drop_bad).
 _DROP_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _DROP_IF_NOT_STRING = ("local t = redis.call('TYPE', KEYS[1])['ok'] "
                        "if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end return 0")
 
 
 def key_calls(command: str, name: str, arg: Any = None) -> list[tuple]:
-    """The wire commands of one key's `command`: get, exists, delete, type, held (STRLEN and PTTL), drop_if_same
+    """The wire commands of one key's `command`: get, delete, type, held (STRLEN and PTTL), drop_if_same
     (arg: the SHA-1 hex of the bad value), drop_if_not_string."""
     if command == "held":
         return [("STRLEN", name), ("PTTL", name)]
@@ -140,7 +141,7 @@ def key_calls(command: str, name: str, arg: Any = None) -> list[tuple]:
         return [("EVAL", _DROP_IF_SAME, 1, name, arg)]
     if command == "drop_if_not_string":
         return [("EVAL", _DROP_IF_NOT_STRING, 1, name)]
-    return [({"get": "GET", "exists": "EXISTS", "delete": "DEL", "type": "TYPE"}[command], name)]
+    return [({"get": "GET", "delete": "DEL", "type": "TYPE"}[command], name)]
 
 
 def group_replies(command: str, replies: Sequence[Any]) -> list[Any]:

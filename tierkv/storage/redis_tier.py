@@ -135,7 +135,7 @@ class RedisTier(StorageTier):
             for start in range(0, len(keys), self._batch_len):
                 values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
-                self._count_key_errors([v for v in values if not _is_wrong_type(v)])
+                self._count_key_errors(values)
                 answered += [i for i, v in enumerate(values, start) if not isinstance(v, Exception)]
                 nil += [i for i, v in enumerate(values, start) if v is None]
                 found = [(i, v) for i, v in enumerate(values, start) if isinstance(v, (bytes, bytearray))]
@@ -230,13 +230,14 @@ class RedisTier(StorageTier):
         for start in range(0, len(keys), self._batch_len):
             names = [self._redis_key(k) for k in keys[start : start + self._batch_len]]
             chunk = self._link.per_key(command, names, None if args is None else args[start : start + self._batch_len])
-            self._count_key_errors([r for r in chunk if not _is_wrong_type(r)])  # another type: not a failure
+            self._count_key_errors(chunk)
             replies += chunk if keep_errors else [0 if isinstance(r, Exception) else r for r in chunk]
         return replies
 
     def _count_key_errors(self, replies: Sequence[Any]) -> None:
-        """Error replies of single keys (calls that failed as a whole were counted by the link)."""
-        num = sum(isinstance(r, Exception) and not isinstance(r, KeyFailed) for r in replies)
+        """Error replies of single keys (calls that failed as a whole were counted by the link; a key of another
+        Redis type is no failure: it is counted as corrupt where found)."""
+        num = sum(isinstance(r, Exception) and not isinstance(r, KeyFailed) and not _is_wrong_type(r) for r in replies)
         if num:
             self.counters.add(errors=num)
 
