@@ -12,7 +12,9 @@ value and what is allowed. Environment overrides use `__` between levels:
 A variable is read by its field's type, not as YAML: a text field (names, paths, secrets, URLs,
 tokens, dtypes) takes the text verbatim ('#', quotes and backslashes included); a number field
 plain decimals (0100 is 100), a boolean true or false (yes, no, on, off as YAML), a size its units (2GiB); a section or the
-tier list a YAML flow mapping or list. An empty value sets an optional field to None.
+tier list a YAML flow mapping or list. An empty value sets an optional field to None. A file's
+numbers read alike: decimal integers (0100 is 100; 0x20 and 1:30 are text, refused by a number field) and
+floats with an exponent (1e2), not YAML 1.1's octal, hex and base 60.
 """
 from __future__ import annotations
 
