@@ -173,6 +173,20 @@ def test_a_setting_the_demo_cannot_serve_is_one_line_exit_2(capsys, argv, messag
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
 
+def test_a_huge_prompt_is_refused_before_its_tokens_are_made(capsys, monkeypatch):
+    """--prompt-tokens 10**12 is refused by the CPU tier's size, naming the option, before any prompt list exists."""
+    from tierkv import demo
+
+    def no_prompts(*args, **kwargs):
+        raise AssertionError("a prompt was built before the size check")
+
+    monkeypatch.setattr(demo.torch, "randint", no_prompts)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--random-model", "--prompt-tokens", str(10**12), "--new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--prompt-tokens 1000000000000" in err and "Traceback" not in err
+
+
 def test_a_disk_path_that_is_not_a_directory_names_the_option(capsys, tmp_path):
     from tierkv.demo import main
 

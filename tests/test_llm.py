@@ -241,3 +241,18 @@ def test_the_tokenizers_eos_stops_a_request_as_under_vllm(tmp_path):
         out = llm.generate([prompt], max_tokens=6)[0]
         assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
         assert llm.generate([prompt], max_tokens=6, ignore_eos=True)[0].token_ids == free
+
+
+@pytest.mark.parametrize("prompt_len,new_tokens", [(40, 1), (40, 2), (37, 4), (39, 2), (1, 1), (8, 9)])
+def test_a_request_fits_a_cpu_tier_of_exactly_its_kv_blocks(tmp_path, prompt_len, new_tokens):
+    """The KV a request writes is its prompt and every new token but the last (never fed back): a CPU tier of
+    exactly those blocks serves it, one block less refuses it before any work."""
+    blocks = -(-(prompt_len + new_tokens - 1) // 4) * 2  # 4-token blocks, 2 layers
+    prompt = torch.randint(0, 512, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    llm, reference = make_llm(tmp_path, cpu_blocks=blocks)
+    with llm:
+        (out,) = llm.generate([prompt], max_new_tokens=new_tokens)
+    assert out.token_ids == reference_greedy(reference, prompt, new_tokens)[0]
+    small, _ = make_llm(tmp_path / "small", cpu_blocks=blocks - 1)
+    with small, pytest.raises(CapacityError, match=f"needs {blocks} KV blocks"):
+        small.generate([prompt], max_new_tokens=new_tokens)

@@ -95,12 +95,18 @@ def _run(args) -> int:
 
 def run_random_model(args) -> int:
     """The random-weight model: prompts A, B, A again (the third reuses A's prefix from a tier)."""
+    from tierkv.engine.sequence import CapacityError
     from tierkv.llm import TieredLLM
 
     config = load_config(args.config)
     model = tiny_llama()
     llm = TieredLLM(model, config, show_progress=True)
     rt = llm.runtime
+    try:  # before the prompts are made: --prompt-tokens 10**8 would build lists of that length first
+        rt.check_fits(args.prompt_tokens + args.new_tokens - 1)
+    except CapacityError as exc:
+        llm.close()
+        raise CapacityError(f"--prompt-tokens {args.prompt_tokens}, --new-tokens {args.new_tokens}: {exc}") from None
     kv_per_token = rt.layout.num_bytes // rt.layout.block_tokens * rt.num_layers
     print(f"model: {rt.num_layers} layers, KV {format_bytes(kv_per_token)}/token on {rt.device}; "
           f"prompt KV {format_bytes(kv_per_token * args.prompt_tokens)} vs GPU budget "

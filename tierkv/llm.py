@@ -96,11 +96,11 @@ class TieredLLM:
 
         span = getattr(self.runtime, "attention_span", None)
         for i, ids in enumerate(requests):  # refuse before doing any work
+            fed = len(ids) + sampling.max_new_tokens - 1  # the last new token is never fed back: no KV
             try:
-                self.runtime.check_fits(len(ids) + sampling.max_new_tokens)
+                self.runtime.check_fits(fed)
             except ValueError as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
-            fed = len(ids) + sampling.max_new_tokens - 1  # the last new token is never fed back
             if span is not None and fed > span[0]:
                 raise PromptError(f"request {i}: {len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
                                   f"- 1 = {fed}; {span_problem(span)}")
