@@ -78,7 +78,28 @@ def resolve_checkpoint(model: str | os.PathLike, gguf_file: str | None = None) -
                          f"directory has one; for a GGUF file pass its path or gguf_file=)")
     if gguf_file is not None:
         check_gguf_file(os.path.join(directory, gguf_file))
+    else:
+        _check_checkpoint_directory(name, directory)
     return CheckpointSource(directory, gguf_file)
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _check_checkpoint_directory(name: str, directory: str) -> None:
+    """ValueError unless the directory's config.json is a JSON object and some weights file sits beside it (what
+    transformers would otherwise report deep in its loader)."""
+    import json
+
+    try:
+        with open(os.path.join(directory, "config.json"), "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: got {name!r}; its config.json cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model: got {name!r}; its config.json holds a {type(data).__name__}, not a JSON object")
+    if not any(os.path.isfile(os.path.join(directory, weights)) for weights in _WEIGHT_FILES):
+        raise ValueError(f"model: got {name!r}; the directory has no weights ({', '.join(_WEIGHT_FILES)})")
 
 
 def check_gguf_file(path: str) -> None:

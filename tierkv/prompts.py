@@ -197,4 +197,12 @@ def _unpad(row, mask, index: int) -> list:
     if len(mask) != len(row) or any(m not in (0, 1) for m in mask):
         raise PromptError(f"request {index}: attention_mask must be 0s and 1s, one per input id "
                           f"({len(mask)} for {len(row)} ids)")
-    return [t for t, m in zip(row, mask) if m == 1]
+    kept = [pos for pos, m in enumerate(mask) if m == 1]
+    if kept and kept[-1] - kept[0] + 1 != len(kept):
+        hole = next(pos for pos in range(kept[0], kept[-1]) if mask[pos] == 0)
+        raise PromptError(f"request {index}: attention_mask is 0 at position {hole}, between 1s; padding sits only "
+                          "before or after a prompt (a masked token inside it would be dropped from the prompt)")
+    for pos, (token, m) in enumerate(zip(row, mask)):
+        if m == 0 and (isinstance(token, bool) or not isinstance(token, (int, np.integer))):
+            raise PromptError(f"request {index}: padding token {pos} is {token!r:.40}; token ids are ints")
+    return [row[pos] for pos in kept]

@@ -56,6 +56,8 @@ def run_generate(args) -> int:
     prompt = _read_prompt(args)  # before loading anything: a bad prompt or device fails fast
     _check_device(args.device)
     max_new_tokens = _token_count("--max-new-tokens", args.max_new_tokens)
+    if not 0 <= args.seed < 2**63:  # torch's generators take 64-bit seeds; SamplingParams the same range
+        raise UsageError(f"--seed: got {args.seed}; expected 0 to 2**63 - 1")
     if args.demo and isinstance(prompt, str):
         raise UsageError("the demo model has no tokenizer: use --prompt-tokens N or a --prompt-file of token ids")
     try:
@@ -72,7 +74,7 @@ def run_generate(args) -> int:
             fits = getattr(getattr(llm, "runtime", None), "check_fits", None)
             if fits is not None:  # before building the prompt: a huge --prompt-tokens is refused at once
                 try:
-                    fits(prompt + max_new_tokens)
+                    fits(prompt + max_new_tokens - 1)  # (the last new token is never fed back)
                 except ValueError as exc:
                     raise UsageError(f"--prompt-tokens {args.prompt_tokens}: {exc}") from None
             prompt = _random_prompt(prompt, llm.vocab_size, args.seed)

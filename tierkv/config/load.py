@@ -43,9 +43,15 @@ def load_with_errors(root: type, source: object = None, *, env: Mapping[str, str
                      check: Callable[[object], None] | None = None) -> tuple[object | None, list[ConfigError]]:
     """(config, []) or (None, every ConfigError found: one per bad field, or the one that stopped reading)."""
     env = os.environ if env is None else env
-    _warn_unused_env_file(source, env.get(ENV_CONFIG_FILE))
+    env_file = env.get(ENV_CONFIG_FILE) or None  # set but empty: unset, as for every optional variable
+    _warn_unused_env_file(source, env_file)
     try:
-        data = _read_source(env.get(ENV_CONFIG_FILE) if source is None else source)
+        data = _read_source(env_file if source is None else source)
+    except ConfigError as err:
+        if source is None and err.key == "config_file":  # the file the variable named
+            err = ConfigError(f"config_file (set by {ENV_CONFIG_FILE})", err.value, err.allowed)
+        return None, [err]
+    try:
         origins = apply_env(data, env, root)
     except ConfigError as err:
         return None, [err]
@@ -192,7 +198,11 @@ def _build_list(raw: object, keypath: str, name: str, kinds: Mapping[str, type],
     items = []
     for i, item in enumerate(raw):
         itempath = f"{keypath}[{i}]"
-        kind = item.get("kind") if isinstance(item, Mapping) else None
+        if not isinstance(item, Mapping):
+            example = f" (e.g. {{kind: {item}}})" if isinstance(item, str) and item in kinds else ""
+            errors.append(ConfigError(itempath, item, f"expected a mapping with a 'kind'{example}; kinds: {', '.join(kinds)}"))
+            continue
+        kind = item.get("kind")
         if not isinstance(kind, str) or kind not in kinds:
             errors.append(ConfigError(f"{itempath}.kind", kind, f"allowed: {', '.join(kinds)}"))
             continue

@@ -49,6 +49,7 @@ class KVRuntime:
         residency = plan_residency(self.layout, num_layers, config.cache.gpu_budget_bytes,
                                    config.cache.sink_tokens, config.cache.window_tokens)
         num_regions = max(2, config.scheduler.lookahead_layers + 1)
+        _check_lookahead(config.scheduler, num_layers, self.layout)
         self.pool = GpuBlockPool(self.layout, num_layers, residency, config.scheduler.staging_bytes,
                                  num_regions, self.device)
         scheduler = config.scheduler
@@ -260,3 +261,14 @@ class KVRuntime:
             self.active.finish()
         self.engine.synchronize()
         self.chain.close()
+
+
+def _check_lookahead(scheduler, num_layers: int, layout: BlockLayout) -> None:
+    """A lookahead past the model's layers whose staging ring cannot be cut into its regions is refused by its own
+    key (the ring's check would blame staging_bytes)."""
+    lookahead = scheduler.lookahead_layers
+    if lookahead >= num_layers and scheduler.staging_bytes < (lookahead + 1) * layout.num_bytes:
+        raise ConfigError("scheduler.lookahead_layers", lookahead,
+                          f"the model has {num_layers} layers, so at most {max(1, num_layers - 1)} ahead is of use; "
+                          f"staging_bytes holds {scheduler.staging_bytes // layout.num_bytes} blocks, and each of the "
+                          f"lookahead_layers + 1 staging regions needs one")

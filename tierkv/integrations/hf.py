@@ -34,14 +34,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.blocks import dtype_name
-from tierkv.config import TierKVConfig
+from tierkv.config import ConfigError, TierKVConfig
 from tierkv.model_identity import WeightsWatch, model_identity
 from tierkv.model_shape import model_shape
 from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.engine.runtime import KVRuntime
 from tierkv.engine.sequence import SequenceKV
 from tierkv.integrations.hf_guard import ATTN_NAME, install_guard, tiered_forward_running
-from tierkv.integrations.model_support import attention_span, check_attention_path, span_problem
+from tierkv.integrations.model_support import (attention_span, check_attention_path, check_kv_projections,
+                                               check_kv_states, rotary_unlike_llamas, span_problem)
 
 _LAYER_ATTR = "_tierkv_layer"
 
@@ -75,6 +76,7 @@ class TieredLayer(CacheLayerMixin):
         if span is not None and self.seq.num_tokens[self.layer_idx] + key_states.shape[2] > span[0]:
             raise ValueError(f"{span_problem(span)}; this sequence reaches "
                              f"{self.seq.num_tokens[self.layer_idx] + key_states.shape[2]} tokens")
+        check_kv_states(self.seq.rt.layout, self.layer_idx, key_states, value_states)
         self.seq.append(self.layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         setattr(key_states, _LAYER_ATTR, self)
         return key_states, value_states
@@ -240,10 +242,13 @@ def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
     layers = _decoder_layers(model)
     fused = [type(layer.self_attn).__name__ for layer in layers if not hasattr(getattr(layer, "self_attn", None), "q_proj")]
     if fused:
-        from tierkv.config import ConfigError
-
         raise ConfigError("scheduler.predictor", "query", f"the query predictor projects queries with each "
                           f"attention's q_proj, which {fused[0]} lacks (q, k and v fused, or no self_attn): use "
+                          f"predictor 'previous', 'cache' or 'none'")
+    rotary = rotary_unlike_llamas(model, layers)
+    if rotary:
+        raise ConfigError("scheduler.predictor", "query", f"the query predictor rotates queries as Llama does (the "
+                          f"whole head, halves swapped), which {type(model).__name__} does not ({rotary}): use "
                           f"predictor 'previous', 'cache' or 'none'")
     runtime.query_projector = QueryProjector(layers, runtime.layout.head_dim)
     if getattr(model, "_tierkv_query_hooks", False):
@@ -270,10 +275,12 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     for key, value in shape.items():
         configured = getattr(config.model, key)
         if configured is not None and configured != value:
-            raise ValueError(f"config key 'model.{key}': got {configured}; the model has {value}")
+            raise ConfigError(f"model.{key}", configured, f"the model has {value}")
+    check_kv_projections(model, shape)
     param = next(model.parameters())
     if config.model.kv_dtype not in ("auto", dtype_name(param.dtype)):
-        raise ValueError(f"config key 'model.kv_dtype': got {config.model.kv_dtype!r}; the model runs in {dtype_name(param.dtype)}")
+        raise ConfigError("model.kv_dtype", config.model.kv_dtype, f"the model runs in {dtype_name(param.dtype)}: "
+                          "'auto' or that")
     register()
     if model.config._attn_implementation != ATTN_NAME:
         model._tierkv_previous_attn = model.config._attn_implementation

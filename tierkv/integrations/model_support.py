@@ -2,12 +2,13 @@
 made for it (`hf.runtime_for_model`), and the adjustment a length-dependent rotary embedding needs.
 
 Primitives: `check_attention_path`, `attention_span`, `span_problem`, `length_dependent_rotary`,
-`RotaryForLength`, `rotary_switch`.
+`RotaryForLength`, `rotary_switch`, `check_kv_projections`, `check_kv_states`, `rotary_unlike_llamas`.
 
     attention through transformers' attention functions     required (else refused, naming the model)
     multi-head latent attention (kv_lora_rank)               refused
     ALiBi computed by the model (Falcon alibi=True)          refused
     bidirectional attention (is_causal False)                refused
+    attention logit soft-capping, learned attention sinks    refused
     a sliding window / chunked attention (W tokens)          served for sequences of at most W tokens
     rope_type dynamic / longrope                             a chunked prefill rotated as one forward
     a cache recomputed at a rotary switch (Phi-3 longrope)  requests that cross it during decode refused
@@ -50,6 +51,14 @@ def check_attention_path(model: PreTrainedModel) -> None:
     if getattr(text, "alibi", False):
         raise ValueError(f"model: {name} with alibi=True computes its ALiBi attention itself, over the current step's "
                          f"keys only; tierkv serves it with alibi=False (rotary positions) only")
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"model: {name} soft-caps its attention logits (attn_logit_softcapping={softcap}), which "
+                         f"tierkv's attention does not compute; it serves the model with attn_logit_softcapping=None")
+    sinks = sorted({type(m).__name__ for m in model.modules() if getattr(m, "sinks", None) is not None})
+    if sinks:
+        raise ValueError(f"model: {name} adds learned attention sinks ({sinks[0]}.sinks) to its softmax, which "
+                         f"tierkv's attention does not compute")
     non_causal = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
     if non_causal or getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"model: {name} attends bidirectionally ({', '.join(non_causal) or 'use_bidirectional_attention'}"
@@ -140,3 +149,49 @@ def rotary_switch(model: PreTrainedModel) -> int | None:
     if "original_max_position_embeddings" in source and isinstance(original, int) and length_dependent_rotary(model):
         return original
     return None
+
+
+def check_kv_states(layout, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """ValueError when the attention's keys or values are not shaped as the runtime's blocks (a model whose
+    attention does not follow its config's num_key_value_heads / head_dim), before anything is stored."""
+    expected = (layout.num_kv_heads, layout.head_dim)
+    for name, states in (("keys", key_states), ("values", value_states)):
+        if states.dim() != 4 or (states.shape[1], states.shape[3]) != expected:
+            raise ValueError(f"layer {layer_idx}'s attention gives {name} of shape {tuple(states.shape)}; the runtime "
+                             f"holds {expected[0]} KV heads x head_dim {expected[1]} (from the model's config or "
+                             "model.num_kv_heads / model.head_dim), which this model's attention does not follow")
+
+
+def check_kv_projections(model: PreTrainedModel, shape: dict) -> None:
+    """ValueError, before any work, when a layer's k_proj / v_proj (where the model has them) give other than
+    num_kv_heads x head_dim features: the KV the runtime is shaped for is not what the attention computes."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return
+    width = shape["num_kv_heads"] * shape["head_dim"]
+    for index, layer in enumerate(layers):
+        for name in ("k_proj", "v_proj"):
+            features = getattr(getattr(getattr(layer, "self_attn", None), name, None), "out_features", None)
+            if isinstance(features, int) and features != width:
+                raise ValueError(f"model: layer {index}'s self_attn.{name} gives {features} features; the KV cache is "
+                                 f"shaped for {shape['num_kv_heads']} KV heads x head_dim {shape['head_dim']} = {width} "
+                                 "(the model's config, or model.num_kv_heads / model.head_dim)")
+
+
+def rotary_unlike_llamas(model: PreTrainedModel, layers: torch.nn.ModuleList) -> str | None:
+    """How the model's rotary embedding differs from Llama's, if it does: part of each head rotated
+    (partial_rotary_factor, rotary_pct), or interleaved pairs (a rotate_half over x[..., ::2])."""
+    import sys
+
+    text = text_config(model.config)
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        factor = getattr(text, key, None)
+        if isinstance(factor, (int, float)) and factor != 1:
+            return f"{key}={factor}"
+    module = sys.modules.get(type(getattr(layers[0], "self_attn", None)).__module__) if len(layers) else None
+    rotate_half = getattr(module, "rotate_half", None)
+    try:
+        source = inspect.getsource(rotate_half) if rotate_half is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    return "interleaved pairs" if "::2" in source else None

@@ -30,6 +30,8 @@ def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
     """The `kv_transfer_config` dict that makes a vLLM engine use tierkv with `config_file`. A block the
     tiers cannot load (corrupt, or gone since the lookup) is recomputed by vLLM (`kv_load_failure_policy`
     'recompute'; vLLM's default 'fail' would fail the request)."""
+    if not isinstance(config_file, (str, os.PathLike)) or not str(config_file):
+        raise TypeError(f"config_file: got {config_file!r}; expected a path or a shipped config's name")
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -47,21 +49,31 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     tierkv block is one vLLM block (None: not known yet, not checked).
     """
     env = os.environ if env is None else env
+    if extra_config is not None and not isinstance(extra_config, Mapping):
+        raise ConfigError("kv_connector_extra_config", extra_config,
+                          f"expected a mapping such as {{'config_file': 'vllm-128k'}}; allowed keys: {list(EXTRA_KEYS)}")
     extra = dict(extra_config or {})
     for key in extra:
         if key not in EXTRA_KEYS:
             close = difflib.get_close_matches(str(key), EXTRA_KEYS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"kv_connector_extra_config.{key}", extra[key], f"{hint}allowed keys: {list(EXTRA_KEYS)}")
-    path = extra.get("config_file") or env.get("TIERKV_CONFIG_FILE")
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+        raise ConfigError("kv_connector_extra_config.model_id", model_id,
+                          "expected a non-empty string naming where the weights came from (part of every block's address)")
+    named = extra.get("config_file")
+    if named is not None and not isinstance(named, (str, os.PathLike)):
+        raise ConfigError("kv_connector_extra_config.config_file", named, "expected a path or a shipped config's name")
+    path = named or env.get("TIERKV_CONFIG_FILE")
     if not path:
         raise ConfigError("kv_connector_extra_config.config_file", None,
                           "name a tierkv YAML file there or in the TIERKV_CONFIG_FILE environment variable")
     if isinstance(path, (str, os.PathLike)):
         path = resolve_config_path(path)  # a shipped config's name ('vllm-128k') or a path
     if not isinstance(path, os.PathLike) or not os.path.isfile(path):
-        raise ConfigError("kv_connector_extra_config.config_file", extra.get("config_file") or path,
-                          "must be an existing tierkv YAML file or a shipped config's name")
+        key = "kv_connector_extra_config.config_file" if named else "config_file (set by TIERKV_CONFIG_FILE)"
+        raise ConfigError(key, str(named or path), "must be an existing tierkv YAML file or a shipped config's name")
     if extra.get("config_file"):  # named here, it is the file (TieredLLM writes one): the variable is not read
         env = {k: v for k, v in env.items() if k != "TIERKV_CONFIG_FILE"}
     config = load_config(path, env=env)
