@@ -23,13 +23,22 @@ ARTIFACT = "<a metrics JSONL>"  # written per test (tests/artifacts is not in th
     (["plan", "--model-config", "llama-3.1-8b", "--context", "128k", "--gpu-budget", "9" * 32],
      "--gpu-budget 9999"),
     (["dashboard", "--jsonl", ARTIFACT, "--host", "999.1.1.1", "--port", "0"], "--host 999.1.1.1"),
+    (["run", "--demo", "--prompt-tokens", "8", "--seed", str(2**70)], "--seed: got 1180591620717411303424"),
+    (["run", "--demo", "--prompt-tokens", "8", "--seed", "-1"], "--seed: got -1"),
+    (["run", "--model", "<bad config.json>", "--prompt", "x"], "its config.json cannot be read as JSON"),
+    (["run", "--model", "<no weights>", "--prompt", "x"], "the directory has no weights"),
 ])
 def test_a_bad_argument_exits_2_naming_it_before_any_work(capsys, tmp_path, args, message):
 
     jsonl = tmp_path / "metrics.jsonl"
     jsonl.write_text(json.dumps({"schema": "tierkv.metrics/1", "run_id": "x", "seq": 0, "kind": "final", "t": 1.0,
                                  "elapsed_s": 0.0, "figures": {}, "rates": {}, "latency": {}, "info": {}}) + "\n")
-    args = [str(jsonl) if a == ARTIFACT else a for a in args]
+    bad_json, no_weights = tmp_path / "bad", tmp_path / "empty"
+    for directory, text in ((bad_json, "{not json"), (no_weights, '{"model_type": "llama"}')):
+        directory.mkdir()
+        (directory / "config.json").write_text(text)
+    named = {ARTIFACT: str(jsonl), "<bad config.json>": str(bad_json), "<no weights>": str(no_weights)}
+    args = [named.get(a, a) for a in args]
     started = time.perf_counter()
     assert main(args) == 2
     assert message in capsys.readouterr().err

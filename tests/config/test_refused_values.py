@@ -64,3 +64,35 @@ def test_an_inline_secret_is_measured_as_a_start_reads_it():
     assert load_config({"storage": {"secret": " 0123456789abcdef "}}, env={}).storage.secret
     kept = "\u3000" + "0123456789abcd"  # 14 ASCII characters and an ideographic space a start keeps (3 bytes)
     assert load_config({"storage": {"secret": kept}}, env={}).storage.secret == kept
+
+
+def test_tiers_given_as_names_say_a_mapping_is_expected():
+    with pytest.raises(ConfigError, match=r"expected a mapping with a 'kind' \(e.g. \{kind: cpu\}\)") as info:
+        load_config({"tiers": ["cpu", "disk"]}, env={})
+    assert info.value.key == "tiers[0]"
+
+
+def test_an_empty_config_file_variable_is_unset_and_a_bad_one_is_named(tmp_path):
+    assert load_config(None, env={"TIERKV_CONFIG_FILE": ""}) == load_config(None, env={})
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"TIERKV_CONFIG_FILE": str(tmp_path / "missing.yaml")})
+    assert info.value.key == "config_file (set by TIERKV_CONFIG_FILE)"
+
+
+@pytest.mark.parametrize("first,second", [
+    ("redis://h", "redis://:pw@H:6379/0"), ("redis://h/2", "redis://h:6379?db=2"), ("unix:///tmp/r.sock", "unix:///tmp/r.sock?db=0"),
+    ("redis+cluster://a:7000,b:7001", "redis+cluster://b:7001,a:7000"),
+])
+def test_two_redis_tiers_on_one_keyspace_are_refused(first, second):
+    tiers = [{"kind": "cpu", "capacity_bytes": "64MiB"}, {"kind": "redis", "url": first}, {"kind": "redis", "url": second}]
+    with pytest.raises(ConfigError, match=r"tiers\[1\] already uses that server") as info:
+        load_config({"tiers": tiers}, env={})
+    assert info.value.key == "tiers[2].namespace"
+    tiers[2]["namespace"] = "other"
+    assert len(load_config({"tiers": tiers}, env={}).tiers) == 3
+
+
+def test_redis_tiers_on_other_databases_or_ports_are_kept_apart():
+    tiers = [{"kind": "cpu", "capacity_bytes": "64MiB"}, {"kind": "redis", "url": "redis://h/0"},
+             {"kind": "redis", "url": "redis://h/1"}, {"kind": "redis", "url": "redis://h:6380/0"}]
+    assert len(load_config({"tiers": tiers}, env={}).tiers) == 4

@@ -30,3 +30,19 @@ def test_the_vllm_connector_takes_a_shipped_name():
         load_config("vllm-128k", env={})
     with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file"):
         config_from_kv_transfer({"config_file": "vllm-129k"}, block_size=16, env={})
+
+
+@pytest.mark.parametrize("extra,key,words", [
+    ("vllm-128k", "kv_connector_extra_config", "expected a mapping"),
+    ([("config_file", "vllm-128k")], "kv_connector_extra_config", "expected a mapping"),
+    ({"config_file": "vllm-128k", "model_id": ""}, "kv_connector_extra_config.model_id", "non-empty string"),
+    ({"config_file": "vllm-128k", "model_id": ["x"]}, "kv_connector_extra_config.model_id", "non-empty string"),
+    ({"config_file": 5}, "kv_connector_extra_config.config_file", "expected a path"),
+    ({"config_file": None}, "config_file (set by TIERKV_CONFIG_FILE)", "must be an existing tierkv YAML file"),
+])
+def test_a_bad_extra_config_is_named(extra, key, words):
+    from tierkv.integrations.vllm.config import config_from_kv_transfer
+
+    with pytest.raises(ConfigError, match=words) as info:
+        config_from_kv_transfer(extra, block_size=64, env={"TIERKV_CONFIG_FILE": "/nonexistent/tierkv.yaml"})
+    assert info.value.key == key

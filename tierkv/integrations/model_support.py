@@ -184,10 +184,14 @@ def rotary_unlike_llamas(model: PreTrainedModel, layers: torch.nn.ModuleList) ->
     import sys
 
     text = text_config(model.config)
-    for key in ("partial_rotary_factor", "rotary_pct"):
-        factor = getattr(text, key, None)
-        if isinstance(factor, (int, float)) and factor != 1:
-            return f"{key}={factor}"
+    rope = getattr(text, "rope_parameters", None)
+    places = [text, *([rope] if isinstance(rope, dict) else []),
+              *(v for v in (rope or {}).values() if isinstance(v, dict))]  # (per layer type, where a model has them)
+    for place in places:
+        for key in ("partial_rotary_factor", "rotary_pct"):
+            factor = place.get(key) if isinstance(place, dict) else getattr(place, key, None)
+            if isinstance(factor, (int, float)) and factor != 1:
+                return f"{key}={factor}"
     module = sys.modules.get(type(getattr(layers[0], "self_attn", None)).__module__) if len(layers) else None
     rotate_half = getattr(module, "rotate_half", None)
     try:
