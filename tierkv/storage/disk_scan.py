@@ -72,6 +72,8 @@ def _free_damaged(fd: int, path: str, damaged: list[tuple[int, int]], tier_name:
 def _open_for_scan(path: str, tier_name: str, counters: TierCounters) -> int | None:
     try:
         fd = files.open_segment(path, os.O_RDWR)
+    except FileNotFoundError:  # a live peer on the directory removed its emptied segment since the listing
+        return None
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EISDIR, errno.ENXIO):
             raise

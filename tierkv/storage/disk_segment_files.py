@@ -150,8 +150,15 @@ class SegmentFiles:
         file was deleted or replaced. Caller holds `lock`."""
         self._roll_over_if_lost()
         if self._active_fd is not None and self.active_size < self.segment_bytes:
-            self.active_size = os.lseek(self._active_fd, 0, os.SEEK_END)  # where the next records go
-            return self._active_fd, self.active_size
+            end = os.lseek(self._active_fd, 0, os.SEEK_END)
+            if end == self.active_size:  # where the next records go
+                return self._active_fd, end
+            # cut (or grown) by something else: records past the cut read as corrupt misses, and records appended at
+            # an end off the 4 KiB grid would be invisible to the next start's scan: begin a new segment
+            logger.warning("%s: segment %s is %d bytes, not the %d this tier wrote; appending to a new segment",
+                           self.name, self.segment_path(self.active_id), end, self.active_size)
+            self.counters.add(errors=1)
+            self.active_size = self.segment_bytes
         if self._active_fd is not None:
             os.close(self._active_fd)
             self._active_fd = None
