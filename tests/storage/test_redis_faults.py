@@ -237,3 +237,18 @@ def test_a_namespace_of_corrupt_values_logs_one_line(layout, make_tier, raw, red
         assert tier.get_many(keys) == [None] * 12
     assert tier.counters["corrupt_blocks"] == 12
     assert len([r for r in caplog.records if "corrupt value" in r.getMessage()]) == 1
+
+
+def test_refused_credentials_are_logged_as_such_not_as_an_unreachable_server(layout, make_tier, raw, redis_server,
+                                                                             caplog):
+    raw.execute_command("ACL", "SETUSER", "tierkv-probe", "on", ">right-password", "~*", "+@all")
+    try:
+        url = redis_server.url.replace("redis://", "redis://tierkv-probe:wrong-password@", 1)
+        with caplog.at_level("WARNING", logger="tierkv"):
+            tier = make_tier(url=url)
+            assert tier.get(key_of(0)) is None and not tier.put(key_of(0), make_block(layout, 0)).ok
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "refused this tier's credentials" in logged and "unreachable" not in logged
+        assert "wrong-password" not in logged
+    finally:
+        raw.execute_command("ACL", "DELUSER", "tierkv-probe")

@@ -53,7 +53,10 @@ class StorageTier(ABC):
     def get(self, key: str) -> torch.Tensor | None: ...
 
     @abstractmethod
-    def put(self, key: str, block: torch.Tensor) -> PutResult: ...
+    def put(self, key: str, block: torch.Tensor) -> PutResult:
+        """Store `block` under `key`. A key names one block's bytes for good (keys are content addresses: model,
+        layout, the chained token ids): the chain skips spilling or writing through a key a lower tier holds, so
+        other bytes put under a held key may leave the older ones served."""
 
     @abstractmethod
     def remove(self, key: str) -> bool: ...

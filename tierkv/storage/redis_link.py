@@ -109,9 +109,12 @@ class LinkBase:
     def _mark_down(self, node: str, exc: BaseException) -> None:
         # the node leads: redis-py's message names it for a refused connection, not for a broken pipe
         self.last_error = redact_text(f"{node}: {type(exc).__name__}: {exc}")
+        refused = type(exc).__name__ in ("AuthenticationError", "AuthenticationWrongNumberOfArgsError")
         if self.health.mark_down(node):
-            logger.warning("%s: redis at %s unreachable, retry in %.1fs: %s",
-                           self.tier_name, redact_text(node), self.health.retry_interval_s, self.last_error)
+            what = ("refused this tier's credentials (the url's user and password; retried, as a server's users can "
+                    "change)" if refused else "unreachable")
+            logger.warning("%s: redis at %s %s, retry in %.1fs: %s",
+                           self.tier_name, redact_text(node), what, self.health.retry_interval_s, self.last_error)
         self._on_error()
 
     def _per_key_pipeline(self, client: Any, command: str, names: Sequence[str],
