@@ -1,5 +1,6 @@
 """The config reader's duplicate-key check (`config.load._yaml_load`) against PyYAML itself: any document
-without a repeated key in one mapping reads as yaml.safe_load reads it (block and flow styles, nested
+without a repeated key in one mapping reads as PyYAML's safe loader with the reader's YAML 1.2 numbers
+(`yaml_reader._LOADER`) reads it (block and flow styles, nested
 mappings and lists, keys repeated across mappings); the same document with one key repeated in one
 mapping is refused."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tierkv.config.load import _DuplicateKey, _yaml_load  # noqa: E402
+from tierkv.config.yaml_reader import _LOADER  # noqa: E402
 
 KEYS = st.sampled_from(["cache", "tiers", "kind", "path", "a", "b", "block_tokens", "x y", "1", "true"])
 SCALARS = st.one_of(st.integers(-5, 10**6), st.booleans(), st.none(), st.text(max_size=8),
@@ -24,7 +26,7 @@ DOCS = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4)
 @given(doc=st.dictionaries(KEYS, DOCS, min_size=1, max_size=5), flow=st.booleans())
 def test_documents_without_repeats_read_as_pyyaml_reads_them(doc, flow):
     text = yaml.safe_dump(doc, default_flow_style=flow)
-    assert _yaml_load(text) == yaml.safe_load(text)
+    assert _yaml_load(text) == yaml.load(text, Loader=_LOADER)
 
 
 @settings(max_examples=200, deadline=None)

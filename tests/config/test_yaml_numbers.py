@@ -61,3 +61,14 @@ def test_a_file_and_a_variable_read_the_same_text_alike(tmp_path_factory, text, 
     file_result, env_result = results
     if file_result[0] == "value" or env_result[0] == "value":
         assert file_result == env_result, (text, keypath, results)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.one_of(st.text(alphabet="0123456789abcdefxoE.+-_:", max_size=12), st.integers(), st.booleans(),
+                       st.none(), st.floats(allow_nan=False)))
+def test_what_the_project_writes_reads_back_as_written(value):
+    """TieredLLM's vLLM config file and `config check`'s output: a hex token of digits and one 'e', or '0100',
+    stays a string (YAML 1.1's dumper leaves them bare, and these numbers would read them as numbers)."""
+    from tierkv.config.yaml_reader import _yaml_load, dump_yaml
+
+    assert _yaml_load(dump_yaml({"v": value})) == {"v": value}

@@ -19,8 +19,7 @@ import os
 import re
 import sys
 
-import yaml
-
+from tierkv.config.yaml_reader import dump_yaml
 from tierkv.units import format_bytes
 
 _SIZE_LINE = re.compile(r"^(?P<head>\s*(?:- )?\w+_bytes: )(?P<num>\d+)$")
@@ -120,7 +119,7 @@ def _print_resolved(resolved: dict[str, dict], as_json: bool, *, several: bool) 
     for source, data in resolved.items():
         if several:
             print(f"--- # {source}")
-        print(with_sizes(yaml.safe_dump(data, sort_keys=False).rstrip()))
+        print(with_sizes(dump_yaml(data, sort_keys=False).rstrip()))
 
 
 def with_sizes(text: str) -> str:

@@ -6,7 +6,7 @@ octal 64, 1:30 as 90 and 0x20 as hex; here 0100 is 100 and the others stay text,
 refuses by name), and floats with or without a dot before the exponent (1e2 is 100.0; YAML 1.1 reads it as
 text). Booleans stay YAML's: true, false, yes, no, on, off.
 
-Primitives: `_yaml_load`, `MAX_DEPTH`, and what it raises (`_TooDeep`, `_DuplicateKey`, `_YAML_ERRORS`).
+Primitives: `_yaml_load`, `dump_yaml`, `MAX_DEPTH`, and what it raises (`_TooDeep`, `_DuplicateKey`, `_YAML_ERRORS`).
 """
 from __future__ import annotations
 
@@ -31,15 +31,21 @@ class _Loader(_BASE_LOADER):
     """The safe loader with YAML 1.2's core-schema numbers (decimal integers; floats as above)."""
 
 
+class _Dumper(yaml.SafeDumper):
+    """The safe dumper with the loader's numbers: it quotes a string the loader would read as a number (a hex
+    token of digits and one 'e', '0100'), which YAML 1.1's rules leave bare."""
+
+
 def _numbers_of_yaml_1_2() -> None:
-    resolvers = {}
-    for first, entries in _BASE_LOADER.yaml_implicit_resolvers.items():
-        kept = [(tag, regexp) for tag, regexp in entries if tag not in (_INT_TAG, _FLOAT_TAG)]
-        if kept:
-            resolvers[first] = kept
-    _Loader.yaml_implicit_resolvers = resolvers
-    _Loader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
-    _Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
+    for cls in (_Loader, _Dumper):
+        resolvers = {}
+        for first, entries in cls.yaml_implicit_resolvers.items():
+            kept = [(tag, regexp) for tag, regexp in entries if tag not in (_INT_TAG, _FLOAT_TAG)]
+            if kept:
+                resolvers[first] = kept
+        cls.yaml_implicit_resolvers = resolvers
+        cls.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+        cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+.0123456789"))
     _Loader.add_constructor(_INT_TAG, _construct_int)
     _Loader.add_constructor(_FLOAT_TAG, _construct_float)
 
@@ -66,6 +72,11 @@ def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> object:
 
 _numbers_of_yaml_1_2()
 _LOADER = _Loader
+
+
+def dump_yaml(data: object, stream=None, **options):
+    """yaml.safe_dump as this reader reads it back: every string stays a string."""
+    return yaml.dump(data, stream, Dumper=_Dumper, **options)
 
 
 class _TooDeep(Exception):

@@ -38,10 +38,9 @@ import os
 import tempfile
 import time
 
-import yaml
-
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config.load import to_dict
+from tierkv.config.yaml_reader import dump_yaml
 from tierkv.llm import TieredLLM
 from tierkv.llm_inputs import config_of, generate_inputs
 from tierkv.llm_totals import RequestTotals, start_metrics
@@ -203,5 +202,5 @@ def _write_config(config: TierKVConfig) -> str:
     """A YAML file of `config` (a new temporary path) for the connector to load."""
     handle, path = tempfile.mkstemp(prefix="tierkv-vllm-", suffix=".yaml")
     with os.fdopen(handle, "w") as f:
-        yaml.safe_dump(to_dict(config), f)
+        dump_yaml(to_dict(config), f)  # (a string that reads as a number is quoted)
     return path
