@@ -165,8 +165,44 @@ def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+def test_chat_wraps_the_question_in_the_models_template_and_raw_text_gets_a_hint(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    config = tmp_path / "real.yaml"
+    config.write_text("cache: {block_tokens: 16, gpu_budget_bytes: 8MiB, sink_tokens: 16, window_tokens: 64}\n"
+                      "tiers: [{kind: cpu, capacity_bytes: 256MiB}]\n"
+                      "scheduler: {staging_bytes: 4MiB, lookahead_layers: 1}\n")
+    argv = ["run", "--model", "smollm2-135m", "--config", str(config), "--prompt", "What is the capital of France?",
+            "--max-new-tokens", "12"]
+    assert main(argv + ["--chat"]) == 0
+    chat = capsys.readouterr()
+    assert "Paris" in chat.out and "add --chat" not in chat.err
+    assert main(argv) == 0  # raw text: this instruct model stops at once
+    raw = capsys.readouterr()
+    assert "Paris" not in raw.out and "add --chat" in raw.err
+
+
+def test_chat_needs_text(capsys):
+    assert main(["run", "--demo", "--prompt-tokens", "8", "--chat"]) == 2
+    assert "--chat wraps text" in capsys.readouterr().err
+
+
 def test_a_prompt_file_that_is_not_utf8_exits_2_naming_it(tmp_path, capsys):
     path = tmp_path / "bin.txt"
     path.write_bytes(b"ok\xff\xfe")
     assert main(["run", "--demo", "--prompt-file", str(path)]) == 2
     assert f"--prompt-file: {path} is not UTF-8 text (byte 2: b'\\xff')" in capsys.readouterr().err
+
+
+def test_the_port_flag_counts_for_a_config_that_enables_the_control(tmp_path, config_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "control.yaml"
+    config.write_text(open(config_path).read() + "metrics: {control_enabled: true, host: 127.0.0.1, "
+                      "control_token: 0123456789abcdef0123456789abcdef}\n")
+    argv = ["run", "--demo", "--config", str(config), "--prompt-tokens", "8", "--max-new-tokens", "2", "--quiet"]
+    assert main(argv) == 2
+    assert "set metrics.prometheus_port too" in capsys.readouterr().err
+    assert main(argv + ["--prometheus-port", str(port)]) == 0

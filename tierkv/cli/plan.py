@@ -214,7 +214,7 @@ def add_parser(commands) -> None:
     p.add_argument("--model-config", required=True, metavar="PRESET|PATH",
                    help=f"a preset ({', '.join(PRESETS)}) or a transformers config.json / model directory")
     p.add_argument("--context", required=True, metavar="TOKENS",
-                   help=f"tokens in the request, e.g. 131072, 128k or 1M ({TOKEN_UNITS_HELP})")
+                   help=f"tokens in the request, e.g. 131072, 128k or 1M; {TOKEN_UNITS_HELP}")
     p.add_argument("--gpu-budget", metavar="SIZE", help="GPU bytes for KV, e.g. 2GiB (default: the config's)")
     p.add_argument("--config", metavar="YAML", help="tierkv config (block size, window, tiers; default: built-in)")
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV dtype (default: the model's)")

@@ -32,6 +32,8 @@ def add_parser(commands) -> None:
     prompt.add_argument("--prompt-file", metavar="PATH", help="text, or a JSON list of token ids")
     prompt.add_argument("--prompt-tokens", metavar="N", help="a random prompt of N token ids (default with --demo: 2048); "
                         f"token counts take {TOKEN_UNITS_HELP}")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt / --prompt-file text in the model's chat "
+                   "template as one user turn (an instruct model answers raw text with little or nothing)")
     p.add_argument("--max-new-tokens", metavar="N", default="32", help="default 32; e.g. 512 or 4k")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float)
@@ -50,7 +52,6 @@ def add_parser(commands) -> None:
 
 def run_generate(args) -> int:
     from tierkv.cli.errors import UsageError
-    from tierkv.config import load_config
     from tierkv.sampling import SamplingParams
 
     prompt = _read_prompt(args)  # before loading anything: a bad prompt or device fails fast
@@ -60,12 +61,14 @@ def run_generate(args) -> int:
         raise UsageError(f"--seed: got {args.seed}; expected 0 to 2**63 - 1")
     if args.demo and isinstance(prompt, str):
         raise UsageError("the demo model has no tokenizer: use --prompt-tokens N or a --prompt-file of token ids")
+    if args.chat and not isinstance(prompt, str):
+        raise UsageError("--chat wraps text in the chat template: give --prompt TEXT or a --prompt-file of text")
     try:
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed if args.temperature > 0 else None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    config = _with_flags(load_config(args.config if args.config or not args.demo else _demo_config()), args)
+    config = _with_flags(_load_config(args), args)
     llm = _make_llm(args, config)
     with llm:
         if llm.metrics.url and not args.quiet:
@@ -78,12 +81,18 @@ def run_generate(args) -> int:
                 except ValueError as exc:
                     raise UsageError(f"--prompt-tokens {args.prompt_tokens}: {exc}") from None
             prompt = _random_prompt(prompt, llm.vocab_size, args.seed)
+        if args.chat:
+            prompt = _chat_prompt(llm.tokenizer, prompt)
         try:
             (out,) = llm.generate([prompt], sampling)
         except (ValueError, TypeError) as exc:  # bad prompt (PromptError), or a request the CPU tier cannot hold
             raise UsageError(str(exc)) from None
         stats = llm.stats()
     _print(args, out, stats)
+    if isinstance(prompt, str) and not args.quiet and not args.json and out.finish_reason == "stop" \
+            and len(out.token_ids) <= 1 and getattr(getattr(llm, "tokenizer", None), "chat_template", None):
+        print("tierkv run: the model stopped at once; an instruct model answers a question in its chat template: "
+              "add --chat", file=sys.stderr)
     if args.report:
         from tierkv.dashboard import write_report
 
@@ -91,6 +100,37 @@ def run_generate(args) -> int:
         if not args.quiet:
             print(f"tierkv run: report written to {args.report}", file=sys.stderr)
     return 0
+
+
+def _chat_prompt(tokenizer, text: str) -> list[int]:
+    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer."""
+    from tierkv.cli.errors import UsageError
+
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat: this model's tokenizer has no chat template; leave --chat out")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = ids.get("input_ids", ids) if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    return [int(t) for t in ids]
+
+
+def _load_config(args):
+    """--config (or the demo's, or $TIERKV_CONFIG_FILE's) with --prometheus-port given before the config's rules
+    run: metrics.control_enabled needs a port, and the flag may be what gives it."""
+    from tierkv.cli.errors import UsageError
+    from tierkv.config import ConfigError, load_config
+
+    env = dict(os.environ)
+    var = "TIERKV_METRICS__PROMETHEUS_PORT"
+    if args.prometheus_port is not None:
+        env[var] = str(args.prometheus_port)
+    try:
+        return load_config(args.config if args.config or not args.demo else _demo_config(), env=env)
+    except ConfigError as exc:
+        if args.prometheus_port is not None and var not in os.environ and exc.key.startswith("metrics.prometheus_port"):
+            raise UsageError(f"--prometheus-port {args.prometheus_port}: "
+                             f"{ConfigError('metrics.prometheus_port', exc.value, exc.allowed)}") from None
+        raise
 
 
 def _with_flags(config, args):

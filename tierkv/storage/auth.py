@@ -217,7 +217,9 @@ def _read_secret_file(path: Path, create: bool) -> tuple[os.stat_result, bytes]:
         raise ConfigError("storage.secret_file", str(path), "expected a file holding the secret; it is a directory "
                           "(name a file in it)") from None
     except FileNotFoundError as exc:
-        hint = "" if create else "; set storage.create_secret_file: true to create one"
+        hint = "" if create else ("; copy the secret shared by every process and host using the same disk directory "
+                                  "or Redis there, or for a tier of this machine only set "
+                                  "storage.create_secret_file: true to create one")
         raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror}){hint}") from None
     except OSError as exc:
         raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror})") from None
