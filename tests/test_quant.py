@@ -101,3 +101,24 @@ def test_exact_mode_over_a_quantized_cpu_tier_moves_fewer_bytes_and_stays_close(
     # fp32 model: one byte per value instead of four, plus 2 x 2 float32 scales per block
     block_bytes = 2 * 2 * 4 * 16
     assert moved[fmt] == pytest.approx(moved["auto"] * (block_bytes + 16) / (block_bytes * 4), rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_group_holding_nan_or_inf_reads_back_non_finite_and_the_others_stay_exact(fmt, bad):
+    """Non-finite KV in, non-finite out: never finite stand-ins (int8 hid a NaN as a finite value and zeroed its
+    head's other values; an inf made 0 * inf). The other [kv, head] groups keep the format's bound."""
+    from tierkv.quant import pack_blocks, unpack_blocks
+
+    blocks = torch.randn(3, 2, 4, 16, 32)
+    blocks[1, 0, 2, 5, 7] = bad
+    for back in (dequantize_blocks(*quantize_blocks(blocks, fmt), fmt, torch.float32),
+                 unpack_blocks(pack_blocks(blocks, fmt), fmt, torch.float32)):
+        assert torch.isnan(back[1, 0, 2]).all()
+        good = torch.ones(3, 2, 4, dtype=torch.bool)
+        good[1, 0, 2] = False
+        error = (back - blocks).abs().amax(dim=(-2, -1))[good]
+        assert torch.isfinite(back[good]).all()
+        clean = blocks.clone()
+        clean[1, 0, 2] = 0
+        assert (error <= max_abs_error(clean, fmt)[good] * (1 + 1e-5)).all()

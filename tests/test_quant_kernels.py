@@ -21,6 +21,7 @@ for fmt in ("int8", "float8_e4m3fn"):
     for dtype in (torch.float32, torch.float16):
         blocks = torch.randn(6, 2, 3, 16, 8) * torch.rand(6, 2, 3, 1, 1) * 4
         blocks[1, 0, 2] = 0
+        blocks[3, 1, 1, 4, 5] = float("nan")  # a non-finite group: a NaN scale, read back all NaN
         codes, scales = quantize_blocks(blocks, fmt)
         dst = torch.full((10, 2, 3, 16, 8), float("nan"), dtype=dtype)
         slots = torch.tensor([7, 0, 3, 9, 5, 2])
@@ -29,6 +30,7 @@ for fmt in ("int8", "float8_e4m3fn"):
         want.index_copy_(0, slots, dequantize_blocks(codes, scales, fmt, dtype))
         assert torch.equal(dst.view(torch.int16 if dtype == torch.float16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.float16 else torch.int32)), (fmt, dtype)
+        assert torch.isnan(dst[9, 1, 1]).all() and torch.isfinite(dst[9, 0]).all()  # block 3 went to slot 9
         untouched = [s for s in range(10) if s not in slots.tolist()]
         assert torch.isnan(dst[untouched]).all()
         # a negative slot skips its block (a far-block cache's held blocks), in the kernel and the PyTorch form

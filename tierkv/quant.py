@@ -6,6 +6,7 @@ Primitives: `QUANT_FORMATS`, `quantize_blocks`, `dequantize_blocks`, `max_abs_er
     blocks [n, 2, H, T, D] (bf16/fp16/fp32)  ->  codes [n, 2, H, T, D] uint8  +  scales [n, 2, H] float32
     int8:  code = round(x / s) in [-127, 127], s = amax / 127        (stored as its uint8 bit pattern)
     fp8:   code = float8_e4m3fn(x / s),        s = amax / 448
+    a [kv, head] group holding NaN or inf: s = NaN, codes 0 (it reads back all NaN, never finite)
 
 Disk and Redis store one tensor per block, so there the scales ride in one extra token row:
 
@@ -35,9 +36,13 @@ def quantize_blocks(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     """blocks [n, 2, H, T, D] -> (codes uint8 [n, 2, H, T, D], scales float32 [n, 2, H])."""
     qmax = QUANT_FORMATS[fmt]
     x = blocks.float()
-    amax = x.abs().amax(dim=(-2, -1))                                # [n, 2, H]
+    amax = x.abs().amax(dim=(-2, -1))                                # [n, 2, H]; NaN or inf if any value is
+    finite = torch.isfinite(amax)
     scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    scaled = x / scales[..., None, None]
+    # a group holding NaN or inf gets a NaN scale: every reader (the fused kernel, in-place CPU reads) multiplies
+    # by it, so the group reads back non-finite, never as finite values (a NaN amax gave scale 1 and hid the NaN)
+    scales = torch.where(finite, scales, torch.full_like(amax, float("nan")))
+    scaled = torch.where(finite[..., None, None], x / scales[..., None, None], 0.0)
     if fmt == "int8":
         codes = scaled.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
     else:
