@@ -137,7 +137,7 @@ def test_a_cpu_capacity_below_one_block_is_a_config_error_when_tiers_are_built()
     config = load_config({"tiers": [{"kind": "cpu", "capacity_bytes": 100}]}, env={})
     with pytest.raises(ConfigError) as info:
         build_tiers(config.tiers, LAYOUT, pin_memory=False)
-    assert info.value.key == "tiers[0]" and "holds no block" in str(info.value)
+    assert info.value.key == "tiers[0].capacity_bytes" and "holds no block" in str(info.value)
 
 
 def test_a_key_given_twice_in_one_mapping_is_refused_with_its_line(tmp_path):

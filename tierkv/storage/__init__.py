@@ -55,6 +55,8 @@ def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pi
     except TierError as exc:  # the disk tier cannot create or scan its directory
         raise ConfigError(f"tiers[{index}].path", getattr(tier_config, "path", None), str(exc)) from exc
     except ValueError as exc:  # the constructors' own parameter checks
+        if "capacity" in str(exc):  # below one block of this model's layout: the key the user sets
+            raise ConfigError(f"tiers[{index}].capacity_bytes", tier_config.capacity_bytes, str(exc)) from exc
         raise ConfigError(f"tiers[{index}]", _shown_section(tier_config), str(exc)) from exc
     except (RuntimeError, MemoryError) as exc:  # the CPU slab could not be allocated
         raise ConfigError(f"tiers[{index}].capacity_bytes", tier_config.capacity_bytes,
