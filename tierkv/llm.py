@@ -246,7 +246,9 @@ class TieredLLM:
                 token = sample_next(logits, sampling, generator)
                 generated.append(token)
                 progress.update(1)
-                if token in stop_ids:
+                if token in stop_ids:  # the bar ends full at the tokens made, not as if cut short
+                    progress.total = len(generated)
+                    progress.refresh()
                     return generated, "stop", _elapsed(start, device)
                 if len(generated) >= sampling.max_new_tokens:
                     return generated, "length", _elapsed(start, device)

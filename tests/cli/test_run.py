@@ -153,6 +153,26 @@ def test_decode_progress_bar_of_tiered_llm_follows_show_progress(tmp_path, capsy
         assert ("decode" in err and f"{new_tokens}/{new_tokens}" in err and "tok/s" in err) == expect_bar, err
 
 
+def test_a_decode_ended_by_a_stop_token_shows_a_full_bar(tmp_path, capsys):
+    from tests.metrics.workload import make_config
+    from tierkv.llm import DECODE_PROGRESS_MIN_TOKENS, TieredLLM
+    from tierkv.sampling import SamplingParams
+
+    model, _ = build("llama", num_heads=8, num_kv_heads=2, num_layers=2, seed=0)
+    prompt = list(range(1, 30))
+    with TieredLLM(model, make_config(tmp_path / "free"), show_progress=False) as llm:
+        (free,) = llm.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    stop = free.token_ids[4]  # greedy: the same tokens again, ended at this one's first appearance
+    made = free.token_ids.index(stop) + 1
+    with TieredLLM(model, make_config(tmp_path / "stop"), show_progress=True) as llm:
+        (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=DECODE_PROGRESS_MIN_TOKENS + 8,
+                                                       ignore_eos=True, stop_token_ids=[stop]))
+    err = capsys.readouterr().err
+    assert out.finish_reason == "stop" and len(out.token_ids) == made
+    last = err.split("decode")[-1]  # the bar's final rendering
+    assert f"{made}/{made}" in last and "100%" in last, err
+
+
 def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
     pytest.importorskip("gguf")
     config = tmp_path / "real.yaml"
