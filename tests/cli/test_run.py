@@ -226,3 +226,19 @@ def test_the_port_flag_counts_for_a_config_that_enables_the_control(tmp_path, co
     assert main(argv) == 2
     assert "set metrics.prometheus_port too" in capsys.readouterr().err
     assert main(argv + ["--prometheus-port", str(port)]) == 0
+
+
+def test_the_readme_cpu_example_runs_with_its_shipped_config(tmp_path, monkeypatch):
+    """README's CPU snippet: the main job's model under configs/smollm2-135m.yaml (its disk tier sent to tmp)."""
+    pytest.importorskip("gguf")
+    from tierkv.config import load_config
+    from tierkv.llm import TieredLLM
+    from tierkv.sampling import SamplingParams
+
+    monkeypatch.setenv("TIERKV_TIERS__1__PATH", str(tmp_path / "disk"))
+    monkeypatch.setenv("TIERKV_STORAGE__SECRET_FILE", str(tmp_path / "secret"))
+    with TieredLLM("smollm2-135m", load_config("smollm2-135m"), show_progress=False) as llm:
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        prompt = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=32))
+    assert "Paris" in out.outputs[0].text

@@ -47,6 +47,8 @@ PRESETS = {  # KV shapes of the released checkpoints (config.json of each)
     "llama-3.1-8b": KVShape("llama-3.1-8b", 32, 8, 128, max_context=131072),
     "qwen2-7b": KVShape("qwen2-7b", 28, 4, 128, max_context=32768),  # Instruct; longer with YaRN
     "mistral-7b": KVShape("mistral-7b", 32, 8, 128, max_context=32768),  # v0.3
+    # the main job's model (its GGUF has no config.json); float32, as it runs on a CPU (bfloat16 on CUDA)
+    "smollm2-135m": KVShape("smollm2-135m", 30, 3, 64, kv_dtype="float32", max_context=8192),
 }
 
 
