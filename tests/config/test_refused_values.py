@@ -96,3 +96,32 @@ def test_redis_tiers_on_other_databases_or_ports_are_kept_apart():
     tiers = [{"kind": "cpu", "capacity_bytes": "64MiB"}, {"kind": "redis", "url": "redis://h/0"},
              {"kind": "redis", "url": "redis://h/1"}, {"kind": "redis", "url": "redis://h:6380/0"}]
     assert len(load_config({"tiers": tiers}, env={}).tiers) == 4
+
+
+@pytest.mark.parametrize("host", [" ", "not a host!!", "a b", "", "x" * 300])
+def test_a_metrics_host_no_server_could_bind_is_refused_at_load(host):
+    with pytest.raises(ConfigError) as info:
+        load_config({"metrics": {"host": host}}, env={})
+    assert info.value.key == "metrics.host"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "0.0.0.0", "::", "gpu-7.example.com", "fe80::1%eth0"])
+def test_hosts_and_addresses_are_taken(host):
+    assert load_config({"metrics": {"host": host}}, env={}).metrics.host == host
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused(name):
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"name": name}}, env={})
+    assert info.value.key == "model.name"
+
+
+@pytest.mark.parametrize("first,second", [
+    ("TIERKV_TIERS__0__CAPACITY_BYTES", "TIERKV_TIERS__00__CAPACITY_BYTES"),
+    ("TIERKV_CACHE__BLOCK_TOKENS", "TIERKV_cache__block_tokens"),
+])
+def test_two_spellings_of_one_key_in_the_environment_are_refused(first, second):
+    with pytest.raises(ConfigError, match=f"{first}|{second}") as info:
+        load_config(None, env={first: "1MiB" if "BYTES" in first else "16", second: "2MiB" if "BYTES" in first else "32"})
+    assert "sets the same key" in str(info.value)

@@ -30,7 +30,10 @@ def apply_env(data: dict, env: Mapping[str, str], root: type) -> dict[str, str]:
         parts = var[len(ENV_PREFIX) :].lower().split("__")
         if not all(parts):
             raise ConfigError(var, env[var], "expected TIERKV_SECTION__KEY (levels joined by '__', none empty)")
-        origins[_set_path(data, defaults, root, parts, var, env[var])] = var
+        dotted = _set_path(data, defaults, root, parts, var, env[var])
+        if dotted in origins:  # another spelling of one key (case, an index's leading zeros): which one is meant?
+            raise ConfigError(var, env[var], f"{origins[dotted]} sets the same key ({dotted}); set it once")
+        origins[dotted] = var
     return origins
 
 
@@ -46,7 +49,7 @@ def _set_path(data: dict, defaults: object, declared: object, parts: list[str], 
             if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
                 raise ConfigError(var, raw, f"'{dotted}' has {len(node)} entries; use an index below that")
             key: object = int(part)
-            dotted += f"[{part}]"
+            dotted += f"[{key}]"
             defaults = None
         elif isinstance(node, dict):
             key = part

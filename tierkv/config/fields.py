@@ -9,13 +9,14 @@ Primitives: `convert_scalar`, `check_value`, `check_path`, `expand_path`, the li
     *_bytes          a size with units (tierkv.units), whole bytes, at most MAX_BYTES
     path, *_path     a path: no NUL, components of at most 255 bytes, at most 4095 bytes in all,
                      '~user' only for a user that exists
-    choices=(...)    one of them;  check="..."  a named check (writable_dir, writable_file, redis_url, non_empty,
+    choices=(...)    one of them;  check="..."  a named check (writable_dir, writable_file, redis_url, non_empty, host,
                      secret, control_token)
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 from tierkv.config.errors import ConfigError
@@ -143,8 +144,18 @@ def check_writable_file(value: str, keypath: str) -> None:
 
 
 def check_non_empty(value: str, keypath: str) -> None:
-    if not value:
+    if not value.strip():
         raise ConfigError(keypath, value, "expected a non-empty string")
+
+
+_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+                   r"|[0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?)$")
+
+
+def check_host(value: str, keypath: str) -> None:
+    """A host name or an IP address to listen on (what the HTTP server's bind would otherwise refuse late)."""
+    if not _HOST.match(value) or len(value) > 253:
+        raise ConfigError(keypath, value, "expected a host name or an IP address, e.g. 127.0.0.1, localhost or ::1")
 
 
 MIN_CONTROL_TOKEN_CHARS = 16  # (tierkv.metrics.control checks the TIERKV_CONTROL_TOKEN variable the same way)
@@ -169,4 +180,5 @@ def check_secret(value: str, keypath: str) -> None:
 
 def _checks() -> dict:
     return {"writable_dir": check_writable_dir, "writable_file": check_writable_file, "redis_url": check_redis_url,
-            "non_empty": check_non_empty, "secret": check_secret, "control_token": check_control_token}
+            "non_empty": check_non_empty, "secret": check_secret, "control_token": check_control_token,
+            "host": check_host}

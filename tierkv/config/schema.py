@@ -48,7 +48,8 @@ def doc(text: str, **extra: object) -> dict:
 class ModelConfig(_Shown):
     """Shape of the model's KV cache; None fields are taken from the model at start-up."""
 
-    name: str = field(default="unnamed-model", metadata=doc("model id, part of every block's address"))
+    name: str = field(default="unnamed-model", metadata=doc("model id, part of every block's address",
+                                                         check="non_empty"))
     num_layers: int | None = field(default=None, metadata=doc("attention layers", min_value=1))
     num_kv_heads: int | None = field(default=None, metadata=doc("KV heads per layer", min_value=1))
     head_dim: int | None = field(default=None, metadata=doc("dims per head", min_value=1))
@@ -249,7 +250,7 @@ class MetricsConfig(_Shown):
     host: str = field(default="127.0.0.1", metadata=doc(
         "address the metrics endpoint listens on; requests must name it in their Host header (loopback also "
         "accepts localhost; 0.0.0.0 or :: listen everywhere and accept IP addresses): keep loopback unless "
-        "the endpoint must be reached from other hosts", check="non_empty"))
+        "the endpoint must be reached from other hosts", check="host"))
     control_enabled: bool = field(default=False, metadata=doc(
         "serve POST /api/gpu_budget (`tierkv budget`) on the metrics endpoint; needs control_token or the "
         "TIERKV_CONTROL_TOKEN environment variable (docs/security.md)"))
