@@ -84,5 +84,5 @@ def parse_tokens(text: str | int) -> int:
     if not value.is_integer() or value < 1:
         raise ValueError(f"{_shown(text)} is {value:g} tokens: expected a whole number of at least 1")
     if value > MAX_TOKENS:
-        raise ValueError(f"{_shown(text)} is {value:g} tokens: at most {MAX_TOKENS} (1G) tokens")
+        raise ValueError(f"{_shown(text)} is {value:g} tokens: at most {MAX_TOKENS} (1024M) tokens")
     return int(value)

@@ -23,6 +23,7 @@ from tierkv.units import TOKEN_UNITS_HELP
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_H2D_GBPS = 55.0
+MIN_H2D_GBPS, MAX_H2D_GBPS = 0.01, 10_000.0  # a rate outside these is a unit mistake
 VLLM_BLOCK_TOKENS = 16
 
 
@@ -247,11 +248,18 @@ def run_plan(args) -> int:
         except ValueError as exc:
             raise UsageError(f"{flag}: {exc}") from None
     budget, pool = sizes["--gpu-budget"], sizes["--vllm-kv-pool"]
-    if budget is not None and budget <= 0 or pool is not None and pool <= 0:
-        raise UsageError("--gpu-budget and --vllm-kv-pool must be positive")
+    for flag, size in sizes.items():
+        if size is not None and size <= 0:
+            raise UsageError(f"{flag}: got {getattr(args, flag[2:].replace('-', '_'))}; it must be positive")
     check_positive("--h2d-gbps", args.h2d_gbps)  # nan too
+    if not MIN_H2D_GBPS <= args.h2d_gbps <= MAX_H2D_GBPS:  # GB/s, not bytes/s or TB/s
+        raise UsageError(f"--h2d-gbps: got {args.h2d_gbps:g}; expected GB/s from {MIN_H2D_GBPS:g} to {MAX_H2D_GBPS:g} "
+                         f"(a PCIe 5 x16 link gives about 55)")
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs: got {args.max_num_seqs}; it must be at least 1")
+    if args.max_num_seqs != 1 and args.backend != "vllm":
+        raise UsageError(f"--max-num-seqs {args.max_num_seqs}: only --backend vllm runs several requests at once "
+                         "(the transformers engine runs a batch one request after another)")
     config = load_config(args.config)
     if budget is not None:
         import dataclasses
