@@ -54,7 +54,7 @@ def test_an_empty_jsonl_has_nothing_to_show(tmp_path, capsys):
 
 def test_a_file_that_is_not_metrics_is_named(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
-    assert main(["top", "--jsonl", str(tmp_path / "x.jsonl"), "--once"]) == 1
+    assert main(["top", "--jsonl", str(tmp_path / "x.jsonl"), "--once"]) == 2  # bad input, as for `dashboard`
     assert "x.jsonl:1: not a tierkv metrics snapshot" in capsys.readouterr().err
 
 

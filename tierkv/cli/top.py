@@ -49,7 +49,8 @@ def run_top(args) -> int:
             except SourceError as exc:
                 if args.once or not lines:
                     print(f"tierkv top: error: {exc}", file=sys.stderr)
-                    return 1
+                    return 2 if args.jsonl else 1  # a bad file is bad input (as for tierkv dashboard); an endpoint
+                    # that does not answer is a failure at run time
                 new = []
             lines = (lines + new)[-1:]  # only the newest is drawn
             if args.once:
