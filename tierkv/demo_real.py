@@ -134,7 +134,7 @@ def check_fits_shortcut(args) -> None:
     start refuses (TIERKV_* variables included), TooLong when --tokens, the chat template's tokens
     (CHAT_TOKENS_AT_LEAST) and --new-tokens pass its positions (`Shortcut.positions`; `run_real_model` checks the
     prompt with its chat template against the loaded model again)."""
-    from tierkv.storage.auth import check_storage_secret
+    from tierkv.storage.secret_file import check_storage_secret
 
     config = demo_config(1 << 20, args.disk_path)  # --disk-path's checks (a file, a pseudo file system), at any size
     check_storage_secret(config.storage)  # the disk tier's secret file as its start reads it, creating nothing
@@ -232,7 +232,7 @@ def _reference_answer(model, prompt_ids: list[int], max_new_tokens: int, stop_id
 def _secret_to_create(config: TierKVConfig) -> Path | None:
     """The secret file the disk tier's start will create (storage.create_secret_file, no such file yet), else
     None: the demo says so when it appears, since it stays in the user's home after the run."""
-    from tierkv.storage.auth import secret_path
+    from tierkv.storage.secret_file import secret_path
 
     storage = config.storage
     if storage.secret is not None or storage.secret_file is None or not storage.create_secret_file:

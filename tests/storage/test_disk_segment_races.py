@@ -61,3 +61,30 @@ def test_blocks_stored_after_the_active_segment_was_cut_survive_a_restart(tmp_pa
     with DiskTier("disk", LAYOUT, CAPACITY_BYTES, tmp_path) as again:
         for i in range(6, 10):
             assert same(again.get(key_of(i)), make_block(LAYOUT, i)), i
+
+
+@pytest.mark.parametrize("planted", ["fifo", "huge"])
+def test_a_planted_order_file_is_ignored_not_read(tmp_path, planted):
+    """lru.order is a hint: a FIFO there blocked the start for ever, a huge file was read whole."""
+    import threading
+
+    with DiskTier("disk", LAYOUT, CAPACITY_BYTES, tmp_path) as tier:
+        tier.put_many([key_of(0)], [make_block(LAYOUT, 0)])
+    order = tmp_path / "lru.order"
+    order.unlink(missing_ok=True)
+    if planted == "fifo":
+        os.mkfifo(order, 0o600)
+    else:
+        with open(order, "wb") as f:
+            f.truncate(1 << 40)  # sparse
+    got = {}
+
+    def start():
+        with DiskTier("disk", LAYOUT, CAPACITY_BYTES, tmp_path) as again:
+            got["block"] = again.get(key_of(0))
+
+    worker = threading.Thread(target=start, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the start blocked on the planted order file"
+    assert same(got["block"], make_block(LAYOUT, 0))

@@ -42,3 +42,37 @@ def test_a_secret_file_that_is_a_directory_says_so(tmp_path, create):
 def test_a_missing_secret_file_still_names_create_secret_file(tmp_path):
     with pytest.raises(ConfigError, match="set storage.create_secret_file: true"):
         load_secret(StorageConfig(secret_file=str(tmp_path / "missing")))
+
+
+def test_a_fifo_or_device_at_the_secret_path_is_refused_without_reading_it(tmp_path):
+    """A FIFO would block the start for ever, /dev/zero fill the memory: refused by what it is."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo-secret"
+    os.mkfifo(fifo, 0o600)
+    result = {}
+
+    def load(path):
+        try:
+            load_secret(StorageConfig(secret_file=str(path)))
+        except ConfigError as exc:
+            result[str(path)] = str(exc)
+
+    zero = tmp_path / "zero-secret"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        worker = threading.Thread(target=load, args=(path,), daemon=True)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), f"{path}: the secret's read blocked"
+        assert "expected a regular file" in result[str(path)]
+
+
+def test_a_secret_file_too_large_for_a_secret_is_refused(tmp_path):
+    path = tmp_path / "secret"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a gigabyte the old code read whole
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="expected a secret of at most 65536 bytes"):
+        load_secret(StorageConfig(secret_file=str(path)))

@@ -80,7 +80,8 @@ def _check_start(config) -> None:
     nothing: per tier, `encrypt` on a trusted tier and a sealed tier without any secret; the secret file where a
     start reads it (an untrusted disk or Redis tier), or where it would create it; an existing disk tier directory
     of another user or writable by group or others; a control endpoint without a usable token."""
-    from tierkv.storage.auth import check_storage_secret, check_tier_secret, is_sealed
+    from tierkv.storage.auth import check_tier_secret, is_sealed
+    from tierkv.storage.secret_file import check_storage_secret
 
     for index, tier in enumerate(config.tiers):
         check_tier_secret(index, tier, config.storage)

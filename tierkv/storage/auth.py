@@ -1,7 +1,7 @@
 """Authenticated blocks for tiers others can write to (Redis) or that outlive the process (disk).
 
-Primitives: `secret_path`, `BlockSealer` (names, seal, open), `AuthFailure`, `load_secret`, `sealer_for_tier`,
-`check_tier_secret`, `check_storage_secret`, `SECRET_ENV`, `SECRET_FILE_ENV`.
+Primitives: `BlockSealer` (names, seal, open), `AuthFailure`, `sealer_for_tier`, `check_tier_secret`, `is_sealed`
+(the secret itself: `tierkv.storage.secret_file`).
 
 Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
 
@@ -30,22 +30,18 @@ import functools
 import hashlib
 import hmac
 import os
-import stat
 import struct
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from tierkv.blocks import BlockLayout, dtype_name
 from tierkv.config import ConfigError
+from tierkv.storage.secret_file import _MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 if TYPE_CHECKING:
     from tierkv.config import StorageConfig, TierConfig
 
-SECRET_ENV = "TIERKV_STORAGE__SECRET"
-SECRET_FILE_ENV = "TIERKV_STORAGE__SECRET_FILE"
 MAGIC = b"TKVS"
 FORMAT_VERSION = 1
 MODE_MAC, MODE_AEAD = 1, 2
@@ -53,7 +49,6 @@ MAX_KEY_BYTES = 176
 HEADER_BYTES, KEY_FIELD_BYTES, TAG_BYTES = 64, 192, 32
 PAYLOAD_OFFSET = HEADER_BYTES + KEY_FIELD_BYTES
 _HEAD = struct.Struct("<4sBBH12s")
-_MIN_SECRET_BYTES = 16
 
 
 class AuthFailure(ValueError):
@@ -179,103 +174,6 @@ def _as_block(payload: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 
 # -- the secret ------------------------------------------------------------------------------------
-def secret_path(secret_file: str) -> Path:
-    """storage.secret_file with `~` expanded; ConfigError naming the key when it cannot be ("~nosuchuser/...")."""
-    try:
-        return Path(secret_file).expanduser()
-    except RuntimeError as exc:
-        raise ConfigError("storage.secret_file", secret_file, f"cannot expand it ({exc})") from None
-
-
-def load_secret(storage: "StorageConfig") -> bytes | None:
-    """The deployment's secret from storage.secret, else storage.secret_file; None when neither is set. Either
-    way without the ASCII whitespace at its ends (a file's last newline, a pasted value's spaces)."""
-    if storage.secret is not None:
-        return storage.secret.encode().strip()
-    if storage.secret_file is None:
-        return None
-    path = secret_path(storage.secret_file)
-    if not path.exists() and storage.create_secret_file:
-        _create_secret_file(path)
-    info, data = _read_secret_file(path, storage.create_secret_file)
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError("storage.secret_file", str(path),
-                          f"must not be accessible by group or others (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it")
-    _check_owned(path, info)
-    if len(data) < _MIN_SECRET_BYTES:
-        raise ConfigError("storage.secret_file", str(path), f"expected at least {_MIN_SECRET_BYTES} bytes of secret, "
-                          f"found {len(data)}")
-    return data
-
-
-def _read_secret_file(path: Path, create: bool) -> tuple[os.stat_result, bytes]:
-    """(the file's stat, its content stripped); ConfigError saying why it cannot be read, and what to do."""
-    try:
-        info = path.stat()
-        return info, path.read_bytes().strip()
-    except IsADirectoryError:
-        raise ConfigError("storage.secret_file", str(path), "expected a file holding the secret; it is a directory "
-                          "(name a file in it)") from None
-    except FileNotFoundError as exc:
-        hint = "" if create else ("; copy the secret shared by every process and host using the same disk directory "
-                                  "or Redis there, or for a tier of this machine only set "
-                                  "storage.create_secret_file: true to create one")
-        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror}){hint}") from None
-    except OSError as exc:
-        raise ConfigError("storage.secret_file", str(path), f"expected a readable file ({exc.strerror})") from None
-
-
-def check_storage_secret(storage: "StorageConfig") -> None:
-    """What a start that seals a tier refuses about the secret, creating nothing (`tierkv config check`): the
-    file read and checked as `load_secret` reads it or, missing with storage.create_secret_file, its nearest
-    existing directory writable (a start makes the missing ones below it)."""
-    if storage.secret is not None or storage.secret_file is None:
-        return
-    path = secret_path(storage.secret_file)
-    if storage.create_secret_file and not path.exists():
-        from tierkv.config.fields import check_writable_dir
-
-        check_writable_dir(str(path), "storage.secret_file", probe=str(path.parent))
-        return
-    load_secret(storage)
-
-
-def _check_owned(path: Path, info: os.stat_result) -> None:
-    """The secret file, a symlink naming it, and the directory holding it are this user's (or root's), and
-    the directory is not writable by others: whoever owns or can replace the file knows the secret."""
-    me = os.geteuid()
-    link = path.lstat()
-    parent = path.resolve().parent.stat()
-    for what, st in (("the file", info), ("the symlink", link), ("its directory", parent)):
-        if st.st_uid not in (me, 0):
-            raise ConfigError("storage.secret_file", str(path), f"{what} is owned by uid {st.st_uid}, not by this "
-                              f"user ({me}) or root: its owner knows the secret")
-    if parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
-        raise ConfigError("storage.secret_file", str(path), f"its directory is writable by group or others (mode "
-                          f"{stat.S_IMODE(parent.st_mode):o}): another user could replace the file")
-
-
-def _create_secret_file(path: Path) -> None:
-    """A random 256-bit secret (hex) in a new file of mode 0600, linked into place whole, so a
-    concurrent creator never reads a partial file; the first one linked wins."""
-    try:
-        missing = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
-        for directory in reversed(missing):  # every directory made here is private, not only the last
-            directory.mkdir(mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".secret-")  # mode 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(os.urandom(32).hex() + "\n")
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-    except OSError as exc:
-        raise ConfigError("storage.secret_file", str(path), f"could not create it ({exc.strerror}); name a "
-                          f"writable path, or set {SECRET_ENV}") from None
-
-
 def is_sealed(tier_config: "TierConfig") -> bool:
     """Whether a start seals the tier's blocks with the storage secret (and so reads it): disk and Redis tiers
     unless marked trusted; the CPU tier never (its blocks stay in this process)."""

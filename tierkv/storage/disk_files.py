@@ -17,6 +17,7 @@ to 0700, not refused: nobody but its owner could have written into it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -166,8 +167,17 @@ def write_private_file(path: str, data: bytes) -> None:
         raise
 
 
-def read_private_file(path: str) -> bytes:
-    """The bytes of `path`, not through a symlink; OSError when missing or a link."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW)
+def read_private_file(path: str, max_bytes: int) -> bytes:
+    """The bytes of `path`, not through a symlink; OSError when missing, a link, not a regular file (a FIFO planted
+    there would block the open's reader for ever) or longer than `max_bytes`."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | _NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if info.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{path} is {info.st_size} bytes, more than {max_bytes}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grown since the fstat
+        raise OSError(errno.EFBIG, f"{path} is more than {max_bytes} bytes")
+    return data

@@ -231,10 +231,13 @@ def save_order(path: str, keys: list[str]) -> None:
     files.write_private_file(path, body + _CRC.pack(seg.checksum(seg.CRC32, body)))  # a fresh 0600 file, renamed: no symlink is followed
 
 
+_MAX_ORDER_BYTES = 256 << 20  # some 72 bytes a block: 3.7 million blocks; a larger file is not one this tier wrote
+
+
 def load_order(path: str) -> list[str]:
     """The keys `save_order` wrote, or [] when the file is missing or damaged (it is only a hint)."""
     try:
-        data = files.read_private_file(path)
+        data = files.read_private_file(path, _MAX_ORDER_BYTES)
     except OSError:
         return []
     if len(data) < 12 or data[:4] != _ORDER_MAGIC:
