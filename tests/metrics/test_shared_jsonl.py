@@ -106,3 +106,60 @@ def test_the_recorder_writes_a_non_finite_figure_as_null(tmp_path):
 
     assert json.dumps(_finite({"a": [float("nan"), 1.5], "b": {"c": float("inf")}}), allow_nan=False) == \
         '{"a": [null, 1.5], "b": {"c": null}}'
+
+
+def test_a_report_and_top_once_read_a_file_past_one_polls_bytes_to_its_newest_line(tmp_path, capsys):
+    """One poll reads at most READ_BYTES: the report of a long JSONL showed only its first 8 MiB (an older run)."""
+    from tierkv.cli import main
+    from tierkv.dashboard.page import write_report
+
+    path = tmp_path / "long.jsonl"
+    text = json.dumps(line(0, run_id="OLDRUN")) + "\n"
+    with open(path, "w") as f:
+        f.write(text * (JsonlSource.READ_BYTES // len(text) + 2000))
+    write(path, line(1, run_id="NEWRUN"))
+    report = tmp_path / "r.html"
+    assert write_report(path, report) == JsonlSource.READ_BYTES // len(text) + 2001
+    assert "NEWRUN" in report.read_text()
+    assert main(["top", "--jsonl", str(path), "--once"]) == 0
+    assert "NEWRUN" in capsys.readouterr().out
+
+
+def test_a_torn_line_is_skipped_by_readers_and_a_new_run_starts_a_line_of_its_own(tmp_path, capsys):
+    """A run killed mid-line left a torn tail: the next run's recorder starts on a new line, and a report, a
+    dashboard page and `top --once` read past the torn line (saying so) instead of failing."""
+    from tierkv.cli import main
+    from tierkv.dashboard.page import write_report
+    from tierkv.metrics.recorder import MetricsRecorder
+
+    path = tmp_path / "m.jsonl"
+    write(path, line(0, run_id="first"))
+    with open(path, "a") as f:
+        f.write(json.dumps(line(1, run_id="first"))[:40])  # torn: no newline
+    recorder = MetricsRecorder(lambda: {"gpu": {"budget_bytes": 1}}, jsonl_path=path)
+    recorder.snapshot("final")
+    recorder.close()
+    errors = []
+    lines = JsonlSource(path).read_to_end(errors.append)
+    assert [item["run_id"] for item in lines][0] == "first" and lines[-1]["run_id"] == recorder.run_id
+    assert len(errors) == 1 and "m.jsonl:2: not JSON" in str(errors[0])  # the torn piece, a line of its own
+    with open(path, "a") as f:
+        f.write("{torn\n")
+    write(path, line(2, run_id="after"))
+    errors = []
+    lines = JsonlSource(path).read_to_end(errors.append)
+    assert len(errors) == 2 and lines[-1]["run_id"] == "after"  # the 40-byte piece and "{torn"
+    assert write_report(path, tmp_path / "r.html", on_error=lambda exc: None) == len(lines)
+    assert main(["dashboard", "--jsonl", str(path), "--html", str(tmp_path / "d.html")]) == 0
+    assert main(["top", "--jsonl", str(path), "--once"]) == 0
+    captured = capsys.readouterr()
+    assert "after" in captured.out and "skipped" in captured.err
+
+
+def test_json_nested_too_deep_is_a_bad_line_not_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    write(path, line(0), "[" * 200_000 + "]" * 200_000, line(1))
+    errors = []
+    lines = JsonlSource(path).read_to_end(errors.append)
+    assert [item["seq"] for item in lines] == [0, 1]
+    assert len(errors) == 1 and "nested too deep" in str(errors[0])

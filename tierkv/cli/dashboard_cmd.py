@@ -69,7 +69,8 @@ def run_dashboard(args) -> int:
     try:
         source = open_source(jsonl=args.jsonl, endpoint=args.endpoint)
         if args.html:
-            lines, _ = source.lines_since(0)
+            lines = (source.read_to_end(lambda exc: print(f"tierkv dashboard: skipped: {exc}", file=sys.stderr))
+                     if args.jsonl else source.lines_since(0)[0])
     except SourceError as exc:
         raise UsageError(str(exc)) from None
     if args.html:

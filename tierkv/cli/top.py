@@ -40,6 +40,8 @@ def run_top(args) -> int:
         source = JsonlSource(args.jsonl) if args.jsonl else EndpointSource(args.endpoint)
     except SourceError as exc:
         raise UsageError(str(exc)) from None
+    if args.once and args.jsonl:
+        return _once_from_file(source)
     lines: list[dict] = []
     next_n = 0
     try:
@@ -47,10 +49,11 @@ def run_top(args) -> int:
             try:
                 new, next_n = source.lines_since(next_n)
             except SourceError as exc:
-                if args.once or not lines:
+                if args.jsonl:  # a bad line (a run killed mid-write): said, and read past at the next poll
+                    print(f"tierkv top: skipped: {exc}", file=sys.stderr)
+                elif args.once or not lines:  # an endpoint that does not answer: a failure at run time
                     print(f"tierkv top: error: {exc}", file=sys.stderr)
-                    return 2 if args.jsonl else 1  # a bad file is bad input (as for tierkv dashboard); an endpoint
-                    # that does not answer is a failure at run time
+                    return 1
                 new = []
             lines = (lines + new)[-1:]  # only the newest is drawn
             if args.once:
@@ -66,6 +69,21 @@ def run_top(args) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+
+
+def _once_from_file(source) -> int:
+    """`--once --jsonl`: the newest snapshot of the whole file (read to its end, past bad lines, each said); exit 2
+    when it holds none and had bad lines (not metrics), 1 when it holds none yet."""
+    errors: list[Exception] = []
+    lines = source.read_to_end(errors.append)
+    for exc in errors:
+        print(f"tierkv top: {'skipped' if lines else 'error'}: {exc}", file=sys.stderr)
+    if not lines:
+        if not errors:
+            print(f"tierkv top: no snapshots in {source.description} yet", file=sys.stderr)
+        return 2 if errors else 1
+    print(render(lines[-1], source.description, width=terminal_width()))
+    return 0
 
 
 def _pct(value) -> str:

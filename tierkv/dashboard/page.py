@@ -75,13 +75,20 @@ def static_page(lines: list[dict], *, source: str = "") -> str:
     return _fill(head, scripts)
 
 
-def write_report(jsonl_path: str | Path, out_path: str | Path) -> int:
-    """Write the static report of a recorded JSONL file; returns the number of snapshot lines."""
-    lines, _ = JsonlSource(jsonl_path).lines_since(0)
+def write_report(jsonl_path: str | Path, out_path: str | Path, on_error=None) -> int:
+    """Write the static report of a recorded JSONL file, read to its end past bad lines (each given to
+    `on_error`; default: a warning on stderr); returns the number of snapshot lines."""
+    lines = JsonlSource(jsonl_path).read_to_end(on_error or _warn)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_page(out, static_page(lines, source=f"recorded: {Path(jsonl_path).name}"))
     return len(lines)
+
+
+def _warn(exc: Exception) -> None:
+    import sys
+
+    print(f"tierkv: skipped: {exc}", file=sys.stderr)
 
 
 def write_page(path: str | Path, text: str) -> None:

@@ -198,11 +198,14 @@ def _open_for_appending(path: Path):
     """The JSONL opened to append: made private (0600) when new, never through a symbolic link (one put there
     would choose the file written to), never a FIFO or device. ValueError naming the path otherwise."""
     try:
-        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)  # (read: its last byte)
     except OSError as exc:
         why = ("it is a symbolic link" if exc.errno == errno.ELOOP else
                "not a regular file" if exc.errno == errno.EINVAL else exc.strerror)
         raise ValueError(f"metrics.jsonl_path {str(path)!r}: cannot append to it ({why})") from None
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.write(fd, b"\n")  # a run killed mid-line left a torn tail: this run's lines start on a line of their own
     return os.fdopen(fd, "a", encoding="utf-8")
 
 

@@ -12,6 +12,7 @@ ask from next time (`[], n` when nothing is new). Numbers are the source's own:
 from __future__ import annotations
 
 import errno
+import http.client
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.snapshot import SCHEMA
@@ -95,6 +97,20 @@ class JsonlSource:
             dropped = len(self._lines) - self.KEEP_LINES
             self._first, self._lines = self._first + dropped, self._lines[dropped:]
 
+    def read_to_end(self, on_error: Callable[[SourceError], None]) -> list[dict]:
+        """Every line up to the file's end (the last KEEP_LINES kept), read past bad lines (each reported to
+        `on_error` once): for one-shot readers (a report, `top --once`), which one poll's READ_BYTES would cut off,
+        and which one torn line (a run killed mid-write) would stop."""
+        while True:
+            before = self._offset
+            try:
+                self.lines_since(0)
+            except SourceError as exc:
+                on_error(exc)
+            if self._offset == before:
+                with self._lock:
+                    return list(self._lines)
+
     def lines_since(self, n: int) -> tuple[list[dict], int]:
         """Lines numbered n and later (from the oldest kept when n is older; from the start of a rewritten file
         when n is past what it holds)."""
@@ -124,6 +140,8 @@ def endpoint_problem(url: str) -> str | None:
 
 
 class EndpointSource:
+    MAX_REPLY_BYTES = 64 << 20  # a poll's reply holds the new snapshot lines: some KiB each
+
     def __init__(self, url: str, *, timeout_s: float = 2.0):
         problem = endpoint_problem(url)
         if problem:
@@ -140,11 +158,16 @@ class EndpointSource:
             url = f"{self.url}/api/snapshots?since={self._remote_next}"
             try:
                 with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                    body = json.loads(response.read())
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                raise SourceError(f"{url}: {getattr(exc, 'reason', exc)}") from None
-            if not isinstance(body, dict) or "lines" not in body or "next" not in body:
-                raise SourceError(f"{url}: not a tierkv metrics endpoint (no 'lines' and 'next' in the reply)")
+                    reply = response.read(self.MAX_REPLY_BYTES + 1)
+                if len(reply) > self.MAX_REPLY_BYTES:
+                    raise ValueError(f"a reply over {self.MAX_REPLY_BYTES} bytes")
+                body = json.loads(reply)
+            except (urllib.error.URLError, OSError, ValueError, RecursionError, http.client.HTTPException) as exc:
+                raise SourceError(f"{url}: {getattr(exc, 'reason', None) or type(exc).__name__ + ': ' + str(exc)}") from None
+            if (not isinstance(body, dict) or not isinstance(body.get("lines"), list)
+                    or isinstance(body.get("next"), bool) or not isinstance(body.get("next"), int)):
+                raise SourceError(f"{url}: not a tierkv metrics endpoint (no list 'lines' and integer 'next' in the "
+                                  "reply)")
             for i, line in enumerate(body["lines"]):
                 self._lines.append(check_line(line, f"{url} line {i}"))
             self._remote_next = body["next"]
@@ -175,6 +198,8 @@ def parse_line(raw: bytes | str, where: str) -> dict:
         line = json.loads(raw, parse_constant=_no_constant)  # NaN and Infinity: the page's JSON.parse refuses them
     except ValueError as exc:
         raise SourceError(f"{where}: not JSON ({exc})") from None
+    except RecursionError:
+        raise SourceError(f"{where}: JSON nested too deep for a metrics snapshot") from None
     return check_line(line, where)
 
 
