@@ -155,3 +155,60 @@ def test_a_redirect_is_not_followed_with_the_token(capsys):
         server.close()
         other.close()
     assert seen == [] and "a redirect to" in capsys.readouterr().err
+
+
+def _hostile_server(behaviour: str):
+    """A server answering a budget POST with a trickle (a byte every 0.2 s for ever), an endless body, or an error
+    whose text carries terminal escape sequences and a forged line."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            try:
+                if behaviour == "trickle":
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    while True:
+                        self.wfile.write(b"X")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                self.send_response(200 if behaviour == "endless" else 400)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                if behaviour == "endless":
+                    while True:
+                        self.wfile.write(b" " * 65536)
+                self.wfile.write(json.dumps({"error": "\x1b]0;pwned\x07\x1b[2J\nforged: budget set"}).encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("behaviour,code,words", [
+    ("trickle", 1, "no complete reply within --timeout 1 s"),
+    ("endless", 1, "a reply over 65536 bytes"),
+    ("escapes", 2, "the endpoint refused 1GiB: ?]0;pwned??[2J?forged: budget set"),
+])
+def test_a_hostile_endpoint_is_bounded_in_time_and_size_and_its_text_is_defused(capsys, behaviour, code, words):
+    import time
+
+    server = _hostile_server(behaviour)
+    try:
+        started = time.monotonic()
+        assert main(["budget", "--endpoint", f"http://127.0.0.1:{server.server_port}", "--timeout", "1",
+                     "1GiB"]) == code
+        assert time.monotonic() - started < 10
+        err = capsys.readouterr().err
+        assert words in err and "\x1b" not in err
+    finally:
+        server.shutdown()
+        server.server_close()

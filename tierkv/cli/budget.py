@@ -10,11 +10,15 @@ once the running requests allow, unless a later change replaces it). A URL witho
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
+
+from tierkv.metrics.sources import within_deadline
 
 TOKEN_ENV = "TIERKV_CONTROL_TOKEN"
 
@@ -44,14 +48,30 @@ def endpoint_url(endpoint: str) -> str:
     return endpoint.rstrip("/")
 
 
+_MAX_REPLY_BYTES = 64 << 10  # the endpoint's replies are a few hundred bytes
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _read_reply(response) -> bytes:
+    raw = response.read(_MAX_REPLY_BYTES + 1)
+    if len(raw) > _MAX_REPLY_BYTES:
+        raise RuntimeError(f"not a tierkv endpoint: {response.geturl()} (a reply over {_MAX_REPLY_BYTES} bytes)")
+    return raw
+
+
 def _reply(raw: bytes, url: str) -> dict:
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise RuntimeError(f"not a tierkv endpoint: {url} (its reply is not JSON: {exc})") from None
     if not isinstance(body, dict):
         raise RuntimeError(f"not a tierkv endpoint: {url} (its reply is not a JSON object)")
     return body
+
+
+def _shown(text: object) -> str:
+    """A server's words for the terminal: control characters (escape sequences, newlines) as '?', at most 300."""
+    return _UNPRINTABLE.sub("?", str(text))[:300]
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -62,6 +82,26 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str) -> None:
+    """The error for an HTTP error reply: UsageError for what the user can change (the token, the size)."""
+    from tierkv.cli.errors import UsageError
+
+    if 300 <= exc.code < 400:
+        raise RuntimeError(f"{url}: HTTP {exc.code}, a redirect to {_shown(repr(exc.headers.get('Location')))}, not "
+                           "followed (the token would go with it): give the metrics server's own address")
+    try:
+        detail = _shown(_reply(raw, url).get("error", exc.reason))
+    except RuntimeError:  # an error page that is not JSON: a 401 (a proxy's, say) still asks for the token
+        if exc.code != 401:
+            raise
+        detail = _shown(exc.reason)
+    if exc.code == 401:
+        raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})")
+    if exc.code in (400, 409):
+        raise UsageError(f"the endpoint refused {size}: {detail}")
+    raise RuntimeError(f"{url}: HTTP {exc.code}: {detail}")
 
 
 def run_budget(args) -> int:
@@ -79,28 +119,24 @@ def run_budget(args) -> int:
     if token:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url, data=json.dumps({"budget": num_bytes}).encode(), headers=headers, method="POST")
-    try:
-        with _OPENER.open(request, timeout=args.timeout) as response:
-            reply = _reply(response.read(), url)
-            if response.status == 202:  # not applied yet: pending, not failed
-                print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: {reply.get('pending', '')}")
-                return 0
-    except urllib.error.HTTPError as exc:
-        if 300 <= exc.code < 400:
-            raise RuntimeError(f"{url}: HTTP {exc.code}, a redirect to {exc.headers.get('Location')!r:.200}, not "
-                               "followed (the token would go with it): give the metrics server's own address") from None
+    def exchange() -> tuple[int, bytes, urllib.error.HTTPError | None]:
         try:
-            detail = _reply(exc.read(), url).get("error", exc.reason)
-        except RuntimeError:  # an error page that is not JSON: a 401 (a proxy's, say) still asks for the token
-            if exc.code != 401:
-                raise
-            detail = exc.reason
-        if exc.code == 401:
-            raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})") from None
-        if exc.code in (400, 409):
-            raise UsageError(f"the endpoint refused {args.size}: {detail}") from None
-        raise RuntimeError(f"{url}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise RuntimeError(f"cannot reach {args.endpoint}: {getattr(exc, 'reason', exc)}") from None
+            with _OPENER.open(request, timeout=args.timeout) as response:
+                return response.status, _read_reply(response), None
+        except urllib.error.HTTPError as exc:
+            return exc.code, (b"" if 300 <= exc.code < 400 else _read_reply(exc)), exc
+
+    try:
+        status, raw, error = within_deadline(args.timeout, exchange, f"{url}: no complete reply within --timeout {args.timeout:g} s")
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise RuntimeError(f"cannot reach {args.endpoint}: {_shown(getattr(exc, 'reason', None) or exc)}") from None
+    if error is None:
+        reply = _reply(raw, url)
+        if status == 202:  # not applied yet: pending, not failed
+            print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: "
+                  f"{_shown(reply.get('pending', ''))}")
+            return 0
+    else:
+        _refused(error, raw, url, args.size)
     print(f"GPU KV budget set to {args.size} ({num_bytes} bytes)")
     return 0

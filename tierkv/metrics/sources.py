@@ -139,6 +139,28 @@ def endpoint_problem(url: str) -> str | None:
     return None
 
 
+def within_deadline(timeout_s: float, exchange, late: str):
+    """exchange() run to its end within `timeout_s` in all (urllib's timeout bounds each socket read only: a server
+    sending a byte a second would hold the caller for ever); RuntimeError(`late`) past it (the exchange's daemon
+    thread is left to its socket timeout)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = exchange()
+        except BaseException as exc:  # (raised again in the caller's thread)
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RuntimeError(late)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 class EndpointSource:
     MAX_REPLY_BYTES = 64 << 20  # a poll's reply holds the new snapshot lines: some KiB each
 
@@ -153,16 +175,21 @@ class EndpointSource:
         self._remote_next = 0
         self._lock = threading.Lock()
 
+    def _fetch(self, url: str) -> bytes:
+        with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+            return response.read(self.MAX_REPLY_BYTES + 1)
+
     def lines_since(self, n: int) -> tuple[list[dict], int]:
         with self._lock:
             url = f"{self.url}/api/snapshots?since={self._remote_next}"
             try:
-                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                    reply = response.read(self.MAX_REPLY_BYTES + 1)
+                reply = within_deadline(4 * self.timeout_s, lambda: self._fetch(url), "no complete reply within "
+                                        f"{4 * self.timeout_s:g} s")
                 if len(reply) > self.MAX_REPLY_BYTES:
                     raise ValueError(f"a reply over {self.MAX_REPLY_BYTES} bytes")
                 body = json.loads(reply)
-            except (urllib.error.URLError, OSError, ValueError, RecursionError, http.client.HTTPException) as exc:
+            except (urllib.error.URLError, OSError, ValueError, RecursionError, RuntimeError,
+                    http.client.HTTPException) as exc:
                 raise SourceError(f"{url}: {getattr(exc, 'reason', None) or type(exc).__name__ + ': ' + str(exc)}") from None
             if (not isinstance(body, dict) or not isinstance(body.get("lines"), list)
                     or isinstance(body.get("next"), bool) or not isinstance(body.get("next"), int)):
