@@ -256,3 +256,29 @@ def test_a_request_fits_a_cpu_tier_of_exactly_its_kv_blocks(tmp_path, prompt_len
     small, _ = make_llm(tmp_path / "small", cpu_blocks=blocks - 1)
     with small, pytest.raises(CapacityError, match=f"needs {blocks} KV blocks"):
         small.generate([prompt], max_new_tokens=new_tokens)
+
+
+def test_a_lower_tier_raising_during_a_prefix_read_is_a_miss_and_leaks_no_pin(tmp_path, monkeypatch):
+    """A disk read that raises (an OS error its own handling missed, e.g. close(2) failing on NFS) is counted and
+    read as misses: the prompt is recomputed to the same tokens, no CPU-tier slot stays pinned, and the next
+    request that needs the whole CPU tier is served (it was refused as if the tier were full)."""
+    llm, reference = make_llm(tmp_path, cpu_blocks=120)  # one 203-token request (~104 blocks) at a time
+    prompt_a = torch.randint(0, 512, (203,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt_b = torch.randint(0, 512, (203,), generator=torch.Generator().manual_seed(2)).tolist()
+    with llm:
+        llm.generate([prompt_a], max_new_tokens=3)
+        llm.generate([prompt_b], max_new_tokens=3)
+        llm.runtime.chain.flush()
+        disk = llm.runtime.chain.tiers[1]
+
+        def failing_read(keys):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(disk, "get_many", failing_read)
+        (again,) = llm.generate([prompt_a + [7] * 20], max_new_tokens=3)
+        assert again.token_ids == reference_greedy(reference, prompt_a + [7] * 20, 3)[0]
+        assert disk.counters.snapshot()["errors"] >= 1
+        assert not +llm.runtime.cpu._pins  # (a Counter: no key pinned once the request is done)
+        monkeypatch.undo()
+        (whole,) = llm.generate([list(range(1, 230))], max_new_tokens=3)  # 229 + 2 tokens: 116 of the 120 blocks
+    assert whole.token_ids == reference_greedy(reference, list(range(1, 230)), 3)[0]

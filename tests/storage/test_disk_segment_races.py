@@ -88,3 +88,29 @@ def test_a_planted_order_file_is_ignored_not_read(tmp_path, planted):
     worker.join(20)
     assert not worker.is_alive(), "the start blocked on the planted order file"
     assert same(got["block"], make_block(LAYOUT, 0))
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_deleted_segments_blocks_are_not_held_so_a_spill_writes_them_again(tmp_path, how):
+    """contains answered from the index alone: a segment removed by a tmp cleaner still 'held' its blocks, so the
+    chain skipped spilling them and they were lost while the tier looked healthy."""
+    from tierkv.storage.chain import TierChain
+    from tierkv.storage.cpu import CpuTier
+
+    cpu = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes, pin_memory=False)
+    disk = DiskTier("disk", LAYOUT, CAPACITY_BYTES, tmp_path / "d")
+    with disk:
+        chain = TierChain([cpu, disk])
+        keys = [key_of(i) for i in range(4)]
+        assert all(r.ok for r in disk.put_many(keys, [make_block(LAYOUT, i) for i in range(4)]))
+        (segment,) = (tmp_path / "d").glob("*.seg")
+        segment.unlink()
+        if how == "replaced":
+            segment.write_bytes(b"\0" * 4096)
+        assert disk.contains_many(keys) == [False] * 4
+        assert disk.counters.by_reason("lost_blocks") == {f"segment_{how}": 4}
+        for i, key in enumerate(keys):  # through the CPU tier: each eviction spills to disk again
+            chain.put_many([key], [make_block(LAYOUT, i)])
+        chain.flush()
+        for i, key in enumerate(keys[:2]):  # evicted from the 2-slot CPU tier: on disk, written afresh
+            assert same(disk.get(key), make_block(LAYOUT, i))

@@ -157,7 +157,7 @@ class TierChain:
         for index, tier in enumerate(self.tiers):
             if index < start or not pending or not tier.is_healthy:
                 continue
-            blocks = tier.get_many([keys[i] for i in pending])
+            blocks = self._tier_get(tier, [keys[i] for i in pending])
             hits = [(i, b) for i, b in zip(pending, blocks) if b is not None]
             for i, block in hits:
                 found[i] = block
@@ -165,6 +165,19 @@ class TierChain:
                 self._promote([keys[i] for i, _ in hits], [b for _, b in hits])
             pending = [i for i, b in zip(pending, blocks) if b is None]
         return found
+
+    def _tier_get(self, tier: StorageTier, keys: list[str]) -> list[torch.Tensor | None]:
+        """tier.get_many, an exception from it (an OS error its own handling missed) read as misses for that tier
+        and counted in its errors: the next tier, or a recompute, serves the keys, and no caller's pins leak."""
+        try:
+            return tier.get_many(keys)
+        except Exception as exc:  # noqa: BLE001 (a tier's failure must not fail the request: it is a miss)
+            logger.warning("tierkv: %s: a read of %d blocks failed (%s); they count as misses", tier.name, len(keys),
+                           redact_text(f"{type(exc).__name__}: {exc}"), exc_info=True)
+            counters = getattr(tier, "counters", None)
+            if counters is not None:
+                counters.add(errors=1)
+            return [None] * len(keys)
 
     def _promote(self, keys: list[str], blocks: list[torch.Tensor]) -> None:
         results = self.tiers[0].put_many(keys, blocks)
@@ -196,6 +209,15 @@ class TierChain:
         lower = [i for i, s in enumerate(slots) if s is None]
         if not lower:  # all in the first tier: the usual case
             return slots
+        try:
+            return self._acquire_lower(keys, slots, lower)
+        except BaseException:  # the pins taken above would otherwise hold their slots for good
+            first.release([k for k, s in zip(keys, slots) if s is not None])
+            raise
+
+    def _acquire_lower(self, keys: Sequence[str], slots: list[int | None], lower: list[int]) -> list[int | None]:
+        """acquire_available's promotions of the keys at `lower` (tier 0 missed them) into pinned slots."""
+        first = self.tiers[0]
         blocks = self.get_many([keys[i] for i in lower], promote=False, start=1)  # tier 0 just missed them
         readable = [(i, b) for i, b in zip(lower, blocks) if b is not None]
         if not readable:

@@ -113,11 +113,20 @@ class DiskTier(StorageTier):
 
     # -- StorageTier ---------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        """Whether the tier holds `key`; a record in a segment found corrupt counts as not held (it may be
-        damaged too, unread so far), so a chain writes the block again, afresh (`put_many`)."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the tier holds each key; a record in a segment found corrupt counts as not held (it may be
+        damaged too, unread so far), and so does one whose segment file was deleted or replaced (a tmp cleaner):
+        the segment is forgotten (its blocks counted lost), so a chain writes the blocks again, afresh, instead
+        of skipping a spill on the word of an index entry (each segment's file is checked once per call)."""
         with self._lock:
-            entry = self._index.get(key)
-            return entry is not None and entry.segment_id not in self._suspect_segments
+            entries = [self._index.get(key) for key in keys]
+        segments = {e.segment_id for e in entries if e is not None}
+        lost = self._files.forget_lost_segments(segments) if segments else set()
+        with self._lock:
+            bad = lost | self._suspect_segments
+        return [e is not None and e.segment_id not in bad for e in entries]
 
     def get(self, key: str) -> torch.Tensor | None:
         return self.get_many([key])[0]

@@ -115,7 +115,10 @@ class OpenSegments:
     def __exit__(self, *exc) -> None:
         for fd in [*self._fds.values(), *self._direct_fds.values()]:
             if isinstance(fd, int):
-                os.close(fd)
+                try:
+                    os.close(fd)  # the blocks were read (and checksummed) before: a failing close (NFS, FUSE) loses
+                except OSError:   # nothing, and the other fds still close
+                    pass
 
     def fd(self, segment_id: int) -> int | str:
         """A buffered fd of the segment, or why it cannot be read: SEGMENT_GONE, SEGMENT_REPLACED

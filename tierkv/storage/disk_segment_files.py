@@ -226,6 +226,27 @@ class SegmentFiles:
             if self.active_id in segment_ids:
                 self.active_size = self.segment_bytes
 
+    def forget_lost_segments(self, segment_ids: set[int]) -> set[int]:
+        """The segments among `segment_ids` whose file is no longer the one indexed (deleted, or another file at
+        its path), each forgotten (`forget_segment`)."""
+        lost = {}
+        for segment_id in segment_ids:
+            with self._index_lock:
+                identity = self._index.identity(segment_id)
+            if identity is None:
+                continue  # forgotten already
+            try:
+                at_path = files.path_identity(self.segment_path(segment_id))
+            except OSError:  # cannot tell: a read finds out
+                continue
+            if at_path != identity:
+                lost[segment_id] = "segment_deleted" if at_path is None else "segment_replaced"
+        if lost:
+            with self.lock:
+                for segment_id, reason in lost.items():
+                    self.forget_segment(segment_id, reason)
+        return set(lost)
+
     def forget_segment(self, segment_id: int, reason: str) -> None:
         """Drop every index entry into a segment whose file is lost, counted as lost_blocks for
         `reason`; close it if it takes appends. Caller holds `lock`. The file at its path
