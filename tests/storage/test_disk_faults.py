@@ -298,6 +298,12 @@ def check_full_disk_makes_room(layout, path: Path, capacity_bytes: int) -> None:
     for i in range(400):
         assert tier.put(key_of(i), make_block(layout, i)).ok, f"put {i} failed: the tier stayed full"
     assert tier.max_blocks < initial and tier.counters["evictions"] > 0 and tier.counters["put_failures"] == 0
+    from tierkv.storage.chain import TierChain
+    from tierkv.storage.cpu import CpuTier
+
+    shown = TierChain([CpuTier("cpu", layout, layout.num_bytes, pin_memory=False), tier]).snapshot()["tiers"][1]
+    assert shown["capacity_bytes"] == tier.max_blocks * layout.num_bytes < capacity_bytes  # the stats say so
+    assert shown["used_bytes"] == tier.used_bytes
     assert torn_bytes(path) == 0
     got = tier.get_many([key_of(i) for i in range(400)])
     assert all(g is None or torch.equal(g, make_block(layout, i)) for i, g in enumerate(got))

@@ -110,5 +110,10 @@ class StorageTier(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def held_capacity_bytes(self) -> int | None:
+        """What the tier holds at most now: capacity_bytes, or less where a tier lowered it (a full file system)."""
+        return self.capacity_bytes
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, used={self.used_bytes}, capacity={self.capacity_bytes})"

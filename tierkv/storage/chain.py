@@ -294,4 +294,5 @@ class TierChain:
                 "in_flight": len(self._in_flight), "spill_errors": list(self.spill_errors),
                 **self._write_through.snapshot(),
             }
-        return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy) for t in self.tiers]}
+        return {"chain": chain, "tiers": [dict(t.counters.snapshot(), healthy=t.is_healthy, used_bytes=t.used_bytes,
+                                               capacity_bytes=t.held_capacity_bytes) for t in self.tiers]}

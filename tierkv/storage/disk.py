@@ -211,6 +211,11 @@ class DiskTier(StorageTier):
             self._io_error("save order", str(self.path), exc)
 
     @property
+    def held_capacity_bytes(self) -> int:
+        """capacity_bytes, or what a full file system lowered it to (`_make_room`; until the tier is made again)."""
+        return self.max_blocks * self.layout.num_bytes
+
+    @property
     def used_bytes(self) -> int:
         with self._lock:
             return len(self._index) * self.layout.num_bytes
