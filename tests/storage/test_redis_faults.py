@@ -177,14 +177,14 @@ def test_server_killed_during_large_get_many(layout, make_tier, redis_server):
     assert all(r.ok for r in tier.put_many(keys, blocks))
     tier._batch_len = 4  # many round trips, so the kill lands mid-batch
     first_chunk_done = threading.Event()
-    real_mget = tier._link._client.mget
+    real_per_key = tier._link.per_key
 
-    def slow_mget(names):
+    def slow_per_key(command, names, args=None):
         first_chunk_done.set()
         time.sleep(0.005)  # keeps the batch in flight while the killer thread runs
-        return real_mget(names)
+        return real_per_key(command, names, args)
 
-    tier._link._client.mget = slow_mget
+    tier._link.per_key = slow_per_key
     killer = threading.Thread(target=lambda: (first_chunk_done.wait(5), redis_server.kill()))
     killer.start()
     got = tier.get_many(keys)
@@ -252,3 +252,26 @@ def test_refused_credentials_are_logged_as_such_not_as_an_unreachable_server(lay
         assert "wrong-password" not in logged
     finally:
         raw.execute_command("ACL", "DELUSER", "tierkv-probe")
+
+
+def test_a_giant_value_planted_under_a_key_is_not_read_into_memory(layout, make_tier, raw):
+    """A value of hundreds of MB under a block's key was read whole by MGET: now only a bounded prefix is sent;
+    the key counts as corrupt, not held, and the next store replaces it."""
+    tier = make_tier()
+    keys = [key_of(i) for i in range(3)]
+    assert all(r.ok for r in tier.put_many(keys, [make_block(layout, i) for i in range(3)]))
+    raw.set(tier._redis_key(keys[1]), b"\0" * (64 << 20))
+    sent = []
+    real_per_key = tier._link.per_key
+
+    def measured(command, names, args=None):
+        replies = real_per_key(command, names, args)
+        sent.extend(len(r[1]) for r in replies if isinstance(r, tuple) and isinstance(r[1], bytes))
+        return replies
+
+    tier._link.per_key = measured
+    got = tier.get_many(keys)
+    assert got[1] is None and torch.equal(got[0], make_block(layout, 0)) and torch.equal(got[2], make_block(layout, 2))
+    assert max(sent) < 1 << 20 and tier.counters["corrupt_blocks"] == 1
+    assert tier.contains_many(keys) == [True, False, True]
+    assert tier.put(keys[1], make_block(layout, 1)).ok and torch.equal(tier.get(keys[1]), make_block(layout, 1))

@@ -136,10 +136,13 @@ _DROP_IF_NOT_STRING = ("local t = redis.call('TYPE', KEYS[1])['ok'] "
 
 
 def key_calls(command: str, name: str, arg: Any = None) -> list[tuple]:
-    """The wire commands of one key's `command`: get, delete, type, held (STRLEN and PTTL), drop_if_same
+    """The wire commands of one key's `command`: get, bounded_get (STRLEN and GETRANGE), delete, type, held (STRLEN
+    and PTTL), drop_if_same
     (arg: the SHA-1 hex of the bad value), drop_if_not_string."""
     if command == "held":
         return [("STRLEN", name), ("PTTL", name)]
+    if command == "bounded_get":  # arg: the most bytes a block's value holds; a longer value is never sent whole
+        return [("STRLEN", name), ("GETRANGE", name, 0, max(int(arg or 1), 1) - 1)]
     if command == "drop_if_same":
         return [("EVAL", _DROP_IF_SAME, 1, name, arg)]
     if command == "drop_if_not_string":

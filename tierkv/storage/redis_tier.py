@@ -7,7 +7,8 @@ Primitives: `RedisTier`.
 
 The wire is a link (`redis_link.SingleLink` for one server; `redis_cluster.ClusterLink` for
 a Redis Cluster, url redis+cluster://host:port,...), chosen by the URL. Every operation is a
-batch on the wire: get_many is MGET (a cluster: a pipeline of GET per node), put_many
+batch on the wire: get_many a pipeline of STRLEN and GETRANGE (per node, in a cluster) that sends at most
+four blocks' bytes of a value (one planted at hundreds of MB is a counted miss, not read whole), put_many
 pipelined SETs (PX when ttl_s is set), contains_many a pipeline of STRLEN and PTTL, remove_many
 a pipeline of DEL; the single-block forms are batches of one. A key holds a block for
 contains_many only as a string of the length a block of this layout encodes to under it, whose
@@ -26,7 +27,7 @@ the tier stays healthy while any primary is up); meanwhile calls for it answer a
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
 the next call tries again and a success marks the node up. A value that fails to decode is a
 miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
-list, a hash: MGET answers nil for it, which a TYPE call on the misses tells from a missing key).
+list, a hash: its STRLEN answers WRONGTYPE).
 An intact block of another layout under a key is a miss counted as `foreign_records` and deleted
 too: block addresses name the tiers' storage formats, so only an older writer puts one there.
 Each such delete is a script that deletes the key only while it still holds the value read (or
@@ -133,11 +134,16 @@ class RedisTier(StorageTier):
             answered, corrupt, nil, wrong_type, foreign = [], [], [], [], []
             bad: list[tuple[str, bytes]] = []  # (key, value read) of corrupt and foreign ones
             for start in range(0, len(keys), self._batch_len):
-                values = self._link.get_many([self._redis_key(k) for k in keys[start : start + self._batch_len]])
+                values = self._bounded_get(keys[start : start + self._batch_len])
                 wrong_type += [i for i, v in enumerate(values, start) if _is_wrong_type(v)]  # a cluster's GET
                 self._count_key_errors(values)
                 answered += [i for i, v in enumerate(values, start) if not isinstance(v, Exception)]
                 nil += [i for i, v in enumerate(values, start) if v is None]
+                oversized = [i for i, v in enumerate(values, start) if isinstance(v, _Oversized)]
+                if oversized:  # counted, not deleted (only its first bytes were read: no digest to delete it by);
+                    self._corrupt_log.note("%s: ignoring value(s) far longer than a block, e.g. %s (%d bytes)",
+                                           self.name, self._redis_key(keys[oversized[0]]), values[oversized[0] - start].length)
+                    corrupt += [keys[i] for i in oversized]  # not held (contains_many): the next store replaces it
                 found = [(i, v) for i, v in enumerate(values, start) if isinstance(v, (bytes, bytearray))]
                 for (i, value), row in zip(found, self.layout.empty(len(found)).unbind(0)):
                     try:
@@ -152,8 +158,8 @@ class RedisTier(StorageTier):
                         self._corrupt_log.note("%s: dropping corrupt value(s); latest: %s", self.name, exc)
                         corrupt.append(keys[i])
                         bad.append((keys[i], value))
-            if nil:  # MGET answers nil for a missing key and for a key of another Redis type alike
-                types = self._per_key("type", [keys[i] for i in nil])  # "string": stored since the MGET
+            if nil:  # a key of another Redis type answers WRONGTYPE; a TYPE call tells one stored since apart
+                types = self._per_key("type", [keys[i] for i in nil])  # "string": stored since the read
                 wrong_type += [i for i, t in zip(nil, types) if _type_name(t) not in ("", "none", "string")]
             if wrong_type:
                 self._corrupt_log.note("%s: dropping key(s) that hold a value of another Redis type (not a block), "
@@ -171,6 +177,25 @@ class RedisTier(StorageTier):
             if wrong_type:
                 self._drop_bad("drop_if_not_string", [keys[i] for i in wrong_type])
         return blocks
+
+    def _bounded_get(self, keys: Sequence[str]) -> list[Any]:
+        """Each key's value (bytes), None where missing, _Oversized where far longer than a block's encoded value
+        (a value planted at hundreds of MB was read whole into memory: only its first bytes are sent), or the
+        error reply: one STRLEN and one GETRANGE per key."""
+        names = [self._redis_key(k) for k in keys]
+        # room for another layout's block too (read, named foreign and deleted), not for a planted giant
+        limits = [4 * (header_num_bytes(k, len(self.layout.shape)) + self.layout.num_bytes) + (64 << 10) for k in keys]
+        values = []
+        for reply, limit in zip(self._link.per_key("bounded_get", names, limits), limits):
+            if isinstance(reply, Exception) or reply is None:
+                values.append(reply)
+            elif not reply[0]:
+                values.append(None)  # missing (or an empty string, which holds no block either)
+            elif reply[0] > limit:
+                values.append(_Oversized(reply[0]))
+            else:
+                values.append(bytes(reply[1]))
+        return values
 
     def _drop_bad(self, command: str, keys: list[str], args: list[str] | None = None) -> None:
         """Delete bad values that are unchanged since read (a script); keys whose script failed (a server
@@ -281,6 +306,13 @@ class RedisTier(StorageTier):
 def _type_name(reply: Any) -> str:
     """TYPE's answer as text ("" for a call that failed)."""
     return reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str) else ""
+
+
+class _Oversized:
+    """A value longer than any block's (`length` bytes), not read."""
+
+    def __init__(self, length: int):
+        self.length = length
 
 
 def _is_wrong_type(reply: Any) -> bool:
