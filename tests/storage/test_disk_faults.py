@@ -517,3 +517,21 @@ def test_removed_records_at_a_segment_tail_are_trimmed_on_restart_without_a_warn
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warnings, [r.getMessage() for r in warnings]
     assert any("trimming" in r.getMessage() and "punched holes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_sealed_disk_tier_shows_the_capacity_its_inner_tier_holds(tmp_path):
+    """The stats' capacity_bytes passes through a wrapping tier (sealed, quantized): a sealed disk tier's lowered
+    capacity showed the configured one."""
+    from tierkv.blocks import BlockLayout
+    from tierkv.storage.auth import BlockSealer
+    from tierkv.storage.chain import TierChain
+    from tierkv.storage.cpu import CpuTier
+    from tierkv.storage.sealed import SealedTier
+
+    layout = BlockLayout(2, 8, 16, torch.float16)
+    sealer = BlockSealer(b"0123456789abcdef-deployment", layout, encrypt=False)
+    inner = DiskTier("disk", sealer.sealed_layout, 64 * sealer.num_bytes, tmp_path)
+    with SealedTier(inner, layout, sealer) as tier:
+        inner.max_blocks = 5  # as a full file system leaves it (_make_room)
+        shown = TierChain([CpuTier("cpu", layout, layout.num_bytes, pin_memory=False), tier]).snapshot()["tiers"][1]
+        assert shown["capacity_bytes"] == 5 * sealer.num_bytes

@@ -174,9 +174,7 @@ class TierChain:
         except Exception as exc:  # noqa: BLE001 (a tier's failure must not fail the request: it is a miss)
             logger.warning("tierkv: %s: a read of %d blocks failed (%s); they count as misses", tier.name, len(keys),
                            redact_text(f"{type(exc).__name__}: {exc}"), exc_info=True)
-            counters = getattr(tier, "counters", None)
-            if counters is not None:
-                counters.add(errors=1)
+            tier.counters.add(errors=1)
             return [None] * len(keys)
 
     def _promote(self, keys: list[str], blocks: list[torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """A tier that stores its blocks, transformed, in another tier (quantized, sealed).
 
 Primitives: `WrappedTier`: the inner tier's name, kind, capacity and counters, the parts of the
-tier contract that pass straight through (close, used_bytes, is_healthy, return_evicted), the
+tier contract that pass straight through (close, used_bytes, held_capacity_bytes, is_healthy, return_evicted), the
 one-key forms on top of the batched ones, and `_check_put`. Subclasses convert blocks on the way
 in and out in `get_many`, `put_many`, `contains_many` and `remove_many`.
 """
@@ -47,6 +47,10 @@ class WrappedTier(StorageTier):
     @property
     def used_bytes(self) -> int:
         return self.inner.used_bytes
+
+    @property
+    def held_capacity_bytes(self) -> int | None:
+        return self.inner.held_capacity_bytes
 
     @property
     def is_healthy(self) -> bool:
