@@ -173,12 +173,18 @@ def test_a_decode_ended_by_a_stop_token_shows_a_full_bar(tmp_path, capsys):
     assert f"{made}/{made}" in last and "100%" in last, err
 
 
-def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
-    pytest.importorskip("gguf")
+def _real_model_config(tmp_path):
+    """A CPU-only config for the real model's runs (no disk tier, a small hot window)."""
     config = tmp_path / "real.yaml"
     config.write_text("cache: {block_tokens: 16, gpu_budget_bytes: 8MiB, sink_tokens: 16, window_tokens: 64}\n"
                       "tiers: [{kind: cpu, capacity_bytes: 256MiB}]\n"
                       "scheduler: {staging_bytes: 4MiB, lookahead_layers: 1}\n")
+    return config
+
+
+def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    config = _real_model_config(tmp_path)
     argv = ["run", "--model", "smollm2-135m", "--config", str(config), "--prompt", "The capital of France is",
             "--max-new-tokens", "3", "--quiet"]
     assert main(argv) == 0
@@ -187,10 +193,7 @@ def test_run_takes_the_real_models_shortcut(tmp_path, capsys):
 
 def test_chat_wraps_the_question_in_the_models_template_and_raw_text_gets_a_hint(tmp_path, capsys):
     pytest.importorskip("gguf")
-    config = tmp_path / "real.yaml"
-    config.write_text("cache: {block_tokens: 16, gpu_budget_bytes: 8MiB, sink_tokens: 16, window_tokens: 64}\n"
-                      "tiers: [{kind: cpu, capacity_bytes: 256MiB}]\n"
-                      "scheduler: {staging_bytes: 4MiB, lookahead_layers: 1}\n")
+    config = _real_model_config(tmp_path)
     argv = ["run", "--model", "smollm2-135m", "--config", str(config), "--prompt", "What is the capital of France?",
             "--max-new-tokens", "12"]
     assert main(argv + ["--chat"]) == 0
