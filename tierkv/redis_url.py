@@ -1,7 +1,7 @@
 """The Redis tier's URL, checked when the config loads: what redis-py would connect with.
 
 Primitives: `check_redis_url`, `QUERY_PARAMETERS`, `is_cluster_url`, `parse_cluster_url`,
-`ClusterUrl`, `single_url_problem`.
+`ClusterUrl`, `single_url_problem`, `keyspace`.
 
     redis://[[user]:password@]host[:port][/db][?query]     rediss://...  (TLS)
     unix://[[user]:password@]/path/to/socket[?db=N]
@@ -234,6 +234,18 @@ def _host_port(item: str) -> tuple[str, int]:
     if not parts.hostname:
         raise ValueError(f"startup node {item!r} has no host")
     return unquote(parts.hostname), DEFAULT_PORT if port is None else port
+
+
+def keyspace(url: str) -> tuple:
+    """(nodes, database) a checked Redis URL stores into, the credentials and TLS left out: redis://h and
+    redis://:pw@H:6379/0 are one keyspace (a cluster: its startup nodes, in any order)."""
+    if is_cluster_url(url):
+        return tuple(sorted((host.lower(), port) for host, port in parse_cluster_url(url).startup_nodes)), 0
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if parts.scheme == "unix":
+        return (parts.path,), int(query.get("db", 0))
+    return ((parts.hostname, parts.port or DEFAULT_PORT),), int(parts.path.strip("/") or query.get("db", 0))
 
 
 def single_url_problem(url: object) -> str | None:

@@ -110,7 +110,7 @@ def _chat_prompt(tokenizer, text: str) -> list[int]:
         raise UsageError("--chat: this model's tokenizer has no chat template; leave --chat out")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True)
-    ids = ids.get("input_ids", ids) if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # (a BatchEncoding from some tokenizers)
     return [int(t) for t in ids]
 
 

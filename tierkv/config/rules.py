@@ -52,37 +52,18 @@ def _check_disk_paths(config) -> None:
 def _check_redis_keyspaces(config) -> None:
     """Two Redis tiers on one server's database under one namespace would store into, evict and count each
     other's keys."""
+    from tierkv.redis_url import keyspace
+
     seen: dict[tuple, int] = {}
     for i, tier in enumerate(config.tiers):
         if tier.kind != "redis":
             continue
-        where = (_redis_server(tier.url), tier.namespace)
+        where = (keyspace(tier.url), tier.namespace)
         if where in seen:
             raise ConfigError(f"tiers[{i}].namespace", tier.namespace,
                               f"tiers[{seen[where]}] already uses that server, database and namespace; give each "
                               "Redis tier its own namespace (or server)")
         seen[where] = i
-
-
-def _redis_server(url: str) -> tuple:
-    """(nodes, database) a Redis URL reaches, the password and TLS left out: redis://h and redis://:pw@H:6379/0
-    are one keyspace."""
-    from urllib.parse import parse_qsl, urlsplit
-
-    from tierkv.redis_url import DEFAULT_PORT
-
-    parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query))
-    if parts.scheme == "unix":
-        return ((parts.path,), str(int(query.get("db", 0))))
-    nodes = []
-    for node in parts.netloc.rpartition("@")[2].split(","):
-        host, _, port = node.rpartition(":") if not node.endswith("]") else (node, "", "")
-        if not host or host.endswith(":"):  # no port given (or an IPv6 address's last group)
-            host, port = node, ""
-        nodes.append((host.lower().strip("[]"), int(port or DEFAULT_PORT)))
-    db = parts.path.strip("/") or query.get("db", "0")
-    return (tuple(sorted(nodes)), str(int(db)))
 
 
 def _check_control(config) -> None:

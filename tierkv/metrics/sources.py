@@ -100,7 +100,8 @@ class JsonlSource:
         while True:
             before = self._offset
             try:
-                self.lines_since(0)
+                with self._lock:
+                    self._read_new()
             except SourceError as exc:
                 on_error(exc)
             if self._offset == before:
