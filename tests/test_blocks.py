@@ -5,6 +5,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.blocks import BlockLayout, block_keys_for_prompt, chain_block_hashes, model_fingerprint
 from tierkv.storage.codec import CorruptBlock, decode_block, encode_block_bytes
@@ -105,3 +107,32 @@ def test_block_keys_are_block_key_for_each_hash():
     assert block_keys(hashes, 3) == [block_key(h, 3) for h in hashes]
     assert block_keys(hashes, 0, "/R1of2") == [block_key(h, 0) + "/R1of2" for h in hashes]
     assert len(set(block_keys(hashes, 1)) | set(block_keys(hashes, 2))) == 2 * len(hashes)
+
+
+def _spec_hashes(ids: list[int], block_tokens: int, fingerprint: str, parent_hash: str | None) -> list[str]:
+    """The block hash as stored blocks were keyed since the first build: sha256(parent digest + the
+    block's ids as little-endian int64), the first parent sha256(fingerprint)."""
+    import hashlib
+    import struct
+    parent = bytes.fromhex(parent_hash) if parent_hash else hashlib.sha256(fingerprint.encode()).digest()
+    out = []
+    for start in range(0, len(ids), block_tokens):
+        chunk = ids[start : start + block_tokens]
+        parent = hashlib.sha256(parent + struct.pack(f"<{len(chunk)}q", *chunk)).digest()
+        out.append(parent.hex())
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=200),
+       block_tokens=st.integers(min_value=1, max_value=70), parent=st.none() | st.binary(min_size=32, max_size=32))
+def test_block_hashes_keep_their_format_for_every_input_kind(ids, block_tokens, parent):
+    """Keys of blocks already on disk or in Redis stay valid: a list, a numpy array and a tensor of the
+    same ids hash as the format says, whole or extended block by block from a parent."""
+    import numpy as np
+    parent_hash = parent.hex() if parent is not None else None
+    want = _spec_hashes(ids, block_tokens, "fp", parent_hash)
+    assert chain_block_hashes(ids, block_tokens, "fp", parent_hash) == want
+    assert chain_block_hashes(np.array(ids, dtype=np.int64), block_tokens, "fp", parent_hash) == want
+    assert chain_block_hashes(torch.tensor(ids, dtype=torch.int64), block_tokens, "fp", parent_hash) == want
+    assert chain_block_hashes(tuple(ids), block_tokens, "fp", parent_hash) == want

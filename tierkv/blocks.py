@@ -84,20 +84,36 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint:
                        parent_hash: str | None = None) -> list[str]:
     """Chained hashes of the blocks of a token sequence; the last entry covers a partial block.
 
-    `parent_hash`: the hash of the block just before `token_ids` (to extend a chain).
+    `parent_hash`: the hash of the block just before `token_ids` (to extend a chain). Each block's
+    hash is sha256(parent's digest + its ids as little-endian int64).
     """
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = _as_int64(token_ids)
     if ids.ndim != 1:
         raise ValueError(f"token_ids must be a flat sequence of ints, got shape {ids.shape}")
     parent = bytes.fromhex(parent_hash) if parent_hash else hashlib.sha256(fingerprint.encode()).digest()
-    hashes = []
-    for start in range(0, len(ids), block_tokens):
-        chunk = ids[start : start + block_tokens]
-        parent = hashlib.sha256(parent + chunk.astype("<i8").tobytes()).digest()
+    # one conversion of the whole sequence, then a view per block: a 100k-token prompt's 1.5k hashes are
+    # on the scheduler's path of every prefix lookup (a per-block astype + tobytes cost a third more)
+    data = memoryview(ids.astype("<i8", copy=False).tobytes())
+    step, sha256, hashes = 8 * block_tokens, hashlib.sha256, []
+    for start in range(0, len(data), step):
+        digest = sha256(parent)
+        digest.update(data[start : start + step])
+        parent = digest.digest()
         hashes.append(parent.hex())
     return hashes
+
+
+def _as_int64(token_ids: Sequence[int]) -> np.ndarray:
+    """token_ids as int64: a list of ints through np.fromiter (faster than np.asarray for a long
+    list); anything else, or a list fromiter refuses (nested), through np.asarray."""
+    if isinstance(token_ids, list):
+        try:
+            return np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        except (TypeError, ValueError):
+            pass
+    return np.asarray(token_ids, dtype=np.int64)
 
 
 def block_key(block_hash: str, layer: int) -> str:
