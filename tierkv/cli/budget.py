@@ -84,8 +84,9 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
-def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str) -> None:
-    """The error for an HTTP error reply: UsageError for what the user can change (the token, the size)."""
+def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str, token_from: str | None) -> None:
+    """The error for an HTTP error reply: UsageError for what the user can change (the token, the size).
+    token_from: where the token sent came from (--token or the variable), None when none was sent."""
     from tierkv.cli.errors import UsageError
 
     if 300 <= exc.code < 400:
@@ -97,6 +98,9 @@ def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str) -> No
         if exc.code != 401:
             raise
         detail = _shown(exc.reason)
+    if exc.code == 401 and token_from is not None:  # sent and refused: a wrong token, not a missing one
+        raise UsageError(f"{url}: the endpoint refused the token from {token_from}: it is not the server's "
+                         f"metrics.control_token ({detail})")
     if exc.code == 401:
         raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})")
     if exc.code in (400, 409):
@@ -137,6 +141,6 @@ def run_budget(args) -> int:
                   f"{_shown(reply.get('pending', ''))}")
             return 0
     else:
-        _refused(error, raw, url, args.size)
+        _refused(error, raw, url, args.size, (None if not token else "--token" if args.token is not None else TOKEN_ENV))
     print(f"GPU KV budget set to {args.size} ({num_bytes} bytes)")
     return 0
