@@ -92,7 +92,7 @@ def _fake_vllm(monkeypatch, outputs):
     """vllm.LLM replaced by what VllmTieredLLM reads of it; `outputs` is what generate returns."""
     import vllm
 
-    shut = []
+    shut, sent = [], []
 
     class FakeLLM:
         def __init__(self, **kwargs):
@@ -102,11 +102,13 @@ def _fake_vllm(monkeypatch, outputs):
                 parallel_config=SimpleNamespace(tensor_parallel_size=1)))
 
         def generate(self, inputs, params, use_tqdm):
+            sent.append(params)
             return outputs
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):
         monkeypatch.setenv(name, "0")
+    FakeLLM.sent = sent  # the vLLM SamplingParams of each generate call
     return shut
 
 
@@ -150,3 +152,26 @@ def test_vllm_metrics_that_cannot_start_shut_the_engine_and_leave_no_config_file
         VllmTieredLLM(_checkpoint(tmp_path), config, hot_window=True)
     assert shut == [True]
     assert not {f for f in set(os.listdir(tempfile.gettempdir())) - written if f.startswith("tierkv-vllm-")}
+
+
+def test_the_vllm_front_end_passes_repetition_penalty_and_min_tokens_or_the_checkpoints(tmp_path, monkeypatch):
+    """Given, they reach vLLM's SamplingParams (they were dropped without a word); left at None, the
+    checkpoint's generation_config values as vLLM reads them (get_diff_sampling_param)."""
+    pytest.importorskip("vllm")
+    import vllm
+
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+    from tierkv.sampling import SamplingParams
+
+    _fake_vllm(monkeypatch, [_output("a", [1, 2, 3], [4, 5], 0)])
+    llm = VllmTieredLLM(_checkpoint(tmp_path), {"cache": {"block_tokens": 16}}, hot_window=False)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, repetition_penalty=1.3, min_tokens=2))
+        llm.engine.llm_engine.model_config = SimpleNamespace(get_diff_sampling_param=lambda: {"repetition_penalty": 1.05},
+                                                             get_vocab_size=lambda: 1000)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, repetition_penalty=1.0))
+        sent = vllm.LLM.sent
+        assert [(p.repetition_penalty, p.min_tokens) for p in sent] == [(1.3, 2), (1.05, 0), (1.0, 0)]
+    finally:
+        llm.close()

@@ -24,13 +24,16 @@ def test_vllm_sampling_params_are_translated_or_refused_by_name():
     ours = SamplingParams.coerce(vllm.SamplingParams(max_tokens=9, temperature=0.5, top_k=20, top_p=0.9, seed=4,
                                                      stop_token_ids=[3], ignore_eos=True))
     assert ours == SamplingParams(max_new_tokens=9, temperature=0.5, top_k=20, top_p=0.9, seed=4,
-                                  stop_token_ids=[3], ignore_eos=True)
+                                  stop_token_ids=[3], ignore_eos=True, repetition_penalty=1.0, min_tokens=0)
     plain = SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, temperature=0))
     assert (plain.top_k, plain.top_p, plain.stop_token_ids) == (None, None, None)
     with pytest.raises(ValueError, match="sampling.n: got 2"):
         SamplingParams.coerce(vllm.SamplingParams(n=2))
-    with pytest.raises(ValueError, match="sampling.repetition_penalty"):
-        SamplingParams.coerce(vllm.SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="sampling.presence_penalty"):
+        SamplingParams.coerce(vllm.SamplingParams(presence_penalty=0.5))
+    # carried as given (vLLM's 1.0 and 0 too: explicit settings override the model's generation_config)
+    carried = SamplingParams.coerce(vllm.SamplingParams(max_tokens=6, repetition_penalty=1.2, min_tokens=3))
+    assert (carried.repetition_penalty, carried.min_tokens) == (1.2, 3)
     with pytest.raises(ValueError, match="sampling.detokenize: got False"):  # tierkv always returns the text
         SamplingParams.coerce(vllm.SamplingParams(max_tokens=3, detokenize=False))
     with pytest.raises(TypeError, match="expected tierkv.sampling.SamplingParams or vllm.SamplingParams"):
@@ -40,12 +43,13 @@ def test_vllm_sampling_params_are_translated_or_refused_by_name():
         name = next(iter(given))
         with pytest.raises(ValueError, match=f"sampling.{name}: got"):
             SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, **given))
-    assert SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, logit_bias={})) == SamplingParams(max_new_tokens=4,
-                                                                                                     temperature=1.0)
+    assert SamplingParams.coerce(vllm.SamplingParams(max_tokens=4, logit_bias={})) == SamplingParams(
+        max_new_tokens=4, temperature=1.0, repetition_penalty=1.0, min_tokens=0)
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(["max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids"]),
+@given(name=st.sampled_from(["max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids",
+                             "repetition_penalty", "min_tokens"]),
        value=st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True),
                        st.text(max_size=4), st.lists(st.integers(-3, 3), max_size=3)))
 def test_any_setting_is_accepted_or_refused_with_its_name(name, value):
@@ -60,6 +64,23 @@ def test_any_setting_is_accepted_or_refused_with_its_name(name, value):
     assert params.top_p is None or 0 < params.top_p <= 1
     assert params.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in params.stop_token_ids)
     assert isinstance(params.ignore_eos, bool)
+    penalty = params.repetition_penalty
+    assert penalty is None or (math.isfinite(penalty) and penalty > 0)
+    assert params.min_tokens is None or 0 <= params.min_tokens <= params.max_new_tokens
+
+
+def test_repetition_penalty_and_min_tokens_default_to_the_models_and_are_checked():
+    assert (SamplingParams().repetition_penalty, SamplingParams().min_tokens) == (None, None)  # generation_config's
+    with pytest.raises(ValueError, match=r"^min_tokens: got 5; must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match=r"^min_tokens: got 5; must be <= max_new_tokens \(4\)"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="^repetition_penalty: got 0"):
+        SamplingParams(repetition_penalty=0)
+    params = SamplingParams(max_new_tokens=4, min_tokens=2)
+    params.min_tokens = 9  # set after construction: checked when a request takes it
+    with pytest.raises(ValueError, match="^min_tokens: got 9"):
+        SamplingParams.coerce(params)
 
 
 def test_outputs_have_vllms_shape_and_stops_follow_vllm(tmp_path):

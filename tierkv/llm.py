@@ -31,6 +31,7 @@ from tierkv.config.load import to_dict
 from tierkv.llm_totals import RequestTotals, start_metrics
 from tierkv.metrics import runtime_reads
 from tierkv.engine.prefix import load_prefix
+from tierkv.generation_defaults import GenerationDefaults, LogitsRules
 from tierkv.prompts import PromptError, token_ids
 from tierkv.llm_inputs import check_device_and_tokenizer, config_of, generate_inputs, load_model, warn_past_positions
 from tierkv.sampling import RequestOutput, SamplingParams, sample_next
@@ -91,6 +92,7 @@ class TieredLLM:
         no_text = None if self.tokenizer is not None else "a text prompt needs a tokenizer; pass token ids or tokenizer="
         self._check_open()
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self.vocab_size, text_error=no_text)
+        defaults = GenerationDefaults.of_model(self.model)  # model.generation_config now; what tierkv lacks raises
         requests = [self._prompt_ids(i, p) for i, p in enumerate(batch)]
         from tierkv.integrations.model_support import span_problem
 
@@ -114,7 +116,7 @@ class TieredLLM:
             warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
         with self._request_lock:  # one request at a time; close() waits for the running one
             self._check_open()
-            return [self._run_one(ids, sampling, prompt if isinstance(prompt, str) else None)
+            return [self._run_one(ids, sampling, prompt if isinstance(prompt, str) else None, defaults)
                     for ids, prompt in zip(requests, batch)]
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
@@ -182,7 +184,8 @@ class TieredLLM:
 
     # -- one request -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _run_one(self, ids: list[int], sampling: SamplingParams, prompt: str | None) -> RequestOutput:
+    def _run_one(self, ids: list[int], sampling: SamplingParams, prompt: str | None,
+                 defaults: GenerationDefaults) -> RequestOutput:
         from tierkv.integrations.hf import TieredCache
 
         rt = self.runtime
@@ -196,7 +199,8 @@ class TieredLLM:
             num_prefix = load_prefix(cache.seq, ids) if not self._length_rotary else 0
             logits = self._prefill(cache, ids, num_prefix)
             prefill_s = _elapsed(start, rt.device)
-            generated, reason, decode_s = self._decode(cache, logits, sampling)
+            rules = defaults.rules(sampling, ids, self._eos_ids())
+            generated, reason, decode_s = self._decode(cache, logits, sampling, rules)
         finally:
             cache.finish()
         after = rt.stats()
@@ -231,7 +235,8 @@ class TieredLLM:
         progress.close()
         return logits
 
-    def _decode(self, cache, logits: torch.Tensor, sampling: SamplingParams) -> tuple[list[int], str, float]:
+    def _decode(self, cache, logits: torch.Tensor, sampling: SamplingParams,
+                rules: LogitsRules) -> tuple[list[int], str, float]:
         from tierkv.engine.decode_graph import DecodeStep
 
         device = self.runtime.device
@@ -243,7 +248,7 @@ class TieredLLM:
         show = self.show_progress and sampling.max_new_tokens >= DECODE_PROGRESS_MIN_TOKENS
         with _progress(sampling.max_new_tokens, show, "decode") as progress:
             while True:
-                token = sample_next(logits, sampling, generator)
+                token = sample_next(rules.apply(logits, generated), sampling, generator)
                 generated.append(token)
                 progress.update(1)
                 if token in stop_ids:  # the bar ends full at the tokens made, not as if cut short

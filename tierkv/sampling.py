@@ -6,7 +6,8 @@ vLLM's own `SamplingParams`), `sampling_from_kwargs`, `RequestOutput` and `Compl
 `out.outputs[0].text`, plus tierkv's `stats`), `sample_next`.
 
 Stops follow vLLM: a request stops at the model's EOS ids and its tokenizer's (unless `ignore_eos`)
-and at any of `stop_token_ids`.
+and at any of `stop_token_ids`. `repetition_penalty` and `min_tokens` left at None take the
+checkpoint's `model.generation_config` values (`tierkv.generation_defaults`).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 
 # vLLM settings tierkv does not implement, with the value that means "off" in vLLM
-_VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                     "min_p": 0.0, "min_tokens": 0, "stop": [], "logprobs": None, "prompt_logprobs": None,
+_VLLM_UNSUPPORTED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "min_p": 0.0, "stop": [], "logprobs": None, "prompt_logprobs": None,
                      "logit_bias": None, "allowed_token_ids": None, "bad_words": [], "structured_outputs": None,
                      "skip_special_tokens": True, "include_stop_str_in_output": False,
                      "spaces_between_special_tokens": True, "repetition_detection": None,
@@ -30,6 +31,10 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 @dataclass
 class SamplingParams:
+    """One generate() call's settings. The default is greedy decoding, whose tokens equal transformers'
+    `model.generate(do_sample=False)`: the checkpoint's generation_config gives the defaults of
+    repetition_penalty and min_tokens, but its sampling settings (do_sample=True, temperature, top_k,
+    top_p) are not applied; give temperature > 0 here to sample."""
     max_new_tokens: int | None = None  # 64 unless given (here or as max_tokens); a number after construction
     temperature: float = 0.0           # 0 = greedy
     top_k: int | None = None
@@ -37,6 +42,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # stops besides the model's EOS ids
     ignore_eos: bool = False
+    repetition_penalty: float | None = None  # > 1 penalises seen tokens; None: generation_config's (or 1.0)
+    min_tokens: int | None = None  # EOS and stop ids masked until this many; None: generation_config's (or 0)
     max_tokens: InitVar[int | None] = None   # vLLM's name for max_new_tokens
 
     def __post_init__(self, max_tokens: int | None) -> None:
@@ -67,12 +74,23 @@ class SamplingParams:
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise TypeError(f"ignore_eos: got {self.ignore_eos!r}; must be True or False")
-
+        _check_real("repetition_penalty", self.repetition_penalty,
+                    "must be a finite number > 0 (1 = off) or None (the model's generation_config decides)",
+                    lambda v: v > 0)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens: got {self.min_tokens}; must be <= {max_name} ({self.max_new_tokens})")
+        if self.repetition_penalty is not None:  # NumPy scalars as Python numbers, as seed above
+            self.repetition_penalty = float(self.repetition_penalty)
+        if self.min_tokens is not None:
+            self.min_tokens = int(self.min_tokens)
 
     @classmethod
     def coerce(cls, params) -> "SamplingParams":
         """tierkv's SamplingParams as is; vLLM's `SamplingParams` translated (settings tierkv does not
-        implement, such as n > 1 or penalties, are refused by name)."""
+        implement, such as n > 1 or presence and frequency penalties, are refused by name). vLLM's
+        repetition_penalty and min_tokens are carried as given, 1.0 and 0 included: like vLLM's own
+        LLM.generate with explicit SamplingParams, they override the model's generation_config."""
         if isinstance(params, cls):
             params.check()  # fields may have been set since construction
             return params
@@ -91,7 +109,8 @@ class SamplingParams:
         return cls(max_new_tokens=params.max_tokens, temperature=params.temperature,
                    top_k=top_k if top_k and top_k > 0 else None, top_p=top_p if top_p not in (None, 1.0) else None,
                    seed=params.seed, stop_token_ids=list(params.stop_token_ids or []) or None,
-                   ignore_eos=bool(params.ignore_eos))
+                   ignore_eos=bool(params.ignore_eos), repetition_penalty=params.repetition_penalty,
+                   min_tokens=params.min_tokens)
 
 
 
@@ -166,7 +185,8 @@ class RequestOutput:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] float -> one token id."""
+    """logits: [vocab] float, after the request's LogitsRules (repetition penalty, min_tokens; applied by the
+    decode loop, tierkv.generation_defaults) -> one token id."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
     # shifted by the largest logit first: a near-zero temperature gives 0 for the top and -inf or a large

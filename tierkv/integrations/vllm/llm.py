@@ -100,10 +100,13 @@ class VllmTieredLLM(TieredLLM):
         self._check_open()
         sampling, batch = generate_inputs(prompts, sampling, sampling_kwargs, vocab_size=self._vocab_size())
         inputs = [prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt} for prompt in batch]
+        model = self._model_defaults()  # repetition_penalty and min_tokens left at None: the checkpoint's
         params = VllmSampling(
             max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k or 0,
             top_p=sampling.top_p or 1.0, seed=sampling.seed, ignore_eos=sampling.ignore_eos,
             stop_token_ids=sampling.stop_token_ids, logprobs=2,
+            repetition_penalty=_given(sampling.repetition_penalty, model.get("repetition_penalty", 1.0)),
+            min_tokens=_given(sampling.min_tokens, model.get("min_tokens", 0)),
         )
         start = time.perf_counter()
         outputs = self.engine.generate(inputs, params, use_tqdm=False)
@@ -121,6 +124,13 @@ class VllmTieredLLM(TieredLLM):
                                          stats=stats, request_id=str(out.request_id), prompt=out.prompt))
         self.totals.add("wall_s", wall_s)
         return results
+
+    def _model_defaults(self) -> dict:
+        """The checkpoint's generation_config settings vLLM reads (its `get_diff_sampling_param`: e.g.
+        repetition_penalty), {} when the engine's model config does not say."""
+        model_config = getattr(self.engine.llm_engine, "model_config", None)
+        read = getattr(model_config, "get_diff_sampling_param", None)
+        return dict(read() or {}) if read is not None else {}
 
     def _vocab_size(self) -> int | None:
         """The engine model's vocabulary size (token ids are checked against it), None when not known."""
@@ -204,3 +214,8 @@ def _write_config(config: TierKVConfig) -> str:
     with os.fdopen(handle, "w") as f:
         dump_yaml(to_dict(config), f)  # (a string that reads as a number is quoted)
     return path
+
+
+def _given(value, default):
+    """`value` unless it is None (the setting left to the model), then `default`."""
+    return default if value is None else value
