@@ -166,3 +166,101 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again(engine, lost):
     scheduler.request_finished(repeat, ids)
     worker.store.poll(wait=True)
     assert scheduler.get_num_new_matched_tokens(make_request("c", prompt), 0) == (64, False)
+
+
+def test_blocks_computed_over_a_failed_load_are_not_saved_until_their_recompute(engine):
+    """A step whose prefix load fails still computes the rest of its prompt, attending the block that did not
+    load: that KV is wrong. It was saved under the right hashes, and the recompute vLLM schedules next found
+    those blocks held and saved nothing, so every later request with the prompt loaded the wrong KV (found
+    by a connector probe). The step's saves of requests that read a failed block are dropped; the recompute
+    saves them."""
+    from tests.integrations.vllm.test_connector import LAYERS
+
+    scheduler, worker, caches = engine(disk=False)
+    prompt = saved_prompt(scheduler, worker, caches, seed=3)[:64] + list(range(500, 540))  # 4 held + 2 new blocks
+    b = make_request("b", prompt)
+    assert scheduler.get_num_new_matched_tokens(b, 0) == (64, False)
+    ids = list(range(20, 27))
+    scheduler.update_state_after_alloc(b, blocks_of(ids), 64)
+    meta = scheduler.build_connector_meta(schedule(b, ids, 64))
+    assert [s.block_ids for s in meta.saves] == [[24, 25]] and meta.saves[0].reads == [20, 21, 22, 23]
+    store = scheduler.store
+    store.chain.remove_many(store.keys(meta.loads[0].hashes[2:3], 1))  # block 2, layer 1: gone after the lookup
+    for n in NAMES:  # what this step computes for blocks 4 and 5 attended block 2's garbage
+        caches[n][[24, 25]] = torch.full_like(caches[n][[24, 25]], -7.0)
+    run_forward(worker, caches, meta)
+    assert worker.get_block_ids_with_load_errors() == {22}
+    again = cached_step(scheduler, b, [(b, 32, len(prompt) - 32)])  # vLLM's recompute from block 2
+    assert [s.block_ids for s in again.saves] == [[22, 24, 25]]
+    right = {n: torch.randn_like(caches[n][[24, 25]]) for n in NAMES}
+    for n in NAMES:
+        caches[n][[24, 25]] = right[n]
+    run_forward(worker, caches, again)
+    scheduler.request_finished(b, ids)
+    worker.store.poll(wait=True)
+    c = make_request("c", prompt)
+    assert scheduler.get_num_new_matched_tokens(c, 0) == (96, False)
+    c_ids = list(range(40, 47))
+    scheduler.update_state_after_alloc(c, blocks_of(c_ids), 96)
+    run_forward(worker, caches, scheduler.build_connector_meta(schedule(c, c_ids, 96)))
+    assert worker.get_block_ids_with_load_errors() == set()
+    for n in NAMES[:LAYERS]:
+        assert torch.equal(caches[n][[44, 45]], right[n])
+
+
+def test_a_duplicate_prompt_sharing_a_block_that_failed_to_load_does_not_save_over_it(engine):
+    """Two requests with one prompt in one step: vLLM caches the blocks the first loads and gives them to the
+    second, which computes its own tokens over them. When the load fails, neither request's computed blocks
+    are saved (the second has no load of its own: its save names the shared blocks it read)."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    scheduler, worker, caches = engine(disk=False)
+    prompt = saved_prompt(scheduler, worker, caches, seed=4)[:64] + list(range(600, 640))
+    b, c = make_request("b", prompt), make_request("c", prompt[:64] + list(range(700, 740)))
+    assert scheduler.get_num_new_matched_tokens(b, 0) == (64, False)
+    b_ids, c_ids = list(range(20, 27)), [20, 21, 22, 23, 34, 35, 36]  # c: vLLM's prefix-cache hit on b's blocks
+    scheduler.update_state_after_alloc(b, blocks_of(b_ids), 64)
+    assert scheduler.get_num_new_matched_tokens(c, 64) == (0, False)
+    scheduler.update_state_after_alloc(c, blocks_of(c_ids), 0)
+    out = schedule(b, b_ids, 64)
+    second = NewRequestData.from_request(c, (c_ids,))
+    second.num_computed_tokens = 64
+    out.scheduled_new_reqs.append(second)
+    out.num_scheduled_tokens["c"] = 40
+    out.total_num_scheduled_tokens += 40
+    meta = scheduler.build_connector_meta(out)
+    assert {s.req_id: s.block_ids for s in meta.saves} == {"b": [24, 25], "c": [34, 35]}
+    assert all(s.reads == [20, 21, 22, 23] for s in meta.saves)
+    store = scheduler.store
+    store.chain.remove_many(store.keys(meta.loads[0].hashes[1:2], 2))  # block 1, last layer
+    run_forward(worker, caches, meta)
+    assert worker.get_block_ids_with_load_errors() == {21}
+    worker.store.poll(wait=True)
+    hashes = [h for s in meta.saves for h in s.hashes]
+    for layer in range(1, 3):  # the layers after the first the failed load fed (layer 0's saves went before it)
+        assert not any(worker.store.num_held(store.keys([h], layer)) for h in hashes)
+
+
+@pytest.mark.parametrize("layer", [1, 0])
+def test_a_block_missing_one_layer_before_any_load_is_saved_whole_again(engine, layer):
+    """A lower tier dropped one key of a prefix block (an LRU or TTL eviction of Redis, a corrupt disk
+    record): the lookup stops there, the request computes it, and the save checked only the first and last
+    layer, found it held, and saved nothing, so every later request stopped at that block too (found by a
+    connector probe)."""
+    scheduler, worker, caches = engine(disk=False)
+    prompt = saved_prompt(scheduler, worker, caches, seed=5)
+    store = scheduler.store
+    probe = make_request("probe", prompt)
+    scheduler.get_num_new_matched_tokens(probe, 0)
+    hashes = scheduler._scheduler._requests["probe"].hashes
+    store.chain.remove_many(store.keys(hashes[2:3], layer))  # block 2 loses one layer
+    b = make_request("b", prompt)
+    assert scheduler.get_num_new_matched_tokens(b, 0) == (32, False)
+    ids = list(range(20, 25))
+    scheduler.update_state_after_alloc(b, blocks_of(ids), 32)
+    meta = scheduler.build_connector_meta(schedule(b, ids, 32))
+    assert [s.block_ids for s in meta.saves] == [[22]]  # block 3 is whole: only the block with the hole
+    run_forward(worker, caches, meta)
+    scheduler.request_finished(b, ids)
+    worker.store.poll(wait=True)
+    assert scheduler.get_num_new_matched_tokens(make_request("c", prompt), 0) == (64, False)

@@ -192,7 +192,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if metadata.saves:
             started = time.perf_counter()
             layer = self.store.layer_index[layer_name]
-            self._save_layer(layer, kv_layer, metadata.saves)
+            self._save_layer(layer, kv_layer, self.store.savable(metadata.saves))
             self._hook_s[1] += time.perf_counter() - started
 
     def _save_layer(self, layer: int, kv_layer: torch.Tensor, saves) -> None:
@@ -242,7 +242,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(metadata, TierKVMetadata) and metadata.saves:
             # a full decode graph's replay runs no per-layer hook: the step's blocks are saved now, from vLLM's pool
             # (they stay there for the window's length), every layer in one save
-            summarize_s = self._save_unsaved_layers(metadata.saves)
+            summarize_s = self._save_unsaved_layers(self.store.savable(metadata.saves))
         if self._far is not None:
             self._far.end_step()
             hot_window.set_step(None)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from tierkv.integrations.vllm.far_step import far_blocks
+from tierkv.integrations.vllm.load_failures import patch_scheduler
 from tierkv.integrations.vllm.paged_layout import BlockSpan
+from tierkv.integrations.vllm.request_identity import chain_root
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -52,11 +54,13 @@ class TierKVMetadata(KVConnectorMetadata):
 @dataclass
 class _RequestState:
     request: Any
+    root: str | None = None  # its block-hash chain's root (request_identity.chain_root)
     hashes: list[str] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     next_block_to_save: int = 0
     hashes_sent: int = 0
     load_range: tuple[int, int] | None = None
+    hole_from: int | None = None  # the first block the lookup found held in some layers but not all
     pending_load: BlockSpan | None = None
     leading_nulls: int = 0  # vLLM's null block at the start of its block table (a prefix hit's far blocks)
 
@@ -72,11 +76,13 @@ class ConnectorScheduler:
     def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore]):
         self.block_size, self.hot_window, self._store = block_size, hot_window, store
         self._requests: dict[str, _RequestState] = {}
+        patch_scheduler()  # a failed load leaves vLLM's prefix cache (also where the plugin's entry point did not run)
 
     def state(self, request: "Request") -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            root = chain_root(request, self._store().fingerprint)
+            state = self._requests[request.request_id] = _RequestState(request, root)
         return state
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -84,11 +90,13 @@ class ConnectorScheduler:
         prompt = request.prompt_token_ids or []
         start = num_computed_tokens // self.block_size
         end = (len(prompt) - 1) // self.block_size  # vLLM must compute at least the last token
-        state.load_range = None
+        state.load_range, state.hole_from = None, None
         if end <= start:
             return 0, False
-        hashes = self._store().extend_hashes(state.hashes, prompt, end)
+        hashes = self._store().extend_hashes(state.hashes, prompt, end, state.root)
         found = self._store().present_prefix(hashes[start:end])
+        if start + found < end and self._store().stored_mask(hashes[start + found : start + found + 1])[0]:
+            state.hole_from = start + found  # a layer of it is gone (a tier dropped one key): save it whole again
         if found == 0:
             return 0, False
         state.load_range = (start, start + found)
@@ -142,7 +150,19 @@ class ConnectorScheduler:
             self._add_hot_window(meta, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         if self.hot_window is not None:
             meta.finished = sorted(scheduler_output.finished_req_ids)
+        if meta.loads and meta.saves:
+            self._add_reads(meta)
         return meta
+
+    def _add_reads(self, meta: TierKVMetadata) -> None:
+        """Each save's `reads`: the blocks loaded in this step that its request holds. Its new tokens attend
+        them, so a load that fails leaves wrong KV in what the step computes (vLLM recomputes it; the worker
+        saves it then, not now). A request with no load of its own can hold one: a duplicate prompt in the
+        step shares the block vLLM cached for the request that loads it."""
+        loaded = {b for span in meta.loads for b in span.block_ids}
+        for span in meta.saves:
+            state = self._requests.get(span.req_id)
+            span.reads = sorted(loaded.intersection(state.block_ids)) if state is not None else []
 
     def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
         """The worker's far/near split needs each request's position and the hashes of its full blocks."""
@@ -153,7 +173,8 @@ class ConnectorScheduler:
             meta.far_floors[state.request.request_id] = state.leading_nulls
         if num_computed + num_new <= getattr(state.request, "num_prompt_tokens", 0):
             meta.prompt_steps.append(state.request.request_id)
-        hashes = self._store().extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size)
+        hashes = self._store().extend_hashes(state.hashes, state.request.all_token_ids, num_computed // self.block_size,
+                                             state.root)
         if len(hashes) > state.hashes_sent:
             meta.hashes.append((state.request.request_id, state.hashes_sent, hashes[state.hashes_sent:]))
             state.hashes_sent = len(hashes)
@@ -171,7 +192,7 @@ class ConnectorScheduler:
         first = state.next_block_to_save
         if full <= first:
             return
-        hashes = self._store().extend_hashes(state.hashes, tokens, full)
+        hashes = self._store().extend_hashes(state.hashes, tokens, full, state.root)
         if self.hot_window is not None:
             # every block this request computes is saved, held already or not: the save's pin keeps it in the CPU
             # tier until it turns far and this request reads it there (a held block left unpinned was evicted by
@@ -179,14 +200,23 @@ class ConnectorScheduler:
             # a shared prefix the lookup stopped at, or were recomputed after a failed load: rare
             stored = [False] * (full - first)
         else:
-            again = min(max(first, recomputed_to), full)  # [first, again): recomputed after a failed load
-            stored = (self._store().stored_mask(hashes[first:again], every_layer=True)
-                      + self._store().stored_mask(hashes[again:full]))
+            stored = self._stored(state, hashes, range(first, full), recomputed_to)
         todo = [b for b, held in zip(range(first, full), stored) if not held]
         if todo:
             meta.saves.append(BlockSpan(state.request.request_id, [state.block_ids[b] for b in todo],
                                         [hashes[b] for b in todo]))
         state.next_block_to_save = full
+
+    def _stored(self, state: _RequestState, hashes: list[str], blocks: range, recomputed_to: int) -> list[bool]:
+        """Per block of `blocks`: held already (not saved again). The first and last layer tell for most; every
+        layer counts for blocks recomputed after a failed load (below `recomputed_to`) and from a hole the
+        lookup met on (`hole_from`): one lost layer is what made them computed, and checked on two layers they
+        read as held, were never saved again, and every later request stopped its prefix there."""
+        hole = state.hole_from if state.hole_from is not None else blocks.stop
+        every = [b < recomputed_to or b >= hole for b in blocks]
+        full = iter(self._store().stored_mask([hashes[b] for b, e in zip(blocks, every) if e], every_layer=True))
+        ends = iter(self._store().stored_mask([hashes[b] for b, e in zip(blocks, every) if not e]))
+        return [next(full) if e else next(ends) for e in every]
 
     def request_finished(self, request: "Request") -> None:
         self._requests.pop(request.request_id, None)

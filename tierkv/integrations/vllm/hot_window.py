@@ -18,7 +18,8 @@ same process are untouched. `TieredLLM(backend="vllm")` sets both. Where vLLM is
 `Attention.get_kv_cache_spec` (the spec of each layer), `GPUModelRunner.execute_model` (to
 read the batch's request order, which the attention metadata does not carry) and
 `EngineCore.preprocess_add_request` (no block hashing of vLLM's own where nothing reads it:
-`needs_vllm_block_hashes`); see
+`needs_vllm_block_hashes`) and `Scheduler._update_requests_with_invalid_blocks` (a block that failed to
+load leaves vLLM's prefix cache: `load_failures`); see
 docs/vllm-hot-window.md.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tierkv.integrations.vllm.config import CONNECTOR_NAME, config_from_kv_trans
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.far_step import FarRow
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
+from tierkv.integrations.vllm.load_failures import patch_scheduler
 
 BACKEND_PATH = "tierkv.integrations.vllm.backend.HotWindowBackend"
 _STATE: dict[str, Any] = {"runner": None, "step": None, "window": None, "full": None, "registered": False}
@@ -56,6 +58,7 @@ def register() -> None:
     _patch_kv_cache_spec()
     _patch_runner()
     _patch_engine_core()
+    patch_scheduler()
     _STATE["registered"] = True
 
 

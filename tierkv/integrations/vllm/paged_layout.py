@@ -8,7 +8,7 @@ Primitives: `layer_order`, `PagedLayout` (`kind`, `read`, `read_layers`, `write`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -84,8 +84,11 @@ class PagedLayout:
 
 @dataclass
 class BlockSpan:
-    """Blocks of one request to move: vLLM block ids and the chained hashes of their tokens."""
+    """Blocks of one request to move: vLLM block ids and the chained hashes of their tokens. A save's
+    `reads`: the blocks loaded in its step that the request's computed tokens attended (a load of one
+    that fails makes the saved KV wrong: `VllmKVStore.savable`)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
+    reads: list[int] = field(default_factory=list)

@@ -88,15 +88,17 @@ class VllmKVStore:
         self.save_step_ms: deque[tuple[float, float, float, float, float]] = deque(maxlen=128)
 
     # -- addresses -------------------------------------------------------------------------------
-    def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int) -> list[str]:
+    def extend_hashes(self, hashes: list[str], token_ids: Sequence[int], num_blocks: int,
+                      root: str | None = None) -> list[str]:
         """`hashes` grown in place to the first `num_blocks` full blocks of token_ids, never past the
         full blocks token_ids has: a position may run ahead of the token ids known on the host (a
         token still being sampled), and a partial block's hash would name a block whose other
-        tokens are not yet known."""
+        tokens are not yet known. root: the first block's parent (`request_identity.chain_root`;
+        None: the model's fingerprint)."""
         bs = self.layout.block_tokens
         num_blocks = min(num_blocks, len(token_ids) // bs)
         if num_blocks > len(hashes):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.extend(chain_block_hashes(token_ids[len(hashes) * bs : num_blocks * bs], bs, self.fingerprint,
                                              parent_hash=parent))
         return hashes
@@ -194,6 +196,17 @@ class VllmKVStore:
         one D2H for all of them, so the host's calls do not grow with the layers. Returns the
         private copy [len(layers), n, 2, H, T, D], None if the spans hold no block."""
         return self.saves.save_layers(layers, kvs, spans)
+
+    def savable(self, spans: Sequence[BlockSpan]) -> Sequence[BlockSpan]:
+        """This step's saves less those whose request read a block this step failed to load (`BlockSpan.reads`):
+        what it computed attended KV that is not there. vLLM's recompute policy runs it again from the failed
+        block, and that step saves it; saved now, the wrong KV would stand in the tiers under the right hashes
+        (the recompute finds it held and saves nothing). A load fails before the layers it feeds compute, so
+        the layers saved earlier in the step were computed before it (and are saved again with the rest)."""
+        failed = self.loads.step_errors
+        if not failed:
+            return spans
+        return [span for span in spans if failed.isdisjoint(span.reads)]
 
     def begin_loads(self, spans: Sequence[BlockSpan]) -> None:
         """Plan this step's loads and start the first `lookahead` layers' H2D copies (store_loads)."""

@@ -173,6 +173,11 @@ class LayerLoads:
                 store.counts["blocks_loaded"] += len(self._hashes) - len(self._step_errors)
             self._plan = []
 
+    @property
+    def step_errors(self) -> frozenset[int]:
+        """vLLM block ids of this step's loads that some layer of no tier held (so far in the step's layers)."""
+        return frozenset(self._step_errors)
+
     def take_errors(self) -> set[int]:
         """vLLM block ids whose blocks no tier held (vLLM recomputes them), since the last call."""
         errors, self.error_block_ids = self.error_block_ids, set()
