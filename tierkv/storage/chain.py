@@ -67,8 +67,15 @@ class TierChain:
         return self._put_from(start, list(keys), list(blocks))
 
     def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background."""
+        """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background. Out of the
+        last tier they are gone at once (counted dropped): held in flight until a spill to nowhere ran, they
+        still counted as held (`locate_many`, `get_many`), so whether a lookup found them, and a request
+        skipped saving or pinning them, depended on that thread's timing (blocks later in no tier)."""
         if not evicted:
+            return
+        if tier_index + 1 >= len(self.tiers):
+            with self._lock:
+                self.num_dropped += len(evicted)
             return
         with self._lock:
             for key, block in evicted:
