@@ -87,6 +87,36 @@ def test_a_changed_config_or_buffer_changes_the_digest():
     assert weights_digest(a) != weights_digest(b)
 
 
+HARMLESS_EDITS = {"eos_token_id": 511, "bos_token_id": 510, "pad_token_id": 509, "use_cache": False,
+                  "tie_word_embeddings": True, "output_hidden_states": True,
+                  "architectures": ["Other"], "id2label": {0: "x"}}
+
+
+@pytest.mark.parametrize("field", sorted(HARMLESS_EDITS))
+def test_a_config_edit_that_cannot_change_the_kv_keeps_the_runtime_serving(tmp_path, field):
+    """Token ids, cache / output flags, the head's tying, names: none reaches the keys and values, so the
+    blocks stay valid and the next request runs (the same tokens) instead of refusing the model forever."""
+    model, reference = build("llama", seed=7)
+    prompt = list(range(5, 30))
+    expected, _ = reference_greedy(reference, prompt, 6)
+    with llm_for(model, tmp_path, "m") as llm:
+        setattr(model.config, field, HARMLESS_EDITS[field])
+        (out,) = llm.generate([prompt], max_new_tokens=6)
+        (again,) = llm.generate([prompt], max_new_tokens=6)
+    assert out.token_ids == again.token_ids == expected
+    assert again.stats["prefix_tokens"] > 0  # the blocks of the first request still serve
+
+
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", 1e-3), ("rope_parameters", {"rope_type": "default",
+                                                                                     "rope_theta": 500000.0})])
+def test_a_config_edit_that_can_change_the_kv_is_refused_by_name(tmp_path, field, value):
+    model, _ = build("llama", seed=7)
+    with llm_for(model, tmp_path, "m") as llm:
+        setattr(model.config, field, value)
+        with pytest.raises(ValueError, match=rf"the model's config changed after .* \({field}\)"):
+            llm.generate([[5, 6, 7, 8]], max_new_tokens=2)
+
+
 def test_same_weights_under_other_names_do_not_share(tmp_path):
     prompt = torch.randint(0, 512, (43,), generator=torch.Generator().manual_seed(0)).tolist()
     model, _ = build("llama", seed=7)

@@ -1,8 +1,8 @@
 """What a KV block's address says about the model that computed it.
 
-Primitives: `ModelIdentity`, `model_identity` (a loaded torch model), `WeightsWatch`, `checkpoint_identity`
-(weight files on disk, for engines whose weights live in other processes), `weights_digest`,
-`files_digest`.
+Primitives: `ModelIdentity`, `model_identity` (a loaded torch model), `WeightsWatch`, `config_fields`,
+`checkpoint_identity` (weight files on disk, for engines whose weights live in other processes),
+`weights_digest`, `files_digest`.
 
 Two runs may share a block only when the same weights computed it. A block's address (see
 `tierkv.blocks`) starts from `ModelIdentity.key`, which holds:
@@ -10,8 +10,9 @@ Two runs may share a block only when the same weights computed it. A block's add
     name     the configured `model.name`
     source   where the model came from (a checkpoint path, `_name_or_path`, or the class name)
     weights  a digest of every parameter's and buffer's name, shape, dtype and a fixed strided
-             sample of its bytes, plus the model config (so two random inits of one shape, or one
-             changed layer, give different digests); for files: name, size and sampled bytes
+             sample of its bytes, plus the model config's fields that can change the KV (`config_fields`:
+             not token ids, cache / output flags, generation defaults, names) (so two random inits of one
+             shape, or one changed layer, give different digests); for files: name, size and sampled bytes
 
 The sample is at most `SAMPLE_ELEMENTS` evenly spaced elements per tensor, gathered on the
 tensor's device and copied to the host in one transfer, so an 8B model costs a few hundred
@@ -37,7 +38,22 @@ PROBE_ELEMENTS = 64  # per parameter, on every WeightsWatch.check (about 5 ms fo
 FILE_SAMPLES = 16  # reads per weight file, evenly spaced, head and tail included
 FILE_SAMPLE_BYTES = 64 << 10
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_CONFIG_SKIP = ("transformers_version", "torch_dtype", "dtype", "architectures")
+# config fields that cannot change the keys and values a forward computes (so editing one after a runtime was
+# made keeps its blocks valid): token ids, output / cache flags, generation defaults, names and versions, the
+# output head's tying and labels, init and loss settings; dtype is the weights' own (digested with each tensor).
+# Every other field counts, known or not: rope settings, norms' eps, activations, shapes, windows, structure.
+_CONFIG_SKIP = frozenset({
+    "transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path", "tokenizer_class", "prefix",
+    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
+    "mask_token_id", "unk_token_id", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+    "begin_suppress_tokens", "forced_decoder_ids", "use_cache", "output_attentions", "output_hidden_states",
+    "output_router_logits", "return_dict", "return_dict_in_generate", "output_scores", "tie_word_embeddings",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "remove_invalid_values",
+    "exponential_decay_length_penalty", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+    "task_specific_params", "initializer_range", "init_std", "router_aux_loss_coef",
+})
 
 
 @dataclass(frozen=True)
@@ -78,10 +94,13 @@ class WeightsWatch:
     runtime never files the new weights' KV under the old weights' addresses, nor serves the old KV to them.
     Each check digests PROBE_ELEMENTS evenly spaced elements of every parameter (a write through `p.data` moves
     no version counter); when the parameters' identities or version counters moved, the full digest decides,
-    and unchanged values pass. A write touching none of the probed elements of any parameter goes unseen."""
+    and unchanged values pass. A write touching none of the probed elements of any parameter goes unseen.
+    A config field that can change the KV (`config_fields`: rope, norms' eps, shapes...) edited since is refused
+    by name; others (token ids, use_cache, tie_word_embeddings, generation defaults) may change freely."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = weakref.ref(model)
+        self._config = config_fields(getattr(model, "config", None))
         self._state = _versions(model)
         self._digest = weights_digest(model, buffers=False)  # buffers (rotary caches) may change in forwards
         self._probe = weights_digest(model, buffers=False, samples=PROBE_ELEMENTS)
@@ -90,6 +109,7 @@ class WeightsWatch:
         model = self._model()
         if model is None:
             return
+        _check_config(self._config, config_fields(getattr(model, "config", None)))
         state = _versions(model)
         changed = weights_digest(model, buffers=False, samples=PROBE_ELEMENTS) != self._probe
         if not changed and state != self._state:
@@ -99,6 +119,15 @@ class WeightsWatch:
                              "replaced): its blocks are addressed by the old weights; make a new TieredLLM (or "
                              "runtime_for_model) for the new ones")
         self._state = state
+
+
+def _check_config(before: dict, now: dict) -> None:
+    """ValueError naming the config fields that changed (only those that can change the KV: `config_fields`)."""
+    if now != before:
+        keys = sorted(k for k in {*before, *now} if before.get(k) != now.get(k))
+        raise ValueError(f"the model's config changed after tierkv's runtime was made for it ({', '.join(keys)}), "
+                         "which changes the keys and values it computes: its blocks are addressed by the old config; "
+                         "make a new TieredLLM (or runtime_for_model) for the new one")
 
 
 def _versions(model: torch.nn.Module) -> tuple:
@@ -145,11 +174,21 @@ def _sample_bytes(tensor: torch.Tensor, samples: int) -> torch.Tensor:
     return flat.view(torch.uint8).reshape(-1)
 
 
-def _config_blob(config) -> bytes:
+def config_fields(config) -> dict:
+    """The fields of a transformers config (sub-configs' too) that can change the keys and values its model
+    computes: all of `config.to_dict()` but private ones and `_CONFIG_SKIP`."""
     if config is None or not hasattr(config, "to_dict"):
-        return b"{}"
-    fields = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in _CONFIG_SKIP}
-    return json.dumps(fields, sort_keys=True, default=str).encode()
+        return {}
+    return _kept(config.to_dict())
+
+
+def _kept(fields: dict) -> dict:
+    return {k: _kept(v) if isinstance(v, dict) else v for k, v in fields.items()
+            if not (isinstance(k, str) and k.startswith("_")) and k not in _CONFIG_SKIP}
+
+
+def _config_blob(config) -> bytes:
+    return json.dumps(config_fields(config), sort_keys=True, default=str).encode()
 
 
 def checkpoint_identity(name: str, model: str | os.PathLike, revision: str | None = None,

@@ -41,6 +41,7 @@ from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.engine.runtime import KVRuntime
 from tierkv.engine.sequence import SequenceKV
 from tierkv.integrations.hf_guard import ATTN_NAME, install_guard, tiered_forward_running
+from tierkv.integrations.model_layers import check_decoder_layers, check_query_predictor, decoder_and_layers
 from tierkv.integrations.model_support import (attention_span, check_attention_path, check_kv_projections,
                                                check_kv_states, rotary_unlike_llamas, span_problem)
 
@@ -64,9 +65,9 @@ class TieredLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states: [1, num_kv_heads, n, head_dim] -> returned unchanged."""
         if not tiered_forward_running():  # no guard saw this forward: a model runtime_for_model never prepared
-            raise ValueError("TieredCache: the model running it was not prepared by runtime_for_model (its attention "
-                             "would read only the new tokens, and its KV would be filed under the runtime's model); "
-                             "call runtime_for_model(model, ...) for this model and make the cache from that runtime")
+            raise ValueError("TieredCache: its layer ran in no guarded forward (a model not prepared by runtime_for_model, "
+                             "or one running its layers outside its decoder): its KV would be filed under the runtime's "
+                             "model unchecked; call runtime_for_model(model, ...) and make the cache from that runtime")
         if key_states.shape[0] != 1:
             raise ValueError(
                 f"TieredCache holds one sequence; got a batch of {key_states.shape[0]} "
@@ -212,14 +213,6 @@ class QueryProjector:
         return q * cos + rotated * sin
 
 
-def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
-    layers = getattr(model.base_model, "layers", None)
-    if layers is None:
-        raise ValueError(f"config key 'scheduler.predictor': got 'query'; {type(model).__name__} has no "
-                         "base_model.layers to read hidden states from (use 'previous' or 'none')")
-    return layers
-
-
 def _observe_layer_input(layer_idx: int):
     """A forward pre-hook: a decode token's input hidden state to the sequence of a TieredCache."""
 
@@ -237,20 +230,25 @@ def _observe_layer_input(layer_idx: int):
     return hook
 
 
+def check_query_predictor_fits(model: PreTrainedModel, head_dim: int) -> torch.nn.ModuleList:
+    """The decoder layers the `query` predictor reads; ConfigError naming the model when it cannot project their
+    queries as their attention does (`model_layers.check_query_predictor`, rotary other than Llama's)."""
+    layers = decoder_and_layers(model)[1]
+    problem = check_query_predictor(model, layers, head_dim)
+    rotary = rotary_unlike_llamas(model, layers) if problem is None else None
+    if rotary:
+        problem = (f"the query predictor rotates queries as Llama does (the whole head, halves swapped), which "
+                   f"{type(model).__name__} does not ({rotary})")
+    if problem:
+        raise ConfigError("scheduler.predictor", "query", f"{problem}: use predictor 'previous', 'cache' or 'none'")
+    return layers
+
+
 def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
     """Give `runtime` the model's `QueryProjector` and hook the decoder layers (once per model)."""
-    layers = _decoder_layers(model)
-    fused = [type(layer.self_attn).__name__ for layer in layers if not hasattr(getattr(layer, "self_attn", None), "q_proj")]
-    if fused:
-        raise ConfigError("scheduler.predictor", "query", f"the query predictor projects queries with each "
-                          f"attention's q_proj, which {fused[0]} lacks (q, k and v fused, or no self_attn): use "
-                          f"predictor 'previous', 'cache' or 'none'")
-    rotary = rotary_unlike_llamas(model, layers)
-    if rotary:
-        raise ConfigError("scheduler.predictor", "query", f"the query predictor rotates queries as Llama does (the "
-                          f"whole head, halves swapped), which {type(model).__name__} does not ({rotary}): use "
-                          f"predictor 'previous', 'cache' or 'none'")
-    runtime.query_projector = QueryProjector(layers, runtime.layout.head_dim)
+    head_dim = runtime.layout.head_dim if runtime is not None else model_kv_shape(model)["head_dim"]
+    layers = check_query_predictor_fits(model, head_dim)
+    runtime.query_projector = QueryProjector(layers, head_dim)
     if getattr(model, "_tierkv_query_hooks", False):
         return
     for i, layer in enumerate(layers):
@@ -270,6 +268,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     if not isinstance(config, TierKVConfig):
         raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig (tierkv.config.load_config)")
     check_attention_path(model)
+    check_decoder_layers(model)  # hybrids, shared KV, a layer count other than num_hidden_layers
     identity = model_identity(model, config.model.name, model_id)  # checks model_id's type
     shape = model_kv_shape(model)
     for key, value in shape.items():
@@ -277,6 +276,9 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
         if configured is not None and configured != value:
             raise ConfigError(f"model.{key}", configured, f"the model has {value}")
     check_kv_projections(model, shape)
+    query = config.scheduler.policy == "sparse" and config.scheduler.predictor == "query"
+    if query:
+        check_query_predictor_fits(model, shape["head_dim"])  # before the model's attention is switched
     param = next(model.parameters())
     if config.model.kv_dtype not in ("auto", dtype_name(param.dtype)):
         raise ConfigError("model.kv_dtype", config.model.kv_dtype, f"the model runs in {dtype_name(param.dtype)}: "
@@ -289,7 +291,8 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
                         model_id=identity, **shape)
     runtime.attention_span = attention_span(model)  # sequences are held within it (TieredLayer.update)
     runtime.weights_watch = WeightsWatch(model)  # TieredCache refuses weights changed since (their KV's addresses)
-    install_guard(model, runtime)  # the attention, owner, compile, fed ids and positions of TieredCache forwards
-    if config.scheduler.policy == "sparse" and config.scheduler.predictor == "query":
+    # the attention, owner, compile, fed ids and positions of TieredCache forwards, where they all pass
+    install_guard(decoder_and_layers(model)[0], runtime, model.config)
+    if query:
         install_query_projector(model, runtime)
     return runtime

@@ -1,11 +1,14 @@
-"""What a forward over a TieredCache is checked for before it runs: a pre-hook on the model's base model, which
-`model(...)` and `model.model(...)` both pass through.
+"""What a forward over a TieredCache is checked for before it runs: a pre-hook on the model's decoder, the module
+that runs the decoder layers (`model_layers.decoder_and_layers`), which `model(...)`, `model.model(...)` and a
+CausalLM calling its nested decoder directly (OPT's `self.model.decoder`) all pass through.
 
 Primitives: `install_guard`, `tiered_forward_running`, `ATTN_NAME`.
 
     the model's attention is tierkv's     under another one (restore_attention, set_attn_implementation) a
                                           TieredCache's past would not be read: only the new tokens attended
     the cache's runtime is this model's   a cache of another model's runtime is another model's KV
+    no encoder_hidden_states              they would run a decoder's cross-attention (Bart-family ForCausalLM)
+                                          over keys tierkv does not hold
     (under torch.compile these checks, the cache's update and tierkv's attention run eagerly: graph breaks)
     the fed ids and positions             the cache's `token_ids` (its blocks' addresses in the shared tiers) and
                                           the positions after its tokens: other tokens' or positions' KV filed
@@ -30,13 +33,15 @@ def tiered_forward_running() -> bool:
     return getattr(_STATE, "tiered", False)
 
 
-def install_guard(model, runtime) -> None:
-    """Bind `runtime` to `model`'s base model and hook that (once per model)."""
-    base = model.base_model
-    runtime.base_model_ref = weakref.ref(base)
-    if not getattr(base, "_tierkv_guard_hooks", None):
-        base._tierkv_guard_hooks = (base.register_forward_pre_hook(_before, with_kwargs=True),
-                                    base.register_forward_hook(_after, with_kwargs=True, always_call=True))
+def install_guard(decoder: torch.nn.Module, runtime, config) -> None:
+    """Bind `runtime` to `decoder`, the module every forward of the model runs its decoder layers in, and hook
+    that (once per module); `config`, the model's, says the attention implementation where `decoder` has none."""
+    runtime.base_model_ref = weakref.ref(decoder)
+    if getattr(decoder, "config", None) is None:
+        decoder._tierkv_config = config
+    if not getattr(decoder, "_tierkv_guard_hooks", None):
+        decoder._tierkv_guard_hooks = (decoder.register_forward_pre_hook(_before, with_kwargs=True),
+                                       decoder.register_forward_hook(_after, with_kwargs=True, always_call=True))
 
 
 @torch.compiler.disable  # host checks: eager under torch.compile
@@ -45,7 +50,11 @@ def _before(module, args, kwargs) -> None:
     _STATE.tiered = tiered = bool(getattr(cache, "is_tierkv_cache", False))
     if not tiered:
         return None
-    implementation = module.config._attn_implementation
+    if kwargs.get("encoder_hidden_states") is not None:
+        raise ValueError("TieredCache: a forward given encoder_hidden_states would run the decoder's cross-attention "
+                         "over them, whose keys tierkv does not hold; a TieredCache serves decoder-only generation")
+    config = getattr(module, "config", None) or module._tierkv_config
+    implementation = config._attn_implementation
     if implementation != ATTN_NAME:
         raise ValueError(f"TieredCache: the model's attention is {implementation!r}, which reads only the new tokens "
                          f"from it; set it back with runtime_for_model (it was changed since: restore_attention or "

@@ -7,7 +7,8 @@ Primitives: `check_attention_path`, `attention_span`, `span_problem`, `length_de
     attention through transformers' attention functions     required (else refused, naming the model)
     multi-head latent attention (kv_lora_rank)               refused
     ALiBi computed by the model (Falcon alibi=True)          refused
-    bidirectional attention (is_causal False)                refused
+    bidirectional attention (is_causal False)                refused (the text decoder's: not a vision tower's,
+                                                             nor cross-attention, run only given encoder states)
     attention logit soft-capping, learned attention sinks    refused
     a sliding window / chunked attention (W tokens)          served for sequences of at most W tokens
     rope_type dynamic / longrope                             a chunked prefill rotated as one forward
@@ -20,6 +21,7 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
+from tierkv.integrations.model_layers import decoder_and_layers
 from tierkv.model_shape import text_config
 
 
@@ -28,18 +30,8 @@ def check_attention_path(model: PreTrainedModel) -> None:
     itself instead of through transformers' attention functions (ALL_ATTENTION_FUNCTIONS: Bloom, MPT, GPT-Neo,
     XGLM), whose layers would read only the keys of the current step, or multi-head latent attention
     (kv_lora_rank: DeepSeek V2/V3), whose cached keys and values differ in width."""
-    import sys
-
     name = type(model).__name__
-    sources = []
-    for cls in type(model).__mro__:
-        module = sys.modules.get(cls.__module__)
-        if module is None or not cls.__module__.startswith("transformers.models."):
-            continue
-        try:
-            sources.append(inspect.getsource(module))
-        except (OSError, TypeError):  # no source to read: nothing to tell
-            return
+    sources = _decoder_sources(model)
     if sources and not any("ALL_ATTENTION_FUNCTIONS" in source for source in sources):
         raise ValueError(f"model: {name} computes its attention itself, not through transformers' attention "
                          f"functions, so tierkv cannot serve its KV cache; models whose attention goes through them "
@@ -59,10 +51,39 @@ def check_attention_path(model: PreTrainedModel) -> None:
     if sinks:
         raise ValueError(f"model: {name} adds learned attention sinks ({sinks[0]}.sinks) to its softmax, which "
                          f"tierkv's attention does not compute")
-    non_causal = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
+    non_causal = sorted({type(m).__name__ for path, m in _text_decoder_modules(model)
+                         if getattr(m, "is_causal", True) is False})
     if non_causal or getattr(text, "use_bidirectional_attention", False):
         raise ValueError(f"model: {name} attends bidirectionally ({', '.join(non_causal) or 'use_bidirectional_attention'}"
                          f"): tierkv's attention is causal, each token reading the tokens before it")
+
+
+def _decoder_sources(model: PreTrainedModel) -> list[str]:
+    """The source of each transformers.models file defining a class of the model's text decoder's modules (a
+    vision-language model's language model, not its wrapper's file); [] when some source cannot be read."""
+    import sys
+
+    names = {cls.__module__ for _, module in _text_decoder_modules(model) for cls in type(module).__mro__
+             if cls.__module__.startswith("transformers.models.")}
+    sources = []
+    for module_name in sorted(names):
+        try:
+            sources.append(inspect.getsource(sys.modules[module_name]))
+        except (KeyError, OSError, TypeError):  # no source to read: nothing to tell
+            return []
+    return sources
+
+
+CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
+
+
+def _text_decoder_modules(model: PreTrainedModel):
+    """(path, module) of the modules of the model's text decoder (`model_layers.decoder_and_layers`: not a
+    vision tower's, whose attention is bidirectional by design) but its cross-attention over encoder states
+    (Bart's encoder_attn), which runs only when a forward is given them (refused then: `hf_guard`)."""
+    for path, module in decoder_and_layers(model)[0].named_modules():
+        if not any(part in CROSS_ATTENTION_NAMES for part in path.split(".")):
+            yield path, module
 
 
 def attention_span(model: PreTrainedModel) -> tuple[int, str] | None:
@@ -165,8 +186,8 @@ def check_kv_states(layout, layer_idx: int, key_states: torch.Tensor, value_stat
 def check_kv_projections(model: PreTrainedModel, shape: dict) -> None:
     """ValueError, before any work, when a layer's k_proj / v_proj (where the model has them) give other than
     num_kv_heads x head_dim features: the KV the runtime is shaped for is not what the attention computes."""
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    layers = decoder_and_layers(model)[1]
+    if layers is None:
         return
     width = shape["num_kv_heads"] * shape["head_dim"]
     for index, layer in enumerate(layers):
