@@ -140,14 +140,14 @@ def test_a_generation_config_edited_between_calls_is_honoured(model, llm):
 
 
 REFUSED = [  # field, a value transformers' greedy decoding would apply, the value that turns it off
-    ("num_beams", 2, 1), ("num_beam_groups", 2, 1), ("diversity_penalty", 0.5, 0.0),
+    ("num_beams", 2, 1),
     ("force_words_ids", [[5]], None), ("penalty_alpha", 0.6, None), ("dola_layers", "high", None),
     ("guidance_scale", 1.5, None), ("sequence_bias", [[[5], -3.0]], None), ("encoder_repetition_penalty", 1.2, 1.0),
     ("no_repeat_ngram_size", 2, 0), ("encoder_no_repeat_ngram_size", 2, 0), ("bad_words_ids", [[5]], None),
     ("forced_bos_token_id", 0, None), ("forced_eos_token_id", 7, None),
     ("exponential_decay_length_penalty", (2, 1.5), None), ("suppress_tokens", [5, 6], None),
     ("begin_suppress_tokens", [5], None), ("watermarking_config", {"greenlist_ratio": 0.25}, None),
-    ("stop_strings", ["\n"], None), ("max_time", 5.0, None), ("token_healing", True, False),
+    ("stop_strings", ["\n"], None), ("token_healing", True, False),
 ]
 
 
@@ -164,12 +164,34 @@ def test_settings_tierkv_does_not_implement_are_refused_by_name(model, llm, name
 
 
 def test_settings_that_cannot_change_greedy_tokens_are_not_refused(model, llm):
-    """Sampling settings (not applied: tierkv stays greedy), renormalisation and lengths run as before."""
+    """Sampling settings (not applied: tierkv stays greedy), renormalisation and lengths run as before; so do
+    group-beam settings with one beam and a generous max_time (they were refused, though transformers 5's greedy
+    tokens are the same with them)."""
     for name, value in (("do_sample", True), ("temperature", 0.3), ("top_k", 1), ("top_p", 0.5), ("min_p", 0.2),
                         ("typical_p", 0.5), ("renormalize_logits", True), ("max_length", 5), ("penalty_alpha", 0.6),
-                        ("num_beams", 1), ("length_penalty", 2.0), ("remove_invalid_values", True)):
+                        ("num_beams", 1), ("length_penalty", 2.0), ("remove_invalid_values", True),
+                        ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("max_time", 100.0)):
         setattr(model.generation_config, name, value)  # penalty_alpha with top_k 1: not contrastive search
     assert tierkv_greedy(llm, PROMPT) == transformers_greedy(model, PROMPT)
+
+
+@pytest.mark.parametrize("min_new, min_length", [(0, len(PROMPT) + 6), (1, len(PROMPT) + 6), (None, len(PROMPT) + 3)])
+def test_min_new_tokens_given_wins_over_min_length_as_in_transformers(model, llm, min_new, min_length):
+    """transformers ignores min_length once min_new_tokens is set (0 too); tierkv held EOS back for the larger of
+    the two, so a checkpoint setting both gave other tokens without a word (found by a probe)."""
+    stop = transformers_greedy(model, PROMPT)[1]  # the model's second greedy token stands in for its EOS
+    model.generation_config.eos_token_id = stop
+    model.generation_config.min_new_tokens, model.generation_config.min_length = min_new, min_length
+    assert tierkv_greedy(llm, PROMPT) == transformers_greedy(model, PROMPT)
+
+
+def test_a_huge_integer_penalty_is_a_value_error_naming_the_field(model, llm):
+    """10**400 made math.isfinite raise a bare OverflowError."""
+    with pytest.raises(ValueError, match="^repetition_penalty: got an integer of 401 digits"):
+        SamplingParams(repetition_penalty=10**400)
+    model.generation_config.repetition_penalty = 10**400
+    with pytest.raises(ValueError, match="^generation_config.repetition_penalty: got an integer of 401 digits"):
+        tierkv_greedy(llm, PROMPT)
 
 
 @pytest.mark.parametrize("name,value,error", [("repetition_penalty", 0.0, ValueError),

@@ -43,10 +43,10 @@ def _contrastive(value, config) -> bool:
 # generation_config fields tierkv does not implement that change what generate(do_sample=False) returns:
 # field -> (is this value in effect?, the value that turns it off). Sources: transformers'
 # GenerationConfig.get_generation_mode, GenerationMixin._get_logits_processor and its stopping criteria.
+# Not here, as they leave greedy tokens as they are in transformers 5: num_beam_groups and diversity_penalty
+# (group beam search only, which left the library), max_time (a wall-clock stop, not a token rule).
 _UNSUPPORTED = {
     "num_beams": (_above(1), 1),                          # beam search
-    "num_beam_groups": (_above(1), 1),                    # group beam search
-    "diversity_penalty": (_not(0.0), 0.0),
     "constraints": (_given, None),                        # constrained beam search
     "force_words_ids": (_given, None),
     "penalty_alpha": (_contrastive, None),                # contrastive search
@@ -64,7 +64,6 @@ _UNSUPPORTED = {
     "begin_suppress_tokens": (_given, None),
     "watermarking_config": (_given, None),
     "stop_strings": (_given, None),
-    "max_time": (_given, None),
     "token_healing": (_not(False), False),
 }
 
@@ -88,7 +87,7 @@ def refuse_unsupported(config) -> None:
 class GenerationDefaults:
     """The settings of `model.generation_config` that tierkv applies, read at one generate() call."""
     repetition_penalty: float = 1.0  # 1.0 = off
-    min_new_tokens: int = 0
+    min_new_tokens: int | None = None  # given (0 too), it wins over min_length, as in transformers
     min_length: int = 0              # prompt and new tokens together, as transformers counts it
 
     @classmethod
@@ -104,14 +103,19 @@ class GenerationDefaults:
                     "must be a finite number > 0 (1.0 = off) or None", lambda v: v > 0)
         _check_int("generation_config.min_new_tokens", min_new, minimum=0)
         _check_int("generation_config.min_length", min_length, minimum=0)
-        return cls(float(1.0 if penalty is None else penalty), int(min_new or 0), int(min_length or 0))
+        return cls(float(1.0 if penalty is None else penalty), None if min_new is None else int(min_new),
+                   int(min_length or 0))
 
     def rules(self, sampling: SamplingParams, prompt_ids: list[int], eos_ids: list[int]) -> "LogitsRules":
         """One request's rules: its own settings where given, else these defaults. min_tokens masks the EOS
         ids (even with ignore_eos, as transformers and vLLM do) and the request's stop ids."""
         penalty = self.repetition_penalty if sampling.repetition_penalty is None else sampling.repetition_penalty
-        min_tokens = (max(self.min_new_tokens, self.min_length - len(prompt_ids)) if sampling.min_tokens is None
-                      else sampling.min_tokens)
+        if sampling.min_tokens is not None:
+            min_tokens = sampling.min_tokens
+        elif self.min_new_tokens is not None:  # transformers then ignores min_length ("takes precedence")
+            min_tokens = self.min_new_tokens
+        else:
+            min_tokens = max(0, self.min_length - len(prompt_ids))
         return LogitsRules(float(penalty), min_tokens, prompt_ids, set(eos_ids) | set(sampling.stop_token_ids or ()))
 
 

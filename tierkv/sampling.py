@@ -34,7 +34,8 @@ class SamplingParams:
     """One generate() call's settings. The default is greedy decoding, whose tokens equal transformers'
     `model.generate(do_sample=False)`: the checkpoint's generation_config gives the defaults of
     repetition_penalty and min_tokens, but its sampling settings (do_sample=True, temperature, top_k,
-    top_p) are not applied; give temperature > 0 here to sample."""
+    top_p) are not applied; give temperature > 0 here to sample. Under `backend="vllm"` the defaults are
+    what vLLM reads of the checkpoint (its repetition_penalty; vLLM applies no min_new_tokens of it)."""
     max_new_tokens: int | None = None  # 64 unless given (here or as max_tokens); a number after construction
     temperature: float = 0.0           # 0 = greedy
     top_k: int | None = None
@@ -151,8 +152,13 @@ def _check_real(name: str, value, allowed: str, ok, *, optional: bool = True) ->
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name}: got {value!r} ({type(value).__name__}); {allowed}")
-    if not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name}: got {value}; {allowed}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past float's range (10**400)
+        finite = False
+    if not finite or not ok(value):
+        raise ValueError(f"{name}: got {value:.6g}; {allowed}" if finite or not isinstance(value, int)
+                         else f"{name}: got an integer of {len(str(abs(value)))} digits; {allowed}")
 
 
 @dataclass
