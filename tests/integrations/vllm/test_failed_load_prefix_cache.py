@@ -122,3 +122,38 @@ def test_a_block_that_failed_to_load_is_no_prefix_hit_after_its_request_is_abort
         assert hit_tokens == lost_block * BS and bad not in blocks.get_block_ids()[0]
     finally:
         engine.close()
+
+
+def test_every_request_holding_a_block_that_failed_to_load_recomputes_it(tmp_path):
+    """A duplicate prompt in the step gets the loading request's blocks from vLLM's prefix cache. vLLM moved back
+    only the first holder of a failed block: the second kept it counted computed, and when the first was aborted
+    before its recompute, nobody recomputed it (the second sampled over it and saved its next blocks with it; its
+    own blocks of that step stayed cached for later prompts). Found by a taint-propagating probe."""
+    engine = Engine(tmp_path)
+    try:
+        prompt = list(range(100, 117))  # 4 full blocks and a token
+        engine.add("a", prompt)
+        for _ in range(4):
+            engine.step()
+        engine.worker.store.poll(wait=True)
+        assert engine.scheduler.kv_cache_manager.reset_prefix_cache()
+
+        def lose(meta):
+            store = engine.worker.store
+            store.chain.remove_many(store.keys(meta.loads[0].hashes[0:1], 1))  # block 0, layer 1
+            engine.before_forward = None
+
+        engine.before_forward = lose
+        engine.add("b", prompt)
+        engine.add("c", prompt)  # a prefix hit on b's blocks, in the same step
+        (bad,) = engine.step()
+        manager = engine.scheduler.kv_cache_manager
+        for req_id in ("b", "c"):
+            assert engine.scheduler.requests[req_id].num_computed_tokens == 0, req_id  # both recompute from block 0
+        c_blocks = manager.get_block_ids("c")[0]
+        assert bad in c_blocks and all(manager.block_pool.blocks[b].block_hash is None for b in c_blocks)
+        engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        engine.step()  # c recomputes its blocks
+        assert engine.scheduler.requests["c"].num_computed_tokens == len(prompt)
+    finally:
+        engine.close()

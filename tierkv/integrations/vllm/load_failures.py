@@ -1,16 +1,21 @@
-"""A block the tiers failed to load leaves vLLM's prefix cache at once, so no later request reads it.
+"""After a failed load, every request holding the block recomputes it, and it leaves vLLM's prefix cache.
 
-Primitives: `patch_scheduler` (installed by the plugin's `register`).
+Primitives: `patch_scheduler` (installed by the plugin's `register` and by the scheduler-side connector).
 
 tierkv loads synchronously and runs vLLM's "recompute" policy for a block no tier could give: vLLM moves
-the request's computed tokens back to that block and computes it again. vLLM 0.26 drops such blocks (and
-the request's blocks after them, computed over them) from its prefix cache only under the "fail" policy:
-under "recompute" it keeps them, expecting the recompute to fill them. When the request is aborted or
-preempted first, the block stays cached with what the failed load left in it, and the next request with
-the prompt gets it as a prefix hit: wrong KV, silently. For an engine served by tierkv's connector the
-same blocks vLLM computes for the "fail" policy leave the cache under "recompute" too. They stay with
-their request, which still recomputes them; vLLM does not cache them again (the rest of the prompt is
-found in the tiers instead).
+the request's computed tokens back to that block and computes it again. vLLM 0.26 leaves two holes there,
+both seen with its prefix cache on (`TieredLLM(hot_window=False)`):
+
+- it drops the failed block (and the request's blocks after it, computed over it) from its prefix cache only
+  under the "fail" policy: under "recompute" it keeps them for the recompute to fill, so a request aborted or
+  preempted first leaves them to the next request with the prompt, wrong KV served as a prefix hit;
+- of several requests holding the failed block (a duplicate prompt in the step got it from vLLM's cache), only
+  the first moves back; the others keep it counted computed, relying on the first's recompute. Aborted first,
+  nobody recomputes it: the others sample from KV computed over it, and save their next blocks with it.
+
+For an engine served by tierkv's connector, under "recompute", every request holding a failed block moves
+back to the first one it holds, and its blocks from there leave the prefix cache (they stay with their
+requests, which compute them again; vLLM does not cache them again: the tiers serve the prompt instead).
 """
 from __future__ import annotations
 
@@ -18,8 +23,7 @@ import functools
 
 
 def patch_scheduler() -> None:
-    """Wrap vLLM's `Scheduler._update_requests_with_invalid_blocks`: for a tierkv engine under the recompute
-    policy, the blocks it collects for eviction are evicted from the prefix cache. Idempotent."""
+    """Wrap vLLM's `Scheduler._update_requests_with_invalid_blocks` as above. Idempotent."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = Scheduler._update_requests_with_invalid_blocks
@@ -28,13 +32,35 @@ def patch_scheduler() -> None:
 
     @functools.wraps(original)
     def update(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks=True):
-        affected, tokens, to_evict = original(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
-        if evict_blocks and to_evict and _serves_tierkv(self) and getattr(self, "recompute_kv_load_failures", False):
-            self.kv_cache_manager.evict_blocks(to_evict)  # vLLM evicts them itself under "fail"
+        if not (evict_blocks and _serves_tierkv(self) and getattr(self, "recompute_kv_load_failures", False)):
+            return original(self, requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+        affected, tokens, to_evict = every_holder_recomputes(self, requests, invalid_block_ids, num_scheduled_tokens)
+        if to_evict:
+            self.kv_cache_manager.evict_blocks(to_evict)  # vLLM evicts the first holder's itself, under "fail" only
         return affected, tokens, to_evict
 
     update._tierkv_load_failures = True
     Scheduler._update_requests_with_invalid_blocks = update
+
+
+def every_holder_recomputes(scheduler, requests, invalid_block_ids, num_scheduled_tokens) -> tuple[set[str], int, set[int]]:
+    """vLLM's accounting of requests holding failed blocks (affected request ids, tokens to recompute, blocks
+    to evict), with every holder moved back to its first failed block: of the blocks it counted computed before
+    this step's new tokens (its loads and prefix hits), the first that failed."""
+    affected, tokens, to_evict = set(), 0, set()
+    block_size = scheduler.block_size
+    for request in requests:
+        (block_ids,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        computed = request.num_computed_tokens - num_scheduled_tokens.get(request.request_id, 0)
+        held = -(-computed // block_size)
+        first = next((i for i, block in enumerate(block_ids[:held]) if block in invalid_block_ids), None)
+        if first is None:
+            continue
+        request.num_computed_tokens = first * block_size
+        tokens += computed - request.num_computed_tokens
+        affected.add(request.request_id)
+        to_evict.update(block_ids[first:])
+    return affected, tokens, to_evict
 
 
 def _serves_tierkv(scheduler) -> bool:
