@@ -157,7 +157,7 @@ def _check_real(name: str, value, allowed: str, ok, *, optional: bool = True) ->
     except OverflowError:  # an int past float's range (10**400)
         finite = False
     if not finite or not ok(value):
-        raise ValueError(f"{name}: got {value:.6g}; {allowed}" if finite or not isinstance(value, int)
+        raise ValueError(f"{name}: got {value}; {allowed}" if finite or not isinstance(value, int)
                          else f"{name}: got an integer of {len(str(abs(value)))} digits; {allowed}")
 
 
