@@ -148,6 +148,7 @@ REFUSED = [  # field, a value transformers' greedy decoding would apply, the val
     ("exponential_decay_length_penalty", (2, 1.5), None), ("suppress_tokens", [5, 6], None),
     ("begin_suppress_tokens", [5], None), ("watermarking_config", {"greenlist_ratio": 0.25}, None),
     ("stop_strings", ["\n"], None), ("token_healing", True, False),
+    ("cache_implementation", "quantized", None),  # transformers would quantize its KV cache; tierkv's stays exact
 ]
 
 
@@ -170,7 +171,8 @@ def test_settings_that_cannot_change_greedy_tokens_are_not_refused(model, llm):
     for name, value in (("do_sample", True), ("temperature", 0.3), ("top_k", 1), ("top_p", 0.5), ("min_p", 0.2),
                         ("typical_p", 0.5), ("renormalize_logits", True), ("max_length", 5), ("penalty_alpha", 0.6),
                         ("num_beams", 1), ("length_penalty", 2.0), ("remove_invalid_values", True),
-                        ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("max_time", 100.0)):
+                        ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("max_time", 100.0),
+                        ("cache_implementation", "dynamic")):
         setattr(model.generation_config, name, value)  # penalty_alpha with top_k 1: not contrastive search
     assert tierkv_greedy(llm, PROMPT) == transformers_greedy(model, PROMPT)
 

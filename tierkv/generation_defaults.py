@@ -65,6 +65,7 @@ _UNSUPPORTED = {
     "watermarking_config": (_given, None),
     "stop_strings": (_given, None),
     "token_healing": (_not(False), False),
+    "cache_implementation": (lambda value, config: value == "quantized", None),  # quantized KV: other logits
 }
 
 
