@@ -21,8 +21,8 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,  # noqa: E402
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
+                                        KVCacheTensor, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -40,12 +40,15 @@ class Runner:
 
 
 class Engine:
-    """vLLM's scheduler and one worker connector on the CPU; `step()` is one engine step."""
+    """vLLM's scheduler and one worker connector on the CPU; `step()` is one engine step. window None: full
+    attention (no hot window); prefix_caching: vLLM's own prefix cache on (requests carry vLLM's block hashes).
+    `before_forward(metadata)`, when set, runs between the schedule and the worker's hooks."""
 
-    def __init__(self, root, cpu_keys: int, layers: int = L, window: int = WINDOW, lookahead: int = 1, pool: int = POOL):
+    def __init__(self, root, cpu_keys: int, layers: int = L, window: int | None = WINDOW, lookahead: int = 1,
+                 pool: int = POOL, prefix_caching: bool = False):
         self.names = names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         (root / "t.yaml").write_text(json.dumps({
-            "cache": {"block_tokens": BS, "window_tokens": window},
+            "cache": {"block_tokens": BS, **({"window_tokens": window} if window is not None else {})},
             "tiers": [{"kind": "cpu", "capacity_bytes": cpu_keys * 2 * H * BS * D * 4}],
             "scheduler": {"lookahead_layers": lookahead, "staging_bytes": 64 * 2 * H * BS * D * 4},
             "metrics": {"enabled": False}}))
@@ -57,12 +60,13 @@ class Engine:
         hot_window.register()
         vc = VllmConfig(model_config=ModelConfig(model=str(root / "m"), skip_tokenizer_init=True, max_model_len=96,
                                                  enforce_eager=True, dtype="float32"),
-                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
                                                          is_encoder_decoder=False, async_scheduling=False),
                         kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(root / "t.yaml"), model_id="m")),
                         device_config=DeviceConfig(device="cpu"))
-        spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window)
+        spec = (FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32) if window is None
+                else SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window))
         kvc = KVCacheConfig(num_blocks=pool, kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
                             kv_cache_tensors=[KVCacheTensor(size=pool * spec.page_size_bytes, shared_by=[n]) for n in names])
         vc.cache_config.num_gpu_blocks = pool
@@ -70,12 +74,21 @@ class Engine:
         self.caches = {n: torch.randn(pool, H, BS, 2 * D, generator=torch.Generator().manual_seed(0)) for n in names}
         self.worker.register_kv_caches(self.caches)
         self.sched = Scheduler(vc, kvc, StructuredOutputManager(vc), block_size=BS)
+        self.hasher = _vllm_block_hasher() if prefix_caching else None
+        self.before_forward = None
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        self.sched.add_request(Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None))
+        self.sched.add_request(self.request(req_id, prompt, max_tokens))
 
-    def step(self) -> None:
+    def request(self, req_id: str, prompt: list[int], max_tokens: int) -> Request:
+        return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                       block_hasher=self.hasher)
+
+    def step(self) -> set[int]:
+        """One engine step; returns the block ids the worker reported as failed loads."""
         out = self.sched.schedule()
+        if self.before_forward is not None:
+            self.before_forward(out.kv_connector_metadata)
         order = list(out.num_scheduled_tokens)
         runner = Runner(order)  # the batch order the hot window reads from vLLM's model runner
         hot_window._STATE["runner"] = weakref.ref(runner)
@@ -94,6 +107,11 @@ class Engine:
         self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid)))
+        return invalid
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
 
     def run_out(self, steps: int = 40) -> None:
         for _ in range(steps):
@@ -112,6 +130,15 @@ class Engine:
 
 
 NOTHING = {"keys": 0, "blocks": {}, "landed": 0, "landed_blocks": {}}
+
+
+def _vllm_block_hasher():
+    """vLLM's request block hasher (sha256), as its engine core makes it for a prefix-caching engine."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(BS, sha256)
 
 
 @pytest.mark.parametrize("reuse", [True, False])
