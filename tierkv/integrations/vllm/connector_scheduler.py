@@ -95,7 +95,8 @@ class ConnectorScheduler:
             return 0, False
         hashes = self._store().extend_hashes(state.hashes, prompt, end, state.root)
         found = self._store().present_prefix(hashes[start:end])
-        if start + found < end and self._store().stored_mask(hashes[start + found : start + found + 1])[0]:
+        if (self.hot_window is None and start + found < end  # (the hot window saves every block it computes)
+                and self._store().stored_mask(hashes[start + found : start + found + 1])[0]):
             state.hole_from = start + found  # a layer of it is gone (a tier dropped one key): save it whole again
         if found == 0:
             return 0, False
