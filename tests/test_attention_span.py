@@ -114,12 +114,12 @@ def test_the_query_predictor_needs_a_q_projection(tmp_path):
     import transformers as tf
 
     from tierkv.config import ConfigError
-    from tierkv.integrations.hf import install_query_projector
+    from tierkv.integrations.hf import check_query_predictor_fits
 
     model = tf.Phi3ForCausalLM(tf.Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                              num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
     with pytest.raises(ConfigError, match="Phi3Attention lacks"):
-        install_query_projector(model, None)
+        check_query_predictor_fits(model, 16)
 
 
 def test_a_sparse_budget_below_one_block_is_refused():

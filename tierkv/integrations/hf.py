@@ -244,11 +244,10 @@ def check_query_predictor_fits(model: PreTrainedModel, head_dim: int) -> torch.n
     return layers
 
 
-def install_query_projector(model: PreTrainedModel, runtime: KVRuntime) -> None:
-    """Give `runtime` the model's `QueryProjector` and hook the decoder layers (once per model)."""
-    head_dim = runtime.layout.head_dim if runtime is not None else model_kv_shape(model)["head_dim"]
-    layers = check_query_predictor_fits(model, head_dim)
-    runtime.query_projector = QueryProjector(layers, head_dim)
+def install_query_projector(model: PreTrainedModel, runtime: KVRuntime, layers: torch.nn.ModuleList) -> None:
+    """Give `runtime` the model's `QueryProjector` over its decoder `layers` (as `check_query_predictor_fits`
+    returned them) and hook those layers (once per model)."""
+    runtime.query_projector = QueryProjector(layers, runtime.layout.head_dim)
     if getattr(model, "_tierkv_query_hooks", False):
         return
     for i, layer in enumerate(layers):
@@ -277,8 +276,8 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
             raise ConfigError(f"model.{key}", configured, f"the model has {value}")
     check_kv_projections(model, shape)
     query = config.scheduler.policy == "sparse" and config.scheduler.predictor == "query"
-    if query:
-        check_query_predictor_fits(model, shape["head_dim"])  # before the model's attention is switched
+    # checked before the model's attention is switched
+    query_layers = check_query_predictor_fits(model, shape["head_dim"]) if query else None
     param = next(model.parameters())
     if config.model.kv_dtype not in ("auto", dtype_name(param.dtype)):
         raise ConfigError("model.kv_dtype", config.model.kv_dtype, f"the model runs in {dtype_name(param.dtype)}: "
@@ -293,6 +292,6 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     runtime.weights_watch = WeightsWatch(model)  # TieredCache refuses weights changed since (their KV's addresses)
     # the attention, owner, compile, fed ids and positions of TieredCache forwards, where they all pass
     install_guard(decoder_and_layers(model)[0], runtime, model.config)
-    if query:
-        install_query_projector(model, runtime)
+    if query_layers is not None:
+        install_query_projector(model, runtime, query_layers)
     return runtime
