@@ -1,7 +1,7 @@
 """Blocks and their content addresses.
 
 Primitives: `BlockLayout` (shape and dtype of one block), `model_fingerprint`,
-`chain_block_hashes`, `block_key`, `block_keys_for_prompt`.
+`chain_block_hashes`, `chain_root_digest`, `block_key`, `block_keys_for_prompt`.
 
 A block is the K and V of `block_tokens` consecutive tokens of one layer:
 
@@ -92,7 +92,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint:
     ids = _as_int64(token_ids)
     if ids.ndim != 1:
         raise ValueError(f"token_ids must be a flat sequence of ints, got shape {ids.shape}")
-    parent = bytes.fromhex(parent_hash) if parent_hash else hashlib.sha256(fingerprint.encode()).digest()
+    parent = bytes.fromhex(parent_hash) if parent_hash else chain_root_digest(fingerprint)
     # one conversion of the whole sequence, then a view per block: a 100k-token prompt's 1.5k hashes are
     # on the scheduler's path of every prefix lookup (a per-block astype + tobytes cost a third more)
     data = memoryview(ids.astype("<i8", copy=False).tobytes())
@@ -103,6 +103,11 @@ def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, fingerprint:
         parent = digest.digest()
         hashes.append(parent.hex())
     return hashes
+
+
+def chain_root_digest(fingerprint: str) -> bytes:
+    """The parent digest of a chain's first block, for the model `fingerprint` names."""
+    return hashlib.sha256(fingerprint.encode()).digest()
 
 
 def _as_int64(token_ids: Sequence[int]) -> np.ndarray:

@@ -18,6 +18,8 @@ import hashlib
 import json
 import uuid
 
+from tierkv.blocks import chain_root_digest
+
 
 def chain_root(request, fingerprint: str) -> str | None:
     """The parent hash of `request`'s first block (None: the model's default root), from its LoRA
@@ -37,8 +39,7 @@ def chain_root(request, fingerprint: str) -> str | None:
         parts["prompt_embeds"] = uuid.uuid4().hex
     if not parts:
         return None
-    default_root = hashlib.sha256(fingerprint.encode()).digest()
-    return hashlib.sha256(default_root + json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(chain_root_digest(fingerprint) + json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _position(feature) -> list[int | None]:
