@@ -183,7 +183,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         transfer_backend: str = "auto", storage_dtype: str = "auto", compiled: bool = False,
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
-        shipped_set: dict | None = None, prefix_repeats: int = 2, warm_prefix: bool = False) -> None:
+        shipped_set: dict | None = None, prefix_repeats: int = 2, warm_prefix: bool = False,
+        profile_prefix_later: bool = False) -> None:
     import random
 
     from vllm import SamplingParams
@@ -363,10 +364,11 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             # the one-off shows there; its TTFT is the profiler's), and "repeat" and "repeat_again" are warm
             runs = ([("first", 11)] + ([("repeat_profiled", 14)] if profile_prefix else [])
                     + [("repeat", 12), ("repeat_again", 13)]
-                    + [(f"repeat_{n}", 12 + n) for n in range(3, prefix_repeats + 1)])  # last ids 15, 16, ...: distinct
+                    + [(f"repeat_{n}", 12 + n) for n in range(3, prefix_repeats + 1)]  # last ids 15, 16, ...: distinct
+                    + ([("repeat_later_profiled", 13 + prefix_repeats)] if profile_prefix_later else []))
             for key, last in runs:  # with each run's steps, collections and far waits
                 wait_before, allocs_before = far_wait_s(), device_allocs()
-                profile = [0] if key == "repeat_profiled" else None
+                profile = [0] if key.endswith("_profiled") else None
                 ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
                 row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
@@ -645,6 +647,9 @@ def main() -> int:
     parser.add_argument("--profile-prefix", action="store_true",
                         help="the first repeat of the prefix runs profiled, its first step under torch.profiler and "
                              "cProfile (what the first repeat after start pays once); the repeat rows are then warm")
+    parser.add_argument("--profile-prefix-later", action="store_true",
+                        help="one more repeat after the others, its first step profiled as --profile-prefix's (a warm "
+                             "repeat's profile, to set beside the first repeat's)")
     parser.add_argument("--prefetch-margin", type=int, default=0,
                         help="tierkv-sparse-full: scheduler.sparse_prefetch_margin, blocks per layer ranked below each "
                              "selection fetched for the next step on a side stream, with caches of two selections "
@@ -695,6 +700,7 @@ def main() -> int:
         run(mode, model_dir, out, args.context, args.layers, with_prefix=not args.no_prefix, tp=args.tp,
             transfer_backend=args.transfer_backend, storage_dtype=args.storage_dtype, compiled=args.compiled,
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens, prefix_repeats=args.prefix_repeats,
+            profile_prefix_later=args.profile_prefix_later,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
             block_tokens=args.block_tokens, shipped_set=shipped_set, warm_prefix=args.warm_prefix)
     else:
