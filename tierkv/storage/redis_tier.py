@@ -192,7 +192,7 @@ class RedisTier(RedisReads, StorageTier):
 
     def _put_result(self, key: str, reply: Any) -> PutResult:
         if isinstance(reply, Unavailable):
-            return PutResult(False, f"{self.name}: redis unavailable ({reply})")
+            return PutResult(False, f"{self.name}: redis unavailable ({reply})", retry=True)
         if isinstance(reply, KeyFailed):
             return PutResult(False, f"{self.name}: SET {key} failed: {reply}")
         if isinstance(reply, Exception):

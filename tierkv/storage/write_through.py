@@ -5,9 +5,11 @@ Used by `chain.TierChain`, which runs `write` on its background pool and passes 
 
 Tiers marked `write_through` (persistent ones: disk, Redis) also receive every content-addressed
 block as soon as it lands in tier 0, so a later process finds the prefix there even when tier 0
-never evicted it. A write-through tier that is down defers them (`write_through_deferred`): they
+never evicted it. A write-through tier that is down, or whose put fails because it (or the key's
+cluster node) could not be reached (`PutResult.retry`), defers them (`write_through_deferred`): they
 are written at the first write-through after it is back, or at `close` (whatever tier 0 still
 holds; what it no longer holds, or a tier still down at close, counts in `write_through_failed`).
+A put the tier refused for another reason (a disk's I/O error) counts failed at once.
 
     keys ──> tier 0 (peek) ──> each write-through tier that lacks them      (healthy)
                            └─> its backlog, oldest first, bounded           (down: written later)
@@ -70,12 +72,7 @@ class WriteThrough:
         tier, backlog = self.tiers[index], self._backlog[index]
         with self._lock:
             if not tier.is_healthy:
-                for key in keys:
-                    backlog[key] = None
-                self.num_deferred += len(keys)
-                while len(backlog) > WRITE_THROUGH_BACKLOG_KEYS:
-                    backlog.popitem(last=False)
-                    self.num_failed += 1
+                self._defer(index, keys, len(keys))
                 return None
             deferred = list(backlog)
             backlog.clear()
@@ -108,9 +105,24 @@ class WriteThrough:
         results = tier.put_many([k for k, _ in todo], [b for _, b in todo])
         for result in results:
             self._spill(index, result.evicted)
+        # a put that failed because the tier (or the key's node) went down meanwhile waits in the backlog, as
+        # the keys of a tier found down do: tier 0 still holds the block
+        again = [k for (k, _), r in zip(todo, results) if not r.ok and r.retry]
         with self._lock:
             self.num_written += sum(r.ok for r in results)
-            self.num_failed += sum(not r.ok for r in results)
+            self.num_failed += sum(not r.ok and not r.retry for r in results)
+            self._defer(index, again, sum(k in fresh for k in again))
+
+    def _defer(self, index: int, keys: list[str], num_new: int) -> None:
+        """Keys for tier `index`'s backlog (num_new of them not deferred before); the oldest over its bound
+        count failed. The caller holds the lock."""
+        backlog = self._backlog[index]
+        for key in keys:
+            backlog[key] = None
+        self.num_deferred += num_new
+        while len(backlog) > WRITE_THROUGH_BACKLOG_KEYS:
+            backlog.popitem(last=False)
+            self.num_failed += 1
 
     def drop_backlog(self) -> dict[str, int]:
         """At close, after a last write: per tier name, the blocks a tier still down never got (counted
