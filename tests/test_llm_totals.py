@@ -175,3 +175,36 @@ def test_the_vllm_front_end_passes_repetition_penalty_and_min_tokens_or_the_chec
         assert [(p.repetition_penalty, p.min_tokens) for p in sent] == [(1.3, 2), (1.05, 0), (1.0, 0)]
     finally:
         llm.close()
+
+
+def test_a_vllm_front_end_never_closed_leaves_no_config_file(tmp_path, monkeypatch):
+    """The YAML written for the connector goes when the TieredLLM is collected without a close, and at the
+    interpreter's exit (a script that never closes it); close still removes it at once."""
+    pytest.importorskip("vllm")
+    import gc
+    import subprocess
+    import sys
+
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+
+    _fake_vllm(monkeypatch, [])
+    llm = VllmTieredLLM(_checkpoint(tmp_path), {"cache": {"block_tokens": 16}}, hot_window=False)
+    path = llm.config_file
+    assert os.path.exists(path) and os.path.basename(path).startswith("tierkv-vllm-")
+    del llm
+    gc.collect()
+    assert not os.path.exists(path)
+
+    script = (
+        "import pathlib, sys, pytest, tests.test_llm_totals as t\n"
+        "from tierkv.integrations.vllm.llm import VllmTieredLLM\n"
+        "t._fake_vllm(pytest.MonkeyPatch(), [])\n"
+        "llm = VllmTieredLLM(t._checkpoint(pathlib.Path(sys.argv[1])), {'cache': {'block_tokens': 16}}, hot_window=False)\n"
+        "print(llm.config_file)\n"  # never closed: the interpreter exits holding it
+    )
+    (tmp_path / "second").mkdir()
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "second")], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = done.stdout.strip().splitlines()[-1]
+    assert os.path.basename(written).startswith("tierkv-vllm-") and not os.path.exists(written)

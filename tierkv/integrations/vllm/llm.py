@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import weakref
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv.config.load import to_dict
@@ -67,7 +68,8 @@ class VllmTieredLLM(TieredLLM):
             raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory")
         if tokenizer is not None:
             raise ValueError("tokenizer: backend='vllm' loads the tokenizer from the checkpoint directory")
-        self.config, self.config_file, self._owned_config_file = _config_file(config)
+        self.config, self.config_file, owned = _config_file(config)
+        self._owned_config_file = _owned(self, owned)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: scheduler and worker share the tiers
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the connector was run with on the GPU
         from vllm import LLM
@@ -177,20 +179,18 @@ class VllmTieredLLM(TieredLLM):
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.llm_engine.engine_core.shutdown()
-        owned, self._owned_config_file = getattr(self, "_owned_config_file", None), None
-        if owned and os.path.exists(owned):
-            os.unlink(owned)
+        _drop_owned(getattr(self, "_owned_config_file", None))
+        self._owned_config_file = None
 
     def _use_config(self, config: TierKVConfig) -> None:
         """Run with `config` in place of the loaded one (sizes TieredLLM worked out): a file of its own
         for the connector to load, removed at close like any config file written here."""
         if config is self.config:
             return
-        owned, self._owned_config_file = self._owned_config_file, None
-        if owned and os.path.exists(owned):
-            os.unlink(owned)
+        _drop_owned(self._owned_config_file)
+        self._owned_config_file = None
         self.config, self.config_file = config, _write_config(config)
-        self._owned_config_file = self.config_file
+        self._owned_config_file = _owned(self, self.config_file)
 
     def __enter__(self) -> "VllmTieredLLM":
         return self
@@ -214,6 +214,34 @@ def _write_config(config: TierKVConfig) -> str:
     with os.fdopen(handle, "w") as f:
         dump_yaml(to_dict(config), f)  # (a string that reads as a number is quoted)
     return path
+
+
+class _OwnedFile:
+    """A file written for the engine, removed at close, or when its TieredLLM is collected or the interpreter
+    exits without a close (weakref.finalize): no config file is left behind in the temporary directory."""
+
+    def __init__(self, owner, path: str):
+        self.path = path
+        self._finalizer = weakref.finalize(owner, _remove_quietly, path)
+
+    def remove(self) -> None:
+        self._finalizer()  # runs once; later calls do nothing
+
+
+def _owned(owner, path: str | None) -> _OwnedFile | None:
+    return _OwnedFile(owner, path) if path is not None else None
+
+
+def _drop_owned(owned: _OwnedFile | None) -> None:
+    if owned is not None:
+        owned.remove()
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _given(value, default):
