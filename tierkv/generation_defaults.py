@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.sampling import SamplingParams, _check_int, _check_real
+from tierkv.sampling import SamplingParams, check_int, check_real
 
 TRANSFORMERS_DEFAULT_TOP_K = 50  # the top_k transformers assumes when generation_config.top_k is None
 
@@ -100,10 +100,10 @@ class GenerationDefaults:
         refuse_unsupported(config)
         penalty, min_new, min_length = (getattr(config, name, None)
                                         for name in ("repetition_penalty", "min_new_tokens", "min_length"))
-        _check_real("generation_config.repetition_penalty", penalty,
+        check_real("generation_config.repetition_penalty", penalty,
                     "must be a finite number > 0 (1.0 = off) or None", lambda v: v > 0)
-        _check_int("generation_config.min_new_tokens", min_new, minimum=0)
-        _check_int("generation_config.min_length", min_length, minimum=0)
+        check_int("generation_config.min_new_tokens", min_new, minimum=0)
+        check_int("generation_config.min_length", min_length, minimum=0)
         return cls(float(1.0 if penalty is None else penalty), None if min_new is None else int(min_new),
                    int(min_length or 0))
 

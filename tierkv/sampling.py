@@ -1,6 +1,6 @@
 """Sampling settings and request results shared by every backend, in vLLM's conventions.
 
-Primitives: `SamplingParams` (checked on construction: a bad field raises TypeError or
+Primitives: `SamplingParams` (checked on construction, by `check_int` and `check_real`: a bad field raises TypeError or
 ValueError naming it; also spelt with vLLM's `max_tokens`; `SamplingParams.coerce` takes
 vLLM's own `SamplingParams`), `sampling_from_kwargs`, `RequestOutput` and `CompletionOutput` (vLLM's shape:
 `out.outputs[0].text`, plus tierkv's `stats`), `sample_next`.
@@ -59,26 +59,26 @@ class SamplingParams:
     def check(self, max_name: str = "max_new_tokens") -> None:
         """Raise TypeError or ValueError naming the first bad field; run on construction and again when a
         request takes the settings (a field set after construction is held to the same rules)."""
-        _check_int(max_name, self.max_new_tokens, minimum=1, optional=False)
-        _check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
+        check_int(max_name, self.max_new_tokens, minimum=1, optional=False)
+        check_real("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)",
                     lambda v: v >= 0, optional=False)
-        _check_int("top_k", self.top_k, minimum=1)
-        _check_real("top_p", self.top_p, "must be in (0, 1] or None", lambda v: 0 < v <= 1)
-        _check_int("seed", self.seed, minimum=0, maximum=2**64 - 1)  # torch.Generator's seed range
+        check_int("top_k", self.top_k, minimum=1)
+        check_real("top_p", self.top_p, "must be in (0, 1] or None", lambda v: 0 < v <= 1)
+        check_int("seed", self.seed, minimum=0, maximum=2**64 - 1)  # torch.Generator's seed range
         if self.seed is not None:
             self.seed = int(self.seed)  # a NumPy integer: torch.Generator takes Python ints only
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids: got {self.stop_token_ids!r}; a list of token ids or None")
             for i, token in enumerate(self.stop_token_ids):
-                _check_int(f"stop_token_ids[{i}]", token, minimum=0, optional=False)
+                check_int(f"stop_token_ids[{i}]", token, minimum=0, optional=False)
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise TypeError(f"ignore_eos: got {self.ignore_eos!r}; must be True or False")
-        _check_real("repetition_penalty", self.repetition_penalty,
+        check_real("repetition_penalty", self.repetition_penalty,
                     "must be a finite number > 0 (1 = off) or None (the model's generation_config decides)",
                     lambda v: v > 0)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+        check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens is not None and self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens: got {self.min_tokens}; must be <= {max_name} ({self.max_new_tokens})")
         if self.repetition_penalty is not None:  # NumPy scalars as Python numbers, as seed above
@@ -136,7 +136,7 @@ def sampling_from_kwargs(kwargs: dict) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _check_int(name: str, value, *, minimum: int, optional: bool = True, maximum: int | None = None) -> None:
+def check_int(name: str, value, *, minimum: int, optional: bool = True, maximum: int | None = None) -> None:
     if value is None and optional:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -147,7 +147,7 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = True, maximum
         raise ValueError(f"{name}: got {value}; must be {bound}" + (" or None" if optional else ""))
 
 
-def _check_real(name: str, value, allowed: str, ok, *, optional: bool = True) -> None:
+def check_real(name: str, value, allowed: str, ok, *, optional: bool = True) -> None:
     if value is None and optional:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):

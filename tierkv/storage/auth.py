@@ -1,7 +1,7 @@
 """Authenticated blocks for tiers others can write to (Redis) or that outlive the process (disk).
 
-Primitives: `BlockSealer` (names, seal, open), `AuthFailure`, `sealer_for_tier`, `check_tier_secret`, `is_sealed`
-(the secret itself: `tierkv.storage.secret_file`).
+Primitives: `BlockSealer` (names, seal, open), `SealedLayout`, `AuthFailure`, `sealer_for_tier`, `check_tier_secret`,
+`is_sealed` (the secret itself: `tierkv.storage.secret_file`).
 
 Every sub-key comes from the deployment's secret (HMAC-SHA256 of the secret and a label):
 
@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import os
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,18 @@ _HEAD = struct.Struct("<4sBBH12s")
 
 class AuthFailure(ValueError):
     """Stored bytes are not a block this deployment sealed under this key."""
+
+
+@dataclass(frozen=True)
+class SealedLayout(BlockLayout):
+    """The layout an inner tier stores sealed blocks in: flat uint8, [2, 1, 1, S / 2], whatever layout was sealed.
+
+    Layouts of one byte size (bf16 and fp16 of one shape, int8 and fp8 packed ones) seal to the same shape and
+    dtype; `sealed_from` tells their blocks apart where a tier must know whose they are without opening them
+    (a disk tier's start-up scan: disk_record_layout).
+    """
+
+    sealed_from: BlockLayout
 
 _NAME_CACHE_SIZE = 1 << 18  # names, about 200 bytes each
 
@@ -81,7 +94,7 @@ class BlockSealer:
         self._layout_bytes = f"{tuple(layout.shape)}/{dtype_name(layout.dtype)}".encode()
         self.num_bytes = PAYLOAD_OFFSET + layout.num_bytes + TAG_BYTES
         # what the inner tier stores: flat bytes, as [2, 1, 1, S / 2] uint8 (S is even: num_bytes is)
-        self.sealed_layout = BlockLayout(1, 1, self.num_bytes // 2, torch.uint8)
+        self.sealed_layout = SealedLayout(1, 1, self.num_bytes // 2, torch.uint8, sealed_from=layout)
 
     def name(self, key: str) -> str:
         """The tier's key for `key`: a keyed hash (BLAKE2b, 128 bits), so nobody without the secret

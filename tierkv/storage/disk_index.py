@@ -22,11 +22,12 @@ import struct
 from collections import OrderedDict
 from pathlib import Path
 
-from tierkv.blocks import BlockLayout, dtype_name
+from tierkv.blocks import BlockLayout
 from tierkv.metrics.counters import TierCounters
 from tierkv.storage import disk_files as files
 from tierkv.storage import disk_scan
 from tierkv.storage import disk_segments as seg
+from tierkv.storage.disk_record_layout import RecordLayout
 from tierkv.storage.base import TierError
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
@@ -56,7 +57,7 @@ class DiskIndex:
 
     def __init__(self, name: str, layout: BlockLayout, counters: TierCounters):
         self.name, self.counters = name, counters
-        self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
+        self._record_layout = RecordLayout(layout)  # a sealed tier's records name the layout sealed too
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first
         self._num_live: dict[int, int] = {}  # segment id -> records not yet dropped
         self._identities: dict[int, files.FileIdentity] = {}  # segment id -> (device, inode) we wrote or scanned
@@ -197,9 +198,11 @@ class DiskIndex:
         self._num_live[segment_id] = len(found.records) + int(found.is_partly_unreadable)
         dropped, foreign = [], 0
         for offset, h in found.records:
-            if h.dtype_name != self._dtype_name or h.shape != self._shape:
+            if not self._record_layout.is_own(h.dtype_name, h.shape):
                 # another model's or block size's tier shares the directory (the default path is one for every
-                # model): its records stay as they are, counted live, so this tier never deletes their segment
+                # model): its records stay as they are, counted live, so this tier never deletes their segment.
+                # Sealed blocks of one byte size share a shape: their records name the layout sealed
+                # (disk_record_layout)
                 foreign += 1
                 continue
             entry = Entry(segment_id, offset, h)

@@ -21,13 +21,14 @@ from typing import Callable
 
 import torch
 
-from tierkv.blocks import BlockLayout, dtype_name
+from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_io
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.codec import CorruptBlock
 from tierkv.storage.disk_buffers import ReadBufferPool
 from tierkv.storage.disk_index import Entry
 from tierkv.storage.disk_read_batch import OpenSegments, ReadBatch
+from tierkv.storage.disk_record_layout import RecordLayout
 
 _CHUNK_BYTES = 1 << 20  # copied from the page cache, then checked, at a time: stays in the CPU cache
 _MAX_PIECE_BYTES = 16 << 20  # read from the device at a time
@@ -53,7 +54,7 @@ class BatchReader:
         self.layout = layout
         self._open_segment, self._buffers, self._modes = open_segment, buffers, modes
         self._spread, self._checker = spread, checker
-        self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
+        self._record_layout = RecordLayout(layout)
 
     def read(self, keys: list[str], entries: list[Entry]) -> tuple[list[torch.Tensor], list[str | None]]:
         """Per block, a [*layout.shape] row of one fresh slab, and None or why the block failed
@@ -169,7 +170,7 @@ class BatchReader:
         if (h.key != key or h.payload_checksum != entry.payload_checksum or h.checksum_kind != kind
                 or h.header_num_bytes != entry.header_num_bytes):  # fmt: skip
             return f"the record at offset {entry.offset} is not this block (key {h.key[:80]!r})"
-        if h.dtype_name != self._dtype_name or h.shape != self._shape or h.payload_num_bytes != payload.nbytes:
+        if not self._record_layout.is_own(h.dtype_name, h.shape) or h.payload_num_bytes != payload.nbytes:
             return f"stored as {h.shape} {h.dtype_name}, not this tier's layout"
         if seg.checksum(kind, payload) != h.payload_checksum:
             return "payload checksum mismatch"

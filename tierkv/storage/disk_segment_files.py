@@ -36,7 +36,7 @@ import tempfile
 import threading
 from typing import Callable
 
-from tierkv.blocks import BlockLayout, dtype_name
+from tierkv.blocks import BlockLayout
 from tierkv.metrics.counters import TierCounters
 from tierkv.storage import disk_files as files
 from tierkv.storage import disk_io
@@ -44,6 +44,7 @@ from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk_index import DiskIndex, Entry, segment_path
 from tierkv.storage.disk_peers import DirectoryPeers
+from tierkv.storage.disk_record_layout import RecordLayout
 from tierkv.storage.disk_segment_drops import SegmentDrops
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
@@ -67,7 +68,7 @@ class SegmentFiles(SegmentDrops):
         self.name, self.path, self.layout, self.counters = name, path, layout, counters
         self.segment_bytes, self.fsync = segment_bytes, fsync
         self._index, self._index_lock, self._spread = index, index_lock, spread
-        self._dtype_name, self._shape = dtype_name(layout.dtype), tuple(layout.shape)
+        self._record_layout = RecordLayout(layout)  # the dtype and shape its records' headers name
         self._pad = memoryview(bytearray(seg.round_up(layout.num_bytes) - layout.num_bytes))
         self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
         self.lock = threading.Lock()  # the active segment: its fd, size and rollover
@@ -126,8 +127,8 @@ class SegmentFiles(SegmentDrops):
         part, the checksums of a chunk of about a MiB are computed right before its pwritev,
         which then copies bytes still in the CPU cache.
         """
-        ndim, padded = len(self._shape), seg.round_up(self.layout.num_bytes)
-        sizes = [seg.header_region_bytes(key, self._dtype_name, ndim) + padded for key in keys]
+        fmt, padded = self._record_layout, seg.round_up(self.layout.num_bytes)
+        sizes = [seg.header_region_bytes(key, fmt.dtype_name, len(fmt.shape)) + padded for key in keys]
         offsets = list(itertools.accumulate(sizes, initial=start))
 
         def write_part(indices: list[int]) -> list[seg.RecordHeader]:
@@ -136,7 +137,7 @@ class SegmentFiles(SegmentDrops):
                 chunk, views = indices[first : first + self._chunk_records], []
                 for i in chunk:
                     digest = seg.checksum(seg.CHECKSUM_KIND, payloads[i])
-                    header = seg.encode_header(keys[i], self._dtype_name, self._shape, payloads[i].nbytes, digest)
+                    header = seg.encode_header(keys[i], fmt.dtype_name, fmt.shape, payloads[i].nbytes, digest)
                     headers.append(header)
                     views += [memoryview(headers[-1].data), payloads[i], self._pad]
                 disk_io.write_at(fd, views, offsets[chunk[0]])

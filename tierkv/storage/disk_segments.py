@@ -171,13 +171,14 @@ def scan_segment(
 
     Holes (removed records) are skipped with SEEK_DATA, other bytes that are not a header one
     ALIGN step at a time. A record running past the end of the file is a torn tail: the scan
-    stops before it. Payloads are not read here; reads check them. `damaged`, when given, gets
+    stops before it. A header longer than ALIGN (a long key) is read whole. Payloads are not read
+    here; reads check them. `damaged`, when given, gets
     the [start, end) of each run of data that is neither a header nor a hole and lies before a
     whole record (a record whose header was damaged; what follows the last record is the tail).
     """
     records, offset, valid_end, bad_start = [], 0, 0, None
     while offset < size:
-        head = os.pread(fd, ALIGN, offset)
+        head = _read_header(fd, offset)
         try:
             header = parse_header(head)
         except UnverifiableRecord:  # keep the rest of the file as it is: its records are misses here
@@ -203,6 +204,28 @@ def scan_segment(
         records.append((offset, header))
         offset = valid_end = offset + header.record_num_bytes
     return records, valid_end, False
+
+
+def _read_header(fd: int, offset: int) -> bytes:
+    """The bytes of the header at `offset`: one ALIGN page, or as many as its fixed fields say it spans (a key of
+    thousands of bytes); short at the end of the file. Garbled fields claim at most some 66 KiB."""
+    head = os.pread(fd, ALIGN, offset)
+    claimed = _claimed_header_end(head)
+    if claimed is not None and claimed > len(head) == ALIGN:
+        head += os.pread(fd, claimed - ALIGN, offset + ALIGN)
+    return head
+
+
+def _claimed_header_end(head: bytes) -> int | None:
+    """Where the header at the start of `head` says its own checksum ends; None when it is no header's start."""
+    magic, version = struct.unpack_from("<4sH", head, 0) if len(head) >= 6 else (None, None)
+    if magic != MAGIC or version not in _FIXED or len(head) < _FIXED[version].size:
+        return None
+    fields = _FIXED[version].unpack_from(head, 0)
+    kind = CRC32 if version == 1 else fields[5]
+    key_len, ndim, name_len = fields[2], fields[-2], fields[-1]
+    checksum_bytes = _CHECKSUM_STRUCT.get(kind, _CHECKSUM_STRUCT[CRC32]).size  # an unknown kind: parse_header says so
+    return _FIXED[version].size + 4 * ndim + name_len + key_len + checksum_bytes
 
 
 def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int | None = None) -> int:
