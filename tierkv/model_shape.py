@@ -9,6 +9,7 @@ Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `ch
       head_dim (default: hidden_size // heads)           -> head_dim
       torch_dtype / dtype, max_position_embeddings,      -> dtype, max_position_embeddings,
       sliding_window (unless use_sliding_window: false)     sliding_window (None when absent)
+    (encoder-decoder families: decoder_layers, decoder_attention_heads, d_model: the decoder's KV)
 """
 from __future__ import annotations
 
@@ -63,6 +64,21 @@ def _positive(cfg: Any, key: str, source: str) -> int | None:
     return value
 
 
+def _decoder_view(cfg: Any) -> Any:
+    """A config of the encoder-decoder families (Bart, Marian, Pegasus, Whisper: `decoder_layers` and
+    `decoder_attention_heads`, whose num_hidden_layers and num_attention_heads name the encoder's) as a dict
+    of its decoder's counts, which hold the KV of a ForCausalLM; any other config as it is."""
+    layers, heads = _get(cfg, "decoder_layers"), _get(cfg, "decoder_attention_heads")
+    if layers is None or heads is None:
+        return cfg
+    view = {key: _get(cfg, key) for key in ("hidden_size", "head_dim", "sliding_window", "use_sliding_window")}
+    positions = _get(cfg, "max_target_positions")  # Whisper's decoder: its own table of positions
+    return {**view, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": _get(cfg, "decoder_key_value_heads"), "dtype": _dtype_of(cfg),
+            "hidden_size": view["hidden_size"] or _get(cfg, "d_model"),
+            "max_position_embeddings": positions if positions is not None else _get(cfg, "max_position_embeddings")}
+
+
 def text_config(cfg: Any) -> Any:
     """The language model's part of a config (a multimodal one's text_config), as a dict or a config object."""
     if isinstance(cfg, dict):
@@ -76,7 +92,7 @@ def text_config(cfg: Any) -> Any:
 def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
     """The shape of a config given as a dict (config.json) or a transformers config object; ValueError
     naming `source`, the key and its value when a needed entry is missing or not a positive integer."""
-    text = text_config(cfg)
+    text = _decoder_view(text_config(cfg))
     for key in ("num_hidden_layers", "num_attention_heads"):
         if _positive(text, key, source) is None:
             raise ValueError(f"model: {source} has {key}=None; a positive integer is needed")

@@ -112,3 +112,27 @@ def test_a_decoder_with_more_layers_than_num_hidden_layers_is_refused_at_constru
     with pytest.raises(ValueError, match="BartForCausalLM's decoder has attention at layer_idx 2 where its config's "
                                          "num_hidden_layers, which tierkv's runtime is shaped by, is 2"):
         TieredLLM(model, _config("bart"), show_progress=False)
+
+
+@pytest.mark.parametrize("arch", ["Bart", "Whisper"])
+def test_a_decoder_with_other_counts_than_its_encoder_is_sized_by_the_decoder(arch):
+    """Encoder-decoder families name the encoder's counts num_hidden_layers and num_attention_heads: the shape
+    (and the KV budget, the tiers' block layout) comes from decoder_layers and decoder_attention_heads."""
+    from tierkv.model_shape import model_shape
+
+    cls = {"Bart": tf.BartForCausalLM, "Whisper": tf.WhisperForCausalLM}[arch]
+    extra = {"max_target_positions": 128, "suppress_tokens": None, "begin_suppress_tokens": None} if arch == "Whisper" else {}
+    config = getattr(tf, f"{arch}Config")(**{**_SEQ2SEQ, "encoder_layers": 3, "encoder_attention_heads": 8}, **extra)
+    shape = model_shape(config)
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 4, 16)
+    assert shape.max_position_embeddings == 128
+    model, reference = pair(cls, config, seed=0)
+    generation = model.generation_config
+    generation.forced_eos_token_id = generation.forced_bos_token_id = None
+    generation.no_repeat_ngram_size = generation.encoder_no_repeat_ngram_size = 0
+    ids = list(range(3, 30))
+    expected, _ = reference_greedy(reference, ids, 6)
+    with TieredLLM(model, _config(arch.lower()), show_progress=False) as llm:
+        assert llm.runtime.num_layers == 2
+        (out,) = llm.generate([ids], max_new_tokens=6)
+    assert out.token_ids == expected
