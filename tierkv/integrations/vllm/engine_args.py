@@ -66,6 +66,7 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     compiled engine, the capture sizes. `engine_kwargs` (the user's) win over all but the hot
     window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
     for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise."""
+    check_engine_lengths(config, max_model_len, engine_kwargs, hot_window)
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
     derived = None
     if hot_window and max_model_len is None and "max_model_len" not in engine_kwargs:
@@ -107,6 +108,30 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
     return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
                             reserved.full_graph_reserved_rows)
+
+
+def check_engine_lengths(config: TierKVConfig, max_model_len, engine_kwargs: dict, hot_window: bool) -> None:
+    """ValueError naming the argument, before vLLM starts: a max_model_len that is not a positive number of tokens
+    (vLLM's -1, fit to GPU memory, included: tierkv sizes the pool, the summaries and the tiers for a fixed
+    length; None leaves it to the checkpoint), and under the hot window a max_num_seqs above the tokens a step
+    schedules (vLLM refuses it, naming max_num_batched_tokens, which tierkv sets from
+    scheduler.prefill_chunk_tokens)."""
+    for name, value in (("max_model_len", max_model_len), ("engine max_model_len", engine_kwargs.get("max_model_len"))):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            auto = ("; vLLM's -1 (fit the length to GPU memory) does not apply: tierkv sizes the hot window and the "
+                    "tiers for a fixed length" if value == -1 else "")
+            raise ValueError(f"{name}: got {value!r}; a positive number of tokens, or None for the checkpoint's "
+                             f"length as vLLM derives it{auto}")
+    seqs = engine_kwargs.get("max_num_seqs")
+    if not hot_window or seqs is None or isinstance(seqs, bool) or not isinstance(seqs, int):
+        return
+    given = engine_kwargs.get("max_num_batched_tokens")
+    step_tokens = given if isinstance(given, int) else config.scheduler.prefill_chunk_tokens
+    if seqs > step_tokens:
+        what = (f"max_num_batched_tokens={step_tokens}" if isinstance(given, int)
+                else f"scheduler.prefill_chunk_tokens={step_tokens} (vLLM's max_num_batched_tokens)")
+        raise ValueError(f"max_num_seqs={seqs} is above {what}: vLLM schedules at most that many tokens a step and "
+                         "needs one per running request; lower max_num_seqs or raise it")
 
 
 _MODEL_CONFIG_KEYS = ("hf_overrides", "trust_remote_code", "revision", "code_revision", "tokenizer",

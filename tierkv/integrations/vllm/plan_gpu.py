@@ -48,6 +48,9 @@ def vllm_gpu_plan(shape, context: int, config, max_num_seqs: int) -> dict:
                    "lower cache.window_tokens or scheduler.prefill_chunk_tokens")
     elif short := _ring_too_small(shape, config, split.staging_bytes, element, max_num_seqs, dims, engine):
         refusal = short
+    elif max_num_seqs > sched.prefill_chunk_tokens:
+        refusal = (f"max_num_seqs {max_num_seqs} is above scheduler.prefill_chunk_tokens ({sched.prefill_chunk_tokens}, "
+                   "vLLM's max_num_batched_tokens): vLLM needs a token a step for each running request")
     elif shape.max_context and context > (getattr(shape, "scaled_context", None) or shape.max_context):
         refusal = (f"vLLM refuses a max_model_len past the model's max_position_embeddings ({shape.max_context}) "
                    "and its rope scaling unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
