@@ -96,3 +96,27 @@ def test_a_config_object_with_dtype_is_never_asked_for_torch_dtype():
         assert model_shape(config).dtype == want
     assert model_shape({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                         "torch_dtype": "float32"}).dtype == "float32"
+
+
+_QWEN2 = {"model_type": "qwen2", "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2,
+          "num_hidden_layers": 4, "intermediate_size": 4864, "vocab_size": 1000, "max_position_embeddings": 32768,
+          "sliding_window": 4096}
+
+
+@pytest.mark.parametrize("extra, window", [
+    ({}, None),  # Qwen2's use_sliding_window defaults to false: vLLM and transformers run every layer whole
+    ({"use_sliding_window": False}, None),
+    ({"use_sliding_window": True, "max_window_layers": 4}, None),  # the first 4 layers full: none slides
+    ({"use_sliding_window": True, "max_window_layers": 2}, 4096),
+    ({"model_type": "mistral"}, 4096),  # Mistral attends its window whenever one is set
+    ({"layer_types": ["full_attention"] * 4}, None),
+    ({"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"] * 2}, 4096),
+])
+def test_a_window_no_layer_uses_is_no_window_as_transformers_reads_the_config(tmp_path, extra, window):
+    from transformers import AutoConfig
+
+    cfg = {**_QWEN2, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_shape(str(tmp_path)).sliding_window == window == model_shape(cfg).sliding_window
+    loaded = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    assert model_shape(loaded).sliding_window == window

@@ -8,7 +8,7 @@ Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `ch
       num_key_value_heads (default: num_attention_heads) -> num_kv_heads
       head_dim (default: hidden_size // heads)           -> head_dim
       torch_dtype / dtype, max_position_embeddings,      -> dtype, max_position_embeddings,
-      sliding_window (unless use_sliding_window: false)     sliding_window (None when absent)
+      sliding_window (unless no layer uses it)           sliding_window (None when absent)
     (encoder-decoder families: decoder_layers, decoder_attention_heads, d_model: the decoder's KV)
 """
 from __future__ import annotations
@@ -79,6 +79,36 @@ def _decoder_view(cfg: Any) -> Any:
             "max_position_embeddings": positions if positions is not None else _get(cfg, "max_position_embeddings")}
 
 
+def _sliding_window(cfg: Any) -> int | None:
+    """The window some layer of the model attends, None when no layer slides: `sliding_window` unless
+    `use_sliding_window` is false, or `layer_types` names no sliding layer. A config.json without those flags
+    is read as transformers reads it (Qwen2's `use_sliding_window` defaults to false, its `max_window_layers`
+    keeps the first layers full): a window it names but no layer uses is no window, as vLLM runs it too."""
+    window = _get(cfg, "sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1 or _get(cfg, "use_sliding_window") is False:
+        return None
+    if isinstance(cfg, dict) and "layer_types" not in cfg:
+        cfg = _as_transformers_config(cfg) or cfg
+    layer_types = _get(cfg, "layer_types")
+    if isinstance(layer_types, (list, tuple)) and layer_types and not any("sliding" in str(t) for t in layer_types):
+        return None
+    return None if _get(cfg, "use_sliding_window") is False else window
+
+
+def _as_transformers_config(cfg: dict) -> Any:
+    """transformers' config object of a config.json's model_type (its defaults and derived layer_types), or None
+    when transformers is missing or does not know the type or the values."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+    except Exception:  # any failure leaves the dict as it is read without transformers
+        return None
+
+
 def text_config(cfg: Any) -> Any:
     """The language model's part of a config (a multimodal one's text_config), as a dict or a config object."""
     if isinstance(cfg, dict):
@@ -110,7 +140,7 @@ def model_shape(cfg: Any, source: str = "model config") -> ModelShape:
             raise ValueError(f"model: {source} has hidden_size={hidden} and num_attention_heads={heads} and no "
                              "head_dim; hidden_size must be a multiple of the heads")
         head_dim = hidden // heads
-    window = _get(text, "sliding_window") if _get(text, "use_sliding_window") is not False else None
+    window = _sliding_window(text)
     dtype = _dtype_of(text) or _dtype_of(cfg) or "bfloat16"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
