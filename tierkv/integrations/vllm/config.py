@@ -1,6 +1,7 @@
 """The tierkv config of a vLLM engine, named from its kv_transfer_config.
 
-Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_from_kv_transfer`.
+Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_from_kv_transfer`,
+`check_hot_window_tokens`.
 
     LLM(model, kv_transfer_config={
         "kv_connector": "TierKVConnector",
@@ -80,6 +81,7 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,
                           f"must equal vLLM's block_size ({block_size}) when tierkv runs as a vLLM connector")
+    check_hot_window_tokens(config)
     scheduler = config.scheduler
     if scheduler.sparse_prefetch_margin and not (scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs):
         # the loader lets predictor 'cache' (the transformers engine's) carry a margin; under vLLM it would do nothing
@@ -87,3 +89,16 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
                           "under vLLM the next-step prefetch runs inside its full decode graph: set "
                           "scheduler.sparse_cuda_graphs and sparse_full_graphs true, or the margin to 0")
     return config
+
+
+def check_hot_window_tokens(config: TierKVConfig) -> None:
+    """ConfigError on a `cache.window_tokens` vLLM's hot window cannot run: below 1. The schema allows 0,
+    which the transformers engine runs (its GPU keeps the sinks and the block being written); under vLLM
+    the window is each layer's SlidingWindowSpec and the worker's far part (`FarKV`), which need at least
+    the newest token, and the worker would refuse it only after vLLM loaded the model."""
+    window = config.cache.window_tokens
+    if window < 1:
+        raise ConfigError("cache.window_tokens", window,
+                          "under vLLM it must be at least 1: the hot window keeps each request's newest "
+                          "cache.window_tokens tokens in vLLM's pool (configs/vllm-128k.yaml keeps 2048); "
+                          "0 only runs on the transformers engine")

@@ -14,7 +14,8 @@ from tierkv.config import ConfigError, TierKVConfig
 from tierkv.units import format_bytes
 from tierkv.integrations.vllm.engine_config import graph_rows
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
-from tierkv.integrations.vllm.resize_plan import window_blocks
+from tierkv.integrations.vllm.config import check_hot_window_tokens
+from tierkv.integrations.vllm.resize_plan import admission_floor_blocks, window_blocks
 from tierkv.sparse.request_summaries import summary_bytes_per_request
 
 
@@ -38,7 +39,10 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     capped at max_model_len, in blocks of `cache.block_tokens`, plus one block (vLLM's sliding-window bound):
     what vLLM's admission asks free (`max_admission_blocks_per_request` with `scheduler_reserve_full_isl`);
     plus vLLM's null block, which the pool never frees. vLLM's own start-up check leaves the null block
-    out: a pool of exactly the admission's blocks starts, then admits no request and steps idle forever."""
+    out: a pool of exactly the admission's blocks starts, then admits no request and steps idle forever.
+    ConfigError: a cache.window_tokens the hot window cannot run (`check_hot_window_tokens`), here where
+    TieredLLM and `tierkv plan` read the window before vLLM starts."""
+    check_hot_window_tokens(config)
     shape = checkpoint_shape(model_dir)
     tokens = config.cache.block_tokens
     in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)
@@ -49,7 +53,8 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     # never asks more than vLLM does (TieredLLM and `tierkv plan` refuse such models under the hot window:
     # `engine_args.check_own_window`)
     window = min(config.cache.window_tokens, shape["sliding_window"] or config.cache.window_tokens)
-    blocks = window_blocks(window, in_flight, max_len, tokens) + 1  # + vLLM's null block
+    # the one floor every resize asks too (`resize_plan.plan_resize`): the window and vLLM's null block
+    blocks = admission_floor_blocks(window_blocks(window, in_flight, max_len, tokens))
     element = (1 if str(engine_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") else
                engine_dtype_bytes(engine_kwargs))
     return (shape["num_hidden_layers"] * blocks * 2 * rank_kv_heads(shape, engine_kwargs) * tokens

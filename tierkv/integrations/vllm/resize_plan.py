@@ -2,7 +2,7 @@
 in vLLM blocks, and whether it is refused, decided before anything changes. No vLLM import, no CUDA.
 
 Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up too), `staging_for_budget`,
-`window_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
+`window_blocks`, `admission_floor_blocks`, `RunningRequest`, `ResizePlan`, `plan_resize`.
 
     budget ──split_budget──> staging (scheduler.staging_follows_budget: a smaller budget cuts it once vLLM's pool
                              is down to every row's window, never below its share of the budget nor
@@ -11,8 +11,8 @@ Primitives: `BudgetSplit`, `split_budget` (the split the engine uses at start-up
     vLLM's pool // bytes_per_block = num_blocks (vLLM's own get_num_blocks arithmetic)
 
 Refusals (BudgetRefused, sizes named): the budget does not exceed the fixed reservations; the pool
-would hold fewer blocks than one request's window or one block per row of a `max_num_seqs` batch
-(plus vLLM's null block); or fewer than the running requests can hold (each up to its window).
+would hold fewer blocks than one request's window plus vLLM's null block (`admission_floor_blocks`, the
+start-up check's floor too); or fewer than the running requests can hold (each up to its window).
 A plan that passes can still have to wait: a shrink drops the blocks at the tail of vLLM's pool
 (ids >= new_num_blocks), so it waits while a running request holds one (`held_tail_blocks`).
 """
@@ -94,6 +94,16 @@ def window_blocks(window_tokens: int, in_flight_tokens: int, max_model_len: int,
     return -(-min(window_tokens - 1 + in_flight_tokens, max_model_len) // block_tokens) + 1
 
 
+def admission_floor_blocks(window_blocks_per_request: int) -> int:
+    """The fewest pool blocks in which vLLM admits a request: one request's window (`window_blocks`)
+    plus vLLM's null block, which it never hands out. The start-up check (`pool_sizing.hot_window_pool_need`)
+    and every resize ask this one floor, so a budget the engine started at is never refused later.
+    max_num_seqs is no part of it: vLLM's scheduler runs as many requests as their windows fit and queues the
+    rest (nothing in vLLM 0.26 asks num_gpu_blocks >= max_num_seqs; its warm-up caps its dummy batch at the
+    pool), and a batch of max_num_seqs rows would need a window each, not one block each."""
+    return window_blocks_per_request + 1
+
+
 @dataclass(frozen=True)
 class RunningRequest:
     """A request vLLM's scheduler holds pool blocks for."""
@@ -132,10 +142,11 @@ class ResizePlan:
 
 
 def plan_resize(budget, split_fn: Callable[[int], BudgetSplit], *, bytes_per_block: int, old_num_blocks: int,
-                window_blocks_per_request: int, max_num_seqs: int,
+                window_blocks_per_request: int, max_num_seqs: int | None = None,
                 running: Sequence[RunningRequest] = ()) -> ResizePlan:
     """The new block count for `budget` (bytes or a size such as "1GiB"), or a refusal naming the
-    sizes, before anything changes. ValueError: not a positive size. BudgetRefused: see the module."""
+    sizes and what to change, before anything changes. ValueError: not a positive size. BudgetRefused: see
+    the module. max_num_seqs: no part of the floor (`admission_floor_blocks`); kept for callers that pass it."""
     budget_bytes = parse_budget(budget)
     if bytes_per_block <= 0 or old_num_blocks <= 0:
         raise ValueError(f"bytes_per_block {bytes_per_block}, old_num_blocks {old_num_blocks}: must be positive")
@@ -147,12 +158,14 @@ def plan_resize(budget, split_fn: Callable[[int], BudgetSplit], *, bytes_per_blo
                                           f"({format_bytes(window_blocks_per_request * bytes_per_block)})")
     plan = ResizePlan(split, old_num_blocks, split.pool_bytes // bytes_per_block, bytes_per_block)
     pool = f"vLLM's pool would hold {plan.new_num_blocks} blocks ({format_bytes(split.pool_bytes)})"
-    floor = max(window_blocks_per_request, max_num_seqs) + 1
+    floor = admission_floor_blocks(window_blocks_per_request)
     if plan.new_num_blocks < floor:
-        raise BudgetRefused(budget_bytes, f"{pool}; one request's window needs {window_blocks_per_request} blocks and "
-                                          f"a batch of max_num_seqs {max_num_seqs} rows one block each, plus the null "
-                                          f"block: at least {floor} blocks ({format_bytes(floor * bytes_per_block)} + "
-                                          f"{split.reserved_text()})")
+        raise BudgetRefused(budget_bytes, f"{pool}; one request's window needs {window_blocks_per_request} blocks "
+                                          "(cache.window_tokens and the prefill tokens in flight), which vLLM admits "
+                                          f"a request only with free, plus its null block: at least {floor} blocks "
+                                          f"({format_bytes(floor * bytes_per_block)} + {split.reserved_text()}), "
+                                          "as at start-up; raise the budget, or start the engine with a lower "
+                                          "cache.window_tokens or scheduler.prefill_chunk_tokens")
     need = sum(max(len(r.block_ids), min(r.need_blocks, window_blocks_per_request)) for r in running) + 1
     if running and plan.new_num_blocks < need:
         raise BudgetRefused(budget_bytes, f"{pool}; the {len(running)} running requests can hold {need - 1} blocks "
