@@ -53,3 +53,31 @@ def test_the_plan_refuses_what_vllm_would(tmp_path):
     plan = make_plan(PRESETS["llama-3.1-8b"], 8192, config, backend="vllm", max_num_seqs=256)
     assert not plan["gpu"]["fits"] and "scheduler.prefill_chunk_tokens (128" in plan["gpu"]["refusal"]
     assert make_plan(PRESETS["llama-3.1-8b"], 8192, config, backend="vllm", max_num_seqs=128)["gpu"]["fits"]
+
+
+def test_the_file_tieredllm_writes_is_loaded_without_the_environment_again(tmp_path, monkeypatch):
+    """TieredLLM sizes the staging for its rows and writes the config; the connector loaded that file with
+    TIERKV_* applied again, so a variable naming a sized key undid the size vLLM's pool was planned with."""
+    from tests.integrations.vllm.test_hot_window import fake_vllm_llm
+    from tierkv.config import ConfigError
+    from tierkv.integrations.vllm.config import config_from_kv_transfer
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+
+    monkeypatch.setenv("TIERKV_SCHEDULER__STAGING_BYTES", "768MiB")
+    given = fake_vllm_llm(monkeypatch)
+    config = {"cache": {"block_tokens": 64, "window_tokens": 2048, "gpu_budget_bytes": 12 << 30},
+              "scheduler": {"policy": "sparse", "staging_bytes": 768 << 20, "sparse_cuda_graphs": True,
+                            "vllm_rows_from_batch": True, "prefill_chunk_tokens": 8192, "sparse_cache_selections": 2}}
+    llm = VllmTieredLLM(_checkpoint(tmp_path), config, max_model_len=131072, max_num_seqs=4, enforce_eager=True)
+    try:
+        extra = given["kv_transfer_config"]["kv_connector_extra_config"]
+        assert extra["resolved"] is True
+        loaded = config_from_kv_transfer(extra, block_size=64)
+        assert loaded.scheduler.staging_bytes == llm.config.scheduler.staging_bytes > 768 << 20
+        again = config_from_kv_transfer({**extra, "resolved": False}, block_size=64)
+        assert again.scheduler.staging_bytes == 768 << 20  # what the variable did before
+    finally:
+        llm.close()
+    for bad, key in (({"config_file": ""}, "config_file"), ({"config_file": "vllm-128k", "resolved": "yes"}, "resolved")):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
+            config_from_kv_transfer(bad, block_size=64, env={"TIERKV_CONFIG_FILE": "vllm-128k"})

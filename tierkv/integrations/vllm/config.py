@@ -24,7 +24,7 @@ from tierkv.configs import resolve_config_path
 
 CONNECTOR_NAME = "TierKVConnector"
 CONNECTOR_MODULE = "tierkv.integrations.vllm.connector"
-EXTRA_KEYS = ("config_file", "model_id")
+EXTRA_KEYS = ("config_file", "model_id", "resolved")
 
 
 def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
@@ -64,8 +64,11 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
         raise ConfigError("kv_connector_extra_config.model_id", model_id,
                           "expected a non-empty string naming where the weights came from (part of every block's address)")
     named = extra.get("config_file")
-    if named is not None and not isinstance(named, (str, os.PathLike)):
+    if named is not None and (not isinstance(named, (str, os.PathLike)) or not str(named).strip()):
         raise ConfigError("kv_connector_extra_config.config_file", named, "expected a path or a shipped config's name")
+    resolved = extra.get("resolved", False)
+    if not isinstance(resolved, bool):
+        raise ConfigError("kv_connector_extra_config.resolved", resolved, "expected true or false")
     path = named or env.get("TIERKV_CONFIG_FILE")
     if not path:
         raise ConfigError("kv_connector_extra_config.config_file", None,
@@ -77,6 +80,8 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
         raise ConfigError(key, str(named or path), "must be an existing tierkv YAML file or a shipped config's name")
     if extra.get("config_file"):  # named here, it is the file (TieredLLM writes one): the variable is not read
         env = {k: v for k, v in env.items() if k != "TIERKV_CONFIG_FILE"}
+    if resolved:  # a file TieredLLM wrote from a config it loaded with the environment and sized: taken as it is
+        env = {}
     config = load_config(path, env=env)
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,

@@ -60,12 +60,14 @@ class TieredEngineArgs:
 
 def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwargs: dict, *, hot_window: bool,
                        max_model_len: int | None, gpu_memory_utilization: float,
-                       enable_prefix_caching: bool) -> TieredEngineArgs:
+                       enable_prefix_caching: bool, resolved_config: bool = False) -> TieredEngineArgs:
     """vLLM's arguments for TieredLLM: the connector (loading `config_file`), and with `hot_window`
     its pool, the sparse policy's reservations and, under `scheduler.sparse_full_graphs` in a
     compiled engine, the capture sizes. `engine_kwargs` (the user's) win over all but the hot
     window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
-    for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise."""
+    for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise. resolved_config:
+    `config_file` holds the whole config as the caller runs it (environment overrides applied, sizes worked
+    out): the connector loads it without applying TIERKV_* variables again."""
     check_engine_lengths(config, max_model_len, engine_kwargs, hot_window)
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
     derived = None
@@ -75,7 +77,8 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         derived = vllm_max_model_len(model, engine_kwargs)
     kwargs = dict(
         model=os.fspath(model),
-        kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model)),
+        kv_transfer_config=kv_transfer_config(config_file, model_id=os.path.abspath(model),
+                                              **({"resolved": True} if resolved_config else {})),
         block_size=config.cache.block_tokens,
         enforce_eager=True,
         gpu_memory_utilization=gpu_memory_utilization,

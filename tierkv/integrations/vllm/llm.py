@@ -80,7 +80,8 @@ class VllmTieredLLM(TieredLLM):
                 self._use_config(size_rows_for_batch(model, self.config, engine_kwargs))
             args = tiered_engine_args(model, self.config, self.config_file, engine_kwargs, hot_window=hot_window,
                                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                      enable_prefix_caching=enable_prefix_caching)
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      resolved_config=self._owned_config_file is not None)
             self.summary_reserved_bytes = args.summary_reserved_bytes
             self.full_graph_reserved_bytes = args.full_graph_reserved_bytes
             self.engine = LLM(**args.kwargs)
