@@ -51,7 +51,8 @@ def test_an_option_of_the_model_not_run_is_refused_not_ignored(capsys):
         assert named in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [(["--tokens", "10"], "--tokens: got 10"), (["--depth", "1.5"], "--depth: got 1.5")])
+@pytest.mark.parametrize("argv, message", [(["--tokens", "10"], "--tokens: got 10"), (["--depth", "1.5"], "--depth: got 1.5"),
+                                           (["--seed", "-1"], "--seed: got -1")])
 def test_bad_demo_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         demo.main(argv)

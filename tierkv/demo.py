@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--depth: got {args.depth}; must be in [0, 1]")
     if args.new_tokens < 1:
         parser.error(f"--new-tokens: got {args.new_tokens}; at least 1")
+    if args.seed < 0:  # as `tierkv run --seed`
+        parser.error(f"--seed: got {args.seed}; at least 0")
     if args.prompt_tokens < 1:
         parser.error(f"--prompt-tokens: got {args.prompt_tokens}; at least 1")
     from tierkv.config import ConfigError

@@ -224,6 +224,7 @@ def test_the_vllm_backend_says_when_the_engine_would_refuse_the_budget(capsys, t
                  "1GiB", "--backend", "vllm"]) == 0
     text = capsys.readouterr().out
     assert "DOES NOT FIT: the pool cannot hold one request's window" in text and "GPU KV: none held, the engine would not start with a budget of 1.00 GiB" in text
+    assert "tierkv would hold none" in text and "tierkv holds" not in text  # the summary said 1.00 GiB held
     plan = plan_json(capsys, "--model-config", model, "--context", "128k", "--config", "vllm-128k",
                      "--gpu-budget", "1GiB")
     assert plan["backend"] == "transformers" and plan["gpu"]["staging_bytes"] > 0

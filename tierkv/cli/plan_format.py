@@ -41,7 +41,8 @@ def format_plan(plan: dict) -> str:
              f"vLLM alone  one {plan['context_tokens']}-token request needs a GPU KV pool of"
              f" {fb(v['kv_pool_needed_bytes'])} ({v['block_tokens']}-token blocks);"
              + (f" {v['requests']} at once {fb(v['batch_pool_needed_bytes'])};" if v["requests"] > 1 else "")
-             + f" tierkv holds {fb(held)} " + _share(held, v["batch_pool_needed_bytes"])]
+             + (f" tierkv holds {fb(held)} " + _share(held, v["batch_pool_needed_bytes"]) if plan["backend"] != "vllm" or g["fits"]
+                else " tierkv would hold none: the engine would not start with this budget (above)")]
     if v["kv_pool_bytes"] is None:
         rows.append("            (pass --vllm-kv-pool SIZE to check a given pool)")
     else:
