@@ -105,7 +105,7 @@ def test_the_resize_accepts_and_refuses_what_the_start_up_check_does(layers, kv_
         start_refusal = e
     try:
         resized = plan_resize(budget, lambda b: split_budget(config, b), bytes_per_block=block_bytes, old_num_blocks=1,
-                              window_blocks_per_request=per_request, max_num_seqs=max_num_seqs)
+                              window_blocks_per_request=per_request)
         resize_refusal = None
     except BudgetRefused as e:
         resize_refusal = e
@@ -133,7 +133,7 @@ def test_vllm_128k_resizes_at_the_budget_it_starts_at_and_below_what_start_up_ac
     def plan(budget):
         return plan_resize(budget, lambda b: split_budget(config, b, rows_pool_bytes=rows_pool),
                            bytes_per_block=block_bytes, old_num_blocks=gpu["pool_blocks"],
-                           window_blocks_per_request=per_request, max_num_seqs=max_num_seqs)
+                           window_blocks_per_request=per_request)
 
     assert plan("2GiB").new_num_blocks == gpu["pool_blocks"]
     assert gpu["window_bytes_per_request"] == admission_floor_blocks(per_request) * block_bytes

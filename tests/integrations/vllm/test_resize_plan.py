@@ -57,9 +57,9 @@ def pool_state(manager) -> tuple:
             [b.block_id for b in pool.free_block_queue.get_all_free_blocks()], manager.kv_cache_config.num_blocks)
 
 
-def plan(budget, config, running=(), max_num_seqs=1, old=64):
+def plan(budget, config, running=(), old=64):
     return plan_resize(budget, lambda b: split_budget(config, b), bytes_per_block=BYTES_PER_BLOCK, old_num_blocks=old,
-                       window_blocks_per_request=WINDOW_BLOCKS, max_num_seqs=max_num_seqs, running=running)
+                       window_blocks_per_request=WINDOW_BLOCKS, running=running)
 
 
 @pytest.fixture
@@ -98,8 +98,6 @@ def test_a_pool_below_one_window_is_refused_with_the_sizes(config):
     assert plan(staging + floor * BYTES_PER_BLOCK, config).new_num_blocks == floor
     with pytest.raises(BudgetRefused, match=rf"hold {floor - 1} blocks.*window needs {WINDOW_BLOCKS} blocks"):
         plan(staging + (floor - 1) * BYTES_PER_BLOCK, config)
-    # max_num_seqs is no part of the floor: vLLM queues the rows whose windows do not fit (test_resize_floor)
-    assert plan(staging + floor * BYTES_PER_BLOCK, config, max_num_seqs=40).new_num_blocks == floor
 
 
 def test_a_pool_below_the_running_requests_is_refused_with_the_sizes(config):
@@ -112,10 +110,10 @@ def test_a_pool_below_the_running_requests_is_refused_with_the_sizes(config):
 
 
 @settings(max_examples=150, deadline=None)
-@given(budget_blocks=st.integers(-2, 120), max_num_seqs=st.integers(1, 16),
+@given(budget_blocks=st.integers(-2, 120),
        running=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 30)), max_size=8))
 def test_any_budget_is_planned_at_its_block_count_or_refused_for_a_stated_reason(tmp_path_factory, budget_blocks,
-                                                                                max_num_seqs, running):
+                                                                                running):
     config = load_config(write_config(tmp_path_factory.mktemp("c"), window=WINDOW, staging_blocks=8,
                                       scheduler_lines=FIXED_STAGING))
     reqs = [RunningRequest(str(i), tuple(range(100 * i + 1, 100 * i + 1 + held)), need)
@@ -124,12 +122,12 @@ def test_any_budget_is_planned_at_its_block_count_or_refused_for_a_stated_reason
     need = sum(max(len(r.block_ids), min(r.need_blocks, WINDOW_BLOCKS)) for r in reqs) + 1
     floor = WINDOW_BLOCKS + 1
     if budget_blocks >= max(floor, need if reqs else 0):
-        result = plan(budget, config, reqs, max_num_seqs)
+        result = plan(budget, config, reqs)
         assert result.new_num_blocks == budget_blocks and result.new_pool_bytes == budget_blocks * BYTES_PER_BLOCK
         assert result.held_tail_blocks(reqs) == sorted(b for r in reqs for b in r.block_ids if b >= budget_blocks)
     else:
         with pytest.raises(BudgetRefused) as refused:
-            plan(budget, config, reqs, max_num_seqs)
+            plan(budget, config, reqs)
         assert refused.value.budget_bytes == budget and str(budget) in str(refused.value)
 
 

@@ -187,7 +187,7 @@ class PoolResizer:
 
     def _plan(self, budget, running) -> ResizePlan:
         return plan_resize(budget, self.split, bytes_per_block=self.bytes_per_block, old_num_blocks=self.num_blocks,
-                           window_blocks_per_request=self.window_blocks, max_num_seqs=self.max_num_seqs, running=running)
+                           window_blocks_per_request=self.window_blocks, running=running)
 
     def _apply_if_between_steps(self) -> BaseException | None:
         if self._stepping == threading.get_ident():  # called from inside the step (a callback): the lock is

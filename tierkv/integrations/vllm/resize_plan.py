@@ -142,11 +142,10 @@ class ResizePlan:
 
 
 def plan_resize(budget, split_fn: Callable[[int], BudgetSplit], *, bytes_per_block: int, old_num_blocks: int,
-                window_blocks_per_request: int, max_num_seqs: int | None = None,
-                running: Sequence[RunningRequest] = ()) -> ResizePlan:
+                window_blocks_per_request: int, running: Sequence[RunningRequest] = ()) -> ResizePlan:
     """The new block count for `budget` (bytes or a size such as "1GiB"), or a refusal naming the
     sizes and what to change, before anything changes. ValueError: not a positive size. BudgetRefused: see
-    the module. max_num_seqs: no part of the floor (`admission_floor_blocks`); kept for callers that pass it."""
+    the module (max_num_seqs is no part of the floor: `admission_floor_blocks`)."""
     budget_bytes = parse_budget(budget)
     if bytes_per_block <= 0 or old_num_blocks <= 0:
         raise ValueError(f"bytes_per_block {bytes_per_block}, old_num_blocks {old_num_blocks}: must be positive")
