@@ -75,6 +75,11 @@ class StorageTier(ABC):
         """False while the tier cannot serve (e.g. its server is down); callers skip it."""
         return True
 
+    @property
+    def down_nodes(self) -> list[str]:
+        """The tier's servers marked down while the tier as a whole serves (a Redis Cluster's nodes); none here."""
+        return []
+
     # -- batched forms; tiers override them where a batch is cheaper ----------------------
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(k) for k in keys]

@@ -1,7 +1,8 @@
 """A tier that stores its blocks, transformed, in another tier (quantized, sealed).
 
 Primitives: `WrappedTier`: the inner tier's name, kind, capacity and counters, the parts of the
-tier contract that pass straight through (close, used_bytes, held_capacity_bytes, is_healthy, return_evicted), the
+tier contract that pass straight through (close, used_bytes, held_capacity_bytes, is_healthy, down_nodes,
+return_evicted), the
 one-key forms on top of the batched ones, and `_check_put`. Subclasses convert blocks on the way
 in and out in `get_many`, `put_many`, `contains_many` and `remove_many`.
 """
@@ -55,6 +56,10 @@ class WrappedTier(StorageTier):
     @property
     def is_healthy(self) -> bool:
         return self.inner.is_healthy
+
+    @property
+    def down_nodes(self) -> list[str]:
+        return self.inner.down_nodes
 
     @property
     def return_evicted(self) -> bool:

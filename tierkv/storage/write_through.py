@@ -74,6 +74,8 @@ class WriteThrough:
             if not tier.is_healthy:
                 self._defer(index, keys, len(keys))
                 return None
+            if tier.down_nodes:  # a cluster node still marked down: the backlog waits (each write would read it
+                return []        # all from tier 0 again for nothing); this call's keys go on
             deferred = list(backlog)
             backlog.clear()
         return deferred
