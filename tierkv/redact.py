@@ -8,7 +8,7 @@ Primitives: `is_secret_key`, `redact_url`, `redact_text`, `redact_value`, `redac
 A config field is a secret when its name contains password, passwd, secret or credential, or
 its last '_'-separated part is token, key, auth or apikey (`api_key`, `control_token` are;
 `sink_tokens`, `sparse_token_budget`, `namespace` are not). URLs anywhere in a text have the password of their
-userinfo replaced; query parameters named like secrets too.
+userinfo replaced; query parameters named like secrets and `Bearer <credential>` too.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ _FLAG_PARTS = ("create", "is", "has", "use")  # create_secret_file is a switch
 # a URL in free text: scheme:// and everything up to the next whitespace (its userinfo up to the last '@')
 _URL_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")
 _PLAIN_USER = re.compile(r"[^\s/@:?#]*")
+_BEARER = re.compile(r"(?P<head>\bBearer\s+)\S{8,}")  # an Authorization header's credential, e.g. in a repr
 _QUERY_SECRET = re.compile(r"(?P<head>[?&][^=&\s]*(?:password|passwd|secret|token|credential)[^=&\s]*=)(?P<secret>[^&\s#]*)",
                            re.IGNORECASE)
 
@@ -47,10 +48,11 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """`text` with every URL password and secret-named query value in it replaced by ***."""
+    """`text` with every URL password, secret-named query value and bearer credential in it replaced by ***."""
     if not isinstance(text, str):
         return text
     text = _URL_TOKEN.sub(lambda m: _mask_userinfo(m[0]), text)
+    text = _BEARER.sub(lambda m: f"{m['head']}{MASK}", text)
     return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", text)
 
 

@@ -370,7 +370,7 @@ def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connect
 
 
 def test_a_token_with_whitespace_at_an_end_is_refused_at_start():
-    with pytest.raises(ConfigError, match="whitespace at an end"):
+    with pytest.raises(ConfigError, match="whitespace at either end"):
         service(Budget(), control_enabled=True, control_token=TOKEN + "\n")
 
 

@@ -108,6 +108,19 @@ def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str, token
     raise RuntimeError(f"{url}: HTTP {exc.code}: {detail}")
 
 
+def _sendable_token(token: str, source: str) -> str:
+    """The token as a header carries it: stripped at both ends (as the server reads it: a token file's CRLF),
+    UsageError naming `source` when what is left cannot be sent (never the token itself)."""
+    from tierkv.cli.errors import UsageError
+    from tierkv.config.fields import control_token_problem
+
+    token = token.strip()
+    problem = control_token_problem(token)
+    if problem is not None:
+        raise UsageError(f"the control token from {source}: {problem}")
+    return token
+
+
 def run_budget(args) -> int:
     from tierkv.budget_change import parse_budget
     from tierkv.cli.errors import UsageError, check_positive
@@ -119,6 +132,8 @@ def run_budget(args) -> int:
         raise UsageError(f"size: {exc}") from None
     url = f"{endpoint_url(args.endpoint)}/api/gpu_budget"
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    if token:
+        token = _sendable_token(token, "--token" if args.token is not None else TOKEN_ENV)
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"

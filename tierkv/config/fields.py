@@ -161,14 +161,28 @@ def check_host(value: str, keypath: str) -> None:
 MIN_CONTROL_TOKEN_CHARS = 16  # (tierkv.metrics.control checks the TIERKV_CONTROL_TOKEN variable the same way)
 
 
+def control_token_problem(value: str) -> str | None:
+    """Why no client could send `value` as a bearer token, or None: whitespace at an end (a client's token is read
+    stripped), fewer than MIN_CONTROL_TOKEN_CHARS characters, or a character that is not printable ASCII (HTTP
+    headers carry bytes: the server reads them as latin-1, curl sends UTF-8, Python's client refuses other
+    characters and controls). The value itself is never put in the answer."""
+    if value != value.strip():
+        return ("expected no whitespace at either end (a YAML block scalar keeps its last newline): no client could "
+                "send it")
+    if len(value) < MIN_CONTROL_TOKEN_CHARS:
+        return f"expected at least {MIN_CONTROL_TOKEN_CHARS} characters, got {len(value)}"
+    bad = [i for i, c in enumerate(value) if not " " <= c <= "~"]
+    if bad:
+        return (f"expected printable ASCII characters only (character {bad[0] + 1} is not): an HTTP header cannot "
+                "carry it the same way from every client")
+    return None
+
+
 def check_control_token(value: str, keypath: str) -> None:
-    """A bearer token a client can send: at least MIN_CONTROL_TOKEN_CHARS characters, no whitespace at an end."""
-    if value != value.strip():  # a client's token is read stripped: this one could never match
-        raise ConfigError(keypath, "<hidden>", "expected no whitespace at either end (a YAML block scalar keeps its "
-                                               "last newline): no client could send it")
-    if len(value) < MIN_CONTROL_TOKEN_CHARS:  # the value itself is never echoed back
-        raise ConfigError(keypath, "<hidden>", f"expected at least {MIN_CONTROL_TOKEN_CHARS} characters, "
-                                               f"got {len(value)}")
+    """A bearer token a client can send (`control_token_problem`)."""
+    problem = control_token_problem(value)
+    if problem is not None:
+        raise ConfigError(keypath, "<hidden>", problem)
 
 
 def check_secret(value: str, keypath: str) -> None:

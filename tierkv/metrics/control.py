@@ -12,7 +12,8 @@ Off unless `metrics.control_enabled`; then every request passes, in this order:
     Content-Length <= MAX_BODY_BYTES          411 without one, 413 above (the body is never read then)
     {"budget": "1GiB" | bytes}                400 naming what is wrong
     the change itself                         400 (bad size, sinks + window do not fit), 409 (refused:
-                                              beyond the device, or the allocation failed), 504 (timeout)
+                                              beyond the device, or the allocation failed), 202 with
+                                              "pending" (not applied within the wait: it applies later)
 
 Host and Origin are checked before any of this (tierkv.dashboard.guard), for every path.
 """
@@ -26,22 +27,20 @@ from typing import Callable
 from tierkv.budget_change import BudgetRefused
 from tierkv.config import ConfigError, MetricsConfig
 from tierkv.config.env_vars import ENV_CONTROL_TOKEN
+from tierkv.config.fields import control_token_problem
 
 ANSWERING = "tierkv.answering"  # WSGI environ key: called once the whole request is read (dashboard.app's server
                                 # then never hangs the connection up for a slow client's place)
 
 CONTROL_TOKEN_ENV = ENV_CONTROL_TOKEN
 MAX_BODY_BYTES = 4096
-MIN_TOKEN_CHARS = 16
 
 
 class BudgetControl:
     def __init__(self, set_gpu_budget: Callable, token: str):
-        if token != token.strip():  # a client's token is read stripped: this one could never match
-            raise ConfigError("metrics.control_token", "<hidden>", "has whitespace at an end (a YAML block scalar keeps "
-                                                                   "its last newline): no client could send it")
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ConfigError("metrics.control_token", "<hidden>", f"needs at least {MIN_TOKEN_CHARS} characters")
+        problem = control_token_problem(token)  # the config's checks, for a token from TIERKV_CONTROL_TOKEN too
+        if problem is not None:
+            raise ConfigError("metrics.control_token", "<hidden>", problem)
         self._set_gpu_budget = set_gpu_budget
         self._token = token.encode()
 
