@@ -10,12 +10,12 @@ columns that fit, most useful first, and the other lines wrap between words (dra
 from __future__ import annotations
 
 import io
-import re
 import shutil
 import sys
 import time
 
 from tierkv.metrics.snapshot import histogram_quantile, tier_names
+from tierkv.metrics.sources import shown
 from tierkv.units import format_bytes
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -37,7 +37,7 @@ def run_top(args) -> int:
 
     check_positive("--interval", args.interval)  # nan too: time.sleep(nan) fails after the first frame
     try:
-        source = JsonlSource(args.jsonl) if args.jsonl else EndpointSource(args.endpoint)
+        source = JsonlSource(args.jsonl) if args.jsonl else EndpointSource(args.endpoint, keep_lines=1)
     except SourceError as exc:
         raise UsageError(str(exc)) from None
     if args.once and args.jsonl:
@@ -50,9 +50,9 @@ def run_top(args) -> int:
                 new, next_n = source.lines_since(next_n)
             except SourceError as exc:
                 if args.jsonl:  # a bad line (a run killed mid-write): said, and read past at the next poll
-                    print(f"tierkv top: skipped: {exc}", file=sys.stderr)
+                    print(f"tierkv top: skipped: {shown(exc)}", file=sys.stderr)
                 elif args.once or not lines:  # an endpoint that does not answer: a failure at run time
-                    print(f"tierkv top: error: {exc}", file=sys.stderr)
+                    print(f"tierkv top: error: {shown(exc)}", file=sys.stderr)
                     return 1
                 new = []
             lines = (lines + new)[-1:]  # only the newest is drawn
@@ -77,7 +77,7 @@ def _once_from_file(source) -> int:
     errors: list[Exception] = []
     lines = source.read_to_end(errors.append)
     for exc in errors:
-        print(f"tierkv top: {'skipped' if lines else 'error'}: {exc}", file=sys.stderr)
+        print(f"tierkv top: {'skipped' if lines else 'error'}: {shown(exc)}", file=sys.stderr)
     if not lines:
         if not errors:
             print(f"tierkv top: no snapshots in {source.description} yet", file=sys.stderr)
@@ -154,9 +154,6 @@ def _tier_table(line: dict, width: int):
     return table
 
 
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # all but the newline
-
-
 def render(line: dict, description: str, *, width: int = 120) -> str:
     """One frame no wider than `width`: per-tier table, GPU memory, transfers, scheduler, prefetch, requests."""
     from rich.console import Console
@@ -188,4 +185,4 @@ def render(line: dict, description: str, *, width: int = 120) -> str:
     ):
         say(text)
     frame = "\n".join(row.rstrip() for row in console.file.getvalue().rstrip("\n").split("\n"))
-    return CONTROL_CHARACTERS.sub("?", frame)  # names and ids from a shared JSONL never reach the terminal as escapes
+    return shown(frame, keep="\n")  # names and ids from a shared JSONL or a server never reach the terminal as escapes

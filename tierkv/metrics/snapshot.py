@@ -1,6 +1,6 @@
 """Snapshot lines: `stats()` flattened to dotted figures, plus rates since the previous line.
 
-Primitives: `flatten_stats`, `derive_rates`, `tier_names`, `histogram_quantile`, `SCHEMA`.
+Primitives: `flatten_stats`, `derive_rates`, `tier_names`, `distinct_tier_names`, `histogram_quantile`, `SCHEMA`.
 
 One line of a metrics JSONL file (every key but `request` and `prefetch_*` always present):
 
@@ -52,8 +52,8 @@ def flatten_stats(stats: Mapping) -> tuple[dict, dict, dict, dict | None]:
     prefetch = None
     for key, value in stats.items():
         if key == "tiers":
-            for tier in value:
-                _flatten_tier(tier, figures, latency)
+            for tier, name in zip(value, distinct_tier_names([tier["tier"] for tier in value])):
+                _flatten_tier(tier, name, figures, latency)
         elif key == "prefetch" and isinstance(value, Mapping):
             detail = {k: value[k] for k in PREFETCH_DETAIL if value.get(k)}
             prefetch = detail or None
@@ -97,8 +97,28 @@ def _sparse_figures_from_hot_window(figures: dict) -> None:
                 figures[f"prefetch.{key}"] = value
 
 
-def _flatten_tier(tier: Mapping, figures: dict, latency: dict) -> None:
-    name = tier["tier"]
+def distinct_tier_names(names: list[str]) -> list[str]:
+    """Tiers are named after their kind, and a config may have two of a kind (disk tiers on two paths, Redis
+    tiers in two namespaces): the second of a name is "<name>_2", the third "<name>_3" (before an "@rank<i>"
+    suffix), so its figures and labels no longer overwrite the first's; a name met once is kept as it is.
+
+        ["cpu", "disk", "disk"] -> ["cpu", "disk", "disk_2"]
+    """
+    seen: dict[str, int] = {}
+    distinct: list[str] = []
+    for name in names:
+        kind, at, rank = name.partition("@")
+        number = seen.get(name, 0) + 1
+        candidate = name if number == 1 else f"{kind}_{number}{at}{rank}"
+        while candidate in distinct:  # taken by a tier so named (no kind is, but here names are only strings)
+            number += 1
+            candidate = f"{kind}_{number}{at}{rank}"
+        seen[name] = number
+        distinct.append(candidate)
+    return distinct
+
+
+def _flatten_tier(tier: Mapping, name: str, figures: dict, latency: dict) -> None:
     for key, value in tier.items():
         if key == "latency":
             for op, histogram in value.items():

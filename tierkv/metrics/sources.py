@@ -1,7 +1,7 @@
 """Where a viewer (`tierkv dashboard`, `tierkv top`) reads snapshot lines from.
 
-Primitives: `JsonlSource`, `EndpointSource`, `RecorderSource`, `SourceError`, `open_source`, `within_deadline`
-(what a line must be: `tierkv.metrics.snapshot_lines`).
+Primitives: `JsonlSource`, `EndpointSource`, `RecorderSource`, `SourceError`, `open_source`, `within_deadline`,
+`shown` (what a line must be: `tierkv.metrics.snapshot_lines`).
 
 Each has `lines_since(n) -> (lines, next_n)`: the lines numbered n and later, and the number to
 ask from next time (`[], n` when nothing is new). Numbers are the source's own:
@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import threading
+import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,6 +26,20 @@ from typing import Callable
 
 from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.snapshot_lines import SourceError, check_line, parse_line  # noqa: F401 (also names of this module)
+
+
+# Not shown as they are on a terminal: controls (escape sequences), format characters (U+202E and the other bidi
+# controls reorder what follows), line and paragraph separators, and lone surrogates (print() raises on them).
+_UNSHOWN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def shown(text: object, *, keep: str = "") -> str:
+    """`text` (a server's or a shared file's words) safe to print: each character of _UNSHOWN_CATEGORIES
+    but those in `keep` (e.g. "\n" for a whole frame) as '?'."""
+    text = str(text)
+    if text.isprintable():  # the common case; isprintable() is False for every category above
+        return text
+    return "".join("?" if ch not in keep and unicodedata.category(ch) in _UNSHOWN_CATEGORIES else ch for ch in text)
 
 
 class JsonlSource:
@@ -75,13 +90,16 @@ class JsonlSource:
                 return
             self._skipping, data = False, data[cut + 1 :]
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        if end == 0 and len(data) >= self.MAX_LINE_BYTES:
+        if end == 0 and len(data) > self.MAX_LINE_BYTES:
             self._offset += len(data)
             self._skipping = True
-            raise SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped)")
+            raise self._too_long()
         read = 0
         for raw in data[:end].splitlines(keepends=True):
             read += len(raw)
+            if len(raw.rstrip(b"\r\n")) > self.MAX_LINE_BYTES:  # whole in this read: skipped all the same, unparsed
+                self._offset += read
+                raise self._too_long()
             if raw.strip():
                 try:
                     self._lines.append(parse_line(raw, f"{self.path}:{self._first + len(self._lines) + 1}"))
@@ -92,6 +110,9 @@ class JsonlSource:
         if len(self._lines) > self.KEEP_LINES:
             dropped = len(self._lines) - self.KEEP_LINES
             self._first, self._lines = self._first + dropped, self._lines[dropped:]
+
+    def _too_long(self) -> SourceError:
+        return SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped)")
 
     def read_to_end(self, on_error: Callable[[SourceError], None]) -> list[dict]:
         """Every line up to the file's end (the last KEEP_LINES kept), read past bad lines (each reported to
@@ -159,16 +180,24 @@ def within_deadline(timeout_s: float, exchange, late: str):
 
 
 class EndpointSource:
-    MAX_REPLY_BYTES = 64 << 20  # a poll's reply holds the new snapshot lines: some KiB each
+    """A running TieredLLM's metrics server, polled for the lines after the last it sent; the last KEEP_LINES kept
+    (a viewer left open polls for days). Whatever the server says in an error reaches the caller through `shown`."""
 
-    def __init__(self, url: str, *, timeout_s: float = 2.0):
+    MAX_REPLY_BYTES = 64 << 20  # a poll's reply holds the new snapshot lines: some KiB each
+    KEEP_LINES = JsonlSource.KEEP_LINES
+    MAX_DETAIL_CHARS = 300  # of a server's words in an error (a reason phrase, a status line)
+
+    def __init__(self, url: str, *, timeout_s: float = 2.0, keep_lines: int | None = None):
+        """`keep_lines`: how many of the newest lines to keep (None: KEEP_LINES; `top` draws only the newest)."""
         problem = endpoint_problem(url)
         if problem:
             raise SourceError(f"endpoint: got {url!r}; {problem}")
         self.url = url.rstrip("/")
         self.description = self.url
         self.timeout_s = timeout_s
+        self.keep_lines = self.KEEP_LINES if keep_lines is None else keep_lines
         self._lines: list[dict] = []
+        self._first = 0  # the number of self._lines[0] (older ones dropped past keep_lines)
         self._remote_next = 0
         self._lock = threading.Lock()
 
@@ -187,15 +216,20 @@ class EndpointSource:
                 body = json.loads(reply)
             except (urllib.error.URLError, OSError, ValueError, RecursionError, RuntimeError,
                     http.client.HTTPException) as exc:
-                raise SourceError(f"{url}: {getattr(exc, 'reason', None) or type(exc).__name__ + ': ' + str(exc)}") from None
+                # a reason phrase or a bad status line is the server's: no escape sequence of it reaches a terminal
+                detail = getattr(exc, "reason", None) or type(exc).__name__ + ": " + str(exc)
+                raise SourceError(f"{url}: {shown(detail)[:self.MAX_DETAIL_CHARS]}") from None
             if (not isinstance(body, dict) or not isinstance(body.get("lines"), list)
                     or isinstance(body.get("next"), bool) or not isinstance(body.get("next"), int)):
                 raise SourceError(f"{url}: not a tierkv metrics endpoint (no list 'lines' and integer 'next' in the "
                                   "reply)")
-            for i, line in enumerate(body["lines"]):
-                self._lines.append(check_line(line, f"{url} line {i}"))
+            # all checked before any is kept: a bad line kept those before it, fetched (and added) again each poll
+            self._lines += [check_line(line, f"{url} line {i}") for i, line in enumerate(body["lines"])]
             self._remote_next = body["next"]
-            return self._lines[n:], len(self._lines)
+            if len(self._lines) > self.keep_lines:
+                dropped = len(self._lines) - self.keep_lines
+                self._first, self._lines = self._first + dropped, self._lines[dropped:]
+            return self._lines[max(n - self._first, 0) :], self._first + len(self._lines)
 
 
 class RecorderSource:

@@ -9,6 +9,8 @@
   const config = window.TIERKV || { mode: "live" };
   const COLORS = ["#2f6fde", "#e4572e", "#29a36a", "#9b51e0", "#f2a900", "#17a2b8", "#7a5c3e", "#d6336c"];
   const state = { lines: [], next: 0, charts: {} };
+  // A live page left open polls for days: it keeps the newest lines, as many as a JSONL reader keeps.
+  const KEEP_LINES = 100000;
 
   // -- formatting --------------------------------------------------------------------------
   function fmtBytes(v) {
@@ -266,7 +268,9 @@
       const body = await response.json();
       if (!response.ok) throw new Error(body.error || response.statusText);
       document.getElementById("source").textContent = body.source || "";
-      state.lines.push(...body.lines);
+      // concat, not push(...lines): a reply of 100,000 lines (a long file) nears the engine's limit on arguments
+      state.lines = state.lines.concat(body.lines);
+      if (state.lines.length > KEEP_LINES) state.lines = state.lines.slice(-KEEP_LINES);
       state.next = body.next;
       showError(null);
       if (body.lines.length || !document.body.dataset.ready) render();
