@@ -122,3 +122,19 @@ def test_a_group_holding_nan_or_inf_reads_back_non_finite_and_the_others_stay_ex
         clean = blocks.clone()
         clean[1, 0, 2] = 0
         assert (error <= max_abs_error(clean, fmt)[good] * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("magnitude", [1e-44, 1e-40, 1.2e-38, torch.finfo(torch.float32).max,
+                                       torch.finfo(torch.float32).max / 2])
+def test_finite_groups_of_extreme_magnitudes_read_back_finite(fmt, magnitude):
+    """A scale that underflowed to 0 (denormals: 0 / 0 gave NaN codes) or whose qmax-fold rounded past float32's
+    largest value (read back as inf) made finite values non-finite."""
+    from tierkv.quant import dequantize_blocks, quantize_blocks
+
+    x = torch.zeros(2, 2, 2, 4, 8)
+    x[0, 0, 0, 0, 0], x[0, 1, 1, 2, 3], x[1, 0, 1, 3, 7] = magnitude, -magnitude, magnitude / 3
+    codes, scales = quantize_blocks(x, fmt)
+    y = dequantize_blocks(codes, scales, fmt, torch.float32)
+    assert torch.isfinite(scales).all() and (scales > 0).all() and torch.isfinite(y).all()
+    assert (y - x).abs().max() <= magnitude * (2.0**-4 if fmt != "int8" else 1 / 127)

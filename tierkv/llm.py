@@ -121,8 +121,9 @@ class TieredLLM:
 
     def set_gpu_budget(self, budget: int | str, *, wait: bool = True, timeout_s: float | None = 60.0) -> None:
         """Resize the GPU KV budget ("1GiB" or bytes), between or during requests; exact mode's outputs do not
-        change (the sparse policy attends the hot window's resident blocks besides its selection, so its tokens
-        follow the budget).
+        change with tiers that store blocks as they are (a quantized CPU tier, `storage_dtype` int8 or fp8, rounds
+        the blocks outside the hot window, so its tokens follow the budget, as the sparse policy's do: it attends
+        the hot window's resident blocks besides its selection).
 
         Shrinking returns the memory to the driver. A change that cannot be applied is refused and
         the running request goes on at the old budget: a bad value, sinks + window that do not fit
@@ -153,8 +154,10 @@ class TieredLLM:
         if fixed:
             raise ValueError(f"config reload: {', '.join(fixed)} cannot change at run time (make a new TieredLLM); "
                              "only cache.gpu_budget_bytes can")
-        if changed:
+        pending = self.runtime.pending_budget_bytes  # asked for, not applied yet: the reload's budget replaces it
+        if changed or (pending is not None and pending != new.cache.gpu_budget_bytes):
             self.set_gpu_budget(new.cache.gpu_budget_bytes)
+            changed = changed or ["cache.gpu_budget_bytes"]
         return changed
 
     def stats(self) -> dict:

@@ -5,6 +5,7 @@ Primitives: `config_of`, `generate_inputs`, `check_device_and_tokenizer`, `load_
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -52,8 +53,8 @@ def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: d
 
 def config_of(config) -> TierKVConfig:
     """The `config` argument of a TieredLLM, loaded: a TierKVConfig, a YAML path, a dict or None."""
-    if isinstance(config, TierKVConfig):
-        return config
+    if isinstance(config, TierKVConfig):  # a copy: the caller's object, edited later or given to another
+        return copy.deepcopy(config)        # TieredLLM, must not change (or report) this one's budget
     if config is not None and not isinstance(config, (str, os.PathLike, dict)):
         raise TypeError(f"config: got {type(config).__name__}; expected a TierKVConfig, a YAML path, a dict or None")
     return load_config(config)

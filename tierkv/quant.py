@@ -39,6 +39,12 @@ def quantize_blocks(blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     amax = x.abs().amax(dim=(-2, -1))                                # [n, 2, H]; NaN or inf if any value is
     finite = torch.isfinite(amax)
     scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # finite values read back finite: a scale that underflowed to 0 (a group of denormals) divided 0 by 0, and one
+    # whose qmax-fold rounds past float32's largest value (amax near it) decoded to inf; the first takes amax itself
+    # (codes of at most 1), the second the next float32 towards 0 (its codes clamp to qmax)
+    scales = torch.where(scales > 0, scales, torch.where(amax > 0, amax, 1.0))
+    scales = torch.where(torch.isinf(scales * qmax) & torch.isfinite(amax), torch.nextafter(scales, torch.zeros_like(scales)),
+                         scales)
     # a group holding NaN or inf gets a NaN scale: every reader (the fused kernel, in-place CPU reads) multiplies
     # by it, so the group reads back non-finite, never as finite values (a NaN amax gave scale 1 and hid the NaN)
     scales = torch.where(finite, scales, torch.full_like(amax, float("nan")))

@@ -131,6 +131,12 @@ class KVRuntime:
                 self._apply_locked(None)
         return change
 
+    @property
+    def pending_budget_bytes(self) -> int | None:
+        """The budget a `set_gpu_budget` asked for and not yet applied (it applies at the next step), or None."""
+        pending = self._pending_budget
+        return pending[0] if pending is not None and pending[2] else None
+
     def wait_for_budget(self, timeout_s: float | None = None) -> bool:
         """Block until the last `set_gpu_budget` was applied or refused; False on timeout."""
         change = self._last_budget_change
