@@ -2,17 +2,11 @@
 65535 bytes) are found again at the next start, like any other record."""
 from __future__ import annotations
 
-import torch
-
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.disk import DiskTier
-from tests.storage.blocks import make_block
+from tests.storage.blocks import make_block, same
 
 CAPACITY_BLOCKS = 16
-
-
-def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_records_with_long_headers_survive_a_restart(layout, tmp_path):

@@ -3,31 +3,18 @@ puts find it down waits in the backlog, as later ones do, and reaches Redis once
 tier still holds counts failed."""
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
-import torch
 
-from tests.storage.blocks import make_block
+from tests.storage.blocks import make_block, same
+from tests.storage.test_redis_cluster import key_of, spread, wait_until
 from tierkv.storage.chain import TierChain
 from tierkv.storage.cpu import CpuTier
 from tierkv.storage.redis_tier import RedisTier
 
 pytestmark = pytest.mark.redis
 pytest.importorskip("redis")
-
-
-def key_of(i: int) -> str:
-    return f"{i:064x}/L0"
-
-
-def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def chain_over(layout, redis: RedisTier) -> TierChain:
@@ -41,9 +28,6 @@ def write(chain: TierChain, layout, ids: list[int]) -> None:
     chain.write_through(keys)
     chain.flush()
 
-
-def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and torch.equal(a, b)
 
 
 def test_the_batch_that_finds_the_server_down_is_written_once_it_is_back(layout, redis_server, redis_namespace):
@@ -70,8 +54,6 @@ def test_the_batch_that_finds_the_server_down_is_written_once_it_is_back(layout,
 
 
 def test_keys_of_a_killed_cluster_node_wait_for_it_while_the_others_are_written(layout, redis_cluster):
-    from tests.storage.test_redis_cluster import spread
-
     redis = RedisTier("redis", layout, None, url=redis_cluster.url, namespace=f"wt-{uuid.uuid4().hex[:10]}",
                       timeout_s=2.0, retry_interval_s=0.5)
     chain = chain_over(layout, redis)
