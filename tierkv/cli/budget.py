@@ -13,12 +13,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import sys
 import urllib.error
 import urllib.request
 
-from tierkv.metrics.sources import within_deadline
+from tierkv.metrics.sources import shown, within_deadline
 
 TOKEN_ENV = "TIERKV_CONTROL_TOKEN"
 
@@ -49,7 +48,6 @@ def endpoint_url(endpoint: str) -> str:
 
 
 _MAX_REPLY_BYTES = 64 << 10  # the endpoint's replies are a few hundred bytes
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _read_reply(response) -> bytes:
@@ -70,8 +68,9 @@ def _reply(raw: bytes, url: str) -> dict:
 
 
 def _shown(text: object) -> str:
-    """A server's words for the terminal: control characters (escape sequences, newlines) as '?', at most 300."""
-    return _UNPRINTABLE.sub("?", str(text))[:300]
+    """A server's words for the terminal (`metrics.sources.shown`: escape sequences, newlines, bidi controls as
+    '?'), at most 300 characters."""
+    return shown(text)[:300]
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
