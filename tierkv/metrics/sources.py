@@ -42,6 +42,12 @@ def shown(text: object, *, keep: str = "") -> str:
     return "".join("?" if ch not in keep and unicodedata.category(ch) in _UNSHOWN_CATEGORIES else ch for ch in text)
 
 
+def _newest(first: int, lines: list, keep: int) -> tuple[int, list]:
+    """(number of the first line kept, the lines kept): the newest `keep` of `lines`, numbered from `first`."""
+    dropped = max(0, len(lines) - keep)
+    return (first + dropped, lines[dropped:]) if dropped else (first, lines)
+
+
 class JsonlSource:
     """A JSONL file another process may write (and another user share): opened anew at each poll, never through
     a symbolic link and only as a regular file (a FIFO or device swapped in is refused, not waited on or read
@@ -107,9 +113,7 @@ class JsonlSource:
                     self._offset += read  # said once: the next read goes on after it (it re-read, and re-added,
                     raise                 # every line before it at each poll, for good)
         self._offset += end
-        if len(self._lines) > self.KEEP_LINES:
-            dropped = len(self._lines) - self.KEEP_LINES
-            self._first, self._lines = self._first + dropped, self._lines[dropped:]
+        self._first, self._lines = _newest(self._first, self._lines, self.KEEP_LINES)
 
     def _too_long(self) -> SourceError:
         return SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped)")
@@ -226,9 +230,7 @@ class EndpointSource:
             # all checked before any is kept: a bad line kept those before it, fetched (and added) again each poll
             self._lines += [check_line(line, f"{url} line {i}") for i, line in enumerate(body["lines"])]
             self._remote_next = body["next"]
-            if len(self._lines) > self.keep_lines:
-                dropped = len(self._lines) - self.keep_lines
-                self._first, self._lines = self._first + dropped, self._lines[dropped:]
+            self._first, self._lines = _newest(self._first, self._lines, self.keep_lines)
             return self._lines[max(n - self._first, 0) :], self._first + len(self._lines)
 
 
