@@ -134,17 +134,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     """The header at the start of `data` (format version 1 or 2); raises CorruptBlock, also when `data` is too short."""
     view = memoryview(data)
     try:
-        magic, version = struct.unpack_from("<4sH", view, 0)
-        if magic != MAGIC or version not in _FIXED:
-            raise CorruptBlock(f"not a record header (magic {bytes(magic)!r}, version {version})")
-        fields = _FIXED[version].unpack_from(view, 0)
-        if version == 1:
-            (_, _, key_len, payload_num_bytes, payload_checksum, ndim, name_len), kind = fields, CRC32
-        else:
-            _, _, key_len, payload_num_bytes, payload_checksum, kind, ndim, name_len = fields
-        if kind not in _CHECKSUM_STRUCT:
-            raise CorruptBlock(f"record header with an unknown checksum kind {kind}")
-        offset = _FIXED[version].size
+        offset, key_len, payload_num_bytes, payload_checksum, kind, ndim, name_len = _fixed_fields(view)
         shape = struct.unpack_from(f"<{ndim}I", view, offset)
         offset += 4 * ndim
         name = bytes(view[offset : offset + name_len]).decode("ascii")
@@ -216,16 +206,31 @@ def _read_header(fd: int, offset: int) -> bytes:
     return head
 
 
+def _fixed_fields(view) -> tuple[int, int, int, int, int, int, int]:
+    """The fixed part of the header at the start of `view` (format version 1 or 2): (its size, key length,
+    payload bytes, payload checksum, checksum kind, ndim, dtype name length). CorruptBlock when it is no header
+    (magic, version, an unknown checksum kind); struct.error when `view` is too short."""
+    magic, version = struct.unpack_from("<4sH", view, 0)
+    if magic != MAGIC or version not in _FIXED:
+        raise CorruptBlock(f"not a record header (magic {bytes(magic)!r}, version {version})")
+    fields = _FIXED[version].unpack_from(view, 0)
+    if version == 1:
+        (_, _, key_len, payload_num_bytes, payload_checksum, ndim, name_len), kind = fields, CRC32
+    else:
+        _, _, key_len, payload_num_bytes, payload_checksum, kind, ndim, name_len = fields
+    if kind not in _CHECKSUM_STRUCT:
+        raise CorruptBlock(f"record header with an unknown checksum kind {kind}")
+    return _FIXED[version].size, key_len, payload_num_bytes, payload_checksum, kind, ndim, name_len
+
+
 def _claimed_header_end(head: bytes) -> int | None:
-    """Where the header at the start of `head` says its own checksum ends; None when it is no header's start."""
-    magic, version = struct.unpack_from("<4sH", head, 0) if len(head) >= 6 else (None, None)
-    if magic != MAGIC or version not in _FIXED or len(head) < _FIXED[version].size:
+    """Where the header at the start of `head` says its own checksum ends; None when it is no header's start
+    (parse_header then says why)."""
+    try:
+        size, key_len, _, _, kind, ndim, name_len = _fixed_fields(memoryview(head))
+    except (CorruptBlock, struct.error):
         return None
-    fields = _FIXED[version].unpack_from(head, 0)
-    kind = CRC32 if version == 1 else fields[5]
-    key_len, ndim, name_len = fields[2], fields[-2], fields[-1]
-    checksum_bytes = _CHECKSUM_STRUCT.get(kind, _CHECKSUM_STRUCT[CRC32]).size  # an unknown kind: parse_header says so
-    return _FIXED[version].size + 4 * ndim + name_len + key_len + checksum_bytes
+    return size + 4 * ndim + name_len + key_len + _CHECKSUM_STRUCT[kind].size
 
 
 def header_region_bytes(key: str, dtype_name: str, ndim: int, kind: int | None = None) -> int:
