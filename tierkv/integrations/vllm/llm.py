@@ -217,25 +217,16 @@ def _write_config(config: TierKVConfig) -> str:
     return path
 
 
-class _OwnedFile:
-    """A file written for the engine, removed at close, or when its TieredLLM is collected or the interpreter
-    exits without a close (weakref.finalize): no config file is left behind in the temporary directory."""
-
-    def __init__(self, owner, path: str):
-        self.path = path
-        self._finalizer = weakref.finalize(owner, _remove_quietly, path)
-
-    def remove(self) -> None:
-        self._finalizer()  # runs once; later calls do nothing
+def _owned(owner, path: str | None) -> weakref.finalize | None:
+    """A file written for the engine, removed by calling what this returns (at close; it runs once), or when its
+    TieredLLM is collected or the interpreter exits without a close: no config file is left in the temporary
+    directory."""
+    return weakref.finalize(owner, _remove_quietly, path) if path is not None else None
 
 
-def _owned(owner, path: str | None) -> _OwnedFile | None:
-    return _OwnedFile(owner, path) if path is not None else None
-
-
-def _drop_owned(owned: _OwnedFile | None) -> None:
+def _drop_owned(owned: weakref.finalize | None) -> None:
     if owned is not None:
-        owned.remove()
+        owned()
 
 
 def _remove_quietly(path: str) -> None:
