@@ -3,8 +3,9 @@
 The schema keeps 0 (the transformers engine's GPU keeps the sinks and the block being written, and decodes
 the dense tokens). Under vLLM the window is each layer's sliding window and the worker's far part, which
 refused 0 only in `register_kv_caches`, after vLLM loaded the model, as a ValueError that named no key.
-It is refused now by every check before vLLM starts: the connector's config, the pool check TieredLLM runs
-and `tierkv plan --backend vllm`, as a ConfigError naming `cache.window_tokens`.
+It is refused as a ConfigError naming `cache.window_tokens` by the pool check TieredLLM runs before vLLM
+starts, by `tierkv plan --backend vllm`, and by the connector where the engine runs the hot window; an engine
+without it (`hot_window=False`, a plain pool) never reads the window and runs with 0.
 """
 from __future__ import annotations
 
@@ -44,12 +45,11 @@ def _vllm_config_file(tmp_path, window: int) -> str:
     return str(path)
 
 
-def test_the_vllm_connector_config_refuses_a_window_of_0_tokens_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=REFUSED) as refused:
-        config_from_kv_transfer({"config_file": _vllm_config_file(tmp_path, 0)}, block_size=64, env={})
-    assert refused.value.key == "cache.window_tokens" and refused.value.value == 0
-    assert config_from_kv_transfer({"config_file": _vllm_config_file(tmp_path, 1)}, block_size=64,
-                                   env={}).cache.window_tokens == 1
+def test_the_vllm_connector_config_loads_a_window_of_0_tokens_for_engines_without_the_hot_window(tmp_path):
+    """A plain pool (hot_window=False) never reads the window: the connector's config takes 0; the connector
+    refuses it where a layer takes the hot-window spec (tests/integrations/vllm/test_window_tokens_vllm.py)."""
+    assert config_from_kv_transfer({"config_file": _vllm_config_file(tmp_path, 0)}, block_size=64,
+                                   env={}).cache.window_tokens == 0
 
 
 def test_tieredllm_s_pool_check_and_the_vllm_plan_refuse_a_window_of_0_tokens(tmp_path):

@@ -86,7 +86,6 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     if block_size is not None and config.cache.block_tokens != block_size:
         raise ConfigError("cache.block_tokens", config.cache.block_tokens,
                           f"must equal vLLM's block_size ({block_size}) when tierkv runs as a vLLM connector")
-    check_hot_window_tokens(config)
     scheduler = config.scheduler
     if scheduler.sparse_prefetch_margin and not (scheduler.sparse_cuda_graphs and scheduler.sparse_full_graphs):
         # the loader lets predictor 'cache' (the transformers engine's) carry a margin; under vLLM it would do nothing

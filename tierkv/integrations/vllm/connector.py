@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.attention.warmup import warm_far_kernels
 from tierkv.integrations.vllm import hot_window
-from tierkv.integrations.vllm.config import config_from_kv_transfer
+from tierkv.integrations.vllm.config import check_hot_window_tokens, config_from_kv_transfer
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import (graph_rows, layout_of, max_num_seqs_of, model_identity_of,
                                                    query_heads_of, sleep_mode_of, tensor_parallel_rank)
@@ -62,6 +62,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
         self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)
+        if self.hot_window is not None:  # without the hot window (a plain pool) cache.window_tokens is unused
+            check_hot_window_tokens(self.config)
         model_config = getattr(vllm_config, "model_config", None)
         self.model_id = model_identity_of(self.config, extra, model_config,
                                           getattr(getattr(vllm_config, "load_config", None), "download_dir", None))

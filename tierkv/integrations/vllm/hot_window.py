@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from tierkv.transfer.device import to_device_no_sync
-from tierkv.integrations.vllm.config import CONNECTOR_NAME, config_from_kv_transfer
+from tierkv.integrations.vllm.config import CONNECTOR_NAME, check_hot_window_tokens, config_from_kv_transfer
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.far_step import FarRow
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
@@ -78,9 +78,13 @@ def _engine_config(vllm_config):
 
 
 def hot_window_tokens(vllm_config) -> int | None:
-    """The hot window of an engine that runs tierkv's connector, else None."""
+    """The hot window of an engine that runs tierkv's connector, else None. ConfigError: a window the hot
+    window cannot run (`check_hot_window_tokens`; asked only where a layer takes the hot-window spec)."""
     config = _engine_config(vllm_config)
-    return config.cache.window_tokens if config is not None else None
+    if config is None:
+        return None
+    check_hot_window_tokens(config)
+    return config.cache.window_tokens
 
 
 def full_decode_graphs(vllm_config) -> bool:

@@ -1,0 +1,49 @@
+"""`cache.window_tokens: 0` under vLLM: refused by name where the engine runs the hot window (the connector
+and the plugin's sliding-window spec), run where it does not (a plain pool never reads the window)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401  CI installs vLLM (.ci/run): a missing vLLM fails here, never skips
+else:
+    pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from tierkv.config import ConfigError  # noqa: E402
+from tierkv.integrations.vllm import hot_window  # noqa: E402
+from tierkv.integrations.vllm.connector import TierKVConnector  # noqa: E402
+
+from tests.integrations.vllm.test_connector import BS, kv_cache_config, vllm_config  # noqa: E402
+from tests.integrations.vllm.test_hot_window import hot_kv_cache_config, write_config  # noqa: E402
+
+REFUSED = r"cache\.window_tokens'?: got 0; under vLLM it must be at least 1"
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_connector_without_the_hot_window_runs_a_window_of_0_tokens(tmp_path, role):
+    connector = TierKVConnector(vllm_config(write_config(tmp_path, window=0, staging_blocks=8)), role,
+                                kv_cache_config())
+    try:
+        assert connector.hot_window is None and connector.config.cache.window_tokens == 0
+    finally:
+        connector.shutdown()
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_connector_under_the_hot_window_refuses_a_window_of_0_tokens_naming_the_key(tmp_path, role):
+    engine = vllm_config(write_config(tmp_path, window=0, staging_blocks=8))
+    with pytest.raises(ConfigError, match=REFUSED) as refused:
+        TierKVConnector(engine, role, hot_kv_cache_config(2 * BS))
+    assert refused.value.key == "cache.window_tokens" and refused.value.value == 0
+
+
+def test_the_hot_window_spec_refuses_a_window_of_0_tokens_and_gives_others(tmp_path):
+    with pytest.raises(ConfigError, match=REFUSED):
+        hot_window.hot_window_tokens(vllm_config(write_config(tmp_path, window=0, staging_blocks=8)))
+    other = tmp_path / "other"
+    other.mkdir()
+    assert hot_window.hot_window_tokens(vllm_config(write_config(other, window=2 * BS, staging_blocks=8))) == 2 * BS
