@@ -1,5 +1,6 @@
-"""Two tiers of one kind (disk tiers on two paths, Redis tiers in two namespaces) keep apart in the metrics: the
-second is "<kind>_2" in figures, latency, Prometheus labels and `top`; a kind met once keeps its name."""
+"""Two tiers of one kind (disk tiers on two paths, Redis tiers in two namespaces) keep apart: the second is named
+"<kind>_2" where the chain is built, so figures, latency, Prometheus labels, `top`, log lines and a request's
+`prefix_blocks_by_tier` tell them apart; a kind met once keeps its name."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _two_disks_stats(tmp_path) -> dict:
     chain = build_tiers(config.tiers, LAYOUT, pin_memory=False)
     try:
         first, second = chain.tiers[1], chain.tiers[2]
-        assert first.name == second.name == "disk"  # what the tiers are called: after their kind
+        assert (first.name, second.name) == ("disk", "disk_2")  # the second of a kind numbered where it is built
         block = torch.ones(LAYOUT.shape)
         first.put("a", block)
         second.put("b", block)
@@ -61,3 +62,31 @@ def test_names_met_once_are_kept_and_repeats_are_numbered():
     assert distinct_tier_names(["cpu@rank0", "disk@rank0", "disk@rank0", "cpu@rank1", "disk@rank1", "disk@rank1"]) == [
         "cpu@rank0", "disk@rank0", "disk_2@rank0", "cpu@rank1", "disk@rank1", "disk_2@rank1"]
     assert distinct_tier_names(["disk", "disk", "disk_2"]) == ["disk", "disk_2", "disk_2_2"]
+
+
+def test_a_request_names_the_second_disk_tier_its_prefix_came_from(tmp_path):
+    """The engine's prefix read names the tier each block came from: with the CPU tier and the first disk tier
+    too small for the prompt, blocks found in the second disk tier are counted under "disk_2", not "disk"."""
+    from tests.models import build
+    from tierkv.llm import TieredLLM
+    from tierkv.sampling import SamplingParams
+
+    model, _ = build("llama", num_heads=4, num_kv_heads=2)
+    block_bytes = 2 * 2 * 4 * 16 * 4  # K+V, 2 kv heads, 4 tokens, head_dim 16, fp32
+    disk = {"kind": "disk", "trusted": True, "write_through": True}
+    config = load_config({
+        "cache": {"block_tokens": 4, "gpu_budget_bytes": 2 * 12 * block_bytes, "sink_tokens": 4, "window_tokens": 8},
+        "tiers": [{"kind": "cpu", "capacity_bytes": 2 * 35 * block_bytes},
+                  {**disk, "path": str(tmp_path / "a"), "capacity_bytes": 2 * 8 * block_bytes},
+                  {**disk, "path": str(tmp_path / "b"), "capacity_bytes": 2 * 400 * block_bytes}],
+        "scheduler": {"lookahead_layers": 1, "staging_bytes": 2 * 4 * block_bytes, "prefill_chunk_tokens": 64},
+    }, env={})
+    prompt = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    with TieredLLM(model, config, show_progress=False) as llm:
+        assert [tier.name for tier in llm.runtime.chain.tiers] == ["cpu", "disk", "disk_2"]
+        llm.generate([prompt], SamplingParams(max_new_tokens=2))
+        llm.generate([list(range(1, 121))], SamplingParams(max_new_tokens=2))  # pushes the first out of the CPU tier
+        (again,) = llm.generate([prompt], SamplingParams(max_new_tokens=2))
+    by_tier = again.stats["prefix_blocks_by_tier"]
+    assert by_tier.get("disk_2", 0) > 0, by_tier
+    assert set(by_tier) <= {"cpu", "disk", "disk_2"}

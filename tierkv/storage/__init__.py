@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tierkv.blocks import BlockLayout, dtype_from_name, dtype_name
 from tierkv.config import ConfigError, StorageConfig
 from tierkv.config.fields import expand_path
+from tierkv.metrics.snapshot import distinct_tier_names
 from tierkv.quant import QUANT_FORMATS, packed_layout
 from tierkv.storage.base import PutResult, StorageTier, TierError
 from tierkv.storage.chain import TierChain
@@ -41,15 +42,15 @@ def _quant_format(index: int, tier_config: "TierConfig", layout: BlockLayout) ->
 
 
 def build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, *, pin_memory: bool | None = None,
-               storage: "StorageConfig | None" = None) -> StorageTier:
-    """One tier from its config section, named after its kind.
+               storage: "StorageConfig | None" = None, name: str | None = None) -> StorageTier:
+    """One tier from its config section, named `name` (default: its kind).
 
     Disk and Redis tiers are sealed (`SealedTier`) with the secret of `storage` (None: no
     secret) unless the tier is marked trusted; without a secret that raises ConfigError.
     What the config asks and the tier cannot do (a capacity below one block, a slab the host
     cannot allocate, a directory it cannot write) raises ConfigError naming the tier's key."""
     try:
-        return _build_tier(index, tier_config, layout, pin_memory, storage)
+        return _build_tier(index, tier_config, layout, pin_memory, storage, name or tier_config.kind)
     except ConfigError:
         raise
     except TierError as exc:  # the disk tier cannot create or scan its directory
@@ -70,21 +71,19 @@ def _shown_section(tier_config: "TierConfig") -> dict:
 
 
 def _build_tier(index: int, tier_config: "TierConfig", layout: BlockLayout, pin_memory: bool | None,
-                storage: "StorageConfig | None") -> StorageTier:
+                storage: "StorageConfig | None", name: str) -> StorageTier:
     quant_format = _quant_format(index, tier_config, layout)
-    name = tier_config.kind
     if tier_config.kind == "cpu":  # quantizes its slab itself (codes and scales move over PCIe as they are)
         return CpuTier(name, layout, tier_config.capacity_bytes, pin_memory=pin_memory, quant_format=quant_format)
     stored = layout if quant_format is None else packed_layout(layout, quant_format)
     sealer = sealer_for_tier(index, tier_config, storage or StorageConfig(), stored)
-    tier = _build_store(index, tier_config, stored if sealer is None else sealer.sealed_layout)
+    tier = _build_store(index, tier_config, stored if sealer is None else sealer.sealed_layout, name)
     if sealer is not None:
         tier = SealedTier(tier, stored, sealer)
     return tier if quant_format is None else QuantizedTier(tier, layout, quant_format)
 
 
-def _build_store(index: int, tier_config: "TierConfig", stored: BlockLayout) -> StorageTier:
-    name = tier_config.kind
+def _build_store(index: int, tier_config: "TierConfig", stored: BlockLayout, name: str) -> StorageTier:
     if tier_config.kind == "disk":
         from tierkv.storage.disk import DiskTier
 
@@ -104,11 +103,14 @@ def _build_store(index: int, tier_config: "TierConfig", stored: BlockLayout) -> 
 
 def build_tiers(tier_configs: "list[TierConfig]", layout: BlockLayout, *, pin_memory: bool | None = None,
                 storage: "StorageConfig | None" = None) -> TierChain:
-    """The tier chain, in config order; `storage`: the deployment's secret (see `build_tier`)."""
+    """The tier chain, in config order; `storage`: the deployment's secret (see `build_tier`). Tiers are named
+    after their kind, a second of one kind "<kind>_2" (`distinct_tier_names`), so logs, errors, metrics and
+    `prefix_blocks_by_tier` tell two disk tiers apart."""
     tiers = []
+    names = distinct_tier_names([tier_config.kind for tier_config in tier_configs])
     try:
-        for index, tier_config in enumerate(tier_configs):
-            tiers.append(build_tier(index, tier_config, layout, pin_memory=pin_memory, storage=storage))
+        for index, (tier_config, name) in enumerate(zip(tier_configs, names)):
+            tiers.append(build_tier(index, tier_config, layout, pin_memory=pin_memory, storage=storage, name=name))
     except Exception:
         for tier in tiers:
             tier.close()
