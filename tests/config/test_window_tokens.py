@@ -47,7 +47,7 @@ def _vllm_config_file(tmp_path, window: int) -> str:
 
 def test_the_vllm_connector_config_loads_a_window_of_0_tokens_for_engines_without_the_hot_window(tmp_path):
     """A plain pool (hot_window=False) never reads the window: the connector's config takes 0; the connector
-    refuses it where a layer takes the hot-window spec (tests/integrations/vllm/test_window_tokens_vllm.py)."""
+    refuses it where a layer takes the hot-window spec (tests/integrations/vllm/test_connector_settings.py)."""
     assert config_from_kv_transfer({"config_file": _vllm_config_file(tmp_path, 0)}, block_size=64,
                                    env={}).cache.window_tokens == 0
 

@@ -1,7 +1,7 @@
 """The tierkv config of a vLLM engine, named from its kv_transfer_config.
 
 Primitives: `CONNECTOR_NAME`, `CONNECTOR_MODULE`, `kv_transfer_config`, `config_from_kv_transfer`,
-`check_hot_window_tokens`.
+`check_hot_window_config`, `unused_under_vllm`.
 
     LLM(model, kv_transfer_config={
         "kv_connector": "TierKVConnector",
@@ -15,11 +15,12 @@ loaded by the same loader as everywhere else (TIERKV_* overrides, precise errors
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from typing import Any, Mapping
 
-from tierkv.config import ConfigError, TierKVConfig, load_config
+from tierkv.config import ConfigError, SchedulerConfig, TierKVConfig, load_config
 from tierkv.configs import resolve_config_path
 
 CONNECTOR_NAME = "TierKVConnector"
@@ -95,14 +96,49 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
     return config
 
 
-def check_hot_window_tokens(config: TierKVConfig) -> None:
-    """ConfigError on a `cache.window_tokens` vLLM's hot window cannot run: below 1. The schema allows 0,
-    which the transformers engine runs (its GPU keeps the sinks and the block being written); under vLLM
-    the window is each layer's SlidingWindowSpec and the worker's far part (`FarKV`), which need at least
-    the newest token, and the worker would refuse it only after vLLM loaded the model."""
+def check_hot_window_config(config: TierKVConfig) -> None:
+    """ConfigError on settings vLLM's hot window cannot run, where the hot window is known to be on (TieredLLM's
+    and `tierkv plan`'s pool check before vLLM starts, the connector, the plugin's sliding-window spec), so they
+    are not refused later by the worker (after vLLM loaded the model) or by nothing at all:
+    - `cache.window_tokens` below 1. The schema allows 0, which the transformers engine runs (its GPU keeps the
+      sinks and the block being written); under vLLM the window is each layer's SlidingWindowSpec and the
+      worker's far part (`FarKV`), which need at least the newest token.
+    - `scheduler.sparse_selection: per_kv_head` with the sparse policy: built only where far blocks are read in
+      place (the transformers engine on a CPU device)."""
     window = config.cache.window_tokens
     if window < 1:
         raise ConfigError("cache.window_tokens", window,
                           "under vLLM it must be at least 1: the hot window keeps each request's newest "
                           "cache.window_tokens tokens in vLLM's pool (configs/vllm-128k.yaml keeps 2048); "
                           "0 only runs on the transformers engine")
+    scheduler = config.scheduler
+    if scheduler.policy == "sparse" and scheduler.sparse_selection != "per_layer":
+        raise ConfigError("scheduler.sparse_selection", scheduler.sparse_selection,
+                          "under vLLM only 'per_layer' is built (per_kv_head needs far blocks read in place: the "
+                          "transformers engine on a CPU device)")
+
+
+# scheduler settings only the transformers engine reads: under vLLM the far path has its own prefetch (the
+# hot window's lookahead, the sparse graphs' far-block caches) and no CPU device
+_TRANSFORMERS_ONLY = ("predictor", "predict_with_previous", "decode_cuda_graph", "cpu_far_reads")
+# settings of the sparse policy's CUDA graphs: nothing reads them under the exact policy
+_SPARSE_GRAPHS_ONLY = ("sparse_cuda_graphs", "sparse_graph_rows", "sparse_cache_selections", "sparse_full_graphs",
+                       "vllm_rows_from_batch")
+
+
+def unused_under_vllm(config: TierKVConfig, hot_window: bool = True) -> list[str]:
+    """`scheduler.<key>` settings given a value other than their default that a vLLM engine never reads (the
+    transformers engine's prefetch predictors, CUDA decode graph and CPU far reads; with the exact policy or
+    without the hot window, the sparse policy's graph settings), each as "scheduler.<key>: <value> (<why>)": the
+    connector logs them once, since the loader accepts them for the transformers engine."""
+    scheduler, defaults = config.scheduler, SchedulerConfig()
+    changed = [f.name for f in dataclasses.fields(SchedulerConfig)
+               if getattr(scheduler, f.name) != getattr(defaults, f.name)]
+    unused = [f"scheduler.{key}: {getattr(scheduler, key)!r} (the transformers engine's)"
+              for key in changed if key in _TRANSFORMERS_ONLY]
+    if scheduler.policy != "sparse" or not hot_window:
+        why = "the sparse policy's graphs under the hot window" if hot_window else "the hot window's"
+        unused += [f"scheduler.{key}: {getattr(scheduler, key)!r} ({why})" for key in changed if key in _SPARSE_GRAPHS_ONLY]
+    if scheduler.policy == "sparse" and not hot_window:
+        unused.append("scheduler.policy: 'sparse' (the hot window's: vLLM's own pool attends every token)")
+    return unused

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.attention.warmup import warm_far_kernels
 from tierkv.integrations.vllm import hot_window
-from tierkv.integrations.vllm.config import check_hot_window_tokens, config_from_kv_transfer
+from tierkv.integrations.vllm.config import check_hot_window_config, config_from_kv_transfer, unused_under_vllm
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import (graph_rows, layout_of, max_num_seqs_of, model_identity_of,
                                                    query_heads_of, sleep_mode_of, tensor_parallel_rank)
@@ -63,7 +63,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
         self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)
         if self.hot_window is not None:  # without the hot window (a plain pool) cache.window_tokens is unused
-            check_hot_window_tokens(self.config)
+            check_hot_window_config(self.config)
         model_config = getattr(vllm_config, "model_config", None)
         self.model_id = model_identity_of(self.config, extra, model_config,
                                           getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
@@ -90,6 +90,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hot_window is not None and role == KVConnectorRole.SCHEDULER:
             # a pool vLLM admits no request into fails here, not by stepping idle
             check_admission(vllm_config, kv_cache_config, self.config.cache.gpu_budget_bytes)
+        unused = unused_under_vllm(self.config, self.hot_window is not None)
+        if unused and role == KVConnectorRole.SCHEDULER:  # one engine, one scheduler: said once
+            logger.warning("tierkv under vLLM does not read these settings of its config: %s", "; ".join(unused))
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("kv_transfer_config.kv_load_failure_policy is %r: a block the tiers cannot load (corrupt, "
                            "or gone since the lookup) fails its request; 'recompute' (tierkv's kv_transfer_config "

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from tierkv.config import ConfigError, TierKVConfig, load_config
-from tierkv.integrations.vllm.config import kv_transfer_config
+from tierkv.integrations.vllm.config import check_hot_window_config, kv_transfer_config
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
 from tierkv.integrations.vllm.pool_sizing import (check_hot_window_pool, checkpoint_shape, full_decode_capture_sizes, full_graph_packed_bytes,
                                                   full_graph_rows, sparse_max_model_len, sparse_summary_bytes)
@@ -69,6 +69,7 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     `config_file` holds the whole config as the caller runs it (environment overrides applied, sizes worked
     out): the connector loads it without applying TIERKV_* variables again."""
     check_engine_lengths(config, max_model_len, engine_kwargs, hot_window)
+    check_engine_settings(config, engine_kwargs, hot_window)
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
     derived = None
     if hot_window and max_model_len is None and "max_model_len" not in engine_kwargs:
@@ -111,6 +112,30 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
     return TieredEngineArgs(kwargs, reserved.summary_reserved_bytes, reserved.full_graph_reserved_bytes,
                             reserved.full_graph_reserved_rows)
+
+
+# vLLM's KV cache dtypes the hot window's pool can hold: the far part attends the tiers' blocks in the model's dtype
+_HOT_WINDOW_KV_DTYPES = ("auto", "bfloat16", "float16")
+
+
+def check_engine_settings(config: TierKVConfig, engine_kwargs: dict, hot_window: bool) -> None:
+    """Before vLLM starts, what it would refuse only after loading the model: a `block_size` other than
+    cache.block_tokens (the connector's blocks are vLLM's), and under the hot window a quantized
+    `kv_cache_dtype` (ValueError naming the argument) or a config setting the hot window does not run
+    (`check_hot_window_config`: ConfigError naming the key)."""
+    block_size = engine_kwargs.get("block_size")
+    if block_size is not None and block_size != config.cache.block_tokens:
+        raise ValueError(f"block_size: got {block_size!r}; tierkv's blocks are vLLM's, so it must equal the config's "
+                         f"cache.block_tokens ({config.cache.block_tokens}): leave it out (TieredLLM sets it) or "
+                         "change cache.block_tokens")
+    if not hot_window:
+        return
+    check_hot_window_config(config)
+    dtype = engine_kwargs.get("kv_cache_dtype", "auto")
+    if str(dtype) not in _HOT_WINDOW_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype: got {dtype!r}; the hot window keeps vLLM's pool in the model's dtype "
+                         f"({', '.join(map(repr, _HOT_WINDOW_KV_DTYPES))}); tierkv quantizes its own tiers instead "
+                         "(tiers[].storage_dtype: int8 or float8_e4m3fn), or pass hot_window=False")
 
 
 def check_engine_lengths(config: TierKVConfig, max_model_len, engine_kwargs: dict, hot_window: bool) -> None:

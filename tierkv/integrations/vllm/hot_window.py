@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from tierkv.transfer.device import to_device_no_sync
-from tierkv.integrations.vllm.config import CONNECTOR_NAME, check_hot_window_tokens, config_from_kv_transfer
+from tierkv.integrations.vllm.config import CONNECTOR_NAME, check_hot_window_config, config_from_kv_transfer
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.far_step import FarRow
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
@@ -79,11 +79,11 @@ def _engine_config(vllm_config):
 
 def hot_window_tokens(vllm_config) -> int | None:
     """The hot window of an engine that runs tierkv's connector, else None. ConfigError: a window the hot
-    window cannot run (`check_hot_window_tokens`; asked only where a layer takes the hot-window spec)."""
+    window cannot run (`check_hot_window_config`; asked only where a layer takes the hot-window spec)."""
     config = _engine_config(vllm_config)
     if config is None:
         return None
-    check_hot_window_tokens(config)
+    check_hot_window_config(config)
     return config.cache.window_tokens
 
 

@@ -14,7 +14,7 @@ from tierkv.config import ConfigError, TierKVConfig
 from tierkv.units import format_bytes
 from tierkv.integrations.vllm.engine_config import graph_rows
 from tierkv.integrations.vllm.full_graph_rows import full_graphs_configured
-from tierkv.integrations.vllm.config import check_hot_window_tokens
+from tierkv.integrations.vllm.config import check_hot_window_config
 from tierkv.integrations.vllm.resize_plan import admission_floor_blocks, window_blocks
 from tierkv.sparse.request_summaries import summary_bytes_per_request
 
@@ -40,9 +40,9 @@ def hot_window_pool_need(model_dir, config: TierKVConfig, engine_kwargs: dict) -
     what vLLM's admission asks free (`max_admission_blocks_per_request` with `scheduler_reserve_full_isl`);
     plus vLLM's null block, which the pool never frees. vLLM's own start-up check leaves the null block
     out: a pool of exactly the admission's blocks starts, then admits no request and steps idle forever.
-    ConfigError: a cache.window_tokens the hot window cannot run (`check_hot_window_tokens`), here where
+    ConfigError: settings the hot window cannot run (`check_hot_window_config`), here where
     TieredLLM and `tierkv plan` read the window before vLLM starts."""
-    check_hot_window_tokens(config)
+    check_hot_window_config(config)
     shape = checkpoint_shape(model_dir)
     tokens = config.cache.block_tokens
     in_flight = int(engine_kwargs.get("max_num_batched_tokens") or config.scheduler.prefill_chunk_tokens)

@@ -1,5 +1,6 @@
-"""`cache.window_tokens: 0` under vLLM: refused by name where the engine runs the hot window (the connector
-and the plugin's sliding-window spec), run where it does not (a plain pool never reads the window)."""
+"""What the vLLM connector does with its config's settings: `cache.window_tokens: 0` refused by name where the
+engine runs the hot window (the connector and the plugin's sliding-window spec) and run where it does not (a plain
+pool never reads the window); settings vLLM never reads named in one warning."""
 from __future__ import annotations
 
 import os
@@ -47,3 +48,28 @@ def test_the_hot_window_spec_refuses_a_window_of_0_tokens_and_gives_others(tmp_p
     other = tmp_path / "other"
     other.mkdir()
     assert hot_window.hot_window_tokens(vllm_config(write_config(other, window=2 * BS, staging_blocks=8))) == 2 * BS
+
+
+def test_a_connector_names_the_settings_vllm_does_not_read_once(tmp_path, caplog):
+    """Settings only the transformers engine reads (a prefetch predictor), and the sparse graphs' settings under
+    the exact policy, are logged by the scheduler connector (once per engine); the shipped vLLM configs log none."""
+    import logging
+
+    from tierkv.config import load_config
+    from tierkv.configs import resolve_config_path
+    from tierkv.integrations.vllm.config import unused_under_vllm
+
+    engine = vllm_config(write_config(tmp_path, window=2 * BS, staging_blocks=8,
+                                      scheduler_lines=("predictor: query", "sparse_full_graphs: true")))
+    with caplog.at_level(logging.WARNING, logger="tierkv.integrations.vllm.connector"):
+        worker = TierKVConnector(engine, KVConnectorRole.WORKER, hot_kv_cache_config(2 * BS))
+        scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, hot_kv_cache_config(2 * BS))
+    worker.shutdown()
+    scheduler.shutdown()
+    said = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "scheduler.predictor: 'query'" in said[0] and "scheduler.sparse_full_graphs: True" in said[0]
+    for name in ("vllm-128k", "vllm-128k-sparse"):
+        assert unused_under_vllm(load_config(resolve_config_path(name), env={})) == []
+    sparse = load_config(resolve_config_path("vllm-128k-sparse"), env={})
+    assert "scheduler.policy: 'sparse'" in "; ".join(unused_under_vllm(sparse, hot_window=False))
