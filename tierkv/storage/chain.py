@@ -50,7 +50,7 @@ class TierChain:
             self.tiers[-1].return_evicted = False
         self._executor = ThreadPoolExecutor(max_workers=num_spill_workers, thread_name_prefix="tierkv-spill")
         self._lock = threading.Lock()
-        self._write_through = WriteThrough(self.tiers, flags, self._lock, self.spill)
+        self._write_through = WriteThrough(self.tiers, flags, self._lock, self.spill, self._keep_put_error)
         self._in_flight: dict[str, torch.Tensor] = {}
         self._futures: set[Future] = set()
         self.num_spilled = 0
@@ -84,7 +84,10 @@ class TierChain:
             self._futures.add(future)
         future.add_done_callback(self._forget_future)
 
-    def _put_from(self, start: int, keys: list[str], blocks: list[torch.Tensor]) -> list[PutResult]:
+    def _put_from(self, start: int, keys: list[str], blocks: list[torch.Tensor], *,
+                  keep_errors: bool = False) -> list[PutResult]:
+        """Each block into the first healthy tier from `start` that takes it; keep_errors: the tiers' refusals
+        are kept for spill_errors (`_keep_put_error`)."""
         results: list[PutResult | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for index in range(start, len(self.tiers)):
@@ -92,6 +95,8 @@ class TierChain:
             if not pending or not tier.is_healthy:
                 continue
             tier_results = tier.put_many([keys[i] for i in pending], [blocks[i] for i in pending])
+            if keep_errors:
+                self._keep_put_error(tier_results)
             still_pending = []
             for i, result in zip(pending, tier_results):
                 self.spill(index, result.evicted)
@@ -107,7 +112,7 @@ class TierChain:
             known = self._locate_from(start, keys)
             todo = [(k, b) for (k, b), where in zip(evicted, known) if where is None]
             if todo:
-                results = self._put_from(start, [k for k, _ in todo], [b for _, b in todo])
+                results = self._put_from(start, [k for k, _ in todo], [b for _, b in todo], keep_errors=True)
                 dropped = sum(not r.ok for r in results)
                 with self._lock:
                     self.num_dropped += dropped
@@ -146,6 +151,15 @@ class TierChain:
         with self._lock:
             self.spill_errors.append(error)
         self._error_log.note("tierkv tiers: %s; %s (stats' spill_errors keeps the latest)", error, consequence)
+
+    def _keep_put_error(self, results: Sequence[PutResult]) -> None:
+        """The latest refusal among a spill's or write-through's puts (a full disk, Redis's OOM or READONLY) kept
+        for spill_errors; the tier logged it. Not a tier found down (`retry`): that waits or goes on, logged by
+        its link. The caller does not hold the lock."""
+        errors = [r.error for r in results if not r.ok and not r.retry and r.error]
+        if errors:
+            with self._lock:
+                self.spill_errors.append(redact_text(errors[-1]))
 
     def _forget_future(self, future: Future) -> None:
         with self._lock:

@@ -133,10 +133,11 @@ def file_identity(fd: int) -> FileIdentity:
 
 
 def path_identity(path: str) -> FileIdentity | None:
-    """(device, inode) of what is at `path` now (not following a symlink); None when nothing is."""
+    """(device, inode) of what is at `path` now (not following a symlink); None when nothing is, also when
+    its directory is no longer a directory (ENOTDIR: replaced by a file, nothing can be under it)."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino
 

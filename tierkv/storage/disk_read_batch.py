@@ -126,7 +126,7 @@ class OpenSegments:
         if segment_id not in self._fds:
             try:
                 self._fds[segment_id] = self._open_segment(segment_id, os.O_RDONLY)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: its directory was replaced by a file
                 self._fds[segment_id] = SEGMENT_GONE
             except SegmentReplaced:
                 self._fds[segment_id] = SEGMENT_REPLACED

@@ -99,7 +99,7 @@ class SegmentDrops:
         path = self.segment_path(segment_id)
         try:
             fd = self.open_segment(segment_id, os.O_WRONLY)
-        except (FileNotFoundError, files.SegmentReplaced):
+        except (FileNotFoundError, NotADirectoryError, files.SegmentReplaced):
             return  # a read will find the segment lost
         except OSError as exc:
             return self._io_error("open", path, exc)

@@ -46,6 +46,7 @@ from tierkv.storage.disk_index import DiskIndex, Entry, segment_path
 from tierkv.storage.disk_peers import DirectoryPeers
 from tierkv.storage.disk_record_layout import RecordLayout
 from tierkv.storage.disk_segment_drops import SegmentDrops
+from tierkv.storage.log_limit import LimitedWarning
 
 logger = logging.getLogger("tierkv.storage.disk")  # logs as the tier, like disk_scan
 _CHUNK_BYTES = 1 << 20  # checksummed, then written, at a time: stays in the CPU cache
@@ -72,6 +73,8 @@ class SegmentFiles(SegmentDrops):
         self._pad = memoryview(bytearray(seg.round_up(layout.num_bytes) - layout.num_bytes))
         self._chunk_records = max(1, _CHUNK_BYTES // (seg.ALIGN + seg.round_up(layout.num_bytes)))
         self.lock = threading.Lock()  # the active segment: its fd, size and rollover
+        # a lost directory fails every append and stat: one line per 10 s with the count, as the tier's own errors
+        self._error_log, self._directory_log = LimitedWarning(logger), LimitedWarning(logger)
         self.active_id: int | None = None
         self.active_size = 0
         self.next_segment_id = 0
@@ -170,7 +173,9 @@ class SegmentFiles(SegmentDrops):
             if is_dead:
                 self._unlink(self.segment_path(old))
         if files.directory_identity(str(self.path)) != self._directory_identity:  # deleted (a tmp cleaner) or swapped
-            logger.warning("%s: directory %s was deleted or replaced; making or checking it again", self.name, self.path)
+            # replaced by a file, it cannot be made again: every put comes here, so one line per 10 s
+            self._directory_log.note("%s: directory %s was deleted or replaced; making or checking it again",
+                                     self.name, self.path)
             self._open_directory()
             self.peers.close()  # its live file went with the directory: announce this tier in the new one
             self.peers = DirectoryPeers(self.path)
@@ -190,17 +195,23 @@ class SegmentFiles(SegmentDrops):
         return self._active_fd, 0
 
     def _roll_over_if_lost(self) -> bool:
-        """Whether the active segment's file was deleted or replaced; if so, forget it and its blocks
-        (the next append begins a new segment). Caller holds `lock`."""
+        """Whether the active segment's file was deleted or replaced (or its directory was, by a file too);
+        if so, forget it and its blocks (the next append begins a new segment). Caller holds `lock`."""
         if self._active_fd is None:
             return False
         path = self.segment_path(self.active_id)
         try:
             is_unlinked = os.fstat(self._active_fd).st_nlink == 0
+        except OSError as exc:
+            self._io_error("fstat", path, exc)
+            return False
+        try:
             at_path = files.path_identity(path)
         except OSError as exc:
-            self._io_error("stat", path, exc)
-            return False
+            if not is_unlinked:  # cannot tell, and the file is still linked somewhere: keep appending
+                self._io_error("stat", path, exc)
+                return False
+            at_path = None  # gone whatever the path says: appends to it would be counted stored, never readable
         with self._index_lock:
             identity = self._index.identity(self.active_id)
         if at_path is not None and at_path != identity:
@@ -244,12 +255,12 @@ class SegmentFiles(SegmentDrops):
     def _unlink(self, path: str) -> None:
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or its directory is: nothing to delete
             pass
         except OSError as exc:
             self._io_error("unlink", path, exc)
 
     def _io_error(self, op: str, path: str, exc: OSError) -> None:
-        logger.warning("%s: %s %s failed: %s", self.name, op, path, exc)
+        self._error_log.note("%s: I/O failed (counted in errors); latest: %s %s: %s", self.name, op, path, exc)
         self.counters.add(errors=1)
 

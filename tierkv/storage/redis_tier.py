@@ -25,9 +25,11 @@ Failures never reach the caller. A connection error or timeout marks the node do
 the tier stays healthy while any primary is up); meanwhile calls for it answer at once
 (misses, PutResult(ok=False), False) without touching the network. Each failed or skipped
 call counts one `errors`; each block not stored counts one `put_failures`. After the interval
-the next call tries again and a success marks the node up. A value that fails to decode is a
-miss, counted as `corrupt_blocks`, and deleted; so is a key that holds another Redis type (a
-list, a hash: its STRLEN answers WRONGTYPE).
+the next call tries again and a success marks the node up. A SET that gets an error reply of its
+own (OOM: maxmemory reached under noeviction; READONLY: a replica) fails that put, logged (one
+line per 10 s) and kept as `last_error`; the tier stays healthy, its reads still served.
+A value that fails to decode is a miss, counted as `corrupt_blocks`, and deleted; so is a key
+that holds another Redis type (a list, a hash: its STRLEN answers WRONGTYPE).
 An intact block of another layout under a key is a miss counted as `foreign_records` and deleted
 too: block addresses name the tiers' storage formats, so only an older writer puts one there.
 Each such delete is a script that deletes the key only while it still holds the value read (or
@@ -96,6 +98,8 @@ class RedisTier(RedisReads, StorageTier):
         self._kept_bad = BoundedKeys()  # bad values a server without scripting kept: not held
         self._closed = False
         self._corrupt_log = LimitedWarning(logger)  # a namespace full of bad values: one line per 10 s
+        self._put_error_log = LimitedWarning(logger)
+        self._key_error: tuple[str | None, str] | None = None  # (the link's last_error then, a SET's error reply)
         self._link.ping()  # a dead server starts us unhealthy; never raises
 
     # -- StorageTier ---------------------------------------------------------------------
@@ -162,7 +166,12 @@ class RedisTier(RedisReads, StorageTier):
 
     @property
     def last_error(self) -> str | None:
-        return self._link.last_error
+        """The latest failure: a SET's error reply (OOM, READONLY) unless the link failed since (a node down, a
+        call refused: the link makes a new string for each, so `is` tells whether it changed)."""
+        link_error = self._link.last_error
+        if self._key_error is not None and self._key_error[0] is link_error:
+            return self._key_error[1]
+        return link_error
 
     @property
     def down_nodes(self) -> list[str]:
@@ -195,9 +204,13 @@ class RedisTier(RedisReads, StorageTier):
             return PutResult(False, f"{self.name}: redis unavailable ({reply})", retry=True)
         if isinstance(reply, KeyFailed):
             return PutResult(False, f"{self.name}: SET {key} failed: {reply}")
-        if isinstance(reply, Exception):
+        if isinstance(reply, Exception):  # this key's own error reply: OOM (maxmemory, noeviction), READONLY
             self.counters.add(errors=1)
-            return PutResult(False, f"{self.name}: SET {key} failed: {reply}")
+            error = redact_text(f"{self.name}: SET {key} failed: {type(reply).__name__}: {reply}")
+            # a full server refuses every SET: one line per 10 s; seen in last_error until the link fails anew
+            self._put_error_log.note("%s (counted in put_failures)", error)
+            self._key_error = (self._link.last_error, error)
+            return PutResult(False, error)
         self._written.wrote(key)
         self._kept_bad.discard(key)
         self.counters.add(bytes_written=self.layout.num_bytes)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tierkv.storage.base import StorageTier
+from tierkv.storage.base import PutResult, StorageTier
 
 WRITE_THROUGH_BACKLOG_KEYS = 1 << 16  # per tier: keys kept for a tier that is down (older ones counted failed)
 
@@ -31,14 +31,17 @@ class WriteThrough:
     """The chain's write-through: which tiers get tier 0's blocks, their backlogs while down, the counters."""
 
     def __init__(self, tiers: Sequence[StorageTier], flags: Sequence[bool], lock: threading.Lock,
-                 spill: Callable[[int, list[tuple[str, torch.Tensor]]], None]):
+                 spill: Callable[[int, list[tuple[str, torch.Tensor]]], None],
+                 keep_put_error: Callable[[Sequence[PutResult]], None]):
         """tiers: the chain's tiers; flags: per tier, whether it is written through (tier 0 never is).
         lock: the chain's lock, which guards the counters and backlogs; spill(tier index, evicted): the
-        chain's hand-off of blocks a write pushed out of a tier."""
+        chain's hand-off of blocks a write pushed out of a tier; keep_put_error(results): the chain keeps
+        what a tier's refused puts said (called without the lock)."""
         self.tiers = tiers
         self.tier_indices = [i for i, flag in enumerate(flags) if flag and i > 0]
         self._lock = lock
         self._spill = spill
+        self._keep_put_error = keep_put_error
         self.num_written = 0
         self.num_failed = 0
         self.num_deferred = 0
@@ -107,6 +110,7 @@ class WriteThrough:
         results = tier.put_many([k for k, _ in todo], [b for _, b in todo])
         for result in results:
             self._spill(index, result.evicted)
+        self._keep_put_error(results)
         # a put that failed because the tier (or the key's node) went down meanwhile waits in the backlog, as
         # the keys of a tier found down do: tier 0 still holds the block
         again = [k for (k, _), r in zip(todo, results) if not r.ok and r.retry]
@@ -128,11 +132,12 @@ class WriteThrough:
 
     def drop_backlog(self) -> dict[str, int]:
         """At close, after a last write: per tier name, the blocks a tier still down never got (counted
-        failed; they live only in this process's tiers)."""
-        lost = {self.tiers[i].name: len(b) for i, b in self._backlog.items() if b}
-        if lost:
-            with self._lock:
-                self.num_failed += sum(lost.values())
+        failed once, and cleared: a backlog still reported would count them twice, pending and failed)."""
+        with self._lock:
+            lost = {self.tiers[i].name: len(b) for i, b in self._backlog.items() if b}
+            self.num_failed += sum(len(b) for b in self._backlog.values())
+            for backlog in self._backlog.values():
+                backlog.clear()
         return lost
 
     def snapshot(self) -> dict:
