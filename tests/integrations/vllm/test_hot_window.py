@@ -469,8 +469,15 @@ def fake_vllm_llm(monkeypatch) -> dict:
             transfer = SimpleNamespace(engine_id="fake-engine")
             core = SimpleNamespace(shutdown=lambda: None)
             parallel = SimpleNamespace(tensor_parallel_size=1)
+            model = SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False))
+            scheduler = SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))
             self.llm_engine = SimpleNamespace(engine_core=core, vllm_config=SimpleNamespace(
-                kv_transfer_config=transfer, parallel_config=parallel))
+                kv_transfer_config=transfer, parallel_config=parallel, model_config=model,
+                scheduler_config=scheduler))
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # the start-up warm-up's forwards
+            given.setdefault("rpc", []).append((method, args))
+            return [None]
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):  # set by TieredLLM: restored after

@@ -27,6 +27,8 @@ CPU tier, so do the full decode graph's codes and scales (`full_graph_packed_byt
 prefilled in chunks of `scheduler.prefill_chunk_tokens`; vLLM's own prefix cache is off (the tiers
 hold every block). `hot_window=False` keeps vLLM's full pool (sized by `gpu_memory_utilization`)
 with the connector alone: repeated prefixes are then loaded back from the tiers instead of prefilled.
+An eager engine (`enforce_eager`, the exact policy's default) runs its forward once at a ladder of token
+counts before serving (`warm_start`), so no request pays its GEMMs' first launch at a new count.
 
 This module owns the front end (start, generate, stats, close); vLLM's arguments come from
 `engine_args`, the sizes of the budget's parts from `pool_sizing`, the run-time resize from
@@ -50,12 +52,14 @@ from tierkv.integrations.vllm.batch_sizing import size_rows_for_batch
 from tierkv.integrations.vllm.engine_args import tiered_engine_args
 from tierkv.integrations.vllm.pool_sizing import check_full_graph_rows
 from tierkv.integrations.vllm.resize_front import apply_gpu_budget, pool_resizer
+from tierkv.integrations.vllm.warm_start import warm_engine
 
 
 class VllmTieredLLM(TieredLLM):
     """`TieredLLM(..., backend="vllm")`: the same public methods over a vLLM engine."""
 
     summary_reserved_bytes = 0  # GPU bytes of the budget kept for sparse key summaries (set by __init__)
+    warmed_token_counts: list[int] = []  # the token counts an eager engine ran at start-up (`warm_start`)
     full_graph_reserved_bytes = 0  # and for the full decode graph's codes and scales (quantized CPU tier)
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
@@ -86,6 +90,8 @@ class VllmTieredLLM(TieredLLM):
             self.full_graph_reserved_bytes = args.full_graph_reserved_bytes
             self.engine = LLM(**args.kwargs)
             check_full_graph_rows(args.full_graph_reserved_rows, self.engine.llm_engine.vllm_config)
+            # an eager engine runs its forward at a ladder of token counts now, not at a request's first step
+            self.warmed_token_counts = warm_engine(self.engine)
         except BaseException:
             self.close()
             raise

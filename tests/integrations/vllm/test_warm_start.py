@@ -1,0 +1,64 @@
+"""An eager vLLM engine runs its forward at a ladder of token counts at start-up (`warm_start`), so a request's
+first step at a new count (a repeated prefix's last 33 tokens) does not pay its GEMMs' first launch; a compiled
+engine (whose CUDA graph capture ran 1..512 tokens) is left as it is. The forwards themselves run on the GPU
+machine (tests/gpu/test_warm_start_gpu.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tierkv.integrations.vllm.warm_start import _run_counts, warm_engine, warm_token_counts
+
+
+def test_the_ladder_covers_every_small_count_and_stays_within_the_step():
+    counts = warm_token_counts(8192)
+    assert counts[:64] == list(range(1, 65)) and counts == sorted(set(counts))
+    assert {72, 128, 256, 512, 1024, 4096, 8192} <= set(counts) and max(counts) == 8192
+    assert warm_token_counts(33) == list(range(1, 34))
+    assert warm_token_counts(300)[-3:] == [248, 256, 300]
+    assert len(warm_token_counts(1 << 16)) < 120  # about a second of forwards for an 8B model
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match="max_tokens: got"):
+            warm_token_counts(bad)
+
+
+def _engine(enforce_eager: bool, max_tokens: int = 2048):
+    ran = []
+    worker = SimpleNamespace(model_runner=SimpleNamespace(
+        _dummy_run=lambda n, **kwargs: ran.append((n, kwargs))))
+    config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=enforce_eager),
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
+                          collective_rpc=lambda method, timeout=None, args=(), kwargs=None: [method(worker, *args)])
+    return llm, ran
+
+
+def test_an_eager_engine_runs_vllm_s_warm_up_forward_at_each_count_on_its_workers():
+    llm, ran = _engine(enforce_eager=True, max_tokens=2048)
+    counts = warm_engine(llm)
+    assert counts == warm_token_counts(2048) and [n for n, _ in ran] == counts
+    assert all(kwargs == {"skip_eplb": True, "remove_lora": False} for _, kwargs in ran)  # vLLM's own warm-up call
+
+
+def test_a_compiled_engine_is_not_run_again():
+    llm, ran = _engine(enforce_eager=False)
+    assert warm_engine(llm) == [] and ran == []
+
+
+def test_tieredllm_warms_an_eager_engine_at_start_up(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from tests.integrations.vllm.test_hot_window import _checkpoint, fake_vllm_llm
+    from tierkv.integrations.vllm.llm import VllmTieredLLM
+
+    given = fake_vllm_llm(monkeypatch)
+    config = {"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB"},
+              "scheduler": {"staging_bytes": "512MiB", "prefill_chunk_tokens": 256}}
+    llm = VllmTieredLLM(_checkpoint(tmp_path), config, max_model_len=4096)
+    try:
+        assert given["enforce_eager"] is True  # the exact hot window's default
+        (method, args), = given["rpc"]
+        assert method is _run_counts and args == (warm_token_counts(256),)
+        assert llm.warmed_token_counts == warm_token_counts(256)
+    finally:
+        llm.close()
