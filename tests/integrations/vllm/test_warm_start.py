@@ -41,6 +41,17 @@ def test_an_eager_engine_runs_vllm_s_warm_up_forward_at_each_count_on_its_worker
     assert all(kwargs == {"skip_eplb": True, "remove_lora": False} for _, kwargs in ran)  # vLLM's own warm-up call
 
 
+def test_a_failing_warm_up_is_logged_and_the_engine_serves_without_it(caplog):
+    llm, ran = _engine(enforce_eager=True)
+
+    def refuse(method, timeout=None, args=(), kwargs=None):
+        raise RuntimeError("worker refused")
+
+    llm.collective_rpc = refuse
+    assert warm_engine(llm) == []
+    assert any("worker refused" in r.getMessage() and "serves without them" in r.getMessage() for r in caplog.records)
+
+
 def test_a_compiled_engine_is_not_run_again():
     llm, ran = _engine(enforce_eager=False)
     assert warm_engine(llm) == [] and ran == []

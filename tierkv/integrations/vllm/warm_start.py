@@ -53,14 +53,21 @@ def _run_counts(worker, counts: list[int]) -> int:
 
 def warm_engine(llm) -> list[int]:
     """Run `llm`'s (a `vllm.LLM`'s) forward once at each of `warm_token_counts` on every worker, unless it is
-    compiled (its CUDA graph capture ran those already); returns the counts run ([] for a compiled engine).
-    Takes about a second for an 8B model; logged with its time."""
+    compiled (its CUDA graph capture ran those already); returns the counts run ([] for a compiled engine, or
+    when a worker raised: logged, and the engine serves as without the warm-up). Takes about a second for an
+    8B model; logged with its time."""
     config = llm.llm_engine.vllm_config
     if not config.model_config.enforce_eager:
         return []
     counts = warm_token_counts(int(config.scheduler_config.max_num_batched_tokens))
     started = time.perf_counter()
-    llm.collective_rpc(_run_counts, args=(counts,))
+    try:
+        llm.collective_rpc(_run_counts, args=(counts,))
+    except Exception as exc:  # noqa: BLE001  a speed-up only: the engine serves as it would without it
+        logger.warning("tierkv: vLLM's start-up forwards at new token counts failed (%s: %s); the engine serves "
+                       "without them (a request's first step at a new count pays its GEMMs' first launch)",
+                       type(exc).__name__, exc)
+        return []
     logger.info("tierkv: vLLM's eager forward run at %d token counts (1..%d) before serving, in %.2f s, so no "
                 "request pays its GEMMs' first launch", len(counts), counts[-1], time.perf_counter() - started)
     return counts
