@@ -80,9 +80,7 @@ def test_budget_command_sends_the_token_from_the_flag_or_the_environment(tmp_pat
         assert "refused the token from TIERKV_CONTROL_TOKEN" in capsys.readouterr().err
         assert llm.config.cache.gpu_budget_bytes == budget
         monkeypatch.setenv("TIERKV_CONTROL_TOKEN", TOKEN)
-        no_scheme = llm.metrics.url[len("http://"):]
-        assert main(["budget", "--endpoint", no_scheme, str(budget * 2)]) == 0
-        assert "assuming http://" in capsys.readouterr().err
+        assert main(["budget", "--endpoint", llm.metrics.url, str(budget * 2)]) == 0
         assert llm.config.cache.gpu_budget_bytes == budget * 2
 
 
@@ -101,6 +99,14 @@ def test_budget_command_says_when_the_url_is_not_a_tierkv_endpoint(status, body,
     finally:
         server.close()
     assert "not a tierkv endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("endpoint", ["notaurl", "127.0.0.1:9400"])
+@pytest.mark.parametrize("argv", [["budget", "1GiB"], ["top", "--once"], ["dashboard"]])
+def test_every_command_refuses_an_endpoint_without_a_scheme_alike(argv, endpoint, capsys):
+    assert main([*argv, "--endpoint", endpoint]) == 2  # one check: no command guesses http:// and fails later
+    err = capsys.readouterr().err
+    assert f"error: --endpoint: got {endpoint!r}; expected http://host:port" in err and "cannot reach" not in err
 
 
 def test_budget_command_refuses_an_endpoint_that_is_not_http(capsys):

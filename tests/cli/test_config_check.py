@@ -57,6 +57,13 @@ def test_a_missing_file_exits_2(capsys):
     assert "expected an existing YAML file" in capsys.readouterr().err
 
 
+def test_an_empty_path_is_refused_as_one_not_read_as_the_working_directory(capsys):
+    assert main(["config", "check", ""]) == 2
+    err = capsys.readouterr().err
+    assert "PATH '': config key 'config_file': got ''" in err and "not an empty path" in err, err
+    assert "built-in defaults" not in err and "'.'" not in err
+
+
 def test_many_files_every_error_of_each_and_sizes_human_readable(tmp_path, capsys):
     good = CONFIGS / "default.yaml"
     bad = tmp_path / "bad.yaml"

@@ -1,6 +1,8 @@
 """`tierkv top`: one frame of a recorded JSONL and of a live endpoint; errors."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,6 +58,13 @@ def test_a_file_that_is_not_metrics_is_named(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
     assert main(["top", "--jsonl", str(tmp_path / "x.jsonl"), "--once"]) == 2  # bad input, as for `dashboard`
     assert "x.jsonl:1: not a tierkv metrics snapshot" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_file_that_opens_but_cannot_be_read_is_named(capsys):
+    assert main(["top", "--jsonl", "/proc/self/mem", "--once"]) == 2  # a regular file; reading it gives EIO
+    err = capsys.readouterr().err
+    assert "/proc/self/mem: cannot read (" in err and "OSError" not in err, err
 
 
 @pytest.mark.parametrize("argv,message", [

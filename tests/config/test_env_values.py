@@ -59,3 +59,13 @@ def test_a_tier_entry_is_read_by_its_own_kind(tmp_path):
     config = load_config({"tiers": tiers}, env={"TIERKV_TIERS__1__PATH": str(tmp_path / "k#v"),
                                                 "TIERKV_TIERS__1__CAPACITY_BYTES": "010GB"})
     assert config.tiers[1].path == str(tmp_path / "k#v") and config.tiers[1].capacity_bytes == 10 * 10**9
+
+
+@pytest.mark.parametrize("index,said", [("-1", "'-1' is not an index"), ("X", "'X' is not an index"),
+                                        ("2", "index 2 is out of range")])
+def test_a_tier_index_out_of_range_or_not_a_number_says_what_is_allowed(index, said):
+    with pytest.raises(ConfigError) as refused:
+        load_config("default", env={f"TIERKV_TIERS__{index}__PATH": "/tmp/x"})  # default.yaml has 2 tiers
+    message = str(refused.value)
+    assert said in message and "'tiers' has 2 entries, so the index must be 0..1" in message, message
+    assert "below that" not in message

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -27,11 +28,22 @@ from tierkv.redact import redact_text
 __all__ = ["UsageError", "build_parser", "main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every word that starts like a negative number ('-1GiB', '-4k', '-1e3', '-.5', '-inf') read
+    as a value, never as an option: the command's own check then refuses it by name (argparse alone takes only
+    '-1' and '-0.5' as values, and says "expected one argument" or "required: size" for the rest). No option of
+    tierkv starts with '-' and a digit or '-inf'. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-(?:\.?[0-9]|inf)", re.IGNORECASE)  # argparse's .match()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tierkv import __version__
     from tierkv.cli import bench, budget, config_cmd, dashboard_cmd, plan, run, top
 
-    parser = argparse.ArgumentParser(prog="tierkv", description="tierkv: a tiered KV-cache runtime.")
+    parser = _Parser(prog="tierkv", description="tierkv: a tiered KV-cache runtime.")
     parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
     parser.add_argument("--traceback", action="store_true", help="print the full traceback of a failure")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

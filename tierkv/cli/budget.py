@@ -6,14 +6,14 @@ The process must serve metrics (`metrics.prometheus_port`) with the control on
 (`metrics.control_enabled` and a token); the token comes from --token or TIERKV_CONTROL_TOKEN.
 The change takes effect between forward steps, and the command returns once it has (outputs do
 not change), or says it is pending when the endpoint did not see it applied in time (HTTP 202: it applies
-once the running requests allow, unless a later change replaces it). A URL without a scheme is taken as http:// (a note says so).
+once the running requests allow, unless a later change replaces it). The URL is checked as `top` and `dashboard`
+check theirs: http(s)://host:port, no scheme guessed.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import os
-import sys
 import urllib.error
 import urllib.request
 
@@ -30,21 +30,6 @@ def add_parser(commands) -> None:
     p.add_argument("--token", help=f"the control endpoint's bearer token (default: ${TOKEN_ENV})")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the change (default 120)")
     p.set_defaults(handler=run_budget)
-
-
-def endpoint_url(endpoint: str) -> str:
-    """The endpoint with a scheme: http:// is assumed (and said on stderr) when it has none."""
-    from tierkv.cli.errors import UsageError
-
-    if "://" not in endpoint:
-        print(f"tierkv budget: {endpoint!r} has no scheme; assuming http://{endpoint}", file=sys.stderr)
-        endpoint = f"http://{endpoint}"
-    from tierkv.metrics.sources import endpoint_problem
-
-    problem = endpoint_problem(endpoint)
-    if problem:
-        raise UsageError(f"--endpoint: got {endpoint!r}; {problem}")
-    return endpoint.rstrip("/")
 
 
 _MAX_REPLY_BYTES = 64 << 10  # the endpoint's replies are a few hundred bytes
@@ -122,14 +107,14 @@ def _sendable_token(token: str, source: str) -> str:
 
 def run_budget(args) -> int:
     from tierkv.budget_change import parse_budget
-    from tierkv.cli.errors import UsageError, check_positive
+    from tierkv.cli.errors import UsageError, check_endpoint, check_positive
 
     check_positive("--timeout", args.timeout)
     try:
         num_bytes = parse_budget(args.size)
     except ValueError as exc:
         raise UsageError(f"size: {exc}") from None
-    url = f"{endpoint_url(args.endpoint)}/api/gpu_budget"
+    url = f"{check_endpoint('--endpoint', args.endpoint).rstrip('/')}/api/gpu_budget"
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     if token:
         token = _sendable_token(token, "--token" if args.token is not None else TOKEN_ENV)

@@ -40,9 +40,7 @@ def run_check(args) -> int:
     resolved: dict[str, dict] = {}
     num_bad = 0
     for path in sources:
-        from_env = os.environ.get("TIERKV_CONFIG_FILE")
-        source = path or (f"$TIERKV_CONFIG_FILE {from_env} and TIERKV_* environment" if from_env
-                          else "built-in defaults and TIERKV_* environment")
+        source = _label(path)
         data, errors, checked = check_one(path)
         for err in errors:
             print(f"tierkv config check: error: {source}: {err}", file=sys.stderr)
@@ -56,6 +54,17 @@ def run_check(args) -> int:
     if len(sources) > 1:
         print(f"tierkv config check: {len(sources) - num_bad} of {len(sources)} configs OK", file=sys.stderr)
     return 2 if num_bad else 0
+
+
+def _label(path: str | None) -> str:
+    """What the messages call the config read from `path`: the path, "PATH ''" for an empty one (the loader
+    refuses it), else where the config with no path comes from."""
+    if path is not None:
+        return path or "PATH ''"
+    from_env = os.environ.get("TIERKV_CONFIG_FILE")
+    if from_env:
+        return f"$TIERKV_CONFIG_FILE {from_env} and TIERKV_* environment"
+    return "built-in defaults and TIERKV_* environment"
 
 
 def check_one(path: str | None) -> tuple[dict | None, list, bool]:

@@ -57,13 +57,15 @@ def refuse_same_file(out_flag: str, out: str, jsonl_flag: str, jsonl: str | os.P
 
 
 def run_dashboard(args) -> int:
-    from tierkv.cli.errors import UsageError
+    from tierkv.cli.errors import UsageError, check_endpoint
     from tierkv.dashboard import static_page
     from tierkv.dashboard.page import write_page
     from tierkv.metrics.sources import SourceError, open_source
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: got {args.port}; expected 0..65535")
+    if args.endpoint is not None:
+        check_endpoint("--endpoint", args.endpoint)
     if args.html and args.jsonl:  # before reading: the snapshots are still there to read after a refusal
         refuse_same_file("--html", args.html, "--jsonl", args.jsonl)
     try:

@@ -32,10 +32,12 @@ def add_parser(commands) -> None:
 
 
 def run_top(args) -> int:
-    from tierkv.cli.errors import UsageError, check_positive
+    from tierkv.cli.errors import UsageError, check_endpoint, check_positive
     from tierkv.metrics.sources import EndpointSource, JsonlSource, SourceError
 
     check_positive("--interval", args.interval)  # nan too: time.sleep(nan) fails after the first frame
+    if args.endpoint is not None:
+        check_endpoint("--endpoint", args.endpoint)
     try:
         source = JsonlSource(args.jsonl) if args.jsonl else EndpointSource(args.endpoint, keep_lines=1)
     except SourceError as exc:

@@ -46,8 +46,10 @@ def _set_path(data: dict, defaults: object, declared: object, parts: list[str], 
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
-            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
-                raise ConfigError(var, raw, f"'{dotted}' has {len(node)} entries; use an index below that")
+            problem = _index_problem(var[len(ENV_PREFIX):].split("__")[i], len(node), dotted,
+                                     f"{ENV_PREFIX}{'__'.join(parts[:i]).upper()}")
+            if problem:
+                raise ConfigError(var, raw, problem)
             key: object = int(part)
             dotted += f"[{key}]"
             defaults = None
@@ -66,6 +68,19 @@ def _set_path(data: dict, defaults: object, declared: object, parts: list[str], 
         else:
             node = node[key]
     return dotted
+
+
+def _index_problem(given: str, num_entries: int, dotted: str, list_var: str) -> str | None:
+    """What is wrong with `given` (as written in the variable) as an index into the list at `dotted` of
+    `num_entries` entries, set as a whole by `list_var`; None for a decimal index in 0..N-1."""
+    if num_entries == 0:
+        return f"'{dotted}' has no entries, so none can be set by index; set {list_var} itself"
+    allowed = f"'{dotted}' has {num_entries} entries, so the index must be 0..{num_entries - 1}"
+    if not (given.isascii() and given.isdigit()):
+        return f"{given!r} is not an index; {allowed}"
+    if int(given) >= num_entries:
+        return f"index {given} is out of range; {allowed}"
+    return None
 
 
 def _declared_below(declared: object, key: object, node: object) -> tuple[object, bool]:

@@ -108,6 +108,9 @@ def _read_source(source: object) -> dict:
             return copy.deepcopy(dict(source))
         except RecursionError:
             raise ConfigError("<root>", "<mapping>", "nested too deeply") from None
+    if not str(source):  # Path('') is '.', the working directory: refused as the empty path it was
+        raise ConfigError("config_file", str(source), "expected a YAML file's path or a shipped config's name, "
+                                                      "not an empty path")
     return _read_yaml(resolve_config_path(source))
 
 

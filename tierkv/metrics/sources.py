@@ -80,12 +80,15 @@ class JsonlSource:
                                   "metrics recorder)") from None
             raise SourceError(f"{self.path}: cannot read ({exc.strerror})") from None
         with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            if info.st_size < self._offset:  # cut shorter or rewritten: its lines are new
-                self._offset, self._skipping = 0, False
-                self._first, self._lines = self._first + len(self._lines), []
-            f.seek(self._offset)
-            return f.read(self.READ_BYTES)
+            try:  # opened, then refused (EIO from /proc/self/mem, a disk error): named, as a failed open is
+                info = os.fstat(fd)
+                if info.st_size < self._offset:  # cut shorter or rewritten: its lines are new
+                    self._offset, self._skipping = 0, False
+                    self._first, self._lines = self._first + len(self._lines), []
+                f.seek(self._offset)
+                return f.read(self.READ_BYTES)
+            except OSError as exc:
+                raise SourceError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
 
     def _read_new(self) -> None:
         data = self._read_chunk()
