@@ -99,7 +99,12 @@ def _fake_vllm(monkeypatch, outputs):
             core = SimpleNamespace(shutdown=lambda: shut.append(True))
             self.llm_engine = SimpleNamespace(engine_core=core, model_config=None, vllm_config=SimpleNamespace(
                 kv_transfer_config=SimpleNamespace(engine_id="fake"),
-                parallel_config=SimpleNamespace(tensor_parallel_size=1)))
+                parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                model_config=SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False)),
+                scheduler_config=SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))))
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # warm_start's forwards: none run
+            return [0]
 
         def generate(self, inputs, params, use_tqdm):
             sent.append(params)

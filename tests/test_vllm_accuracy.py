@@ -229,7 +229,12 @@ def _fake_vllm(monkeypatch, seen):
             seen.update(kwargs)
             transfer = SimpleNamespace(engine_id="fake-engine")
             self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None), vllm_config=SimpleNamespace(
-                kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=1)))
+                kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                model_config=SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False)),
+                scheduler_config=SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))))
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # warm_start's forwards: none run
+            return [0]
 
         def generate(self, inputs, params, use_tqdm=False):
             seen["params"], seen["inputs"] = params, inputs
