@@ -26,7 +26,8 @@ def test_the_ladder_covers_every_small_count_and_stays_within_the_step():
 def _engine(enforce_eager: bool, max_tokens: int = 2048):
     ran = []
     worker = SimpleNamespace(model_runner=SimpleNamespace(
-        _dummy_run=lambda n, **kwargs: ran.append((n, kwargs))))
+        _dummy_run=lambda n, **kwargs: ran.append((n, kwargs)), lora_config="lora",
+        maybe_remove_all_loras=lambda config: ran.append(("loras removed", config))))
     config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=enforce_eager),
                              scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
@@ -37,8 +38,9 @@ def _engine(enforce_eager: bool, max_tokens: int = 2048):
 def test_an_eager_engine_runs_vllm_s_warm_up_forward_at_each_count_on_its_workers():
     llm, ran = _engine(enforce_eager=True, max_tokens=2048)
     counts = warm_engine(llm)
-    assert counts == warm_token_counts(2048) and [n for n, _ in ran] == counts
-    assert all(kwargs == {"skip_eplb": True, "remove_lora": False} for _, kwargs in ran)  # vLLM's own warm-up call
+    assert counts == warm_token_counts(2048) and [n for n, _ in ran[:-1]] == counts
+    assert all(kwargs == {"skip_eplb": True, "remove_lora": False} for _, kwargs in ran[:-1])  # vLLM's own warm-up call
+    assert ran[-1] == ("loras removed", "lora")  # once, after the runs, as vLLM's warm-up does
 
 
 def test_a_failing_warm_up_is_logged_and_the_engine_serves_without_it(caplog):

@@ -46,6 +46,9 @@ def _run_counts(worker, counts: list[int]) -> int:
     runner = worker.model_runner
     for count in counts:
         runner._dummy_run(count, skip_eplb=True, remove_lora=False)
+    # as vLLM's own warm-up: the dummy LoRA adapters the runs registered (with enable_lora) go, or a request's
+    # adapter of the same id would run on their weights
+    runner.maybe_remove_all_loras(runner.lora_config)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return len(counts)
