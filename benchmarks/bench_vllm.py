@@ -120,8 +120,10 @@ def shipped_sparse_config(tier: dict, sets: dict | None = None) -> dict:
 
 def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transfer_backend: str = "auto",
            storage_dtype: str = "auto", compiled: bool = False, async_scheduling: bool = False,
-           prefetch_margin: int = 0, block_tokens: int | None = None, shipped_set: dict | None = None):
-    # compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
+           prefetch_margin: int = 0, block_tokens: int | None = None, shipped_set: dict | None = None,
+           warm_start: bool = False):
+    # warm_start: the baselines (vLLM's LLM) also run tierkv's start-up forwards (`warm_start.warm_engine`), which
+    # TieredLLM runs for its eager engines: a like-for-like first repeat. compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
     # makes vLLM capture piecewise, its attention runs between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
                   enforce_eager=not compiled,
@@ -176,7 +178,12 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
         common["kv_offloading_size"] = 3 * kv_bytes_per_token(layers) * 131072 / 2**30  # GiB of CPU memory
     if mode == "lmcache":  # LMCache's own connector; its CPU size and chunking come from LMCACHE_* variables
         common["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    return LLM(model=model_dir, **common), None
+    llm = LLM(model=model_dir, **common)
+    if warm_start:
+        from tierkv.integrations.vllm.warm_start import warm_engine
+
+        warm_engine(llm)
+    return llm, None
 
 
 def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_prefix: bool = True, tp: int = 1,
@@ -184,14 +191,14 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
         shipped_set: dict | None = None, prefix_repeats: int = 2, warm_prefix: bool = False,
-        profile_prefix_later: bool = False) -> None:
+        profile_prefix_later: bool = False, warm_start: bool = False) -> None:
     import random
 
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     llm, tiered = engine(mode, model_dir, out, layers, tp, transfer_backend, storage_dtype, compiled, async_scheduling,
-                         prefetch_margin, block_tokens, shipped_set)
+                         prefetch_margin, block_tokens, shipped_set, warm_start)
     for key, value in (shipped_set or {}).items():  # a variant of the shipped file: its own row
         mode = f"{mode}@{key.split('.')[1]}{''.join(c for c in value if c.isalnum())}"
     if block_tokens:
@@ -208,6 +215,8 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         mode = f"{mode}@compiled"  # the shipped sparse config runs compiled: against plain@compiled
     if warm_prefix:
         mode = f"{mode}@warmprefix"  # the warm-up served a prefix from the tiers once
+    if warm_start and not mode.startswith("tierkv"):
+        mode = f"{mode}@warmstart"  # a baseline given TieredLLM's start-up forwards
     if tag:
         mode = f"{mode}-{tag}"  # a repeat of the same row, kept beside it
     cache_config = llm.llm_engine.vllm_config.cache_config
@@ -661,6 +670,9 @@ def main() -> int:
     parser.add_argument("--warm-prefix", action="store_true",
                         help="the warm-up also serves a 12k-token prefix from the tiers once (a prefix hit's load path "
                              "runs before the measured first repeat; row MODE@warmprefix)")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="the baselines (plain, offloading, lmcache) also run the start-up forwards TieredLLM runs "
+                             "for an eager engine (tierkv.integrations.vllm.warm_start; row MODE@warmstart)")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="MODE tierkv: cache.block_tokens, vLLM's block_size too (default 16; row tierkv@bN)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
@@ -702,7 +714,8 @@ def main() -> int:
             async_scheduling=args.async_scheduling, profile_steps=args.profile_steps, profile_prefix=args.profile_prefix, decode_tokens=args.decode_tokens, prefix_repeats=args.prefix_repeats,
             profile_prefix_later=args.profile_prefix_later,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
-            block_tokens=args.block_tokens, shipped_set=shipped_set, warm_prefix=args.warm_prefix)
+            block_tokens=args.block_tokens, shipped_set=shipped_set, warm_prefix=args.warm_prefix,
+            warm_start=args.warm_start)
     else:
         table(args.rest[0])
     return 0
