@@ -90,8 +90,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hot_window is not None and role == KVConnectorRole.SCHEDULER:
             # a pool vLLM admits no request into fails here, not by stepping idle
             check_admission(vllm_config, kv_cache_config, self.config.cache.gpu_budget_bytes)
-        unused = unused_under_vllm(self.config, self.hot_window is not None)
-        if unused and role == KVConnectorRole.SCHEDULER:  # one engine, one scheduler: said once
+        unused = unused_under_vllm(self.config, self.hot_window is not None) if role == KVConnectorRole.SCHEDULER else []
+        if unused:  # one engine, one scheduler: said once
             logger.warning("tierkv under vLLM does not read these settings of its config: %s", "; ".join(unused))
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("kv_transfer_config.kv_load_failure_policy is %r: a block the tiers cannot load (corrupt, "
