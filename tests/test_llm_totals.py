@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from tests.metrics.test_prometheus import free_port
+from tests.vllm_engine_fake import FakeEngineBase, engine_namespace
 from tierkv.config import ConfigError, load_config
 from tierkv.llm_totals import RequestTotals, start_metrics
 
@@ -94,17 +95,10 @@ def _fake_vllm(monkeypatch, outputs):
 
     shut, sent = [], []
 
-    class FakeLLM:
+    class FakeLLM(FakeEngineBase):
         def __init__(self, **kwargs):
-            core = SimpleNamespace(shutdown=lambda: shut.append(True))
-            self.llm_engine = SimpleNamespace(engine_core=core, model_config=None, vllm_config=SimpleNamespace(
-                kv_transfer_config=SimpleNamespace(engine_id="fake"),
-                parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                model_config=SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False)),
-                scheduler_config=SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))))
-
-        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # warm_start's forwards: none run
-            return [0]
+            super().__init__(**kwargs)
+            self.llm_engine = engine_namespace(kwargs, shutdown=lambda: shut.append(True), engine_id="fake")
 
         def generate(self, inputs, params, use_tqdm):
             sent.append(params)

@@ -18,6 +18,7 @@ from benchmarks import vllm_accuracy
 from benchmarks.vllm_accuracy_engines import (MAX_MODEL_LEN, MODES, NEW_TOKENS, Completion, Engine, KvShape, engine_kwargs,
                                               start_engine, tierkv_config)
 from benchmarks.vllm_accuracy_prompts import FULL, SMOKE, Grid, build_prompts, score
+from tests.vllm_engine_fake import FakeEngineBase
 from benchmarks.vllm_accuracy_table import accuracy_rows, format_table, load_runs, token_match
 
 
@@ -224,17 +225,10 @@ def _vllm_output(token_ids, text, logprobs):
 def _fake_vllm(monkeypatch, seen):
     vllm = pytest.importorskip("vllm")
 
-    class FakeLLM:  # what start_engine and VllmTieredLLM read of vLLM's engine
+    class FakeLLM(FakeEngineBase):  # what start_engine and VllmTieredLLM read of vLLM's engine
         def __init__(self, **kwargs):
             seen.update(kwargs)
-            transfer = SimpleNamespace(engine_id="fake-engine")
-            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None), vllm_config=SimpleNamespace(
-                kv_transfer_config=transfer, parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                model_config=SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False)),
-                scheduler_config=SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))))
-
-        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # warm_start's forwards: none run
-            return [0]
+            super().__init__(**kwargs)
 
         def generate(self, inputs, params, use_tqdm=False):
             seen["params"], seen["inputs"] = params, inputs

@@ -22,7 +22,7 @@ from benchmarks.vllm_check import build_model, kv_per_token  # noqa: E402
 CONTEXT = 4096
 
 
-def _run(model: str, out: str, prompts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+def _run(model: str, out: str, prompts: list[list[int]]) -> tuple[list[int], list[list[int]], int]:
     from tierkv.llm import TieredLLM
 
     config = resize_config(out, "exact", kv_per_token(), CONTEXT)
@@ -30,7 +30,8 @@ def _run(model: str, out: str, prompts: list[list[int]]) -> tuple[list[int], lis
                     gpu_memory_utilization=0.5, skip_tokenizer_init=True, enable_prefix_caching=False)
     try:  # each prompt twice: the second run's prefix comes from the tiers, its last tokens computed
         outs = [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0].token_ids for p in prompts for _ in (0, 1)]
-        return list(llm.warmed_token_counts), outs
+        step = llm.engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        return list(llm.warmed_token_counts), outs, step
     finally:
         llm.close()
 
@@ -44,8 +45,8 @@ def test_the_warm_up_runs_every_count_and_changes_no_token(tmp_path, monkeypatch
     build_model(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (CONTEXT - 31, 1500)]
-    counts, warmed = _run(model, str(tmp_path / "a"), prompts)
-    assert counts and counts[:64] == list(range(1, 65)) and counts == warm_token_counts(counts[-1])
+    counts, warmed, step = _run(model, str(tmp_path / "a"), prompts)
+    assert counts == warm_token_counts(step) and counts[:64] == list(range(1, 65))
     monkeypatch.setattr(vllm_front, "warm_engine", lambda llm: [])
-    none, cold = _run(model, str(tmp_path / "b"), prompts)
+    none, cold, _ = _run(model, str(tmp_path / "b"), prompts)
     assert none == [] and warmed == cold

@@ -42,6 +42,7 @@ from tierkv.integrations.vllm.far_rows import FarKV  # noqa: E402
 from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
+from tests.vllm_engine_fake import FakeEngineBase  # noqa: E402
 from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
 
 HQ = 4  # query heads: GQA group of 2
@@ -463,21 +464,14 @@ def fake_vllm_llm(monkeypatch) -> dict:
 
     given = {}
 
-    class FakeLLM:
+    class FakeLLM(FakeEngineBase):
         def __init__(self, **kwargs):
             given.update(kwargs)
-            transfer = SimpleNamespace(engine_id="fake-engine")
-            core = SimpleNamespace(shutdown=lambda: None)
-            parallel = SimpleNamespace(tensor_parallel_size=1)
-            model = SimpleNamespace(enforce_eager=kwargs.get("enforce_eager", False))
-            scheduler = SimpleNamespace(max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192))
-            self.llm_engine = SimpleNamespace(engine_core=core, vllm_config=SimpleNamespace(
-                kv_transfer_config=transfer, parallel_config=parallel, model_config=model,
-                scheduler_config=scheduler))
+            super().__init__(**kwargs)
 
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # the start-up warm-up's forwards
             given.setdefault("rpc", []).append((method, args))
-            return [None]
+            return super().collective_rpc(method, timeout, args, kwargs)
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER"):  # set by TieredLLM: restored after

@@ -1,12 +1,15 @@
 """An eager vLLM engine runs its forward at a ladder of token counts at start-up (`warm_start`), so a request's
 first step at a new count (a repeated prefix's last 33 tokens) does not pay its GEMMs' first launch; a compiled
-engine (whose CUDA graph capture ran 1..512 tokens) is left as it is. The forwards themselves run on the GPU
+engine (whose start-up runs its CUDA graph capture sizes) is left as it is. The forwards themselves run on the GPU
 machine (tests/gpu/test_warm_start_gpu.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import inspect
+
 import pytest
+import torch
 
 from tierkv.integrations.vllm.warm_start import _run_counts, warm_engine, warm_token_counts
 
@@ -23,15 +26,22 @@ def test_the_ladder_covers_every_small_count_and_stays_within_the_step():
             warm_token_counts(bad)
 
 
-def _engine(enforce_eager: bool, max_tokens: int = 2048):
+def _engine(enforce_eager: bool, max_tokens: int = 2048, fail_at: int | None = None, workers: int = 1):
     ran = []
+
+    def dummy_run(n, **kwargs):
+        if n == fail_at:
+            raise torch.OutOfMemoryError(f"no memory for {n} tokens")
+        ran.append((n, kwargs))
+
     worker = SimpleNamespace(model_runner=SimpleNamespace(
-        _dummy_run=lambda n, **kwargs: ran.append((n, kwargs)), lora_config="lora",
+        _dummy_run=dummy_run, lora_config="lora",
         maybe_remove_all_loras=lambda config: ran.append(("loras removed", config))))
     config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=enforce_eager),
                              scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
-                          collective_rpc=lambda method, timeout=None, args=(), kwargs=None: [method(worker, *args)])
+                          collective_rpc=lambda method, timeout=None, args=(), kwargs=None: [
+                              method(worker, *args) for _ in range(workers)])
     return llm, ran
 
 
@@ -51,7 +61,31 @@ def test_a_failing_warm_up_is_logged_and_the_engine_serves_without_it(caplog):
 
     llm.collective_rpc = refuse
     assert warm_engine(llm) == []
-    assert any("worker refused" in r.getMessage() and "serves without them" in r.getMessage() for r in caplog.records)
+    assert any("worker refused" in r.getMessage() and "serves without the rest" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_forward_failing_mid_ladder_reports_the_counts_run_and_still_removes_the_dummy_adapters(caplog, workers):
+    """vLLM's LoRA warm-up context removes its dummy adapters only on a clean exit: after a failure at count 40
+    they would stay registered (a request's adapter of the same id would run on them) unless removed here."""
+    llm, ran = _engine(enforce_eager=True, fail_at=40, workers=workers)
+    assert warm_engine(llm) == list(range(1, 40))
+    assert ran.count(("loras removed", "lora")) == workers and ran[-1] == ("loras removed", "lora")
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "stopped after 39 of" in message and "OutOfMemoryError: no memory for 40 tokens" in message
+
+
+def test_the_call_binds_to_vllm_s_own_warm_up_forward():
+    """The arguments `_run_counts` passes are those of vLLM's `GPUModelRunner._dummy_run` (the one vLLM's compiled
+    start-up calls the same way), read from the installed vLLM, not a stand-in."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    signature = inspect.signature(GPUModelRunner._dummy_run)
+    signature.bind(object(), 33, skip_eplb=True, remove_lora=False)
+    assert signature.parameters["remove_lora"].default is True  # why the runs pass False and remove them once
+    inspect.signature(GPUModelRunner.maybe_remove_all_loras).bind(object(), None)
 
 
 def test_a_compiled_engine_is_not_run_again():
