@@ -302,5 +302,23 @@ def test_the_warning_past_max_position_embeddings_reads_the_models_rope_scaling(
         warn_past_positions(plain, 1, 65)
         warn_past_positions(scaled, 2, 65)
     first, second = (r.getMessage() for r in caplog.records)
-    assert "request 1: 65 tokens" in first and "use a checkpoint with rope scaling" in first
+    assert "request 1 runs the model at 65 positions" in first and "use a checkpoint with rope scaling" in first
     assert "request 2" in second and "rope scaling (dynamic)" in second and "use a checkpoint" not in second
+
+
+def test_the_warning_counts_the_positions_the_model_runs_at_not_the_last_new_token(tmp_path, caplog):
+    """The last new token is never fed back: a 63-token prompt with 2 new tokens runs positions 0..63 of a
+    64-position model (no warning); 3 new tokens run 65 positions (a warning naming them)."""
+    model, _ = build("llama", seed=3)
+    model.config.max_position_embeddings = 64
+    llm = TieredLLM(model, load_config(settings_dict(tmp_path), env={}), show_progress=False)
+    try:
+        prompt = list(range(5, 68))
+        with caplog.at_level("WARNING", logger="tierkv"):
+            llm.generate([prompt], max_tokens=2)
+            assert not [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+            llm.generate([prompt], max_tokens=3)
+        warned = [r.getMessage() for r in caplog.records if "max_position_embeddings=64" in r.getMessage()]
+        assert len(warned) == 1 and "request 0 runs the model at 65 positions" in warned[0]
+    finally:
+        llm.close()

@@ -113,7 +113,7 @@ class TieredLLM:
                     f"original_max_position_embeddings={switch} while decoding, where transformers recomputes the "
                     f"whole sequence with the long rotary factors (tierkv keeps its cached keys): give at most "
                     f"{switch - len(ids) + 1} new tokens, or a prompt of more than {switch} tokens")
-            warn_past_positions(self.model, i, len(ids) + sampling.max_new_tokens)
+            warn_past_positions(self.model, i, fed)
         with self._request_lock:  # one request at a time; close() waits for the running one
             self._check_open()
             return [self._run_one(ids, sampling, prompt if isinstance(prompt, str) else None, defaults)

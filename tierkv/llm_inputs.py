@@ -19,19 +19,20 @@ from tierkv.sampling import SamplingParams, sampling_from_kwargs
 logger = logging.getLogger("tierkv.llm")
 
 
-def warn_past_positions(model, request: int, num_tokens: int) -> None:
-    """Log a warning when a request runs past the model's max_position_embeddings (positions it was
-    not trained on: the model runs, as under transformers, but its output may degrade)."""
+def warn_past_positions(model, request: int, positions: int) -> None:
+    """Log a warning when a request runs the model at more `positions` (its prompt and the new tokens fed back:
+    prompt + max_new_tokens - 1) than the model's max_position_embeddings (positions it was not trained on: the
+    model runs, as under transformers, but its output may degrade)."""
     config = text_config(model.config)
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and num_tokens > limit:
+    if isinstance(limit, int) and positions > limit:
         scaling = getattr(config, "rope_scaling", None) or {}
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
         advice = (f"the model's rope scaling ({kind}) may or may not carry it there" if kind not in (None, "default")
                   else "or use a checkpoint with rope scaling")
-        logger.warning("request %d: %d tokens (prompt and max_new_tokens) run past the model's "
-                       "max_position_embeddings=%d: positions beyond it may not have been trained on, and the output "
-                       "may degrade (shorten the prompt or max_tokens; %s)", request, num_tokens, limit, advice)
+        logger.warning("request %d runs the model at %d positions (the prompt and the new tokens fed back), past "
+                       "its max_position_embeddings=%d: positions beyond it may not have been trained on, and the "
+                       "output may degrade (shorten the prompt or max_tokens; %s)", request, positions, limit, advice)
 
 
 def generate_inputs(prompts, sampling: SamplingParams | None, sampling_kwargs: dict, *, vocab_size: int | None,
