@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierkv.blocks import BlockLayout
 from tierkv.storage import disk_segments as seg
 from tierkv.storage.base import TierError
 from tierkv.storage.disk import DiskTier
@@ -535,3 +536,40 @@ def test_a_sealed_disk_tier_shows_the_capacity_its_inner_tier_holds(tmp_path):
         inner.max_blocks = 5  # as a full file system leaves it (_make_room)
         shown = TierChain([CpuTier("cpu", layout, layout.num_bytes, pin_memory=False), tier]).snapshot()["tiers"][1]
         assert shown["capacity_bytes"] == 5 * sealer.num_bytes
+
+
+_FILE_SIZE_LIMIT_SCRIPT = """
+import resource, sys, torch
+from tierkv.blocks import BlockLayout
+from tierkv.storage.disk import DiskTier
+from tests.storage.blocks import make_block, same
+layout = BlockLayout(num_kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.bfloat16)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+tier = DiskTier("disk", layout, 64 << 20, sys.argv[1])
+results = [tier.put(f"{i:064x}/L0", make_block(layout, i)) for i in range(40)]
+assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+assert all(same(tier.get(f"{i:064x}/L0"), make_block(layout, i)) for i in range(40))
+assert tier.counters["put_failures"] == 0, tier.counters
+tier.close()
+"""
+
+
+def test_a_file_size_limit_below_segment_bytes_fills_the_segment_and_the_next_takes_the_blocks(tmp_path):
+    """RLIMIT_FSIZE of 64 KiB (a real limit, in a child process; segments are at least 1 MiB): each segment that
+    meets it (EFBIG) is full and the next one takes the blocks, so no put fails; after a restart without the
+    limit every block reads back bit for bit from several segments, none past the limit."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([os.sys.executable, "-c", _FILE_SIZE_LIMIT_SCRIPT, str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "met a file size limit at" in run.stderr
+    segments = sorted(tmp_path.glob("*.seg"))
+    assert len(segments) >= 5 and all(p.stat().st_size <= 64 << 10 for p in segments)
+    layout_ = BlockLayout(num_kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.bfloat16)
+    tier = DiskTier("disk", layout_, CAPACITY_BYTES, tmp_path)
+    try:
+        for i in range(40):
+            assert torch.equal(tier.get(key_of(i)).view(torch.uint8), make_block(layout_, i).view(torch.uint8))
+    finally:
+        tier.close()

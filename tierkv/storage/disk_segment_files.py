@@ -99,8 +99,22 @@ class SegmentFiles(SegmentDrops):
         """Write records for these blocks at the end of the active segment; where they lie, to index.
 
         Caller holds `lock`. OSError or TierError (the directory, made again, is unsafe) when the
-        write failed: what it left is cut away, nothing is to be indexed.
+        write failed: what it left is cut away, nothing is to be indexed. A segment that meets a limit on
+        file size below segment_bytes (EFBIG: RLIMIT_FSIZE, a filesystem's largest file) is full: the records
+        go to a new segment (EFBIG again only when they do not fit in an empty one).
         """
+        try:
+            return self._append(keys, payloads)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG or self._active_fd is None or self.active_size == 0:
+                raise
+            self._error_log.note("%s: segment %s met a file size limit at %d bytes, below segment_bytes=%d (EFBIG: "
+                                 "RLIMIT_FSIZE or the filesystem's); appending to a new segment", self.name,
+                                 self.segment_path(self.active_id), self.active_size, self.segment_bytes)
+            self.active_size = self.segment_bytes
+            return self._append(keys, payloads)
+
+    def _append(self, keys: list[str], payloads: list[memoryview]) -> list[Entry]:
         for _ in range(2):  # a segment lost during the write: once more in a new one
             start = None
             try:
