@@ -178,7 +178,7 @@ def _check_fits(model_dir: str, mode: str) -> dict:
     kwargs = engine_kwargs(mode)
     user = {k: v for k, v in kwargs.items() if k not in ("max_model_len", "gpu_memory_utilization")}
     args = tiered_engine_args(model_dir, config, "unused.yaml", user, hot_window=True, max_model_len=MAX_MODEL_LEN,
-                              gpu_memory_utilization=kwargs["gpu_memory_utilization"], enable_prefix_caching=True)
+                              gpu_memory_utilization=kwargs["gpu_memory_utilization"], enable_prefix_caching=None)
     pool, sched = args.kwargs["kv_cache_memory_bytes"], config.scheduler
     assert pool >= hot_window_pool_need(model_dir, config, args.kwargs)
     assert pool + sched.staging_bytes + args.summary_reserved_bytes <= config.cache.gpu_budget_bytes

@@ -43,3 +43,19 @@ def test_a_config_passed_beside_tierkv_config_file_says_the_file_is_not_read(tmp
         load_config({"cache": {"block_tokens": 16}}, env=env)                  # a mapping wins too
     assert [r.getMessage() for r in caplog.records if "not read" in r.getMessage()] == [
         f"tierkv: TIERKV_CONFIG_FILE={env_file} is not read: the config passed (a mapping) is used instead"]
+
+
+def test_a_config_file_under_home_is_read_where_the_paths_inside_it_are(tmp_path, monkeypatch):
+    """`~/x.yaml` given as the config (load_config, the connector's kv_connector_extra_config.config_file) was
+    reported as a file that does not exist, though the paths inside a config expand `~`."""
+    import pytest
+
+    from tierkv.config import ConfigError, load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tk.yaml").write_text("cache:\n  block_tokens: 32\n")
+    assert load_config("~/tk.yaml", env={}).cache.block_tokens == 32
+    with pytest.raises(ConfigError, match=r"expected an existing YAML file"):
+        load_config("~/missing.yaml", env={})
+    vllm_config = pytest.importorskip("tierkv.integrations.vllm.config", reason="the connector's reader needs vLLM")
+    assert vllm_config.config_from_kv_transfer({"config_file": "~/tk.yaml"}, block_size=32).cache.block_tokens == 32

@@ -16,8 +16,13 @@ def shipped_names() -> list[str]:
 
 
 def resolve_config_path(source: str | os.PathLike) -> Path:
-    """A config file path as given, or a shipped config's name ('default', 'long-128k', ...)."""
+    """A config file path as given (a leading `~` expanded, as for the paths inside a config), or a shipped
+    config's name ('default', 'long-128k', ...)."""
     path = Path(source)
+    try:
+        path = path.expanduser()
+    except RuntimeError:  # no home directory to expand `~` to: the reader reports the path as given
+        pass
     if str(source) not in shipped_names():  # a path: the reader reports what is wrong with it
         return path
     try:

@@ -73,3 +73,16 @@ def test_a_connector_names_the_settings_vllm_does_not_read_once(tmp_path, caplog
         assert unused_under_vllm(load_config(resolve_config_path(name), env={})) == []
     sparse = load_config(resolve_config_path("vllm-128k-sparse"), env={})
     assert "scheduler.policy: 'sparse'" in "; ".join(unused_under_vllm(sparse, hot_window=False))
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_a_producer_or_consumer_role_is_refused_naming_it_not_run_as_kv_both(tmp_path, kv_role):
+    """vLLM's scheduler calls the connector's loads and saves whatever kv_role says: tierkv's connector would
+    run a producer or a consumer as kv_both without a word, so either is refused by name."""
+    engine = vllm_config(write_config(tmp_path, window=32, staging_blocks=8))
+    engine.kv_transfer_config.kv_role = kv_role
+    with pytest.raises(ConfigError, match=rf"kv_role'?: got '?{kv_role}'?.*kv_both") as refused:
+        TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert refused.value.key == "kv_transfer_config.kv_role"
+    engine.kv_transfer_config.kv_role = "kv_both"
+    TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()

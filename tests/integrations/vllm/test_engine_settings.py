@@ -12,7 +12,8 @@ from tierkv.config import ConfigError, load_config
 pytest.importorskip("vllm")
 
 
-def _args(tmp_path, *, hot_window: bool = True, policy: str = "exact", selection: str = "per_layer", **kwargs):
+def _args(tmp_path, *, hot_window: bool = True, policy: str = "exact", selection: str = "per_layer",
+          prefix_caching: bool | None = False, **kwargs):
     from tierkv.integrations.vllm.engine_args import tiered_engine_args
 
     config = load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB", "window_tokens": 2048},
@@ -20,7 +21,7 @@ def _args(tmp_path, *, hot_window: bool = True, policy: str = "exact", selection
                                         "sparse_selection": selection}}, env={})
     return tiered_engine_args(_checkpoint(tmp_path), config, str(tmp_path / "tierkv.yaml"), kwargs,
                               hot_window=hot_window, max_model_len=None, gpu_memory_utilization=0.5,
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=prefix_caching)
 
 
 @pytest.mark.parametrize("hot_window", [True, False])
@@ -52,3 +53,30 @@ def test_the_plan_refuses_per_kv_head_selection_under_vllm(tmp_path):
                                                                        "sparse_selection": "per_kv_head"}}, env={})
     with pytest.raises(ConfigError, match=r"scheduler\.sparse_selection"):
         make_plan(PRESETS["llama-3.1-8b"], 131072, config, backend="vllm")
+
+
+@pytest.mark.parametrize("hot_window", [True, False])
+def test_another_kv_connector_is_refused_by_name_not_run_in_tierkv_s_place(tmp_path, hot_window):
+    """A kv_transfer_config among TieredLLM's engine arguments replaced tierkv's connector while the pool stayed
+    sized by the tierkv config."""
+    other = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    with pytest.raises(ValueError, match=r"kv_transfer_config: TieredLLM runs vLLM with tierkv's connector"):
+        _args(tmp_path, hot_window=hot_window, kv_transfer_config=other)
+
+
+def test_vllm_s_prefix_cache_asked_for_under_the_hot_window_is_refused_not_turned_off(tmp_path):
+    with pytest.raises(ValueError, match=r"enable_prefix_caching=True: the hot window runs vLLM's prefix cache off"):
+        _args(tmp_path, prefix_caching=True)
+    assert _args(tmp_path, prefix_caching=None).kwargs["enable_prefix_caching"] is False  # left out: off
+    assert _args(tmp_path, hot_window=False, prefix_caching=None).kwargs["enable_prefix_caching"] is True  # vLLM's
+    assert _args(tmp_path, hot_window=False, prefix_caching=True).kwargs["enable_prefix_caching"] is True
+    assert _args(tmp_path, hot_window=False, prefix_caching=False).kwargs["enable_prefix_caching"] is False
+
+
+def test_prefill_without_chunks_is_refused_under_the_hot_window_naming_the_chunk(tmp_path):
+    """vLLM refused it only at start-up, naming max_num_batched_tokens, a value tierkv set and the user never gave."""
+    with pytest.raises(ValueError, match=r"enable_chunked_prefill=False: the hot window prefills in chunks of "
+                                         r"scheduler\.prefill_chunk_tokens \(128 tokens"):
+        _args(tmp_path, enable_chunked_prefill=False)
+    assert _args(tmp_path, enable_chunked_prefill=True).kwargs["enable_chunked_prefill"] is True
+    assert _args(tmp_path, hot_window=False, enable_chunked_prefill=False).kwargs["enable_chunked_prefill"] is False

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.attention.warmup import warm_far_kernels
+from tierkv.config import ConfigError
 from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import check_hot_window_config, config_from_kv_transfer, unused_under_vllm
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
@@ -59,6 +60,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
+        role_name = getattr(self._kv_transfer_config, "kv_role", None)
+        if role_name not in (None, "kv_both"):  # a producer/consumer split would be run as kv_both without a word
+            raise ConfigError("kv_transfer_config.kv_role", role_name,
+                              "tierkv's connector saves and loads the same tiers in one engine: kv_both (a shared "
+                              "Redis or disk tier gives other engines the blocks; a producer/consumer split is not "
+                              "supported)")
         self.block_size = vllm_config.cache_config.block_size
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
         self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)

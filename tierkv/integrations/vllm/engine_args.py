@@ -60,16 +60,17 @@ class TieredEngineArgs:
 
 def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwargs: dict, *, hot_window: bool,
                        max_model_len: int | None, gpu_memory_utilization: float,
-                       enable_prefix_caching: bool, resolved_config: bool = False) -> TieredEngineArgs:
+                       enable_prefix_caching: bool | None, resolved_config: bool = False) -> TieredEngineArgs:
     """vLLM's arguments for TieredLLM: the connector (loading `config_file`), and with `hot_window`
     its pool, the sparse policy's reservations and, under `scheduler.sparse_full_graphs` in a
     compiled engine, the capture sizes. `engine_kwargs` (the user's) win over all but the hot
-    window's own keys (ValueError naming them). The engine runs eagerly unless the config asks
+    window's own keys (ValueError naming them). enable_prefix_caching None: vLLM's prefix cache on, off under the
+    hot window (True there is refused). The engine runs eagerly unless the config asks
     for the full decode graph (`default_enforce_eager`) or `engine_kwargs` say otherwise. resolved_config:
     `config_file` holds the whole config as the caller runs it (environment overrides applied, sizes worked
     out): the connector loads it without applying TIERKV_* variables again."""
     check_engine_lengths(config, max_model_len, engine_kwargs, hot_window)
-    check_engine_settings(config, engine_kwargs, hot_window)
+    check_engine_settings(config, engine_kwargs, hot_window, enable_prefix_caching)
     engine_kwargs = {"enforce_eager": default_enforce_eager(config, hot_window), **engine_kwargs}
     derived = None
     if hot_window and max_model_len is None and "max_model_len" not in engine_kwargs:
@@ -83,7 +84,7 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
         block_size=config.cache.block_tokens,
         enforce_eager=True,
         gpu_memory_utilization=gpu_memory_utilization,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching is not False,  # None: vLLM's default, on (off under the hot window)
     )
     reserved = TieredEngineArgs({})
     if hot_window:
@@ -118,19 +119,32 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
 _HOT_WINDOW_KV_DTYPES = ("auto", "bfloat16", "float16")
 
 
-def check_engine_settings(config: TierKVConfig, engine_kwargs: dict, hot_window: bool) -> None:
-    """Before vLLM starts, what it would refuse only after loading the model: a `block_size` other than
-    cache.block_tokens (the connector's blocks are vLLM's), and under the hot window a quantized
-    `kv_cache_dtype` (ValueError naming the argument) or a config setting the hot window does not run
-    (`check_hot_window_config`: ConfigError naming the key)."""
+def check_engine_settings(config: TierKVConfig, engine_kwargs: dict, hot_window: bool,
+                          enable_prefix_caching: bool | None = None) -> None:
+    """Before vLLM starts, what it would refuse only after loading the model or would run otherwise than asked:
+    a `block_size` other than cache.block_tokens (the connector's blocks are vLLM's), another KV connector
+    (`kv_transfer_config`), and under the hot window a quantized `kv_cache_dtype`, prefill without chunks or
+    vLLM's prefix cache asked for (ValueError naming the argument), or a config setting the hot window does not
+    run (`check_hot_window_config`: ConfigError naming the key)."""
     block_size = engine_kwargs.get("block_size")
     if block_size is not None and block_size != config.cache.block_tokens:
         raise ValueError(f"block_size: got {block_size!r}; tierkv's blocks are vLLM's, so it must equal the config's "
                          f"cache.block_tokens ({config.cache.block_tokens}): leave it out (TieredLLM sets it) or "
                          "change cache.block_tokens")
+    if "kv_transfer_config" in engine_kwargs:
+        raise ValueError("kv_transfer_config: TieredLLM runs vLLM with tierkv's connector (its config from the config "
+                         "given to TieredLLM); to run another connector, use vllm.LLM directly")
     if not hot_window:
         return
     check_hot_window_config(config)
+    if enable_prefix_caching:
+        raise ValueError("enable_prefix_caching=True: the hot window runs vLLM's prefix cache off (a repeated prefix "
+                         "comes back from tierkv's tiers); leave it out, or pass hot_window=False")
+    if engine_kwargs.get("enable_chunked_prefill", True) is False:
+        raise ValueError("enable_chunked_prefill=False: the hot window prefills in chunks of "
+                         f"scheduler.prefill_chunk_tokens ({config.scheduler.prefill_chunk_tokens} tokens, vLLM's "
+                         "max_num_batched_tokens), so a prompt longer than one chunk needs chunked prefill; leave it "
+                         "out, or pass hot_window=False")
     dtype = engine_kwargs.get("kv_cache_dtype", "auto")
     if str(dtype) not in _HOT_WINDOW_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: got {dtype!r}; the hot window keeps vLLM's pool in the model's dtype "

@@ -64,7 +64,7 @@ class VllmTieredLLM(TieredLLM):
 
     def __init__(self, model, config: TierKVConfig | str | os.PathLike | dict | None = None,
                  backend: str = "vllm", *, tokenizer=None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool = True, hot_window: bool = True,
+                 gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool | None = None, hot_window: bool = True,
                  **engine_kwargs):
         if backend != "vllm":
             raise ValueError(f"backend: got {backend!r}; VllmTieredLLM is backend='vllm'")
