@@ -87,3 +87,18 @@ def test_a_block_the_tiers_cannot_load_is_recomputed_by_vllm():
     assert KVTransferConfig().kv_load_failure_policy == "fail"  # vLLM's default: why tierkv sets it
     assert KVTransferConfig(**kv_transfer_config("x.yaml")).kv_load_failure_policy == "recompute"
     assert vllm_engine_args("vllm-128k")["kv_transfer_config"].kv_load_failure_policy == "recompute"
+
+
+def test_vllm_engine_args_refuses_before_vllm_starts_what_tieredllm_refuses(tmp_path):
+    """A misspelt connector entry and `cache.window_tokens: 0` under the hot window failed only inside vLLM's
+    start-up (the connector's checks), after the model had loaded."""
+    from tierkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.model_ld'?: got 'x'.*did you mean 'model_id'"):
+        vllm_engine_args("vllm-128k", model_ld="x")
+    assert vllm_engine_args("vllm-128k", model_id="x")["kv_transfer_config"].kv_connector_extra_config["model_id"] == "x"
+    zero = tmp_path / "w0.yaml"
+    zero.write_text("cache:\n  block_tokens: 16\n  window_tokens: 0\n  gpu_budget_bytes: 2GiB\n")
+    with pytest.raises(ConfigError, match=r"cache\.window_tokens'?: got 0"):
+        vllm_engine_args(str(zero))
+    assert vllm_engine_args(str(zero), hot_window=False)["block_size"] == 16  # a plain pool never reads the window

@@ -34,6 +34,12 @@ def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
     'recompute'; vLLM's default 'fail' would fail the request)."""
     if not isinstance(config_file, (str, os.PathLike)) or not str(config_file):
         raise TypeError(f"config_file: got {config_file!r}; expected a path or a shipped config's name")
+    for key in extra:  # a misspelt entry would reach the connector only inside vLLM's start-up
+        if key not in EXTRA_KEYS[1:]:
+            close = difflib.get_close_matches(str(key), EXTRA_KEYS[1:], n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"kv_connector_extra_config.{key}", extra[key],
+                              f"{hint}allowed beside config_file: {list(EXTRA_KEYS[1:])}")
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -43,6 +43,7 @@ def vllm_engine_args(config_file: str | os.PathLike, *, hot_window: bool = True,
     kwargs = dict(kv_transfer_config=KVTransferConfig(**kv_transfer_config(config_file, **extra)),
                   block_size=config.cache.block_tokens, enforce_eager=True)
     if hot_window:
+        check_hot_window_config(config)  # as TieredLLM does, before vLLM loads the model
         kwargs.update(hot_window_engine_args(config))
     return kwargs
 
