@@ -73,6 +73,12 @@ def test_a_connector_names_the_settings_vllm_does_not_read_once(tmp_path, caplog
         assert unused_under_vllm(load_config(resolve_config_path(name), env={})) == []
     sparse = load_config(resolve_config_path("vllm-128k-sparse"), env={})
     assert "scheduler.policy: 'sparse'" in "; ".join(unused_under_vllm(sparse, hot_window=False))
+    shaped = load_config({"model": {"num_layers": 99, "num_kv_heads": 7, "kv_dtype": "float16"},
+                          "cache": {"sink_tokens": 4096}}, env={})
+    said = "; ".join(unused_under_vllm(shaped))
+    for part in ("model.num_layers: 99", "model.num_kv_heads: 7", "model.kv_dtype: 'float16'", "cache.sink_tokens: 4096"):
+        assert part in said, said
+    assert "model.head_dim" not in said and "model.name" not in said  # left at the default / read (block addresses)
 
 
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])

@@ -20,7 +20,7 @@ import difflib
 import os
 from typing import Any, Mapping
 
-from tierkv.config import ConfigError, SchedulerConfig, TierKVConfig, load_config
+from tierkv.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, TierKVConfig, load_config
 from tierkv.configs import resolve_config_path
 
 CONNECTOR_NAME = "TierKVConnector"
@@ -133,9 +133,9 @@ _SPARSE_GRAPHS_ONLY = ("sparse_cuda_graphs", "sparse_graph_rows", "sparse_cache_
 
 
 def unused_under_vllm(config: TierKVConfig, hot_window: bool = True) -> list[str]:
-    """`scheduler.<key>` settings given a value other than their default that a vLLM engine never reads (the
-    transformers engine's prefetch predictors, CUDA decode graph and CPU far reads; with the exact policy or
-    without the hot window, the sparse policy's graph settings), each as "scheduler.<key>: <value> (<why>)": the
+    """Settings given a value other than their default that a vLLM engine never reads (the transformers engine's
+    prefetch predictors, CUDA decode graph, CPU far reads, sinks and model shape; with the exact policy or
+    without the hot window, the sparse policy's graph settings), each as "<section>.<key>: <value> (<why>)": the
     connector logs them once, since the loader accepts them for the transformers engine."""
     scheduler, defaults = config.scheduler, SchedulerConfig()
     changed = [f.name for f in dataclasses.fields(SchedulerConfig)
@@ -147,4 +147,13 @@ def unused_under_vllm(config: TierKVConfig, hot_window: bool = True) -> list[str
         unused += [f"scheduler.{key}: {getattr(scheduler, key)!r} ({why})" for key in changed if key in _SPARSE_GRAPHS_ONLY]
     if scheduler.policy == "sparse" and not hot_window:
         unused.append("scheduler.policy: 'sparse' (the hot window's: vLLM's own pool attends every token)")
+    model, model_defaults = config.model, ModelConfig()
+    unused += [f"model.{key}: {getattr(model, key)!r} (vLLM's KV cache spec gives the shape)"
+               for key in _SHAPE_KEYS if getattr(model, key) != getattr(model_defaults, key)]
+    if config.cache.sink_tokens != CacheConfig().sink_tokens:
+        unused.append(f"cache.sink_tokens: {config.cache.sink_tokens!r} (the transformers engine's: vLLM's pool keeps "
+                      "each request's newest tokens, the rest comes from the tiers)")
     return unused
+
+
+_SHAPE_KEYS = ("num_layers", "num_kv_heads", "head_dim", "kv_dtype")  # model.*: the transformers engine's checks
