@@ -46,16 +46,23 @@ def run_top(args) -> int:
         return _once_from_file(source)
     lines: list[dict] = []
     next_n = 0
+    last_answer_t = time.monotonic()
     try:
         while True:
+            failure = None  # an endpoint that stopped answering: said above the last frame, with its age
             try:
                 new, next_n = source.lines_since(next_n)
+                last_answer_t = time.monotonic()
             except SourceError as exc:
                 if args.jsonl:  # a bad line (a run killed mid-write): said, and read past at the next poll
                     print(f"tierkv top: skipped: {shown(exc)}", file=sys.stderr)
                 elif args.once or not lines:  # an endpoint that does not answer: a failure at run time
                     print(f"tierkv top: error: {shown(exc)}", file=sys.stderr)
                     return 1
+                else:
+                    failure = (f"tierkv top: error: {shown(exc)}\n"
+                               f"(the figures below are {time.monotonic() - last_answer_t:.0f} s old)")
+                    print(failure.replace("\n", " "), file=sys.stderr)
                 new = []
             lines = (lines + new)[-1:]  # only the newest is drawn
             if args.once:
@@ -66,6 +73,8 @@ def run_top(args) -> int:
                 return 0
             frame = (render(lines[-1], source.description, width=terminal_width()) if lines
                      else f"waiting for snapshots from {source.description}")
+            if failure is not None:
+                frame = failure + "\n\n" + frame
             sys.stdout.write((CLEAR if sys.stdout.isatty() else "") + frame + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)

@@ -1,6 +1,6 @@
 """The recorder's history: the latest snapshot lines kept as compact JSON, within a byte bound.
 
-Primitives: `History` (`append`, `since`, `latest`, `num_bytes`), `DEFAULT_HISTORY_BYTES`.
+Primitives: `History` (`append`, `since`, `encoded_since`, `latest`, `num_bytes`), `DEFAULT_HISTORY_BYTES`.
 
 Measured: a line of the CPU test workload (2 layers, CPU and disk tiers) is 4.3 KB of JSON and
 5.9 KB as Python dicts; lines grow with layers (per-layer prefetch arrays) and tiers (latency
@@ -36,12 +36,18 @@ class History:
 
     def since(self, seq: int) -> list[dict]:
         """The kept lines numbered >= seq, decoded, oldest first."""
+        return [json.loads(encoded) for encoded in self.encoded_since(seq)]
+
+    def encoded_since(self, seq: int, max_lines: int | None = None) -> list[bytes]:
+        """The kept lines numbered >= seq as they are kept (compact JSON), oldest first; only the newest
+        `max_lines` of them when given. Copies references only: cheap under a caller's lock."""
         newer = []
         for line_seq, encoded in reversed(self._lines):
-            if line_seq < seq:
+            if line_seq < seq or (max_lines is not None and len(newer) >= max_lines):
                 break
             newer.append(encoded)
-        return [json.loads(encoded) for encoded in reversed(newer)]
+        newer.reverse()
+        return newer
 
     def latest(self) -> dict | None:
         return json.loads(self._lines[-1][1]) if self._lines else None

@@ -1,7 +1,7 @@
 """`MetricsRecorder`: turns a `stats()` source into snapshot lines, kept in memory and in a JSONL file.
 
-Primitives: `MetricsRecorder` (`measure`, `snapshot`, `record_request`, `lines_since`, `start`,
-`close`), `runtime_reads`.
+Primitives: `MetricsRecorder` (`measure`, `snapshot`, `record_request`, `lines_since`, `encoded_lines_since`,
+`start`, `close`), `runtime_reads`.
 
     recorder = MetricsRecorder(llm.stats, jsonl_path="run.jsonl", live_reads=runtime_reads(llm.runtime))
     recorder.start(interval_s=1.0)          # a line every second, on a daemon thread
@@ -146,8 +146,14 @@ class MetricsRecorder:
 
     def lines_since(self, seq: int) -> tuple[list[dict], int]:
         """Lines numbered >= seq still in memory, and the number to ask from next time."""
+        encoded, next_seq = self.encoded_lines_since(seq)
+        return [json.loads(line) for line in encoded], next_seq  # decoded outside the lock the engine takes
+
+    def encoded_lines_since(self, seq: int, max_lines: int | None = None) -> tuple[list[bytes], int]:
+        """`lines_since` as compact JSON, only the newest `max_lines` when given. The lock is held only to copy
+        references: a reader polling the whole history (MBs) never holds up `snapshot` (the engine) for long."""
         with self._lock:
-            return self._history.since(seq), self._seq
+            return self._history.encoded_since(seq, max_lines), self._seq
 
     @property
     def latest(self) -> dict | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import errno
 import http.client
+import io
 import json
 import os
 import threading
+import time
 import unicodedata
 import urllib.error
 import urllib.parse
@@ -209,15 +211,34 @@ class EndpointSource:
         self._lock = threading.Lock()
 
     def _fetch(self, url: str) -> bytes:
-        with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-            return response.read(self.MAX_REPLY_BYTES + 1)
+        """The body of GET `url`, within 4 * timeout_s in all: the socket itself has the deadline (each connect,
+        send and read waits at most timeout_s, and none starts past the deadline), so a server trickling a byte a
+        second ends the poll with a TimeoutError and leaves no thread or socket behind."""
+        deadline = time.monotonic() + 4 * self.timeout_s
+        parts = urllib.parse.urlsplit(url)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=self.timeout_s)
+        sock = None
+        try:
+            connection.connect()
+            sock = connection.sock
+            connection.sock = _DeadlineSocket(sock, deadline, self.timeout_s)
+            connection.request("GET", f"{parts.path}?{parts.query}", headers={"Connection": "close"})
+            response = connection.getresponse()
+            body = response.read(self.MAX_REPLY_BYTES + 1)
+        finally:
+            connection.close()
+            if sock is not None:
+                sock.close()
+        if response.status != 200:
+            raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
+        return body
 
     def lines_since(self, n: int) -> tuple[list[dict], int]:
         with self._lock:
             url = f"{self.url}/api/snapshots?since={self._remote_next}"
             try:
-                reply = within_deadline(4 * self.timeout_s, lambda: self._fetch(url), "no complete reply within "
-                                        f"{4 * self.timeout_s:g} s")
+                reply = self._fetch(url)
                 if len(reply) > self.MAX_REPLY_BYTES:
                     raise ValueError(f"a reply over {self.MAX_REPLY_BYTES} bytes")
                 body = json.loads(reply)
@@ -237,6 +258,45 @@ class EndpointSource:
             return self._lines[max(n - self._first, 0) :], self._first + len(self._lines)
 
 
+class _DeadlineSocket:
+    """A connected socket whose every send and read waits at most `timeout_s` and none starts past `deadline`
+    (time.monotonic()): TimeoutError then. Given to http.client in place of its socket."""
+
+    def __init__(self, sock, deadline: float, timeout_s: float):
+        self._sock, self._deadline, self._timeout_s = sock, deadline, timeout_s
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no complete reply within the deadline")
+        self._sock.settimeout(min(self._timeout_s, left))
+
+    def sendall(self, data) -> None:
+        self._arm()
+        self._sock.sendall(data)
+
+    def recv_into(self, buffer, nbytes: int = 0) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer, nbytes)
+
+    def makefile(self, mode: str = "rb", *args, **kwargs):
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        pass  # http.client closes its socket before the body is read: the caller closes the real one after
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket):
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self._sock.recv_into(buffer)
+
+
 class RecorderSource:
     def __init__(self, recorder):
         self.recorder = recorder
@@ -244,6 +304,10 @@ class RecorderSource:
 
     def lines_since(self, n: int) -> tuple[list[dict], int]:
         return self.recorder.lines_since(n)
+
+    def encoded_lines_since(self, n: int, max_lines: int) -> tuple[list[bytes], int]:
+        """The newest `max_lines` lines numbered >= n as compact JSON (served as they are, never decoded)."""
+        return self.recorder.encoded_lines_since(n, max_lines)
 
 
 def open_source(*, jsonl: str | None = None, endpoint: str | None = None):
