@@ -80,3 +80,28 @@ def test_prefill_without_chunks_is_refused_under_the_hot_window_naming_the_chunk
         _args(tmp_path, enable_chunked_prefill=False)
     assert _args(tmp_path, enable_chunked_prefill=True).kwargs["enable_chunked_prefill"] is True
     assert _args(tmp_path, hot_window=False, enable_chunked_prefill=False).kwargs["enable_chunked_prefill"] is False
+
+
+@pytest.mark.parametrize("hot_window", [True, False])
+@pytest.mark.parametrize("field, value, named", [
+    ("kv_lora_rank", 512, "multi-head latent attention"),                      # DeepSeek-V2/V3 shapes
+    ("attention_chunk_size", 8192, "chunked local attention"),                 # Llama 4 shapes
+    ("layer_types", ["linear_attention", "full_attention"], "'linear_attention'"),  # Qwen3-Next shapes
+])
+def test_attention_the_connector_cannot_serve_is_refused_before_vllm_loads_the_model(tmp_path, hot_window, field,
+                                                                                      value, named):
+    """The connector refused these only once vLLM had loaded the model and handed it the KV cache groups."""
+    from tierkv.integrations.vllm.engine_args import tiered_engine_args
+
+    config = load_config({"cache": {"block_tokens": 64, "gpu_budget_bytes": "8GiB"},
+                          "scheduler": {"staging_bytes": "512MiB", "prefill_chunk_tokens": 128}}, env={})
+
+    def args(model):
+        return tiered_engine_args(model, config, str(tmp_path / "t.yaml"), {}, hot_window=hot_window, max_model_len=None,
+                                  gpu_memory_utilization=0.5, enable_prefix_caching=None)
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "fine").mkdir()
+    with pytest.raises(ValueError, match=rf"config\.json {field} .*{named}.*full attention"):
+        args(_checkpoint(tmp_path / "bad", **{field: value}))
+    args(_checkpoint(tmp_path / "fine", layer_types=["full_attention"] * 32))  # a Llama/Qwen2 config's own list

@@ -105,6 +105,8 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     kwargs.update(engine_kwargs)
+    if os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+        check_attention_kind(model)
     if hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
         check_own_window(model)
         check_hot_window_pool(model, config, kwargs if "max_model_len" in kwargs or derived is None
@@ -207,6 +209,33 @@ def check_own_window(model) -> None:
                          "sliding_window); vLLM keeps only that window of KV already, and tierkv's hot window would "
                          "add the blocks before it: run it with hot_window=False (tierkv's connector alone) or on "
                          "the transformers backend")
+
+
+_FULL_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # the sliding ones: check_own_window's
+
+
+def check_attention_kind(model) -> None:
+    """ValueError naming the config.json field, before vLLM loads the model, for attention the connector refuses
+    once vLLM hands it the KV cache groups (one group of full-attention layers, or the hot window over them):
+    latent attention (MLA: kv_lora_rank), chunked local attention (attention_chunk_size) and hybrid layer types
+    (linear attention, state-space layers: layer_types)."""
+    from tierkv.model_shape import read_config_json, text_config
+
+    cfg = text_config(read_config_json(os.path.join(os.fspath(model), "config.json")))
+    if not isinstance(cfg, dict):
+        return
+    why = None
+    if cfg.get("kv_lora_rank"):
+        why = f"kv_lora_rank {cfg['kv_lora_rank']!r}: multi-head latent attention (vLLM's MLA cache)"
+    elif cfg.get("attention_chunk_size"):
+        why = f"attention_chunk_size {cfg['attention_chunk_size']!r}: chunked local attention in some layers"
+    elif isinstance(cfg.get("layer_types"), list):
+        other = sorted({str(t) for t in cfg["layer_types"]} - set(_FULL_ATTENTION_LAYER_TYPES))
+        if other:
+            why = f"layer_types {other}: layers other than attention over every token"
+    if why:
+        raise ValueError(f"{model}: config.json {why}; tierkv's vLLM connector serves models whose layers all run "
+                         "full attention (one KV cache group): use the transformers backend or vLLM without tierkv")
 
 
 def default_enforce_eager(config: TierKVConfig, hot_window: bool) -> bool:
