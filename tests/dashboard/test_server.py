@@ -150,3 +150,17 @@ def test_an_app_that_raises_gets_a_500_with_the_security_headers(capfd):
     for key, _ in SECURITY_HEADERS:
         assert f"\r\n{key}: ".encode() in head
     assert "ValueError: a bug" in capfd.readouterr().err  # a real bug still leaves its traceback
+
+
+def test_the_closing_reply_carries_the_security_headers():
+    """The 503 said while close() runs is the server's own reply: it carries the headers every response does."""
+    from types import SimpleNamespace
+
+    from tierkv.dashboard.server import _served
+
+    said = []
+    body = _served(hello, SimpleNamespace(is_closing=True))({"REQUEST_METHOD": "GET"},
+                                                            lambda status, headers, exc_info=None: said.append((status, headers)))
+    (status, headers), = said
+    assert status.startswith("503") and b"".join(body) == b"this server is closing\n"
+    assert set(SECURITY_HEADERS) <= set(headers)

@@ -177,8 +177,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 def _closing(start_response, exc_info=None) -> list[bytes]:
     body = b"this server is closing\n"
-    start_response("503 Service Unavailable", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
-                   exc_info)
+    start_response("503 Service Unavailable", [("Content-Type", "text/plain"), ("Content-Length", str(len(body))),
+                                               *SECURITY_HEADERS], exc_info)
     return [body]
 
 

@@ -105,3 +105,4 @@ def test_attention_the_connector_cannot_serve_is_refused_before_vllm_loads_the_m
     with pytest.raises(ValueError, match=rf"config\.json {field} .*{named}.*full attention"):
         args(_checkpoint(tmp_path / "bad", **{field: value}))
     args(_checkpoint(tmp_path / "fine", layer_types=["full_attention"] * 32))  # a Llama/Qwen2 config's own list
+    args(_checkpoint(tmp_path / "fine", layer_types=["attention"] * 32))  # granite-4.0-micro: dense, hybrid class

@@ -109,3 +109,19 @@ def test_tieredllm_warms_an_eager_engine_at_start_up(tmp_path, monkeypatch):
         assert llm.warmed_token_counts == warm_token_counts(256)
     finally:
         llm.close()
+
+
+def test_a_failing_adapter_removal_is_reported_beside_the_counts_that_ran(caplog):
+    llm, ran = _engine(enforce_eager=True)
+
+    def refuse(config):
+        raise RuntimeError("adapter registry gone")
+
+    runner = SimpleNamespace(_dummy_run=lambda n, **kwargs: ran.append((n, kwargs)), lora_config="lora",
+                             maybe_remove_all_loras=refuse)
+    llm.collective_rpc = lambda method, timeout=None, args=(), kwargs=None: [method(SimpleNamespace(model_runner=runner),
+                                                                                    *args)]
+    counts = warm_token_counts(2048)
+    assert warm_engine(llm) == counts  # every forward ran: the counts are kept, the removal's failure is said
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "removing the dummy LoRA adapters: RuntimeError: adapter registry gone" in message

@@ -211,7 +211,9 @@ def check_own_window(model) -> None:
                          "the transformers backend")
 
 
-_FULL_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # the sliding ones: check_own_window's
+# the sliding ones are check_own_window's; "attention" is a dense model written with a hybrid config class
+# (granite-4.0-micro: every layer "attention", which vLLM runs as one full-attention group)
+_FULL_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 
 
 def check_attention_kind(model) -> None:

@@ -56,7 +56,10 @@ def _run_counts(worker, counts: list[int]) -> tuple[int, str]:
             torch.cuda.empty_cache()
     finally:  # as vLLM's own warm-up: the dummy LoRA adapters the runs registered (with enable_lora) go, also
         # after a failure, or a request's adapter of the same id would run on their weights
-        runner.maybe_remove_all_loras(runner.lora_config)
+        try:
+            runner.maybe_remove_all_loras(runner.lora_config)
+        except Exception as exc:  # noqa: BLE001  said beside the forwards' own error, never in its place
+            error = "; ".join(filter(None, (error, f"removing the dummy LoRA adapters: {type(exc).__name__}: {exc}")))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return ran, error
