@@ -123,8 +123,9 @@ def engine(mode: str, model_dir: str, out: str, layers: int, tp: int = 1, transf
            prefetch_margin: int = 0, block_tokens: int | None = None, shipped_set: dict | None = None,
            warm_start: bool = False):
     # warm_start: the baselines (vLLM's LLM) also run tierkv's start-up forwards (`warm_start.warm_engine`), which
-    # TieredLLM runs for its eager engines: a like-for-like first repeat. compiled: vLLM's torch.compile and CUDA graphs (plain: full graphs for decode; tierkv's connector
-    # makes vLLM capture piecewise, its attention runs between the pieces)
+    # TieredLLM runs for its eager engines: a like-for-like first repeat. compiled: vLLM's torch.compile and CUDA
+    # graphs (plain: full graphs for decode; tierkv's connector makes vLLM capture piecewise, its attention runs
+    # between the pieces)
     common = dict(max_model_len=131072, gpu_memory_utilization=0.85, enable_prefix_caching=False,
                   enforce_eager=not compiled,
                   tensor_parallel_size=tp,

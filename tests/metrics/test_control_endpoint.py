@@ -257,7 +257,7 @@ def test_an_odd_content_length_is_refused_by_name(control, length, status):
 
 
 def test_deep_json_and_a_short_body_are_400s(control, monkeypatch):
-    from tierkv.dashboard import app
+    from tierkv.dashboard import server as app_server
 
     svc, budget = control
     deep = b"[" * 3000 + b"]" * 3000
@@ -269,7 +269,7 @@ def test_deep_json_and_a_short_body_are_400s(control, monkeypatch):
     status, _, body = request(svc, "POST", "/api/gpu_budget", nested,
                               {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert status == 400, body  # a RecursionError was a 500 and a traceback
-    monkeypatch.setattr(app._QuietHandler, "timeout", 0.5)  # for connections made from here on
+    monkeypatch.setattr(app_server._QuietHandler, "timeout", 0.5)  # for connections made from here on
     reply = raw_exchange(svc, _post_head(svc, "40") + b'{"budget": 1')  # 12 of 40 bytes, then nothing
     assert reply.split(b" ", 2)[1] in (b"400", b"408") and budget.calls == []
 
@@ -281,16 +281,16 @@ def test_idle_connections_are_closed_and_capped(control, monkeypatch):
     import threading
     import time
 
-    from tierkv.dashboard import app
+    from tierkv.dashboard import server as app_server
 
     svc, _ = control
-    monkeypatch.setattr(app._QuietHandler, "timeout", 1.0)
+    monkeypatch.setattr(app_server._QuietHandler, "timeout", 1.0)
     before = threading.active_count()
-    idle = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app.MAX_CONNECTIONS + 20)]
+    idle = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app_server.MAX_CONNECTIONS + 20)]
     for sock in idle:
         sock.sendall(b"GET /metr")
     time.sleep(0.5)
-    assert threading.active_count() - before <= app.MAX_CONNECTIONS
+    assert threading.active_count() - before <= app_server.MAX_CONNECTIONS
     deadline = time.monotonic() + 10
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -308,11 +308,11 @@ def test_slow_clients_holding_every_slot_do_not_lock_out_a_scrape_or_a_budget_ch
     import threading
     import time
 
-    from tierkv.dashboard import app
+    from tierkv.dashboard import server as app_server
 
     svc, budget = control
-    monkeypatch.setattr(app._QuietHandler, "timeout", 1.0)
-    slow = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app.MAX_CONNECTIONS)]
+    monkeypatch.setattr(app_server._QuietHandler, "timeout", 1.0)
+    slow = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app_server.MAX_CONNECTIONS)]
     stop = threading.Event()
 
     def trickle():
@@ -345,7 +345,7 @@ def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connect
     import threading
     import time
 
-    from tierkv.dashboard import app
+    from tierkv.dashboard import server as app_server
 
     applied, reply = [], {}
 
@@ -360,7 +360,7 @@ def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connect
         waiting.start()
         time.sleep(0.3)
         others = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5)
-                  for _ in range(app.MAX_CONNECTIONS + 5)]
+                  for _ in range(app_server.MAX_CONNECTIONS + 5)]
         waiting.join(timeout=10)
         assert reply == {"status": 200} and applied == [parse_budget("1GiB")]
     finally:

@@ -11,15 +11,11 @@ Primitives: `dashboard_app(source)`, `serve(app, host, port) -> RunningServer`.
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterable
 from urllib.parse import parse_qs
 
 from tierkv.dashboard.page import STATIC_DIR, STATIC_FILES, live_page, live_page_csp
-from tierkv.dashboard.server import (  # noqa: F401 (names of this module too)
-    MAX_CONNECTIONS, READ_TIMEOUT_S, RunningServer, _QuietHandler, _ThreadingServer, serve)
+from tierkv.dashboard.server import RunningServer, WsgiApp, serve  # noqa: F401 (this module's names too)
 from tierkv.metrics.sources import SourceError
-
-WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 
 
 def respond(start_response, status: str, body: bytes, content_type: str, extra_headers=()) -> list[bytes]:

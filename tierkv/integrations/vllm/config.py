@@ -34,12 +34,7 @@ def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
     'recompute'; vLLM's default 'fail' would fail the request)."""
     if not isinstance(config_file, (str, os.PathLike)) or not str(config_file):
         raise TypeError(f"config_file: got {config_file!r}; expected a path or a shipped config's name")
-    for key in extra:  # a misspelt entry would reach the connector only inside vLLM's start-up
-        if key not in EXTRA_KEYS[1:]:
-            close = difflib.get_close_matches(str(key), EXTRA_KEYS[1:], n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"kv_connector_extra_config.{key}", extra[key],
-                              f"{hint}allowed beside config_file: {list(EXTRA_KEYS[1:])}")
+    _refuse_unknown_keys(extra, EXTRA_KEYS[1:], "allowed beside config_file")  # else found in vLLM's start-up
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -47,6 +42,15 @@ def kv_transfer_config(config_file: str | os.PathLike, **extra: Any) -> dict:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"config_file": str(config_file), **extra},
     }
+
+
+def _refuse_unknown_keys(extra: Mapping[str, Any], allowed: tuple[str, ...], said: str) -> None:
+    """ConfigError naming the first `kv_connector_extra_config` entry not in `allowed`, with the closest match."""
+    for key in extra:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"kv_connector_extra_config.{key}", extra[key], f"{hint}{said}: {list(allowed)}")
 
 
 def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_size: int | None,
@@ -61,11 +65,7 @@ def config_from_kv_transfer(extra_config: Mapping[str, Any] | None, *, block_siz
         raise ConfigError("kv_connector_extra_config", extra_config,
                           f"expected a mapping such as {{'config_file': 'vllm-128k'}}; allowed keys: {list(EXTRA_KEYS)}")
     extra = dict(extra_config or {})
-    for key in extra:
-        if key not in EXTRA_KEYS:
-            close = difflib.get_close_matches(str(key), EXTRA_KEYS, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"kv_connector_extra_config.{key}", extra[key], f"{hint}allowed keys: {list(EXTRA_KEYS)}")
+    _refuse_unknown_keys(extra, EXTRA_KEYS, "allowed keys")
     model_id = extra.get("model_id")
     if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
         raise ConfigError("kv_connector_extra_config.model_id", model_id,

@@ -107,10 +107,10 @@ def tiered_engine_args(model, config: TierKVConfig, config_file: str, engine_kwa
     kwargs.update(engine_kwargs)
     if os.path.isfile(os.path.join(os.fspath(model), "config.json")):
         check_attention_kind(model)
-    if hot_window and os.path.isfile(os.path.join(os.fspath(model), "config.json")):
-        check_own_window(model)
-        check_hot_window_pool(model, config, kwargs if "max_model_len" in kwargs or derived is None
-                              else {**kwargs, "max_model_len": derived})
+        if hot_window:
+            check_own_window(model)
+            check_hot_window_pool(model, config, kwargs if "max_model_len" in kwargs or derived is None
+                                  else {**kwargs, "max_model_len": derived})
     if (hot_window and full_graphs_configured(config) and not kwargs.get("enforce_eager")
             and "compilation_config" not in engine_kwargs):
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": full_decode_capture_sizes(kwargs.get("max_num_seqs"))}
