@@ -27,18 +27,21 @@ def exchange(address, data: bytes, family=socket.AF_INET) -> bytes:
     return reply
 
 
-def handler_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if "process_request_thread" in repr(getattr(t, "_target", None))]
+def handler_threads(server=None) -> list[threading.Thread]:
+    """Request handler threads alive now; with `server`, only its own (other tests' servers may still be ending
+    theirs in the same process)."""
+    return [t for t in threading.enumerate() if "process_request_thread" in repr(getattr(t, "_target", None))
+            and (server is None or getattr(t, "_target").__self__ is server._server)]
 
 
 def test_close_ends_a_half_sent_request_and_frees_the_port():
     server = serve(hello)
     client = socket.create_connection((server.host, server.port), timeout=5)
     client.sendall(b"GET / HT")
-    while not handler_threads():  # the server took the connection
+    while not handler_threads(server):  # the server took the connection
         threading.Event().wait(0.01)
     server.close()
-    assert handler_threads() == []
+    assert handler_threads(server) == []
     try:
         client.sendall(b"TP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
         assert client.recv(65536) == b""  # closed, never answered
