@@ -192,7 +192,13 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         async_scheduling: bool = False, profile_steps: list[int] | None = None, profile_prefix: bool = False, decode_tokens: int = 32,
         sample_h2d: int = 0, tag: str = "", prefetch_margin: int = 0, block_tokens: int | None = None,
         shipped_set: dict | None = None, prefix_repeats: int = 2, warm_prefix: bool = False,
-        profile_prefix_later: bool = False, warm_start: bool = False) -> None:
+        profile_prefix_later: bool = False, warm_start: bool = False, prefix_gaps: list[float] | None = None,
+        no_warm_start: bool = False) -> None:
+    gaps = prefix_gaps or [0.0]
+    if no_warm_start:  # TieredLLM's start-up forwards replaced by nothing: the first repeat's A/B (row MODE@nowarm)
+        import tierkv.integrations.vllm.llm as tiered_llm
+
+        tiered_llm.warm_engine = lambda llm: []
     import random
 
     from vllm import SamplingParams
@@ -216,6 +222,10 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
         mode = f"{mode}@compiled"  # the shipped sparse config runs compiled: against plain@compiled
     if warm_prefix:
         mode = f"{mode}@warmprefix"  # the warm-up served a prefix from the tiers once
+    if no_warm_start:
+        mode = f"{mode}@nowarm"
+    if len(gaps) > 1 or gaps[0]:
+        mode = f"{mode}@sets{len(gaps)}"  # more prefixes, each with its own first run (and a pause before its repeats)
     if warm_start and not mode.startswith("tierkv"):
         mode = f"{mode}@warmstart"  # a baseline given TieredLLM's start-up forwards
     if tag:
@@ -376,10 +386,22 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
                     + [("repeat", 12), ("repeat_again", 13)]
                     + [(f"repeat_{n}", 12 + n) for n in range(3, prefix_repeats + 1)]  # last ids 15, 16, ...: distinct
                     + ([("repeat_later_profiled", 13 + prefix_repeats)] if profile_prefix_later else []))
+            # --prefix-gaps: more distinct prefixes, each a first run then its repeats (keys set2_first, set2_repeat,
+            # set2_repeat_2, ...), with the given pause before each set's first repeat (set 1's is gaps[0]): is a first
+            # repeat slow once per engine, or after every new prefix's first run (its saves landing), and does a pause
+            # between the first run and the repeat change it?
+            for j in range(2, len(gaps) + 1):
+                runs += [(f"set{j}_first", 11), (f"set{j}_repeat", 12)]
+                runs += [(f"set{j}_repeat_{n}", 11 + n) for n in range(2, prefix_repeats + 1)]
+            set_prefix = prefix
             for key, last in runs:  # with each run's steps, collections and far waits
+                if key.endswith("_first") and key.startswith("set"):
+                    set_prefix = [rng.randrange(3, 128000) for _ in range(100_000)]
+                if key == "repeat" or (key.startswith("set") and key.endswith("_repeat")):
+                    time.sleep(gaps[int(key[3:].split("_")[0]) - 1] if key.startswith("set") else gaps[0])
                 wait_before, allocs_before = far_wait_s(), device_allocs()
                 profile = [0] if key.endswith("_profiled") else None
-                ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(prefix + [last], one, profile, f"prefix-{key}")
+                ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(set_prefix + [last], one, profile, f"prefix-{key}")
                 row[f"prefix_ttft_{key}_s"], row[f"prefix_{key}_far_wait_s"] = ttft_s, far_wait_s() - wait_before
                 row[f"prefix_{key}_step_ms"], row[f"prefix_{key}_step_gc"] = prefix_step_ms, prefix_step_gc
                 row[f"prefix_{key}_add_ms"] = add_ms[-1]
@@ -557,6 +579,17 @@ def table(out: str) -> None:
             print(f"{'':<11} each repeat's TTFT ms (add_request + engine steps): " + ", ".join(
                 f"{1e3 * r[f'prefix_ttft_{k}_s']:.1f} ({r.get(f'prefix_{k}_add_ms', float('nan')):.1f} + "
                 f"{sum(r.get(f'prefix_{k}_step_ms') or [float('nan')]):.1f})" for k in runs))
+        sets = sorted({int(k.split("_")[2][3:]) for k in r if k.startswith("prefix_ttft_set") and k.endswith("_first_s")})
+        for j, key in [(1, ""), *((j, f"set{j}_") for j in sets)]:  # --prefix-gaps: each prefix's first run and repeats
+            if not sets or r.get(f"prefix_ttft_{key or ''}first_s") is None:
+                continue
+            first = r[f"prefix_ttft_{key}first_s"]
+            names = [f"{key}repeat", *(f"{key}{'repeat_again' if not key and n == 2 else f'repeat_{n}'}" for n in range(2, 9))]
+            ttfts = [r[f"prefix_ttft_{k}_s"] for k in names if r.get(f"prefix_ttft_{k}_s") is not None]
+            waits = [r.get(f"prefix_{k}_far_wait_s", float("nan")) for k in names if r.get(f"prefix_ttft_{k}_s") is not None]
+            print(f"{'':<11} prefix {j}: first run {first:.2f} s; repeats " + " / ".join(f"{1e3 * t:.1f}" for t in ttfts)
+                  + " ms = " + " / ".join(f"{t / first:.3f}" for t in ttfts) + "x; far wait "
+                  + " / ".join(f"{1e3 * w:.0f}" for w in waits) + " ms")
         hot = (r.get("connector") or {}).get("hot_window") or {}
         host_us, merge_us = hot.get("decode_host_us_per_layer"), hot.get("merge_host_us_per_layer")
         reads = r.get("decode_reads") or {}
@@ -674,6 +707,11 @@ def main() -> int:
     parser.add_argument("--warm-start", action="store_true",
                         help="the baselines (plain, offloading, lmcache) also run the start-up forwards TieredLLM runs "
                              "for an eager engine (tierkv.integrations.vllm.warm_start; row MODE@warmstart)")
+    parser.add_argument("--prefix-gaps", type=float, nargs="+", default=None, metavar="S",
+                        help="one prefix per value, each a first run then --prefix-repeats repeats after a pause of S "
+                             "seconds (the first value: the usual prefix; row MODE@setsN)")
+    parser.add_argument("--no-warm-start", action="store_true",
+                        help="tierkv modes: TieredLLM's start-up forwards off (row MODE@nowarm)")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="MODE tierkv: cache.block_tokens, vLLM's block_size too (default 16; row tierkv@bN)")
     parser.add_argument("--tag", default="", help="a repeat of a row: row MODE-TAG, its own file (letters and digits)")
@@ -704,6 +742,10 @@ def main() -> int:
             parser.error(f"--async-scheduling: tierkv modes only (MODE {mode} runs vLLM's own default)")
         if args.prefetch_margin and mode != "tierkv-sparse-full":
             parser.error(f"--prefetch-margin {args.prefetch_margin}: MODE tierkv-sparse-full only")
+        if args.no_warm_start and not mode.startswith("tierkv"):
+            parser.error(f"--no-warm-start: tierkv modes only (MODE {mode} runs no start-up forwards)")
+        if args.prefix_gaps is not None and (args.no_prefix or min(args.prefix_gaps) < 0):
+            parser.error(f"--prefix-gaps {args.prefix_gaps}: pauses of at least 0 s, and no --no-prefix")
         if args.tag and not args.tag.isalnum():
             parser.error(f"--tag: got {args.tag!r}; letters and digits only (it names a file the device returns)")
         if args.decode_tokens < 1 or args.context + args.decode_tokens + 1 > 131072:
@@ -716,7 +758,7 @@ def main() -> int:
             profile_prefix_later=args.profile_prefix_later,
             sample_h2d=args.sample_h2d, tag=args.tag, prefetch_margin=args.prefetch_margin,
             block_tokens=args.block_tokens, shipped_set=shipped_set, warm_prefix=args.warm_prefix,
-            warm_start=args.warm_start)
+            warm_start=args.warm_start, prefix_gaps=args.prefix_gaps, no_warm_start=args.no_warm_start)
     else:
         table(args.rest[0])
     return 0

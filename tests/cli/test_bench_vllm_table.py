@@ -121,3 +121,18 @@ def test_the_trace_summary_splits_a_step_at_the_copy_engine():
     text = summarize({"traceEvents": events})
     assert ("host-to-device copies: 2, busy 5.00 ms; before the first 1.00 ms, after the last 1.50 ms; idle between "
             "them 1.00 ms in 1 gaps (largest 1.00 ms at 3.0 ms)") in text
+
+
+def test_each_prefix_set_prints_its_first_run_repeats_and_ratios(tmp_path, capsys):
+    """--prefix-gaps rows: one line per prefix, its repeats' TTFT over that prefix's own first run."""
+    tierkv = row("tierkv@b64@sets2", 10.0)
+    tierkv.update({"prefix_ttft_first_s": 6.0, "prefix_ttft_repeat_s": 0.3, "prefix_ttft_repeat_again_s": 0.24,
+                   "prefix_repeat_far_wait_s": 0.25, "prefix_repeat_again_far_wait_s": 0.2,
+                   "prefix_ttft_set2_first_s": 5.0, "prefix_ttft_set2_repeat_s": 0.25, "prefix_ttft_set2_repeat_2_s": 0.2,
+                   "prefix_set2_repeat_far_wait_s": 0.21, "prefix_set2_repeat_2_far_wait_s": 0.19})
+    for r in (row("plain", 10.0), tierkv):
+        (tmp_path / f"bench-vllm-{r['mode'].replace('@', '_')}.json").write_text(json.dumps(r))
+    table(str(tmp_path))
+    printed = capsys.readouterr().out
+    assert "prefix 1: first run 6.00 s; repeats 300.0 / 240.0 ms = 0.050 / 0.040x; far wait 250 / 200 ms" in printed
+    assert "prefix 2: first run 5.00 s; repeats 250.0 / 200.0 ms = 0.050 / 0.040x; far wait 210 / 190 ms" in printed
