@@ -100,7 +100,7 @@ class PrefixEngine:
 
     def __init__(self, shape: Shape, workdir: Path):
         import vllm.config  # noqa: F401  vllm's own import order
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+        from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
@@ -118,7 +118,8 @@ class PrefixEngine:
         kv_config = KVCacheConfig(num_blocks=shape.pool_blocks, kv_cache_tensors=tensors,
                                   kv_cache_groups=[KVCacheGroupSpec(layer_names=self.names, kv_cache_spec=spec)])
         engine = VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(config_file, model_id="prefix-host")),
-                            cache_config=CacheConfig(block_size=shape.block_tokens), device_config=DeviceConfig(device="cpu"))
+                            cache_config=CacheConfig(block_size=shape.block_tokens), device_config=DeviceConfig(device="cpu"),
+                            attention_config=AttentionConfig(backend="CUSTOM"))  # the hot window's backend
         self.worker = TierKVConnector(engine, KVConnectorRole.WORKER, kv_config)
         self.scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, kv_config)
         # vLLM's paged pool of each layer, FlashAttention's logical layout [num_blocks, H, T, 2 * D]

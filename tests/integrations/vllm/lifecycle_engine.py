@@ -23,7 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                         VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -52,7 +53,8 @@ class _Runner:
 
 @dataclass
 class Shape:
-    """An engine's sizes. window: the hot window's tokens (None: full attention, no hot window)."""
+    """An engine's sizes. window: the sliding window's tokens (None: full attention); hot_window: it is tierkv's hot
+    window (attention backend CUSTOM), else the model's own sliding window under tierkv's plain connector."""
 
     cpu_blocks: int
     layers: int = 2
@@ -62,6 +64,7 @@ class Shape:
     batched: int = 32
     disk: bool = False
     prefix_caching: bool = False
+    hot_window: bool = True
 
 
 class KVModel:
@@ -94,7 +97,8 @@ def _vllm_config(root: Path, shape: Shape) -> VllmConfig:
     tiers = [{"kind": "cpu", "capacity_bytes": shape.cpu_blocks * BLOCK_BYTES}]
     if shape.disk:
         tiers.append({"kind": "disk", "path": str(root / "disk"), "capacity_bytes": 4096 * BLOCK_BYTES, "trusted": True})
-    window = {"window_tokens": shape.window} if shape.window is not None else {}
+    hot = shape.window is not None and shape.hot_window
+    window = {"window_tokens": shape.window} if hot else {}
     (root / "t.yaml").write_text(json.dumps({
         "cache": {"block_tokens": BS, **window}, "tiers": tiers, "metrics": {"enabled": False},
         "scheduler": {"lookahead_layers": 1, "staging_bytes": 64 * BLOCK_BYTES}}))
@@ -110,7 +114,7 @@ def _vllm_config(root: Path, shape: Shape) -> VllmConfig:
         scheduler_config=SchedulerConfig(max_num_seqs=shape.max_seqs, max_num_batched_tokens=shape.batched,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, async_scheduling=False),
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(root / "t.yaml"), model_id="m")),
-        device_config=DeviceConfig(device="cpu"))
+        device_config=DeviceConfig(device="cpu"), attention_config=AttentionConfig(backend="CUSTOM" if hot else None))
 
 
 def _kv_cache_config(names: list[str], shape: Shape) -> KVCacheConfig:
@@ -125,7 +129,7 @@ class Engine:
     metadata)`, when set, runs between the schedule and the worker's hooks (where a test loses blocks)."""
 
     def __init__(self, root: Path, shape: Shape):
-        self.shape, self.window = shape, shape.window
+        self.shape, self.window = shape, shape.window if shape.hot_window else None  # window: the hot window's
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
         hot_window.register()
         vc = _vllm_config(root, shape)

@@ -18,7 +18,7 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the connector tests")
 
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
@@ -49,10 +49,13 @@ def write_config(tmp_path, cpu_blocks: int = 1000, disk: bool = True) -> str:
     return str(path)
 
 
-def vllm_config(config_file: str, **extra) -> VllmConfig:
+def vllm_config(config_file: str, *, hot_window: bool = False, **extra) -> VllmConfig:
+    """vLLM's config of an engine running tierkv's connector; hot_window: with tierkv's hot window (attention
+    backend CUSTOM, as `vllm_engine_args` sets it)."""
     transfer = KVTransferConfig(**kv_transfer_config(config_file, model_id="test-llama", **extra))
+    attention = AttentionConfig(backend="CUSTOM") if hot_window else AttentionConfig()
     return VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BS),
-                      device_config=DeviceConfig(device="cpu"))
+                      device_config=DeviceConfig(device="cpu"), attention_config=attention)
 
 
 def kv_cache_config() -> KVCacheConfig:

@@ -36,7 +36,7 @@ def test_a_connector_without_the_hot_window_runs_a_window_of_0_tokens(tmp_path, 
 
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_a_connector_under_the_hot_window_refuses_a_window_of_0_tokens_naming_the_key(tmp_path, role):
-    engine = vllm_config(write_config(tmp_path, window=0, staging_blocks=8))
+    engine = vllm_config(write_config(tmp_path, window=0, staging_blocks=8), hot_window=True)
     with pytest.raises(ConfigError, match=REFUSED) as refused:
         TierKVConnector(engine, role, hot_kv_cache_config(2 * BS))
     assert refused.value.key == "cache.window_tokens" and refused.value.value == 0
@@ -60,7 +60,8 @@ def test_a_connector_names_the_settings_vllm_does_not_read_once(tmp_path, caplog
     from tierkv.integrations.vllm.config import unused_under_vllm
 
     engine = vllm_config(write_config(tmp_path, window=2 * BS, staging_blocks=8,
-                                      scheduler_lines=("predictor: query", "sparse_full_graphs: true")))
+                                      scheduler_lines=("predictor: query", "sparse_full_graphs: true")),
+                         hot_window=True)
     with caplog.at_level(logging.WARNING, logger="tierkv.integrations.vllm.connector"):
         worker = TierKVConnector(engine, KVConnectorRole.WORKER, hot_kv_cache_config(2 * BS))
         scheduler = TierKVConnector(engine, KVConnectorRole.SCHEDULER, hot_kv_cache_config(2 * BS))

@@ -43,9 +43,16 @@ from tierkv.integrations.vllm.far_step import far_blocks  # noqa: E402
 from tierkv.integrations.vllm.store import BlockSpan, VllmKVStore  # noqa: E402
 
 from tests.vllm_engine_fake import FakeEngineBase  # noqa: E402
-from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS, make_request, schedule, vllm_config  # noqa: E402
+from tests.integrations.vllm.test_connector import BS, D, H, LAYERS, NAMES, NUM_BLOCKS  # noqa: E402
+from tests.integrations.vllm.test_connector import make_request, schedule  # noqa: E402
+from tests.integrations.vllm.test_connector import vllm_config as connector_vllm_config  # noqa: E402
 
 HQ = 4  # query heads: GQA group of 2
+
+
+def vllm_config(config_file: str, **extra):
+    """vLLM's config of an engine running tierkv's hot window (attention backend CUSTOM)."""
+    return connector_vllm_config(config_file, hot_window=True, **extra)
 
 
 def write_config(tmp_path, *, window: int, staging_blocks: int, cpu_blocks: int = 2000, sparse_tokens: int = 0,

@@ -16,7 +16,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="pip install --no-deps vllm==0.26.0 (see .ci/run) to run the vLLM tests")
 
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
                          SchedulerConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -64,7 +64,8 @@ class Engine:
                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
                                                          is_encoder_decoder=False, async_scheduling=False),
                         kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(root / "t.yaml"), model_id="m")),
-                        device_config=DeviceConfig(device="cpu"))
+                        device_config=DeviceConfig(device="cpu"),
+                        attention_config=AttentionConfig(backend="CUSTOM" if window is not None else None))
         spec = (FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32) if window is None
                 else SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32, sliding_window=window))
         kvc = KVCacheConfig(num_blocks=pool, kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],

@@ -106,7 +106,7 @@ def test_the_real_models_sparse_pool_that_stepped_idle_is_refused(tmp_path):
 def _scheduler_with_pool(tmp_path, num_blocks: int):
     """vLLM's own Scheduler (its connector, tierkv's, made in its constructor) over the SmolLM2 shape's
     hot-window spec with `num_blocks` pool blocks, and the accuracy run's sparse config."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -130,7 +130,7 @@ def _scheduler_with_pool(tmp_path, num_blocks: int):
         scheduler_config=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=8192,
                                          is_encoder_decoder=False, async_scheduling=False),  # as TieredLLM passes it
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(str(config_file), model_id="smollm2-shape")),
-        device_config=DeviceConfig(device="cpu"))
+        device_config=DeviceConfig(device="cpu"), attention_config=AttentionConfig(backend="CUSTOM"))  # the hot window
     names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     spec = SlidingWindowSpec(block_size=64, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=128)
     kv_config = KVCacheConfig(num_blocks=num_blocks,

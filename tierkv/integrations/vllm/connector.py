@@ -38,7 +38,7 @@ from tierkv.integrations.vllm import hot_window
 from tierkv.integrations.vllm.config import check_hot_window_config, config_from_kv_transfer, unused_under_vllm
 from tierkv.integrations.vllm.connector_scheduler import ConnectorScheduler, TierKVMetadata
 from tierkv.integrations.vllm.engine_config import (graph_rows, layout_of, max_num_seqs_of, model_identity_of,
-                                                   query_heads_of, sleep_mode_of, tensor_parallel_rank)
+                                                   query_heads_of, runs_hot_window, sleep_mode_of, tensor_parallel_rank)
 from tierkv.integrations.vllm.far_rows import FarKV
 from tierkv.integrations.vllm.full_graph_rows import FullDecodeRows, full_graphs_configured
 from tierkv.integrations.vllm.pool_sizing import check_admission
@@ -68,9 +68,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                               "supported)")
         self.block_size = vllm_config.cache_config.block_size
         self.config = config_from_kv_transfer(extra, block_size=self.block_size)
-        self.layout, self.layer_names, self.hot_window = layout_of(kv_cache_config, self.block_size)
-        if self.hot_window is not None:  # without the hot window (a plain pool) cache.window_tokens is unused
+        hot = runs_hot_window(vllm_config)
+        if hot:  # without the hot window (a plain pool, or the model's own window) cache.window_tokens is unused
             check_hot_window_config(self.config)
+        group = layout_of(kv_cache_config, self.block_size, self.config.cache.window_tokens if hot else None)
+        self.layout, self.layer_names = group.layout, group.layer_names
+        # hot_window: tierkv's (FarKV, far staging, hot-window rows); own_window: the model's own sliding window,
+        # run by the plain path, which skips the blocks vLLM keeps outside it (its null block)
+        self.hot_window, self.own_window = group.hot_window, group.own_window
         model_config = getattr(vllm_config, "model_config", None)
         self.model_id = model_identity_of(self.config, extra, model_config,
                                           getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
@@ -86,7 +91,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_rank = tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._store: VllmKVStore | None = None
         self._far: FarKV | None = None
-        self._scheduler = ConnectorScheduler(self.block_size, self.hot_window, lambda: self.store)
+        self._scheduler = ConnectorScheduler(self.block_size, self.hot_window, lambda: self.store, self.own_window)
         self._hook_s = [0.0, 0.0, 0.0]  # this step's seconds in start_load_kv, save_kv_layer, wait_for_save
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._full: FullDecodeRows | None = None  # scheduler.sparse_full_graphs: the full decode graph's row inputs

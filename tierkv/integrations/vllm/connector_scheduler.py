@@ -63,6 +63,7 @@ class _RequestState:
     hole_from: int | None = None  # the first block the lookup found held in some layers but not all
     pending_load: BlockSpan | None = None
     leading_nulls: int = 0  # vLLM's null block at the start of its block table (a prefix hit's far blocks)
+    step_computed: int = 0  # its tokens computed before the step build_connector_meta describes
 
 
 class ConnectorScheduler:
@@ -70,11 +71,14 @@ class ConnectorScheduler:
 
     block_size: vLLM's tokens per block. hot_window: the window's tokens, None without one.
     store: the engine's store (a lookup store where the scheduler runs apart from the workers),
-    made on first use.
+    made on first use. own_window: without the hot window, the model's own sliding window (None: full
+    attention): vLLM frees the blocks that leave it, and gives those before it on a prefix hit its null block.
     """
 
-    def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore]):
+    def __init__(self, block_size: int, hot_window: int | None, store: Callable[[], VllmKVStore],
+                 own_window: int | None = None):
         self.block_size, self.hot_window, self._store = block_size, hot_window, store
+        self.own_window = None if hot_window is not None else own_window
         self._requests: dict[str, _RequestState] = {}
         patch_scheduler()  # a failed load leaves vLLM's prefix cache (also where the plugin's entry point did not run)
 
@@ -170,8 +174,10 @@ class ConnectorScheduler:
         window: vLLM freed those as they left it (`far_blocks`, its sliding-window skip) and may have given them
         to another request, whose failed load into one then dropped this request's save, never recomputed (its
         table no longer holds the block): the block was in no tier when it turned far, and the engine stopped."""
-        if self.hot_window is None:
+        if self.hot_window is None and self.own_window is None:
             return state.block_ids
+        if self.hot_window is None:  # the model's own window: vLLM frees what leaves it the same way
+            return state.block_ids[far_blocks(state.step_computed, self.own_window, self.block_size):]
         num_computed = meta.scheduled.get(state.request.request_id, (0, 0))[0]
         return state.block_ids[far_blocks(num_computed, self.hot_window, self.block_size):]
 
@@ -195,12 +201,17 @@ class ConnectorScheduler:
         that starts before blocks counted as saved recomputes them: a load that failed (vLLM's recompute
         policy moved num_computed back to the first block the tiers could not give), so they are saved again."""
         tokens = state.request.all_token_ids
+        state.step_computed = num_computed
         recomputed_to = state.next_block_to_save  # blocks below it a failed load has this step recompute
         if num_new > 0:
             state.next_block_to_save = min(state.next_block_to_save, num_computed // self.block_size)
         full = min(num_computed + num_new, len(tokens)) // self.block_size
         full = min(full, len(state.block_ids))
         first = state.next_block_to_save
+        if self.own_window is not None:
+            # blocks before the model's window when the step starts: vLLM's null block where its prefix cache hit
+            # past the window (or a failed load moved the tokens back), freed otherwise; never this step's blocks
+            first = max(first, far_blocks(num_computed, self.own_window, self.block_size))
         if full <= first:
             return
         hashes = self._store().extend_hashes(state.hashes, tokens, full, state.root)

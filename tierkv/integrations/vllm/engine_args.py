@@ -207,8 +207,9 @@ def check_own_window(model) -> None:
     if window:
         raise ValueError(f"{model}: its layers attend a sliding window of {window} tokens (config.json "
                          "sliding_window); vLLM keeps only that window of KV already, and tierkv's hot window would "
-                         "add the blocks before it: run it with hot_window=False (tierkv's connector alone) or on "
-                         "the transformers backend")
+                         "add the blocks before it: run it with hot_window=False (tierkv's connector alone saves "
+                         "every block and loads a prefix hit's blocks within its own window) or on the transformers "
+                         "backend")
 
 
 # the sliding ones are check_own_window's; "attention" is a dense model written with a hybrid config class

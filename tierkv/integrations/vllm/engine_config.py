@@ -1,13 +1,14 @@
-"""What the tierkv connector reads of the vLLM engine it serves: the tierkv block layout of its one
-KV cache group (and the hot window's sliding window), the model's identity in block addresses,
-its batch sizes, and this worker's tensor-parallel rank.
+"""What the tierkv connector reads of the vLLM engine it serves: whether it runs tierkv's hot window, the tierkv
+block layout of its one KV cache group (and its sliding window: the hot window's or the model's own), the model's
+identity in block addresses, its batch sizes, and this worker's tensor-parallel rank.
 
-Primitives: `layout_of`, `model_identity_of`, `max_num_seqs_of`, `sleep_mode_of`, `query_heads_of`, `graph_rows`,
-`tensor_parallel_rank`.
+Primitives: `runs_hot_window`, `layout_of` (-> `KVGroupLayout`), `model_identity_of`, `max_num_seqs_of`,
+`sleep_mode_of`, `query_heads_of`, `graph_rows`, `tensor_parallel_rank`.
 vLLM is imported only inside the functions that read its types.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.blocks import BlockLayout
@@ -69,9 +70,29 @@ def tensor_parallel_rank() -> int:
         return 0
 
 
-def layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockLayout, list[str], int | None]:
-    """The tierkv block layout, the layer names and the hot window (None: full attention) of the
-    single KV cache group: full attention, or the hot window's sliding-window spec."""
+def runs_hot_window(vllm_config) -> bool:
+    """Whether the engine runs tierkv's hot window: its attention backend is CUSTOM, which the plugin registers as
+    the hot window's (`hot_window.register`, `hot_window_engine_args`), and only there does the plugin declare the
+    hot window's SlidingWindowSpec. Any other backend leaves a sliding-window spec the model's own."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return getattr(backend, "name", backend) == "CUSTOM"
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    """What the connector reads of vLLM's one KV cache group."""
+
+    layout: BlockLayout
+    layer_names: list[str]
+    hot_window: int | None  # tierkv's hot window in tokens (None: not run)
+    own_window: int | None  # the model's own sliding window in tokens, without the hot window (None: full attention)
+
+
+def layout_of(kv_cache_config: "KVCacheConfig", block_size: int, hot_window_tokens: int | None) -> KVGroupLayout:
+    """The tierkv block layout, the layer names and the sliding window of the single KV cache group: full
+    attention, the hot window's sliding-window spec, or without the hot window the model's own sliding window.
+    hot_window_tokens: cache.window_tokens where the engine runs the hot window (`runs_hot_window`), else None.
+    ConfigError: a group tierkv cannot serve, or the hot window over a model's own window."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
         raise ConfigError("vllm kv_cache_groups", len(groups),
@@ -86,5 +107,14 @@ def layout_of(kv_cache_config: "KVCacheConfig", block_size: int) -> tuple[BlockL
     window = spec.sliding_window if type(spec) is SlidingWindowSpec else None
     if spec.block_size != block_size:
         raise ConfigError("vllm block_size", spec.block_size, f"the KV cache group must use block_size {block_size}")
+    if window is not None and hot_window_tokens is not None and window != hot_window_tokens:
+        # the plugin declares cache.window_tokens only over full attention: another window is the model's own
+        raise ConfigError("vllm kv_cache_spec sliding_window", window,
+                          f"the model attends its own sliding window of {window} tokens (config.json sliding_window) "
+                          f"and tierkv's hot window (attention backend CUSTOM, cache.window_tokens "
+                          f"{hot_window_tokens}) would add every block before it, attention the model never does: run "
+                          "it with hot_window=False (TieredLLM, vllm_engine_args) or without attention backend CUSTOM: "
+                          "tierkv's connector then saves and loads its window's blocks")
     layout = BlockLayout(spec.num_kv_heads, block_size, spec.head_size, spec.dtype)
-    return layout, list(groups[0].layer_names), window
+    hot = window if hot_window_tokens is not None else None
+    return KVGroupLayout(layout, list(groups[0].layer_names), hot, None if hot_window_tokens is not None else window)
