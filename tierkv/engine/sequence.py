@@ -153,15 +153,22 @@ class SequenceKV:
         first = step.first_block
         keys = [self._key(b, layer) for b in range(first, first + num_full)]
         slots, evicted = rt.cpu.prepare_put(keys)
-        rt.chain.spill(0, evicted)
-        if any(s is None for s in slots):
-            rt.cpu.abort_put([k for k, s in zip(keys, slots) if s is not None])
-            raise CapacityError(
-                f"the CPU tier ({rt.cpu.num_slots} blocks) has no free slot for sequence {self.seq_id}: "
-                f"raise tiers[0].capacity_bytes"
-            )
-        handle = rt.io.scatter(blocks[:num_full], torch.tensor(slots, dtype=torch.int64))
-        self._pending_d2h.append((keys, handle))
+        handle = None
+        try:
+            rt.chain.spill(0, evicted)
+            if any(s is None for s in slots):
+                raise CapacityError(
+                    f"the CPU tier ({rt.cpu.num_slots} blocks) has no free slot for sequence {self.seq_id}: "
+                    f"raise tiers[0].capacity_bytes"
+                )
+            handle = rt.io.scatter(blocks[:num_full], torch.tensor(slots, dtype=torch.int64))
+            self._pending_d2h.append((keys, handle))
+        except BaseException:  # a refusal, or an interrupt (Ctrl-C) before the copy was recorded: no slot stays taken
+            if handle is None or self._pending_d2h[-1:] != [(keys, handle)]:
+                if handle is not None:
+                    handle.synchronize()  # the copy into the slots ends before they are given back
+                rt.cpu.abort_put([k for k, s in zip(keys, slots) if s is not None])
+            raise
         self._last_d2h = handle
         if self.summaries is not None:
             self.summaries.update(layer, first, blocks[:num_full])

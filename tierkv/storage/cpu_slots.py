@@ -35,32 +35,51 @@ class CpuSlotAccess:
     `counters`, `slot_bytes`, and the internals `_allocate` and `_unpin`."""
 
     def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
-        """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted)."""
+        """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted).
+        An exception part-way (a KeyboardInterrupt between two keys) gives back the slots it took."""
         slots: list[int | None] = []
         evicted: list[tuple[str, torch.Tensor]] = []
         start = time.perf_counter()
         with self._lock:
             pending, slot_of, free, pins = self._pending, self._slot_of, self._free_slots, self._pins
-            one_by_one: Sequence[str] = keys
-            if self._fresh_with_room(keys):  # a save of new blocks into free slots: C-level passes
-                slots = free[len(free) - len(keys):][::-1]  # popped from the end, in key order
-                del free[len(free) - len(keys):]
-                pending.update(zip(keys, slots))
-                pins.update(keys)
-                one_by_one = ()
-            for key in one_by_one:
-                if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
-                    slot = pending[key] = free.pop()
-                    pins[key] += 1
-                    slots.append(slot)
-                    continue
-                result = self._allocate(key)
-                evicted.extend(result.evicted)
-                slots.append(self._pending[key] if result.ok else None)
-            elapsed = time.perf_counter() - start
-            self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
+            was_pending = pending.keys() & keys
+            try:
+                one_by_one: Sequence[str] = keys
+                if self._fresh_with_room(keys):  # a save of new blocks into free slots: C-level passes
+                    slots = free[len(free) - len(keys):][::-1]  # popped from the end, in key order
+                    pending.update(zip(keys, slots))
+                    del free[len(free) - len(keys):]
+                    pins.update(keys)
+                    one_by_one = ()
+                for key in one_by_one:
+                    if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
+                        slot = pending[key] = free.pop()
+                        pins[key] += 1
+                        slots.append(slot)
+                        continue
+                    result = self._allocate(key)
+                    evicted.extend(result.evicted)
+                    slots.append(self._pending[key] if result.ok else None)
+                elapsed = time.perf_counter() - start
+                self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
+            except BaseException:
+                self._give_back_taken(keys, was_pending)
+                raise
         self.counters.add(evictions=len(evicted))
         return slots, evicted
+
+    def _give_back_taken(self, keys: Sequence[str], was_pending: set[str]) -> None:
+        """After a prepare_put that raised part-way: its pending keys (those not pending before it) aborted,
+        their slots free again (a slot the fast path listed as pending but had not yet taken off the free
+        list stays there). Lock held."""
+        taken = [key for key in dict.fromkeys(keys) if key in self._pending and key not in was_pending]
+        free = set(self._free_slots)
+        for key in taken:
+            slot = self._pending.pop(key)
+            if slot not in free:
+                self._free_slots.append(slot)
+            self._prepare_s.pop(key, None)
+            self._unpin(key)
 
     def _fresh_with_room(self, keys: Sequence[str]) -> bool:
         """Whether every key is new (neither pending nor visible), listed once, and a free slot waits for
