@@ -74,3 +74,49 @@ def test_prepare_put_interrupted_part_way_takes_no_slot():
     assert not tier._pending and not tier._pins
     slots, _ = tier.prepare_put(["x", "y", "z"])  # every slot free or evictable again
     assert None not in slots
+
+
+def test_generate_after_an_interrupted_prefix_promotion_gives_a_fresh_objects_tokens(tmp_path, monkeypatch):
+    """Ctrl-C while generate copies a prefix found in a lower tier (disk here; Redis takes the same path,
+    TierChain._acquire_lower) into the CPU tier: its prepared slots go back, and the prompt is not refused."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 512, (203,)).tolist()
+    other = torch.randint(0, 512, (150,)).tolist()
+    fresh = make_llm(tmp_path / "fresh")
+    with fresh:
+        expected = fresh.generate([prompt], max_new_tokens=5)[0].token_ids
+    llm = make_llm(tmp_path / "interrupted", cpu_blocks=120)
+    rt = llm.runtime
+    with llm:
+        llm.generate([prompt], max_new_tokens=2)
+        llm.generate([other], max_new_tokens=2)  # the prompt's blocks spill to disk
+        rt.chain.flush()
+        monkeypatch.setattr(rt.cpu, "write_slots", Interrupt(rt.cpu.write_slots, 1))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], max_new_tokens=5)
+        monkeypatch.undo()
+        assert not rt.cpu._pending
+        again = llm.generate([prompt], max_new_tokens=5)[0]
+    assert again.token_ids == expected
+    assert again.stats["prefix_tokens"] > 0
+
+
+def test_interrupt_after_a_write_back_completed_is_not_completed_twice(tmp_path, monkeypatch):
+    """Ctrl-C in the write-through hand-off just after a finished D2H copy was made visible (complete_put):
+    generate raises the KeyboardInterrupt (not a KeyError from completing the copy again at finish), and the
+    prompt then gives a fresh object's tokens."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 512, (203,)).tolist()
+    fresh = make_llm(tmp_path / "fresh")
+    with fresh:
+        expected = fresh.generate([prompt], max_new_tokens=5)[0].token_ids
+    llm = make_llm(tmp_path / "interrupted")
+    rt = llm.runtime
+    with llm:
+        monkeypatch.setattr(rt.chain, "write_through", Interrupt(rt.chain.write_through, 2))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], max_new_tokens=5)
+        monkeypatch.undo()
+        assert not rt.cpu._pending
+        again = llm.generate([prompt], max_new_tokens=5)[0]
+    assert again.token_ids == expected

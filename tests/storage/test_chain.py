@@ -173,3 +173,28 @@ def test_the_cpu_tier_says_which_refused_keys_it_holds_or_is_writing():
     cpu.complete_put(["a"])
     assert cpu.held_or_written(["a"]) == [True]
     cpu.close()
+
+
+@pytest.mark.parametrize("where", ["spill", "write_slots"])
+def test_interrupt_while_promoting_gives_the_prepared_slots_back(chain, where, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) between acquire's prepare_put of lower-tier blocks and its complete_put:
+    the prepared CPU slots go back, so the same keys are acquired (and read intact) on the next call."""
+    blocks = blocks_for(8)
+    keys = list(blocks)
+    chain.put_many(keys, list(blocks.values()))
+    chain.flush()
+    lower = [k for k, where_ in zip(keys, chain.locate_many(keys)) if where_ == 1][:2]
+    target = chain if where == "spill" else chain.tiers[0]
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(target, where, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            chain.acquire_many(lower)
+    slots = chain.acquire_many(lower)
+    assert slots is not None
+    for key, block in zip(lower, chain.tiers[0].read_slots(slots)):
+        assert torch.equal(block, blocks[key]), key
+    chain.tiers[0].release(lower)

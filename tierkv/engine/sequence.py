@@ -194,16 +194,14 @@ class SequenceKV:
         self._complete_finished_d2h(wait=True)
 
     def _complete_finished_d2h(self, wait: bool = False) -> None:
-        still = []
-        for keys, handle in self._pending_d2h:
+        for entry in list(self._pending_d2h):
+            keys, handle = entry
             if wait:
                 handle.synchronize()
             if handle.is_done():
+                self._pending_d2h.remove(entry)  # first: an interrupt (Ctrl-C) past here must not complete it twice
                 self.rt.cpu.complete_put(keys, keep_pinned=True)
                 self.rt.chain.write_through([k for k in keys if not k.startswith("anon-")])
-            else:
-                still.append((keys, handle))
-        self._pending_d2h = still
 
     # -- reads ----------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -243,14 +243,25 @@ class TierChain:
             return slots
         readable_keys = [keys[i] for i, _ in readable]
         new_slots, evicted = first.prepare_put(readable_keys)
-        self.spill(0, evicted)
-        if any(s is None for s in new_slots):
-            first.abort_put([k for k, s in zip(readable_keys, new_slots) if s is not None])
-            return slots
-        first.write_slots(new_slots, torch.stack([b for _, b in readable]))
-        for (i, _), slot in zip(readable, new_slots):
-            slots[i] = slot
-        first.complete_put(readable_keys, keep_pinned=True)
+        prepared = [k for k, s in zip(readable_keys, new_slots) if s is not None]
+        settled = False  # the prepared slots completed or given back
+        try:
+            self.spill(0, evicted)
+            if len(prepared) < len(readable_keys):
+                first.abort_put(prepared)
+                settled = True
+                return slots
+            first.write_slots(new_slots, torch.stack([b for _, b in readable]))
+            for (i, _), slot in zip(readable, new_slots):
+                slots[i] = slot
+            first.complete_put(readable_keys, keep_pinned=True)
+            settled = True
+        except BaseException:  # Ctrl-C before that: the slots would stay pending and pinned for good
+            if not settled:
+                for i, _ in readable:
+                    slots[i] = None  # not the caller's to release
+                first.abort_put(prepared)
+            raise
         with self._lock:
             self.num_promoted += len(readable_keys)
         return slots
