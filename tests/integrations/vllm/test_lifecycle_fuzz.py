@@ -23,11 +23,15 @@ PROMPT = list(range(100, 124))   # 6 blocks
 OTHER = list(range(500, 512))    # 3 blocks
 
 
-def test_a_failed_load_into_a_block_another_request_left_keeps_that_requests_save(tmp_path, one_torch_thread):
+@pytest.mark.parametrize("hot_window", [True, False], ids=["hot_window", "own_window"])
+def test_a_failed_load_into_a_block_another_request_left_keeps_that_requests_save(tmp_path, one_torch_thread,
+                                                                                   hot_window):
     """B hits PROMPT's 6 saved blocks and loads its window (blocks 4, 5); vLLM frees B's blocks as they leave
     the window and gives two to C, whose load into the first fails. B's save of that step read none of them:
-    it stays, B's blocks are all in the tiers, and the engine runs to the end."""
-    engine = Engine(tmp_path, Shape(cpu_blocks=800, layers=2, pool=12, window=8, max_seqs=4, batched=16))
+    it stays, B's blocks are all in the tiers, and the engine runs to the end. The window is tierkv's hot window,
+    or the model's own (the connector's plain path, where vLLM frees what leaves the window the same way)."""
+    engine = Engine(tmp_path, Shape(cpu_blocks=800, layers=2, pool=12, window=8, max_seqs=4, batched=16,
+                                    hot_window=hot_window))
     try:
         engine.add("A", PROMPT, 1)
         engine.run_out()
