@@ -39,29 +39,45 @@ class Interrupt:
         return self.fn(*args, **kwargs)
 
 
+def interrupted_then_again(tmp_path, monkeypatch, prompts, interrupt, cpu_blocks: int = 4096, before=()):
+    """Each of `prompts` on a fresh object (5 tokens), then on another that first ran `before` (2 tokens each),
+    had `interrupt(runtime)` patched in (its monkeypatch.setattr) and raised KeyboardInterrupt on prompts[0]:
+    (the fresh results, the results after the interrupt). No CPU-tier slot stays pending after it or them."""
+    fresh = make_llm(tmp_path / "fresh")
+    with fresh:
+        expected = [fresh.generate([p], max_new_tokens=5)[0] for p in prompts]
+    llm = make_llm(tmp_path / "interrupted", cpu_blocks=cpu_blocks)
+    rt = llm.runtime
+    with llm:
+        for p in before:
+            llm.generate([p], max_new_tokens=2)
+        rt.chain.flush()
+        interrupt(rt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompts[0]], max_new_tokens=5)
+        monkeypatch.undo()
+        assert not rt.cpu._pending
+        again = [llm.generate([p], max_new_tokens=5)[0] for p in prompts]
+        assert not rt.cpu._pending
+    return expected, again
+
+
 @pytest.mark.parametrize("where", ["scatter", "allocate"])
 def test_generate_after_an_interrupted_write_back_gives_a_fresh_objects_tokens(tmp_path, monkeypatch, where):
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (203,)).tolist()
     other = torch.randint(0, 512, (150,)).tolist()
-    fresh = make_llm(tmp_path / "fresh")
-    with fresh:
-        expected = [fresh.generate([p], max_new_tokens=5)[0].token_ids for p in (prompt, prompt[:120] + other[:60])]
-    # a CPU tier full of another request's blocks: the slow per-key path of prepare_put (evicting as it goes)
-    llm = make_llm(tmp_path / "interrupted", cpu_blocks=120)
-    rt = llm.runtime
-    with llm:
-        llm.generate([other], max_new_tokens=2)
+
+    def interrupt(rt):
         if where == "scatter":  # after prepare_put took the slots, before the copy was recorded
             monkeypatch.setattr(rt.io, "scatter", Interrupt(rt.io.scatter, 3))
         else:  # part-way through prepare_put's keys
             monkeypatch.setattr(rt.cpu, "_allocate", Interrupt(rt.cpu._allocate, 5))
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate([prompt], max_new_tokens=5)
-        monkeypatch.undo()
-        again = [llm.generate([p], max_new_tokens=5)[0].token_ids for p in (prompt, prompt[:120] + other[:60])]
-        assert not rt.cpu._pending
-    assert again == expected
+
+    # a CPU tier full of another request's blocks: the slow per-key path of prepare_put (evicting as it goes)
+    expected, again = interrupted_then_again(tmp_path, monkeypatch, [prompt, prompt[:120] + other[:60]], interrupt,
+                                             cpu_blocks=120, before=[other])
+    assert [r.token_ids for r in again] == [r.token_ids for r in expected]
 
 
 def test_prepare_put_interrupted_part_way_takes_no_slot():
@@ -82,22 +98,11 @@ def test_generate_after_an_interrupted_prefix_promotion_gives_a_fresh_objects_to
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (203,)).tolist()
     other = torch.randint(0, 512, (150,)).tolist()
-    fresh = make_llm(tmp_path / "fresh")
-    with fresh:
-        expected = fresh.generate([prompt], max_new_tokens=5)[0].token_ids
-    llm = make_llm(tmp_path / "interrupted", cpu_blocks=120)
-    rt = llm.runtime
-    with llm:
-        llm.generate([prompt], max_new_tokens=2)
-        llm.generate([other], max_new_tokens=2)  # the prompt's blocks spill to disk
-        rt.chain.flush()
-        monkeypatch.setattr(rt.cpu, "write_slots", Interrupt(rt.cpu.write_slots, 1))
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate([prompt], max_new_tokens=5)
-        monkeypatch.undo()
-        assert not rt.cpu._pending
-        again = llm.generate([prompt], max_new_tokens=5)[0]
-    assert again.token_ids == expected
+    expected, (again,) = interrupted_then_again(  # the prompt's blocks spill to disk under the other's
+        tmp_path, monkeypatch, [prompt],
+        lambda rt: monkeypatch.setattr(rt.cpu, "write_slots", Interrupt(rt.cpu.write_slots, 1)),
+        cpu_blocks=120, before=[prompt, other])
+    assert again.token_ids == expected[0].token_ids
     assert again.stats["prefix_tokens"] > 0
 
 
@@ -107,16 +112,7 @@ def test_interrupt_after_a_write_back_completed_is_not_completed_twice(tmp_path,
     prompt then gives a fresh object's tokens."""
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (203,)).tolist()
-    fresh = make_llm(tmp_path / "fresh")
-    with fresh:
-        expected = fresh.generate([prompt], max_new_tokens=5)[0].token_ids
-    llm = make_llm(tmp_path / "interrupted")
-    rt = llm.runtime
-    with llm:
-        monkeypatch.setattr(rt.chain, "write_through", Interrupt(rt.chain.write_through, 2))
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate([prompt], max_new_tokens=5)
-        monkeypatch.undo()
-        assert not rt.cpu._pending
-        again = llm.generate([prompt], max_new_tokens=5)[0]
-    assert again.token_ids == expected
+    expected, (again,) = interrupted_then_again(
+        tmp_path, monkeypatch, [prompt],
+        lambda rt: monkeypatch.setattr(rt.chain, "write_through", Interrupt(rt.chain.write_through, 2)))
+    assert again.token_ids == expected[0].token_ids
