@@ -258,8 +258,6 @@ class TierChain:
             settled = True
         except BaseException:  # Ctrl-C before that: the slots would stay pending and pinned for good
             if not settled:
-                for i, _ in readable:
-                    slots[i] = None  # not the caller's to release
                 first.abort_put(prepared)
             raise
         with self._lock:

@@ -167,19 +167,17 @@ class ConnectorScheduler:
         loaded = {b for span in meta.loads for b in span.block_ids}
         for span in meta.saves:
             state = self._requests.get(span.req_id)
-            span.reads = sorted(loaded.intersection(self._held(meta, state))) if state is not None else []
+            span.reads = sorted(loaded.intersection(self._held(state))) if state is not None else []
 
-    def _held(self, meta: TierKVMetadata, state: _RequestState) -> list[int]:
+    def _held(self, state: _RequestState) -> list[int]:
         """The vLLM block ids `state`'s request holds in this step. Under the hot window not the ids before its
         window: vLLM freed those as they left it (`far_blocks`, its sliding-window skip) and may have given them
         to another request, whose failed load into one then dropped this request's save, never recomputed (its
         table no longer holds the block): the block was in no tier when it turned far, and the engine stopped."""
-        if self.hot_window is None and self.own_window is None:
+        window = self.hot_window if self.hot_window is not None else self.own_window  # a model's own: freed alike
+        if window is None:
             return state.block_ids
-        if self.hot_window is None:  # the model's own window: vLLM frees what leaves it the same way
-            return state.block_ids[far_blocks(state.step_computed, self.own_window, self.block_size):]
-        num_computed = meta.scheduled.get(state.request.request_id, (0, 0))[0]
-        return state.block_ids[far_blocks(num_computed, self.hot_window, self.block_size):]
+        return state.block_ids[far_blocks(state.step_computed, window, self.block_size):]
 
     def _add_hot_window(self, meta: TierKVMetadata, state: _RequestState, num_computed: int, num_new: int) -> None:
         """The worker's far/near split needs each request's position and the hashes of its full blocks."""
