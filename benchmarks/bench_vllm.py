@@ -390,15 +390,16 @@ def run(mode: str, model_dir: str, out: str, context: int, layers: int, with_pre
             # set2_repeat_2, ...), with the given pause before each set's first repeat (set 1's is gaps[0]): is a first
             # repeat slow once per engine, or after every new prefix's first run (its saves landing), and does a pause
             # between the first run and the repeat change it?
+            pauses = {"repeat": gaps[0]}  # before each prefix's first repeat
             for j in range(2, len(gaps) + 1):
                 runs += [(f"set{j}_first", 11), (f"set{j}_repeat", 12)]
                 runs += [(f"set{j}_repeat_{n}", 11 + n) for n in range(2, prefix_repeats + 1)]
+                pauses[f"set{j}_repeat"] = gaps[j - 1]
             set_prefix = prefix
             for key, last in runs:  # with each run's steps, collections and far waits
-                if key.endswith("_first") and key.startswith("set"):
+                if key.startswith("set") and key.endswith("_first"):  # the next prefix's first run
                     set_prefix = [rng.randrange(3, 128000) for _ in range(100_000)]
-                if key == "repeat" or (key.startswith("set") and key.endswith("_repeat")):
-                    time.sleep(gaps[int(key[3:].split("_")[0]) - 1] if key.startswith("set") else gaps[0])
+                time.sleep(pauses.get(key, 0.0))
                 wait_before, allocs_before = far_wait_s(), device_allocs()
                 profile = [0] if key.endswith("_profiled") else None
                 ttft_s, _, _, _, prefix_step_ms, prefix_step_gc = stepped(set_prefix + [last], one, profile, f"prefix-{key}")
