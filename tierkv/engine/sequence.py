@@ -6,7 +6,7 @@ Per layer and step (one `append` then one `attend`, layer after layer):
 
     append(layer, k_new, v_new)
         fresh = old tokens of the partial block + new tokens     [nb, 2, H, T, D] on device
-        full fresh blocks  --D2H-->  CPU tier slots (keys: content hash when tokens are known)
+        full fresh blocks  --D2H-->  CPU tier slots (keys: content hash when tokens are known, sequence_keys)
         resident fresh blocks  -->  their GPU slots
     attend(layer, q)
         resident old blocks (paged) + streamed old blocks (staging ring) + fresh tokens (causal)
@@ -21,11 +21,11 @@ import torch
 
 from tierkv.attention import contiguous_partial_attention, merge_partials, paged_partial_attention
 from tierkv.attention.flash import can_use_flash, flash_partial_attention, gather_blocks
-from tierkv.blocks import block_key, chain_block_hashes
 from tierkv.scheduler import StepPlan, plan_step
 from tierkv.transfer.device import to_device_no_sync
 from tierkv.transfer.step_indices import StepIndices, step_indices
 from tierkv.engine.predictors import predictor_for
+from tierkv.engine.sequence_keys import SequenceKeys
 from tierkv.sparse.summaries import BlockSummaries, select_far_blocks_on_device, select_far_blocks_per_kv_head
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ class SequenceKV:
         self.cpu_slots: list[list[int]] = [[] for _ in range(num_layers)]
         self._slots_mirror: list[tuple[list[int] | None, torch.Tensor | None]] = [(None, None)] * num_layers
         self.block_keys: list[list[str]] = [[] for _ in range(num_layers)]
-        self._hashes: list[str] = []
         self._pending_d2h: list[tuple[list[str], object]] = []
         self._last_d2h = None
         self._step: StepPlan | None = None
@@ -63,6 +62,8 @@ class SequenceKV:
                                          bound_weight=runtime.config.scheduler.sparse_bound_weight)
                           if sparse else None)
         self._is_sparse_step = False
+        self._keys = SequenceKeys(self.seq_id, layout.block_tokens, runtime.fingerprint,  # CPU-tier keys of its blocks
+                                  self.prompt_tokens if sparse else None)
         # a CPU device: far blocks are attended in the CPU tier's slab, no staging, no predictor (the
         # runtime's `InPlaceFarReads`, tierkv.attention.cpu_far: its buffer and count serve every sequence)
         self.far_in_place = runtime.far_in_place
@@ -145,49 +146,28 @@ class SequenceKV:
         return tokens.view(2, num_blocks, T, *k_new.shape[1:]).permute(1, 0, 3, 2, 4).contiguous()
 
     def _write_back(self, layer: int, step: StepPlan, blocks: torch.Tensor) -> None:
-        """D2H the blocks that became full into pinned CPU-tier slots held by this sequence."""
+        """D2H the blocks that became full into pinned CPU-tier slots held by this sequence. A refusal, or an
+        interrupt (Ctrl-C) before the copy is handed over to `_pending_d2h`, leaves no slot taken (`prepared_put`)."""
         rt = self.rt
         num_full = step.num_fresh_full
         if num_full == 0:
             return
         first = step.first_block
-        keys = [self._key(b, layer) for b in range(first, first + num_full)]
-        slots, evicted = rt.cpu.prepare_put(keys)
-        handle = None
-        try:
-            rt.chain.spill(0, evicted)
-            if any(s is None for s in slots):
+        keys = [self._keys.key(self.token_ids, b, layer) for b in range(first, first + num_full)]
+        with rt.cpu.prepared_put(keys) as put:
+            rt.chain.spill(0, put.evicted)
+            if None in put.slots:
                 raise CapacityError(
                     f"the CPU tier ({rt.cpu.num_slots} blocks) has no free slot for sequence {self.seq_id}: "
                     f"raise tiers[0].capacity_bytes"
                 )
-            handle = rt.io.scatter(blocks[:num_full], torch.tensor(slots, dtype=torch.int64))
-            self._pending_d2h.append((keys, handle))
-        except BaseException:  # a refusal, or an interrupt (Ctrl-C) before the copy was recorded: no slot stays taken
-            if handle is None or self._pending_d2h[-1:] != [(keys, handle)]:
-                if handle is not None:
-                    handle.synchronize()  # the copy into the slots ends before they are given back
-                rt.cpu.abort_put([k for k, s in zip(keys, slots) if s is not None])
-            raise
-        self._last_d2h = handle
+            put.copy = rt.io.scatter(blocks[:num_full], torch.tensor(put.slots, dtype=torch.int64))
+            put.hand_over(self._pending_d2h, (keys, put.copy))  # completed by _complete_finished_d2h once it lands
+        self._last_d2h = put.copy
         if self.summaries is not None:
             self.summaries.update(layer, first, blocks[:num_full])
-        self.cpu_slots[layer].extend(slots)
+        self.cpu_slots[layer].extend(put.slots)
         self.block_keys[layer].extend(keys)
-
-    def _key(self, block_index: int, layer: int) -> str:
-        T = self.rt.layout.block_tokens
-        if self.summaries is not None and (block_index + 1) * T > self.prompt_tokens:
-            # a token past the prompt came from a sparse decode step: its KV (above layer 0) depends on what that
-            # step read, the GPU budget's resident blocks included: never published, never another request's
-            return f"anon-{self.seq_id}-{block_index}/L{layer}"
-        if len(self.token_ids) >= (block_index + 1) * T:
-            if len(self._hashes) <= block_index:  # extend the chain over every full block known now
-                start, stop = len(self._hashes) * T, len(self.token_ids) // T * T
-                parent = self._hashes[-1] if self._hashes else None
-                self._hashes += chain_block_hashes(self.token_ids[start:stop], T, self.rt.fingerprint, parent)
-            return block_key(self._hashes[block_index], layer)
-        return f"anon-{self.seq_id}-{block_index}/L{layer}"
 
     def wait_for_write_back(self) -> None:
         """Host wait until every block written back so far is in the CPU tier."""

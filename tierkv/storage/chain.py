@@ -242,24 +242,14 @@ class TierChain:
         if not readable:
             return slots
         readable_keys = [keys[i] for i, _ in readable]
-        new_slots, evicted = first.prepare_put(readable_keys)
-        prepared = [k for k, s in zip(readable_keys, new_slots) if s is not None]
-        settled = False  # the prepared slots completed or given back
-        try:
-            self.spill(0, evicted)
-            if len(prepared) < len(readable_keys):
-                first.abort_put(prepared)
-                settled = True
+        with first.prepared_put(readable_keys) as put:  # given back unless completed (a refusal, a Ctrl-C)
+            self.spill(0, put.evicted)
+            if None in put.slots:
                 return slots
-            first.write_slots(new_slots, torch.stack([b for _, b in readable]))
-            for (i, _), slot in zip(readable, new_slots):
+            first.write_slots(put.slots, torch.stack([b for _, b in readable]))
+            for (i, _), slot in zip(readable, put.slots):
                 slots[i] = slot
-            first.complete_put(readable_keys, keep_pinned=True)
-            settled = True
-        except BaseException:  # Ctrl-C before that: the slots would stay pending and pinned for good
-            if not settled:
-                first.abort_put(prepared)
-            raise
+            put.complete(keep_pinned=True)
         with self._lock:
             self.num_promoted += len(readable_keys)
         return slots

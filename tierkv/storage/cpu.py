@@ -182,22 +182,23 @@ class CpuTier(CpuSlotAccess, StorageTier):
         return self._pin_state.pinned(key)
 
     def _allocate(self, key: str) -> PutResult:
-        """Reserve a pinned pending slot for key (see `_take_slot`). Lock held."""
-        result, slot = self._take_slot(key)
+        """Reserve a pinned pending slot for key (see `_take_slot`). Lock held. The slot is recorded pending as it
+        is taken, not after `_take_slot` returns: an interrupt (Ctrl-C) in between would leave it in no list."""
+        result, _ = self._take_slot(key, self._pending)
         if result.ok:
-            self._pending[key] = slot
             self._pins[key] += 1
         return result
 
-    def _take_slot(self, key: str) -> tuple[PutResult, int | None]:
+    def _take_slot(self, key: str, pending: dict[str, int] | None = None) -> tuple[PutResult, int | None]:
         """A slot for key: its own, a free one, or the LRU unpinned block's. Lock held.
 
-        The slot is in no index when this returns; an evicted block's bytes (cloned) are in the
+        With `pending`, the slot is recorded there under key as soon as it is taken (before an evicted block is
+        copied out), else it is in no index when this returns; an evicted block's bytes (cloned) are in the
         result, and the caller counts the eviction.
         """
         if key in self._pending:
             return PutResult(ok=False, error=f"{self.name}: block {key} is already being written"), None
-        evicted = []
+        victim = None
         if key in self._slot_of:
             if self._pinned(key):
                 return PutResult(ok=False, error=f"{self.name}: block {key} is pinned by a reader"), None
@@ -209,7 +210,9 @@ class CpuTier(CpuSlotAccess, StorageTier):
             if victim is None:
                 return PutResult(ok=False, error=f"{self.name}: all {self.num_slots} slots are pinned"), None
             slot = self._drop(victim)
-            evicted.append((victim, self.read_slots([slot])[0]))
+        if pending is not None:
+            pending[key] = slot
+        evicted = [] if victim is None else [(victim, self.read_slots([slot])[0])]
         return PutResult(ok=True, evicted=evicted), slot
 
     def _drop(self, key: str) -> int:

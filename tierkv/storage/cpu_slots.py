@@ -1,12 +1,15 @@
 """The CPU tier's slot-level two-phase API, what the GPU transfer engine copies through.
 
-Primitives: `CpuSlotAccess` (prepare_put, complete_put, abort_put, acquire, release, acquire_blocks,
-release_blocks), a mixin of `cpu.CpuTier`: its methods run under the tier's lock on the tier's own
-index, pins and counters.
+Primitives: `CpuSlotAccess` (prepare_put, prepared_put, complete_put, abort_put, acquire, release,
+acquire_blocks, release_blocks), a mixin of `cpu.CpuTier`: its methods run under the tier's lock on the
+tier's own index, pins and counters; `PreparedPut`, what `prepared_put` gives its `with` block.
 
     slots = tier.prepare_put(keys)   # allocate slots, pinned: not evictable, not yet visible
     ... D2H scatter into tier.slab[slots] ...
     tier.complete_put(keys)          # visible to lookups, unpinned
+    with tier.prepared_put(keys) as put:   # the same, and whatever is still pending when the block ends
+        ...                                # (an exception, a Ctrl-C, a refusal) is given back, unless
+        put.complete()                     # completed or handed over (put.hand_over) to an owner who completes it
     slots = tier.acquire(keys)       # pin existing blocks while an H2D gather reads them
     tier.release(keys)
     rows = tier.acquire_blocks(groups)   # [blocks, layers] slots, each block pinned whole (cpu_pins)
@@ -20,8 +23,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from itertools import repeat
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -53,7 +57,8 @@ class CpuSlotAccess:
                     one_by_one = ()
                 for key in one_by_one:
                     if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
-                        slot = pending[key] = free.pop()
+                        slot = pending[key] = free[-1]  # pending before it leaves the free list: an interrupt
+                        del free[-1]                    # between the two leaves it in both (_give_back_taken)
                         pins[key] += 1
                         slots.append(slot)
                         continue
@@ -68,8 +73,28 @@ class CpuSlotAccess:
         self.counters.add(evictions=len(evicted))
         return slots, evicted
 
+    @contextmanager
+    def prepared_put(self, keys: Sequence[str]) -> Iterator["PreparedPut"]:
+        """prepare_put(keys) for a `with` block, which completes the slots (`put.complete`) or hands them over
+        (`put.hand_over`). Otherwise, when the block ends (a refusal, an exception, a KeyboardInterrupt), the
+        slots it took that are still pending are given back, once `put.copy` (a copy the block enqueued into
+        them) has ended."""
+        put, was_pending = PreparedPut(self, keys), None
+        try:
+            with self._lock:  # what was pending before, seen with the prepare: the give-back leaves those alone
+                was_pending = self._pending.keys() & keys
+                put.slots, put.evicted = self.prepare_put(keys)
+            yield put
+        finally:
+            if was_pending is not None and not put.is_handed_over:
+                if put.copy is not None:
+                    put.copy.synchronize()  # the copy into the slots ends before they are given back
+                with self._lock:
+                    self._give_back_taken(keys, was_pending)
+
     def _give_back_taken(self, keys: Sequence[str], was_pending: set[str]) -> None:
-        """After a prepare_put that raised part-way: its pending keys (those not pending before it) aborted,
+        """After a prepare_put that raised part-way, or a `prepared_put` block that ended with slots pending:
+        the pending keys among `keys` that were not pending before it aborted,
         their slots free again (a slot the fast path listed as pending but had not yet taken off the free
         list stays there). Lock held."""
         taken = [key for key in dict.fromkeys(keys) if key in self._pending and key not in was_pending]
@@ -164,3 +189,35 @@ class CpuSlotAccess:
         with self._lock:
             if self._pin_state.blocks is not None:
                 self._pin_state.blocks.release(groups)
+
+
+class PreparedPut:
+    """Slots `CpuSlotAccess.prepared_put` reserved for `keys`: `slots` (None where the tier had none) and
+    `evicted`, as prepare_put returns them; pending and pinned until completed or handed over. `copy`: a copy
+    the caller enqueued into the slots (anything with `synchronize()`), waited for before a give-back."""
+
+    def __init__(self, tier: CpuSlotAccess, keys: Sequence[str]):
+        self.tier, self.keys = tier, keys
+        self.slots: list[int | None] = []
+        self.evicted: list[tuple[str, torch.Tensor]] = []
+        self.copy = None
+        self._is_completed = False
+        self._record: list | None = None
+        self._entry: object = None
+
+    def complete(self, *, keep_pinned: bool = False) -> None:
+        """tier.complete_put(keys): every key got a slot and its bytes are written."""
+        self.tier.complete_put(self.keys, keep_pinned=keep_pinned)
+        self._is_completed = True
+
+    def hand_over(self, record: list, entry: object) -> None:
+        """Append `entry` to `record`, whose owner completes (or gives back) these slots later. The append is the
+        hand-over: `is_handed_over` looks for the entry, so an interrupt just after it gives nothing back."""
+        self._record, self._entry = record, entry
+        record.append(entry)
+
+    @property
+    def is_handed_over(self) -> bool:
+        if self._is_completed:
+            return True
+        return self._record is not None and any(entry is self._entry for entry in reversed(self._record))

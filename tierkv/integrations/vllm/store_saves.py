@@ -72,7 +72,8 @@ class LayerSaves:
         return blocks
 
     def _start_d2h(self, keys: list[str], flat: torch.Tensor) -> None:
-        """flat [len(keys), 2, H, T, D] into prepared CPU-tier slots; blocks refused a slot to the tiers below.
+        """flat [len(keys), 2, H, T, D] into prepared CPU-tier slots, given back if anything stops this before the
+        copy is in `_pending` (`CpuSlotAccess.prepared_put`); blocks refused a slot to the tiers below.
         Under the hot window a block the CPU tier holds already is pinned for the saving request, as a landed
         save's (`keep_pins`), and not written again (a rewrite would take it out of the tier until it lands)."""
         store = self.store
@@ -81,16 +82,17 @@ class LayerSaves:
                 keys, flat = self._pin_held(keys, flat)
                 if not keys:
                     return
-            slots, evicted = store.cpu.prepare_put(keys)
-            store.chain.spill(0, evicted)
-            ok = [i for i, s in enumerate(slots) if s is not None]
-            refused = [i for i, s in enumerate(slots) if s is None]
-            if ok:
-                chosen = flat if len(ok) == len(keys) else flat[torch.tensor(ok, device=flat.device)]
-                handle = store.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
-                self._pending.append((handle, [keys[i] for i in ok], len(ok) * store.layout.num_bytes,
-                                      [slots[i] for i in ok]))  # fmt: skip
-                store.counts["blocks_saved"] += len(ok)
+            with store.cpu.prepared_put(keys) as put:  # given back unless handed over (an exception, a Ctrl-C)
+                store.chain.spill(0, put.evicted)
+                slots = put.slots
+                ok = [i for i, s in enumerate(slots) if s is not None]
+                refused = [i for i, s in enumerate(slots) if s is None]
+                if ok:
+                    chosen = flat if len(ok) == len(keys) else flat[torch.tensor(ok, device=flat.device)]
+                    put.copy = store.io.scatter(chosen, torch.tensor([slots[i] for i in ok], dtype=torch.int64))
+                    put.hand_over(self._pending, (put.copy, [keys[i] for i in ok], len(ok) * store.layout.num_bytes,
+                                                  [slots[i] for i in ok]))  # fmt: skip
+                    store.counts["blocks_saved"] += len(ok)
         if refused:  # every CPU slot pinned or the block is being written: hand it to the tiers below
             store.counts["save_fallbacks"] += len(refused)
             index = torch.tensor(refused, device=flat.device)
