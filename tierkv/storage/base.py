@@ -26,12 +26,13 @@ class TierError(RuntimeError):
 
 @dataclass
 class PutResult:
-    """What a put did. `evicted` holds blocks pushed out to make room, for the next tier. `retry`: it failed
-    only because the tier (or the key's node) could not be reached now: the same put may succeed later."""
+    """What a put did. `evicted` holds blocks pushed out to make room, for the next tier (a tier told that none
+    is below, `return_evicted = False`, lists them with None or not at all). `retry`: it failed only because the
+    tier (or the key's node) could not be reached now: the same put may succeed later."""
 
     ok: bool
     error: str | None = None
-    evicted: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    evicted: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
     retry: bool = False
 
 

@@ -55,6 +55,9 @@ class CpuTier(CpuSlotAccess, StorageTier):
         self._pins: Counter[str] = self._pin_state.keys
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._blocks: BlockLayers | None = None  # per block, layers held (`index_blocks`)
+        # PutResult.evicted carries an evicted block's bytes (cloned) for the tier below; TierChain turns it off for
+        # its last tier, whose evictions are dropped: (key, None) then, and no copy-out of 256 KiB per block and layer
+        self.return_evicted = True
 
     def index_blocks(self, num_layers: int) -> None:
         """From now on, count per block hash the visible layers in [0, num_layers) (`cpu_blocks`)."""
@@ -193,8 +196,8 @@ class CpuTier(CpuSlotAccess, StorageTier):
         """A slot for key: its own, a free one, or the LRU unpinned block's. Lock held.
 
         With `pending`, the slot is recorded there under key as soon as it is taken (before an evicted block is
-        copied out), else it is in no index when this returns; an evicted block's bytes (cloned) are in the
-        result, and the caller counts the eviction.
+        copied out), else it is in no index when this returns; an evicted block's bytes (cloned; None unless
+        `return_evicted`) are in the result, and the caller counts the eviction.
         """
         if key in self._pending:
             return PutResult(ok=False, error=f"{self.name}: block {key} is already being written"), None
@@ -212,7 +215,10 @@ class CpuTier(CpuSlotAccess, StorageTier):
             slot = self._drop(victim)
         if pending is not None:
             pending[key] = slot
-        evicted = [] if victim is None else [(victim, self.read_slots([slot])[0])]
+        if victim is None:
+            evicted = []
+        else:  # the bytes only where a tier below takes them: no tier below, the copy-out would be thrown away
+            evicted = [(victim, self.read_slots([slot])[0] if self.return_evicted else None)]
         return PutResult(ok=True, evicted=evicted), slot
 
     def _drop(self, key: str) -> int:
