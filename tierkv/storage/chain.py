@@ -1,8 +1,9 @@
 """The tier chain: where each block lives, lookups across tiers, promotion and spilling.
 
 Primitives: `TierChain` (put_many, get_many, locate_many, remove_many, write_through, flush,
-close, snapshot). The write-through itself (backlogs of tiers that are down, its counters):
-`write_through.WriteThrough`.
+close, snapshot; acquire_many and acquire_available, the promotions into pinned tier-0 slots:
+`chain_promotion.ChainPromotion`). The write-through itself (backlogs of tiers that are down, its
+counters): `write_through.WriteThrough`.
 
     put ──> tier 0 (cpu) ──evicted──> tier 1 (disk) ──evicted──> tier 2 (redis) ──> dropped
     get <── tier 0 <──promote── tier 1 <──promote── tier 2
@@ -30,6 +31,7 @@ import torch
 
 from tierkv.redact import redact_text
 from tierkv.storage.base import PutResult, StorageTier
+from tierkv.storage.chain_promotion import ChainPromotion
 from tierkv.storage.log_limit import LimitedWarning
 from tierkv.storage.write_through import WriteThrough
 
@@ -37,7 +39,7 @@ from tierkv.storage.write_through import WriteThrough
 logger = logging.getLogger(__name__)
 
 
-class TierChain:
+class TierChain(ChainPromotion):
     def __init__(self, tiers: Sequence[StorageTier], *, num_spill_workers: int = 2,
                  write_through: Sequence[bool] | None = None):
         if not tiers:
@@ -197,62 +199,6 @@ class TierChain:
                            redact_text(f"{type(exc).__name__}: {exc}"), exc_info=True)
             tier.counters.add(errors=1)
             return [None] * len(keys)
-
-    def _promote(self, keys: list[str], blocks: list[torch.Tensor]) -> None:
-        results = self.tiers[0].put_many(keys, blocks)
-        for result in results:
-            self.spill(0, result.evicted)
-        with self._lock:
-            self.num_promoted += sum(r.ok for r in results)
-
-    def acquire_many(self, keys: Sequence[str]) -> list[int] | None:
-        """Pin every key in the first (CPU) tier, promoting lower-tier blocks into pinned slots.
-
-        Blocks already in the first tier are pinned before any promotion, so promotions cannot
-        evict them. Returns their slots (release them with `tiers[0].release`), or None with
-        nothing left pinned when some block is in no tier (or none could give it back readable).
-        """
-        slots = self.acquire_available(keys)
-        if None in slots:
-            self.tiers[0].release([k for k, s in zip(keys, slots) if s is not None])
-            return None
-        return slots
-
-    def acquire_available(self, keys: Sequence[str]) -> list[int | None]:
-        """As `acquire_many`, but pins what it can: a slot per key some tier gave back readable, None
-        for a key no tier holds any more or whose block failed its checks there (counted by that tier,
-        and dropped), or every lower-tier key when the first tier cannot hold them all pinned. The
-        caller releases the slots it got (`tiers[0].release`)."""
-        first = self.tiers[0]
-        slots: list[int | None] = list(first.acquire(keys))
-        lower = [i for i, s in enumerate(slots) if s is None]
-        if not lower:  # all in the first tier: the usual case
-            return slots
-        try:
-            return self._acquire_lower(keys, slots, lower)
-        except BaseException:  # the pins taken above would otherwise hold their slots for good
-            first.release([k for k, s in zip(keys, slots) if s is not None])
-            raise
-
-    def _acquire_lower(self, keys: Sequence[str], slots: list[int | None], lower: list[int]) -> list[int | None]:
-        """acquire_available's promotions of the keys at `lower` (tier 0 missed them) into pinned slots."""
-        first = self.tiers[0]
-        blocks = self.get_many([keys[i] for i in lower], promote=False, start=1)  # tier 0 just missed them
-        readable = [(i, b) for i, b in zip(lower, blocks) if b is not None]
-        if not readable:
-            return slots
-        readable_keys = [keys[i] for i, _ in readable]
-        with first.prepared_put(readable_keys) as put:  # given back unless completed (a refusal, a Ctrl-C)
-            self.spill(0, put.evicted)
-            if None in put.slots:
-                return slots
-            first.write_slots(put.slots, torch.stack([b for _, b in readable]))
-            for (i, _), slot in zip(readable, put.slots):
-                slots[i] = slot
-            put.complete(keep_pinned=True)
-        with self._lock:
-            self.num_promoted += len(readable_keys)
-        return slots
 
     def locate_many(self, keys: Sequence[str]) -> list[int | None]:
         """Index of the first tier holding each key (None: nowhere). Blocks being spilled count as tier 0."""

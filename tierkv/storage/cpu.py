@@ -129,21 +129,33 @@ class CpuTier(CpuSlotAccess, StorageTier):
         for key, block in zip(keys, blocks):
             self._check_block(key, block)  # all or nothing: fail before the first write
         results = []
-        with self.counters.timed("put"), self._lock:
-            for key, block in zip(keys, blocks):
-                result, slot = self._take_slot(key)  # no pin: nobody sees the slot before it is indexed
-                if result.ok:
-                    self.write_slots([slot], block.unsqueeze(0))
-                    self._slot_of[key] = slot
-                    if self._blocks is not None:
-                        self._blocks.add_many(((key, slot),))
-                results.append(result)
-        num_stored = sum(r.ok for r in results)
-        self.counters.add(
-            puts=num_stored, put_failures=len(results) - num_stored, bytes_written=num_stored * self.slot_bytes,
-            evictions=sum(len(r.evicted) for r in results),
-        )  # fmt: skip
+        try:
+            with self.counters.timed("put"), self._lock:
+                try:
+                    for key, block in zip(keys, blocks):
+                        results.append(self._put_one(key, block))
+                except BaseException:  # a Ctrl-C between taking a slot and indexing it: the slot is in no list
+                    self._reclaim_lost_slots()
+                    raise
+        finally:  # what landed before an interrupt is stored: counted
+            num_stored = sum(r.ok for r in results)
+            self.counters.add(
+                puts=num_stored, put_failures=len(results) - num_stored, bytes_written=num_stored * self.slot_bytes,
+                evictions=sum(len(r.evicted) for r in results),
+            )  # fmt: skip
         return results
+
+    def _put_one(self, key: str, block: torch.Tensor) -> PutResult:
+        """put_many's step for one key. Lock held. The slot `_take_slot` gives is in no list (no pin: nobody sees
+        it before it is indexed) until the key is visible; the index (`_slot_of`) first, then the per-block
+        counts, which thus never count a key that is not visible."""
+        result, slot = self._take_slot(key)
+        if result.ok:
+            self.write_slots([slot], block.unsqueeze(0))
+            self._slot_of[key] = slot
+            if self._blocks is not None:
+                self._blocks.add_many(((key, slot),))
+        return result
 
     # -- slot contents (cpu_slab: quantized or not) ---------------------------------------------
     def read_slots(self, slots: Sequence[int]) -> torch.Tensor:
@@ -158,7 +170,11 @@ class CpuTier(CpuSlotAccess, StorageTier):
         with self._lock:
             if key not in self._slot_of or self._pinned(key):
                 return False
-            self._free_slots.append(self._drop(key))
+            try:
+                self._free_slots.append(self._drop(key))
+            except BaseException:  # a Ctrl-C as _drop returns
+                self._reclaim_lost_slots()
+                raise
         self.counters.add(removes=1)
         return True
 
@@ -222,12 +238,23 @@ class CpuTier(CpuSlotAccess, StorageTier):
         return PutResult(ok=True, evicted=evicted), slot
 
     def _drop(self, key: str) -> int:
-        """Take a visible key out of the index (and the per-block counts); returns its slot. Lock held."""
-        slot = self._slot_of.pop(key)
+        """Take a visible key out of the per-block counts, then out of the index; returns its slot, which the
+        caller puts in a list (an interrupt before that: `_reclaim_lost_slots`). Lock held. In that order a Ctrl-C
+        between the two leaves the key visible and uncounted (a miss for `held_prefix`, which the next drop of
+        the key skips), never counted while its slot is reused."""
         if self._blocks is not None:
-            self._blocks.remove(key)
             self._pin_state.blocks.forget(key)
-        return slot
+            self._blocks.remove(key)
+        return self._slot_of.pop(key)
+
+    def _reclaim_lost_slots(self) -> None:
+        """Every slot in no list (free, visible, pending) back to the free list: those a put or a drop interrupted
+        (Ctrl-C) between taking a slot and recording it. Lock held since that call began, so no other call holds
+        a slot between two lists. O(num_slots): for the interrupt path only."""
+        held = set(self._free_slots)
+        held.update(self._slot_of.values())
+        held.update(self._pending.values())
+        self._free_slots.extend(slot for slot in range(self.num_slots - 1, -1, -1) if slot not in held)
 
     def _lru_unpinned(self) -> str | None:
         """The least recently used unpinned key, None if every block is pinned (`TierPins.lru_unpinned`). Lock held."""

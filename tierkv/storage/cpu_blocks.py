@@ -69,10 +69,12 @@ class BlockLayers:
                 rows[group][layer] = slot
 
     def remove(self, key: str) -> None:
-        """A visible key that is no longer."""
+        """A visible key that is no longer; one not counted (an interrupt between the tier indexing it and
+        counting it, or a drop interrupted after this call) is left alone."""
         group, name = split_key(key)
         layer = self._layer_of.get(name)
-        if layer is None:
+        row = None if layer is None else self.rows.get(group)
+        if row is None or row[layer] < 0:
             return
         count = self.counts[group] - 1
         if count:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class CpuSlotAccess:
     """The two-phase slot API of `CpuTier`, which holds the state it reads: `_lock`, `_slot_of` (visible
     blocks, LRU first), `_pending`, `_prepare_s`, `_pins`, `_pin_state`, `_free_slots`, `_blocks`,
-    `counters`, `slot_bytes`, and the internals `_allocate` and `_unpin`."""
+    `counters`, `slot_bytes`, and the internals `_allocate`, `_reclaim_lost_slots` and `_unpin`."""
 
     def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
         """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted).
@@ -69,6 +69,7 @@ class CpuSlotAccess:
                 self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
             except BaseException:
                 self._give_back_taken(keys, was_pending)
+                self._reclaim_lost_slots()  # one taken and not yet recorded pending (Ctrl-C in `_take_slot`)
                 raise
         self.counters.add(evictions=len(evicted))
         return slots, evicted
