@@ -82,3 +82,26 @@ def test_a_cpu_tier_on_its_own_still_returns_evicted_bytes():
     results = cpu.put_many(list(blocks), list(blocks.values()))
     evicted = [pair for result in results for pair in result.evicted]
     assert [key for key, _ in evicted] == ["a0/L0"] and torch.equal(evicted[0][1], blocks["a0/L0"])
+
+
+def test_a_wrapped_cpu_tier_as_the_last_tier_drops_and_counts():
+    from tierkv.quant import packed_layout
+    from tierkv.storage.auth import BlockSealer
+    from tierkv.storage.quantized import QuantizedTier
+    from tierkv.storage.sealed import SealedTier
+
+    sealer = BlockSealer(b"0123456789abcdef0123456789abcdef", LAYOUT, encrypt=False)
+    packed = packed_layout(LAYOUT, "int8")
+    for tier in (SealedTier(CpuTier("cpu", sealer.sealed_layout, 4 * sealer.num_bytes, pin_memory=False), LAYOUT,
+                            sealer, seal_threads=1),
+                 QuantizedTier(CpuTier("cpu", packed, 4 * packed.num_bytes, pin_memory=False), LAYOUT, "int8")):
+        chain = TierChain([tier])
+        try:
+            first, second = blocks_for("a", 4), blocks_for("b", 1)
+            chain.put_many(list(first), list(first.values()))
+            results = chain.put_many(list(second), list(second.values()))  # evicts a0
+            chain.flush()
+            assert all(r.ok for r in results) and chain.snapshot()["chain"]["dropped"] == 1
+            assert chain.locate_many(["a0/L0", "b0/L0"]) == [None, 0]
+        finally:
+            chain.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.storage.test_cpu_slots import LAYOUT
+from tierkv.blocks import BlockLayout
 from tierkv.storage import CpuTier
 
 
@@ -125,3 +126,19 @@ def test_an_interrupt_just_after_the_hand_over_gives_nothing_back():
     assert list(record) == [(["a"], put.copy)] and list(tier._pending) == ["a"]
     tier.complete_put(["a"])
     assert tier.contains("a")
+
+
+def test_a_block_refused_a_key_gives_back_no_other_writers_slot():
+    layout = BlockLayout(num_kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32)
+    cpu = CpuTier("cpu", layout, 2 * layout.num_bytes, pin_memory=False)
+    cpu.put_many(["a", "b"], [torch.zeros(layout.shape), torch.ones(layout.shape)])
+    cpu.acquire(["a", "b"])  # every slot pinned by a reader
+    with cpu.prepared_put(["k"]) as put:
+        assert put.slots == [None]  # refused
+        cpu.release(["a"])
+        other_slots, _ = cpu.prepare_put(["k"])  # another writer prepares k meanwhile
+        assert other_slots[0] is not None
+    assert "k" in cpu._pending  # the block took nothing: it gives back nothing
+    cpu.write_slots(other_slots, torch.full((1, *layout.shape), 7.0))
+    cpu.complete_put(["k"])
+    assert torch.equal(cpu.get_many(["k"])[0], torch.full(layout.shape, 7.0))

@@ -68,11 +68,12 @@ class TierChain(ChainPromotion):
             raise ValueError(f"put_many: {len(keys)} keys but {len(blocks)} blocks")
         return self._put_from(start, list(keys), list(blocks))
 
-    def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor]]) -> None:
+    def spill(self, tier_index: int, evicted: list[tuple[str, torch.Tensor | None]]) -> None:
         """Hand blocks pushed out of tier `tier_index` to the tiers below it, in the background. Out of the
         last tier they are gone at once (counted dropped): held in flight until a spill to nowhere ran, they
         still counted as held (`locate_many`, `get_many`), so whether a lookup found them, and a request
-        skipped saving or pinning them, depended on that thread's timing (blocks later in no tier)."""
+        skipped saving or pinning them, depended on that thread's timing (blocks later in no tier). The last tier
+        reports its evictions without their bytes (None: `return_evicted` is off there)."""
         if not evicted:
             return
         if tier_index + 1 >= len(self.tiers):

@@ -38,7 +38,7 @@ class CpuSlotAccess:
     blocks, LRU first), `_pending`, `_prepare_s`, `_pins`, `_pin_state`, `_free_slots`, `_blocks`,
     `counters`, `slot_bytes`, and the internals `_allocate`, `_reclaim_lost_slots` and `_unpin`."""
 
-    def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor]]]:
+    def prepare_put(self, keys: Sequence[str]) -> tuple[list[int | None], list[tuple[str, torch.Tensor | None]]]:
         """Allocate a pinned slot per key (None where no slot is free); returns (slots, evicted).
         An exception part-way (a KeyboardInterrupt between two keys) gives back the slots it took."""
         slots: list[int | None] = []
@@ -80,18 +80,20 @@ class CpuSlotAccess:
         (`put.hand_over`). Otherwise, when the block ends (a refusal, an exception, a KeyboardInterrupt), the
         slots it took that are still pending are given back, once `put.copy` (a copy the block enqueued into
         them) has ended."""
-        put, was_pending = PreparedPut(self, keys), None
+        put, took = PreparedPut(self, keys), None
         try:
-            with self._lock:  # what was pending before, seen with the prepare: the give-back leaves those alone
+            with self._lock:  # the keys this prepare took a slot for: the give-back touches no other writer's
                 was_pending = self._pending.keys() & keys
                 put.slots, put.evicted = self.prepare_put(keys)
+                took = {k: s for k, s in zip(keys, put.slots) if s is not None and k not in was_pending}
             yield put
         finally:
-            if was_pending is not None and not put.is_handed_over:
+            if took and not put.is_handed_over:
                 if put.copy is not None:
                     put.copy.synchronize()  # the copy into the slots ends before they are given back
-                with self._lock:
-                    self._give_back_taken(keys, was_pending)
+                with self._lock:  # still pending in the slot it took (a key refused here may be another's now)
+                    theirs = {k for k in keys if k not in took or self._pending.get(k) != took[k]}
+                    self._give_back_taken(keys, theirs)
 
     def _give_back_taken(self, keys: Sequence[str], was_pending: set[str]) -> None:
         """After a prepare_put that raised part-way, or a `prepared_put` block that ended with slots pending:
@@ -200,7 +202,7 @@ class PreparedPut:
     def __init__(self, tier: CpuSlotAccess, keys: Sequence[str]):
         self.tier, self.keys = tier, keys
         self.slots: list[int | None] = []
-        self.evicted: list[tuple[str, torch.Tensor]] = []
+        self.evicted: list[tuple[str, torch.Tensor | None]] = []
         self.copy = None
         self._is_completed = False
         self._record: list | None = None

@@ -34,10 +34,10 @@ class QuantizedTier(WrappedTier):
         return unpack_blocks(packed, self.quant_format, self.layout.dtype)
 
     def _unpacked_evictions(self, result: PutResult) -> PutResult:
-        if result.evicted:
-            keys = [k for k, _ in result.evicted]
-            blocks = self._unpack(torch.stack([b for _, b in result.evicted])).unbind(0)
-            result.evicted = list(zip(keys, blocks))
+        packed = [(k, b) for k, b in result.evicted if b is not None]  # None: no tier below, only counted
+        if packed:
+            blocks = iter(self._unpack(torch.stack([b for _, b in packed])).unbind(0))
+            result.evicted = [(k, None if b is None else next(blocks)) for k, b in result.evicted]
         return result
 
     # -- StorageTier contract -----------------------------------------------------------------

@@ -118,6 +118,9 @@ class SealedTier(WrappedTier):
         module docstring: an eviction reads what the LRU reached, not what was asked for)."""
         evicted = []
         for name, sealed in result.evicted:
+            if sealed is None:  # no tier below (return_evicted off): only counted, by the name it was stored under
+                evicted.append((name, None))
+                continue
             try:
                 evicted.append(self.sealer.open(None, sealed))
             except AuthFailure as exc:
