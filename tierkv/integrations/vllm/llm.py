@@ -69,7 +69,8 @@ class VllmTieredLLM(TieredLLM):
         if backend != "vllm":
             raise ValueError(f"backend: got {backend!r}; VllmTieredLLM is backend='vllm'")
         if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
-            raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory")
+            raise ValueError(f"model: got {model!r}; backend='vllm' needs a local checkpoint directory (a .gguf file "
+                             f"or a shortcut such as 'smollm2-135m' runs on the default backend, transformers)")
         if tokenizer is not None:
             raise ValueError("tokenizer: backend='vllm' loads the tokenizer from the checkpoint directory")
         self.config, self.config_file, owned = _config_file(config)
@@ -88,7 +89,7 @@ class VllmTieredLLM(TieredLLM):
                                       resolved_config=self._owned_config_file is not None)
             self.summary_reserved_bytes = args.summary_reserved_bytes
             self.full_graph_reserved_bytes = args.full_graph_reserved_bytes
-            self.engine = LLM(**args.kwargs)
+            self.engine = _start_vllm(LLM, args.kwargs)
             check_full_graph_rows(args.full_graph_reserved_rows, self.engine.llm_engine.vllm_config)
             # an eager engine runs its forward at a ladder of token counts now, not at a request's first step
             self.warmed_token_counts = warm_engine(self.engine)
@@ -245,3 +246,18 @@ def _remove_quietly(path: str) -> None:
 def _given(value, default):
     """`value` unless it is None (the setting left to the model), then `default`."""
     return default if value is None else value
+
+
+def _start_vllm(llm_class, kwargs: dict):
+    """vLLM's LLM(**kwargs). With no CUDA device visible a failed start says so first (vLLM's own error on a
+    CPU-only machine, "Device string must not be empty", names no device), vLLM's error chained."""
+    try:
+        return llm_class(**kwargs)
+    except Exception as exc:
+        import torch
+
+        if torch.cuda.is_available():
+            raise
+        raise RuntimeError(f"backend='vllm' runs on a CUDA GPU and none is visible (torch.cuda.is_available() is "
+                           f"False); vLLM's start failed with {type(exc).__name__}: {exc}. On a CPU, use the default "
+                           f"backend (transformers)") from exc
