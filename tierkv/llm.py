@@ -70,7 +70,7 @@ class TieredLLM:
         self._closed, self._request_lock = False, threading.RLock()
         self._request_ids = itertools.count()  # vLLM's request ids: "0", "1", ...
         check_device_and_tokenizer(device, tokenizer)
-        self.model, self.tokenizer, model_id = load_model(model, tokenizer, device, gguf_file)
+        self.model, self.tokenizer, model_id = load_model(model, tokenizer, device, gguf_file, self.config)
         from tierkv.integrations.hf import forward_kwargs, runtime_for_model
         from tierkv.integrations.model_support import length_dependent_rotary, rotary_switch
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.model_shape import checkpoint_shape
+
 GGUF_SUFFIX = ".gguf"
 
 
@@ -123,15 +125,25 @@ def shortcut_source(name: str) -> CheckpointSource:
     raise ModuleNotFoundError(f"model {name!r}: {where}; install it with: {shortcut.install}")
 
 
-def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, gguf_file: str | None = None):
+def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, gguf_file: str | None = None,
+                    precheck=None):
     """(model on `device` in eval mode, tokenizer, model id) from a shortcut, GGUF file or directory.
 
     `device`: None picks CUDA when present. The tokenizer comes from the checkpoint when
-    `tokenizer` is None and the checkpoint has one (a GGUF file always does).
+    `tokenizer` is None and the checkpoint has one (a GGUF file always does). `precheck(shape, source)`: called
+    with a transformers directory's `ModelShape` (from its config.json) before the weights load, to refuse a
+    mismatch before minutes of loading (a GGUF file's shape is read with its weights: checked after).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_checkpoint(model, gguf_file)
+    if precheck is not None and source.gguf_file is None:
+        try:
+            shape = checkpoint_shape(source.directory)
+        except ValueError:
+            shape = None  # transformers' own load names what is wrong with the config
+        if shape is not None:
+            precheck(shape, os.path.join(source.directory, "config.json"))
     if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(f"model {source.model_id}: reading GGUF needs the 'gguf' package; install it with: "
                                   "pip install gguf accelerate")
