@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from tierkv.config import ConfigError, TierKVConfig, load_config
-from tierkv.model_shape import text_config
+from tierkv.config import TierKVConfig, load_config
+from tierkv.model_shape import check_configured_shape, text_config
 from tierkv.prompts import normalize_prompts
 from tierkv.sampling import SamplingParams, sampling_from_kwargs
 
@@ -81,7 +81,7 @@ def check_device_and_tokenizer(device, tokenizer) -> None:
 def load_model(model, tokenizer, device: str | None, gguf_file: str | None = None, config: TierKVConfig | None = None):
     """A loaded model, or a checkpoint (directory, .gguf file, shortcut: tierkv.model_loading) loaded on
     `device` (CUDA when present). `config`: a checkpoint directory's shape is checked against its model keys
-    before the weights load (`check_configured_shape`)."""
+    before the weights load (`tierkv.model_shape.check_configured_shape`)."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
@@ -94,14 +94,5 @@ def load_model(model, tokenizer, device: str | None, gguf_file: str | None = Non
         return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
     from tierkv.model_loading import load_checkpoint
 
-    precheck = None if config is None else (lambda shape, source: check_configured_shape(config, shape, source))
+    precheck = None if config is None else (lambda shape, source: check_configured_shape(config.model, shape, source))
     return load_checkpoint(model, tokenizer, device, gguf_file, precheck)
-
-
-def check_configured_shape(config: TierKVConfig, shape, source: str) -> None:
-    """ConfigError naming the first of config.model's num_layers / num_kv_heads / head_dim that is set and is not
-    the checkpoint's (`shape`, a `tierkv.model_shape.ModelShape` read from `source`)."""
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
-        configured, value = getattr(config.model, key), getattr(shape, key)
-        if configured is not None and configured != value:
-            raise ConfigError(f"model.{key}", configured, f"the model has {value} ({source})")

@@ -131,7 +131,7 @@ def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, ggu
 
     `device`: None picks CUDA when present. The tokenizer comes from the checkpoint when
     `tokenizer` is None and the checkpoint has one (a GGUF file always does). `precheck(shape, source)`: called
-    with a transformers directory's `ModelShape` (from its config.json) before the weights load, to refuse a
+    with a transformers directory's `ModelShape.kv_shape()` (from its config.json) before the weights load, to refuse a
     mismatch before minutes of loading (a GGUF file's shape is read with its weights: checked after).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,7 +139,7 @@ def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, ggu
     source = resolve_checkpoint(model, gguf_file)
     if precheck is not None and source.gguf_file is None:
         try:
-            shape = checkpoint_shape(source.directory)
+            shape = checkpoint_shape(source.directory).kv_shape()
         except ValueError:
             shape = None  # transformers' own load names what is wrong with the config
         if shape is not None:

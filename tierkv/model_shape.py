@@ -1,7 +1,8 @@
 """The KV shape of a transformers model, read from its config: one parser for a checkpoint's
 config.json, a loaded model's config object, and `tierkv plan --model-config`.
 
-Primitives: `ModelShape` (`dtype_bytes`), `model_shape`, `read_config_json`, `checkpoint_shape`, `text_config`.
+Primitives: `ModelShape` (`dtype_bytes`, `kv_shape`), `model_shape`, `read_config_json`, `checkpoint_shape`,
+`text_config`, `check_configured_shape`.
 
     config (or its text_config, for a multimodal model)     ModelShape
       num_hidden_layers, num_attention_heads             -> num_layers, num_heads (positive ints)
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
+
+from tierkv.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,10 @@ class ModelShape:
     max_position_embeddings: int | None
     sliding_window: int | None              # the model's own window, None when absent or turned off
     name: str | None = None                 # `_name_or_path`, when the config has one
+
+    def kv_shape(self) -> dict[str, int]:
+        """num_layers, num_kv_heads, head_dim: what a tierkv config's `model` section may pin."""
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
     @property
     def dtype_bytes(self) -> int:
@@ -169,3 +176,13 @@ def checkpoint_shape(model_dir: str | os.PathLike) -> ModelShape:
     """The shape of a checkpoint directory, from its config.json."""
     path = os.path.join(os.fspath(model_dir), "config.json")
     return model_shape(read_config_json(path), path)
+
+
+def check_configured_shape(model_config: Any, kv: Mapping[str, int], source: str | None = None) -> None:
+    """ConfigError naming the first of `model_config`'s (a tierkv config's `model` section) num_layers /
+    num_kv_heads / head_dim that is set and is not the model's (`kv`, `ModelShape.kv_shape`); `source`: where the
+    model's shape was read, named in the error."""
+    for key, value in kv.items():
+        configured = getattr(model_config, key)
+        if configured is not None and configured != value:
+            raise ConfigError(f"model.{key}", configured, f"the model has {value}" + (f" ({source})" if source else ""))

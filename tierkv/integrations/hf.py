@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tierkv.blocks import dtype_name
 from tierkv.config import ConfigError, TierKVConfig
 from tierkv.model_identity import WeightsWatch, model_identity
-from tierkv.model_shape import model_shape
+from tierkv.model_shape import check_configured_shape, model_shape
 from tierkv.prompts import token_ids as checked_token_ids
 from tierkv.engine.runtime import KVRuntime
 from tierkv.engine.sequence import SequenceKV
@@ -188,8 +188,7 @@ def restore_attention(model: PreTrainedModel) -> None:
 
 def model_kv_shape(model: PreTrainedModel) -> dict:
     """num_layers, num_kv_heads, head_dim of a Llama/Qwen2/Mistral-architecture model."""
-    shape = model_shape(model.config, f"{type(model).__name__}.config")
-    return {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+    return model_shape(model.config, f"{type(model).__name__}.config").kv_shape()
 
 
 class QueryProjector:
@@ -270,10 +269,7 @@ def runtime_for_model(model: PreTrainedModel, config: TierKVConfig, model_id: st
     check_decoder_layers(model)  # hybrids, shared KV, a layer count other than num_hidden_layers
     identity = model_identity(model, config.model.name, model_id)  # checks model_id's type
     shape = model_kv_shape(model)
-    for key, value in shape.items():
-        configured = getattr(config.model, key)
-        if configured is not None and configured != value:
-            raise ConfigError(f"model.{key}", configured, f"the model has {value}")
+    check_configured_shape(config.model, shape)
     check_kv_projections(model, shape)
     query = config.scheduler.policy == "sparse" and config.scheduler.predictor == "query"
     # checked before the model's attention is switched
