@@ -58,7 +58,7 @@ class CpuSlotAccess:
                 for key in one_by_one:
                     if free and key not in pending and key not in slot_of:  # the common case, as _allocate does it
                         slot = pending[key] = free[-1]  # pending before it leaves the free list: an interrupt
-                        del free[-1]                    # between the two leaves it in both (_give_back_taken)
+                        del free[-1]                    # between the two leaves it in both (_give_back)
                         pins[key] += 1
                         slots.append(slot)
                         continue
@@ -68,7 +68,7 @@ class CpuSlotAccess:
                 elapsed = time.perf_counter() - start
                 self._prepare_s.update((k, elapsed) for k, s in zip(keys, slots) if s is not None)
             except BaseException:
-                self._give_back_taken(keys, was_pending)
+                self._give_back([k for k in dict.fromkeys(keys) if k in pending and k not in was_pending])
                 self._reclaim_lost_slots()  # one taken and not yet recorded pending (Ctrl-C in `_take_slot`)
                 raise
         self.counters.add(evictions=len(evicted))
@@ -80,29 +80,25 @@ class CpuSlotAccess:
         (`put.hand_over`). Otherwise, when the block ends (a refusal, an exception, a KeyboardInterrupt), the
         slots it took that are still pending are given back, once `put.copy` (a copy the block enqueued into
         them) has ended."""
-        put, took = PreparedPut(self, keys), None
+        put, took = PreparedPut(self, keys), {}
         try:
-            with self._lock:  # the keys this prepare took a slot for: the give-back touches no other writer's
-                was_pending = self._pending.keys() & keys
-                put.slots, put.evicted = self.prepare_put(keys)
-                took = {k: s for k, s in zip(keys, put.slots) if s is not None and k not in was_pending}
+            put.slots, put.evicted = self.prepare_put(keys)  # raising, it gives back what it took itself
+            # the slots it took (a key pending before it is refused one): the give-back touches no other writer's
+            took = {k: s for k, s in zip(keys, put.slots) if s is not None}
             yield put
         finally:
             if took and not put.is_handed_over:
                 if put.copy is not None:
                     put.copy.synchronize()  # the copy into the slots ends before they are given back
                 with self._lock:  # still pending in the slot it took (a key refused here may be another's now)
-                    theirs = {k for k in keys if k not in took or self._pending.get(k) != took[k]}
-                    self._give_back_taken(keys, theirs)
+                    self._give_back([k for k, s in took.items() if self._pending.get(k) == s])
 
-    def _give_back_taken(self, keys: Sequence[str], was_pending: set[str]) -> None:
-        """After a prepare_put that raised part-way, or a `prepared_put` block that ended with slots pending:
-        the pending keys among `keys` that were not pending before it aborted,
-        their slots free again (a slot the fast path listed as pending but had not yet taken off the free
-        list stays there). Lock held."""
-        taken = [key for key in dict.fromkeys(keys) if key in self._pending and key not in was_pending]
+    def _give_back(self, keys: Sequence[str]) -> None:
+        """Pending `keys` aborted, their slots free again (a slot the fast path listed as pending but had not yet
+        taken off the free list stays there): what a prepare_put that raised part-way, or a `prepared_put` block
+        that ended with slots pending, took. Lock held."""
         free = set(self._free_slots)
-        for key in taken:
+        for key in keys:
             slot = self._pending.pop(key)
             if slot not in free:
                 self._free_slots.append(slot)
