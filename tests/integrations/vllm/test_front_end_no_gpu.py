@@ -9,36 +9,31 @@ import torch
 from tests.test_llm_totals import _checkpoint
 
 
-def test_a_failed_start_without_a_cuda_device_names_the_gpu(tmp_path, monkeypatch):
-    import vllm
-
-    from tierkv.integrations.vllm.llm import VllmTieredLLM
-
-    class NoDeviceLLM:
-        def __init__(self, **kwargs):
-            raise RuntimeError("Device string must not be empty")
-
-    monkeypatch.setattr(vllm, "LLM", NoDeviceLLM)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"backend='vllm' runs on a CUDA GPU and none is visible") as caught:
-        VllmTieredLLM(_checkpoint(tmp_path), {"cache": {"block_tokens": 16}}, hot_window=False)
-    assert "Device string must not be empty" in str(caught.value)
-    assert isinstance(caught.value.__cause__, RuntimeError)
-
-
-def test_with_a_cuda_device_vllms_own_error_passes_unchanged(tmp_path, monkeypatch):
+def _start_failing(tmp_path, monkeypatch, error: Exception, cuda: bool):
+    """VllmTieredLLM over a vLLM whose LLM(...) raises `error`, with CUDA visible or not."""
     import vllm
 
     from tierkv.integrations.vllm.llm import VllmTieredLLM
 
     class FailingLLM:
         def __init__(self, **kwargs):
-            raise ValueError("max_model_len 999999 exceeds the model's")
+            raise error
 
     monkeypatch.setattr(vllm, "LLM", FailingLLM)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    VllmTieredLLM(_checkpoint(tmp_path), {"cache": {"block_tokens": 16}}, hot_window=False)
+
+
+def test_a_failed_start_without_a_cuda_device_names_the_gpu(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match=r"backend='vllm' runs on a CUDA GPU and none is visible") as caught:
+        _start_failing(tmp_path, monkeypatch, RuntimeError("Device string must not be empty"), cuda=False)
+    assert "Device string must not be empty" in str(caught.value)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_with_a_cuda_device_vllms_own_error_passes_unchanged(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="max_model_len 999999"):
-        VllmTieredLLM(_checkpoint(tmp_path), {"cache": {"block_tokens": 16}}, hot_window=False)
+        _start_failing(tmp_path, monkeypatch, ValueError("max_model_len 999999 exceeds the model's"), cuda=True)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "model.Q4_1.gguf"])
