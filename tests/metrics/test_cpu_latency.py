@@ -3,6 +3,8 @@ API (acquire, prepare_put/complete_put), not get/put, and those calls are timed 
 TieredLLM run gives the dashboard's latency chart a CPU line."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(cpu_slots_module.time, "perf_counter", clock)
+    monkeypatch.setattr(cpu_slots_module, "time", SimpleNamespace(perf_counter=clock))  # that module's clock only
     return clock
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from types import SimpleNamespace
 
 from tests.storage.test_disk_reads import flip_payload_byte, key_of, make_block
 from tierkv.storage.disk import DiskTier
@@ -54,7 +55,7 @@ def test_limited_warning_counts_what_it_held_back(caplog, monkeypatch):
     from tierkv.storage import log_limit
 
     now = [100.0]
-    monkeypatch.setattr(log_limit.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(log_limit, "time", SimpleNamespace(monotonic=lambda: now[0]))  # that module's clock only
     log = LimitedWarning(logging.getLogger("tierkv.test"), interval_s=10)
     with caplog.at_level(logging.WARNING, logger="tierkv.test"):
         for step in range(25):
