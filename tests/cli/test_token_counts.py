@@ -3,10 +3,10 @@ counts of at least 1, and a ValueError naming the value for anything else."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tierkv.units import MAX_TOKENS, parse_tokens
+from tierkv.units import MAX_TOKENS, SHOWN_CHARS, parse_tokens
 
 SUFFIXES = {"": 1, "k": 1024, "K": 1024, "Ki": 1024, "ki": 1024, "M": 1024**2, "m": 1024**2, "Mi": 1024**2}
 
@@ -27,11 +27,13 @@ def test_plain_ints_and_their_text(number):
 
 
 @given(st.text(max_size=12))
+@example("0\x1f\x1f" + "\U00018d09" * 9)  # a repr of 81 characters: cut in the message
 def test_any_text_is_a_positive_count_or_a_value_error_naming_it(text):
     try:
         value = parse_tokens(text)
-    except ValueError as exc:
-        assert repr(text) in str(exc)
+    except ValueError as exc:  # a repr past SHOWN_CHARS (a few astral characters) is cut, with its length
+        shown = repr(text) if len(repr(text)) <= SHOWN_CHARS else f"{repr(text)[:SHOWN_CHARS - 5]}..."
+        assert shown in str(exc)
     else:
         assert isinstance(value, int) and value >= 1
 
