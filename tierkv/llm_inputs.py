@@ -80,8 +80,8 @@ def check_device_and_tokenizer(device, tokenizer) -> None:
 
 def load_model(model, tokenizer, device: str | None, gguf_file: str | None = None, config: TierKVConfig | None = None):
     """A loaded model, or a checkpoint (directory, .gguf file, shortcut: tierkv.model_loading) loaded on
-    `device` (CUDA when present). `config`: a checkpoint directory's shape is checked against its model keys
-    before the weights load (`tierkv.model_shape.check_configured_shape`)."""
+    `device` (CUDA when present). `config`: a checkpoint's shape (a directory's config.json, a GGUF file's
+    header) is checked against its model keys before the weights load (`model_shape.check_configured_shape`)."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.gguf_header import gguf_kv_shape
 from tierkv.model_shape import checkpoint_shape
 
 GGUF_SUFFIX = ".gguf"
@@ -131,19 +132,14 @@ def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, ggu
 
     `device`: None picks CUDA when present. The tokenizer comes from the checkpoint when
     `tokenizer` is None and the checkpoint has one (a GGUF file always does). `precheck(shape, source)`: called
-    with a transformers directory's `ModelShape.kv_shape()` (from its config.json) before the weights load, to refuse a
-    mismatch before minutes of loading (a GGUF file's shape is read with its weights: checked after).
+    with the checkpoint's `ModelShape.kv_shape()` before the weights load (a directory's from its config.json, a GGUF
+    file's from its header), to refuse a mismatch before minutes of loading.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_checkpoint(model, gguf_file)
-    if precheck is not None and source.gguf_file is None:
-        try:
-            shape = checkpoint_shape(source.directory).kv_shape()
-        except ValueError:
-            shape = None  # transformers' own load names what is wrong with the config
-        if shape is not None:
-            precheck(shape, os.path.join(source.directory, "config.json"))
+    if precheck is not None:
+        _precheck_shape(source, precheck)
     if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(f"model {source.model_id}: reading GGUF needs the 'gguf' package; install it with: "
                                   "pip install gguf accelerate")
@@ -155,3 +151,18 @@ def load_checkpoint(model: str | os.PathLike, tokenizer, device: str | None, ggu
     if tokenizer is None and has_tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(source.directory, **extra)
     return loaded, tokenizer, source.model_id
+
+
+def _precheck_shape(source: CheckpointSource, precheck) -> None:
+    """precheck(kv shape, where it was read) when the shape can be read before the load: a directory's config.json,
+    a GGUF header of a checked architecture (`gguf_header.gguf_kv_shape`); otherwise the load's own check decides."""
+    if source.gguf_file is not None:
+        shape, where = gguf_kv_shape(source.model_id), source.model_id
+    else:
+        where = os.path.join(source.directory, "config.json")
+        try:
+            shape = checkpoint_shape(source.directory).kv_shape()
+        except ValueError:
+            shape = None  # transformers' own load names what is wrong with the config
+    if shape is not None:
+        precheck(shape, where)
