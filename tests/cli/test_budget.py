@@ -169,22 +169,26 @@ def test_a_redirect_is_not_followed_with_the_token(capsys):
 
 
 def _hostile_server(behaviour: str):
-    """A server answering a budget POST with a trickle (a byte every 0.2 s for ever), an endless body, or an error
-    whose text carries terminal escape sequences and a forged line."""
+    """A server answering a budget POST with a trickle (a byte every 0.2 s until `_close`), an endless body, or an
+    error whose text carries terminal escape sequences and a forged line. Its `closed` is set once a handler finds
+    the client's connection closed; `handlers` holds the threads that ran one."""
     import http.server
     import json
     import threading
-    import time
+
+    stop, closed, handlers = threading.Event(), threading.Event(), []
 
     class Hostile(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802  (http.server's name)
+            handlers.append(threading.current_thread())
             try:
                 if behaviour == "trickle":
                     self.wfile.write(b"HTTP/1.1 200 OK\r\n")
-                    while True:
+                    while not stop.is_set():
                         self.wfile.write(b"X")
                         self.wfile.flush()
-                        time.sleep(0.2)
+                        stop.wait(0.2)
+                    return
                 self.send_response(200 if behaviour == "endless" else 400)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -193,15 +197,22 @@ def _hostile_server(behaviour: str):
                         self.wfile.write(b" " * 65536)
                 self.wfile.write(json.dumps({"error": "\x1b]0;pwned\x07\x1b[2J\nforged: budget set"}).encode())
             except (BrokenPipeError, ConnectionResetError):
-                pass
+                closed.set()
 
         def log_message(self, *args):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
     server.daemon_threads = True
+    server.stop, server.closed, server.handlers = stop, closed, handlers
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def _close(server) -> None:
+    server.stop.set()  # a trickling handler ends at once, not when its client gives up
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.mark.parametrize("behaviour,code,words", [
@@ -221,5 +232,55 @@ def test_a_hostile_endpoint_is_bounded_in_time_and_size_and_its_text_is_defused(
         err = capsys.readouterr().err
         assert words in err and "\x1b" not in err
     finally:
-        server.shutdown()
-        server.server_close()
+        _close(server)
+
+
+def test_a_trickling_endpoint_leaves_no_thread_or_socket_behind(capsys):
+    """Past --timeout the command closed nothing: the exchange's thread was left reading the trickle with its socket
+    open, for as long as the server kept sending. Now the socket carries the deadline and is closed on return."""
+    import threading
+
+    server = _hostile_server("trickle")
+    before = set(threading.enumerate())
+    try:
+        assert main(["budget", "--endpoint", f"http://127.0.0.1:{server.server_port}", "--timeout", "1",
+                     "1GiB"]) == 1
+        assert "no complete reply within --timeout 1 s" in capsys.readouterr().err
+        assert server.closed.wait(5), "the command's socket is still open"
+        for handler in server.handlers:
+            handler.join(5)
+        assert set(threading.enumerate()) - before == set()
+    finally:
+        _close(server)
+
+
+def test_the_token_goes_to_the_endpoint_not_to_a_proxy_from_the_environment():
+    """urllib sent the request (and its bearer token) to $http_proxy: a dead proxy made a live endpoint unreachable,
+    a live one saw the token. Run as a user runs it, in a process started with the variables set."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tierkv.dashboard.app import serve
+
+    seen = []
+
+    def endpoint(environ, start_response):
+        seen.append(environ.get("HTTP_AUTHORIZATION"))
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [b"{}"]
+
+    repo = Path(__file__).resolve().parents[2]
+    dead_proxy = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "http_proxy", "https_proxy")}
+    env.update(PYTHONPATH=str(repo), http_proxy=dead_proxy, HTTP_PROXY=dead_proxy, https_proxy=dead_proxy,
+               HTTPS_PROXY=dead_proxy, TIERKV_CONTROL_TOKEN=TOKEN)
+    server = serve(endpoint, "127.0.0.1", 0)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tierkv.cli", "budget", "--endpoint", server.url, "1GiB"],
+                              cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.close()
+    assert done.returncode == 0, done.stderr
+    assert seen == [f"Bearer {TOKEN}"] and "GPU KV budget set to 1GiB" in done.stdout

@@ -14,10 +14,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import urllib.error
-import urllib.request
 
-from tierkv.metrics.sources import shown, within_deadline
+from tierkv.metrics.http_deadline import HttpReply, exchange
+from tierkv.metrics.sources import shown
 
 TOKEN_ENV = "TIERKV_CONTROL_TOKEN"
 
@@ -35,11 +34,10 @@ def add_parser(commands) -> None:
 _MAX_REPLY_BYTES = 64 << 10  # the endpoint's replies are a few hundred bytes
 
 
-def _read_reply(response) -> bytes:
-    raw = response.read(_MAX_REPLY_BYTES + 1)
-    if len(raw) > _MAX_REPLY_BYTES:
-        raise RuntimeError(f"not a tierkv endpoint: {response.geturl()} (a reply over {_MAX_REPLY_BYTES} bytes)")
-    return raw
+def _body(reply: HttpReply, url: str) -> bytes:
+    if len(reply.body) > _MAX_REPLY_BYTES:
+        raise RuntimeError(f"not a tierkv endpoint: {url} (a reply over {_MAX_REPLY_BYTES} bytes)")
+    return reply.body
 
 
 def _reply(raw: bytes, url: str) -> dict:
@@ -58,38 +56,42 @@ def _shown(text: object) -> str:
     return shown(text)[:300]
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error: urllib would send the Authorization header to the new host, as a GET."""
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, endpoint: str) -> HttpReply:
+    """POST to the endpoint itself (no proxy from the environment, no redirect followed), within `timeout_s` in all:
+    the socket carries the deadline, so nothing (no thread, no socket) is left behind when a server trickles."""
+    try:
+        return exchange("POST", url, body=body, headers=headers, timeout_s=timeout_s, total_s=timeout_s,
+                        max_body_bytes=_MAX_REPLY_BYTES)
+    except TimeoutError:
+        raise RuntimeError(f"{url}: no complete reply within --timeout {timeout_s:g} s") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise RuntimeError(f"cannot reach {endpoint}: {_shown(exc)}") from None
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # urllib then raises the 3xx as an HTTPError
 
-
-_OPENER = urllib.request.build_opener(_NoRedirects)
-
-
-def _refused(exc: urllib.error.HTTPError, raw: bytes, url: str, size: str, token_from: str | None) -> None:
-    """The error for an HTTP error reply: UsageError for what the user can change (the token, the size).
+def _refused(reply: HttpReply, url: str, size: str, token_from: str | None) -> None:
+    """The error for a reply that is not a 2xx: UsageError for what the user can change (the token, the size).
     token_from: where the token sent came from (--token or the variable), None when none was sent."""
     from tierkv.cli.errors import UsageError
 
-    if 300 <= exc.code < 400:
-        raise RuntimeError(f"{url}: HTTP {exc.code}, a redirect to {_shown(repr(exc.headers.get('Location')))}, not "
+    code = reply.status
+    if 300 <= code < 400:  # followed, the Authorization header would go to the new host
+        raise RuntimeError(f"{url}: HTTP {code}, a redirect to {_shown(repr(reply.headers.get('Location')))}, not "
                            "followed (the token would go with it): give the metrics server's own address")
+    raw = _body(reply, url)
     try:
-        detail = _shown(_reply(raw, url).get("error", exc.reason))
+        detail = _shown(_reply(raw, url).get("error", reply.reason))
     except RuntimeError:  # an error page that is not JSON: a 401 (a proxy's, say) still asks for the token
-        if exc.code != 401:
+        if code != 401:
             raise
-        detail = _shown(exc.reason)
-    if exc.code == 401 and token_from is not None:  # sent and refused: a wrong token, not a missing one
+        detail = _shown(reply.reason)
+    if code == 401 and token_from is not None:  # sent and refused: a wrong token, not a missing one
         raise UsageError(f"{url}: the endpoint refused the token from {token_from}: it is not the server's "
                          f"metrics.control_token ({detail})")
-    if exc.code == 401:
+    if code == 401:
         raise UsageError(f"{url}: the endpoint needs its token: pass --token or set {TOKEN_ENV} ({detail})")
-    if exc.code in (400, 409):
+    if code in (400, 409):
         raise UsageError(f"the endpoint refused {size}: {detail}")
-    raise RuntimeError(f"{url}: HTTP {exc.code}: {detail}")
+    raise RuntimeError(f"{url}: HTTP {code}: {detail}")
 
 
 def _sendable_token(token: str, source: str) -> str:
@@ -121,25 +123,12 @@ def run_budget(args) -> int:
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=json.dumps({"budget": num_bytes}).encode(), headers=headers, method="POST")
-    def exchange() -> tuple[int, bytes, urllib.error.HTTPError | None]:
-        try:
-            with _OPENER.open(request, timeout=args.timeout) as response:
-                return response.status, _read_reply(response), None
-        except urllib.error.HTTPError as exc:
-            return exc.code, (b"" if 300 <= exc.code < 400 else _read_reply(exc)), exc
-
-    try:
-        status, raw, error = within_deadline(args.timeout, exchange, f"{url}: no complete reply within --timeout {args.timeout:g} s")
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise RuntimeError(f"cannot reach {args.endpoint}: {_shown(getattr(exc, 'reason', None) or exc)}") from None
-    if error is None:
-        reply = _reply(raw, url)
-        if status == 202:  # not applied yet: pending, not failed
-            print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: "
-                  f"{_shown(reply.get('pending', ''))}")
-            return 0
-    else:
-        _refused(error, raw, url, args.size, (None if not token else "--token" if args.token is not None else TOKEN_ENV))
+    reply = _post(url, json.dumps({"budget": num_bytes}).encode(), headers, args.timeout, args.endpoint)
+    if not 200 <= reply.status < 300:
+        _refused(reply, url, args.size, (None if not token else "--token" if args.token is not None else TOKEN_ENV))
+    body = _reply(_body(reply, url), url)
+    if reply.status == 202:  # not applied yet: pending, not failed
+        print(f"GPU KV budget change to {args.size} ({num_bytes} bytes) is pending: {_shown(body.get('pending', ''))}")
+        return 0
     print(f"GPU KV budget set to {args.size} ({num_bytes} bytes)")
     return 0

@@ -1,7 +1,7 @@
 """Where a viewer (`tierkv dashboard`, `tierkv top`) reads snapshot lines from.
 
-Primitives: `JsonlSource`, `EndpointSource`, `RecorderSource`, `SourceError`, `open_source`, `within_deadline`,
-`shown` (what a line must be: `tierkv.metrics.snapshot_lines`).
+Primitives: `JsonlSource`, `EndpointSource`, `RecorderSource`, `SourceError`, `open_source`, `shown` (what a line
+must be: `tierkv.metrics.snapshot_lines`; an endpoint's HTTP exchange: `tierkv.metrics.http_deadline`).
 
 Each has `lines_since(n) -> (lines, next_n)`: the lines numbered n and later, and the number to
 ask from next time (`[], n` when nothing is new). Numbers are the source's own:
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import errno
 import http.client
-import io
 import json
 import os
 import threading
-import time
 import unicodedata
 import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from tierkv.metrics.http_deadline import exchange
 from tierkv.metrics.regular_file import open_regular
 from tierkv.metrics.snapshot_lines import SourceError, check_line, parse_line  # noqa: F401 (also names of this module)
 
@@ -166,28 +164,6 @@ def endpoint_problem(url: str) -> str | None:
     return None
 
 
-def within_deadline(timeout_s: float, exchange, late: str):
-    """exchange() run to its end within `timeout_s` in all (urllib's timeout bounds each socket read only: a server
-    sending a byte a second would hold the caller for ever); RuntimeError(`late`) past it (the exchange's daemon
-    thread is left to its socket timeout)."""
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = exchange()
-        except BaseException as exc:  # (raised again in the caller's thread)
-            result["error"] = exc
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise RuntimeError(late)
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
 class EndpointSource:
     """A running TieredLLM's metrics server, polled for the lines after the last it sent; the last KEEP_LINES kept
     (a viewer left open polls for days). Whatever the server says in an error reaches the caller through `shown`."""
@@ -211,28 +187,14 @@ class EndpointSource:
         self._lock = threading.Lock()
 
     def _fetch(self, url: str) -> bytes:
-        """The body of GET `url`, within 4 * timeout_s in all: the socket itself has the deadline (each connect,
-        send and read waits at most timeout_s, and none starts past the deadline), so a server trickling a byte a
-        second ends the poll with a TimeoutError and leaves no thread or socket behind."""
-        deadline = time.monotonic() + 4 * self.timeout_s
-        parts = urllib.parse.urlsplit(url)
-        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = connection_class(parts.hostname, parts.port, timeout=self.timeout_s)
-        sock = None
-        try:
-            connection.connect()
-            sock = connection.sock
-            connection.sock = _DeadlineSocket(sock, deadline, self.timeout_s)
-            connection.request("GET", f"{parts.path}?{parts.query}", headers={"Connection": "close"})
-            response = connection.getresponse()
-            body = response.read(self.MAX_REPLY_BYTES + 1)
-        finally:
-            connection.close()
-            if sock is not None:
-                sock.close()
-        if response.status != 200:
-            raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
-        return body
+        """The body of GET `url`, within 4 * timeout_s in all (`http_deadline.exchange`: each connect, send and read
+        waits at most timeout_s, and none starts past the deadline), so a server trickling a byte a second ends the
+        poll with a TimeoutError and leaves no thread or socket behind."""
+        reply = exchange("GET", url, timeout_s=self.timeout_s, total_s=4 * self.timeout_s,
+                         max_body_bytes=self.MAX_REPLY_BYTES)
+        if reply.status != 200:
+            raise urllib.error.HTTPError(url, reply.status, reply.reason, reply.headers, None)
+        return reply.body
 
     def lines_since(self, n: int) -> tuple[list[dict], int]:
         with self._lock:
@@ -256,45 +218,6 @@ class EndpointSource:
             self._remote_next = body["next"]
             self._first, self._lines = _newest(self._first, self._lines, self.keep_lines)
             return self._lines[max(n - self._first, 0) :], self._first + len(self._lines)
-
-
-class _DeadlineSocket:
-    """A connected socket whose every send and read waits at most `timeout_s` and none starts past `deadline`
-    (time.monotonic()): TimeoutError then. Given to http.client in place of its socket."""
-
-    def __init__(self, sock, deadline: float, timeout_s: float):
-        self._sock, self._deadline, self._timeout_s = sock, deadline, timeout_s
-
-    def _arm(self) -> None:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no complete reply within the deadline")
-        self._sock.settimeout(min(self._timeout_s, left))
-
-    def sendall(self, data) -> None:
-        self._arm()
-        self._sock.sendall(data)
-
-    def recv_into(self, buffer, nbytes: int = 0) -> int:
-        self._arm()
-        return self._sock.recv_into(buffer, nbytes)
-
-    def makefile(self, mode: str = "rb", *args, **kwargs):
-        return io.BufferedReader(_DeadlineReader(self))
-
-    def close(self) -> None:
-        pass  # http.client closes its socket before the body is read: the caller closes the real one after
-
-
-class _DeadlineReader(io.RawIOBase):
-    def __init__(self, sock: _DeadlineSocket):
-        self._sock = sock
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        return self._sock.recv_into(buffer)
 
 
 class RecorderSource:
