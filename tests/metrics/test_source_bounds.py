@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.metrics.snapshot import SCHEMA
 from tierkv.metrics.sources import EndpointSource, JsonlSource, SourceError
@@ -89,3 +91,27 @@ def test_tops_endpoint_source_keeps_only_the_line_it_draws(monkeypatch):
     for _ in range(5):
         new, n = source.lines_since(n)
         assert [entry["seq"] for entry in new] == [n - 1] and len(source._lines) == 1
+
+
+@settings(max_examples=60)
+@given(st.lists(st.sampled_from(["good", "blank", "not json", "not metrics", "long", "crlf"]), max_size=14),
+       st.integers(1, 64))
+def test_a_skipped_line_is_named_by_its_line_in_the_file(tmp_path_factory, kinds, read_bytes):
+    """Blank lines, bad lines and lines over MAX_LINE_BYTES count as the file counts them, in any read size."""
+    texts = {"blank": "", "not json": "not json", "not metrics": '{"a": 2}', "long": "x" * 300}
+    rows, expected_bad = [], []
+    for number, kind in enumerate(kinds, start=1):
+        text = json.dumps(line(number)) if kind in ("good", "crlf") else texts[kind]
+        rows.append(text + ("\r" if kind == "crlf" else ""))
+        if kind in ("not json", "not metrics", "long"):
+            expected_bad.append(number)
+    path = tmp_path_factory.mktemp("jsonl") / "m.jsonl"
+    path.write_text("".join(row + "\n" for row in rows), newline="")
+    source = JsonlSource(path)
+    source.MAX_LINE_BYTES, source.READ_BYTES = 200, 200 + read_bytes  # a long line split across reads too
+    errors: list = []
+    kept = source.read_to_end(errors.append)
+    named = [int(str(exc).rsplit("line ", 1)[1].rstrip(")")) if "longer than" in str(exc)
+             else int(str(exc).split(":", 2)[1]) for exc in errors]
+    assert named == expected_bad
+    assert [entry["seq"] for entry in kept] == [n for n, k in enumerate(kinds, start=1) if k in ("good", "crlf")]

@@ -68,6 +68,7 @@ class JsonlSource:
         self._lines: list[dict] = []
         self._first = 0  # the number of self._lines[0] (older ones dropped past KEEP_LINES)
         self._offset = 0
+        self._line_number = 0  # of the file's last line read past (blank and bad ones too): named in errors
         self._skipping = False  # inside a line longer than MAX_LINE_BYTES: up to its newline is dropped
         self._lock = threading.Lock()
 
@@ -83,7 +84,7 @@ class JsonlSource:
             try:  # opened, then refused (EIO from /proc/self/mem, a disk error): named, as a failed open is
                 info = os.fstat(fd)
                 if info.st_size < self._offset:  # cut shorter or rewritten: its lines are new
-                    self._offset, self._skipping = 0, False
+                    self._offset, self._skipping, self._line_number = 0, False, 0
                     self._first, self._lines = self._first + len(self._lines), []
                 f.seek(self._offset)
                 return f.read(self.READ_BYTES)
@@ -98,20 +99,22 @@ class JsonlSource:
             if cut < 0:
                 return
             self._skipping, data = False, data[cut + 1 :]
+            self._line_number += 1
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         if end == 0 and len(data) > self.MAX_LINE_BYTES:
             self._offset += len(data)
             self._skipping = True
             raise self._too_long()
         read = 0
-        for raw in data[:end].splitlines(keepends=True):
-            read += len(raw)
-            if len(raw.rstrip(b"\r\n")) > self.MAX_LINE_BYTES:  # whole in this read: skipped all the same, unparsed
+        for raw in data[:end].split(b"\n")[:-1]:  # the lines as the file numbers them ("\r" is no line end)
+            read += len(raw) + 1
+            self._line_number += 1
+            if len(raw.rstrip(b"\r")) > self.MAX_LINE_BYTES:  # whole in this read: skipped all the same, unparsed
                 self._offset += read
                 raise self._too_long()
             if raw.strip():
                 try:
-                    self._lines.append(parse_line(raw, f"{self.path}:{self._first + len(self._lines) + 1}"))
+                    self._lines.append(parse_line(raw, f"{self.path}:{self._line_number}"))
                 except SourceError:
                     self._offset += read  # said once: the next read goes on after it (it re-read, and re-added,
                     raise                 # every line before it at each poll, for good)
@@ -119,7 +122,8 @@ class JsonlSource:
         self._first, self._lines = _newest(self._first, self._lines, self.KEEP_LINES)
 
     def _too_long(self) -> SourceError:
-        return SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped)")
+        return SourceError(f"{self.path}: a line longer than {self.MAX_LINE_BYTES} bytes (skipped; the file's line "
+                           f"{self._line_number + 1 if self._skipping else self._line_number})")
 
     def read_to_end(self, on_error: Callable[[SourceError], None]) -> list[dict]:
         """Every line up to the file's end (the last KEEP_LINES kept), read past bad lines (each reported to
