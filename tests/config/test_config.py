@@ -191,3 +191,12 @@ def test_a_size_too_large_to_print_in_units_and_a_masked_one_show_no_units():
     assert str(huge).startswith("config key 'scheduler.staging_bytes': got 1000") and "TiB)" not in str(huge).split(";")[0]
     masked = str(ConfigError("storage.secret_bytes", 987654321, "unknown key"))
     assert "'***'" in masked and "MiB" not in masked and "987" not in masked
+
+
+@pytest.mark.parametrize("source", [[1, 2], 5, b"default", 1.5, ("default",)])
+def test_a_config_source_of_another_type_is_refused_naming_the_argument(source):
+    from tierkv.config import config_errors
+
+    for load in (load_config, config_errors):
+        with pytest.raises(TypeError, match=rf"config: got {type(source).__name__}; expected a YAML file's path"):
+            load(source)

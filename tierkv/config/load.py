@@ -41,7 +41,11 @@ def load(root: type, source: object = None, *, env: Mapping[str, str] | None = N
 
 def load_with_errors(root: type, source: object = None, *, env: Mapping[str, str] | None = None,
                      check: Callable[[object], None] | None = None) -> tuple[object | None, list[ConfigError]]:
-    """(config, []) or (None, every ConfigError found: one per bad field, or the one that stopped reading)."""
+    """(config, []) or (None, every ConfigError found: one per bad field, or the one that stopped reading).
+    TypeError naming the argument for a source that is none of a path, a name, a mapping or None."""
+    if source is not None and not isinstance(source, (str, os.PathLike, Mapping)):
+        raise TypeError(f"config: got {type(source).__name__}; expected a YAML file's path, a shipped config's name, "
+                        "a mapping or None")
     env = os.environ if env is None else env
     env_file = env.get(ENV_CONFIG_FILE) or None  # set but empty: unset, as for every optional variable
     _warn_unused_env_file(source, env_file)
