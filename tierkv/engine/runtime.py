@@ -270,11 +270,13 @@ class KVRuntime:
 
 
 def _check_lookahead(scheduler, num_layers: int, layout: BlockLayout) -> None:
-    """A lookahead past the model's layers whose staging ring cannot be cut into its regions is refused by its own
-    key (the ring's check would blame staging_bytes)."""
-    lookahead = scheduler.lookahead_layers
-    if lookahead >= num_layers and scheduler.staging_bytes < (lookahead + 1) * layout.num_bytes:
+    """A lookahead past the model's layers whose staging ring cannot be cut into its regions, where a useful one
+    could, is refused by its own key (the ring's check would blame staging_bytes); a ring too small for any useful
+    lookahead is left to the ring's check, which names staging_bytes."""
+    lookahead, useful = scheduler.lookahead_layers, max(1, num_layers - 1)
+    fits_useful = scheduler.staging_bytes >= (useful + 1) * layout.num_bytes  # else staging_bytes is what to change
+    if lookahead >= num_layers and scheduler.staging_bytes < (lookahead + 1) * layout.num_bytes and fits_useful:
         raise ConfigError("scheduler.lookahead_layers", lookahead,
-                          f"the model has {num_layers} layers, so at most {max(1, num_layers - 1)} ahead is of use; "
+                          f"the model has {num_layers} layers, so at most {useful} ahead is of use; "
                           f"staging_bytes holds {scheduler.staging_bytes // layout.num_bytes} blocks, and each of the "
                           f"lookahead_layers + 1 staging regions needs one")
