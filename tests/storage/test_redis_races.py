@@ -232,9 +232,15 @@ def test_a_slot_migrating_to_a_stopped_node_costs_one_timeout(redis_cluster):
         tier.close()
 
 
-def test_a_redis_url_at_a_cluster_node_is_refused_naming_the_cluster_url(redis_cluster):
+def test_a_redis_url_at_a_cluster_node_is_refused_naming_the_cluster_url(redis_cluster, monkeypatch):
+    from tierkv.storage.redis_link import SingleLink
+
+    closed = []
+    real_close = SingleLink.close
+    monkeypatch.setattr(SingleLink, "close", lambda link: (closed.append(link), real_close(link)))
     with pytest.raises(ValueError, match=r"Redis Cluster node.*redis\+cluster://"):
         RedisTier("redis", LAYOUT, None, url=redis_cluster.nodes[0].url)
+    assert len(closed) == 1  # the refused start left no connection open
 
 
 def test_a_server_without_scripting_keeps_a_bad_value_that_is_then_not_held(tmp_path):

@@ -100,7 +100,11 @@ class RedisTier(RedisReads, StorageTier):
         self._corrupt_log = LimitedWarning(logger)  # a namespace full of bad values: one line per 10 s
         self._put_error_log = LimitedWarning(logger)
         self._key_error: tuple[str | None, str] | None = None  # (the link's last_error then, a SET's error reply)
-        self._link.ping()  # a dead server starts us unhealthy; never raises
+        try:
+            self._link.ping()  # a dead server starts us unhealthy; a cluster node's url raises ValueError
+        except ValueError:
+            self._link.close()  # the connection this refused start opened
+            raise
 
     # -- StorageTier ---------------------------------------------------------------------
     def contains(self, key: str) -> bool:
