@@ -23,7 +23,7 @@ def test_an_alias_bomb_on_a_size_is_refused_at_once_with_a_short_message(tmp_pat
     path.write_text(alias_bomb(9))
     start = time.perf_counter()
     errors = config_errors(path, env={})
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 10.0  # expanded, the 10**9 strings would take minutes and gigabytes
     (error,) = [e for e in errors if e.key == "cache.gpu_budget_bytes"]
     assert "got a list" in str(error) and len(str(error)) < 1500
 

@@ -285,16 +285,21 @@ def test_idle_connections_are_closed_and_capped(control, monkeypatch):
 
     svc, _ = control
     monkeypatch.setattr(app_server._QuietHandler, "timeout", 1.0)
-    before = threading.active_count()
+
+    def handlers() -> int:  # this server's own request threads (the process may run others: a test's leftovers)
+        targets = [getattr(t, "_target", None) for t in threading.enumerate()]
+        return sum(getattr(f, "__self__", None) is svc.server._server and f.__name__ == "process_request_thread"
+                   for f in targets)
+
     idle = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5) for _ in range(app_server.MAX_CONNECTIONS + 20)]
     for sock in idle:
         sock.sendall(b"GET /metr")
     time.sleep(0.5)
-    assert threading.active_count() - before <= app_server.MAX_CONNECTIONS
+    assert handlers() <= app_server.MAX_CONNECTIONS
     deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while handlers() > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert threading.active_count() <= before  # every handler ended with its timeout
+    assert handlers() == 0  # every handler ended with its timeout
     for sock in idle:
         sock.close()
     assert request(svc, "GET", "/metrics")[0] == 200  # and the server still answers
@@ -347,9 +352,10 @@ def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connect
 
     from tierkv.dashboard import server as app_server
 
-    applied, reply = [], {}
+    applied, reply, waiting_for_engine = [], {}, threading.Event()
 
     def slow_budget(budget):
+        waiting_for_engine.set()
         time.sleep(1.5)
         applied.append(parse_budget(budget))
 
@@ -358,7 +364,7 @@ def test_a_budget_change_waiting_for_the_engine_is_never_hung_up_for_new_connect
     try:
         waiting = threading.Thread(target=lambda: reply.update(status=post_budget(svc, "1GiB")[0]), daemon=True)
         waiting.start()
-        time.sleep(0.3)
+        assert waiting_for_engine.wait(10)  # the change is being answered, on the oldest connection
         others = [socket.create_connection(("127.0.0.1", svc.server.port), timeout=5)
                   for _ in range(app_server.MAX_CONNECTIONS + 5)]
         waiting.join(timeout=10)

@@ -38,7 +38,10 @@ def make_tier(request, tmp_path):
         if kind.startswith(("sealed-", "encrypted-")):  # the inner tier holds the sealed form of each block
             sealer = BlockSealer(SECRET, layout, encrypt=kind.startswith("encrypted-"))
             inner = make(kind.split("-")[1], sealer.sealed_layout, capacity_blocks)
-            return SealedTier(inner, layout, sealer)
+            made.remove(inner)  # closed by the sealed tier, which also ends its worker threads
+            tier = SealedTier(inner, layout, sealer)
+            made.append(tier)
+            return tier
         if kind == "cpu":
             tier = CpuTier("cpu", layout, capacity)
         elif kind == "disk":

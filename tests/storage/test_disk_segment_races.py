@@ -99,8 +99,8 @@ def test_a_deleted_segments_blocks_are_not_held_so_a_spill_writes_them_again(tmp
 
     cpu = CpuTier("cpu", LAYOUT, 2 * LAYOUT.num_bytes, pin_memory=False)
     disk = DiskTier("disk", LAYOUT, CAPACITY_BYTES, tmp_path / "d")
-    with disk:
-        chain = TierChain([cpu, disk])
+    chain = TierChain([cpu, disk])
+    try:
         keys = [key_of(i) for i in range(4)]
         assert all(r.ok for r in disk.put_many(keys, [make_block(LAYOUT, i) for i in range(4)]))
         (segment,) = (tmp_path / "d").glob("*.seg")
@@ -114,3 +114,5 @@ def test_a_deleted_segments_blocks_are_not_held_so_a_spill_writes_them_again(tmp
         chain.flush()
         for i, key in enumerate(keys[:2]):  # evicted from the 2-slot CPU tier: on disk, written afresh
             assert same(disk.get(key), make_block(LAYOUT, i))
+    finally:
+        chain.close()  # its spill workers and both tiers

@@ -114,6 +114,8 @@ def test_forged_values_under_a_known_prompts_keys_do_not_change_its_tokens(redis
     q_blocks = q_blocks_from_a_plain_run(redis_server.url, client, namespaces, prompt_q)
     probe = victim_llm(redis_server.url, "unused", trusted=True)
     p_keys, q_keys = public_keys(probe, prompt_p), public_keys(probe, prompt_q)
+    layout = probe.runtime.layout
+    probe.close()  # its Redis connection
 
     # control: a trusted (plain) tier takes the forged prefix and the victim's tokens change
     ns_plain = fresh_namespace(namespaces)
@@ -125,7 +127,7 @@ def test_forged_values_under_a_known_prompts_keys_do_not_change_its_tokens(redis
     ns_sealed = fresh_namespace(namespaces)
     forge_plain(client, ns_sealed, p_keys, q_keys, q_blocks)
     assert not any(client.exists(f"{ns_sealed}:{sealed}") for sealed in
-                   (BlockSealer(SECRET.encode(), probe.runtime.layout, encrypt=encrypt).name(k) for k in p_keys))
+                   (BlockSealer(SECRET.encode(), layout, encrypt=encrypt).name(k) for k in p_keys))
     out, tier = generate(victim_llm(redis_server.url, ns_sealed, trusted=False, encrypt=encrypt), prompt_p)
     assert out.token_ids == clean and out.stats["prefix_tokens"] == 0
 
@@ -134,7 +136,7 @@ def test_forged_values_under_a_known_prompts_keys_do_not_change_its_tokens(redis
     ns_known = fresh_namespace(namespaces)
     generate(victim_llm(redis_server.url, ns_known, trusted=False, encrypt=encrypt), prompt_q)
     generate(victim_llm(redis_server.url, ns_known, trusted=False, encrypt=encrypt), prompt_p)
-    sealer = BlockSealer(SECRET.encode(), probe.runtime.layout, encrypt=encrypt)
+    sealer = BlockSealer(SECRET.encode(), layout, encrypt=encrypt)
     num_forged = 0
     for i, (pk, qk) in enumerate(zip(p_keys, q_keys)):
         target, replay = f"{ns_known}:{sealer.name(pk)}", client.get(f"{ns_known}:{sealer.name(qk)}")

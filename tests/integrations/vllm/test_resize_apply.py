@@ -369,7 +369,9 @@ def test_a_change_made_while_the_engine_steps_back_to_back_applies_at_a_boundary
     finally:
         stop.set()
         thread.join()
-    assert took < 1.0 and at_change > 0 and len(steps) >= at_change + 3  # applied between running steps
+    # applied between running steps (a change that waited for the engine to go idle would time out the 5 s wait;
+    # the bound leaves a loaded 2-core machine seconds)
+    assert took < 4.0 and at_change > 0 and len(steps) >= at_change + 3
     assert resizer.num_blocks == new_blocks and resizer.stats()["changes_during_requests"] == 1
 
 
