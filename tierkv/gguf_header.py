@@ -2,7 +2,7 @@
 shape in milliseconds, so a config that pins another shape is refused before the weights load (transformers' own
 GGUF reader takes seconds on a 49k-token vocabulary, the load itself tens of seconds).
 
-Primitives: `read_gguf_metadata`, `gguf_kv_shape`.
+Primitives: `check_gguf_magic`, `read_gguf_metadata`, `gguf_kv_shape`.
 
     GGUF v2/v3 header (little-endian)               read_gguf_metadata(path)
       b"GGUF", version u32, tensors u64, pairs u64   -> {key: value} for every scalar and string value;
@@ -40,17 +40,19 @@ class _Reader:
     def left(self) -> int:
         return self._size - self._f.tell()
 
-    def bytes(self, n: int) -> bytes:
+    def _need(self, n: int) -> None:
         if n > self.left():
             raise ValueError(f"model: {self._path}: its GGUF header claims {n} bytes past the file's end")
+
+    def bytes(self, n: int) -> bytes:
+        self._need(n)
         return self._f.read(n)
 
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.bytes(struct.calcsize(fmt)))[0]
 
     def skip(self, n: int) -> None:
-        if n > self.left():
-            raise ValueError(f"model: {self._path}: its GGUF header claims {n} bytes past the file's end")
+        self._need(n)
         self._f.seek(n, os.SEEK_CUR)
 
     def string(self, limit: int | None = None) -> str:
@@ -86,15 +88,19 @@ class _Reader:
             self.value(kind, depth + 1)
 
 
+def check_gguf_magic(magic: bytes, path: str) -> None:
+    """ValueError naming `path` unless `magic`, its first bytes, are GGUF's (an empty or other file)."""
+    if magic != b"GGUF":
+        raise ValueError(f"model: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
 def read_gguf_metadata(path: str | os.PathLike) -> dict:
     """Every key of a GGUF v2/v3 file's header with its value (arrays as ARRAY); ValueError naming the file when it
     is not one or its header runs past the file's end; OSError when it cannot be read."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         reader = _Reader(f, path)
-        magic = reader.bytes(4) if reader.left() >= 4 else b""
-        if magic != b"GGUF":
-            raise ValueError(f"model: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        check_gguf_magic(reader.bytes(min(4, reader.left())), path)
         version = reader.unpack("<I")
         if version not in (2, 3):
             raise ValueError(f"model: {path} is GGUF version {version}; versions 2 and 3 are read")

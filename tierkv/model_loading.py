@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.gguf_header import gguf_kv_shape
+from tierkv.gguf_header import check_gguf_magic, gguf_kv_shape
 from tierkv.model_shape import checkpoint_shape
 
 GGUF_SUFFIX = ".gguf"
@@ -108,9 +108,7 @@ def _check_checkpoint_directory(name: str, directory: str) -> None:
 def check_gguf_file(path: str) -> None:
     """ValueError naming `path` unless it starts with GGUF's magic bytes (an empty or other file)."""
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"model: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        check_gguf_magic(f.read(4), path)
 
 
 def shortcut_source(name: str) -> CheckpointSource:
