@@ -184,3 +184,25 @@ def test_the_shortcuts_gguf_refuses_another_shape_before_its_weights_load(monkey
     with pytest.raises(ConfigError, match=words):
         TieredLLM("smollm2-135m", {"model": {key: value}}, device="cpu", show_progress=False)
     assert loads == []
+
+
+@pytest.mark.parametrize("model, reads", [({}, 0), ({"head_dim": 16}, 1)])
+def test_the_header_is_read_for_the_check_only_when_the_config_pins_a_shape(tmp_path, monkeypatch, model, reads):
+    import transformers
+
+    import tierkv.model_loading as model_loading
+    from tierkv import TieredLLM
+
+    items = [("llama.block_count", "add_uint32", 2), ("llama.attention.head_count", "add_uint32", 4),
+             ("llama.embedding_length", "add_uint32", 64)]
+    path = _write(tmp_path / "m.gguf", "llama", items)
+    calls = []
+    monkeypatch.setattr(model_loading, "gguf_kv_shape", lambda p: calls.append(p) or gguf_kv_shape(p))
+
+    def loaded(*args, **kwargs):
+        raise RuntimeError("the weights would load here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    with pytest.raises(RuntimeError, match="the weights would load here"):  # a matching or unpinned shape goes on
+        TieredLLM(path, {"model": model}, device="cpu", show_progress=False)
+    assert len(calls) == reads

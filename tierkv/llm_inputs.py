@@ -6,13 +6,14 @@ Primitives: `config_of`, `generate_inputs`, `check_device_and_tokenizer`, `load_
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 
 import torch
 
 from tierkv.config import TierKVConfig, load_config
-from tierkv.model_shape import check_configured_shape, text_config
+from tierkv.model_shape import check_configured_shape, pins_shape, text_config
 from tierkv.prompts import normalize_prompts
 from tierkv.sampling import SamplingParams, sampling_from_kwargs
 
@@ -94,5 +95,7 @@ def load_model(model, tokenizer, device: str | None, gguf_file: str | None = Non
         return model.eval(), tokenizer, getattr(model.config, "_name_or_path", "") or type(model).__name__
     from tierkv.model_loading import load_checkpoint
 
-    precheck = None if config is None else (lambda shape, source: check_configured_shape(config.model, shape, source))
+    # nothing pinned, nothing to check: no GGUF header or config.json is read for it
+    pinned = config is not None and pins_shape(config.model)
+    precheck = functools.partial(check_configured_shape, config.model) if pinned else None
     return load_checkpoint(model, tokenizer, device, gguf_file, precheck)

@@ -2,7 +2,7 @@
 config.json, a loaded model's config object, and `tierkv plan --model-config`.
 
 Primitives: `ModelShape` (`dtype_bytes`, `kv_shape`), `model_shape`, `read_config_json`, `checkpoint_shape`,
-`text_config`, `check_configured_shape`.
+`text_config`, `pins_shape`, `check_configured_shape`.
 
     config (or its text_config, for a multimodal model)     ModelShape
       num_hidden_layers, num_attention_heads             -> num_layers, num_heads (positive ints)
@@ -22,6 +22,9 @@ from typing import Any, Mapping
 from tierkv.config.errors import ConfigError
 
 
+KV_SHAPE_KEYS = ("num_layers", "num_kv_heads", "head_dim")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -34,8 +37,8 @@ class ModelShape:
     name: str | None = None                 # `_name_or_path`, when the config has one
 
     def kv_shape(self) -> dict[str, int]:
-        """num_layers, num_kv_heads, head_dim: what a tierkv config's `model` section may pin."""
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        """num_layers, num_kv_heads, head_dim (KV_SHAPE_KEYS): what a tierkv config's `model` section may pin."""
+        return {key: getattr(self, key) for key in KV_SHAPE_KEYS}
 
     @property
     def dtype_bytes(self) -> int:
@@ -176,6 +179,11 @@ def checkpoint_shape(model_dir: str | os.PathLike) -> ModelShape:
     """The shape of a checkpoint directory, from its config.json."""
     path = os.path.join(os.fspath(model_dir), "config.json")
     return model_shape(read_config_json(path), path)
+
+
+def pins_shape(model_config: Any) -> bool:
+    """Whether a tierkv config's `model` section sets any of KV_SHAPE_KEYS (else there is nothing to check)."""
+    return any(getattr(model_config, key) is not None for key in KV_SHAPE_KEYS)
 
 
 def check_configured_shape(model_config: Any, kv: Mapping[str, int], source: str | None = None) -> None:
